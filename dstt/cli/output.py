@@ -1,0 +1,110 @@
+"""One output sink for every command: rich tables for people, JSON for
+scripts. Data goes to stdout; messages, progress and errors to stderr.
+
+Errors map to exit codes: 2 for usage (bad reference, bad option value),
+1 for everything else dstt reports; never a traceback unless ``--debug`` or
+``DSTT_DEBUG=1`` is set.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+from typing import Any, Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+from dstt.errors import (
+    ConfigError,
+    DsttError,
+    InvalidNameError,
+    InvalidReferenceError,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: DsttError subclasses that are the user's usage mistakes (exit code 2).
+USAGE_ERRORS: tuple[type[BaseException], ...] = (InvalidReferenceError, InvalidNameError, ConfigError)
+
+stdout = Console(highlight=False, soft_wrap=True)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("DSTT_DEBUG", "") not in ("", "0")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def _clean(o: Any) -> Any:
+    """Non-finite floats become null so the output is strict JSON."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def emit_json(data: Any) -> None:
+    """Write ``data`` as strict JSON (NaN/Inf as null) to stdout."""
+    sys.stdout.write(json.dumps(_clean(data), default=_json_default, allow_nan=False, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def fail(message: str, code: int = 1) -> "typer.Exit":
+    stderr.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    return typer.Exit(code)
+
+
+def handle_errors(fn: F) -> F:
+    """Turn dstt errors into one line on stderr and an exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            stderr.print("interrupted")
+            raise typer.Exit(130) from None
+        except Exception as e:  # one line unless debugging
+            if debug_enabled():
+                raise
+            code = 2 if isinstance(e, USAGE_ERRORS) else 1
+            msg = str(e) if isinstance(e, DsttError) else f"{type(e).__name__}: {e}"
+            raise fail(msg.splitlines()[0] if msg else type(e).__name__, code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_float(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.{digits}g}"

@@ -1,0 +1,106 @@
+"""One exception hierarchy for dstt.
+
+Every error dstt raises on purpose derives from :class:`DsttError`, and each
+also subclasses the closest builtin so callers can catch it generically
+(``except FileNotFoundError`` catches a missing store). Messages say what was
+expected and what came in, on one line, so the CLI can print them as is.
+"""
+
+from __future__ import annotations
+
+
+class DsttError(Exception):
+    """Base class of every error dstt raises deliberately."""
+
+
+class StoreNotFoundError(DsttError, FileNotFoundError):
+    """The store location does not exist."""
+
+
+class NotADsttStoreError(DsttError, ValueError):
+    """The location exists but holds no dstt store (or an unreadable root)."""
+
+
+class FormatVersionError(DsttError, ValueError):
+    """The store was written by an incompatible format version."""
+
+
+class BranchNotFoundError(DsttError, KeyError):
+    """No branch of that name exists in the store."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class BranchExistsError(DsttError, FileExistsError):
+    """A branch of that name already exists."""
+
+
+class StepNotFoundError(DsttError, KeyError):
+    """The branch has no committed step of that number."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class TensorNotFoundError(DsttError, KeyError):
+    """The step has no tensor of that name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class StepExistsError(DsttError, FileExistsError):
+    """A step of that number is already committed on the branch."""
+
+
+class StepOrderError(DsttError, ValueError):
+    """Steps on a branch must be saved in increasing order."""
+
+
+class InvalidReferenceError(DsttError, ValueError):
+    """A ``STORE[@BRANCH][:STEP]`` reference could not be parsed or resolved."""
+
+
+class InvalidNameError(DsttError, ValueError):
+    """A branch or tensor name is not acceptable."""
+
+
+class UnsupportedValueError(DsttError, TypeError):
+    """A value in the state cannot be stored (without ``allow_pickle=True``)."""
+
+
+class PickleNotAllowedError(DsttError, PermissionError):
+    """Reading a pickled value needs an explicit ``allow_pickle=True``."""
+
+
+class UnsupportedDtypeError(DsttError, TypeError):
+    """A tensor dtype dstt cannot store bit-exactly."""
+
+
+class ShardingError(DsttError, ValueError):
+    """Shards of a logical tensor are inconsistent (overlap, gap, bad offset)."""
+
+
+class CorruptStoreError(DsttError, ValueError):
+    """Stored data or metadata failed validation (checksum, JSON, bounds)."""
+
+
+class ChecksumMismatchError(CorruptStoreError):
+    """A chunk or tensor checksum does not match its recorded value."""
+
+
+class StoreLockedError(DsttError, BlockingIOError):
+    """Another live writer holds the branch's write lock."""
+
+
+class CaptureError(DsttError, RuntimeError):
+    """Background capture work failed; the message names the step."""
+
+
+class RestoreMismatchError(DsttError, ValueError):
+    """A stored step does not match the live objects it is restored into."""
+
+
+class ConfigError(DsttError, ValueError):
+    """An invalid configuration value."""

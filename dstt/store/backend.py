@@ -1,0 +1,448 @@
+"""Byte movers: a small key/value interface over a local directory or any
+zarr store.
+
+Storage plugins only move bytes; everything about the format lives elsewhere.
+Two implementations share one interface, so the writer and reader have a
+single code path:
+
+* :class:`LocalBackend` -- a directory, with real durability: ``sync()`` calls
+  ``syncfs(2)`` on the store's filesystem (or fsyncs every file and directory
+  it wrote, where syncfs is unavailable), and ``put_atomic`` is write to a
+  temporary file, fsync, rename, fsync the directory. zarr's own LocalStore
+  renames but does not fsync, and costs a trip through its event loop per
+  call, so local stores do not go through it.
+* :class:`ZarrStoreBackend` -- any ``zarr.abc.store.Store`` (``memory://``,
+  fsspec URLs such as ``s3://``). Object stores make a put durable and atomic
+  when it returns, so ``sync()`` has nothing to do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from dstt.errors import CorruptStoreError, StoreNotFoundError
+
+Bytes = bytes | bytearray | memoryview
+#: A value to put: one buffer, or several written back to back.
+Data = Bytes | list[Bytes] | tuple[Bytes, ...]
+
+
+def join_data(data: "Data") -> bytes:
+    if isinstance(data, (list, tuple)):
+        return b"".join(bytes(memoryview(d).cast("B")) for d in data)
+    return bytes(data)
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could leave the store (hostile manifests included)."""
+    if not isinstance(key, str) or not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise CorruptStoreError(f"refusing unsafe store key {key!r}")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise CorruptStoreError(f"refusing unsafe store key {key!r}")
+    return key
+
+
+class Backend(ABC):
+    """Minimal byte store used by dstt. Keys are '/'-separated and relative."""
+
+    #: True when ``sync()`` really makes earlier puts durable (local disks).
+    durable_sync: bool = False
+    #: A human/URL description of where the store lives.
+    url: str = ""
+
+    @abstractmethod
+    def put(self, key: str, data: Data) -> None:
+        """Write ``data`` under ``key`` (overwriting). Durable only after sync()."""
+
+    @abstractmethod
+    def put_atomic(self, key: str, data: Bytes) -> None:
+        """Write ``key`` so that readers see the old or the new value, never a
+        mix, and the new value is durable when this returns."""
+
+    @abstractmethod
+    def put_if_absent(self, key: str, data: Bytes) -> bool:
+        """Create ``key`` only if it does not exist; True if this call created it."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key``, or None when it does not exist."""
+
+    @abstractmethod
+    def get_range(self, key: str, start: int, length: int) -> bytes | None: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list_dir(self, prefix: str) -> list[str]:
+        """Names (files and sub-directories) directly below ``prefix``."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` if it exists."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove everything below ``prefix``."""
+
+    def list_prefix(self, prefix: str) -> list[str]:
+        """Every key below ``prefix`` (recursive), relative to the store root."""
+        out: list[str] = []
+        stack = [prefix.rstrip("/")]
+        while stack:
+            p = stack.pop()
+            for name in self.list_dir(p):
+                k = f"{p}/{name}" if p else name
+                if self.exists(k):
+                    out.append(k)
+                else:
+                    stack.append(k)
+        return out
+
+    def sync(self) -> None:
+        """Make every put so far durable."""
+
+    def size(self, key: str) -> int | None:
+        data = self.get(key)
+        return None if data is None else len(data)
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- local
+
+
+def _load_syncfs() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.syncfs
+        fn.argtypes = [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNCFS = _load_syncfs()
+
+
+class LocalBackend(Backend):
+    """A store in a local directory with explicit durability."""
+
+    durable_sync = True
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = False) -> None:
+        self.root = Path(root).absolute()
+        self.url = str(self.root)
+        if not self.root.exists():
+            if not create:
+                raise StoreNotFoundError(f"no store at {self.root}: the path does not exist")
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            raise StoreNotFoundError(f"no store at {self.root}: not a directory")
+        self._lock = threading.Lock()
+        self._made_dirs: set[str] = set()
+        # Only used where syncfs(2) is unavailable: what sync() must fsync.
+        self._dirty_files: set[str] = set()
+        self._dirty_dirs: set[str] = set()
+
+    # -- helpers
+    def _path(self, key: str) -> str:
+        return os.path.join(self.url, *check_key(key).split("/"))
+
+    def _ensure_parent(self, path: str) -> None:
+        parent = os.path.dirname(path)
+        if parent in self._made_dirs:
+            return
+        missing = []
+        p = parent
+        while not os.path.isdir(p):
+            missing.append(p)
+            p = os.path.dirname(p)
+        os.makedirs(parent, exist_ok=True)
+        with self._lock:
+            self._made_dirs.add(parent)
+            if _SYNCFS is None:
+                # New directory entries are durable only once their parent is fsynced.
+                self._dirty_dirs.update(os.path.dirname(m) for m in missing)
+                self._dirty_dirs.add(parent)
+
+    @staticmethod
+    def _write_all(fd: int, data: Bytes) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+
+    # -- interface
+    def put(self, key: str, data: Data) -> None:
+        path = self._path(key)
+        self._ensure_parent(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for part in data if isinstance(data, (list, tuple)) else (data,):
+                self._write_all(fd, part)
+        finally:
+            os.close(fd)
+        if _SYNCFS is None:
+            with self._lock:
+                self._dirty_files.add(path)
+
+    def _write_temp(self, path: str, data: Bytes) -> str:
+        self._ensure_parent(path)
+        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            self._write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def put_atomic(self, key: str, data: Bytes) -> None:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        os.replace(tmp, path)
+        self._fsync_dir(os.path.dirname(path))
+
+    def put_if_absent(self, key: str, data: Bytes) -> bool:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)  # atomic, fails if the name exists
+            created = True
+        except FileExistsError:
+            created = False
+        finally:
+            os.unlink(tmp)
+        if created:
+            self._fsync_dir(os.path.dirname(path))
+        return created
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError:
+            return None
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    def readinto(self, key: str, out: memoryview) -> int | None:
+        """Read a whole file into ``out``; the number of bytes, or None if missing."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        try:
+            total = 0
+            while total < len(out):
+                n = os.readv(fd, [out[total:]])
+                if n == 0:
+                    break
+                total += n
+            if total == len(out) and os.read(fd, 1):
+                total += 1  # longer than expected: let the caller report it
+            return total
+        finally:
+            os.close(fd)
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(key))
+
+    def size(self, key: str) -> int | None:
+        try:
+            st = os.stat(self._path(key))
+        except FileNotFoundError:
+            return None
+        return st.st_size if not os.path.isdir(self._path(key)) else None
+
+    def list_dir(self, prefix: str) -> list[str]:
+        path = self._path(prefix) if prefix.strip("/") else self.url
+        try:
+            return sorted(n for n in os.listdir(path) if ".tmp-" not in n)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def list_prefix(self, prefix: str) -> list[str]:
+        base = self._path(prefix) if prefix.strip("/") else self.url
+        out = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel = os.path.relpath(dirpath, self.url).replace(os.sep, "/")
+            for f in files:
+                out.append(f if rel == "." else f"{rel}/{f}")
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def delete_prefix(self, prefix: str) -> None:
+        import shutil
+
+        path = self._path(prefix)
+        shutil.rmtree(path, ignore_errors=True)
+        with self._lock:
+            self._made_dirs = {d for d in self._made_dirs if not (d == path or d.startswith(path + os.sep))}
+
+    def sync(self) -> None:
+        if _SYNCFS is not None:
+            fd = os.open(self.url, os.O_RDONLY)
+            try:
+                if _SYNCFS(fd) != 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, f"syncfs failed on {self.url}: {os.strerror(e)}")
+            finally:
+                os.close(fd)
+            return
+        with self._lock:
+            files, dirs = self._dirty_files, self._dirty_dirs
+            self._dirty_files, self._dirty_dirs = set(), set()
+        for path in files:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for path in dirs:
+            try:
+                self._fsync_dir(path)
+            except OSError as e:  # pragma: no cover - platform specific
+                if e.errno not in (errno.EINVAL, errno.ENOENT):
+                    raise
+
+
+# --------------------------------------------------------------------------- zarr stores
+
+
+class ZarrStoreBackend(Backend):
+    """Any zarr-python store (memory, fsspec URLs); puts are atomic per object."""
+
+    def __init__(self, store: Any, url: str = "") -> None:
+        from zarr.core.buffer import default_buffer_prototype
+
+        self.store = store
+        self.url = url or repr(store)
+        self._proto = default_buffer_prototype()
+
+    def _run(self, coro: Any) -> Any:
+        from zarr.core.sync import sync
+
+        return sync(coro)
+
+    def _buf(self, data: Data) -> Any:
+        return self._proto.buffer.from_bytes(join_data(data))
+
+    def put(self, key: str, data: Data) -> None:
+        self._run(self.store.set(check_key(key), self._buf(data)))
+
+    def put_atomic(self, key: str, data: Bytes) -> None:
+        self.put(key, data)
+
+    def put_if_absent(self, key: str, data: Bytes) -> bool:
+        check_key(key)
+        self._run(self.store.set_if_not_exists(key, self._buf(data)))
+        return self.get(key) == join_data(data)
+
+    def get(self, key: str) -> bytes | None:
+        buf = self._run(self.store.get(check_key(key), self._proto))
+        return None if buf is None else buf.to_bytes()
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        from zarr.abc.store import RangeByteRequest
+
+        req = RangeByteRequest(start, start + length)
+        buf = self._run(self.store.get(check_key(key), self._proto, byte_range=req))
+        return None if buf is None else buf.to_bytes()
+
+    def exists(self, key: str) -> bool:
+        return bool(self._run(self.store.exists(check_key(key))))
+
+    def list_dir(self, prefix: str) -> list[str]:
+        prefix = prefix.strip("/")
+
+        async def _collect() -> list[str]:
+            return [x async for x in self.store.list_dir(prefix)]
+
+        return sorted(n.rstrip("/") for n in self._run(_collect()))
+
+    def list_prefix(self, prefix: str) -> list[str]:
+        prefix = prefix.strip("/")
+
+        async def _collect() -> list[str]:
+            return [x async for x in self.store.list_prefix(prefix)]
+
+        return sorted(self._run(_collect()))
+
+    def delete(self, key: str) -> None:
+        self._run(self.store.delete(check_key(key)))
+
+    def delete_prefix(self, prefix: str) -> None:
+        for key in self.list_prefix(prefix):
+            self.delete(key)
+
+
+def open_backend(store: Any, *, create: bool = False) -> Backend:
+    """Turn a path, URL, zarr Store or Backend into a Backend.
+
+    ``create`` allows a missing local directory to be made (writers only).
+    """
+    if isinstance(store, Backend):
+        return store
+    from zarr.abc.store import Store as ZarrStore
+    from zarr.storage import LocalStore
+
+    if isinstance(store, LocalStore):
+        return LocalBackend(store.root, create=create)
+    if isinstance(store, ZarrStore):
+        return ZarrStoreBackend(store)
+    if isinstance(store, (str, os.PathLike)):
+        s = os.fspath(store)
+        if s.startswith("file://"):
+            return LocalBackend(s[len("file://"):], create=create)
+        if "://" in s:
+            from zarr.storage import FsspecStore
+
+            try:
+                zs = FsspecStore.from_url(s)
+            except (ImportError, ValueError, TypeError) as e:
+                raise StoreNotFoundError(f"cannot open store URL {s!r}: {e}") from None
+            return ZarrStoreBackend(zs, url=s)
+        return LocalBackend(s, create=create)
+    raise StoreNotFoundError(
+        f"expected a store path, URL or zarr Store, got {type(store).__name__}"
+    )

@@ -1,0 +1,115 @@
+"""Where things live in a dstt store (format version 1; see docs/format.md).
+
+::
+
+    zarr.json                              root group, attributes.dstt = {format, format_version}
+    tensors/zarr.json                      group holding one array per logical tensor
+    tensors/<escaped name>/@<sig>/zarr.json  array of shape (MAX_SLOTS, *shape)
+    tensors/<escaped name>/@<sig>/c/<slot>/<i>/...  chunks
+    meta/zarr.json                         group (keeps plain zarr listings quiet)
+    meta/branches/<branch>.json            branch document (id, parent)
+    meta/branch_ids/<id>                   claims a branch id (created exclusively)
+    meta/steps/<branch>/<step:020d>/{index.json,names.json,stats.npy,commit.json}
+    meta/locks/<branch>.lock               single-writer lock per branch
+
+All keys are '/'-separated, relative to the store root, identical for local
+paths and object stores.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dstt.errors import InvalidNameError
+
+FORMAT_NAME = "dstt"
+FORMAT_VERSION = 1
+
+#: Length of the leading slot axis of every tensor array. Arrays are sparse:
+#: a slot exists only once some step wrote its chunks, so the array metadata is
+#: written once and never resized.
+MAX_SLOTS = 1 << 40
+#: Slots are partitioned by branch id so writers on different branches never
+#: write the same chunk: slot = branch_id * SLOTS_PER_BRANCH + seq.
+SLOTS_PER_BRANCH = 1 << 24
+MAX_BRANCHES = MAX_SLOTS // SLOTS_PER_BRANCH
+
+TENSORS = "tensors"
+META = "meta"
+STEP_DIGITS = 20
+
+COMMIT_FILE = "commit.json"
+INDEX_FILE = "index.json"
+NAMES_FILE = "names.json"
+STATS_FILE = "stats.npy"
+
+_BRANCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SAFE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def validate_branch(name: object) -> str:
+    """Branch names are like git refs' simplest form: ``[A-Za-z0-9][A-Za-z0-9._-]*``."""
+    if not isinstance(name, str) or not _BRANCH_RE.match(name) or ".." in name:
+        raise InvalidNameError(
+            f"invalid branch name {name!r}: expected letters, digits, '.', '_' or '-' "
+            "(starting with a letter or digit, at most 128 characters)"
+        )
+    return name
+
+
+def escape_component(part: str) -> str:
+    """Percent-encode one tensor-name component into a safe path component.
+
+    The result only uses ``[A-Za-z0-9._%-]``, is never ``.``/``..``/empty and
+    never starts with ``__`` (reserved by Zarr), so no tensor name can escape
+    its array directory or collide with an ``@<sig>`` array node.
+    """
+    if part in ("", ".", ".."):
+        return "".join(f"%{ord(c):02X}" for c in part) or "%00"
+    out = []
+    for c in part:
+        if c in _SAFE_CHARS:
+            out.append(c)
+        else:
+            out.extend(f"%{b:02X}" for b in c.encode("utf-8"))
+    s = "".join(out)
+    if s.startswith("__"):
+        s = "%5F" + s[1:]
+    return s
+
+
+def array_path(name: str, sig: str) -> str:
+    """The array node path of a logical tensor with a given array signature."""
+    parts = [escape_component(p) for p in name.split("/")]
+    return "/".join([TENSORS, *parts, "@" + sig])
+
+
+def step_dir(branch: str, step: int) -> str:
+    return f"{META}/steps/{branch}/{step:0{STEP_DIGITS}d}"
+
+
+def steps_prefix(branch: str) -> str:
+    return f"{META}/steps/{branch}/"
+
+
+def branch_key(branch: str) -> str:
+    return f"{META}/branches/{branch}.json"
+
+
+def branch_id_key(branch_id: int) -> str:
+    return f"{META}/branch_ids/{branch_id}"
+
+
+def lock_key(branch: str) -> str:
+    return f"{META}/locks/{branch}.lock"
+
+
+def chunk_key(array: str, slot: int, chunk_coords: tuple[int, ...]) -> str:
+    """Zarr v3 default chunk key encoding with '/' separator, slot first."""
+    return "/".join([array, "c", str(slot), *map(str, chunk_coords)])
+
+
+def slot_for(branch_id: int, seq: int) -> int:
+    if not 0 <= seq < SLOTS_PER_BRANCH:
+        raise ValueError(f"step sequence {seq} out of range for one branch")
+    return branch_id * SLOTS_PER_BRANCH + seq

@@ -1,0 +1,224 @@
+"""Step documents: build them on write, validate them on read.
+
+A committed step is four files under ``meta/steps/<branch>/<step:020d>/``:
+``index.json`` (tensor table and value tree), ``names.json`` (tensor names in
+index order), ``stats.npy`` (float64 stats rows in index order) and, written
+last and atomically, ``commit.json`` -- the commit marker, holding the
+sha256 and size of the other three. Readers trust nothing they read: every
+field is type- and bounds-checked and a violation is a CorruptStoreError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dstt.errors import CorruptStoreError, FormatVersionError
+from dstt.store.codec import CodecSpec
+from dstt.store.dtypes import DtypeInfo, info_for_name
+from dstt.store.layout import FORMAT_VERSION, MAX_SLOTS, TENSORS
+from dstt.store.stats import STATS_COLUMNS
+
+#: Upper bound on any stored tensor (elements); hostile shapes fail early.
+MAX_ELEMENTS = 1 << 48
+
+
+@dataclass
+class TensorEntry:
+    """One logical tensor of a committed step, as recorded in index.json."""
+
+    name: str
+    kind: str
+    dtype: DtypeInfo
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    codec: CodecSpec
+    array: str
+    slots: list[int]
+    digests: list[str]
+    checksum: str
+    written: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
+
+    @property
+    def nchunks(self) -> int:
+        return math.prod(self.grid)
+
+    def coords(self, index: int) -> tuple[int, ...]:
+        out = []
+        for g in reversed(self.grid):
+            out.append(index % g)
+            index //= g
+        return tuple(reversed(out))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "dtype": self.dtype.logical,
+            "shape": list(self.shape),
+            "chunk_shape": list(self.chunk_shape),
+            "codec": self.codec.codecs_json(),
+            "array": self.array,
+            "slots": self.slots,
+            "digests": self.digests,
+            "checksum": self.checksum,
+            "written": self.written,
+        }
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode_json(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def encode_stats(rows: list[list[float]]) -> bytes:
+    arr = np.asarray(rows, dtype="<f8").reshape(len(rows), len(STATS_COLUMNS))
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def decode_json(data: bytes, where: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptStoreError(f"{where}: not valid JSON ({e.__class__.__name__}: {e})") from None
+
+
+def decode_stats(data: bytes, n: int, where: str) -> np.ndarray:
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as e:  # numpy raises ValueError/OSError/EOFError variants
+        raise CorruptStoreError(f"{where}: unreadable stats ({e})") from None
+    if arr.dtype != np.dtype("<f8") or arr.shape != (n, len(STATS_COLUMNS)):
+        raise CorruptStoreError(f"{where}: stats have shape {arr.shape} {arr.dtype}, expected ({n}, {len(STATS_COLUMNS)}) float64")
+    return arr
+
+
+# ----------------------------------------------------------------------------- validation helpers
+
+
+def _need(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptStoreError(f"{where}: {what}")
+
+
+def _int(v: Any, where: str, what: str, lo: int = 0, hi: int | None = None) -> int:
+    _need(isinstance(v, int) and not isinstance(v, bool), where, f"{what} must be an integer, got {type(v).__name__}")
+    _need(v >= lo and (hi is None or v <= hi), where, f"{what} {v} out of range")
+    return v
+
+
+def _str(v: Any, where: str, what: str) -> str:
+    _need(isinstance(v, str), where, f"{what} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _shape(v: Any, where: str, what: str, positive: bool = False) -> tuple[int, ...]:
+    _need(isinstance(v, list) and len(v) <= 32, where, f"{what} must be a list of at most 32 sizes")
+    out = tuple(_int(x, where, what, lo=1 if positive else 0, hi=MAX_ELEMENTS) for x in v)
+    return out
+
+
+def parse_commit(data: bytes, where: str) -> dict[str, Any]:
+    doc = decode_json(data, where)
+    _need(isinstance(doc, dict), where, "commit must be a JSON object")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(f"{where}: step written with format version {version!r}, this dstt reads {FORMAT_VERSION}")
+    _int(doc.get("step"), where, "step")
+    _int(doc.get("seq"), where, "seq")
+    files = doc.get("files")
+    _need(isinstance(files, dict), where, "files must be an object")
+    for fname in ("index.json", "names.json", "stats.npy"):
+        f = files.get(fname)
+        _need(isinstance(f, dict), where, f"missing file record {fname}")
+        _str(f.get("sha256"), where, f"{fname} sha256")
+        _int(f.get("size"), where, f"{fname} size")
+    for k in ("bytes_written", "bytes_referenced", "n_tensors"):
+        _int(doc.get(k), where, k)
+    _need(isinstance(doc.get("time"), (int, float)), where, "time must be a number")
+    return doc
+
+
+def parse_entry(raw: Any, where: str) -> TensorEntry:
+    _need(isinstance(raw, dict), where, "tensor entry must be an object")
+    name = _str(raw.get("name"), where, "name")
+    w = f"{where}: tensor {name!r}"
+    kind = _str(raw.get("kind"), w, "kind")
+    _need(kind in ("tensor", "ndarray"), w, f"unknown kind {kind!r}")
+    try:
+        dtype = info_for_name(raw.get("dtype"))
+    except Exception:
+        raise CorruptStoreError(f"{w}: unknown dtype {raw.get('dtype')!r}") from None
+    shape = _shape(raw.get("shape"), w, "shape")
+    chunk = _shape(raw.get("chunk_shape"), w, "chunk_shape", positive=True)
+    _need(len(chunk) == len(shape), w, "chunk_shape rank differs from shape")
+    _need(math.prod(shape) <= MAX_ELEMENTS, w, f"absurd shape {list(shape)}")
+    _need(math.prod(chunk) * dtype.itemsize <= 1 << 34, w, f"absurd chunk_shape {list(chunk)}")
+    codec = CodecSpec.from_codecs_json(raw.get("codec"))
+    array = _str(raw.get("array"), w, "array")
+    parts = array.split("/")
+    _need(parts[0] == TENSORS and len(parts) >= 3 and all(p not in ("", ".", "..") for p in parts)
+          and "\\" not in array and parts[-1].startswith("@"), w, f"unsafe array path {array!r}")
+    entry = TensorEntry(name, kind, dtype, shape, chunk, codec, array, [], [], "", 0)
+    n = entry.nchunks
+    slots = raw.get("slots")
+    _need(isinstance(slots, list) and len(slots) == n, w, f"slots must list {n} chunk slots")
+    entry.slots = [_int(s, w, "slot", hi=MAX_SLOTS - 1) for s in slots]
+    digests = raw.get("digests")
+    _need(isinstance(digests, list) and len(digests) == n, w, f"digests must list {n} chunk digests")
+    for d in digests:
+        _need(isinstance(d, str) and len(d) == 64, w, "digest must be 64 hex characters")
+    entry.digests = digests
+    entry.checksum = _str(raw.get("checksum"), w, "checksum")
+    entry.written = _int(raw.get("written"), w, "written")
+    return entry
+
+
+def parse_index(data: bytes, where: str) -> tuple[list[TensorEntry], Any]:
+    doc = decode_json(data, where)
+    _need(isinstance(doc, dict), where, "index must be a JSON object")
+    raw = doc.get("tensors")
+    _need(isinstance(raw, list), where, "tensors must be a list")
+    entries = [parse_entry(r, where) for r in raw]
+    names = [e.name for e in entries]
+    _need(len(set(names)) == len(names), where, "duplicate tensor names")
+    return entries, doc.get("objects")
+
+
+def parse_names(data: bytes, where: str) -> list[str]:
+    doc = decode_json(data, where)
+    _need(isinstance(doc, list) and all(isinstance(x, str) for x in doc), where, "names must be a list of strings")
+    return doc
+
+
+def parse_branch(data: bytes, where: str) -> dict[str, Any]:
+    doc = decode_json(data, where)
+    _need(isinstance(doc, dict), where, "branch document must be an object")
+    _str(doc.get("name"), where, "name")
+    _int(doc.get("id"), where, "id")
+    parent = doc.get("parent")
+    if parent is not None:
+        _need(isinstance(parent, dict), where, "parent must be an object or null")
+        _str(parent.get("branch"), where, "parent branch")
+        _int(parent.get("step"), where, "parent step")
+    return doc

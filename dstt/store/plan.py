@@ -1,0 +1,331 @@
+"""Plan a step: state → logical tensors → chunk layout → this rank's chunk tasks.
+
+The chunk layout is chosen so every chunk lies inside exactly one shard
+region (chunk sizes divide every interior shard boundary), so each stored
+chunk has exactly one writer (Megatron-LM #1053 lost optimizer state when two
+ranks wrote one chunk). Replicated regions are spread over their holders by a
+deterministic hash, so replicated tensors are written once with the work
+shared. Everything here is a pure function of the inputs, so every rank
+computes the same layout without talking to the others.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any, Callable
+
+import torch
+
+from dstt.errors import ShardingError, UnsupportedValueError
+from dstt.store.codec import CodecSpec
+from dstt.store.dtypes import DtypeInfo, info_for_name, info_for_torch
+from dstt.store.layout import array_path
+from dstt.store.shards import (
+    Region,
+    ShardedTensor,
+    check_tiling,
+    dtensor_regions,
+    interior_boundaries,
+    is_dtensor,
+)
+from dstt.store.tree import flatten
+
+DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+
+
+@dataclass
+class LocalTensor:
+    """What this rank knows of one logical tensor before ranks exchange plans."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    mode: str  # "replicated" | "global" (DTensor) | "pieces"
+    regions: list[Region]
+    data: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # offset -> local data
+
+    def describe(self) -> tuple[Any, ...]:
+        """Picklable, data-free description exchanged between ranks."""
+        return (
+            self.kind,
+            self.dtype,
+            self.shape,
+            self.mode,
+            [(r.offset, r.shape, tuple(r.holders)) for r in self.regions],
+        )
+
+
+@dataclass
+class TensorLayout:
+    """The global, rank-independent layout of one logical tensor in one step."""
+
+    name: str
+    kind: str
+    dtype: DtypeInfo
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    codec: CodecSpec
+    regions: list[Region]
+
+    @property
+    def array(self) -> str:
+        return array_path(self.name, self.sig)
+
+    @property
+    def sig(self) -> str:
+        shape = "x".join(map(str, self.shape)) or "scalar"
+        chunk = "x".join(map(str, self.chunk_shape)) or "scalar"
+        return f"{self.dtype.logical}_{shape}_c{chunk}_{self.codec.tag}"
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
+
+    @property
+    def nchunks(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return math.prod(self.chunk_shape) * self.dtype.itemsize
+
+    def linear(self, coords: tuple[int, ...]) -> int:
+        idx = 0
+        for c, g in zip(coords, self.grid):
+            idx = idx * g + c
+        return idx
+
+    def coords(self, index: int) -> tuple[int, ...]:
+        out = []
+        for g in reversed(self.grid):
+            out.append(index % g)
+            index //= g
+        return tuple(reversed(out))
+
+    def chunk_box(self, coords: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        off = tuple(c * k for c, k in zip(coords, self.chunk_shape))
+        shp = tuple(min(k, s - o) for k, s, o in zip(self.chunk_shape, self.shape, off))
+        return off, shp
+
+    def owner(self, region: Region, index: int) -> int:
+        h = zlib.crc32(self.name.encode()) + index
+        return region.holders[h % len(region.holders)]
+
+    def meta_owner(self) -> int:
+        """The rank that writes this array's zarr.json (the owner of chunk 0)."""
+        region = next((r for r in self.regions if math.prod(r.shape) > 0), self.regions[0])
+        first = tuple(o // c for o, c in zip(region.offset, self.chunk_shape))
+        return self.owner(region, self.linear(first) if self.nchunks else 0)
+
+
+@dataclass
+class ChunkTask:
+    layout: TensorLayout
+    index: int
+    coords: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    source: torch.Tensor  # the chunk's box of local data, logical dtype, any device
+
+    @property
+    def padded(self) -> bool:
+        return self.shape != self.layout.chunk_shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.chunk_nbytes
+
+
+@dataclass
+class StepPlan:
+    step: int
+    tree: Any
+    layouts: list[TensorLayout]
+    tasks: list[ChunkTask]
+    meta_arrays: list[TensorLayout]
+    seq: int = -1
+    slot: int = -1
+
+    @property
+    def local_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tasks)
+
+
+# ----------------------------------------------------------------------------- local
+
+
+def describe_local(name: str, kind: str, value: Any, rank: int) -> LocalTensor:
+    if is_dtensor(value):
+        regions, my_off, local = dtensor_regions(value)
+        info = info_for_torch(value.dtype)
+        return LocalTensor(name, kind, info.logical, tuple(value.shape), "global", regions, {my_off: local.detach()})
+    if isinstance(value, ShardedTensor):
+        info = info_for_torch(value.dtype)
+        regions = [Region(off, tuple(t.shape), [rank]) for off, t in value.pieces]
+        return LocalTensor(name, kind, info.logical, value.shape, "pieces", regions,
+                           {off: t.detach() for off, t in value.pieces})
+    if isinstance(value, torch.Tensor):
+        if value.is_sparse or value.layout != torch.strided:
+            raise UnsupportedValueError(f"{name}: only dense (strided) tensors can be stored, got {value.layout}")
+        info = info_for_torch(value.dtype)
+        zero = (0,) * value.dim()
+        return LocalTensor(name, kind, info.logical, tuple(value.shape), "replicated",
+                           [Region(zero, tuple(value.shape), [rank])], {zero: value.detach()})
+    raise UnsupportedValueError(f"{name}: not a tensor: {type(value).__name__}")
+
+
+def merge_descriptions(per_rank: list[dict[str, tuple[Any, ...]]]) -> dict[str, tuple[Any, ...]]:
+    """Combine every rank's view of its tensors into one global description."""
+    merged: dict[str, tuple[Any, ...]] = {}
+    for desc in per_rank:
+        for name, (kind, dtype, shape, mode, regions) in desc.items():
+            if name not in merged:
+                merged[name] = (kind, dtype, tuple(shape), mode, [list(r) for r in regions])
+                continue
+            k0, d0, s0, m0, r0 = merged[name]
+            if (d0, tuple(s0), m0) != (dtype, tuple(shape), mode):
+                raise ShardingError(
+                    f"{name}: ranks disagree on the tensor: {d0}{list(s0)} ({m0}) vs {dtype}{list(shape)} ({mode})"
+                )
+            if mode == "global":
+                continue  # every rank computed the same global regions
+            boxes = {(tuple(o), tuple(s)): r for r in r0 for o, s in [r[:2]]}
+            for off, shp, holders in regions:
+                key = (tuple(off), tuple(shp))
+                if key in boxes:
+                    boxes[key][2] = tuple(sorted(set(boxes[key][2]) | set(holders)))
+                else:
+                    r0.append([tuple(off), tuple(shp), tuple(holders)])
+                    boxes[key] = r0[-1]
+    return merged
+
+
+def merge_trees(trees: list[Any]) -> Any:
+    """Deep-merge dict trees from several ranks; rank 0's values win conflicts."""
+
+    def m(a: Any, b: Any) -> Any:
+        if isinstance(a, dict) and isinstance(b, dict) and not any(k.startswith("$") for k in a):
+            out = dict(a)
+            for k, v in b.items():
+                out[k] = m(a[k], v) if k in a else v
+            return out
+        return a
+
+    out = trees[0]
+    for t in trees[1:]:
+        out = m(out, t)
+    return out
+
+
+def choose_chunk_shape(
+    shape: tuple[int, ...], itemsize: int, boundaries: list[set[int]], max_chunk_bytes: int
+) -> tuple[int, ...]:
+    """Largest chunks ≤ max_chunk_bytes whose edges fall on every shard boundary."""
+    chunk = []
+    constrained = []
+    for s, b in zip(shape, boundaries):
+        if b:
+            chunk.append(math.gcd(*b))
+            constrained.append(True)
+        else:
+            chunk.append(max(s, 1))
+            constrained.append(False)
+    for d in range(len(chunk)):
+        rest = math.prod(chunk[d + 1 :]) * itemsize
+        if chunk[d] * rest <= max_chunk_bytes:
+            break
+        limit = max(1, max_chunk_bytes // max(rest, 1))
+        if constrained[d]:
+            chunk[d] = max(x for x in _divisors(chunk[d]) if x <= limit) if limit < chunk[d] else chunk[d]
+        else:
+            parts = -(-chunk[d] // limit)
+            chunk[d] = -(-chunk[d] // parts)
+    return tuple(chunk)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [i for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0]
+    return small + [n // i for i in small]
+
+
+def build_layout(
+    name: str, desc: tuple[Any, ...], codec: CodecSpec, max_chunk_bytes: int
+) -> TensorLayout:
+    kind, dtype, shape, _mode, regions_raw = desc
+    info = info_for_name(dtype)
+    regions = [Region(tuple(o), tuple(s), sorted(h)) for o, s, h in regions_raw]
+    check_tiling(tuple(shape), regions, name)
+    bounds = interior_boundaries(tuple(shape), regions)
+    chunk = choose_chunk_shape(tuple(shape), info.itemsize, bounds, max_chunk_bytes)
+    return TensorLayout(name, kind, info, tuple(shape), chunk, codec, regions)
+
+
+def region_tasks(layout: TensorLayout, region: Region, data: torch.Tensor, rank: int) -> list[ChunkTask]:
+    """Chunk tasks of one region that ``rank`` owns; ``data`` is the region's local data."""
+    if math.prod(region.shape) == 0:
+        return []
+    ranges = [
+        range(o // c, -(-(o + n) // c)) for o, n, c in zip(region.offset, region.shape, layout.chunk_shape)
+    ]
+    tasks = []
+    for coords in product(*ranges):
+        index = layout.linear(coords)
+        if layout.owner(region, index) != rank:
+            continue
+        off, shp = layout.chunk_box(coords)
+        view = data[tuple(slice(o - ro, o - ro + n) for o, ro, n in zip(off, region.offset, shp))]
+        tasks.append(ChunkTask(layout, index, coords, off, shp, view))
+    return tasks
+
+
+def plan_step(
+    step: int,
+    state: Any,
+    *,
+    rank: int = 0,
+    exchange: Callable[[Any], list[Any]] | None = None,
+    codec: CodecSpec = CodecSpec(),
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    allow_pickle: bool = False,
+) -> StepPlan:
+    """Plan one step. ``exchange(obj)`` all-gathers ``obj`` across ranks
+    (None for a single process)."""
+    tree, tensors, kinds = flatten(state, allow_pickle=allow_pickle)
+    local = {name: describe_local(name, kinds[name], v, rank) for name, v in tensors.items()}
+    desc = {name: lt.describe() for name, lt in local.items()}
+    if exchange is not None:
+        gathered = exchange((desc, tree))
+        desc = merge_descriptions([d for d, _ in gathered])
+        tree = merge_trees([t for _, t in gathered])
+    layouts = [build_layout(n, desc[n], codec, max_chunk_bytes) for n in sorted(desc)]
+    tasks: list[ChunkTask] = []
+    meta: list[TensorLayout] = []
+    for layout in layouts:
+        if layout.meta_owner() == rank:
+            meta.append(layout)
+        lt = local.get(layout.name)
+        if lt is None:
+            continue
+        for region in layout.regions:
+            if rank not in region.holders:
+                continue
+            data = _local_data_for(lt, region)
+            tasks.extend(region_tasks(layout, region, data, rank))
+    return StepPlan(step, tree, layouts, tasks, meta)
+
+
+def _local_data_for(lt: LocalTensor, region: Region) -> torch.Tensor:
+    if lt.mode == "replicated":
+        return next(iter(lt.data.values()))
+    data = lt.data.get(region.offset)
+    if data is None or tuple(data.shape) != region.shape:
+        raise ShardingError(f"{lt.name}: this rank holds no local data for the shard at {region.offset}")
+    return data

@@ -1,0 +1,384 @@
+"""Reading a store: branches, steps, tensor tables with stats, tensor data.
+
+``Run`` never opens a Zarr array through zarr-python: it reads the step
+index once per step (cached) and fetches only the chunks a read needs, so
+listing thousands of steps touches small index files and reading a slice
+touches only the chunks that overlap it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from dstt.errors import (
+    ChecksumMismatchError,
+    CorruptStoreError,
+    StepNotFoundError,
+    TensorNotFoundError,
+)
+from dstt.store import layout as L
+from dstt.store.backend import Backend, LocalBackend, open_backend
+from dstt.store.codec import decode_chunk
+from dstt.store.manifest import (
+    TensorEntry,
+    decode_stats,
+    parse_commit,
+    parse_index,
+    parse_names,
+    sha256_hex,
+)
+from dstt.store.root import BranchInfo, check_root, committed_steps, list_branches, load_branch
+from dstt.store.stats import STATS_COLUMNS
+from dstt.store.tree import unflatten
+
+Index = int | slice | type(Ellipsis)
+
+
+@dataclass
+class TensorInfo:
+    """One tensor of a step: what ``run.tensors(step)`` lists."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    stats: dict[str, float]
+    checksum: str
+    written: int  # bytes this step wrote for it (0: unchanged, referenced)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "nbytes": self.nbytes,
+            "stats": dict(self.stats),
+            "checksum": self.checksum,
+            "written": self.written,
+        }
+
+
+@dataclass
+class StepRecord:
+    """A committed step's parsed index (cached by Run)."""
+
+    branch: str
+    step: int
+    commit: dict[str, Any]
+    entries: list[TensorEntry]
+    by_name: dict[str, TensorEntry]
+    objects: Any
+    stats: np.ndarray
+    names: list[str] = field(default_factory=list)
+
+
+def suggest(name: str, choices: Sequence[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class Run:
+    """A captured run, opened read-only.
+
+    >>> import tempfile, torch, dstt
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> dstt.save(path, 0, {"model": {"w": torch.arange(4.0)}})
+    >>> run = dstt.open(path)
+    >>> run.steps()
+    [0]
+    >>> run.read("model/w", 0)
+    tensor([0., 1., 2., 3.])
+    """
+
+    def __init__(self, store: Any, *, cache_steps: int = 64) -> None:
+        self.backend: Backend = open_backend(store, create=False)
+        self.attrs = check_root(self.backend)
+        self._cache: OrderedDict[tuple[str, int], StepRecord] = OrderedDict()
+        self._cache_size = cache_steps
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    # ------------------------------------------------------------------ branches & steps
+
+    def branches(self) -> list[str]:
+        """Branch names, sorted."""
+        return list_branches(self.backend)
+
+    def branch_info(self, branch: str = "main") -> BranchInfo:
+        return load_branch(self.backend, branch)
+
+    def steps(self, branch: str = "main") -> list[int]:
+        """Committed steps of ``branch``, ascending."""
+        load_branch(self.backend, branch)
+        return committed_steps(self.backend, branch)
+
+    def latest(self, branch: str = "main") -> int:
+        steps = self.steps(branch)
+        if not steps:
+            raise StepNotFoundError(f"branch {branch!r} has no committed steps")
+        return steps[-1]
+
+    def commit_info(self, step: int, branch: str = "main") -> dict[str, Any]:
+        """The commit document of a step (time, bytes written/referenced, ...)."""
+        where = L.step_dir(branch, step)
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
+        if raw is None:
+            raise self._no_step(step, branch)
+        return parse_commit(raw, where)
+
+    def _no_step(self, step: int, branch: str) -> StepNotFoundError:
+        steps = self.steps(branch)
+        have = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "no steps"
+        return StepNotFoundError(f"no committed step {step} on branch {branch!r} (it has {have})")
+
+    def _file(self, where: str, fname: str, commit: dict[str, Any]) -> bytes:
+        data = self.backend.get(f"{where}/{fname}")
+        if data is None:
+            raise CorruptStoreError(f"{where}: committed step is missing {fname}")
+        rec = commit["files"][fname]
+        if len(data) != rec["size"] or sha256_hex(data) != rec["sha256"]:
+            raise ChecksumMismatchError(f"{where}/{fname}: checksum does not match the commit record")
+        return data
+
+    def record(self, step: int, branch: str = "main") -> StepRecord:
+        """The parsed, verified index of a committed step (cached)."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise StepNotFoundError(f"step must be a non-negative integer, got {step!r}")
+        key = (branch, step)
+        with self._lock:
+            rec = self._cache.get(key)
+            if rec is not None:
+                self._cache.move_to_end(key)
+                return rec
+        L.validate_branch(branch)
+        where = L.step_dir(branch, step)
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
+        if raw is None:
+            load_branch(self.backend, branch)
+            raise self._no_step(step, branch)
+        commit = parse_commit(raw, where)
+        entries, objects = parse_index(self._file(where, L.INDEX_FILE, commit), where)
+        names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
+        if names != [e.name for e in entries]:
+            raise CorruptStoreError(f"{where}: names.json does not match index.json")
+        stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(entries), where)
+        for e, row in zip(entries, stats):
+            e.stats = dict(zip(STATS_COLUMNS, (float(x) for x in row)))
+        rec = StepRecord(branch, step, commit, entries, {e.name: e for e in entries}, objects, stats, names)
+        with self._lock:
+            self._cache[key] = rec
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return rec
+
+    def step_stats(self, step: int, branch: str = "main") -> tuple[list[str], np.ndarray]:
+        """Names and the raw stats table of a step, reading only names.json
+        and stats.npy (what ``history`` needs over thousands of steps)."""
+        where = L.step_dir(branch, step)
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
+        if raw is None:
+            raise self._no_step(step, branch)
+        commit = parse_commit(raw, where)
+        names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
+        stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(names), where)
+        return names, stats
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensors(self, step: int, branch: str = "main") -> list[TensorInfo]:
+        """Every tensor of a step with shape, dtype, size and stats (no tensor data read)."""
+        rec = self.record(step, branch)
+        return [
+            TensorInfo(e.name, e.shape, e.dtype.logical, e.nbytes, dict(e.stats), e.checksum, e.written)
+            for e in rec.entries
+        ]
+
+    def entry(self, name: str, step: int, branch: str = "main") -> TensorEntry:
+        rec = self.record(step, branch)
+        e = rec.by_name.get(name)
+        if e is None:
+            raise TensorNotFoundError(
+                f"no tensor {name!r} at step {step} of branch {branch!r}{suggest(name, rec.by_name)}"
+            )
+        return e
+
+    def read(
+        self,
+        name: str,
+        step: int,
+        branch: str = "main",
+        index: Index | tuple[Index, ...] | None = None,
+        *,
+        verify: bool = False,
+    ) -> torch.Tensor:
+        """A tensor at a step, in its original dtype.
+
+        ``index`` selects a part (ints, slices, Ellipsis) and reads only the
+        chunks that overlap it. ``verify=True`` also checks the sha256 of
+        every chunk read (the CRC-32C of each chunk is always checked).
+        """
+        e = self.entry(name, step, branch)
+        if index is None:
+            return self._read_box(e, (0,) * len(e.shape), e.shape, verify)
+        box_off, box_shape, post = _normalize_index(index, e.shape, name)
+        block = self._read_box(e, box_off, box_shape, verify)
+        return block[post] if post else block
+
+    def _chunk(self, e: TensorEntry, i: int, verify: bool) -> np.ndarray:
+        coords = e.coords(i)
+        key = L.chunk_key(e.array, e.slots[i], coords)
+        where = f"{e.name} chunk {coords} (slot {e.slots[i]})"
+        expected = math.prod(e.chunk_shape) * e.dtype.itemsize
+        data = self.backend.get(key)
+        if data is None:
+            raise CorruptStoreError(f"{where}: chunk {key} is missing")
+        raw = decode_chunk(data, e.codec, expected, where)
+        if verify and sha256_hex(raw) != e.digests[i]:
+            raise ChecksumMismatchError(f"{where}: sha256 does not match the step index")
+        arr = np.frombuffer(raw, dtype=e.dtype.numpy_storage)
+        return arr.reshape(e.chunk_shape) if e.chunk_shape else arr.reshape(())
+
+    def _read_box(self, e: TensorEntry, off: tuple[int, ...], shape: tuple[int, ...], verify: bool) -> torch.Tensor:
+        out = np.empty(shape, dtype=e.dtype.numpy_storage)
+        if math.prod(shape) > 0 and e.nchunks > 0:
+            ranges = [range(o // c, -(-(o + n) // c)) for o, n, c in zip(off, shape, e.chunk_shape)]
+            for coords in _product(ranges):
+                i = 0
+                for c, g in zip(coords, e.grid):
+                    i = i * g + c
+                chunk = self._chunk(e, i, verify)
+                src, dst = [], []
+                for c, k, o, n, s in zip(coords, e.chunk_shape, off, shape, e.shape):
+                    lo = max(c * k, o)
+                    hi = min((c + 1) * k, o + n, s)
+                    src.append(slice(lo - c * k, hi - c * k))
+                    dst.append(slice(lo - o, hi - o))
+                out[tuple(dst)] = chunk[tuple(src)]
+        t = torch.from_numpy(out)
+        if e.dtype.is_bits:
+            t = t.view(e.dtype.torch_dtype)
+        return t
+
+    def state_dict(
+        self,
+        step: int,
+        branch: str = "main",
+        *,
+        allow_pickle: bool = False,
+        prefix: str | None = None,
+        verify: bool = False,
+        threads: int = 4,
+    ) -> Any:
+        """The nested state exactly as saved (tensors, numpy arrays, values).
+
+        ``prefix`` (e.g. ``"model"``) returns only that subtree.
+        """
+        rec = self.record(step, branch)
+        tree = rec.objects
+        if prefix:
+            for part in prefix.strip("/").split("/"):
+                if not isinstance(tree, dict) or part not in tree:
+                    raise TensorNotFoundError(f"no subtree {prefix!r} at step {step} of branch {branch!r}")
+                tree = tree[part]
+        wanted: list[str] = []
+
+        def collect(name: str, kind: str) -> None:
+            wanted.append(name)
+
+        unflatten(tree, lambda n, k: collect(n, k), allow_pickle=allow_pickle)
+        for n in wanted:
+            if n not in rec.by_name:
+                raise CorruptStoreError(f"step {step}: value tree refers to missing tensor {n!r}")
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            loaded = dict(zip(wanted, pool.map(lambda n: self.read(n, step, branch, verify=verify), wanted)))
+
+        def load(name: str, kind: str) -> Any:
+            t = loaded[name]
+            return t.numpy() if kind == "ndarray" else t
+
+        return unflatten(tree, load, allow_pickle=allow_pickle)
+
+    def iter_chunks(self, name: str, step: int, branch: str = "main") -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]:
+        """(global region, values) of each chunk of a tensor, edge chunks trimmed:
+        streaming access with memory bounded by one chunk."""
+        e = self.entry(name, step, branch)
+        for i in range(e.nchunks):
+            coords = e.coords(i)
+            region = tuple(slice(c * k, min((c + 1) * k, s)) for c, k, s in zip(coords, e.chunk_shape, e.shape))
+            arr = self._chunk(e, i, False)[tuple(slice(0, r.stop - r.start) for r in region)]
+            t = torch.from_numpy(np.ascontiguousarray(arr))
+            yield region, (t.view(e.dtype.torch_dtype) if e.dtype.is_bits else t)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Run({self.url!r})"
+
+
+def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
+    from itertools import product
+
+    return product(*ranges)
+
+
+def _normalize_index(index: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
+    """Bounding box of a basic index and the index to apply inside the box."""
+    from dstt.errors import InvalidReferenceError
+
+    idx = index if isinstance(index, tuple) else (index,)
+    if sum(1 for x in idx if x is Ellipsis) > 1:
+        raise InvalidReferenceError(f"{name}: at most one '...' in an index")
+    if Ellipsis in idx:
+        pos = idx.index(Ellipsis)
+        fill = len(shape) - (len(idx) - 1)
+        idx = idx[:pos] + (slice(None),) * fill + idx[pos + 1 :]
+    if len(idx) > len(shape):
+        raise InvalidReferenceError(f"{name}: index has {len(idx)} dimensions, tensor has {len(shape)}")
+    idx = idx + (slice(None),) * (len(shape) - len(idx))
+    off, box, post = [], [], []
+    for d, (x, n) in enumerate(zip(idx, shape)):
+        if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+            i = int(x) + (n if x < 0 else 0)
+            if not 0 <= i < n:
+                raise InvalidReferenceError(f"{name}: index {x} out of range for dimension {d} of size {n}")
+            off.append(i)
+            box.append(1)
+            post.append(0)
+        elif isinstance(x, slice):
+            start, stop, step = x.indices(n)
+            if step <= 0:
+                raise InvalidReferenceError(f"{name}: slice steps must be positive")
+            stop = max(stop, start)
+            off.append(start)
+            box.append(stop - start)
+            post.append(slice(None, None, step))
+        else:
+            raise InvalidReferenceError(f"{name}: unsupported index {x!r} (use ints and slices)")
+    return tuple(off), tuple(box), tuple(post)
+
+
+def open_run(store: Any) -> Run:
+    return Run(store)
+
+
+__all__ = ["Run", "TensorInfo", "StepRecord", "open_run", "LocalBackend"]

@@ -1,0 +1,135 @@
+"""Store root and branch documents, shared by the writer and the reader."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dstt.errors import (
+    BranchExistsError,
+    BranchNotFoundError,
+    FormatVersionError,
+    NotADsttStoreError,
+    StoreNotFoundError,
+)
+from dstt.store import layout as L
+from dstt.store.backend import Backend, LocalBackend
+from dstt.store.codec import group_metadata
+from dstt.store.manifest import decode_json, encode_json, parse_branch
+
+
+@dataclass(frozen=True)
+class BranchInfo:
+    """A branch: its slot-space id and where it forked from (None for roots)."""
+
+    name: str
+    id: int
+    parent: tuple[str, int] | None
+    created: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "id": self.id,
+            "parent": None if self.parent is None else {"branch": self.parent[0], "step": self.parent[1]},
+            "created": self.created,
+        }
+
+
+def check_root(backend: Backend) -> dict[str, Any]:
+    """Validate the root group; the dstt attributes, or a clear error."""
+    raw = backend.get("zarr.json")
+    if raw is None:
+        if isinstance(backend, LocalBackend) or backend.list_dir(""):
+            raise NotADsttStoreError(f"{backend.url} is not a dstt store (no zarr.json with dstt attributes)")
+        raise StoreNotFoundError(f"no store at {backend.url}")
+    doc = decode_json(raw, f"{backend.url}/zarr.json")
+    attrs = doc.get("attributes", {}).get("dstt") if isinstance(doc, dict) and isinstance(doc.get("attributes"), dict) else None
+    if not isinstance(attrs, dict) or attrs.get("format") != L.FORMAT_NAME:
+        raise NotADsttStoreError(f"{backend.url} is a Zarr group but not a dstt store")
+    if attrs.get("format_version") != L.FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{backend.url} has dstt format version {attrs.get('format_version')!r}; "
+            f"this dstt reads version {L.FORMAT_VERSION}"
+        )
+    return attrs
+
+
+def ensure_root(backend: Backend) -> None:
+    """Create the root, ``tensors`` and ``meta`` groups of a new store.
+
+    An existing directory with other content is never taken over.
+    """
+    if backend.get("zarr.json") is not None:
+        check_root(backend)
+        return
+    if backend.list_dir(""):
+        raise NotADsttStoreError(
+            f"{backend.url} is not empty and is not a dstt store; refusing to write into it"
+        )
+    from dstt import __version__
+
+    attrs = {"dstt": {"format": L.FORMAT_NAME, "format_version": L.FORMAT_VERSION,
+                      "created": time.time(), "writer": f"dstt {__version__}"}}
+    backend.put(f"{L.TENSORS}/zarr.json", group_metadata())
+    backend.put(f"{L.META}/zarr.json", group_metadata({"dstt": "metadata; see docs/format.md"}))
+    backend.sync()
+    backend.put_if_absent("zarr.json", group_metadata(attrs))
+
+
+def list_branches(backend: Backend) -> list[str]:
+    names = backend.list_dir(f"{L.META}/branches")
+    return sorted(n[: -len(".json")] for n in names if n.endswith(".json"))
+
+
+def load_branch(backend: Backend, name: str) -> BranchInfo:
+    L.validate_branch(name)
+    raw = backend.get(L.branch_key(name))
+    if raw is None:
+        known = ", ".join(list_branches(backend)) or "none"
+        raise BranchNotFoundError(f"no branch {name!r} in {backend.url} (branches: {known})")
+    doc = parse_branch(raw, L.branch_key(name))
+    parent = doc.get("parent")
+    return BranchInfo(
+        name=name,
+        id=doc["id"],
+        parent=None if parent is None else (parent["branch"], parent["step"]),
+        created=float(doc.get("created", 0.0)),
+    )
+
+
+def create_branch(backend: Backend, name: str, parent: tuple[str, int] | None) -> BranchInfo:
+    """Create a branch document, claiming the lowest free branch id."""
+    L.validate_branch(name)
+    if backend.exists(L.branch_key(name)):
+        raise BranchExistsError(f"branch {name!r} already exists in {backend.url}")
+    taken = {int(n) for n in backend.list_dir(f"{L.META}/branch_ids") if n.isdigit()}
+    bid = 0
+    while True:
+        while bid in taken:
+            bid += 1
+        if bid >= L.MAX_BRANCHES:
+            raise BranchExistsError(f"{backend.url} has no free branch ids left")
+        if backend.put_if_absent(L.branch_id_key(bid), name.encode()):
+            break
+        taken.add(bid)
+    info = BranchInfo(name, bid, parent, time.time())
+    if not backend.put_if_absent(L.branch_key(name), encode_json(info.to_dict())):
+        raise BranchExistsError(f"branch {name!r} already exists in {backend.url}")
+    return info
+
+
+def committed_steps(backend: Backend, branch: str) -> list[int]:
+    """Steps of a branch whose commit marker exists, ascending."""
+    prefix = L.steps_prefix(branch).rstrip("/")
+    out = []
+    for d in backend.list_dir(prefix):
+        if d.isdigit() and len(d) == L.STEP_DIGITS and backend.exists(f"{prefix}/{d}/{L.COMMIT_FILE}"):
+            out.append(int(d))
+    return sorted(out)
+
+
+def dumps_pretty(doc: Any) -> bytes:
+    return json.dumps(doc, indent=2).encode()

@@ -1,0 +1,108 @@
+"""Per-tensor statistics computed at capture time, chunk by chunk.
+
+Each chunk yields mergeable partials (count, mean, M2, sum of squares, min,
+max, non-finite count); partials from chunks written by different threads or
+ranks are merged with Chan's parallel update, so the step index has exact
+whole-tensor stats without a second pass over the data.
+
+Stats columns of ``stats.npy`` (float64, one row per tensor, index order):
+``numel, nonfinite, norm, mean, std, min, max``. ``std`` uses Bessel's
+correction like ``torch.Tensor.std()``; NaN/Inf values propagate (the
+``nonfinite`` column counts them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+STATS_COLUMNS = ("numel", "nonfinite", "norm", "mean", "std", "min", "max")
+NAN = float("nan")
+
+
+@dataclass
+class Partial:
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    sumsq: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+    nonfinite: int = 0
+
+    def to_list(self) -> list[float]:
+        return [self.n, self.mean, self.m2, self.sumsq, self.min, self.max, self.nonfinite]
+
+    @classmethod
+    def from_list(cls, v: list[float]) -> "Partial":
+        return cls(int(v[0]), v[1], v[2], v[3], v[4], v[5], int(v[6]))
+
+
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype in (torch.float32, torch.float64):
+        return x
+    if x.is_floating_point():
+        return x.float()
+    if x.is_complex():
+        return x.abs().double()
+    return x.double()
+
+
+def chunk_partial(x: torch.Tensor) -> Partial:
+    """Partials of one chunk's logical values (any dtype, any device)."""
+    n = x.numel()
+    if n == 0:
+        return Partial()
+    xf = _as_float(x.reshape(-1))
+    var, mean = torch.var_mean(xf, correction=0)
+    lo, hi = torch.aminmax(xf)
+    mean_f, var_f = float(mean), float(var)
+    nonfinite = 0
+    if not (math.isfinite(mean_f) and math.isfinite(var_f)):
+        nonfinite = int(xf.numel() - torch.isfinite(xf).sum())
+    return Partial(n, mean_f, var_f * n, (var_f + mean_f * mean_f) * n, float(lo), float(hi), nonfinite)
+
+
+def merge(parts: list[Partial]) -> Partial:
+    out = Partial()
+    for p in parts:
+        if p.n == 0:
+            continue
+        if out.n == 0:
+            out = Partial(p.n, p.mean, p.m2, p.sumsq, p.min, p.max, p.nonfinite)
+            continue
+        n = out.n + p.n
+        delta = p.mean - out.mean
+        mean = out.mean + delta * p.n / n
+        m2 = out.m2 + p.m2 + delta * delta * out.n * p.n / n
+        out = Partial(
+            n,
+            mean,
+            m2,
+            out.sumsq + p.sumsq,
+            _nanmin(out.min, p.min),
+            _nanmax(out.max, p.max),
+            out.nonfinite + p.nonfinite,
+        )
+    return out
+
+
+def _nanmin(a: float, b: float) -> float:
+    return NAN if (a != a or b != b) else min(a, b)
+
+
+def _nanmax(a: float, b: float) -> float:
+    return NAN if (a != a or b != b) else max(a, b)
+
+
+def finalize(p: Partial) -> list[float]:
+    """Row of ``STATS_COLUMNS`` for a merged partial."""
+    if p.n == 0:
+        return [0.0, 0.0, 0.0, NAN, NAN, NAN, NAN]
+    std = math.sqrt(max(p.m2, 0.0) / (p.n - 1)) if p.n > 1 else (NAN if p.m2 != p.m2 else 0.0)
+    if p.m2 != p.m2:
+        std = NAN
+    norm = math.sqrt(p.sumsq) if p.sumsq == p.sumsq and p.sumsq >= 0 else NAN
+    return [float(p.n), float(p.nonfinite), norm, p.mean, std, p.min, p.max]

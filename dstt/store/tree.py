@@ -1,0 +1,225 @@
+"""Nested state ⇄ (JSON tree, named tensors).
+
+A state is a nested structure of dicts, lists and tuples whose leaves are
+tensors or plain values. Tensors become *logical tensors* named by their path
+(``model/layers.0.weight``); everything else is kept in a JSON tree with type
+tags so Python types round-trip exactly:
+
+=================  ==========================================
+value              JSON
+=================  ==========================================
+None/bool/int/str  as is
+float              as is; non-finite as ``{"$float": "nan"}``
+tuple              ``{"$tuple": [...]}``
+dict, str keys     as is (keys starting with ``$`` force the next form)
+other dict         ``{"$dict": [[key, value], ...]}``
+bytes              ``{"$bytes": "<base64>"}``
+torch.dtype        ``{"$dtype": "float32"}``
+numpy scalar       ``{"$np": ["int64", 3]}``
+tensor             ``{"$tensor": "<name>"}``
+numpy array        ``{"$ndarray": "<name>"}``
+other (opt-in)     ``{"$pickle": "<base64>"}``
+=================  ==========================================
+
+Nothing is unpickled unless the reader passes ``allow_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from dstt.errors import (
+    CorruptStoreError,
+    InvalidNameError,
+    PickleNotAllowedError,
+    UnsupportedValueError,
+)
+from dstt.store.shards import ShardedTensor, is_dtensor
+
+TensorLike = Any  # torch.Tensor | DTensor | ShardedTensor | np.ndarray
+
+_NP_SCALARS = (np.integer, np.floating, np.bool_, np.complexfloating)
+
+
+def escape_name_part(part: str) -> str:
+    """A dict key as a tensor-name component: '%' and '/' are percent-encoded."""
+    return part.replace("%", "%25").replace("/", "%2F")
+
+
+def _is_tensor(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, ShardedTensor)) or is_dtensor(v)
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, TensorLike], dict[str, str]]:
+    """Split ``state`` into a JSON-able tree, its tensors by name and their kinds.
+
+    >>> tree, tensors, kinds = flatten({"w": torch.zeros(2), "lr": 0.1})
+    >>> tree, list(tensors)
+    ({'w': {'$tensor': 'w'}, 'lr': 0.1}, ['w'])
+    """
+    tensors: dict[str, TensorLike] = {}
+    kinds: dict[str, str] = {}
+
+    def add(path: list[str], value: Any, kind: str) -> str:
+        if not path:
+            raise InvalidNameError("the state itself must be a dict or list, not a bare tensor")
+        name = "/".join(path)
+        if name in tensors:
+            raise InvalidNameError(
+                f"two tensors map to the name {name!r}; rename one of the keys"
+            )
+        tensors[name] = value
+        kinds[name] = kind
+        return name
+
+    def enc(v: Any, path: list[str]) -> Any:
+        if v is None or isinstance(v, (bool, str)):
+            return v
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if isinstance(v, float):
+            return v if math.isfinite(v) else {"$float": repr(v)}
+        if _is_tensor(v):
+            return {"$tensor": add(path, v, "tensor")}
+        if isinstance(v, np.ndarray):
+            if v.dtype == object:
+                return _maybe_pickle(v, path, allow_pickle)
+            return {"$ndarray": add(path, torch.from_numpy(np.ascontiguousarray(v)), "ndarray")}
+        if isinstance(v, dict):
+            str_keys = all(isinstance(k, str) and not k.startswith("$") for k in v)
+            if str_keys:
+                return {k: enc(x, path + [escape_name_part(k)]) for k, x in v.items()}
+            return {"$dict": [[enc_key(k, path), enc(x, path + [escape_name_part(str(k))])] for k, x in v.items()]}
+        if isinstance(v, list):
+            return [enc(x, path + [str(i)]) for i, x in enumerate(v)]
+        if isinstance(v, tuple):
+            return {"$tuple": [enc(x, path + [str(i)]) for i, x in enumerate(v)]}
+        if isinstance(v, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(v)).decode("ascii")}
+        if isinstance(v, torch.dtype):
+            return {"$dtype": str(v).removeprefix("torch.")}
+        if isinstance(v, _NP_SCALARS):
+            return {"$np": [v.dtype.name, enc(v.item(), path)]}
+        return _maybe_pickle(v, path, allow_pickle)
+
+    def enc_key(k: Any, path: list[str]) -> Any:
+        if _is_tensor(k) or isinstance(k, (dict, list, np.ndarray)):
+            raise UnsupportedValueError(f"at {'/'.join(path) or '<root>'}: unsupported dict key type {type(k).__name__}")
+        return enc(k, path)
+
+    tree = enc(state, [])
+    return tree, tensors, kinds
+
+
+def _maybe_pickle(v: Any, path: list[str], allow_pickle: bool) -> Any:
+    where = "/".join(path) or "<root>"
+    if not allow_pickle:
+        raise UnsupportedValueError(
+            f"at {where}: cannot store a {type(v).__module__}.{type(v).__qualname__} "
+            "without pickle; pass allow_pickle=True to store it pickled"
+        )
+    try:
+        data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise UnsupportedValueError(f"at {where}: value cannot be pickled: {e}") from None
+    return {"$pickle": base64.b64encode(data).decode("ascii")}
+
+
+def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool = False) -> Any:
+    """Rebuild the state from a JSON tree; ``load(name, kind)`` supplies tensors."""
+
+    def bad(what: str) -> CorruptStoreError:
+        return CorruptStoreError(f"malformed value tree: {what}")
+
+    def dec(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        if not isinstance(v, dict):
+            raise bad(f"unexpected {type(v).__name__}")
+        if len(v) == 1:
+            (tag, arg), = v.items()
+            if tag.startswith("$"):
+                return dec_tag(tag, arg)
+        for k in v:
+            if k.startswith("$"):
+                raise bad(f"unexpected tagged key {k!r}")
+        return {k: dec(x) for k, x in v.items()}
+
+    def dec_tag(tag: str, arg: Any) -> Any:
+        if tag == "$float":
+            if arg not in ("nan", "inf", "-inf"):
+                raise bad(f"$float {arg!r}")
+            return float(arg)
+        if tag == "$tuple":
+            if not isinstance(arg, list):
+                raise bad("$tuple needs a list")
+            return tuple(dec(x) for x in arg)
+        if tag == "$dict":
+            if not isinstance(arg, list) or not all(isinstance(p, list) and len(p) == 2 for p in arg):
+                raise bad("$dict needs [key, value] pairs")
+            out = {}
+            for k, x in arg:
+                key = dec(k)
+                try:
+                    hash(key)
+                except TypeError:
+                    raise bad("unhashable $dict key") from None
+                out[key] = dec(x)
+            return out
+        if tag == "$bytes":
+            if not isinstance(arg, str):
+                raise bad("$bytes needs a string")
+            try:
+                return base64.b64decode(arg, validate=True)
+            except ValueError:
+                raise bad("$bytes is not base64") from None
+        if tag == "$dtype":
+            dt = getattr(torch, arg, None) if isinstance(arg, str) else None
+            if not isinstance(dt, torch.dtype):
+                raise bad(f"$dtype {arg!r}")
+            return dt
+        if tag == "$np":
+            if not (isinstance(arg, list) and len(arg) == 2 and isinstance(arg[0], str)):
+                raise bad("$np needs [dtype, value]")
+            try:
+                dtype = np.dtype(arg[0])
+            except TypeError:
+                raise bad(f"$np dtype {arg[0]!r}") from None
+            if dtype == object:
+                raise bad("$np object dtype")
+            return dtype.type(dec(arg[1]))
+        if tag in ("$tensor", "$ndarray"):
+            if not isinstance(arg, str):
+                raise bad(f"{tag} needs a tensor name")
+            t = load(arg, "tensor" if tag == "$tensor" else "ndarray")
+            return t
+        if tag == "$pickle":
+            if not allow_pickle:
+                raise PickleNotAllowedError(
+                    "the step holds a pickled value; reading it runs code from the store, "
+                    "pass allow_pickle=True only for stores you trust"
+                )
+            if not isinstance(arg, str):
+                raise bad("$pickle needs a string")
+            return pickle.loads(base64.b64decode(arg))
+        raise bad(f"unknown tag {tag!r}")
+
+    return dec(tree)
+
+
+def tree_has_pickle(tree: Any) -> bool:
+    if isinstance(tree, dict):
+        if "$pickle" in tree and len(tree) == 1:
+            return True
+        return any(tree_has_pickle(v) for v in tree.values())
+    if isinstance(tree, list):
+        return any(tree_has_pickle(v) for v in tree)
+    return False

@@ -1,0 +1,424 @@
+"""The step writer: plan → flush chunks → commit.
+
+:class:`Writer` owns one branch of one store for one process (or one rank).
+``write()`` runs the three phases synchronously and is what ``dstt.save``
+uses; the asynchronous capture engine calls the phases itself (``plan`` on
+the trainer thread, ``flush_chunk`` and ``commit`` in the background).
+
+Invariants:
+
+* a step is visible only after ``commit.json`` is renamed into place, which
+  happens after every rank's chunks and the step's index files are durable;
+* every chunk key is written by exactly one rank (see plan.py) and a slot is
+  used by one step only (slot = branch id × 2^24 + per-branch sequence);
+* a chunk whose sha256 equals the previous committed step's chunk at the
+  same array and index is not rewritten: the index points at the old slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dstt.errors import (
+    CaptureError,
+    ConfigError,
+    DsttError,
+    InvalidNameError,
+    StepExistsError,
+    StepNotFoundError,
+    StepOrderError,
+)
+from dstt.store import layout as L
+from dstt.store.backend import Backend, open_backend
+from dstt.store.codec import CodecSpec, array_metadata, encode_chunk
+from dstt.store.coord import Coordinator, default_coordinator
+from dstt.store.dtypes import as_storage_view
+from dstt.store.manifest import (
+    encode_json,
+    encode_stats,
+    parse_commit,
+    parse_index,
+    sha256_hex,
+)
+from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, ChunkTask, StepPlan, plan_step
+from dstt.store.root import (
+    BranchInfo,
+    committed_steps,
+    create_branch,
+    ensure_root,
+    load_branch,
+)
+from dstt.store.stats import STATS_COLUMNS, Partial, chunk_partial, finalize, merge
+from dstt.store.tree import tree_has_pickle
+
+
+@dataclass
+class ChunkResult:
+    name: str
+    index: int
+    digest: bytes
+    slot: int
+    written: int  # encoded bytes written by this step (0 when referenced)
+    nbytes: int  # decoded chunk bytes
+    partial: list[float]
+
+
+@dataclass
+class CommitInfo:
+    """What a committed step cost."""
+
+    branch: str
+    step: int
+    seq: int
+    n_tensors: int
+    bytes_written: int
+    bytes_referenced: int
+
+
+def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryview:
+    """The chunk as stored before encoding: C-order bytes of the full chunk
+    shape in the storage dtype, edge chunks zero-padded."""
+    src = staged if staged is not None else task.source
+    if src.device.type != "cpu":
+        src = src.cpu()
+    src = as_storage_view(src.detach())
+    if task.padded:
+        full = torch.zeros(task.layout.chunk_shape, dtype=src.dtype)
+        full[tuple(slice(0, n) for n in task.shape)] = src
+        src = full
+    elif not src.is_contiguous():
+        src = src.contiguous()
+    if src.dim() == 0:
+        src = src.reshape(1)
+    return memoryview(src.numpy()).cast("B")
+
+
+class Writer:
+    """Writes committed steps to one branch.
+
+    >>> import tempfile, torch
+    >>> w = Writer(tempfile.mkdtemp() + "/run")
+    >>> w.write(0, {"model": {"w": torch.ones(3)}}).n_tensors
+    1
+    >>> w.close()
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        branch: str = "main",
+        parent: tuple[str, int] | None = None,
+        compression: str = "none",
+        zstd_level: int = 1,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        allow_pickle: bool = False,
+        dedup: bool = True,
+        threads: int = 2,
+        coordinator: Coordinator | None = None,
+        commit_coordinator: Coordinator | None = None,
+    ) -> None:
+        L.validate_branch(branch)
+        if max_chunk_bytes < 1:
+            raise ConfigError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
+        if threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {threads}")
+        self.codec = CodecSpec(compression, zstd_level)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.allow_pickle = allow_pickle
+        self.dedup = dedup
+        self.coord = coordinator or default_coordinator()
+        # Commits may run on another thread than planning; it needs its own group.
+        self.commit_coord = commit_coordinator or self.coord
+        self.rank = self.coord.rank
+        self.backend: Backend = self._setup(store, branch, parent)
+        self.branch: BranchInfo = load_branch(self.backend, branch)
+        self._known_arrays: set[str] = set()
+        self._prev: dict[tuple[str, int], tuple[bytes, int]] = {}
+        self._prev_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
+        self._closed = False
+        steps = committed_steps(self.backend, branch)
+        self.last_step: int | None = steps[-1] if steps else None
+        self._committed = set(steps)
+        self.next_seq = 0
+        if steps:
+            where = L.step_dir(branch, steps[-1])
+            commit = parse_commit(self._get(f"{where}/{L.COMMIT_FILE}"), where)
+            self.next_seq = commit["seq"] + 1
+            self._load_prev(branch, steps[-1])
+        elif self.branch.parent is not None:
+            self._load_prev(*self.branch.parent)
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self, store: Any, branch: str, parent: tuple[str, int] | None) -> Backend:
+        error = None
+        backend = None
+        if self.rank == 0:
+            try:
+                backend = open_backend(store, create=True)
+                ensure_root(backend)
+                self._ensure_branch(backend, branch, parent)
+            except DsttError as e:
+                error = e
+        if self.coord.distributed:
+            error = self.coord.broadcast(error)
+        if error is not None:
+            raise error
+        if backend is None:
+            backend = open_backend(store, create=False)
+        return backend
+
+    @staticmethod
+    def _ensure_branch(backend: Backend, branch: str, parent: tuple[str, int] | None) -> None:
+        if backend.exists(L.branch_key(branch)):
+            info = load_branch(backend, branch)
+            if parent is not None and info.parent != tuple(parent):
+                raise InvalidNameError(
+                    f"branch {branch!r} already exists with parent {info.parent}; "
+                    f"cannot reuse it for parent {tuple(parent)}"
+                )
+            return
+        if parent is not None:
+            pbranch, pstep = parent
+            load_branch(backend, pbranch)
+            if pstep not in committed_steps(backend, pbranch):
+                raise StepNotFoundError(f"parent step {pstep} is not committed on branch {pbranch!r}")
+        create_branch(backend, branch, None if parent is None else (parent[0], int(parent[1])))
+
+    def _get(self, key: str) -> bytes:
+        data = self.backend.get(key)
+        if data is None:
+            raise StepNotFoundError(f"missing {key} in {self.backend.url}")
+        return data
+
+    def _load_prev(self, branch: str, step: int) -> None:
+        where = L.step_dir(branch, step)
+        entries, _ = parse_index(self._get(f"{where}/{L.INDEX_FILE}"), where)
+        self._prev = {
+            (e.array, i): (bytes.fromhex(d), s)
+            for e in entries
+            for i, (d, s) in enumerate(zip(e.digests, e.slots))
+        }
+        self._known_arrays.update(e.array for e in entries)
+
+    # ------------------------------------------------------------------ phases
+
+    def check_step(self, step: int) -> None:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise StepOrderError(f"step must be a non-negative integer, got {step!r}")
+        if step in self._committed:
+            raise StepExistsError(
+                f"step {step} already exists on branch {self.branch.name!r}; "
+                "steps are immutable (restore it and capture on a new branch to diverge)"
+            )
+        if self.last_step is not None and step <= self.last_step:
+            raise StepOrderError(
+                f"step {step} is not after the latest step {self.last_step} on branch {self.branch.name!r}"
+            )
+
+    def plan(self, step: int, state: Any) -> StepPlan:
+        """Plan ``step``: validate, flatten, lay out chunks, reserve a slot."""
+        self._check_open()
+        self.check_step(step)
+        plan = plan_step(
+            step,
+            state,
+            rank=self.rank,
+            exchange=self.coord.all_gather if self.coord.distributed else None,
+            codec=self.codec,
+            max_chunk_bytes=self.max_chunk_bytes,
+            allow_pickle=self.allow_pickle,
+        )
+        plan.seq = self.next_seq
+        plan.slot = L.slot_for(self.branch.id, plan.seq)
+        self.next_seq += 1
+        self.last_step = step
+        return plan
+
+    def ensure_arrays(self, plan: StepPlan) -> None:
+        """Write the zarr.json of arrays first used by this step (owner rank only)."""
+        for layout in plan.meta_arrays:
+            if layout.array in self._known_arrays:
+                continue
+            key = f"{layout.array}/zarr.json"
+            if not self.backend.exists(key):
+                doc = array_metadata(layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name)
+                self.backend.put(key, doc)
+            self._known_arrays.add(layout.array)
+
+    def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None) -> ChunkResult:
+        """Stats, digest, dedup and write of one chunk. Thread-safe."""
+        src = staged if staged is not None else task.source
+        partial = chunk_partial(src if src.device.type == "cpu" else src.cpu())
+        raw = chunk_bytes(task, src)
+        digest = hashlib.sha256(raw).digest()
+        array = task.layout.array
+        if self.dedup:
+            with self._prev_lock:
+                prev = self._prev.get((array, task.index))
+            if prev is not None and prev[0] == digest:
+                return ChunkResult(task.layout.name, task.index, digest, prev[1], 0, len(raw), partial.to_list())
+        parts = encode_chunk(raw, task.layout.codec)
+        self.backend.put(L.chunk_key(array, plan.slot, task.coords), parts)
+        written = sum(len(memoryview(p).cast("B")) for p in parts)
+        return ChunkResult(task.layout.name, task.index, digest, plan.slot, written, len(raw), partial.to_list())
+
+    def commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None = None) -> CommitInfo:
+        """Make this rank's chunks durable, then (rank 0) write the index and
+        the commit marker. Collective under torch.distributed: every rank calls
+        it for every planned step, passing its flush error if any, so no rank
+        waits forever on a failed peer."""
+        if error is None:
+            try:
+                self.backend.sync()
+            except OSError as e:
+                error = e
+        payload = (results if error is None else None, None if error is None else _describe(error))
+        gathered = self.commit_coord.gather(payload) if self.commit_coord.distributed else [payload]
+        outcome: Any = None
+        if self.rank == 0:
+            assert gathered is not None
+            failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err is not None]
+            if failures:
+                outcome = ("error", f"step {plan.step} on branch {self.branch.name!r} not committed: " + "; ".join(failures))
+            else:
+                try:
+                    all_results = [r for res, _ in gathered for r in res]
+                    outcome = ("ok", self._write_commit(plan, all_results))
+                except Exception as e:  # reported to every rank below
+                    outcome = ("error", f"step {plan.step} on branch {self.branch.name!r} not committed: {_describe(e)}")
+                    error = error or e
+        if self.commit_coord.distributed:
+            outcome = self.commit_coord.broadcast(outcome)
+        kind, value = outcome
+        if kind != "ok":
+            if error is not None:
+                raise CaptureError(value) from error
+            raise CaptureError(value)
+        self._committed.add(plan.step)
+        with self._prev_lock:
+            self._prev = {(r_layout, r.index): (r.digest, r.slot) for r, r_layout in self._arrays_of(plan, results)}
+        return value
+
+    @staticmethod
+    def _arrays_of(plan: StepPlan, results: list[ChunkResult]) -> list[tuple[ChunkResult, str]]:
+        by_name = {l.name: l.array for l in plan.layouts}
+        return [(r, by_name[r.name]) for r in results]
+
+    def _write_commit(self, plan: StepPlan, results: list[ChunkResult]) -> CommitInfo:
+        by_tensor: dict[str, dict[int, ChunkResult]] = {}
+        for r in results:
+            slot_map = by_tensor.setdefault(r.name, {})
+            if r.index in slot_map:
+                raise CaptureError(f"chunk {r.index} of {r.name} was written twice")
+            slot_map[r.index] = r
+        tensors, names, rows = [], [], []
+        written = referenced = 0
+        for layout in plan.layouts:
+            chunks = by_tensor.get(layout.name, {})
+            n = layout.nchunks
+            if len(chunks) != n:
+                raise CaptureError(f"{layout.name}: {len(chunks)} of {n} chunks were written")
+            ordered = [chunks[i] for i in range(n)]
+            digests = [c.digest for c in ordered]
+            for c in ordered:
+                written += c.written
+                if c.written == 0:
+                    referenced += c.nbytes
+            stats = finalize(merge([Partial.from_list(c.partial) for c in ordered]))
+            tensors.append({
+                "name": layout.name,
+                "kind": layout.kind,
+                "dtype": layout.dtype.logical,
+                "shape": list(layout.shape),
+                "chunk_shape": list(layout.chunk_shape),
+                "codec": layout.codec.codecs_json(),
+                "array": layout.array,
+                "slots": [c.slot for c in ordered],
+                "digests": [d.hex() for d in digests],
+                "checksum": hashlib.sha256(b"".join(digests)).hexdigest(),
+                "written": sum(c.written for c in ordered),
+            })
+            names.append(layout.name)
+            rows.append(stats)
+        where = L.step_dir(self.branch.name, plan.step)
+        index = encode_json({"format_version": L.FORMAT_VERSION, "branch": self.branch.name,
+                             "step": plan.step, "tensors": tensors, "objects": plan.tree})
+        names_b = encode_json(names)
+        stats_b = encode_stats(rows)
+        files = {}
+        for fname, data in ((L.INDEX_FILE, index), (L.NAMES_FILE, names_b), (L.STATS_FILE, stats_b)):
+            self.backend.put(f"{where}/{fname}", data)
+            files[fname] = {"sha256": sha256_hex(data), "size": len(data)}
+        self.backend.sync()
+        commit = {
+            "format": "dstt-step",
+            "format_version": L.FORMAT_VERSION,
+            "branch": self.branch.name,
+            "step": plan.step,
+            "seq": plan.seq,
+            "time": time.time(),
+            "world_size": self.coord.world,
+            "n_tensors": len(tensors),
+            "bytes_total": sum(l.nbytes for l in plan.layouts),
+            "bytes_written": written,
+            "bytes_referenced": referenced,
+            "has_pickle": tree_has_pickle(plan.tree),
+            "stats_columns": list(STATS_COLUMNS),
+            "files": files,
+        }
+        self.backend.put_atomic(f"{where}/{L.COMMIT_FILE}", encode_json(commit))
+        return CommitInfo(self.branch.name, plan.step, plan.seq, len(tensors), written, referenced)
+
+    # ------------------------------------------------------------------ sync API
+
+    def write(self, step: int, state: Any) -> CommitInfo:
+        """Plan, flush and commit one step synchronously."""
+        plan = self.plan(step, state)
+        results: list[ChunkResult] = []
+        error: BaseException | None = None
+        try:
+            self.ensure_arrays(plan)
+            futures = [self._pool.submit(self.flush_chunk, plan, t) for t in plan.tasks]
+            for f in futures:
+                try:
+                    results.append(f.result())
+                except BaseException as e:  # keep draining so no thread outlives the step
+                    error = error or e
+        except BaseException as e:
+            error = error or e
+        if error is not None and not self.coord.distributed:
+            raise error
+        return self.commit(plan, results, error)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CaptureError("this writer is closed")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+            self.backend.close()
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
