@@ -9,6 +9,7 @@ touches only the chunks that overlap it.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -101,7 +102,14 @@ class Run:
     """
 
     def __init__(self, store: Any, *, cache_steps: int = 64) -> None:
-        self.backend: Backend = open_backend(store, create=False)
+        from dstt.refs import Ref
+
+        ref = Ref.parse(os.fspath(store)) if isinstance(store, (str, os.PathLike)) else None
+        #: Branch and step named by the reference this run was opened with;
+        #: the defaults of every method that takes ``branch``/``step``.
+        self.default_branch: str = (ref.branch if ref else None) or "main"
+        self.default_step: Any = ref.step if ref else None
+        self.backend: Backend = open_backend(ref.store if ref else store, create=False)
         self.attrs = check_root(self.backend)
         self._cache: OrderedDict[tuple[str, int], StepRecord] = OrderedDict()
         self._cache_size = cache_steps
@@ -111,28 +119,39 @@ class Run:
     def url(self) -> str:
         return self.backend.url
 
+    def resolve(self, step: Any = None, branch: str | None = None) -> tuple[str, int]:
+        """(branch, step) for a step spec (number, 'latest', '~N', None = the
+        reference's step or latest) on ``branch`` (None = the reference's)."""
+        from dstt.refs import resolve_step
+
+        b = branch or self.default_branch
+        return b, resolve_step(self, b, self.default_step if step is None else step)
+
     # ------------------------------------------------------------------ branches & steps
 
     def branches(self) -> list[str]:
         """Branch names, sorted."""
         return list_branches(self.backend)
 
-    def branch_info(self, branch: str = "main") -> BranchInfo:
-        return load_branch(self.backend, branch)
+    def branch_info(self, branch: str | None = None) -> BranchInfo:
+        return load_branch(self.backend, branch or self.default_branch)
 
-    def steps(self, branch: str = "main") -> list[int]:
+    def steps(self, branch: str | None = None) -> list[int]:
         """Committed steps of ``branch``, ascending."""
+        branch = branch or self.default_branch
         load_branch(self.backend, branch)
         return committed_steps(self.backend, branch)
 
-    def latest(self, branch: str = "main") -> int:
+    def latest(self, branch: str | None = None) -> int:
+        branch = branch or self.default_branch
         steps = self.steps(branch)
         if not steps:
             raise StepNotFoundError(f"branch {branch!r} has no committed steps")
         return steps[-1]
 
-    def commit_info(self, step: int, branch: str = "main") -> dict[str, Any]:
+    def commit_info(self, step: Any = None, branch: str | None = None) -> dict[str, Any]:
         """The commit document of a step (time, bytes written/referenced, ...)."""
+        branch, step = self.resolve(step, branch)
         where = L.step_dir(branch, step)
         raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
         if raw is None:
@@ -153,9 +172,12 @@ class Run:
             raise ChecksumMismatchError(f"{where}/{fname}: checksum does not match the commit record")
         return data
 
-    def record(self, step: int, branch: str = "main") -> StepRecord:
+    def record(self, step: Any = None, branch: str | None = None) -> StepRecord:
         """The parsed, verified index of a committed step (cached)."""
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        branch = branch or self.default_branch
+        if not isinstance(step, int) or isinstance(step, bool):
+            branch, step = self.resolve(step, branch)
+        if step < 0:
             raise StepNotFoundError(f"step must be a non-negative integer, got {step!r}")
         key = (branch, step)
         with self._lock:
@@ -184,9 +206,10 @@ class Run:
                 self._cache.popitem(last=False)
         return rec
 
-    def step_stats(self, step: int, branch: str = "main") -> tuple[list[str], np.ndarray]:
+    def step_stats(self, step: int, branch: str | None = None) -> tuple[list[str], np.ndarray]:
         """Names and the raw stats table of a step, reading only names.json
         and stats.npy (what ``history`` needs over thousands of steps)."""
+        branch = branch or self.default_branch
         where = L.step_dir(branch, step)
         raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
         if raw is None:
@@ -198,7 +221,7 @@ class Run:
 
     # ------------------------------------------------------------------ tensors
 
-    def tensors(self, step: int, branch: str = "main") -> list[TensorInfo]:
+    def tensors(self, step: Any = None, branch: str | None = None) -> list[TensorInfo]:
         """Every tensor of a step with shape, dtype, size and stats (no tensor data read)."""
         rec = self.record(step, branch)
         return [
@@ -206,8 +229,9 @@ class Run:
             for e in rec.entries
         ]
 
-    def entry(self, name: str, step: int, branch: str = "main") -> TensorEntry:
+    def entry(self, name: str, step: Any = None, branch: str | None = None) -> TensorEntry:
         rec = self.record(step, branch)
+        step, branch = rec.step, rec.branch
         e = rec.by_name.get(name)
         if e is None:
             raise TensorNotFoundError(
@@ -218,8 +242,8 @@ class Run:
     def read(
         self,
         name: str,
-        step: int,
-        branch: str = "main",
+        step: Any = None,
+        branch: str | None = None,
         index: Index | tuple[Index, ...] | None = None,
         *,
         verify: bool = False,
@@ -230,7 +254,8 @@ class Run:
         chunks that overlap it. ``verify=True`` also checks the sha256 of
         every chunk read (the CRC-32C of each chunk is always checked).
         """
-        e = self.entry(name, step, branch)
+        rec = self.record(step, branch)
+        e = self.entry(name, rec.step, rec.branch)
         if index is None:
             return self._read_box(e, (0,) * len(e.shape), e.shape, verify)
         box_off, box_shape, post = _normalize_index(index, e.shape, name)
@@ -274,8 +299,8 @@ class Run:
 
     def state_dict(
         self,
-        step: int,
-        branch: str = "main",
+        step: Any = None,
+        branch: str | None = None,
         *,
         allow_pickle: bool = False,
         prefix: str | None = None,
@@ -287,6 +312,7 @@ class Run:
         ``prefix`` (e.g. ``"model"``) returns only that subtree.
         """
         rec = self.record(step, branch)
+        step, branch = rec.step, rec.branch
         tree = rec.objects
         if prefix:
             for part in prefix.strip("/").split("/"):
@@ -311,7 +337,7 @@ class Run:
 
         return unflatten(tree, load, allow_pickle=allow_pickle)
 
-    def iter_chunks(self, name: str, step: int, branch: str = "main") -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]:
+    def iter_chunks(self, name: str, step: Any = None, branch: str | None = None) -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]:
         """(global region, values) of each chunk of a tensor, edge chunks trimmed:
         streaming access with memory bounded by one chunk."""
         e = self.entry(name, step, branch)

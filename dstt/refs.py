@@ -1,0 +1,100 @@
+"""References to a point in a captured run: ``STORE[@BRANCH][:STEP]``.
+
+STEP is a step number, ``latest``, or ``~N`` (N captured steps before the
+latest). STORE is a path or URL (``s3://bucket/run:100`` parses as store
+``s3://bucket/run``, step 100). The same syntax is used by the CLI and by
+``dstt.open``.
+
+>>> Ref.parse("runs/exp1@lr-sweep:~2")
+Ref(store='runs/exp1', branch='lr-sweep', step='~2')
+>>> Ref.parse("s3://bucket/run:100")
+Ref(store='s3://bucket/run', branch=None, step=100)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dstt.errors import InvalidReferenceError, StepNotFoundError
+
+if TYPE_CHECKING:
+    from dstt.store.reader import Run
+
+_STEP_RE = re.compile(r":(latest|\d+|~\d+)$")
+_BRANCH_RE = re.compile(r"@([A-Za-z0-9][A-Za-z0-9._-]{0,127})$")
+
+StepSpec = int | str | None
+
+
+@dataclass(frozen=True)
+class Ref:
+    store: str
+    branch: str | None = None
+    step: StepSpec = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Ref":
+        """Split ``STORE[@BRANCH][:STEP]``; raise InvalidReferenceError if malformed."""
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidReferenceError("empty reference: expected STORE[@BRANCH][:STEP]")
+        rest = text
+        step: StepSpec = None
+        m = _STEP_RE.search(rest)
+        if m and m.start() > 0:
+            spec = m.group(1)
+            step = int(spec) if spec.isdigit() else spec
+            rest = rest[: m.start()]
+        else:
+            colon = rest.rfind(":")
+            if colon > 0 and colon != rest.find("://") and colon > rest.rfind("/"):
+                raise InvalidReferenceError(
+                    f"bad step {rest[colon + 1:]!r} in reference {text!r}: "
+                    "expected a number, 'latest' or '~N'"
+                )
+        branch = None
+        if not os.path.exists(rest):
+            b = _BRANCH_RE.search(rest)
+            if b:
+                branch = b.group(1)
+                rest = rest[: b.start()]
+            elif "@" in rest.rsplit("/", 1)[-1]:
+                tail = rest.rsplit("@", 1)[-1]
+                raise InvalidReferenceError(
+                    f"bad branch {tail!r} in reference {text!r}: expected letters, digits, '.', '_' or '-'"
+                )
+        if not rest:
+            raise InvalidReferenceError(f"reference {text!r} names no store")
+        return cls(rest, branch, step)
+
+    def __str__(self) -> str:
+        out = self.store
+        if self.branch:
+            out += f"@{self.branch}"
+        if self.step is not None:
+            out += f":{self.step}"
+        return out
+
+
+def resolve_step(run: "Run", branch: str, spec: StepSpec) -> int:
+    """Turn a step spec (number, 'latest', '~N', None = latest) into a step."""
+    steps = run.steps(branch)
+    if spec is None or spec == "latest":
+        if not steps:
+            raise StepNotFoundError(f"branch {branch!r} has no committed steps")
+        return steps[-1]
+    if isinstance(spec, str) and spec.startswith("~"):
+        back = int(spec[1:])
+        if back >= len(steps):
+            raise StepNotFoundError(
+                f"~{back} goes before the first step: branch {branch!r} has {len(steps)} steps"
+            )
+        return steps[-1 - back]
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec not in steps:
+            have = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "no steps"
+            raise StepNotFoundError(f"no committed step {spec} on branch {branch!r} (it has {have})")
+        return spec
+    raise InvalidReferenceError(f"bad step {spec!r}: expected a number, 'latest' or '~N'")
