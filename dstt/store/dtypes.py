@@ -59,6 +59,7 @@ _BITS = {
     "float8_e5m2": (torch.float8_e5m2, "uint8"),
     "float8_e4m3fnuz": (torch.float8_e4m3fnuz, "uint8"),
     "float8_e5m2fnuz": (torch.float8_e5m2fnuz, "uint8"),
+    "float8_e8m0fnu": (torch.float8_e8m0fnu, "uint8"),
 }
 
 _TORCH_BY_STORAGE = dict(_NATIVE)

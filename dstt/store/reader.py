@@ -111,6 +111,8 @@ class Run:
         self.default_step: Any = ref.step if ref else None
         self.backend: Backend = open_backend(ref.store if ref else store, create=False)
         self.attrs = check_root(self.backend)
+        if ref is not None and ref.branch is not None:
+            load_branch(self.backend, ref.branch)  # fail early on an unknown branch
         self._cache: OrderedDict[tuple[str, int], StepRecord] = OrderedDict()
         self._cache_size = cache_steps
         self._lock = threading.Lock()

@@ -1,0 +1,229 @@
+"""The on-disk format: metadata written once, dedup, atomic steps, shards,
+and readability with plain zarr-python following docs/format.md."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import dstt
+from dstt.store import layout as L
+from dstt.store.writer import Writer
+from tests.conftest import bits_equal
+
+
+def count_metadata_docs(root: Path) -> int:
+    return sum(1 for _ in root.rglob("zarr.json"))
+
+
+def model_state(seed: int, n_layers: int = 5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"layers.{i}.weight": torch.randn(8, 4, generator=g) for i in range(n_layers)}}
+
+
+def test_metadata_documents_do_not_grow_with_steps(store: Path) -> None:
+    with Writer(store) as w:
+        w.write(0, model_state(0))
+        after_first = count_metadata_docs(store)
+        for step in range(1, 6):
+            w.write(step, model_state(step))
+    assert count_metadata_docs(store) == after_first
+    # and a new writer process (reopening) does not add any either
+    dstt.save(store, 6, model_state(6))
+    assert count_metadata_docs(store) == after_first
+    # a new tensor name adds exactly one array document
+    state = model_state(7)
+    state["model"]["new"] = torch.zeros(3)
+    dstt.save(store, 7, state)
+    assert count_metadata_docs(store) == after_first + 1
+
+
+def test_unchanged_tensors_are_referenced_not_rewritten(store: Path) -> None:
+    frozen = torch.randn(64, 32)
+    dstt.save(store, 0, {"frozen": frozen, "live": torch.zeros(16)})
+    files_before = {p for p in store.rglob("*") if p.is_file() and "/c/" in str(p)}
+    info = dstt.save(store, 1, {"frozen": frozen.clone(), "live": torch.ones(16)})
+    files_after = {p for p in store.rglob("*") if p.is_file() and "/c/" in str(p)}
+    assert len(files_after - files_before) == 1  # only "live" got a new chunk
+    assert info.bytes_referenced == frozen.numel() * 4
+    run = dstt.open(store)
+    e0, e1 = run.entry("frozen", 0), run.entry("frozen", 1)
+    assert e0.slots == e1.slots and e0.checksum == e1.checksum
+    assert run.entry("live", 0).slots != run.entry("live", 1).slots
+    assert {t.name: t.written for t in run.tensors(1)}["frozen"] == 0
+    assert bits_equal(run.read("frozen", 1), frozen)
+    # a one-element change is detected exactly (no tolerance)
+    changed = frozen.clone()
+    changed[3, 3] = torch.nextafter(changed[3, 3], torch.tensor(math.inf))
+    dstt.save(store, 2, {"frozen": changed, "live": torch.ones(16)})
+    assert bits_equal(run.read("frozen", 2), changed)
+    assert run.entry("frozen", 2).slots != e1.slots
+
+
+def test_partial_step_is_invisible_and_rewritable(store: Path) -> None:
+    dstt.save(store, 0, model_state(0))
+    w = Writer(store)
+    plan = w.plan(1, model_state(1))
+    w.ensure_arrays(plan)
+    for t in plan.tasks[:2]:
+        w.flush_chunk(plan, t)  # data written, never committed: like a crash here
+    w.close()
+    assert dstt.open(store).steps() == [0]
+    dstt.save(store, 1, model_state(1))
+    run = dstt.open(store)
+    assert run.steps() == [0, 1]
+    assert bits_equal(run.read("model/layers.3.weight", 1), model_state(1)["model"]["layers.3.weight"])
+
+
+def test_commit_marker_written_last(store: Path) -> None:
+    dstt.save(store, 3, model_state(0))
+    step_dir = store / L.step_dir("main", 3)
+    names = sorted(os.listdir(step_dir))
+    assert names == ["commit.json", "index.json", "names.json", "stats.npy"]
+    commit = json.loads((step_dir / "commit.json").read_text())
+    assert commit["format_version"] == L.FORMAT_VERSION and commit["step"] == 3
+    # the commit records the other files' checksums; a tampered index is detected
+    (step_dir / "index.json").write_bytes((step_dir / "index.json").read_bytes().replace(b'"step":3', b'"step":4'))
+    with pytest.raises(dstt.ChecksumMismatchError):
+        dstt.open(store).tensors(3)
+
+
+def test_sharded_input_is_one_logical_tensor(store: Path) -> None:
+    full = torch.randn(10, 6)
+    pieces = [((0, 0), full[:4]), ((4, 0), full[4:7]), ((7, 0), full[7:])]  # uneven
+    cols = [((0, 0), full[:, :1]), ((0, 1), full[:, 1:6])]
+    state = {"rows": dstt.ShardedTensor((10, 6), pieces), "cols": dstt.ShardedTensor((10, 6), cols)}
+    dstt.save(store, 0, state)
+    run = dstt.open(store)
+    assert bits_equal(run.read("rows", 0), full)
+    assert bits_equal(run.read("cols", 0), full)
+    assert bits_equal(run.read("rows", 0, index=(slice(3, 8), 2)), full[3:8, 2].contiguous())
+    # every chunk lies inside one shard: chunk edges fall on shard boundaries
+    e = run.entry("rows", 0)
+    for boundary in (4, 7):
+        assert boundary % e.chunk_shape[0] == 0
+
+
+def test_shards_with_gaps_or_overlaps_are_refused(store: Path) -> None:
+    full = torch.randn(6)
+    with pytest.raises(dstt.ShardingError, match="gaps"):
+        dstt.save(store, 0, {"x": dstt.ShardedTensor((6,), [((0,), full[:2]), ((3,), full[3:])])})
+    with pytest.raises(dstt.ShardingError, match="overlap"):
+        dstt.save(store, 0, {"x": dstt.ShardedTensor((6,), [((0,), full[:4]), ((3,), full[3:])])})
+    with pytest.raises(dstt.ShardingError, match="outside"):
+        dstt.ShardedTensor((6,), [((4,), full[:4])])
+
+
+def test_large_tensors_are_chunked_and_sliced_reads_touch_few_chunks(store: Path) -> None:
+    t = torch.randn(100, 33)
+    with Writer(store, max_chunk_bytes=33 * 4 * 8) as w:  # 8 rows per chunk
+        w.write(0, {"t": t})
+    run = dstt.open(store)
+    e = run.entry("t", 0)
+    assert e.chunk_shape == (8, 33) and e.nchunks == 13
+    assert bits_equal(run.read("t", 0), t)
+    reads = []
+    original = run.backend.get
+    run.backend.get = lambda key: (reads.append(key), original(key))[1]  # type: ignore[method-assign]
+    assert bits_equal(run.read("t", 0, index=slice(17, 20)), t[17:20])
+    assert len([k for k in reads if "/c/" in k]) == 1
+
+
+def test_plain_zarr_reads_the_bits_per_docs_recipe(store: Path) -> None:
+    """Follows the 'Reading with zarr-python alone' recipe of docs/format.md."""
+    w = torch.randn(12, 5).to(torch.bfloat16)
+    big = torch.randn(40, 3)
+    with Writer(store, max_chunk_bytes=3 * 4 * 16) as wr:
+        wr.write(0, {"model": {"w": w, "big": big}})
+        wr.write(1, {"model": {"w": w, "big": big + 1}})
+    root = zarr.open_group(store, mode="r")
+    assert root.attrs["dstt"]["format_version"] == 1
+    step_dir = store / "meta" / "steps" / "main" / f"{1:020d}"
+    index = json.loads((step_dir / "index.json").read_text())
+    by_name = {t["name"]: t for t in index["tensors"]}
+
+    def read_plain(name: str) -> np.ndarray:
+        t = by_name[name]
+        arr = zarr.open_array(store, path=t["array"], mode="r")
+        shape, chunk = t["shape"], t["chunk_shape"]
+        grid = [-(-s // c) for s, c in zip(shape, chunk)]
+        out = np.empty(shape, dtype=arr.dtype)
+        for i, slot in enumerate(t["slots"]):
+            coords = np.unravel_index(i, grid)
+            box = tuple(slice(c * k, min((c + 1) * k, s)) for c, k, s in zip(coords, chunk, shape))
+            out[box] = arr[(slot, *box)]
+        return out
+
+    bits = read_plain("model/w")
+    assert bits.dtype == np.uint16 and by_name["model/w"]["dtype"] == "bfloat16"
+    assert torch.equal(torch.from_numpy(bits).view(torch.bfloat16), w)
+    assert np.array_equal(read_plain("model/big"), (big + 1).numpy())
+    stats = np.load(step_dir / "stats.npy")
+    names = json.loads((step_dir / "names.json").read_text())
+    norm_col = json.loads((step_dir / "commit.json").read_text())["stats_columns"].index("norm")
+    assert stats[names.index("model/big"), norm_col] == pytest.approx(float((big + 1).norm()), rel=1e-6)
+
+
+def test_stats_are_recorded_without_reading_tensors(store: Path) -> None:
+    t = torch.tensor([[1.0, -2.0, float("nan")], [3.0, float("inf"), 0.5]])
+    ok = torch.randn(50, 7, dtype=torch.float64)
+    dstt.save(store, 0, {"t": t, "ok": ok, "i": torch.arange(5), "b": torch.tensor([True, False])})
+    run = dstt.open(store)
+    run.backend.get_range = None  # type: ignore[assignment]
+    original = run.backend.get
+    run.backend.get = lambda k: (_ for _ in ()).throw(AssertionError(k)) if "/c/" in k else original(k)  # type: ignore[method-assign]
+    stats = {i.name: i.stats for i in run.tensors(0)}
+    assert stats["t"]["nonfinite"] == 2 and stats["t"]["numel"] == 6
+    s = stats["ok"]
+    assert s["norm"] == pytest.approx(float(ok.norm()), rel=1e-9)
+    assert s["mean"] == pytest.approx(float(ok.mean()), rel=1e-9)
+    assert s["std"] == pytest.approx(float(ok.std()), rel=1e-9)
+    assert (s["min"], s["max"]) == (float(ok.min()), float(ok.max()))
+    assert stats["i"]["mean"] == 2.0 and stats["b"]["max"] == 1.0
+
+
+def test_stats_merge_across_chunks_matches_whole_tensor(store: Path) -> None:
+    t = torch.randn(97, 13, dtype=torch.float64) * 5 + 3
+    with Writer(store, max_chunk_bytes=13 * 8 * 10) as w:
+        w.write(0, {"t": t})
+    s = dstt.open(store).tensors(0)[0].stats
+    assert dstt.open(store).entry("t", 0).nchunks == 10
+    assert s["std"] == pytest.approx(float(t.std()), rel=1e-12)
+    assert s["norm"] == pytest.approx(float(t.norm()), rel=1e-12)
+    assert s["mean"] == pytest.approx(float(t.mean()), rel=1e-12)
+
+
+def test_steps_must_increase_and_existing_steps_are_immutable(store: Path) -> None:
+    dstt.save(store, 5, {"w": torch.ones(2)})
+    before = sorted((p, p.read_bytes()) for p in store.rglob("*") if p.is_file())
+    with pytest.raises(dstt.StepExistsError, match="step 5 already exists"):
+        dstt.save(store, 5, {"w": torch.zeros(2)})
+    with pytest.raises(dstt.StepOrderError, match="not after the latest step 5"):
+        dstt.save(store, 4, {"w": torch.zeros(2)})
+    after = sorted((p, p.read_bytes()) for p in store.rglob("*") if p.is_file())
+    assert before == after
+    assert bits_equal(dstt.open(store).read("w", 5), torch.ones(2))
+
+
+def test_branches_have_separate_slot_spaces(store: Path) -> None:
+    base = torch.randn(6)
+    dstt.save(store, 0, {"w": base})
+    info = dstt.save(store, 1, {"w": base}, branch="exp", parent=("main", 0))
+    assert info.bytes_written == 0  # first step of the branch references its parent's data
+    dstt.save(store, 2, {"w": base + 1}, branch="exp")
+    dstt.save(store, 1, {"w": base - 1})
+    run = dstt.open(store)
+    assert run.branches() == ["exp", "main"]
+    assert run.branch_info("exp").parent == ("main", 0)
+    assert bits_equal(run.read("w", 2, "exp"), base + 1)
+    assert bits_equal(run.read("w", 1, "main"), base - 1)
+    slots_main = set(run.entry("w", 1, "main").slots)
+    slots_exp = set(run.entry("w", 2, "exp").slots)
+    assert not slots_main & slots_exp

@@ -1,0 +1,191 @@
+"""Bit-exact round trips of tensors and values through dstt.save / dstt.open."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dstt
+from tests.conftest import bits_equal
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+]
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, rng: np.random.Generator) -> torch.Tensor:
+    """A tensor whose bytes are uniformly random: every NaN payload, -0.0, inf."""
+    n = math.prod(shape)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(rng.integers(0, 256, size=n * itemsize, dtype=np.uint8))
+    if dtype == torch.bool:
+        return (raw % 2).to(torch.bool).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
+leaf_dtypes = st.sampled_from(DTYPES)
+
+
+@st.composite
+def states(draw: st.DrawFn) -> dict:
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+    def tensor() -> torch.Tensor:
+        t = random_bits(draw(shapes), draw(leaf_dtypes), rng)
+        if t.dim() >= 2 and draw(st.booleans()):
+            t = t.transpose(0, 1)  # non-contiguous
+        return t
+
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.text(max_size=8),
+        st.floats(allow_nan=True, allow_infinity=True),
+    )
+    leaves = st.one_of(scalars, st.just("TENSOR"))
+    tree = st.recursive(
+        leaves,
+        lambda children: st.one_of(
+            st.lists(children, max_size=3),
+            st.lists(children, max_size=3).map(tuple),
+            st.dictionaries(st.text(alphabet="abc./%$_", min_size=1, max_size=4), children, max_size=3),
+            st.dictionaries(st.integers(-3, 3), children, max_size=3),
+        ),
+        max_leaves=8,
+    )
+
+    def fill(x: object) -> object:
+        if x == "TENSOR":
+            return tensor()
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [fill(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(fill(v) for v in x)
+        return x
+
+    return {"model": {"w": tensor()}, "extra": fill(draw(tree))}
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and bits_equal(a, b)
+    if isinstance(a, float):
+        return isinstance(b, float) and (a == b and math.copysign(1, a) == math.copysign(1, b) or (a != a and b != b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(state=states())
+def test_roundtrip_bit_exact(tmp_path_factory: pytest.TempPathFactory, state: dict) -> None:
+    path = tmp_path_factory.mktemp("rt") / "run"
+    try:
+        dstt.save(path, 0, state)
+    except dstt.InvalidNameError:
+        return  # two keys that map to one tensor name ("1" and 1) are refused, tested below
+    back = dstt.open(path).state_dict(0)
+    assert same(state, back)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_dtype_bit_exact_with_special_values(store: Path, dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(0)
+    t = random_bits((7, 5), dtype, rng)
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        t[0, 0] = -0.0
+        t[0, 1] = float("nan")
+        t[0, 2] = float("inf")
+    state = {"t": t, "scalar": t[1, 1].clone(), "empty": t[:0], "strided": t[:, ::2]}
+    dstt.save(store, 0, state)
+    run = dstt.open(store)
+    back = run.state_dict(0)
+    for k, v in state.items():
+        assert bits_equal(back[k], v), k
+        assert back[k].dtype == dtype
+    assert bits_equal(run.read("t", 0, index=(slice(2, 5), 3)), t[2:5, 3].contiguous())
+
+
+def test_nan_payloads_survive(store: Path) -> None:
+    payloads = torch.tensor([0x7FC00001, 0x7F800123, 0xFFC0BEEF, 0x80000000], dtype=torch.int64).to(torch.int32)
+    t = payloads.view(torch.float32)
+    dstt.save(store, 0, {"t": t})
+    assert dstt.open(store).read("t", 0).view(torch.int32).tolist() == payloads.tolist()
+
+
+def test_values_keep_python_types(store: Path) -> None:
+    extra = {
+        "i": 3, "big": 2**80, "f": 1.0, "inf": float("inf"), "ninf": float("-inf"), "nan": float("nan"),
+        "s": "héllo", "none": None, "b": True, "l": [1, [2, (3, 4.5)]], "t": (1, "x", None),
+        "nested": {"a": {"b": {"c": [None]}}}, 7: "int key", (1, 2): "tuple key", "$weird": 1,
+        "bytes": b"\x00\xff", "dt": torch.bfloat16, "np": np.int64(5),
+    }
+    dstt.save(store, 0, {"extra": extra})
+    back = dstt.open(store).state_dict(0)["extra"]
+    assert same({k: v for k, v in extra.items() if k != "np"}, {k: v for k, v in back.items() if k != "np"})
+    assert back["np"] == 5 and isinstance(back["np"], np.int64)
+
+
+def test_training_state_roundtrip(store: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    model(torch.randn(8, 6)).sum().backward()
+    opt.step()
+    sched.step()
+    random.random()
+    np.random.rand()
+    state = dstt.state_of(model=model, optimizer=opt, scheduler=sched, rng=True, extra={"epoch": 2})
+    dstt.save(store, 1, state)
+    back = dstt.open(store).state_dict(1)
+    for k, v in model.state_dict().items():
+        assert bits_equal(back["model"][k], v), k
+    assert back["optim"]["param_groups"][0]["params"] == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+    assert bits_equal(back["optim"]["0.weight"]["exp_avg"], opt.state[model[0].weight]["exp_avg"])
+    assert back["scheduler"] == sched.state_dict()
+    assert bits_equal(back["rng"]["torch"], torch.get_rng_state())
+    np_state = np.random.get_state()
+    assert back["rng"]["numpy"][0] == np_state[0] and np.array_equal(back["rng"]["numpy"][1], np_state[1])
+    assert back["rng"]["python"] == random.getstate()
+    # the restored optimizer state loads into a freshly built optimizer
+    fresh = torch.optim.AdamW(model.parameters(), lr=1.0)
+    from dstt.state import optimizer_state_dict_from
+
+    fresh.load_state_dict(optimizer_state_dict_from(back["optim"], fresh, model))
+    assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert bits_equal(fresh.state[model[2].bias]["exp_avg_sq"], opt.state[model[2].bias]["exp_avg_sq"])
+
+
+def test_numpy_arrays_come_back_as_numpy(store: Path) -> None:
+    a = np.arange(12, dtype=np.uint16).reshape(3, 4)[:, ::2]
+    dstt.save(store, 0, {"a": a})
+    back = dstt.open(store).state_dict(0)["a"]
+    assert isinstance(back, np.ndarray) and back.dtype == np.uint16 and np.array_equal(back, a)
+
+
+def test_memory_url_uses_the_same_path() -> None:
+    url = "memory://dstt-test-roundtrip"
+    t = torch.randn(4, 3).to(torch.bfloat16)
+    dstt.save(url, 0, {"t": t})
+    dstt.save(url, 1, {"t": t * 2})
+    run = dstt.open(url)
+    assert run.steps() == [0, 1]
+    assert bits_equal(run.read("t", 1), t * 2)
+    assert run.commit_info(1)["bytes_written"] > 0
