@@ -41,6 +41,7 @@ from dstt.store.backend import Backend, open_backend
 from dstt.store.codec import CodecSpec, array_metadata, encode_chunk
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.dtypes import as_storage_view
+from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
     encode_json,
     encode_stats,
@@ -139,6 +140,7 @@ class Writer:
         # Commits may run on another thread than planning; it needs its own group.
         self.commit_coord = commit_coordinator or self.coord
         self.rank = self.coord.rank
+        self._branch_lock: Any = None  # rank 0 holds the branch write lock (lock.py)
         self.backend: Backend = self._setup(store, branch, parent)
         self.branch: BranchInfo = load_branch(self.backend, branch)
         self._known_arrays: set[str] = set()
@@ -167,9 +169,12 @@ class Writer:
             try:
                 backend = open_backend(store, create=True)
                 ensure_root(backend)
+                self._branch_lock = acquire_lock(backend, branch)
                 self._ensure_branch(backend, branch, parent)
             except DsttError as e:
                 error = e
+                if self._branch_lock is not None:
+                    self._branch_lock.release()
         if self.coord.distributed:
             error = self.coord.broadcast(error)
         if error is not None:
@@ -397,8 +402,9 @@ class Writer:
                     error = error or e
         except BaseException as e:
             error = error or e
-        if error is not None and not self.coord.distributed:
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise error
+        # commit() turns a flush error into a CaptureError naming the step.
         return self.commit(plan, results, error)
 
     def _check_open(self) -> None:
@@ -409,6 +415,8 @@ class Writer:
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
+            if self._branch_lock is not None:
+                self._branch_lock.release()
             self.backend.close()
 
     def __enter__(self) -> "Writer":

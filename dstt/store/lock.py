@@ -1,0 +1,345 @@
+"""One writer per branch: the branch write lock.
+
+Every :class:`~dstt.store.writer.Writer` (rank 0 under torch.distributed)
+holds ``meta/locks/<branch>.lock`` for its lifetime. A second writer on the
+same branch -- in another process or the same one -- gets a
+:class:`~dstt.errors.StoreLockedError` naming the holder (pid, host, since
+when). Writers on different branches never contend.
+
+Local stores (:class:`~dstt.store.backend.LocalBackend`) use ``flock(2)`` on
+the lock file, held open for the writer's lifetime, so the kernel releases it
+when the writer dies, SIGKILL included: a crashed writer never leaves a stale
+lock. The file also holds a JSON record of the holder, for messages only.
+``flock`` is per open file description, so two writers in one process exclude
+each other too. On network filesystems ``flock`` is only as good as the
+filesystem's lock support (NFSv4 emulates it with byte-range locks).
+
+Other backends (object stores, fsspec URLs) get a *lease*: a JSON file with
+holder, time and expiry, created with ``put_if_absent`` and renewed by a
+daemon thread every ``ttl / 3`` seconds. A writer that dies leaves the lease
+until it expires (``ttl``, default 60 s). This is weaker: it relies on
+clocks agreeing within the ttl, on the store's conditional put being atomic
+(true for S3/GCS ``If-None-Match``, not for every fsspec filesystem), and a
+writer paused for longer than the ttl can lose its lease without noticing.
+
+A live but stuck writer's lock can be broken explicitly with
+:func:`break_lock` (``dstt unlock STORE@BRANCH``): the lock file is removed,
+so the next writer locks a fresh file. The old writer is not told; break a
+lock only when its holder is known to be gone.
+
+>>> import tempfile
+>>> from dstt.store.backend import LocalBackend
+>>> b = LocalBackend(tempfile.mkdtemp())
+>>> lock = acquire(b, "main")
+>>> try:
+...     acquire(b, "main")
+... except StoreLockedError as e:
+...     print("refused")
+refused
+>>> lock.release()
+>>> acquire(b, "main").release()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from dstt.errors import StoreLockedError  # noqa: F401 - re-exported for doctests
+from dstt.store import layout as L
+from dstt.store.backend import Backend, LocalBackend, open_backend
+
+#: Default lease lifetime for non-local backends, in seconds.
+LEASE_TTL = 60.0
+
+
+@dataclass
+class LockInfo:
+    """Who holds (or last held) a branch lock, as recorded in the lock file."""
+
+    branch: str
+    pid: int | None = None
+    host: str | None = None
+    since: float | None = None
+    expires: float | None = None
+    token: str | None = None
+
+    @classmethod
+    def parse(cls, branch: str, data: bytes | None) -> "LockInfo":
+        try:
+            doc = json.loads((data or b"").decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return cls(branch)
+        if not isinstance(doc, dict):
+            return cls(branch)
+
+        def num(k: str) -> Any:
+            v = doc.get(k)
+            return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+        def text(k: str) -> Any:
+            v = doc.get(k)
+            return v[:200] if isinstance(v, str) else None
+
+        pid = num("pid")
+        return cls(branch, int(pid) if pid is not None else None, text("host"), num("since"),
+                   num("expires"), text("token"))
+
+    def describe(self) -> str:
+        who = f"pid {self.pid}" if self.pid is not None else "an unknown process"
+        if self.host:
+            who += f" on {self.host}"
+        if self.since is not None:
+            who += " since " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return who
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"branch": self.branch, "pid": self.pid, "host": self.host,
+                "since": self.since, "expires": self.expires}
+
+
+def _record(branch: str, token: str, ttl: float | None = None) -> bytes:
+    now = time.time()
+    doc = {"branch": branch, "pid": os.getpid(), "host": socket.gethostname(), "since": now, "token": token}
+    if ttl is not None:
+        doc["expires"] = now + ttl
+    return json.dumps(doc).encode()
+
+
+def _locked_error(backend: Backend, branch: str, info: LockInfo) -> StoreLockedError:
+    return StoreLockedError(
+        f"branch {branch!r} of {backend.url} is being written by {info.describe()}; "
+        f"only one writer per branch (if that writer is gone, run: dstt unlock {backend.url}@{branch})"
+    )
+
+
+class BranchLock:
+    """A held branch lock; :meth:`release` (or the holder's death) frees it."""
+
+    def __init__(self, backend: Backend, branch: str) -> None:
+        self.backend = backend
+        self.branch = L.validate_branch(branch)
+        self.key = L.lock_key(branch)
+        self.token = uuid.uuid4().hex
+        self._fd: int | None = None
+        self._stop: threading.Event | None = None
+        self._held = False
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    # ------------------------------------------------------------- local: flock
+
+    def _acquire_local(self) -> bool:
+        assert isinstance(self.backend, LocalBackend)
+        path = self.backend._path(self.key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    return False
+                raise
+            # The file may have been removed (released or broken) between our
+            # open and flock: then we locked an orphan inode; try again.
+            try:
+                same = _same_inode(fd, path)
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, _record(self.branch, self.token), 0)
+            self._fd = fd
+            return True
+
+    def _release_local(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            path = self.backend._path(self.key)  # type: ignore[attr-defined]
+            if _same_inode(fd, path):
+                os.unlink(path)  # while still locked: waiters re-check the inode
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------- other: lease
+
+    def _acquire_lease(self, ttl: float) -> bool:
+        data = _record(self.branch, self.token, ttl)
+        if not self.backend.put_if_absent(self.key, data):
+            info = LockInfo.parse(self.branch, self.backend.get(self.key))
+            if info.expires is not None and info.expires > time.time():
+                return False
+            if info.expires is None and self.backend.exists(self.key):
+                # Unreadable lease: treat as held until its writer's ttl could
+                # have passed; the caller can break it explicitly.
+                return False
+            self.backend.delete(self.key)  # expired: take over
+            if not self.backend.put_if_absent(self.key, data):
+                return False
+        if LockInfo.parse(self.branch, self.backend.get(self.key)).token != self.token:
+            return False
+        self._stop = threading.Event()
+        t = threading.Thread(target=self._renew, args=(ttl, self._stop), name="dstt-lease", daemon=True)
+        t.start()
+        return True
+
+    def _renew(self, ttl: float, stop: threading.Event) -> None:
+        while not stop.wait(ttl / 3):
+            try:
+                current = LockInfo.parse(self.branch, self.backend.get(self.key))
+                if current.token != self.token:
+                    return  # broken or taken over: stop renewing
+                self.backend.put(self.key, _record(self.branch, self.token, ttl))
+            except Exception:  # pragma: no cover - retried at the next period
+                continue
+
+    def _release_lease(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._stop = None
+        with contextlib.suppress(Exception):
+            if LockInfo.parse(self.branch, self.backend.get(self.key)).token == self.token:
+                self.backend.delete(self.key)
+
+    # ------------------------------------------------------------- public
+
+    def try_acquire(self, ttl: float = LEASE_TTL) -> bool:
+        if self._held:
+            return True
+        ok = self._acquire_local() if isinstance(self.backend, LocalBackend) else self._acquire_lease(ttl)
+        self._held = ok
+        return ok
+
+    def release(self) -> None:
+        """Release the lock (idempotent)."""
+        if not self._held:
+            return
+        self._held = False
+        if isinstance(self.backend, LocalBackend):
+            self._release_local()
+        else:
+            self._release_lease()
+
+    def holder(self) -> LockInfo:
+        return LockInfo.parse(self.branch, self.backend.get(self.key))
+
+    def __enter__(self) -> "BranchLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+def _same_inode(fd: int, path: str) -> bool:
+    a = os.fstat(fd)
+    b = os.stat(path)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def acquire(backend: Any, branch: str, *, timeout: float = 0.0, ttl: float = LEASE_TTL) -> BranchLock:
+    """Take the write lock of ``branch``; StoreLockedError if another writer
+    holds it after ``timeout`` seconds (0: do not wait)."""
+    backend = open_backend(backend)
+    lock = BranchLock(backend, branch)
+    deadline = time.monotonic() + max(0.0, timeout)
+    while not lock.try_acquire(ttl):
+        if time.monotonic() >= deadline:
+            raise _locked_error(backend, branch, lock.holder())
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    return lock
+
+
+def lock_holder(backend: Any, branch: str) -> LockInfo | None:
+    """Who holds ``branch``'s lock now, or None when it is free."""
+    backend = open_backend(backend)
+    probe = BranchLock(backend, branch)
+    if isinstance(backend, LocalBackend):
+        if not backend.exists(probe.key):
+            return None
+        if probe.try_acquire():
+            probe.release()
+            return None
+        return probe.holder()
+    info = LockInfo.parse(branch, backend.get(probe.key)) if backend.exists(probe.key) else None
+    if info is not None and info.expires is not None and info.expires <= time.time():
+        return None
+    return info
+
+
+def break_lock(backend: Any, branch: str) -> LockInfo | None:
+    """Remove ``branch``'s lock whoever holds it; the previous holder's record
+    (None if there was no lock file). Only for holders known to be gone.
+
+    >>> import tempfile
+    >>> from dstt.store.backend import LocalBackend
+    >>> b = LocalBackend(tempfile.mkdtemp())
+    >>> held = acquire(b, "main")
+    >>> break_lock(b, "main").pid == os.getpid()
+    True
+    >>> acquire(b, "main").release()
+    """
+    backend = open_backend(backend)
+    key = L.lock_key(L.validate_branch(branch))
+    if not backend.exists(key):
+        return None
+    info = LockInfo.parse(branch, backend.get(key))
+    backend.delete(key)
+    return info
+
+
+def branches_of(backend: Backend) -> list[str]:
+    from dstt.store.root import list_branches
+
+    return list_branches(backend)
+
+
+@contextlib.contextmanager
+def acquire_all(backend: Any, branches: list[str] | None = None, *, timeout: float = 0.0) -> Iterator[list[BranchLock]]:
+    """Hold the write locks of ``branches`` (default: every branch) for the
+    duration of a ``with`` block -- what gc/prune take so no writer runs
+    meanwhile. Locks are taken in sorted order; on failure every lock taken so
+    far is released and StoreLockedError names the busy branch.
+
+    >>> import tempfile
+    >>> from dstt.store.backend import LocalBackend
+    >>> b = LocalBackend(tempfile.mkdtemp())
+    >>> with acquire_all(b, ["a", "main"]) as locks:
+    ...     len(locks)
+    2
+    """
+    backend = open_backend(backend)
+    names = sorted(set(branches if branches is not None else branches_of(backend)))
+    held: list[BranchLock] = []
+    try:
+        for name in names:
+            held.append(acquire(backend, name, timeout=timeout))
+        yield held
+    finally:
+        for lock in reversed(held):
+            lock.release()
+
+
+__all__ = ["BranchLock", "LockInfo", "acquire", "acquire_all", "break_lock", "lock_holder", "LEASE_TTL"]
