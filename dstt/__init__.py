@@ -14,6 +14,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from dstt.api import open, save
+from dstt.capture import Capture
 from dstt.errors import *  # noqa: F401,F403 - the exception hierarchy is public API
 from dstt.errors import DsttError
 from dstt.state import optimizer_state, rng_state, state_of
@@ -24,6 +25,7 @@ from dstt.store.writer import CommitInfo, Writer
 __all__ = [
     "__version__",
     "save",
+    "Capture",
     "open",
     "state_of",
     "optimizer_state",

@@ -1,0 +1,68 @@
+"""Validated settings of :class:`dstt.Capture`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dstt.errors import ConfigError
+from dstt.store.layout import validate_branch
+from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES
+
+ON_FULL = ("wait", "skip")
+
+
+@dataclass
+class CaptureConfig:
+    """Everything :class:`dstt.Capture` can be told, checked on construction.
+
+    ``host_buffer_bytes`` bounds the host staging pool. ``None`` sizes it
+    automatically to two steps of this process's state (so step k+1 can be
+    staged while step k is written). An explicit value must be at least
+    ``max_chunk_bytes``: every chunk is staged whole, so the pool must hold
+    the largest one (tensors larger than the pool are split into chunks and
+    staged in parts).
+
+    >>> CaptureConfig(every=10, on_full="skip").every
+    10
+    >>> CaptureConfig(on_full="drop")
+    Traceback (most recent call last):
+    ...
+    dstt.errors.ConfigError: on_full must be one of ('wait', 'skip'), got 'drop'
+    """
+
+    every: int = 1
+    branch: str = "main"
+    parent: tuple[str, int] | None = None
+    host_buffer_bytes: int | None = None
+    on_full: str = "wait"
+    compression: str = "none"
+    zstd_level: int = 1
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    flush_threads: int = 2
+    allow_pickle: bool = False
+    dedup: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("every", self.every)
+        _positive_int("max_chunk_bytes", self.max_chunk_bytes)
+        _positive_int("flush_threads", self.flush_threads)
+        validate_branch(self.branch)
+        if self.on_full not in ON_FULL:
+            raise ConfigError(f"on_full must be one of {ON_FULL}, got {self.on_full!r}")
+        if self.host_buffer_bytes is not None:
+            _positive_int("host_buffer_bytes", self.host_buffer_bytes)
+            if self.host_buffer_bytes < self.max_chunk_bytes:
+                raise ConfigError(
+                    f"host_buffer_bytes ({self.host_buffer_bytes}) must be at least max_chunk_bytes "
+                    f"({self.max_chunk_bytes}): the staging pool must hold the largest chunk; "
+                    "lower max_chunk_bytes or raise host_buffer_bytes"
+                )
+        if self.parent is not None:
+            if not (isinstance(self.parent, (tuple, list)) and len(self.parent) == 2):
+                raise ConfigError(f"parent must be a (branch, step) pair, got {self.parent!r}")
+            self.parent = (validate_branch(self.parent[0]), int(self.parent[1]))
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,464 @@
+"""``dstt.Capture``: lazy asynchronous capture of a training run.
+
+Data flow of one step (docs/capture.md has the long version)::
+
+    trainer   snapshot(k): plan (collective) → eager copies → queue ─┐
+    stager    lazy copies into the pool (CPU memcpy / CUDA copy stream) ├→ flush pool
+    flush     stats + sha256 + dedup + encode + write, release block  ─┘
+    committer in step order: wait the step's chunks → Writer.commit (collective)
+
+Threads and what they may touch:
+
+* the trainer thread plans (``Writer.plan`` uses the planning coordinator),
+  performs eager copies and queues work; it blocks only on pool backpressure
+  and, through the optimizer pre-hook, on the previous step's lazy copies;
+* one stager thread performs lazy copies in queue order, so "the last
+  queued job is staged" implies every earlier one is;
+* flush threads run ``Writer.flush_chunk`` (thread-safe) and return blocks;
+* one committer thread calls ``Writer.commit`` (its own coordinator, so its
+  collectives never interleave with planning's) for every planned step in
+  order, passing the step's first error: under torch.distributed every rank
+  then learns the step failed and nobody waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dstt.capture.config import CaptureConfig
+from dstt.capture.hooks import StepFence, optimizer_storages, storage_key
+from dstt.capture.records import write_skip
+from dstt.capture.staging import CudaCopier, HostPool
+from dstt.errors import CaptureError
+from dstt.state import state_of
+from dstt.store.coord import new_coordinator
+from dstt.store.plan import ChunkTask, StepPlan
+from dstt.store.writer import ChunkResult, CommitInfo, Writer
+
+log = logging.getLogger("dstt.capture")
+
+_MIB = 1 << 20
+
+
+@dataclass
+class _Job:
+    """One planned step travelling through the pipeline."""
+
+    plan: StepPlan
+    lazy: list[ChunkTask]
+    ready: dict[int, Any] = field(default_factory=dict)  # CUDA: compute-stream events at snapshot()
+    lazy_bytes: int = 0
+    skip: str | None = None  # why the step is skipped (then nothing else is set)
+    futures: list[Future] = field(default_factory=list)
+    error: BaseException | None = None
+    cuda_done: dict[int, Any] = field(default_factory=dict)  # CUDA: copy-stream events after lazy copies
+    issued: threading.Event = field(default_factory=threading.Event)  # lazy copies enqueued
+    staged: threading.Event = field(default_factory=threading.Event)  # lazy copies complete in host memory
+    submitted: threading.Event = field(default_factory=threading.Event)  # every flush future exists
+
+    def finish_staging(self) -> None:
+        self.issued.set()
+        self.staged.set()
+        self.submitted.set()
+
+
+class Capture:
+    """Capture a training run's state at nearly every iteration, in the background.
+
+    Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
+    step and returns; the copy overlaps the next forward and backward, and the
+    optimizer's next step waits only if that copy is unfinished. Writing
+    happens in background threads. ``wait()`` returns when everything queued
+    is durable; ``close()`` drains and releases. A background failure is raised
+    as :class:`dstt.CaptureError` (naming the step) by the next ``snapshot``,
+    ``wait`` or ``close``.
+
+    >>> import tempfile, torch, dstt
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.Adam(model.parameters())
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> with dstt.Capture(path, every=1) as cap:
+    ...     for step in range(3):
+    ...         model(torch.randn(8, 4)).sum().backward()
+    ...         opt.step(); opt.zero_grad()
+    ...         _ = cap.snapshot(step, model=model, optimizer=opt)
+    >>> run = dstt.open(path)
+    >>> run.steps(), torch.equal(run.state_dict(2)["model"]["weight"], model.weight)
+    ([0, 1, 2], True)
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        every: int = 1,
+        branch: str = "main",
+        parent: tuple[str, int] | None = None,
+        host_buffer_bytes: int | None = None,
+        on_full: str = "wait",
+        compression: str = "none",
+        zstd_level: int = 1,
+        max_chunk_bytes: int | None = None,
+        flush_threads: int = 2,
+        allow_pickle: bool = False,
+        dedup: bool = True,
+    ) -> None:
+        extra = {} if max_chunk_bytes is None else {"max_chunk_bytes": max_chunk_bytes}
+        self.config = CaptureConfig(
+            every=every, branch=branch, parent=parent, host_buffer_bytes=host_buffer_bytes,
+            on_full=on_full, compression=compression, zstd_level=zstd_level,
+            flush_threads=flush_threads, allow_pickle=allow_pickle, dedup=dedup, **extra,
+        )
+        cfg = self.config
+        # Two coordinators: planning runs on this thread, commits on the
+        # committer thread; sharing one gloo group would interleave them.
+        self._plan_coord = new_coordinator()
+        self._commit_coord = new_coordinator()
+        self.writer = Writer(
+            store, branch=cfg.branch, parent=cfg.parent, compression=cfg.compression,
+            zstd_level=cfg.zstd_level, max_chunk_bytes=cfg.max_chunk_bytes,
+            allow_pickle=cfg.allow_pickle, dedup=cfg.dedup, threads=1,
+            coordinator=self._plan_coord, commit_coordinator=self._commit_coord,
+        )
+        self.rank = self._plan_coord.rank
+        self.pool: HostPool | None = None
+        self._copier: CudaCopier | None = None
+        self._fence = StepFence(self._before_optimizer_step)
+        self._flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush")
+        self._stage_q: queue.Queue[_Job | None] = queue.Queue()
+        self._commit_q: queue.Queue[_Job | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._pending = 0  # jobs queued and not yet committed (or failed)
+        self._queued_bytes = 0  # lazy bytes queued for staging, not yet allocated
+        self._errors: list[CaptureError] = []
+        self._last: _Job | None = None  # the latest job with lazy copies
+        self.committed: list[CommitInfo] = []
+        self.skipped: list[int] = []
+        self._closed = False
+        self._stager = threading.Thread(target=self._stage_loop, name="dstt-stager", daemon=True)
+        self._committer = threading.Thread(target=self._commit_loop, name="dstt-committer", daemon=True)
+        self._stager.start()
+        self._committer.start()
+
+    # ================================================================ trainer API
+
+    def snapshot(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        rng: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> bool:
+        """Queue the capture of ``step`` (what :func:`dstt.state_of` builds).
+
+        Returns True if the step was queued, False if ``every`` skips it or
+        the skip policy dropped it. Under torch.distributed every rank calls
+        it for the same steps. See the class docstring for an example.
+        """
+        self._check_open()
+        if step % self.config.every != 0:
+            self.raise_pending()
+            return False
+        state = state_of(model=model, optimizer=optimizer, scheduler=scheduler, rng=rng, extra=extra)
+        plan = self.writer.plan(step, state)  # collective under torch.distributed
+        protected: set[tuple[str, int]] = set()
+        if optimizer is not None:
+            self._fence.watch(optimizer)
+            protected = optimizer_storages(optimizer)
+        lazy = [t for t in plan.tasks if storage_key(t.source) in protected]
+        eager = [t for t in plan.tasks if storage_key(t.source) not in protected]
+        need = sum(_task_bytes(t) for t in plan.tasks)
+        self._ensure_pool(plan, need)
+        job = _Job(plan, lazy, lazy_bytes=sum(_task_bytes(t) for t in lazy))
+        why = self._skip_reason(need) if self.config.on_full == "skip" else None
+        if why is not None:
+            self._queue_skip(job, why)
+            self.raise_pending()
+            return False
+        devices = {t.source.device for t in plan.tasks if t.source.device.type == "cuda"}
+        if devices:
+            job.ready = self._cuda().after_compute(devices)
+        try:
+            self._stage_eager(job, eager)
+        except BaseException as e:  # the step is planned: it must still reach commit (collective)
+            job.error = e
+        staged_later = bool(job.lazy) and job.error is None
+        with self._cond:
+            self._pending += 1
+            if staged_later:
+                self._queued_bytes += job.lazy_bytes
+        if staged_later:
+            self._last = job
+            self._stage_q.put(job)
+        else:
+            job.finish_staging()
+        self._commit_q.put(job)
+        self.raise_pending()
+        return True
+
+    def wait_staged(self) -> None:
+        """Block until every queued step is copied to host memory.
+
+        Call it before mutating captured tensors in place outside
+        ``optimizer.step()`` (which waits by itself).
+        """
+        job = self._last
+        if job is not None:
+            job.staged.wait()
+
+    def wait(self, timeout: float | None = None) -> list[CommitInfo]:
+        """Block until every queued step is committed and durable; raise the
+        first background failure as :class:`CaptureError`. Returns the
+        commits so far."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending == 0, timeout):
+                raise CaptureError(f"timed out after {timeout} s waiting for {self._pending} step(s) to commit")
+        self.raise_pending()
+        return list(self.committed)
+
+    def close(self) -> None:
+        """Drain every queued step, stop the threads, release the pool and hooks.
+
+        Raises the first unreported background failure after releasing
+        everything. Safe to call twice.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending == 0)
+        finally:
+            self._stage_q.put(None)
+            self._commit_q.put(None)
+            self._stager.join()
+            self._committer.join()
+            self._flush.shutdown(wait=True)
+            self._fence.remove()
+            self.writer.close()
+            self.pool = None
+        self.raise_pending()
+
+    def raise_pending(self) -> None:
+        """Raise the first background failure not yet reported, if any."""
+        with self._cond:
+            errors, self._errors = self._errors, []
+        if errors:
+            more = f" (and {len(errors) - 1} later failure(s))" if len(errors) > 1 else ""
+            raise CaptureError(f"{errors[0]}{more}") from errors[0].__cause__
+
+    def __enter__(self) -> "Capture":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # do not hide the exception already propagating
+            self.close()
+        except CaptureError as e:
+            log.error("dstt capture failed while handling another exception: %s", e)
+
+    # ================================================================ trainer internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CaptureError("this Capture is closed")
+
+    def _cuda(self) -> CudaCopier:
+        if self._copier is None:
+            self._copier = CudaCopier()
+        return self._copier
+
+    def _before_optimizer_step(self) -> None:
+        """The optimizer step pre-hook: params and optimizer state may change
+        only once the previous snapshot's lazy copies have read them."""
+        job = self._last
+        if job is None or job.staged.is_set():
+            return
+        job.issued.wait()
+        if job.cuda_done and job.error is None:
+            # GPU-side ordering: the update kernels queue behind the copies;
+            # the host does not wait for the device.
+            for idx, ev in job.cuda_done.items():
+                torch.cuda.current_stream(idx).wait_event(ev)
+        else:
+            job.staged.wait()
+
+    def _ensure_pool(self, plan: StepPlan, need: int) -> None:
+        """Allocate the pool on first use; grow it (once idle) if one step no
+        longer fits and the limit allows."""
+        limit = self.config.host_buffer_bytes
+        biggest = max((_task_bytes(t) for t in plan.tasks), default=0)
+        pin = any(t.source.device.type == "cuda" for t in plan.tasks)
+        pool = self.pool
+        if pool is not None:
+            grow = need > pool.capacity and (limit is None or pool.capacity < limit)
+            if not grow and not (pin and not pool.pinned):
+                return
+            self.wait_staged()
+            pool.wait_idle()
+        want = max(2 * need, biggest, _MIB)
+        want = -(-want // _MIB) * _MIB
+        if limit is not None:
+            want = min(want, limit)
+        self.pool = HostPool(want, pin=pin)
+
+    def _skip_reason(self, need: int) -> str | None:
+        """Why this step cannot be staged without waiting (agreed by all ranks)."""
+        assert self.pool is not None
+        with self._cond:
+            outstanding = self.pool.in_use + self._queued_bytes
+        wait = outstanding > 0 and self.pool.capacity - outstanding < min(need, self.pool.capacity)
+        if self._plan_coord.distributed:
+            wait = any(self._plan_coord.all_gather(wait))
+        if not wait:
+            return None
+        return (f"staging pool full: {outstanding} of {self.pool.capacity} bytes still in flight, "
+                f"{need} needed")
+
+    def _queue_skip(self, job: _Job, why: str) -> None:
+        job.skip = why
+        warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", RuntimeWarning, stacklevel=3)
+        with self._cond:
+            self._pending += 1
+        self.skipped.append(job.plan.step)
+        job.finish_staging()
+        self._commit_q.put(job)
+
+    def _stage_eager(self, job: _Job, tasks: list[ChunkTask]) -> None:
+        """Copy tensors with no fence (buffers, RNG, extras) before returning."""
+        assert self.pool is not None
+        pool = self.pool
+        cuda: list[tuple[ChunkTask, torch.Tensor]] = []
+        for t in tasks:
+            dst = pool.view_as(pool.allocate(_task_bytes(t)), t.source, t.shape)
+            if t.source.device.type == "cuda":
+                self._cuda().copy(dst, t.source, job.ready[t.source.device.index])
+                cuda.append((t, dst))
+            else:
+                dst.copy_(t.source)
+                job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
+        if cuda:
+            devices = {t.source.device for t, _ in cuda}
+            done = self._cuda().done(devices)
+            for idx, ev in done.items():
+                # The next forward (e.g. BatchNorm stats) runs after these copies.
+                torch.cuda.current_stream(idx).wait_event(ev)
+            for t, dst in cuda:
+                job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, done[t.source.device.index]))
+
+    # ================================================================ background
+
+    def _stage_loop(self) -> None:
+        while True:
+            job = self._stage_q.get()
+            if job is None:
+                return
+            try:
+                self._stage_lazy(job)
+            except BaseException as e:
+                job.error = job.error or e
+            finally:
+                with self._cond:
+                    self._queued_bytes -= job.lazy_bytes
+                    job.lazy_bytes = 0
+                job.finish_staging()
+
+    def _stage_lazy(self, job: _Job) -> None:
+        pool = self.pool
+        assert pool is not None
+        cuda: list[tuple[ChunkTask, torch.Tensor]] = []
+        for t in job.lazy:
+            nbytes = _task_bytes(t)
+            dst = pool.view_as(pool.allocate(nbytes), t.source, t.shape)
+            with self._cond:
+                self._queued_bytes -= nbytes
+                job.lazy_bytes -= nbytes
+            if t.source.device.type == "cuda":
+                self._cuda().copy(dst, t.source, job.ready[t.source.device.index])
+                cuda.append((t, dst))
+            else:
+                dst.copy_(t.source)
+                job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
+        if cuda:
+            job.cuda_done = self._cuda().done({t.source.device for t, _ in cuda})
+            job.issued.set()
+            for ev in job.cuda_done.values():
+                ev.synchronize()  # this thread waits for the device, never the trainer's
+            for t, dst in cuda:
+                job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
+
+    def _flush_one(
+        self, pool: HostPool, job: _Job, task: ChunkTask, staged: torch.Tensor, ready: Any
+    ) -> ChunkResult:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            if job.error is not None:  # the step already failed: do not spend I/O on it
+                raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
+            return self.writer.flush_chunk(job.plan, task, staged)
+        finally:
+            pool.release(staged)
+
+    def _commit_loop(self) -> None:
+        while True:
+            job = self._commit_q.get()
+            if job is None:
+                return
+            try:
+                if job.skip is not None:
+                    if self.rank == 0:
+                        write_skip(self.writer.backend, self.config.branch, job.plan.step, job.skip)
+                else:
+                    self._commit(job)
+            except BaseException as e:
+                self._fail(job.plan.step, e)
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def _commit(self, job: _Job) -> None:
+        job.submitted.wait()
+        error = job.error
+        results: list[ChunkResult] = []
+        try:
+            self.writer.ensure_arrays(job.plan)
+        except BaseException as e:
+            error = error or e
+        for f in job.futures:
+            try:
+                results.append(f.result())
+            except BaseException as e:  # drain all: no flush may outlive its step
+                error = error or e
+        # Collective: called for every planned step, with its error, so that
+        # no step is committed with missing data and no peer waits forever.
+        info = self.writer.commit(job.plan, results, error)
+        self.committed.append(info)
+
+    def _fail(self, step: int, e: BaseException) -> None:
+        err = e if isinstance(e, CaptureError) and f"step {step}" in str(e) else None
+        if err is None:
+            err = CaptureError(f"capturing step {step} on branch {self.config.branch!r} failed: "
+                               f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+        log.error("%s", err)
+        with self._cond:
+            self._errors.append(err)
+
+
+def _task_bytes(task: ChunkTask) -> int:
+    return math.prod(task.shape) * task.source.dtype.itemsize

@@ -1,0 +1,202 @@
+"""The host staging pool and the copies into it.
+
+The pool is one host buffer (pinned when CUDA is in use) allocated once and
+reused for every step: a fresh multi-GB allocation costs about a second of
+page faults here, a copy into a warm buffer a tenth of that. Blocks are
+handed out in ring order and returned when their chunk is written; since
+chunks are written roughly in the order they were staged, a ring has no
+fragmentation worth the name and needs no free lists.
+
+Invariants:
+
+* a block is never handed out twice while live: [tail, head) (wrapping) is
+  the live region, allocations only come from outside it;
+* ``allocate`` blocks while the pool lacks room (backpressure) and wakes on
+  every ``release``; ``abort()`` wakes every waiter with an error so nothing
+  waits for a pool that will never drain;
+* every block is 64-byte aligned, so a block can be viewed as any dtype.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dstt.errors import CaptureError
+
+ALIGN = 64
+
+
+def _round_up(n: int, k: int = ALIGN) -> int:
+    return -(-n // k) * k
+
+
+@dataclass
+class Block:
+    """A live reservation of ``nbytes`` at ``start`` in the pool buffer."""
+
+    start: int
+    nbytes: int
+    freed: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+
+class HostPool:
+    """A bounded ring of host memory, allocated once.
+
+    >>> pool = HostPool(1 << 12)
+    >>> t = pool.stage(torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    >>> t.tolist(), pool.in_use > 0
+    ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], True)
+    >>> pool.release(t); pool.in_use
+    0
+    """
+
+    def __init__(self, capacity: int, *, pin: bool = False) -> None:
+        self.capacity = _round_up(max(int(capacity), ALIGN))
+        self.pinned = pin
+        # Allocated and touched once here, never on the hot path: pinning or
+        # zeroing faults every page in now rather than during a step.
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        if not pin:
+            self.buffer.zero_()
+        self._blocks: collections.deque[Block] = collections.deque()
+        self._by_ptr: dict[int, Block] = {}
+        self._cond = threading.Condition()
+        self._in_use = 0
+        self._error: str | None = None
+
+    # -------------------------------------------------------------- accounting
+
+    @property
+    def in_use(self) -> int:
+        """Bytes of live blocks (padding included)."""
+        with self._cond:
+            return self._in_use
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._blocks
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every block is released; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._blocks or self._error is not None, timeout)
+
+    # -------------------------------------------------------------- allocation
+
+    def _fit(self, n: int) -> int | None:
+        """Start of a free range of ``n`` bytes, or None (caller holds the lock)."""
+        if not self._blocks:
+            return 0 if n <= self.capacity else None
+        tail, head = self._blocks[0].start, self._blocks[-1].end
+        if self._blocks[0].start <= self._blocks[-1].start:
+            # live region is [tail, head): free space is [head, cap) then [0, tail)
+            if head + n <= self.capacity:
+                return head
+            return 0 if n <= tail else None
+        # wrapped: live is [tail, cap) + [0, head); free is [head, tail)
+        return head if head + n <= tail else None
+
+    def allocate(self, nbytes: int, timeout: float | None = None) -> torch.Tensor:
+        """A uint8 block of ``nbytes``, waiting while the pool is full."""
+        n = _round_up(max(nbytes, 1))
+        if n > self.capacity:
+            raise CaptureError(f"a {nbytes}-byte chunk does not fit the {self.capacity}-byte staging pool")
+        with self._cond:
+            start = None
+            while start is None:
+                if self._error is not None:
+                    raise CaptureError(self._error)
+                start = self._fit(n)
+                if start is None and not self._cond.wait(timeout):
+                    raise CaptureError(f"timed out waiting {timeout} s for {nbytes} bytes of staging pool")
+            block = Block(start, n)
+            self._blocks.append(block)
+            self._in_use += n
+            view = self.buffer[start : start + nbytes]
+            self._by_ptr[view.data_ptr()] = block
+            return view
+
+    def stage(self, src: torch.Tensor) -> torch.Tensor:
+        """Synchronously copy a CPU tensor into a new block (returned as ``src``'s
+        dtype and shape)."""
+        dst = self.view_as(self.allocate(src.numel() * src.element_size()), src)
+        dst.copy_(src)
+        return dst
+
+    @staticmethod
+    def view_as(block: torch.Tensor, like: torch.Tensor | Any, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """``block`` reinterpreted with ``like``'s dtype and ``shape`` (default: like's)."""
+        dtype = like.dtype
+        shape = tuple(like.shape) if shape is None else shape
+        return block.view(dtype).view(shape)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Return the block holding ``t`` (any view starting at the block)."""
+        with self._cond:
+            block = self._by_ptr.pop(t.data_ptr(), None)
+            if block is None:
+                return  # an empty tensor, or a double release: nothing to free
+            block.freed = True
+            self._in_use -= block.nbytes
+            while self._blocks and self._blocks[0].freed:
+                self._blocks.popleft()
+            self._cond.notify_all()
+
+    def abort(self, message: str) -> None:
+        """Wake every waiter with ``message`` as a CaptureError."""
+        with self._cond:
+            self._error = message
+            self._cond.notify_all()
+
+
+class CudaCopier:
+    """Device-to-host copies on dedicated streams, ordered after the compute
+    stream by events; the trainer's thread never synchronizes the device."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, Any] = {}
+
+    def stream(self, device: torch.device) -> Any:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._streams:
+            self._streams[idx] = torch.cuda.Stream(device=idx)
+        return self._streams[idx]
+
+    def after_compute(self, devices: set[torch.device]) -> dict[int, Any]:
+        """Record an event on each device's current (compute) stream: copies
+        issued after waiting on it read the state as of this call."""
+        events = {}
+        for d in devices:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(d))
+            events[d.index] = ev
+        return events
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, ready: Any) -> None:
+        """Enqueue ``dst.copy_(src)`` on the copy stream after ``ready``."""
+        s = self.stream(src.device)
+        s.wait_event(ready)
+        with torch.cuda.stream(s):
+            dst.copy_(src, non_blocking=True)
+        # The caching allocator must not hand src's memory to someone else
+        # before this copy ran, even if the trainer drops its last reference.
+        src.record_stream(s)
+
+    def done(self, devices: set[torch.device]) -> dict[int, Any]:
+        """An event after every copy enqueued so far on each device."""
+        events = {}
+        for d in devices:
+            ev = torch.cuda.Event()
+            ev.record(self.stream(d))
+            events[d.index] = ev
+        return events
