@@ -51,18 +51,30 @@ def _as_float(x: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_partial(x: torch.Tensor) -> Partial:
-    """Partials of one chunk's logical values (any dtype, any device)."""
+    """Partials of one chunk's logical values (any dtype, any device).
+
+    Fast path: mean from a sum and M2 from the sum of squares (both cascade
+    reductions, ~3-5 GB/s) -- Welford's ``var_mean`` runs at ~0.25 GB/s here.
+    ``sumsq - n·mean²`` cancels when |mean| ≫ std (e.g. LayerNorm weights
+    near 1), so below a variance/mean² ratio of 1e-2 the exact two-pass
+    ``torch.var`` is used instead.
+    """
     n = x.numel()
     if n == 0:
         return Partial()
     xf = _as_float(x.reshape(-1))
-    var, mean = torch.var_mean(xf, correction=0)
+    total = float(xf.sum(dtype=torch.float64) if xf.dtype == torch.float64 else xf.sum())
+    mean = total / n
+    norm = float(torch.linalg.vector_norm(xf))
+    sumsq = norm * norm  # inf on overflow (float ** raises instead)
     lo, hi = torch.aminmax(xf)
-    mean_f, var_f = float(mean), float(var)
-    nonfinite = 0
-    if not (math.isfinite(mean_f) and math.isfinite(var_f)):
+    m2 = sumsq - n * mean * mean
+    if not (math.isfinite(mean) and math.isfinite(sumsq)):
         nonfinite = int(xf.numel() - torch.isfinite(xf).sum())
-    return Partial(n, mean_f, var_f * n, (var_f + mean_f * mean_f) * n, float(lo), float(hi), nonfinite)
+        return Partial(n, mean, float("nan"), sumsq, float(lo), float(hi), nonfinite)
+    if m2 < 1e-2 * n * mean * mean or m2 <= 0:
+        m2 = float(torch.var(xf, correction=0)) * n if n > 1 else 0.0
+    return Partial(n, mean, m2, sumsq, float(lo), float(hi), 0)
 
 
 def merge(parts: list[Partial]) -> Partial:
