@@ -65,7 +65,7 @@ def ensure_root(backend: Backend) -> None:
     if backend.get("zarr.json") is not None:
         check_root(backend)
         return
-    if backend.list_dir(""):
+    if backend.list_dir("") and not _interrupted_creation(backend):
         raise NotADsttStoreError(
             f"{backend.url} is not empty and is not a dstt store; refusing to write into it"
         )
@@ -77,6 +77,13 @@ def ensure_root(backend: Backend) -> None:
     backend.put(f"{L.META}/zarr.json", group_metadata({"dstt": "metadata; see docs/format.md"}))
     backend.sync()
     backend.put_if_absent("zarr.json", group_metadata(attrs))
+
+
+def _interrupted_creation(backend: Backend) -> bool:
+    """True when the directory holds only what a store creation killed before
+    writing the root zarr.json leaves behind (so the next writer finishes it)."""
+    keys = {k for k in backend.list_prefix("") if ".tmp-" not in k}
+    return keys <= {f"{L.TENSORS}/zarr.json", f"{L.META}/zarr.json"}
 
 
 def list_branches(backend: Backend) -> list[str]:

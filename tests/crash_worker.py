@@ -1,0 +1,125 @@
+"""A training process that captures every iteration, for crash and
+concurrency tests.
+
+The state of step k is a pure function of k (:func:`expected_state`), so a
+test can check every committed step bit-exactly without talking to the
+writer. Run as::
+
+    python -m tests.crash_worker write STORE BRANCH N_STEPS [save|capture|auto]
+    python -m tests.crash_worker zygote
+
+``write`` resumes after the branch's last committed step and captures
+N_STEPS more (0 = forever). ``zygote`` imports torch once, then forks one
+writer per ``fork`` command on stdin, so a test can SIGKILL many real writer
+processes without paying the torch import each time. Protocol, one line
+each way: ``fork STORE BRANCH N MODE`` → ``pid P``; ``wait P`` → ``status S``;
+``quit``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed.tensor  # noqa: F401 - imported once in the zygote, not per writer
+import zarr.storage  # noqa: F401
+
+import dstt
+
+#: Small chunks so every step writes several chunk files per tensor.
+MAX_CHUNK_BYTES = 2048
+
+
+def expected_state(step: int) -> dict[str, Any]:
+    """The state captured at ``step`` (as ``state_of(extra=user_state(step))``)."""
+    return {"extra": user_state(step)}
+
+
+def user_state(step: int) -> dict[str, Any]:
+    """Changing, frozen (dedup) and odd-dtype tensors plus loop values."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return {
+        "model": {
+            "w": torch.randn(24, 40, generator=g),
+            "b": torch.randn(40, generator=g).to(torch.bfloat16),
+            "frozen": torch.arange(600, dtype=torch.float32),  # same every step: referenced
+        },
+        "optim": {"exp_avg": torch.randn(24, 40, generator=g), "step": torch.tensor(float(step))},
+        "loop": {"step": step, "loss": 1.0 / (step + 1), "tag": f"s{step}"},
+    }
+
+
+def has_capture() -> bool:
+    return hasattr(dstt, "Capture")
+
+
+def _last_step(store: str, branch: str) -> int:
+    try:
+        run = dstt.open(store)
+        steps = run.steps(branch)
+    except dstt.DsttError:
+        return -1
+    return steps[-1] if steps else -1
+
+
+def write(store: str, branch: str, n_steps: int, mode: str = "auto") -> int:
+    """Capture steps after the last committed one; the last step attempted."""
+    use_capture = mode == "capture" or (mode == "auto" and has_capture())
+    start = _last_step(store, branch) + 1
+    stop = start + n_steps if n_steps > 0 else 1 << 62
+    if use_capture:
+        return _write_capture(store, branch, start, stop)
+    w = dstt.Writer(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
+    try:
+        for step in range(start, stop):
+            w.write(step, dstt.state_of(extra=user_state(step)))
+    finally:
+        w.close()
+    return stop - 1
+
+
+def _write_capture(store: str, branch: str, start: int, stop: int) -> int:
+    cap = dstt.Capture(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
+    try:
+        for step in range(start, stop):
+            cap.snapshot(step, rng=False, extra=user_state(step))
+    finally:
+        cap.close()
+    return stop - 1
+
+
+def zygote() -> None:
+    out = sys.stdout
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "quit":
+            return
+        if cmd[0] == "fork":
+            pid = os.fork()
+            if pid == 0:  # the writer: dies by SIGKILL or finishes
+                code = 0
+                try:
+                    sys.stdin.close()
+                    write(cmd[1], cmd[2], int(cmd[3]), cmd[4])
+                except BaseException as e:  # noqa: BLE001 - reported through the exit code
+                    print(f"writer failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    code = 3
+                os._exit(code)
+            out.write(f"pid {pid}\n")
+        elif cmd[0] == "wait":
+            _, status = os.waitpid(int(cmd[1]), 0)
+            out.write(f"status {status}\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "zygote":
+        zygote()
+    elif sys.argv[1] == "write":
+        write(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "auto")
+    else:
+        sys.exit(f"unknown command {sys.argv[1]!r}")
