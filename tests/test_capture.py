@@ -1,0 +1,452 @@
+"""dstt.Capture in one process: round trips, the consistency guarantee,
+the staging pool, the skip policy and background failures."""
+
+from __future__ import annotations
+
+import errno
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import dstt
+from dstt.capture import CaptureConfig, skipped_steps
+from dstt.capture.engine import Capture
+from dstt.capture.staging import HostPool
+from dstt.errors import CaptureError, ConfigError, StepOrderError
+from dstt.store.backend import LocalBackend
+
+from conftest import bits_equal
+
+
+@contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Fail (instead of hanging the suite) if the block runs past ``seconds``."""
+
+    def boom(*_: Any) -> None:
+        raise TimeoutError(f"capture test still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class FaultyBackend(LocalBackend):
+    """A local store that fails (or slows down) on chosen writes."""
+
+    def __init__(self, root: Path, *, fail_chunk_after: int | None = None, exc: OSError | None = None,
+                 fail_commit_of: int | None = None, delay: float = 0.0) -> None:
+        super().__init__(root, create=True)
+        self.fail_chunk_after = fail_chunk_after
+        self.exc = exc or OSError(errno.ENOSPC, "No space left on device")
+        self.fail_commit_of = fail_commit_of
+        self.delay = delay
+        self.chunk_puts = 0
+        self._count = threading.Lock()
+
+    def put(self, key: str, data: Any) -> None:
+        if "/c/" in key and key.startswith("tensors/"):
+            time.sleep(self.delay)
+            with self._count:
+                self.chunk_puts += 1
+                n = self.chunk_puts
+            if self.fail_chunk_after is not None and n > self.fail_chunk_after:
+                raise self.exc
+        super().put(key, data)
+
+    def put_atomic(self, key: str, data: Any) -> None:
+        if self.fail_commit_of is not None and key.endswith(f"{self.fail_commit_of:020d}/commit.json"):
+            raise OSError(errno.EACCES, "Permission denied")
+        super().put_atomic(key, data)
+
+
+class Net(torch.nn.Module):
+    """Parameters, a BatchNorm (buffers that change during forward) and a
+    parameter no optimizer updates."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.fc2 = torch.nn.Linear(width, 3)
+        self.frozen = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def make(seed: int = 0, width: int = 32) -> tuple[Net, torch.optim.Optimizer, Any]:
+    torch.manual_seed(seed)
+    model = Net(width)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def train_step(model: Net, opt: torch.optim.Optimizer, sched: Any = None) -> None:
+    x = torch.randn(16, 8)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    if sched is not None:
+        sched.step()
+
+
+def clone_state(state: Any) -> Any:
+    """A deep copy of a state's tensors, on the CPU."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu().clone()
+    if isinstance(state, dict):
+        return {k: clone_state(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(clone_state(v) for v in state)
+    return state
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert bits_equal(a, b), f"{where}: stored tensor differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), f"{where}: {a!r} vs {b!r}"
+
+
+def reference(model: Net, opt: torch.optim.Optimizer, sched: Any, extra: dict | None = None) -> Any:
+    return clone_state(dstt.state_of(model=model, optimizer=opt, scheduler=sched, extra=extra))
+
+
+def stored(store: Any, step: int) -> dict:
+    sd = dstt.open(store).state_dict(step)
+    sd.pop("rng", None)
+    return sd
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+def test_every_step_round_trips_bit_exact(store: Path) -> None:
+    model, opt, sched = make()
+    refs = {}
+    with deadline(60), dstt.Capture(store) as cap:
+        for step in range(5):
+            train_step(model, opt, sched)
+            extra = {"loss": 0.5 / (step + 1), "ids": torch.arange(step + 3), "half": torch.randn(3).bfloat16()}
+            assert cap.snapshot(step, model=model, optimizer=opt, scheduler=sched, extra=extra)
+            refs[step] = reference(model, opt, sched, extra)
+        cap.wait()
+        assert [c.step for c in cap.committed] == list(range(5))
+    assert dstt.open(store).steps() == list(range(5))
+    for step, ref in refs.items():
+        assert_same(ref, stored(store, step), f"step {step}")
+
+
+def test_every_n_and_rng(store: Path) -> None:
+    model, opt, sched = make()
+    with deadline(60), dstt.Capture(store, every=3) as cap:
+        for step in range(7):
+            train_step(model, opt)
+            before = torch.get_rng_state()
+            queued = cap.snapshot(step, model=model, optimizer=opt, rng=True)
+            assert queued == (step % 3 == 0)
+            if queued:
+                rng_ref = before
+            torch.randn(100)  # the generator moves on after the snapshot
+    assert dstt.open(store).steps() == [0, 3, 6]
+    assert bits_equal(dstt.open(store).state_dict(6)["rng"]["torch"], rng_ref)
+
+
+def test_all_dtypes_through_the_pool(store: Path) -> None:
+    extra = {
+        "f64": torch.randn(7, dtype=torch.float64),
+        "f16": torch.randn(5, 3).half(),
+        "bf16": torch.randn(9).bfloat16(),
+        "i8": torch.randint(-100, 100, (13,), dtype=torch.int8),
+        "bool": torch.rand(11) > 0.5,
+        "c64": torch.randn(4, dtype=torch.complex64),
+        "f8": torch.randn(6).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "strided": torch.randn(6, 4).t(),
+    }
+    ref = clone_state(extra)
+    with deadline(30), dstt.Capture(store) as cap:
+        cap.snapshot(0, extra=extra, rng=False)
+        for t in extra.values():  # no optimizer: everything was staged eagerly
+            if t.numel():
+                t.zero_() if t.dtype != torch.bool else t.fill_(False)
+    assert_same({"extra": ref}, stored(store, 0))
+
+
+def test_state_larger_than_pool_is_staged_in_parts(store: Path) -> None:
+    model, opt, sched = make(width=256)  # fc1 weight is 8 KiB; the pool holds 4 chunks of 4 KiB
+    with deadline(60), dstt.Capture(store, host_buffer_bytes=16 << 10, max_chunk_bytes=4 << 10) as cap:
+        refs = {}
+        for step in range(3):
+            train_step(model, opt)
+            cap.snapshot(step, model=model, optimizer=opt)
+            refs[step] = reference(model, opt, None)
+        assert cap.pool is not None and cap.pool.capacity == 16 << 10
+    for step, ref in refs.items():
+        assert_same(ref, stored(store, step), f"step {step}")
+
+
+def test_config_is_validated(store: Path) -> None:
+    with pytest.raises(ConfigError, match="max_chunk_bytes"):
+        dstt.Capture(store, host_buffer_bytes=1 << 20, max_chunk_bytes=2 << 20)
+    with pytest.raises(ConfigError, match="on_full"):
+        CaptureConfig(on_full="drop")
+    with pytest.raises(ConfigError, match="every"):
+        CaptureConfig(every=0)
+    with pytest.raises(ConfigError, match="parent"):
+        CaptureConfig(parent=("main",))
+
+
+def test_step_order_errors_are_immediate(store: Path) -> None:
+    model, opt, _ = make()
+    with deadline(30), dstt.Capture(store) as cap:
+        cap.snapshot(5, model=model, optimizer=opt)
+        with pytest.raises(StepOrderError):
+            cap.snapshot(5, model=model, optimizer=opt)
+    assert dstt.open(store).steps() == [5]
+
+
+def test_new_branch_with_parent(store: Path) -> None:
+    model, opt, _ = make()
+    with dstt.Capture(store) as cap:
+        cap.snapshot(0, model=model, optimizer=opt)
+    train_step(model, opt)
+    with deadline(30), dstt.Capture(store, branch="fork", parent=("main", 0)) as cap:
+        cap.snapshot(1, model=model, optimizer=opt)
+    run = dstt.open(store)
+    assert run.steps("fork") == [1]
+    assert run.branch_info("fork").parent == ("main", 0)
+
+
+# ----------------------------------------------------------------------------- consistency
+
+
+def slow_staging(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.3) -> None:
+    """Delay every lazy copy so training code after snapshot() surely runs first."""
+    original = Capture._stage_lazy
+
+    def slow(self: Capture, job: Any) -> None:
+        time.sleep(seconds)
+        original(self, job)
+
+    monkeypatch.setattr(Capture, "_stage_lazy", slow)
+
+
+def test_in_place_updates_after_snapshot_are_not_captured(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stored step equals the state at snapshot(), although parameters,
+    optimizer state and BatchNorm buffers are all changed in place right
+    after it returns (the pattern that broke DCP async_save, pytorch #144657)."""
+    slow_staging(monkeypatch)
+    model, opt, sched = make()
+    train_step(model, opt)
+    with deadline(60), dstt.Capture(store) as cap:
+        for step in range(3):
+            ref = reference(model, opt, sched)
+            cap.snapshot(step, model=model, optimizer=opt, scheduler=sched)
+            model(torch.randn(16, 8))  # forward: BatchNorm running stats change in place, now
+            train_step(model, opt, sched)  # optimizer.step(): params, exp_avg, step change in place
+            with torch.no_grad():  # and a mutation outside the optimizer, after wait_staged()
+                cap.wait_staged()
+                model.fc2.weight.add_(1.0)
+            cap.wait()
+            assert_same(ref, stored(store, step), f"step {step}")
+    assert not bits_equal(ref["model"]["bn.running_mean"], model.bn.running_mean)
+    assert not bits_equal(ref["optim"]["fc1.weight"]["exp_avg"], opt.state[model.fc1.weight]["exp_avg"])
+
+
+def test_without_the_fence_the_race_is_real(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for the test above: with the optimizer hook disabled
+    the same loop stores post-update values, so that test can fail."""
+    slow_staging(monkeypatch)
+    monkeypatch.setattr(Capture, "_before_optimizer_step", lambda self: None)
+    model, opt, _ = make()
+    train_step(model, opt)
+    with deadline(60), dstt.Capture(store) as cap:
+        ref = reference(model, opt, None)
+        cap.snapshot(0, model=model, optimizer=opt)
+        train_step(model, opt)
+    got = stored(store, 0)
+    assert not bits_equal(ref["model"]["fc1.weight"], got["model"]["fc1.weight"])
+    assert bits_equal(model.fc1.weight, got["model"]["fc1.weight"])
+
+
+def test_optimizer_step_waits_for_staging(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_staging(monkeypatch, 0.2)
+    model, opt, _ = make()
+    train_step(model, opt)
+    seen = []
+    with deadline(60), dstt.Capture(store) as cap:
+        cap.snapshot(0, model=model, optimizer=opt)
+        job = cap._last
+        assert job is not None and not job.staged.is_set()  # snapshot() did not wait for the copy
+        opt.register_step_pre_hook(lambda *a: seen.append(job.staged.is_set()))
+        train_step(model, opt)
+    assert seen == [True]
+
+
+# ----------------------------------------------------------------------------- pool and skip policy
+
+
+def test_host_pool_ring_reuses_memory_and_applies_backpressure() -> None:
+    pool = HostPool(256)
+    a, b = pool.allocate(100), pool.allocate(100)
+    got: list[torch.Tensor] = []
+    t = threading.Thread(target=lambda: got.append(pool.allocate(64)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got  # full: the allocation waits
+    pool.release(a)
+    t.join(5)
+    assert got and got[0].data_ptr() == pool.buffer.data_ptr()  # reused the freed block
+    pool.release(b)
+    pool.release(got[0])
+    assert pool.idle() and pool.in_use == 0
+    with pytest.raises(CaptureError, match="does not fit"):
+        pool.allocate(1000)
+    pool.allocate(200)
+    pool.abort("stop")
+    with pytest.raises(CaptureError, match="stop"):
+        pool.allocate(200)
+
+
+def test_skip_policy_records_skips(tmp_path: Path) -> None:
+    backend = FaultyBackend(tmp_path / "run", delay=0.05)
+    model, opt, _ = make(width=256)
+    refs = {}
+    with deadline(60), pytest.warns(RuntimeWarning, match="skipped capturing step"):
+        with dstt.Capture(backend, on_full="skip", host_buffer_bytes=64 << 10, max_chunk_bytes=4 << 10) as cap:
+            for step in range(6):
+                train_step(model, opt)
+                if cap.snapshot(step, model=model, optimizer=opt):
+                    refs[step] = reference(model, opt, None)
+            skipped = list(cap.skipped)
+    run = dstt.open(tmp_path / "run")
+    assert skipped and run.steps() == sorted(refs)
+    assert sorted(refs) + skipped != [] and set(skipped).isdisjoint(refs)
+    records = skipped_steps(tmp_path / "run")
+    assert sorted(records) == skipped
+    assert all("staging pool full" in r["reason"] for r in records.values())
+    for step, ref in refs.items():
+        assert_same(ref, stored(tmp_path / "run", step), f"step {step}")
+
+
+def test_default_policy_waits_instead_of_skipping(tmp_path: Path) -> None:
+    backend = FaultyBackend(tmp_path / "run", delay=0.02)
+    model, opt, _ = make(width=256)
+    with deadline(60), dstt.Capture(backend, host_buffer_bytes=64 << 10, max_chunk_bytes=4 << 10) as cap:
+        for step in range(4):
+            train_step(model, opt)
+            assert cap.snapshot(step, model=model, optimizer=opt)
+    assert dstt.open(tmp_path / "run").steps() == [0, 1, 2, 3]
+    assert skipped_steps(tmp_path / "run") == {}
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left on device"),
+                                 PermissionError(errno.EACCES, "Permission denied")])
+def test_background_write_failure_surfaces_naming_the_step(tmp_path: Path, exc: OSError) -> None:
+    model, opt, _ = make()
+    train_step(model, opt)
+    probe = FaultyBackend(tmp_path / "probe")
+    with dstt.Capture(probe) as cap:
+        cap.snapshot(0, model=model, optimizer=opt)
+    per_step = probe.chunk_puts  # chunk writes of one full step
+    backend = FaultyBackend(tmp_path / "run", fail_chunk_after=2 * per_step + 1, exc=exc)
+    refs = {}
+    with deadline(60):
+        cap = dstt.Capture(backend, dedup=False)
+        for step in range(2):
+            train_step(model, opt)
+            cap.snapshot(step, model=model, optimizer=opt)
+            refs[step] = reference(model, opt, None)
+        cap.wait()
+        train_step(model, opt)
+        cap.snapshot(2, model=model, optimizer=opt)  # some of its chunks fail to write
+        with pytest.raises(CaptureError, match="step 2") as info:
+            cap.wait()
+        assert type(exc).__name__ in str(info.value)
+        train_step(model, opt)
+        with pytest.raises(CaptureError, match="step 3"):
+            cap.snapshot(3, model=model, optimizer=opt)
+            cap.wait()
+        cap.close()
+    run = dstt.open(tmp_path / "run")
+    assert run.steps() == [0, 1]  # nothing committed with missing data
+    for step, ref in refs.items():
+        assert_same(ref, stored(tmp_path / "run", step), f"step {step}")
+
+
+def test_commit_failure_raised_by_next_snapshot_and_close_returns(tmp_path: Path) -> None:
+    backend = FaultyBackend(tmp_path / "run", fail_commit_of=1)
+    model, opt, _ = make()
+    with deadline(60):
+        cap = dstt.Capture(backend)
+        cap.snapshot(0, model=model, optimizer=opt)
+        cap.snapshot(1, model=model, optimizer=opt)
+        while cap._pending:  # let the failure happen in the background
+            time.sleep(0.01)
+        with pytest.raises(CaptureError, match="step 1.*Permission denied"):
+            cap.snapshot(2, model=model, optimizer=opt)
+        cap.close()  # step 2 is drained and committed; the error was already reported
+        cap.close()
+        with pytest.raises(CaptureError, match="closed"):
+            cap.snapshot(3, model=model, optimizer=opt)
+    assert dstt.open(tmp_path / "run").steps() == [0, 2]
+
+
+def test_close_raises_an_unreported_failure(tmp_path: Path) -> None:
+    backend = FaultyBackend(tmp_path / "run", fail_chunk_after=0)
+    model, opt, _ = make()
+    with deadline(60):
+        cap = dstt.Capture(backend)
+        cap.snapshot(0, model=model, optimizer=opt)
+        with pytest.raises(CaptureError, match="step 0.*No space left"):
+            cap.close()
+    assert dstt.open(tmp_path / "run").steps() == []
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_capture_is_consistent(store: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8)).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    refs = {}
+    with deadline(120), dstt.Capture(store) as cap:
+        for step in range(4):
+            x = torch.randn(32, 64, device="cuda")
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            refs[step] = clone_state(dstt.state_of(model=model, optimizer=opt))
+            cap.snapshot(step, model=model, optimizer=opt)
+            model(torch.randn(32, 64, device="cuda"))  # BN buffers change right away
+        assert cap.pool is not None and cap.pool.pinned
+    for step, ref in refs.items():
+        assert_same(ref, stored(store, step), f"step {step}")
