@@ -227,3 +227,61 @@ def test_branches_have_separate_slot_spaces(store: Path) -> None:
     slots_main = set(run.entry("w", 1, "main").slots)
     slots_exp = set(run.entry("w", 2, "exp").slots)
     assert not slots_main & slots_exp
+
+
+def forge_crc_collision(data: bytes) -> bytes:
+    """Different bytes with the same CRC-32C: flip the first byte, then solve
+    for the last four bytes (CRC is affine over GF(2) for a fixed length)."""
+    from dstt.store.codec import crc32c
+
+    n = len(data)
+    target = crc32c(data)
+    base = bytearray(data)
+    base[0] ^= 0xFF
+    zero = bytearray(n)
+    c0 = crc32c(bytes(zero))
+
+    def lin(bits: int) -> int:  # linear part of CRC for the last 32 bits set to ``bits``
+        buf = bytearray(n)
+        buf[-4:] = bits.to_bytes(4, "little")
+        return crc32c(bytes(buf)) ^ c0
+
+    cols = [lin(1 << k) for k in range(32)]
+    base[-4:] = bytes(4)
+    need = crc32c(bytes(base)) ^ target  # want lin(x) == need
+    # Gaussian elimination over GF(2): rows = 32 output bits, columns = 32 input bits.
+    rows = [(sum(((cols[k] >> r) & 1) << k for k in range(32)), (need >> r) & 1) for r in range(32)]
+    solution = 0
+    pivots = []
+    for k in range(32):
+        piv = next((i for i, (m, _) in enumerate(rows) if (m >> k) & 1 and i not in [p for p, _ in pivots]), None)
+        if piv is None:
+            continue
+        pivots.append((piv, k))
+        for i, (m, b) in enumerate(rows):
+            if i != piv and (m >> k) & 1:
+                rows[i] = (m ^ rows[piv][0], b ^ rows[piv][1])
+    for piv, k in pivots:
+        if rows[piv][1]:
+            solution |= 1 << k
+    base[-4:] = solution.to_bytes(4, "little")
+    forged = bytes(base)
+    assert forged != data and crc32c(forged) == target
+    return forged
+
+
+def test_dedup_is_exact_even_when_crcs_collide(store: Path) -> None:
+    a = torch.arange(64, dtype=torch.uint8)
+    b = torch.frombuffer(bytearray(forge_crc_collision(a.numpy().tobytes())), dtype=torch.uint8)
+    assert not torch.equal(a, b)
+    dstt.save(store, 0, {"x": a})
+    info = dstt.save(store, 1, {"x": b})  # same CRC, prior sha256 unknown: byte compare
+    assert info.bytes_written > 0
+    dstt.save(store, 2, {"x": b})  # now unchanged: referenced, sha256 recorded
+    c = torch.frombuffer(bytearray(forge_crc_collision(b.numpy().tobytes())), dtype=torch.uint8)
+    info3 = dstt.save(store, 3, {"x": c})  # same CRC as b, sha256 known: hash compare
+    assert info3.bytes_written > 0
+    run = dstt.open(store)
+    assert run.entry("x", 2).sha256[0] is not None
+    for step, t in [(0, a), (1, b), (2, b), (3, c)]:
+        assert torch.equal(run.read("x", step), t)

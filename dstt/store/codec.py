@@ -77,15 +77,19 @@ def crc32c(data: Any) -> int:
     return google_crc32c.value(np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8))
 
 
-def encode_chunk(raw: memoryview, codec: CodecSpec) -> list[Any]:
-    """Encoded chunk as a list of buffers to write back to back (no copy for raw)."""
+def encode_chunk(raw: memoryview, codec: CodecSpec, raw_crc: int | None = None) -> list[Any]:
+    """Encoded chunk as a list of buffers to write back to back (no copy for
+    raw). ``raw_crc``, the CRC-32C of ``raw`` if already known, is reused as
+    the trailer of uncompressed chunks."""
     if codec.compression == "zstd":
         from numcodecs import Zstd
 
         body: Any = Zstd(level=codec.level).encode(raw)
+        crc = crc32c(body)
     else:
         body = raw
-    return [body, _CRC.pack(crc32c(body))]
+        crc = crc32c(body) if raw_crc is None else raw_crc
+    return [body, _CRC.pack(crc)]
 
 
 def decode_chunk(data: bytes | memoryview, codec: CodecSpec, expected_nbytes: int, where: str) -> memoryview:

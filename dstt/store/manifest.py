@@ -40,8 +40,14 @@ class TensorEntry:
     chunk_shape: tuple[int, ...]
     codec: CodecSpec
     array: str
+    #: Per chunk (C order over the chunk grid): the slot holding it, the
+    #: CRC-32C of its raw bytes (before compression), and its sha256 where the
+    #: writer computed one (only to confirm dedup; None otherwise). Equal CRCs
+    #: alone never prove equal bytes.
     slots: list[int]
-    digests: list[str]
+    crcs: list[int]
+    sha256: list[str | None]
+    #: sha256 of the chunk CRCs (4-byte little endian, chunk order).
     checksum: str
     written: int
     stats: dict[str, float] = field(default_factory=dict)
@@ -75,7 +81,8 @@ class TensorEntry:
             "codec": self.codec.codecs_json(),
             "array": self.array,
             "slots": self.slots,
-            "digests": self.digests,
+            "crcs": self.crcs,
+            "sha256": self.sha256,
             "checksum": self.checksum,
             "written": self.written,
         }
@@ -83,6 +90,11 @@ class TensorEntry:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def tensor_checksum(crcs: list[int]) -> str:
+    """A tensor's checksum: sha256 of its chunk CRC-32Cs (uint32 LE, chunk order)."""
+    return hashlib.sha256(b"".join(c.to_bytes(4, "little") for c in crcs)).hexdigest()
 
 
 def encode_json(doc: Any) -> bytes:
@@ -179,16 +191,19 @@ def parse_entry(raw: Any, where: str) -> TensorEntry:
     parts = array.split("/")
     _need(parts[0] == TENSORS and len(parts) >= 3 and all(p not in ("", ".", "..") for p in parts)
           and "\\" not in array and parts[-1].startswith("@"), w, f"unsafe array path {array!r}")
-    entry = TensorEntry(name, kind, dtype, shape, chunk, codec, array, [], [], "", 0)
+    entry = TensorEntry(name, kind, dtype, shape, chunk, codec, array, [], [], [], "", 0)
     n = entry.nchunks
     slots = raw.get("slots")
     _need(isinstance(slots, list) and len(slots) == n, w, f"slots must list {n} chunk slots")
     entry.slots = [_int(s, w, "slot", hi=MAX_SLOTS - 1) for s in slots]
-    digests = raw.get("digests")
-    _need(isinstance(digests, list) and len(digests) == n, w, f"digests must list {n} chunk digests")
-    for d in digests:
-        _need(isinstance(d, str) and len(d) == 64, w, "digest must be 64 hex characters")
-    entry.digests = digests
+    crcs = raw.get("crcs")
+    _need(isinstance(crcs, list) and len(crcs) == n, w, f"crcs must list {n} chunk CRCs")
+    entry.crcs = [_int(c, w, "crc", hi=0xFFFFFFFF) for c in crcs]
+    shas = raw.get("sha256")
+    _need(isinstance(shas, list) and len(shas) == n, w, f"sha256 must list {n} entries")
+    for d in shas:
+        _need(d is None or (isinstance(d, str) and len(d) == 64), w, "sha256 must be null or 64 hex characters")
+    entry.sha256 = shas
     entry.checksum = _str(raw.get("checksum"), w, "checksum")
     entry.written = _int(raw.get("written"), w, "written")
     return entry

@@ -27,7 +27,7 @@ from dstt.errors import (
 )
 from dstt.store import layout as L
 from dstt.store.backend import Backend, LocalBackend, open_backend
-from dstt.store.codec import decode_chunk
+from dstt.store.codec import crc32c, decode_chunk
 from dstt.store.manifest import (
     TensorEntry,
     decode_stats,
@@ -273,7 +273,13 @@ class Run:
         if data is None:
             raise CorruptStoreError(f"{where}: chunk {key} is missing")
         raw = decode_chunk(data, e.codec, expected, where)
-        if verify and sha256_hex(raw) != e.digests[i]:
+        # Uncompressed chunks: the trailer (just checked against the body) is the
+        # raw CRC, so comparing it with the index is free and catches a valid
+        # chunk in the wrong place.
+        crc = int.from_bytes(bytes(data[-4:]), "little") if e.codec.compression == "none" else crc32c(raw)
+        if crc != e.crcs[i]:
+            raise ChecksumMismatchError(f"{where}: CRC-32C does not match the step index")
+        if verify and e.sha256[i] is not None and sha256_hex(raw) != e.sha256[i]:
             raise ChecksumMismatchError(f"{where}: sha256 does not match the step index")
         arr = np.frombuffer(raw, dtype=e.dtype.numpy_storage)
         return arr.reshape(e.chunk_shape) if e.chunk_shape else arr.reshape(())
@@ -361,6 +367,20 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({self.url!r})"
+
+    # ------------------------------------------------------------------ analysis (dstt.analysis)
+
+    def diff(self, a: Any, b: Any, patterns: Any = None, **kw: Any) -> list[dict[str, Any]]:
+        """Per-tensor diff rows between two points; see :func:`dstt.analysis.diff.diff`."""
+        from dstt.analysis.diff import diff
+
+        return diff(self, a, b, patterns, **kw)
+
+    def history(self, names: Any, stat: str = "norm", branch: str | None = None, **kw: Any) -> list[dict[str, Any]]:
+        """A stat across steps from the step index; see :func:`dstt.analysis.history.history`."""
+        from dstt.analysis.history import history
+
+        return history(self, names, stat=stat, branch=branch, **kw)
 
 
 def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dstt.errors import (
@@ -38,7 +39,7 @@ from dstt.errors import (
 )
 from dstt.store import layout as L
 from dstt.store.backend import Backend, open_backend
-from dstt.store.codec import CodecSpec, array_metadata, encode_chunk
+from dstt.store.codec import CodecSpec, array_metadata, crc32c, decode_chunk, encode_chunk
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.dtypes import as_storage_view
 from dstt.store.lock import acquire as acquire_lock
@@ -48,6 +49,7 @@ from dstt.store.manifest import (
     parse_commit,
     parse_index,
     sha256_hex,
+    tensor_checksum,
 )
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, ChunkTask, StepPlan, plan_step
 from dstt.store.root import (
@@ -65,7 +67,8 @@ from dstt.store.tree import tree_has_pickle
 class ChunkResult:
     name: str
     index: int
-    digest: bytes
+    crc: int  # CRC-32C of the raw chunk bytes
+    sha256: bytes | None  # computed only to confirm a dedup candidate
     slot: int
     written: int  # encoded bytes written by this step (0 when referenced)
     nbytes: int  # decoded chunk bytes
@@ -144,7 +147,8 @@ class Writer:
         self.backend: Backend = self._setup(store, branch, parent)
         self.branch: BranchInfo = load_branch(self.backend, branch)
         self._known_arrays: set[str] = set()
-        self._prev: dict[tuple[str, int], tuple[bytes, int]] = {}
+        # (array, chunk index) -> (crc, sha256 or None, slot) of the latest committed step
+        self._prev: dict[tuple[str, int], tuple[int, bytes | None, int]] = {}
         self._prev_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
         self._closed = False
@@ -210,9 +214,9 @@ class Writer:
         where = L.step_dir(branch, step)
         entries, _ = parse_index(self._get(f"{where}/{L.INDEX_FILE}"), where)
         self._prev = {
-            (e.array, i): (bytes.fromhex(d), s)
+            (e.array, i): (c, None if h is None else bytes.fromhex(h), s)
             for e in entries
-            for i, (d, s) in enumerate(zip(e.digests, e.slots))
+            for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots))
         }
         self._known_arrays.update(e.array for e in entries)
 
@@ -262,21 +266,42 @@ class Writer:
             self._known_arrays.add(layout.array)
 
     def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None) -> ChunkResult:
-        """Stats, digest, dedup and write of one chunk. Thread-safe."""
+        """Stats, checksum, dedup and write of one chunk. Thread-safe.
+
+        Dedup costs nothing for changed chunks: their CRC-32C (needed anyway
+        for the chunk trailer) differs from the previous step's. Only on a CRC
+        match is equality proven exactly -- by sha256 when the previous chunk
+        has one, else by comparing with the stored bytes -- and the sha256 is
+        recorded so a frozen tensor is proven by hash from then on.
+        """
         src = staged if staged is not None else task.source
-        partial = chunk_partial(src if src.device.type == "cpu" else src.cpu())
+        partial = chunk_partial(src if src.device.type == "cpu" else src.cpu()).to_list()
         raw = chunk_bytes(task, src)
-        digest = hashlib.sha256(raw).digest()
-        array = task.layout.array
+        crc = crc32c(raw)
+        name, array = task.layout.name, task.layout.array
         if self.dedup:
             with self._prev_lock:
                 prev = self._prev.get((array, task.index))
-            if prev is not None and prev[0] == digest:
-                return ChunkResult(task.layout.name, task.index, digest, prev[1], 0, len(raw), partial.to_list())
-        parts = encode_chunk(raw, task.layout.codec)
+            if prev is not None and prev[0] == crc:
+                sha = hashlib.sha256(raw).digest()
+                same = prev[1] == sha if prev[1] is not None else self._equals_stored(task, prev[2], raw)
+                if same:
+                    return ChunkResult(name, task.index, crc, sha, prev[2], 0, len(raw), partial)
+        parts = encode_chunk(raw, task.layout.codec, raw_crc=crc)
         self.backend.put(L.chunk_key(array, plan.slot, task.coords), parts)
         written = sum(len(memoryview(p).cast("B")) for p in parts)
-        return ChunkResult(task.layout.name, task.index, digest, plan.slot, written, len(raw), partial.to_list())
+        return ChunkResult(name, task.index, crc, None, plan.slot, written, len(raw), partial)
+
+    def _equals_stored(self, task: ChunkTask, slot: int, raw: memoryview) -> bool:
+        """Exact byte comparison with the chunk stored at ``slot``."""
+        data = self.backend.get(L.chunk_key(task.layout.array, slot, task.coords))
+        if data is None:
+            return False
+        try:
+            stored = decode_chunk(data, task.layout.codec, len(raw), task.layout.name)
+        except DsttError:
+            return False
+        return bool(np.array_equal(np.frombuffer(stored, np.uint8), np.frombuffer(raw, np.uint8)))
 
     def commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None = None) -> CommitInfo:
         """Make this rank's chunks durable, then (rank 0) write the index and
@@ -312,7 +337,7 @@ class Writer:
             raise CaptureError(value)
         self._committed.add(plan.step)
         with self._prev_lock:
-            self._prev = {(r_layout, r.index): (r.digest, r.slot) for r, r_layout in self._arrays_of(plan, results)}
+            self._prev = {(array, r.index): (r.crc, r.sha256, r.slot) for r, array in self._arrays_of(plan, results)}
         return value
 
     @staticmethod
@@ -335,7 +360,7 @@ class Writer:
             if len(chunks) != n:
                 raise CaptureError(f"{layout.name}: {len(chunks)} of {n} chunks were written")
             ordered = [chunks[i] for i in range(n)]
-            digests = [c.digest for c in ordered]
+            crcs = [c.crc for c in ordered]
             for c in ordered:
                 written += c.written
                 if c.written == 0:
@@ -350,8 +375,9 @@ class Writer:
                 "codec": layout.codec.codecs_json(),
                 "array": layout.array,
                 "slots": [c.slot for c in ordered],
-                "digests": [d.hex() for d in digests],
-                "checksum": hashlib.sha256(b"".join(digests)).hexdigest(),
+                "crcs": crcs,
+                "sha256": [None if c.sha256 is None else c.sha256.hex() for c in ordered],
+                "checksum": tensor_checksum(crcs),
                 "written": sum(c.written for c in ordered),
             })
             names.append(layout.name)
