@@ -21,7 +21,7 @@ app = typer.Typer(
 )
 
 #: Command modules, each with ``register(app)``, in help order.
-COMMAND_MODULES = ["demo", "verify"]
+COMMAND_MODULES = ["demo", "verify", "inspect"]
 
 
 def _version(value: bool) -> None:

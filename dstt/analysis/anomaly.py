@@ -1,0 +1,92 @@
+"""Finding where a run went wrong, from the step index only (no tensor reads).
+
+Checks, per tensor and step of a branch's lineage:
+
+* ``nonfinite``: the tensor holds NaN or Inf values;
+* ``norm_jump``: its norm changed by more than ``jump``× (up or down) since
+  the previous captured step (steps where the previous norm was 0 are not
+  judged);
+* ``threshold``: a stat is above ``gt`` / below ``lt``.
+
+>>> import tempfile, torch, dstt
+>>> path = tempfile.mkdtemp() + "/run"
+>>> for s, v in enumerate([1.0, 1.1, float("nan")]):
+...     _ = dstt.save(path, s, {"w": torch.full((4,), v)})
+>>> [(e["step"], e["tensor"], e["reason"]) for e in find(dstt.open(path))]
+[(2, 'w', 'nonfinite')]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+
+from dstt.analysis.history import _Matcher, scan, stat_column
+from dstt.errors import ConfigError
+from dstt.store.stats import STATS_COLUMNS
+
+if TYPE_CHECKING:
+    from dstt.store.reader import Run
+
+_NORM = STATS_COLUMNS.index("norm")
+_NONFINITE = STATS_COLUMNS.index("nonfinite")
+
+
+def find(run: "Run", patterns: Iterable[str] | None = None, branch: str | None = None, *,
+         nonfinite: bool = True, jump: float | None = 10.0, stat: str | None = None,
+         gt: float | None = None, lt: float | None = None, first: bool = True,
+         ancestry: bool = True) -> list[dict[str, Any]]:
+    """Events ``{"branch", "step", "tensor", "reason", "stat", "value", "previous"}``
+    in step order; with ``first=True`` only those of the first step that has any."""
+    if jump is not None and not jump > 1:
+        raise ConfigError(f"jump must be a factor greater than 1, got {jump}")
+    if (gt is not None or lt is not None) and stat is None:
+        stat = "norm"
+    col = stat_column(stat) if stat is not None else None
+    if col is not None and gt is None and lt is None:
+        raise ConfigError("--stat needs a threshold: --gt and/or --lt")
+    if not nonfinite and jump is None and col is None:
+        raise ConfigError("nothing to look for: enable nonfinite, a norm jump or a stat threshold")
+    match = _Matcher(patterns)
+    prev: dict[str, float] = {}
+    events: list[dict[str, Any]] = []
+    for b, s, names, stats in scan(run, branch, ancestry):
+        hits = match(names)
+        if not hits:
+            continue
+        idx = np.fromiter((i for _, i in hits), dtype=np.int64, count=len(hits))
+        rows = stats[idx]
+        found: list[dict[str, Any]] = []
+        for k, (n, _) in enumerate(hits):
+            found.extend(_check(b, s, n, rows[k], prev.get(n), nonfinite, jump, stat, col, gt, lt))
+            prev[n] = float(rows[k, _NORM])
+        if found:
+            events.extend(found)
+            if first:
+                break
+    match.check(f"on branch {branch or run.default_branch!r}")
+    return events
+
+
+def _check(b: str, s: int, name: str, row: np.ndarray, prev_norm: float | None, nonfinite: bool,
+           jump: float | None, stat: str | None, col: int | None, gt: float | None,
+           lt: float | None) -> list[dict[str, Any]]:
+    out = []
+
+    def ev(reason: str, st: str, value: float, previous: float | None = None) -> None:
+        out.append({"branch": b, "step": s, "tensor": name, "reason": reason, "stat": st,
+                    "value": value, "previous": previous})
+
+    if nonfinite and row[_NONFINITE] > 0:
+        ev("nonfinite", "nonfinite", float(row[_NONFINITE]))
+    norm = float(row[_NORM])
+    if jump is not None and prev_norm is not None and prev_norm > 0 and np.isfinite(prev_norm) and np.isfinite(norm):
+        ratio = norm / prev_norm
+        if ratio > jump or ratio < 1.0 / jump:
+            ev("norm_jump", "norm", norm, prev_norm)
+    if col is not None and stat is not None:
+        v = float(row[col])
+        if (gt is not None and v > gt) or (lt is not None and v < lt):
+            ev("threshold", stat, v)
+    return out

@@ -1,0 +1,330 @@
+"""Per-tensor difference between two points of one run or of two runs.
+
+Metrics per tensor (A = old, B = new, all accumulated in float64):
+
+* ``l2_delta`` ‖B−A‖₂, ``max_abs_delta`` max|B−A|;
+* ``rel_change`` ‖B−A‖₂ / ‖A‖₂ (0 when both are 0, inf when only A is 0);
+* ``cosine`` A·B / (‖A‖₂‖B‖₂) (NaN when either norm is 0);
+* ``frac_changed`` the fraction of elements whose *stored bits* differ.
+
+Comparison is **bitwise**: an element is unchanged iff its bits are
+identical, so a NaN that stays the same NaN is unchanged and +0.0 → −0.0 is a
+change. Unchanged elements contribute exactly 0 to every delta (even NaN or
+Inf ones); NaN/Inf in changed elements propagate into the metrics. When the
+dtypes differ (``status: dtype_changed``) values are compared after
+conversion to float64 instead, NaN equal to NaN.
+
+Data is streamed chunk pair by chunk pair (or, when the two sides were
+chunked differently, by aligned blocks of leading-axis rows), so memory is a
+few chunks, never a tensor. A chunk whose slot and array are the same on both
+sides (the store references it rather than rewrote it), or whose recorded
+sha256 digests match, is known identical and never read (equal CRC-32Cs
+alone prove nothing and are not used);
+‖A‖ for those parts comes from the step index's stats.
+
+>>> import tempfile, torch, dstt
+>>> path = tempfile.mkdtemp() + "/run"
+>>> _ = dstt.save(path, 0, {"w": torch.tensor([3.0, 4.0]), "b": torch.zeros(2)})
+>>> _ = dstt.save(path, 1, {"w": torch.tensor([3.0, 5.0]), "b": torch.zeros(2)})
+>>> rows = dstt.open(path).diff(0, 1)
+>>> [(r["name"], r["status"], r["l2_delta"], r["frac_changed"]) for r in rows]
+[('w', 'changed', 1.0, 0.5), ('b', 'unchanged', 0.0, 0.0)]
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+import torch
+
+from dstt.analysis.select import Point, match_names, resolve_point
+
+if TYPE_CHECKING:
+    from dstt.store.manifest import TensorEntry
+    from dstt.store.reader import Run
+
+#: Diff row keys, in output order.
+DIFF_KEYS = ("name", "status", "l2_delta", "rel_change", "cosine", "max_abs_delta", "frac_changed")
+#: Sortable metrics and whether "most different first" means descending.
+SORT_KEYS = {"l2_delta": True, "rel_change": True, "max_abs_delta": True, "frac_changed": True,
+             "cosine": False, "name": False, "status": False}
+#: Elements per computation block (keeps float64 temporaries cache-sized).
+BLOCK = 1 << 20
+#: Upper bound on an aligned row block when the two sides' chunk shapes differ.
+MAX_BLOCK_BYTES = 256 << 20
+NAN = float("nan")
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class _Acc:
+    """Running sums over the changed elements of one tensor."""
+
+    n: int = 0            # elements compared (read or known identical)
+    changed: int = 0      # elements whose bits differ
+    dd: float = 0.0       # Σ d², d = b − a
+    ad: float = 0.0       # Σ a·d
+    aa_read: float = 0.0  # Σ a² over the parts read
+    n_read: int = 0       # elements read
+    max_abs: float = 0.0
+    nan: bool = False
+
+    def add(self, other: "_Acc") -> None:
+        self.changed += other.changed
+        self.dd += other.dd
+        self.ad += other.ad
+        self.aa_read += other.aa_read
+        self.n_read += other.n_read
+        self.nan = self.nan or other.nan
+        self.max_abs = max(self.max_abs, other.max_abs)
+
+
+def _bits_ne(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element: do the stored bits differ? (same dtype, flat inputs)"""
+    if a.dtype == torch.bool:
+        return a != b
+    size = a.element_size()
+    if size == 16:  # complex128: two int64 words per element
+        return (a.view(torch.int64) != b.view(torch.int64)).reshape(-1, 2).any(dim=1)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    return a.view(ints) != b.view(ints)
+
+
+def compare_block(a: torch.Tensor, b: torch.Tensor, same_dtype: bool = True) -> _Acc:
+    """Sums of one aligned block pair (same shape), in float64 sub-blocks."""
+    acc = _Acc(n=a.numel(), n_read=a.numel())
+    a, b = a.reshape(-1), b.reshape(-1)
+    cplx = a.is_complex() or b.is_complex()
+
+    def vals(t: torch.Tensor) -> torch.Tensor:
+        if cplx:  # (re, im) pairs, flattened
+            return torch.view_as_real(t.to(torch.complex128)).reshape(-1)
+        return t.to(torch.float64)
+
+    for lo in range(0, a.numel(), BLOCK):
+        sa, sb = a[lo:lo + BLOCK], b[lo:lo + BLOCK]
+        fa, fb = vals(sa), None
+        if same_dtype:
+            ne = _bits_ne(sa, sb)
+        else:
+            fb = vals(sb)
+            ne = (fa != fb) & ~(torch.isnan(fa) & torch.isnan(fb))
+            if cplx:
+                ne = ne.reshape(-1, 2).any(dim=1)
+        acc.aa_read += float(torch.dot(fa, fa))
+        n_changed = int(ne.sum())
+        if n_changed == 0:
+            continue
+        acc.changed += n_changed
+        fb = vals(sb) if fb is None else fb
+        mask = ne.repeat_interleave(2) if cplx else ne
+        d = torch.where(mask, fb - fa, 0.0)
+        fa = torch.where(mask, fa, 0.0)
+        acc.dd += float(torch.dot(d, d))
+        acc.ad += float(torch.dot(fa, d))
+        m = float((d.reshape(-1, 2).norm(dim=1) if cplx else d.abs()).max())
+        if m != m:
+            acc.nan = True
+        else:
+            acc.max_abs = max(acc.max_abs, m)
+    return acc
+
+
+def _metrics(acc: _Acc, norm_a: float, numel: int) -> dict[str, float]:
+    """Final metrics from the sums; ``norm_a`` (index stats) fills ‖A‖ for
+    the parts that were not read."""
+    if acc.n_read >= numel:
+        aa = acc.aa_read
+    else:
+        aa = max(norm_a * norm_a, acc.aa_read) if norm_a == norm_a else NAN  # skipped parts: index stats
+    l2 = math.sqrt(acc.dd) if acc.dd == acc.dd else NAN
+    bb = aa + 2 * acc.ad + acc.dd
+    na, nb = math.sqrt(aa) if aa == aa and aa >= 0 else NAN, math.sqrt(max(bb, 0.0)) if bb == bb else NAN
+    if l2 != l2 or na != na:
+        rel = NAN
+    elif na == 0:
+        rel = 0.0 if l2 == 0 else math.inf
+    else:
+        rel = l2 / na
+    if acc.changed == 0 and na == na and na > 0:
+        cos = 1.0
+    elif na == 0 or nb == 0 or na != na or nb != nb:
+        cos = NAN
+    else:
+        cos = max(-1.0, min(1.0, (aa + acc.ad) / (na * nb)))
+    return {
+        "l2_delta": l2,
+        "rel_change": rel,
+        "cosine": cos,
+        "max_abs_delta": NAN if acc.nan else acc.max_abs,
+        "frac_changed": acc.changed / numel if numel else 0.0,
+    }
+
+
+def _row(name: str, status: str, ea: "TensorEntry | None", eb: "TensorEntry | None",
+         metrics: dict[str, float] | None) -> dict[str, Any]:
+    none = {"l2_delta": None, "rel_change": None, "cosine": None, "max_abs_delta": None, "frac_changed": None}
+    row: dict[str, Any] = {"name": name, "status": status, **(metrics or none)}
+    row["shape_a"] = list(ea.shape) if ea else None
+    row["shape_b"] = list(eb.shape) if eb else None
+    row["dtype_a"] = ea.dtype.logical if ea else None
+    row["dtype_b"] = eb.dtype.logical if eb else None
+    return row
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def _chunk(run: "Run", e: "TensorEntry", i: int) -> torch.Tensor:
+    """Chunk ``i`` of an entry, edge padding trimmed, in its logical dtype."""
+    coords = e.coords(i)
+    region = tuple(slice(0, min(k, s - c * k)) for c, k, s in zip(coords, e.chunk_shape, e.shape))
+    arr = run._chunk(e, i, False)
+    t = torch.from_numpy(arr[region] if region else arr)
+    return t.view(e.dtype.torch_dtype) if e.dtype.is_bits else t
+
+
+def _digests(e: "TensorEntry") -> list[str | None] | None:
+    """Per-chunk sha256 hex digests where the writer recorded them."""
+    return getattr(e, "sha256", None) or getattr(e, "digests", None)
+
+
+def _pairs_aligned(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry",
+                   pool: ThreadPoolExecutor) -> Iterator[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
+    """(elements, A chunk, B chunk) per chunk; None, None for chunks known
+    identical. The next differing pair is read while this one is compared."""
+    same_store = pa[0] is pb[0]
+    da, db = _digests(ea), _digests(eb)
+    todo: list[int] = []
+    for i in range(ea.nchunks):
+        n = math.prod(min(k, s - c * k) for c, k, s in zip(ea.coords(i), ea.chunk_shape, ea.shape))
+        same = (same_store and ea.array == eb.array and ea.slots[i] == eb.slots[i]) or (
+            da is not None and db is not None and da[i] is not None and da[i] == db[i])
+        if same:
+            yield n, None, None
+        else:
+            todo.append(i)
+
+    def load(i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        a = _chunk(pa[0], ea, i)
+        return a.numel(), a, _chunk(pb[0], eb, i)
+
+    pending = pool.submit(load, todo[0]) if todo else None
+    for k in range(len(todo)):
+        cur = pending.result()  # type: ignore[union-attr]
+        pending = pool.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
+        yield cur
+
+
+def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Aligned blocks of leading-axis rows when the chunk shapes differ."""
+    if not ea.shape:
+        a, b = pa[0].read(ea.name, pa[2], pa[1]), pb[0].read(eb.name, pb[2], pb[1])
+        yield 1, a, b
+        return
+    rows = ea.shape[0]
+    row_bytes = max(1, math.prod(ea.shape[1:]) * max(ea.dtype.itemsize, eb.dtype.itemsize))
+    ca, cb = ea.chunk_shape[0], eb.chunk_shape[0]
+    step = math.lcm(ca, cb)
+    if step * row_bytes > MAX_BLOCK_BYTES:
+        step = max(ca, cb)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        a = pa[0].read(ea.name, pa[2], pa[1], index=(slice(lo, hi),))
+        b = pb[0].read(eb.name, pb[2], pb[1], index=(slice(lo, hi),))
+        yield a.numel(), a, b
+
+
+def diff_entry(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry",
+               pool: ThreadPoolExecutor, progress: Progress | None = None) -> dict[str, float]:
+    """Metrics of one tensor present on both sides with the same shape."""
+    same_dtype = ea.dtype.logical == eb.dtype.logical
+    acc = _Acc()
+    if same_dtype and ea.chunk_shape == eb.chunk_shape:
+        pairs: Iterable[tuple[int, Any, Any]] = _pairs_aligned(pa, pb, ea, eb, pool)
+    else:
+        pairs = _pairs_rows(pa, pb, ea, eb)
+    for n, a, b in pairs:
+        acc.n += n
+        if a is not None:
+            acc.add(compare_block(a, b, same_dtype))
+        if progress is not None:
+            progress(n * ea.dtype.itemsize)
+    return _metrics(acc, ea.stats.get("norm", NAN), math.prod(ea.shape))
+
+
+def bytes_to_read(pa: Point, pb: Point, names: list[str] | None = None) -> int:
+    """Bytes of side A a diff will stream (for progress bars): every byte of
+    tensors present on both sides, skipped chunks included."""
+    ra, rb = pa[0].record(pa[2], pa[1]), pb[0].record(pb[2], pb[1])
+    total = 0
+    for e in ra.entries:
+        if (names is None or e.name in names) and e.name in rb.by_name and rb.by_name[e.name].shape == e.shape:
+            total += e.nbytes
+    return total
+
+
+def diff(run: "Run", a: Any, b: Any, patterns: Iterable[str] | None = None, *,
+         other: "Run | None" = None, progress: Progress | None = None,
+         threads: int = 2) -> list[dict[str, Any]]:
+    """Per-tensor diff rows (see the module docstring), in A's tensor order
+    followed by tensors only B has.
+
+    ``a`` and ``b`` are anything :func:`dstt.analysis.select.resolve_point`
+    accepts (a step, ``(branch, step)``, a reference, ``":STEP"``); ``b`` is
+    resolved against ``other`` when given. ``patterns`` are name globs.
+    ``progress(nbytes)`` is called as data is compared.
+    """
+    pa = resolve_point(run, a)
+    pb = resolve_point(other or run, b)
+    return diff_points(pa, pb, patterns, progress=progress, threads=threads)
+
+
+def diff_points(pa: Point, pb: Point, patterns: Iterable[str] | None = None, *,
+                progress: Progress | None = None, threads: int = 2) -> list[dict[str, Any]]:
+    """:func:`diff` between two resolved ``(run, branch, step)`` points."""
+    ra, rb = pa[0].record(pa[2], pa[1]), pb[0].record(pb[2], pb[1])
+    names = ra.names + [n for n in rb.names if n not in ra.by_name]
+    names = match_names(names, patterns)
+    rows = []
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dstt-diff") as pool:
+        for name in names:
+            ea, eb = ra.by_name.get(name), rb.by_name.get(name)
+            if ea is None or eb is None:
+                rows.append(_row(name, "added" if ea is None else "removed", ea, eb, None))
+                continue
+            if ea.shape != eb.shape:
+                rows.append(_row(name, "shape_changed", ea, eb, None))
+                continue
+            m = diff_entry(pa, pb, ea, eb, pool, progress)
+            if ea.dtype.logical != eb.dtype.logical:
+                status = "dtype_changed"
+            else:
+                status = "changed" if m["frac_changed"] else "unchanged"
+            rows.append(_row(name, status, ea, eb, m))
+    return rows
+
+
+def sort_rows(rows: list[dict[str, Any]], key: str = "rel_change", top: int | None = None) -> list[dict[str, Any]]:
+    """Most different first (descending metrics, ascending cosine); rows
+    without the metric (added/removed/shape_changed) and NaN last."""
+    if key not in SORT_KEYS:
+        from dstt.errors import ConfigError
+
+        raise ConfigError(f"cannot sort by {key!r}; choose one of {', '.join(SORT_KEYS)}")
+    desc = SORT_KEYS[key]
+
+    def k(r: dict[str, Any]) -> tuple[int, Any]:
+        v = r.get(key)
+        if isinstance(v, str):
+            return (0, v)
+        if v is None or v != v:
+            return (2, 0.0)
+        return (1, -v if desc else v)
+
+    out = sorted(rows, key=k) if key not in ("name",) else sorted(rows, key=lambda r: r["name"])
+    return out[:top] if top is not None and top >= 0 else out

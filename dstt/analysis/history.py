@@ -1,0 +1,169 @@
+"""A tensor statistic across the steps of a branch, from the step index only
+(``names.json`` + ``stats.npy`` per step; no tensor data is read).
+
+A branch's history includes its ancestry: a branch forked from
+``(parent, step)`` continues the parent's points up to that step.
+
+>>> import tempfile, torch, dstt
+>>> path = tempfile.mkdtemp() + "/run"
+>>> for s in range(3):
+...     _ = dstt.save(path, s, {"w": torch.full((4,), float(s + 1))})
+>>> [(p["step"], p["value"]) for p in dstt.open(path).history("w", stat="max")]
+[(0, 1.0), (1, 2.0), (2, 3.0)]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import numpy as np
+
+from dstt.analysis.select import match_names
+from dstt.errors import ConfigError, TensorNotFoundError
+from dstt.store.stats import STATS_COLUMNS
+
+if TYPE_CHECKING:
+    from dstt.store.reader import Run
+
+#: Stats a history can follow (columns of the step index's stats table).
+STATS = ("norm", "mean", "std", "min", "max", "nonfinite", "numel")
+NAN = float("nan")
+
+
+def stat_column(stat: str) -> int:
+    if stat not in STATS:
+        raise ConfigError(f"unknown stat {stat!r}; choose one of {', '.join(STATS)}")
+    return STATS_COLUMNS.index(stat)
+
+
+def lineage(run: "Run", branch: str | None = None, ancestry: bool = True) -> list[tuple[str, list[int]]]:
+    """(branch, steps) segments in order: ancestors' steps up to each fork
+    point, then the branch's own steps."""
+    segs: list[tuple[str, list[int]]] = []
+    b: str | None = branch or run.default_branch
+    limit: int | None = None
+    seen: set[str] = set()
+    while b is not None and b not in seen:
+        seen.add(b)
+        steps = run.steps(b)
+        if limit is not None:
+            steps = [s for s in steps if s <= limit]
+        segs.append((b, steps))
+        parent = run.branch_info(b).parent
+        if not ancestry or parent is None:
+            break
+        b, limit = parent
+    return segs[::-1]
+
+
+def scan(run: "Run", branch: str | None = None, ancestry: bool = True) -> Iterator[tuple[str, int, list[str], np.ndarray]]:
+    """(branch, step, names, stats) for every step of a branch's lineage."""
+    for b, steps in lineage(run, branch, ancestry):
+        for s in steps:
+            names, stats = run.step_stats(s, b)
+            yield b, s, names, stats
+
+
+class _Matcher:
+    """Row indices of the names matching ``patterns``, cached while the
+    names table stays the same from step to step."""
+
+    def __init__(self, patterns: Iterable[str] | None) -> None:
+        self.patterns = list(patterns or [])
+        self._names: list[str] | None = None
+        self._hits: list[tuple[str, int]] = []
+        self.seen: set[str] = set()
+        self.last_names: list[str] = []
+
+    def __call__(self, names: list[str]) -> list[tuple[str, int]]:
+        if names != self._names:
+            self._names = names
+            self.last_names = names
+            pos = {n: i for i, n in enumerate(names)}
+            self._hits = [(n, pos[n]) for n in match_names(names, self.patterns)]
+            self.seen.update(n for n, _ in self._hits)
+        return self._hits
+
+    def check(self, where: str) -> None:
+        from dstt.analysis.select import is_glob
+        from dstt.store.reader import suggest
+
+        for p in self.patterns:
+            if not any(p == n or (is_glob(p) and match_names([n], [p])) for n in self.seen):
+                hint = "" if is_glob(p) else suggest(p, self.last_names)
+                raise TensorNotFoundError(f"no tensor matches {p!r} {where}{hint}")
+
+
+def history(run: "Run", names: str | Iterable[str], stat: str = "norm", branch: str | None = None, *,
+            delta: bool = False, ancestry: bool = True) -> list[dict[str, Any]]:
+    """One row ``{"tensor", "branch", "step", "value"}`` per tensor and step
+    (pandas-ready: ``pd.DataFrame(run.history("model/*"))``).
+
+    ``names`` are tensor names or globs; ``delta=True`` gives the relative
+    change from the previous captured point of the same tensor,
+    ``(v - prev) / |prev|`` (NaN for the first point).
+    """
+    col = stat_column(stat)
+    pats = [names] if isinstance(names, str) else list(names)
+    if not pats:
+        raise ConfigError("history needs at least one tensor name or glob")
+    match = _Matcher(pats)
+    rows: list[dict[str, Any]] = []
+    prev: dict[str, float] = {}
+    for b, s, step_names, stats in scan(run, branch, ancestry):
+        for n, i in match(step_names):
+            v = float(stats[i, col])
+            if delta:
+                p = prev.get(n)
+                prev[n] = v
+                v = NAN if p is None else _rel(v, p)
+            rows.append({"tensor": n, "branch": b, "step": s, "value": v})
+    match.check(f"on branch {branch or run.default_branch!r}")
+    return rows
+
+
+def _rel(v: float, p: float) -> float:
+    if p == 0:
+        return 0.0 if v == 0 else (NAN if v != v else float("inf"))
+    return (v - p) / abs(p)
+
+
+def to_series(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Group history rows into ``[{"tensor", "points": [{"branch", "step", "value"}]}]``."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        series.setdefault(r["tensor"], []).append({"branch": r["branch"], "step": r["step"], "value": r["value"]})
+    return [{"tensor": t, "points": pts} for t, pts in series.items()]
+
+
+def histogram(run: "Run", name: str, step: Any = None, branch: str | None = None, bins: int = 20) -> dict[str, Any]:
+    """Counts of a tensor's finite values in ``bins`` equal bins between its
+    finite min and max, streamed chunk by chunk:
+    ``{"edges": [...], "counts": [...], "nonfinite": n}``."""
+    import torch
+
+    if bins < 1:
+        raise ConfigError(f"bins must be at least 1, got {bins}")
+    e = run.entry(name, step, branch)
+    rec = run.record(step, branch)
+    lo, hi = e.stats.get("min", NAN), e.stats.get("max", NAN)
+
+    def values() -> Iterator[torch.Tensor]:
+        for _, t in run.iter_chunks(name, rec.step, rec.branch):
+            v = (t.abs() if t.is_complex() else t).reshape(-1).to(torch.float64)
+            yield v[torch.isfinite(v)]
+
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        lo, hi = np.inf, -np.inf
+        for v in values():
+            if v.numel():
+                lo, hi = min(lo, float(v.min())), max(hi, float(v.max()))
+    if not lo <= hi:
+        return {"edges": [], "counts": [], "nonfinite": int(e.stats.get("nonfinite", 0))}
+    width = hi - lo if hi > lo else 1.0
+    counts = np.zeros(bins, dtype=np.int64)
+    for v in values():
+        idx = ((v - lo) / width * bins).floor().clamp(0, bins - 1).to(torch.int64)
+        counts += np.bincount(idx.numpy(), minlength=bins)
+    edges = [lo + width * i / bins for i in range(bins + 1)]
+    return {"edges": edges, "counts": counts.tolist(), "nonfinite": int(e.stats.get("nonfinite", 0))}

@@ -1,0 +1,76 @@
+"""What ``dstt ls`` shows, as plain data: branches with their steps, and the
+tensors of one step.
+
+>>> import tempfile, torch, dstt
+>>> path = tempfile.mkdtemp() + "/run"
+>>> _ = dstt.save(path, 0, {"model": {"w": torch.ones(2, 3)}})
+>>> [(b["name"], [s["step"] for s in b["steps"]]) for b in list_store(dstt.open(path))]
+[('main', [0])]
+>>> [(t["name"], t["shape"]) for t in list_tensors(dstt.open(path), 0)]
+[('model/w', [2, 3])]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from dstt.analysis.select import require_matches
+from dstt.errors import ConfigError
+from dstt.store import layout as L
+from dstt.store.manifest import parse_commit
+from dstt.store.stats import STATS_COLUMNS
+
+if TYPE_CHECKING:
+    from dstt.store.reader import Run
+
+TENSOR_SORT_KEYS = ("name", "nbytes", "numel", "dtype", "written") + tuple(c for c in STATS_COLUMNS if c != "numel")
+
+
+def step_summary(run: "Run", branch: str, step: int) -> dict[str, Any]:
+    """Time, tensor count and bytes written/referenced of one committed step
+    (reads only its commit.json)."""
+    where = L.step_dir(branch, step)
+    raw = run.backend.get(f"{where}/{L.COMMIT_FILE}")
+    if raw is None:  # raced with a prune
+        return {"step": step, "time": None, "n_tensors": None, "bytes_written": None, "bytes_referenced": None}
+    c = parse_commit(raw, where)
+    return {"step": step, "time": c["time"], "n_tensors": c["n_tensors"],
+            "bytes_written": c["bytes_written"], "bytes_referenced": c["bytes_referenced"]}
+
+
+def list_store(run: "Run", branch: str | None = None) -> list[dict[str, Any]]:
+    """``[{"name", "parent", "created", "steps": [...]}]`` for every branch
+    (or only ``branch``); ``parent`` is ``{"branch", "step"}`` or None."""
+    names = [branch] if branch else run.branches()
+    out = []
+    for b in names:
+        info = run.branch_info(b)
+        out.append({
+            "name": b,
+            "parent": None if info.parent is None else {"branch": info.parent[0], "step": info.parent[1]},
+            "created": info.created,
+            "steps": [step_summary(run, b, s) for s in run.steps(b)],
+        })
+    return out
+
+
+def list_tensors(run: "Run", step: Any = None, branch: str | None = None,
+                 patterns: Iterable[str] | None = None, sort: str = "name",
+                 reverse: bool = False) -> list[dict[str, Any]]:
+    """The tensors of a step (no tensor data read): ``{"name", "shape",
+    "dtype", "nbytes", "written", "stats"}`` each, filtered by name globs and
+    sorted by ``sort`` (a key of :data:`TENSOR_SORT_KEYS`)."""
+    if sort not in TENSOR_SORT_KEYS:
+        raise ConfigError(f"cannot sort by {sort!r}; choose one of {', '.join(TENSOR_SORT_KEYS)}")
+    rec = run.record(step, branch)
+    wanted = set(require_matches(rec.names, patterns, f"at step {rec.step} of branch {rec.branch!r}"))
+    rows = [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype.logical, "nbytes": e.nbytes,
+             "written": e.written, "stats": dict(e.stats)} for e in rec.entries if e.name in wanted]
+
+    def key(r: dict[str, Any]) -> Any:
+        if sort in r:
+            return r[sort]
+        v = r["stats"].get(sort, float("nan"))
+        return (v != v, v)  # NaN last
+
+    return sorted(rows, key=key, reverse=reverse)

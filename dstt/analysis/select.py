@@ -1,0 +1,124 @@
+"""Shared helpers of the analysis functions: tensor-name globs and resolving
+"the other side" of a comparison (a reference, a step, a (branch, step) pair).
+
+>>> match_names(["model/w", "model/b", "optim/w/exp_avg"], ["model/*"])
+['model/w', 'model/b']
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from dstt.errors import InvalidReferenceError, TensorNotFoundError
+
+if TYPE_CHECKING:
+    from dstt.store.reader import Run
+
+# Chunks are read-only buffers that analysis only ever reads; torch's warning
+# about wrapping non-writable arrays would be noise on stderr.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+#: A point of a run: (run, branch, step).
+Point = tuple["Run", str, int]
+
+
+def is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
+def match_names(names: Sequence[str], patterns: Iterable[str] | None) -> list[str]:
+    """Names matching any glob (``fnmatch``; ``*`` also crosses ``/``), in
+    ``names`` order. No patterns: every name."""
+    pats = [p for p in (patterns or []) if p]
+    if not pats:
+        return list(names)
+    return [n for n in names if any(n == p or (is_glob(p) and fnmatch.fnmatchcase(n, p)) for p in pats)]
+
+
+def require_matches(names: Sequence[str], patterns: Iterable[str] | None, where: str) -> list[str]:
+    """Like :func:`match_names`, but a pattern matching nothing is an error
+    (with a near-miss suggestion for plain names)."""
+    from dstt.store.reader import suggest
+
+    out = match_names(names, patterns)
+    for p in patterns or []:
+        if p and not match_names(names, [p]):
+            hint = "" if is_glob(p) else suggest(p, names)
+            raise TensorNotFoundError(f"no tensor matches {p!r} {where}{hint}")
+    return out
+
+
+def resolve_point(run: "Run", spec: Any) -> Point:
+    """Resolve one side of a comparison against ``run``.
+
+    ``spec`` may be a step (``100``, ``"latest"``, ``"~2"``, ``None``) on the
+    run's default branch, a ``(branch, step)`` pair, a reference string
+    (``"runs/b@main:100"``; another store opens it), or a reference relative
+    to this run's store (``":100"``, ``"@lr-sweep:~1"``).
+    """
+    from dstt.refs import Ref
+
+    if isinstance(spec, tuple):
+        if len(spec) != 2:
+            raise InvalidReferenceError(f"expected a (branch, step) pair, got {spec!r}")
+        branch, step = spec
+        b, s = run.resolve(step, branch)
+        return run, b, s
+    if spec is None or isinstance(spec, int) or (isinstance(spec, str) and (spec == "latest" or spec.startswith("~"))):
+        b, s = run.resolve(spec, None)
+        return run, b, s
+    if not isinstance(spec, str):
+        raise InvalidReferenceError(f"cannot use {spec!r} as a reference: expected a step, (branch, step) or 'STORE[@BRANCH][:STEP]'")
+    if spec.startswith((":", "@")):
+        ref = Ref.parse("\x00" + spec)  # a placeholder store; only branch and step are used
+        b, s = run.resolve(ref.step, ref.branch)
+        return run, b, s
+    ref = Ref.parse(spec)
+    other = open_other(run, ref.store)
+    b, s = other.resolve(ref.step, ref.branch)
+    return other, b, s
+
+
+def open_other(run: "Run", store: str) -> "Run":
+    """``run`` itself when ``store`` names the same place, else a new Run."""
+    import os
+
+    from dstt.store.reader import Run
+
+    here = run.url
+    for cand in (store, os.path.abspath(store) if "://" not in store else store):
+        if cand == here or cand.rstrip("/") == str(here).rstrip("/"):
+            return run
+    return Run(store)
+
+
+def parse_slice(text: str) -> tuple[Any, ...]:
+    """Parse a NumPy-style index such as ``"0:4,:"``, ``"3"``, ``"...,-1"``
+    into a tuple of ints, slices and Ellipsis.
+
+    >>> parse_slice("0:4,:")
+    (slice(0, 4, None), slice(None, None, None))
+    >>> parse_slice("...,-1")
+    (Ellipsis, -1)
+    """
+    out: list[Any] = []
+    for part in text.split(","):
+        p = part.strip()
+        try:
+            if p == "...":
+                out.append(Ellipsis)
+            elif ":" in p:
+                bits = p.split(":")
+                if len(bits) > 3:
+                    raise ValueError
+                nums = [int(b) if b.strip() else None for b in bits]
+                out.append(slice(*nums))
+            else:
+                out.append(int(p))
+        except ValueError:
+            raise InvalidReferenceError(
+                f"bad slice {text!r}: expected comma-separated ints, 'a:b[:c]' or '...', e.g. '0:4,:'"
+            ) from None
+    return tuple(out)

@@ -1,0 +1,212 @@
+"""Human renderings of the inspection commands (rich, on stdout; notes on
+stderr). Every function takes the same plain data the ``--json`` output has."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Callable, Iterator
+
+from rich.table import Table
+from rich.tree import Tree
+
+from dstt.cli.output import fmt_float, human_bytes, stderr, stdout
+
+SPARK = "▁▂▃▄▅▆▇█"
+#: Diffs reading at least this many bytes get a progress bar.
+PROGRESS_MIN_BYTES = 64 << 20
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """Unicode sparkline; values are bucket-averaged down to ``width``;
+    non-finite points show as a space.
+
+    >>> sparkline([0, 1, 2, 3])
+    '▁▃▆█'
+    """
+    if not values:
+        return ""
+    if len(values) > width:
+        out = []
+        for k in range(width):
+            chunk = [v for v in values[k * len(values) // width:(k + 1) * len(values) // width] if math.isfinite(v)]
+            out.append(sum(chunk) / len(chunk) if chunk else math.nan)
+        values = out
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return " " * len(values)
+    lo, hi = min(finite), max(finite)
+    span = hi - lo
+    return "".join(
+        " " if not math.isfinite(v) else SPARK[int((v - lo) / span * (len(SPARK) - 1) + 0.5) if span else 3]
+        for v in values
+    )
+
+
+def _time(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def emit_table(table: Table) -> None:
+    """Print a table on stdout; when stdout is not a terminal (a pipe, a
+    file) the table keeps its natural width instead of wrapping at 80."""
+    if stdout.is_terminal:
+        stdout.print(table)
+        return
+    from rich.measure import Measurement
+
+    natural = Measurement.get(stdout, stdout.options.update_width(100_000), table).maximum
+    old = stdout.width
+    stdout.width = max(old, natural)
+    try:
+        stdout.print(table)
+    finally:
+        stdout.width = old
+
+
+def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
+    tree = Tree(f"[bold]{url}[/]")
+    nodes: dict[str, Any] = {}
+    pending = list(branches)
+    while pending:  # parents first
+        progressed = False
+        for b in list(pending):
+            parent = b["parent"]["branch"] if b["parent"] else None
+            if parent is None or parent in nodes or parent not in {x["name"] for x in branches}:
+                steps = b["steps"]
+                written = sum(s["bytes_written"] or 0 for s in steps)
+                ref = sum(s["bytes_referenced"] or 0 for s in steps)
+                span = f"{steps[0]['step']}..{steps[-1]['step']}" if steps else "-"
+                fork = f" from {b['parent']['branch']}:{b['parent']['step']}" if b["parent"] else ""
+                label = (f"[bold cyan]{b['name']}[/]{fork}  {len(steps)} steps ({span}), "
+                         f"{human_bytes(written)} written, {human_bytes(ref)} referenced")
+                nodes[b["name"]] = (nodes[parent] if parent in nodes else tree).add(label)
+                pending.remove(b)
+                progressed = True
+        if not progressed:
+            break
+    stdout.print(tree)
+    for b in branches:
+        steps = b["steps"] if limit <= 0 else b["steps"][-limit:]
+        table = Table(title=f"branch {b['name']}", title_justify="left")
+        for col, just in (("step", "right"), ("time", "left"), ("tensors", "right"),
+                          ("written", "right"), ("referenced", "right")):
+            table.add_column(col, justify=just)  # type: ignore[arg-type]
+        for s in steps:
+            table.add_row(str(s["step"]), _time(s["time"]), str(s["n_tensors"]),
+                          human_bytes(s["bytes_written"] or 0), human_bytes(s["bytes_referenced"] or 0))
+        emit_table(table)
+        if len(steps) < len(b["steps"]):
+            stderr.print(f"{len(b['steps']) - len(steps)} earlier steps of {b['name']} not shown (--limit 0 shows all)")
+
+
+def tensor_listing(ref: str, rows: list[dict[str, Any]]) -> None:
+    table = Table(title=ref, title_justify="left")
+    cols = ("name", "shape", "dtype", "size", "norm", "mean", "std", "min", "max", "nonfinite")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("name", "dtype", "shape") else "right")
+    for r in rows:
+        s = r["stats"]
+        nonfinite = int(s.get("nonfinite", 0))
+        table.add_row(r["name"], "x".join(map(str, r["shape"])) or "()", r["dtype"], human_bytes(r["nbytes"]),
+                      *(fmt_float(s.get(k)) for k in ("norm", "mean", "std", "min", "max")),
+                      f"[red]{nonfinite}[/]" if nonfinite else "0")
+    emit_table(table)
+    stderr.print(f"{len(rows)} tensors, {human_bytes(sum(r['nbytes'] for r in rows))}")
+
+
+def show(data: dict[str, Any], values: Any) -> None:
+    stdout.print(f"[bold]{data['name']}[/] at {data['store']}@{data['branch']}:{data['step']}  "
+                 f"{data['dtype']} {list(data['shape'])}  {human_bytes(data['nbytes'])}"
+                 f"{'' if data['written'] else '  (unchanged from the previous step)'}")
+    st = Table(show_header=False, box=None)
+    for k, v in data["stats"].items():
+        st.add_row(k, fmt_float(v, 6) if k not in ("numel", "nonfinite") else str(int(v)))
+    emit_table(st)
+    h = data["histogram"]
+    if h["counts"]:
+        stdout.print("histogram (finite values):")
+        peak = max(h["counts"]) or 1
+        for k, n in enumerate(h["counts"]):
+            bar = "█" * round(30 * n / peak)
+            stdout.print(f"  [{fmt_float(h['edges'][k]):>10}, {fmt_float(h['edges'][k + 1]):>10})  {bar} {n}")
+    if h["nonfinite"]:
+        stdout.print(f"  [red]{h['nonfinite']} NaN/Inf values[/]")
+    stdout.print(f"values [{data['slice']}]:")
+    import torch
+
+    with_printopts = torch._tensor_str.PRINT_OPTS.threshold  # noqa: SLF001 - restore after printing
+    torch.set_printoptions(threshold=200)
+    try:
+        stdout.print(str(values), markup=False)
+    finally:
+        torch.set_printoptions(threshold=with_printopts)
+
+
+def diff_table(a: str, b: str, rows: list[dict[str, Any]], n_all: int) -> None:
+    table = Table(title=f"{a}  →  {b}", title_justify="left")
+    for c in ("name", "status", "rel_change", "l2_delta", "cosine", "max_abs_delta", "changed"):
+        table.add_column(c, justify="left" if c in ("name", "status") else "right")
+    colors = {"changed": "yellow", "unchanged": "dim", "added": "green", "removed": "red",
+              "shape_changed": "magenta", "dtype_changed": "magenta"}
+    for r in rows:
+        frac = r["frac_changed"]
+        table.add_row(r["name"], f"[{colors.get(r['status'], 'white')}]{r['status']}[/]",
+                      fmt_float(r["rel_change"]), fmt_float(r["l2_delta"]), fmt_float(r["cosine"], 6),
+                      fmt_float(r["max_abs_delta"]), "-" if frac is None else f"{100 * frac:.1f}%")
+    emit_table(table)
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    stderr.print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())) +
+                 (f" (of {n_all} tensors)" if len(rows) != n_all else ""))
+
+
+def history(label: str, series: list[dict[str, Any]], points: bool) -> None:
+    table = Table(title=label, title_justify="left")
+    for c in ("tensor", "branch", "points", "first", "last", "min", "max", "trend"):
+        table.add_column(c, justify="left" if c in ("tensor", "branch", "trend") else "right")
+    for s in series:
+        vals = [p["value"] for p in s["points"]]
+        fin = [v for v in vals if math.isfinite(v)]
+        table.add_row(s["tensor"], s["branch"], str(len(vals)), fmt_float(vals[0] if vals else None),
+                      fmt_float(vals[-1] if vals else None), fmt_float(min(fin) if fin else None),
+                      fmt_float(max(fin) if fin else None), sparkline(vals))
+    emit_table(table)
+    if points:
+        for s in series:
+            pt = Table(title=f"{s['tensor']} ({s['branch']})", title_justify="left")
+            for c in ("branch", "step", "value"):
+                pt.add_column(c, justify="right" if c != "branch" else "left")
+            for p in s["points"]:
+                pt.add_row(p["branch"], str(p["step"]), fmt_float(p["value"], 6))
+            emit_table(pt)
+
+
+def events(branch: str, evs: list[dict[str, Any]]) -> None:
+    if not evs:
+        stderr.print(f"nothing found on branch {branch!r}")
+        return
+    table = Table(title=f"first problem at step {evs[0]['step']} ({evs[0]['branch']})", title_justify="left")
+    for c in ("branch", "step", "tensor", "reason", "stat", "value", "previous"):
+        table.add_column(c, justify="right" if c in ("step", "value", "previous") else "left")
+    for e in evs:
+        table.add_row(e["branch"], str(e["step"]), e["tensor"], e["reason"], e["stat"],
+                      fmt_float(e["value"]), fmt_float(e["previous"]))
+    emit_table(table)
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, enabled: bool = True, label: str = "") -> Iterator[Callable[[int], None]]:
+    """A transient rich progress bar on stderr for ``total`` bytes, shown
+    only for long work (≥ PROGRESS_MIN_BYTES); yields ``advance(nbytes)``."""
+    if not enabled or total < PROGRESS_MIN_BYTES:
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(f"[bold]{label}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                  console=stderr, transient=True) as prog:
+        task = prog.add_task(label, total=total)
+        yield lambda n: prog.advance(task, n)
