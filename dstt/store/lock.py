@@ -162,9 +162,12 @@ class BranchLock:
             if not same:
                 os.close(fd)
                 continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, _record(self.branch, self.token), 0)
             self._fd = fd
+            try:  # the record is only for messages: a full disk must not fail the lock
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, _record(self.branch, self.token), 0)
+            except OSError:
+                pass
             return True
 
     def _release_local(self) -> None:

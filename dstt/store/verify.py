@@ -7,10 +7,11 @@ For each committed step :func:`verify` checks, and reports every failure
 * ``index.json``, ``names.json`` and ``stats.npy`` exist and match the sha256
   and size recorded in the commit, and parse and agree with each other;
 * every tensor the value tree refers to is in the index;
-* every chunk the index references exists, its CRC-32C (zarr's crc32c codec)
-  matches, it decodes to the expected size, and its sha256 equals the
-  digest in the index;
-* each tensor's checksum equals the sha256 of its chunk digests.
+* every chunk the index references exists, its stored CRC-32C trailer
+  (zarr's crc32c codec) matches, it decodes to the expected size, the
+  CRC-32C of its raw bytes equals the one in the index, and so does its
+  sha256 where the index records one;
+* each tensor's checksum equals the sha256 of its chunk CRC-32Cs.
 
 A chunk shared by several steps (unchanged data is referenced, not
 rewritten) is read once. Uncommitted step directories left by a crash are
@@ -34,8 +35,16 @@ from typing import Any, Callable
 from dstt.errors import DsttError, StepNotFoundError
 from dstt.store import layout as L
 from dstt.store.backend import Backend, open_backend
-from dstt.store.codec import decode_chunk
-from dstt.store.manifest import TensorEntry, decode_stats, parse_commit, parse_index, parse_names, sha256_hex
+from dstt.store.codec import crc32c, decode_chunk
+from dstt.store.manifest import (
+    TensorEntry,
+    decode_stats,
+    parse_commit,
+    parse_index,
+    parse_names,
+    sha256_hex,
+    tensor_checksum,
+)
 from dstt.store.root import check_root, committed_steps, list_branches, load_branch
 
 #: progress(done, total, description) -- called once per tensor checked.
@@ -93,7 +102,7 @@ class _Verifier:
         self.b = backend
         self.r = report
         self.progress = progress
-        self.seen: dict[tuple[str, str], str | None] = {}  # (chunk key, digest) -> error or None
+        self.seen: dict[tuple[Any, ...], str | None] = {}  # (chunk key, crc, sha256) -> error or None
 
     def problem(self, branch: str, step: int | None, tensor: str | None, kind: str, msg: str) -> None:
         self.r.problems.append(Problem(branch, step, tensor, kind, msg))
@@ -154,56 +163,45 @@ class _Verifier:
             except DsttError as e:
                 self.problem(branch, step, None, "stats", str(e))
 
-    def chunk(self, e: TensorEntry, i: int) -> tuple[str | None, bytes | None]:
-        """(error, raw digest) of chunk i of a tensor; cached by key and digest."""
+    def chunk(self, e: TensorEntry, i: int) -> str | None:
+        """The error of chunk i of a tensor, or None; cached by key and checksums."""
         coords = e.coords(i)
         key = L.chunk_key(e.array, e.slots[i], coords)
-        cache_key = (key, e.digests[i])
-        if cache_key in self.seen:
-            err = self.seen[cache_key]
-            return err, None if err else bytes.fromhex(e.digests[i])
-        err, digest = self._read_chunk(e, i, key, coords)
-        self.seen[cache_key] = err
-        return err, digest
+        cache_key = (key, e.crcs[i], e.sha256[i])
+        if cache_key not in self.seen:
+            self.seen[cache_key] = self._read_chunk(e, i, key, coords)
+        return self.seen[cache_key]
 
-    def _read_chunk(self, e: TensorEntry, i: int, key: str, coords: tuple[int, ...]) -> tuple[str | None, bytes | None]:
+    def _read_chunk(self, e: TensorEntry, i: int, key: str, coords: tuple[int, ...]) -> str | None:
         where = f"chunk {coords} (slot {e.slots[i]}, {key})"
         try:
             data = self.b.get(key)
         except (OSError, DsttError) as exc:
-            return f"{where}: unreadable ({exc})", None
+            return f"{where}: unreadable ({exc})"
         if data is None:
-            return f"{where}: missing", None
+            return f"{where}: missing"
         self.r.chunks += 1
         self.r.bytes += len(data)
         expected = e.dtype.itemsize * _prod(e.chunk_shape)
-        try:
+        try:  # the stored CRC-32C trailer (zarr's crc32c codec), then the size
             raw = decode_chunk(data, e.codec, expected, where)
         except DsttError as exc:
-            return str(exc), None
-        digest = hashlib.sha256(raw).digest()
-        if digest.hex() != e.digests[i]:
-            return f"{where}: sha256 does not match the step index", None
-        return None, digest
+            return str(exc)
+        if crc32c(raw) != e.crcs[i]:
+            return f"{where}: CRC-32C of the chunk's bytes does not match the step index"
+        if e.sha256[i] is not None and hashlib.sha256(raw).hexdigest() != e.sha256[i]:
+            return f"{where}: sha256 does not match the step index"
+        return None
 
     def tensor(self, branch: str, step: int, e: TensorEntry) -> None:
         self.r.tensors += 1
-        digests: list[bytes] = []
-        failed = False
         for i in range(e.nchunks):
-            err, digest = self.chunk(e, i)
+            err = self.chunk(e, i)
             if err is not None:
-                kind = "checksum" if "CRC" in err or "sha256" in err else "chunk"
+                kind = "chunk" if err.endswith("missing") or "unreadable" in err else "checksum"
                 self.problem(branch, step, e.name, kind, err)
-                failed = True
-            else:
-                assert digest is not None
-                digests.append(digest)
-        if failed:
-            return
-        recorded = b"".join(bytes.fromhex(d) for d in e.digests)
-        if hashlib.sha256(recorded).hexdigest() != e.checksum:
-            self.problem(branch, step, e.name, "checksum", "tensor checksum does not match its chunk digests")
+        if tensor_checksum(e.crcs) != e.checksum:
+            self.problem(branch, step, e.name, "checksum", "tensor checksum does not match its chunk CRC-32Cs")
 
 
 def _prod(xs: tuple[int, ...]) -> int:
