@@ -11,7 +11,7 @@ from dstt.cli.output import emit_json, handle_errors, stderr, stdout
 
 def _progress_bar(enabled: bool) -> tuple[Any, Any]:
     """A rich progress bar on stderr and its update callback (None when off)."""
-    if not enabled:
+    if not enabled or not stderr.is_terminal:
         return None, None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
