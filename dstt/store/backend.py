@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import sys
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -423,13 +424,16 @@ def open_backend(store: Any, *, create: bool = False) -> Backend:
     """
     if isinstance(store, Backend):
         return store
-    from zarr.abc.store import Store as ZarrStore
-    from zarr.storage import LocalStore
+    # A zarr Store object can only exist if zarr is imported; local paths never
+    # import it (zarr's import alone costs ~0.6 s here).
+    if "zarr" in sys.modules and not isinstance(store, (str, os.PathLike)):
+        from zarr.abc.store import Store as ZarrStore
+        from zarr.storage import LocalStore
 
-    if isinstance(store, LocalStore):
-        return LocalBackend(store.root, create=create)
-    if isinstance(store, ZarrStore):
-        return ZarrStoreBackend(store)
+        if isinstance(store, LocalStore):
+            return LocalBackend(store.root, create=create)
+        if isinstance(store, ZarrStore):
+            return ZarrStoreBackend(store)
     if isinstance(store, (str, os.PathLike)):
         s = os.fspath(store)
         if s.startswith("file://"):
