@@ -43,6 +43,8 @@ class Ref:
         rest = text
         step: StepSpec = None
         m = _STEP_RE.search(rest)
+        if m and m.start() == 0:
+            raise InvalidReferenceError(f"reference {text!r} names no store: expected STORE[@BRANCH][:STEP]")
         if m and m.start() > 0:
             spec = m.group(1)
             step = int(spec) if spec.isdigit() else spec

@@ -1,0 +1,76 @@
+"""References: ``STORE[@BRANCH][:STEP]`` parsing and step resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dstt
+from dstt.errors import BranchNotFoundError, InvalidReferenceError, StepNotFoundError
+from dstt.refs import Ref, resolve_step
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("runs/exp1", Ref("runs/exp1", None, None)),
+        ("runs/exp1:100", Ref("runs/exp1", None, 100)),
+        ("runs/exp1:latest", Ref("runs/exp1", None, "latest")),
+        ("runs/exp1@lr-sweep:~2", Ref("runs/exp1", "lr-sweep", "~2")),
+        ("runs/exp1@v1.2_b", Ref("runs/exp1", "v1.2_b", None)),
+        ("s3://bucket/run:100", Ref("s3://bucket/run", None, 100)),
+        ("s3://bucket/run", Ref("s3://bucket/run", None, None)),
+        ("s3://bucket/run@main:~0", Ref("s3://bucket/run", "main", "~0")),
+        ("memory://x@b:latest", Ref("memory://x", "b", "latest")),
+        ("/abs/path/run:0", Ref("/abs/path/run", None, 0)),
+    ],
+)
+def test_parse(text: str, expected: Ref) -> None:
+    ref = Ref.parse(text)
+    assert ref == expected
+    assert Ref.parse(str(ref)) == ref
+
+
+@pytest.mark.parametrize("text", ["", "   ", "run:abc", "run:-1", "run:~x", "run@bad!name", ":5", "@main:5"])
+def test_parse_rejects_malformed(text: str) -> None:
+    with pytest.raises(InvalidReferenceError):
+        Ref.parse(text)
+
+
+def test_existing_path_with_at_sign_is_a_store(tmp_path: Path) -> None:
+    path = tmp_path / "run@v2"
+    dstt.save(path, 3, {"w": torch.ones(2)})
+    ref = Ref.parse(f"{path}:3")
+    assert ref == Ref(str(path), None, 3)
+    assert dstt.open(f"{path}:3").resolve() == ("main", 3)
+
+
+def test_resolve_step_specs(store: Path) -> None:
+    for s in (0, 5, 10):
+        dstt.save(store, s, {"w": torch.full((2,), float(s))})
+    run = dstt.open(store)
+    assert resolve_step(run, "main", None) == 10
+    assert resolve_step(run, "main", "latest") == 10
+    assert resolve_step(run, "main", "~0") == 10
+    assert resolve_step(run, "main", "~2") == 0
+    assert resolve_step(run, "main", 5) == 5
+    with pytest.raises(StepNotFoundError, match="~3 goes before the first step"):
+        resolve_step(run, "main", "~3")
+    with pytest.raises(StepNotFoundError, match="no committed step 7"):
+        resolve_step(run, "main", 7)
+    with pytest.raises(InvalidReferenceError):
+        resolve_step(run, "main", 2.5)
+
+
+def test_open_reference_sets_defaults(store: Path) -> None:
+    dstt.save(store, 0, {"w": torch.zeros(2)})
+    dstt.save(store, 1, {"w": torch.ones(2)})
+    dstt.save(store, 2, {"w": torch.full((2,), 7.0)}, branch="alt", parent=("main", 0))
+    run = dstt.open(f"{store}@alt:latest")
+    assert run.resolve() == ("alt", 2)
+    assert torch.equal(run.read("w"), torch.full((2,), 7.0))
+    assert dstt.open(f"{store}:~1").resolve() == ("main", 0)
+    with pytest.raises(BranchNotFoundError, match="no branch 'nope'"):
+        dstt.open(f"{store}@nope:1")
