@@ -152,7 +152,7 @@ def test_diff_points_and_sorting(pair: tuple[Path, dict, dict]) -> None:
     assert sort_rows(every, "rel_change")[-1]["rel_change"] is None  # no metric: last
     assert [r["name"] for r in sort_rows(run.diff(0, 1), "name")][:2] == ["added", "big"]
     with pytest.raises(ConfigError):
-        sort_rows(rows, "bogus")
+        sort_rows(every, "bogus")
 
 
 def _series_store(path: Path) -> list[torch.Tensor]:
