@@ -17,6 +17,7 @@ from dstt.api import open, save
 from dstt.capture import Capture
 from dstt.errors import *  # noqa: F401,F403 - the exception hierarchy is public API
 from dstt.errors import DsttError
+from dstt.export import export
 from dstt.restore import branch, restore
 from dstt.state import optimizer_state, rng_state, state_of
 from dstt.store.reader import Run, TensorInfo
@@ -39,4 +40,5 @@ __all__ = [
     "DsttError",
     "restore",
     "branch",
+    "export",
 ]

@@ -21,7 +21,7 @@ app = typer.Typer(
 )
 
 #: Command modules, each with ``register(app)``, in help order.
-COMMAND_MODULES = ["demo", "verify", "inspect"]
+COMMAND_MODULES = ["demo", "verify", "inspect", "timetravel"]
 
 
 def _version(value: bool) -> None:

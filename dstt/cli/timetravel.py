@@ -1,0 +1,139 @@
+"""``dstt restore`` (export a step to a file), ``dstt branch``, ``dstt prune``, ``dstt gc``."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Optional
+
+import typer
+
+from dstt.cli.output import emit_json, handle_errors, human_bytes, stderr, stdout
+
+_SHORT_FROM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(:(latest|\d+|~\d+))?$")
+
+
+def from_ref(store: str, text: str | None) -> str:
+    """The fork point as a full reference. ``--from`` may be a full
+    reference, or relative to STORE: ``@BRANCH:STEP``, ``:STEP``, ``BRANCH:STEP``.
+
+    >>> from_ref("runs/a", "main:100"), from_ref("runs/a", ":7"), from_ref("runs/a", None)
+    ('runs/a@main:100', 'runs/a:7', 'runs/a@main:latest')
+    """
+    if not text:
+        return f"{store}@main:latest"
+    if text.startswith(("@", ":")):
+        return store + text
+    if _SHORT_FROM.match(text) and not os.path.exists(text.split(":", 1)[0]):
+        return f"{store}@{text}"
+    return text
+
+
+def _byte_bar(enabled: bool, label: str) -> tuple[Any, Any]:
+    """A rich progress bar on stderr (bytes) and its update callback."""
+    if not enabled or not stderr.is_terminal:
+        return None, None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                   console=stderr, transient=True)
+    task = bar.add_task(label, total=None)
+    return bar, lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _same_store(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b) if "://" not in a + b else a.rstrip("/") == b.rstrip("/")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @handle_errors
+    def restore(
+        ref: str = typer.Argument(..., help="STORE[@BRANCH][:STEP] to export (latest step by default)."),
+        out: str = typer.Option(..., "--out", "-o", help="File to write: .pt (torch.save) or .safetensors."),
+        only: Optional[str] = typer.Option(None, "--only", help="Only this subtree, e.g. 'model'."),
+        json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    ) -> None:
+        """Write a step to a standalone file. To restore into live training, use dstt.restore() in Python."""
+        from dstt.export import export
+
+        bar, update = _byte_bar(not quiet and not json_out, "exporting")
+        if bar is not None:
+            with bar:
+                info = export(ref, out, only=only, progress=update)
+        else:
+            info = export(ref, out, only=only)
+        if json_out:
+            emit_json(info.to_dict())
+            return
+        for note in info.notes:
+            stderr.print(f"note: {note}")
+        stdout.print(f"wrote {info.path} ({info.format}): {info.n_tensors} tensors, "
+                     f"{human_bytes(info.nbytes)} from step {info.step} of branch {info.branch!r}")
+
+    @app.command()
+    @handle_errors
+    def branch(
+        store: str = typer.Argument(..., help="Store path or URL."),
+        name: str = typer.Argument(..., help="Name of the new branch."),
+        from_: Optional[str] = typer.Option(None, "--from", help="Fork point: REF, @BRANCH:STEP, BRANCH:STEP or :STEP (default: latest step of main)."),
+        json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+    ) -> None:
+        """Create a branch forking at a step (no data is copied)."""
+        from dstt.errors import InvalidReferenceError
+        from dstt.refs import Ref
+        from dstt.restore import branch as make_branch
+
+        ref = from_ref(store, from_)
+        if not _same_store(Ref.parse(ref).store, store):
+            raise InvalidReferenceError(f"--from {from_!r} names another store than {store!r}")
+        parent = make_branch(ref, name)
+        if json_out:
+            emit_json({"branch": name, "parent": {"branch": parent[0], "step": parent[1]}})
+        else:
+            stdout.print(f"created branch {name!r} from step {parent[1]} of branch {parent[0]!r}")
+
+    @app.command()
+    @handle_errors
+    def prune(
+        store: str = typer.Argument(..., help="Store path or URL."),
+        keep_last: Optional[int] = typer.Option(None, "--keep-last", help="Keep the last N steps of each branch."),
+        keep_every: Optional[int] = typer.Option(None, "--keep-every", help="Keep every step divisible by K."),
+        branch: Optional[str] = typer.Option(None, "--branch", "-b", help="Only prune this branch."),
+        dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be removed."),
+        json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+    ) -> None:
+        """Remove steps outside the policy. Always kept: each branch's latest step and every fork point.
+        Tensor data is freed by a following `dstt gc`."""
+        from dstt.store.gc import prune as run_prune
+
+        report = run_prune(store, keep_last=keep_last, keep_every=keep_every, branch=branch, dry_run=dry_run)
+        if json_out:
+            emit_json(report.to_dict())
+            return
+        verb = "would remove" if dry_run else "removed"
+        stdout.print(f"{verb} {len(report.removed)} step(s); kept "
+                     + ", ".join(f"{b}: {len(s)}" for b, s in report.kept.items()))
+        if report.removed and not dry_run:
+            stderr.print("run `dstt gc STORE` to free the data they no longer reference")
+
+    @app.command()
+    @handle_errors
+    def gc(
+        store: str = typer.Argument(..., help="Store path or URL."),
+        dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be removed."),
+        json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+    ) -> None:
+        """Remove chunks and arrays no committed step references, and uncommitted step leftovers.
+        Refuses to run while any branch has a live writer."""
+        from dstt.store.gc import gc as run_gc
+
+        report = run_gc(store, dry_run=dry_run)
+        if json_out:
+            emit_json(report.to_dict())
+            return
+        verb = "would free" if dry_run else "freed"
+        stdout.print(f"{verb} {human_bytes(report.bytes_freed)}: {report.chunks_removed} chunk(s), "
+                     f"{report.arrays_removed} array(s), {len(report.partial_steps_removed)} uncommitted step dir(s); "
+                     f"{report.chunks_kept} chunk(s) still referenced")

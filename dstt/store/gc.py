@@ -1,0 +1,283 @@
+"""Retention: ``prune`` removes steps, ``gc`` removes the data nothing uses.
+
+Rules (docs/timetravel.md):
+
+* ``prune`` keeps, on each branch it prunes, the latest step, the last
+  ``keep_last`` steps, every step divisible by ``keep_every``, and every step
+  that is some branch's parent (fork point). A step is removed by deleting its
+  ``commit.json`` first -- from then on it is invisible -- and then its
+  directory. It never deletes tensor data: that is gc's job.
+* ``gc`` removes chunk files that no committed step of any branch references
+  (a step references chunk (array, slot, coords) through its index; dedup
+  makes steps, and branches, share chunks), arrays left with no referenced
+  chunk, and step directories without ``commit.json`` (a crashed or pruned
+  step's leftovers).
+
+Both take every branch's write lock (:func:`dstt.store.lock.acquire_all`) for
+their whole run, so they refuse to run beside a live writer, and gc only
+deletes chunks in the slot ranges of the branches it locked (a branch created
+while gc runs is left alone).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dstt.errors import ConfigError
+from dstt.store import layout as L
+from dstt.store.backend import Backend, LocalBackend, open_backend
+from dstt.store.lock import acquire_all
+from dstt.store.root import check_root, committed_steps, list_branches, load_branch
+
+
+@dataclass
+class PruneReport:
+    """Steps ``prune`` removed (or would remove, with ``dry_run``) and kept."""
+
+    removed: list[tuple[str, int]] = field(default_factory=list)
+    kept: dict[str, list[int]] = field(default_factory=dict)
+    dry_run: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"removed": [{"branch": b, "step": s} for b, s in self.removed],
+                "kept": self.kept, "dry_run": self.dry_run}
+
+
+@dataclass
+class GcReport:
+    """What ``gc`` removed (or would remove, with ``dry_run``)."""
+
+    chunks_removed: int = 0
+    arrays_removed: int = 0
+    partial_steps_removed: list[tuple[str, str]] = field(default_factory=list)
+    bytes_freed: int = 0
+    chunks_kept: int = 0
+    skipped_unlocked: int = 0  # chunks of branches created while gc ran
+    dry_run: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["partial_steps_removed"] = [{"branch": b, "dir": s} for b, s in self.partial_steps_removed]
+        return d
+
+
+# ----------------------------------------------------------------------------- prune
+
+
+def keep_set(steps: list[int], keep_last: int | None, keep_every: int | None, protected: set[int]) -> set[int]:
+    """The steps of one branch that prune keeps.
+
+    >>> sorted(keep_set(list(range(10)), keep_last=2, keep_every=4, protected={5}))
+    [0, 4, 5, 8, 9]
+    """
+    keep = set(protected) & set(steps)
+    if steps:
+        keep.add(steps[-1])
+    if keep_last:
+        keep.update(steps[-keep_last:])
+    if keep_every:
+        keep.update(s for s in steps if s % keep_every == 0)
+    return keep
+
+
+def branch_parents(backend: Backend) -> dict[str, set[int]]:
+    """Steps that are some branch's fork point, by branch."""
+    out: dict[str, set[int]] = defaultdict(set)
+    for name in list_branches(backend):
+        parent = load_branch(backend, name).parent
+        if parent is not None:
+            out[parent[0]].add(parent[1])
+    return out
+
+
+def prune(
+    store: Any,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    branch: str | None = None,
+    dry_run: bool = False,
+) -> PruneReport:
+    """Remove steps outside the retention policy (all branches, or ``branch``).
+
+    >>> import tempfile, torch, dstt
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> for s in range(6):
+    ...     _ = dstt.save(path, s, {"w": torch.full((2,), float(s))})
+    >>> prune(path, keep_last=2, keep_every=3).removed
+    [('main', 1), ('main', 2), ('main', 4)]
+    >>> dstt.open(path).steps()
+    [0, 3, 5]
+    """
+    for opt, v in (("keep_last", keep_last), ("keep_every", keep_every)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
+    if keep_last is None and keep_every is None:
+        raise ConfigError("say what to keep: --keep-last N and/or --keep-every K")
+    backend = open_backend(store, create=False)
+    check_root(backend)
+    branches = [branch] if branch else list_branches(backend)
+    for b in branches:
+        load_branch(backend, b)
+    report = PruneReport(dry_run=dry_run)
+    with acquire_all(backend, list_branches(backend)):
+        parents = branch_parents(backend)
+        doomed = []
+        for b in branches:
+            steps = committed_steps(backend, b)
+            keep = keep_set(steps, keep_last, keep_every, parents.get(b, set()))
+            report.kept[b] = sorted(keep)
+            doomed += [(b, s) for s in steps if s not in keep]
+        if not dry_run:
+            parents = branch_parents(backend)  # a branch forked meanwhile keeps its parent
+            for b, s in doomed:
+                if s in parents.get(b, set()):
+                    report.kept[b] = sorted({*report.kept[b], s})
+                    continue
+                remove_step(backend, b, s)
+                report.removed.append((b, s))
+        else:
+            report.removed = doomed
+    return report
+
+
+def remove_step(backend: Backend, branch: str, step: int) -> None:
+    """Make a step invisible (commit marker first), then delete its files."""
+    where = L.step_dir(branch, step)
+    backend.delete(f"{where}/{L.COMMIT_FILE}")
+    backend.sync()
+    backend.delete_prefix(where)
+
+
+# ----------------------------------------------------------------------------- gc
+
+
+def referenced_chunks(backend: Backend, branches: list[str]) -> dict[str, set[tuple[int, tuple[int, ...]]]]:
+    """(slot, chunk coords) referenced per array by every committed step."""
+    from dstt.store.reader import Run
+
+    run = Run(backend, cache_steps=1)
+    refs: dict[str, set[tuple[int, tuple[int, ...]]]] = defaultdict(set)
+    for b in branches:
+        for s in committed_steps(backend, b):
+            for e in run.record(s, b).entries:
+                bucket = refs[e.array]
+                for i, slot in enumerate(e.slots):
+                    bucket.add((slot, e.coords(i)))
+    return refs
+
+
+def _parse_chunk_key(key: str) -> tuple[str, int, tuple[int, ...]] | None:
+    """(array, slot, coords) of a chunk key; None for anything else."""
+    parts = key.split("/")
+    for i, p in enumerate(parts):
+        if p.startswith("@"):
+            rest = parts[i + 1:]
+            if len(rest) >= 2 and rest[0] == "c" and all(x.isdigit() for x in rest[1:]):
+                return "/".join(parts[: i + 1]), int(rest[1]), tuple(int(x) for x in rest[2:])
+            return None
+    return None
+
+
+def _array_of(key: str) -> str | None:
+    parts = key.split("/")
+    for i, p in enumerate(parts):
+        if p.startswith("@"):
+            return "/".join(parts[: i + 1])
+    return None
+
+
+def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | None = None) -> GcReport:
+    """Remove unreferenced chunks and arrays and uncommitted step directories.
+
+    >>> import tempfile, torch, dstt
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> for s in range(3):
+    ...     _ = dstt.save(path, s, {"w": torch.full((4,), float(s))})
+    >>> _ = prune(path, keep_last=1)
+    >>> gc(path).chunks_removed
+    2
+    """
+    backend = open_backend(store, create=False)
+    check_root(backend)
+    report = GcReport(dry_run=dry_run)
+    with acquire_all(backend, list_branches(backend)) as locks:
+        branches = [lk.branch for lk in locks]
+        locked_ids = {load_branch(backend, b).id for b in branches}
+        for b in branches:
+            _collect_partial_steps(backend, b, report, dry_run)
+        if progress:
+            progress("reading step indexes")
+        refs = referenced_chunks(backend, branches)
+        if progress:
+            progress("scanning chunks")
+        _collect_chunks(backend, refs, locked_ids, report, dry_run)
+    if not dry_run and isinstance(backend, LocalBackend):
+        _remove_empty_dirs(os.path.join(backend.url, L.TENSORS))
+        _remove_empty_dirs(os.path.join(backend.url, L.META, "steps"))
+    return report
+
+
+def _collect_partial_steps(backend: Backend, branch: str, report: GcReport, dry_run: bool) -> None:
+    prefix = L.steps_prefix(branch).rstrip("/")
+    for d in backend.list_dir(prefix):
+        if backend.exists(f"{prefix}/{d}/{L.COMMIT_FILE}"):
+            continue
+        keys = backend.list_prefix(f"{prefix}/{d}")
+        report.bytes_freed += sum(backend.size(k) or 0 for k in keys)
+        report.partial_steps_removed.append((branch, d))
+        if not dry_run:
+            backend.delete_prefix(f"{prefix}/{d}")
+
+
+def _collect_chunks(backend: Backend, refs: dict[str, set[tuple[int, tuple[int, ...]]]], locked_ids: set[int],
+                    report: GcReport, dry_run: bool) -> None:
+    by_array: dict[str, list[str]] = defaultdict(list)
+    for key in backend.list_prefix(L.TENSORS):
+        array = _array_of(key)
+        if array is not None:
+            by_array[array].append(key)
+    for array, keys in by_array.items():
+        live = refs.get(array, set())
+        doomed, unlocked = [], 0
+        for key in keys:
+            parsed = _parse_chunk_key(key)
+            if parsed is None:
+                continue
+            _arr, slot, coords = parsed
+            if (slot, coords) in live:
+                report.chunks_kept += 1
+            elif slot // L.SLOTS_PER_BRANCH not in locked_ids:
+                unlocked += 1
+            else:
+                doomed.append(key)
+        report.skipped_unlocked += unlocked
+        whole = not live and not unlocked and bool(doomed)
+        if whole:  # nothing references the array: its metadata goes too
+            doomed = [k for k in keys]
+            report.arrays_removed += 1
+        report.chunks_removed += sum(1 for k in doomed if _parse_chunk_key(k) is not None)
+        report.bytes_freed += sum(backend.size(k) or 0 for k in doomed)
+        if dry_run:
+            continue
+        if whole:
+            backend.delete_prefix(array)
+        else:
+            for k in doomed:
+                backend.delete(k)
+
+
+def _remove_empty_dirs(root: str) -> None:
+    for dirpath, _dirs, _files in os.walk(root, topdown=False):
+        if dirpath == root:
+            continue
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass
+
+
+__all__ = ["prune", "gc", "keep_set", "PruneReport", "GcReport", "remove_step", "branch_parents"]
