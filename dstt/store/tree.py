@@ -45,6 +45,7 @@ from dstt.store.shards import ShardedTensor, is_dtensor
 TensorLike = Any  # torch.Tensor | DTensor | ShardedTensor | np.ndarray
 
 _NP_SCALARS = (np.integer, np.floating, np.bool_, np.complexfloating)
+_TORCH_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
 def escape_name_part(part: str) -> str:
@@ -84,7 +85,7 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, T
         if isinstance(v, int) and not isinstance(v, bool):
             return v
         if isinstance(v, float):
-            return v if math.isfinite(v) else {"$float": repr(v)}
+            return v if math.isfinite(v) else {"$float": repr(float(v))}  # np.float64 is a float
         if _is_tensor(v):
             return {"$tensor": add(path, v, "tensor")}
         if isinstance(v, np.ndarray):
@@ -182,7 +183,9 @@ def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool 
             except ValueError:
                 raise bad("$bytes is not base64") from None
         if tag == "$dtype":
-            dt = getattr(torch, arg, None) if isinstance(arg, str) else None
+            # Look the name up among torch's dtypes only: getattr(torch, name)
+            # with a store-chosen name could import arbitrary torch submodules.
+            dt = _TORCH_DTYPES.get(arg) if isinstance(arg, str) else None
             if not isinstance(dt, torch.dtype):
                 raise bad(f"$dtype {arg!r}")
             return dt
@@ -193,9 +196,15 @@ def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool 
                 dtype = np.dtype(arg[0])
             except TypeError:
                 raise bad(f"$np dtype {arg[0]!r}") from None
-            if dtype == object:
-                raise bad("$np object dtype")
-            return dtype.type(dec(arg[1]))
+            if dtype.kind not in "biufc":
+                raise bad(f"$np dtype {arg[0]!r} is not a numeric scalar type")
+            value = dec(arg[1])
+            if not isinstance(value, (bool, int, float, complex)):
+                raise bad(f"$np value must be a number, got {type(value).__name__}")
+            try:
+                return dtype.type(value)
+            except (OverflowError, ValueError, TypeError) as e:
+                raise bad(f"$np {arg[0]} value {value!r}: {e}") from None
         if tag in ("$tensor", "$ndarray"):
             if not isinstance(arg, str):
                 raise bad(f"{tag} needs a tensor name")
@@ -212,7 +221,10 @@ def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool 
             return pickle.loads(base64.b64decode(arg))
         raise bad(f"unknown tag {tag!r}")
 
-    return dec(tree)
+    try:
+        return dec(tree)
+    except RecursionError:
+        raise bad("nested too deeply") from None
 
 
 def tree_has_pickle(tree: Any) -> bool:
