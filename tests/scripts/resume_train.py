@@ -1,4 +1,5 @@
-"""A small deterministic training loop that captures every step, for the
+"""A small deterministic training loop that captures every step with the asynchronous
+:class:`dstt.Capture`, for the
 bit-exact resume test.
 
     python tests/scripts/resume_train.py STORE --steps 12 --out final.pt
@@ -45,6 +46,13 @@ def setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, object, torch.Tenso
     return model, opt, sched, xs, ys
 
 
+def report(cap: dstt.Capture, done: int) -> int:
+    """Print ``committed <step>`` for steps made durable since the last call."""
+    for info in cap.committed[done:]:
+        print(f"committed {info.step}", flush=True)
+    return len(cap.committed)
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("store")
@@ -64,7 +72,8 @@ def main(argv: list[str]) -> None:
         pos = dstt.restore(run, model=model, optimizer=opt, scheduler=sched, rng=not args.no_rng)
         start = parent[1]
     batches = N_SAMPLES // BATCH
-    with dstt.Writer(args.store, branch=args.branch, parent=parent) as w:
+    reported = 0
+    with dstt.Capture(args.store, branch=args.branch, parent=parent) as cap:
         for step in range(start + 1, args.steps + 1):
             idx = pos["order"][pos["batch"] * BATCH:(pos["batch"] + 1) * BATCH]
             noise = random.gauss(0.0, 0.1)
@@ -78,8 +87,10 @@ def main(argv: list[str]) -> None:
             pos["batch"] += 1
             if pos["batch"] == batches:
                 pos = {"epoch": pos["epoch"] + 1, "batch": 0, "order": np.random.permutation(N_SAMPLES).tolist()}
-            w.write(step, dstt.state_of(model=model, optimizer=opt, scheduler=sched, rng=True, extra=dict(pos)))
-            print(f"committed {step}", flush=True)
+            cap.snapshot(step, model=model, optimizer=opt, scheduler=sched, rng=True, extra=dict(pos))
+            reported = report(cap, reported)
+        cap.wait()
+        report(cap, reported)
     if args.out:
         torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict()}, args.out)
 

@@ -1,0 +1,185 @@
+"""dstt.restore: into live objects, all-or-nothing validation, FSDP2 resharding."""
+
+from __future__ import annotations
+
+import copy
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dstt
+from tests.conftest import bits_equal
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make(width: int = 4, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 2))
+    m[2].to(torch.bfloat16)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return m, opt, sched
+
+
+def train(m: torch.nn.Module, opt: torch.optim.Optimizer, sched: object, steps: int) -> None:
+    for _ in range(steps):
+        h = m[1](m[0](torch.randn(6, 3)))
+        m[2](h.to(torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def snapshot(m: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    return copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def assert_same(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    (ma, oa), (mb, ob) = a, b
+    assert list(ma) == list(mb)
+    for k in ma:
+        assert bits_equal(ma[k], mb[k]), k
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["state"].keys() == ob["state"].keys()
+    for i in oa["state"]:
+        for k, v in oa["state"][i].items():
+            assert bits_equal(v, ob["state"][i][k]), (i, k)
+
+
+def test_restore_into_fresh_objects_is_exact(store: Path) -> None:
+    m, opt, sched = make()
+    train(m, opt, sched, 3)
+    dstt.save(store, 3, dstt.state_of(model=m, optimizer=opt, scheduler=sched, rng=True,
+                                      extra={"pos": 17, "order": [3, 1, 2]}))
+    expected_draws = (torch.rand(3), np.random.rand(2), random.random())
+    want = snapshot(m, opt)
+    m2, opt2, sched2 = make(seed=1)  # different weights, empty Adam state
+    assert opt2.state_dict()["state"] == {}
+    extra = dstt.restore(f"{store}:3", model=m2, optimizer=opt2, scheduler=sched2)
+    assert extra == {"pos": 17, "order": [3, 1, 2]}
+    assert_same(snapshot(m2, opt2), want)
+    assert sched2.state_dict() == sched.state_dict()
+    draws = (torch.rand(3), np.random.rand(2), random.random())
+    assert torch.equal(draws[0], expected_draws[0]) and np.array_equal(draws[1], expected_draws[1])
+    assert draws[2] == expected_draws[2]
+    # The restored pair keeps training exactly like the original.
+    torch.manual_seed(5)
+    train(m, opt, sched, 2)
+    torch.manual_seed(5)
+    train(m2, opt2, sched2, 2)
+    assert_same(snapshot(m2, opt2), snapshot(m, opt))
+
+
+def test_rng_false_leaves_rng_alone(store: Path) -> None:
+    m, opt, _ = make()
+    dstt.save(store, 0, dstt.state_of(model=m, rng=True))
+    torch.manual_seed(123)
+    expected = torch.rand(2)
+    torch.manual_seed(123)
+    dstt.restore(store, model=m, rng=False)
+    assert torch.equal(torch.rand(2), expected)
+
+
+def test_mismatch_lists_every_problem_and_changes_nothing(store: Path) -> None:
+    m, opt, sched = make()
+    train(m, opt, sched, 2)
+    dstt.save(store, 2, dstt.state_of(model=m, optimizer=opt, scheduler=sched))
+    other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2),
+                                torch.nn.Linear(2, 2))
+    oopt = torch.optim.AdamW(other.parameters(), lr=0.5)
+    other(torch.randn(6, 3)).sum().backward()
+    oopt.step()
+    other[2].to(torch.float64)
+    before = snapshot(other, oopt)
+    with pytest.raises(dstt.RestoreMismatchError) as ei:
+        dstt.restore(f"{store}:2", model=other, optimizer=oopt)
+    msg = str(ei.value)
+    assert "missing keys ['3.weight', '3.bias']" in msg
+    assert "model/0.weight: stored (4, 3) float32, live (5, 3) float32" in msg
+    assert "model/2.weight: stored (2, 4) bfloat16, live (2, 5) float64" in msg
+    assert "optim: group 0 missing parameters ['3.weight', '3.bias']" in msg
+    assert "nothing was restored" in msg and "\n" not in msg
+    assert any("optim/0.weight/exp_avg" in p for p in ei.value.problems)
+    assert_same(snapshot(other, oopt), before)  # untouched, bit for bit
+
+    # Unexpected keys, and a step without the scheduler that is asked for.
+    small = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    with pytest.raises(dstt.RestoreMismatchError, match=r"unexpected keys \['1.weight'"):
+        dstt.restore(store, model=small)
+    dstt.save(store, 3, dstt.state_of(model=m))
+    with pytest.raises(dstt.RestoreMismatchError, match="the step has no scheduler state"):
+        dstt.restore(store, model=m, scheduler=sched)
+
+
+def test_strict_false_loads_what_matches(store: Path) -> None:
+    m, opt, sched = make()
+    train(m, opt, sched, 2)
+    dstt.save(store, 2, dstt.state_of(model=m, optimizer=opt))
+    grown = torch.nn.Sequential(*make()[0], torch.nn.Linear(2, 2))
+    gopt = torch.optim.AdamW(grown.parameters(), lr=0.5)
+    fresh_last = grown[3].weight.detach().clone()
+    with pytest.warns(UserWarning, match="partial restore"):
+        dstt.restore(store, model=grown, optimizer=gopt, strict=False)
+    assert bits_equal(grown[0].weight, m[0].weight) and bits_equal(grown[2].weight, m[2].weight)
+    assert bits_equal(grown[3].weight, fresh_last)
+    assert bits_equal(gopt.state[grown[0].weight]["exp_avg"], opt.state[m[0].weight]["exp_avg"])
+    assert grown[3].weight not in gopt.state
+    assert gopt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def run_job(*args: str) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/scripts/fsdp_job.py"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
+def test_fsdp2_capture_two_ranks_restore_one_and_three(tmp_path: Path) -> None:
+    store = tmp_path / "run"
+    run_job("capture", str(store), str(tmp_path / "cap"), "--world", "2")
+    cap = [torch.load(tmp_path / "cap" / f"rank{r}.pt") for r in range(2)]
+    full = dstt.open(store).state_dict(2)
+
+    # World size 1: a plain (unsharded) model gets the full tensors.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fsdp_job", ROOT / "tests/scripts/fsdp_job.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    plain = job.build_model()
+    popt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    assert dstt.restore(f"{store}:2", model=plain, optimizer=popt) == {"pos": 12}
+    for n, p in plain.named_parameters():
+        assert bits_equal(p, full["model"][n])
+        for k, v in popt.state[p].items():
+            assert bits_equal(v, full["optim"][n][k])
+    assert torch.equal(torch.rand(4), cap[0]["rand"])  # single process takes rank 0's RNG
+    job.train_step(plain, popt, seed=7)
+
+    # World size 3: every rank reads only its own shard boxes.
+    run_job("restore", f"{store}:2", str(tmp_path / "r3"), "--world", "3")
+    for r in range(3):
+        res = torch.load(tmp_path / "r3" / f"rank{r}.pt")
+        assert res["extra"] == {"pos": 12}
+        local_boxes = {}
+        for name, (off, local) in res["local"].items():
+            head, rest = name.split("/", 1)
+            ref = full[head] if head == "model" else full["optim"]
+            value = ref[rest] if head == "model" else ref[rest.rsplit("/", 1)[0]][rest.rsplit("/", 1)[1]]
+            box = tuple(slice(o, o + n) for o, n in zip(off, local.shape))
+            assert bits_equal(local, value[box] if box else value), (r, name)
+            local_boxes[name] = (tuple(off), tuple(local.shape))
+        for name, off, shape in res["boxes"]:
+            if name in local_boxes and len(shape) > 0:
+                assert (off, shape) == local_boxes[name], (r, name)  # nothing beyond its shard
+        if r < 2:  # per-rank RNG: ranks the capture had get their own state back
+            assert torch.equal(res["rand"], cap[r]["rand"])
+        # One more step on 3 ranks matches the same step on one process.
+        for n, p in plain.named_parameters():
+            torch.testing.assert_close(res["after"][n], p.detach(), rtol=1e-5, atol=1e-6)
