@@ -5,7 +5,7 @@ The state of step k is a pure function of k (:func:`expected_state`), so a
 test can check every committed step bit-exactly without talking to the
 writer. Run as::
 
-    python -m tests.crash_worker write STORE BRANCH N_STEPS [save|capture|auto]
+    python -m tests.crash_worker write STORE BRANCH N_STEPS [save|capture|auto [PAUSE_S]]
     python -m tests.crash_worker zygote
 
 ``write`` resumes after the branch's last committed step and captures
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -64,27 +65,30 @@ def _last_step(store: str, branch: str) -> int:
     return steps[-1] if steps else -1
 
 
-def write(store: str, branch: str, n_steps: int, mode: str = "auto") -> int:
-    """Capture steps after the last committed one; the last step attempted."""
+def write(store: str, branch: str, n_steps: int, mode: str = "auto", pause: float = 0.0) -> int:
+    """Capture steps after the last committed one (``pause`` seconds of
+    "training" between steps); the last step attempted."""
     use_capture = mode == "capture" or (mode == "auto" and has_capture())
     start = _last_step(store, branch) + 1
     stop = start + n_steps if n_steps > 0 else 1 << 62
     if use_capture:
-        return _write_capture(store, branch, start, stop)
+        return _write_capture(store, branch, start, stop, pause)
     w = dstt.Writer(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
     try:
         for step in range(start, stop):
             w.write(step, dstt.state_of(extra=user_state(step)))
+            time.sleep(pause)
     finally:
         w.close()
     return stop - 1
 
 
-def _write_capture(store: str, branch: str, start: int, stop: int) -> int:
+def _write_capture(store: str, branch: str, start: int, stop: int, pause: float) -> int:
     cap = dstt.Capture(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
     try:
         for step in range(start, stop):
             cap.snapshot(step, rng=False, extra=user_state(step))
+            time.sleep(pause)
     finally:
         cap.close()
     return stop - 1
@@ -120,6 +124,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "zygote":
         zygote()
     elif sys.argv[1] == "write":
-        write(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "auto")
+        write(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "auto",
+              float(sys.argv[6]) if len(sys.argv) > 6 else 0.0)
     else:
         sys.exit(f"unknown command {sys.argv[1]!r}")
