@@ -1,0 +1,114 @@
+"""Worker for tests/test_capture_dist.py, run under torchrun (gloo, CPU).
+
+    python -m torch.distributed.run --nproc-per-node N capture_fsdp.py OUT MODE[,MODE]
+
+Each mode runs in OUT/MODE, one after the other in the same process group.
+MODE ``ok``: FSDP2 model with uneven shards, captured at every step while
+training; rank 0 saves the unsharded expected state of every step to
+OUT/expected.pt. MODE ``fail``: rank 1's chunk writes fail from step 1 on;
+every rank records the CaptureError it saw in OUT/error<rank>.txt.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import dstt
+from dstt.errors import CaptureError
+from dstt.store.backend import LocalBackend
+
+
+class FailingBackend(LocalBackend):
+    """Fails every chunk write once ``armed``."""
+
+    armed = False
+
+    def put(self, key: str, data: Any) -> None:
+        if self.armed and key.startswith("tensors/") and "/c/" in key:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().put(key, data)
+
+
+def full(state: Any) -> Any:
+    """The unsharded value of every tensor (collective for DTensors)."""
+    if isinstance(state, dict):
+        return {k: full(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [full(v) for v in state]
+    if hasattr(state, "full_tensor"):
+        return state.full_tensor().detach().clone()
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    return state
+
+
+def build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    # 10, 7 and 2 output rows: uneven over 2 and 3 ranks, and empty on some rank.
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
+                                torch.nn.ReLU(), torch.nn.Linear(7, 2))
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, reference
+
+
+def main(out: Path, modes: list[str]) -> None:
+    dist.init_process_group("gloo")
+    for mode in modes:
+        (out / mode).mkdir(parents=True, exist_ok=True)
+        run_mode(out / mode, mode)
+    dist.destroy_process_group()
+
+
+def run_mode(out: Path, mode: str) -> None:
+    rank = dist.get_rank()
+    model, reference = build()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    store: Any = out / "run"
+    if mode == "fail" and rank == 1:
+        store = FailingBackend(out / "run", create=True)
+    expected: dict[int, Any] = {}
+    extra = {"shared": torch.arange(12.0).reshape(3, 4)}  # replicated: written once, by some rank
+    torch.manual_seed(100 + rank)
+    cap = dstt.Capture(store, max_chunk_bytes=64)
+    errors: list[str] = []
+    try:
+        cap.snapshot(0, model=model, optimizer=opt, extra=extra)
+        expected[0] = {"model": reference}
+        for step in range(1, 4):
+            if mode == "fail" and step == 2:
+                cap.wait()
+                if rank == 1:
+                    store.armed = True
+            opt.zero_grad()
+            model(torch.randn(5, 6)).square().mean().backward()
+            opt.step()
+            cap.snapshot(step, model=model, optimizer=opt, extra=extra)
+            if mode == "ok":
+                expected[step] = full(dstt.state_of(model=model, optimizer=opt))
+        cap.wait()
+    except CaptureError as e:
+        errors.append(str(e))
+    finally:
+        try:
+            cap.close()
+        except CaptureError as e:  # a failure not reported yet (timing decides which call sees it)
+            errors.append(str(e))
+    if errors:
+        (out / f"error{rank}.txt").write_text("\n".join(errors))
+    if rank == 0 and mode == "ok":
+        torch.save(expected, out / "expected.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2].split(","))
