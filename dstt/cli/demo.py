@@ -11,7 +11,7 @@ from dstt.cli.output import emit_json, handle_errors, human_bytes, stderr, stdou
 
 
 def run_demo(store: Path, steps: int, seed: int) -> dict:
-    """Train a tiny MLP for ``steps`` iterations, saving every step."""
+    """Train a tiny MLP for ``steps`` iterations, capturing every step with :class:`dstt.Capture`."""
     import torch
 
     import dstt
@@ -23,15 +23,16 @@ def run_demo(store: Path, steps: int, seed: int) -> dict:
     x = torch.randn(256, 16)
     y = x[:, :4].sin()
     losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        dstt.save(store, step, dstt.state_of(model=model, optimizer=opt, scheduler=sched, rng=True,
-                                             extra={"loss": losses[-1], "step": step}))
+    with dstt.Capture(store) as cap:  # lazy: copies and writes overlap the next iteration
+        for step in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            cap.snapshot(step, model=model, optimizer=opt, scheduler=sched, rng=True,
+                         extra={"loss": losses[-1], "step": step})
     return {"store": str(store), "steps": steps, "final_loss": losses[-1]}
 
 
