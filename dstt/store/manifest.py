@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,10 @@ from dstt.store.codec import CodecSpec
 from dstt.store.dtypes import DtypeInfo, info_for_name
 from dstt.store.layout import FORMAT_VERSION, MAX_SLOTS, TENSORS
 from dstt.store.stats import STATS_COLUMNS
+
+#: What array paths written by dstt look like (layout.escape_component's
+#: alphabet plus '@' and '/'); anything else in an index is hostile.
+_ARRAY_PATH_RE = re.compile(r"^[A-Za-z0-9._%@/-]{1,4096}$")
 
 #: Upper bound on any stored tensor (elements); hostile shapes fail early.
 MAX_ELEMENTS = 1 << 48
@@ -190,7 +195,7 @@ def parse_entry(raw: Any, where: str) -> TensorEntry:
     array = _str(raw.get("array"), w, "array")
     parts = array.split("/")
     _need(parts[0] == TENSORS and len(parts) >= 3 and all(p not in ("", ".", "..") for p in parts)
-          and "\\" not in array and parts[-1].startswith("@"), w, f"unsafe array path {array!r}")
+          and _ARRAY_PATH_RE.match(array) is not None and parts[-1].startswith("@"), w, f"unsafe array path {array!r}")
     entry = TensorEntry(name, kind, dtype, shape, chunk, codec, array, [], [], [], "", 0)
     n = entry.nchunks
     slots = raw.get("slots")
