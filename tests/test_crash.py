@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import dstt
+from dstt.store import layout as L
 from dstt.store.verify import partial_steps, verify
 from tests.conftest import bits_equal
 from tests.crash_worker import expected_state
@@ -113,7 +114,8 @@ def run_gc(store: Path) -> bool:
     return True
 
 
-def kill_trials(zygote: Zygote, store: Path, trials: int, seed: int, max_delay: float) -> dict[str, int]:
+def kill_trials(zygote: Zygote, store: Path, trials: int, seed: int, max_delay: float,
+                gc_every: int = 0) -> dict[str, int]:
     rng = random.Random(seed)
     checked: set[int] = set()
     outcome = {"killed": 0, "finished_before_kill": 0, "steps": 0, "trials_with_progress": 0}
@@ -132,6 +134,8 @@ def kill_trials(zygote: Zygote, store: Path, trials: int, seed: int, max_delay: 
             outcome["finished_before_kill"] += 1
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"writer failed: status {status}"
         steps = check_store(store, checked)
+        if gc_every and outcome["killed"] % gc_every == 0:
+            collect_orphans(store)
         last = steps[-1] if steps else -1
         outcome["trials_with_progress"] += last > before
         before = last
@@ -139,22 +143,50 @@ def kill_trials(zygote: Zygote, store: Path, trials: int, seed: int, max_delay: 
     return outcome
 
 
+def referenced_keys(store: Path) -> set[str]:
+    run = dstt.open(store)
+    keys = set()
+    for b in run.branches():
+        for s in run.steps(b):
+            for e in run.record(s, b).entries:
+                keys.update(L.chunk_key(e.array, e.slots[i], e.coords(i)) for i in range(e.nchunks))
+    return keys
+
+
+def chunk_files(store: Path) -> set[str]:
+    return {str(p.relative_to(store)) for p in (store / "tensors").rglob("*")
+            if p.is_file() and p.name != "zarr.json" and "/c/" in str(p.relative_to(store))}
+
+
+def collect_orphans(store: Path) -> None:
+    """gc (issue 5) after a kill removes the partial step and its chunks, and
+    nothing any committed step needs."""
+    if not (store / "zarr.json").exists():
+        return
+    before = dstt.open(store).steps()
+    if not run_gc(store):
+        return
+    run = dstt.open(store)
+    assert run.steps() == before
+    assert partial_steps(run.backend, "main") == []
+    assert chunk_files(store) == referenced_keys(store)  # no orphaned chunk left, none needed removed
+    assert verify(store).ok
+
+
 def finish_and_collect(zygote: Zygote, store: Path) -> None:
-    """A new writer continues appending after the kills; gc removes orphans."""
+    """gc removes orphans; then a new writer continues appending."""
+    collect_orphans(store)
     n_before = len(dstt.open(store).steps()) if (store / "zarr.json").exists() else 0
     pid = zygote.fork(store, n_steps=3)
     status = zygote.wait(pid)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     steps = check_store(store, set())
     assert steps == list(range(n_before + 3))
-    if run_gc(store):
-        assert verify(store).ok
-        assert partial_steps(dstt.open(store).backend, "main") == []
 
 
 def test_sigkill_random_moments_quick(zygote: Zygote, tmp_path: Path) -> None:
     store = tmp_path / "run"
-    out = kill_trials(zygote, store, trials=24, seed=6, max_delay=0.4)
+    out = kill_trials(zygote, store, trials=24, seed=6, max_delay=0.4, gc_every=6)
     print("kill trials:", out)
     assert out["killed"] >= 20, out  # a writer never finishes on its own (infinite loop)
     assert out["trials_with_progress"] >= 3, out  # kills landed after commits, not only at startup
@@ -175,7 +207,7 @@ def test_sigkill_random_moments_many(zygote: Zygote, tmp_path: Path) -> None:
     total = {"killed": 0, "trials_with_progress": 0}
     for seed in range(4):
         store = tmp_path / f"run{seed}"
-        out = kill_trials(zygote, store, trials=60, seed=100 + seed, max_delay=0.8)
+        out = kill_trials(zygote, store, trials=60, seed=100 + seed, max_delay=0.8, gc_every=5)
         print("kill trials:", out)
         total["killed"] += out["killed"]
         total["trials_with_progress"] += out["trials_with_progress"]
