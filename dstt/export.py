@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dstt.errors import ConfigError, TensorNotFoundError
+from dstt.restore import read_whole
 from dstt.store.reader import Run, StepRecord
 from dstt.store.tree import unflatten
 
@@ -110,7 +111,7 @@ def _read_tensors(run: Run, rec: StepRecord, names: list[str], progress: Callabl
     done = 0
 
     def one(name: str) -> tuple[str, torch.Tensor]:
-        return name, run.read(name, rec.step, rec.branch)
+        return name, read_whole(run, rec, name)
 
     out: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dstt-export") as pool:

@@ -19,6 +19,7 @@ placements back.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -27,8 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from dstt.errors import RestoreMismatchError
+from dstt.errors import CorruptStoreError, RestoreMismatchError
 from dstt.state import PARAM_GROUPS, _param_names, _rank, set_rng_state
+from dstt.store import layout as L
+from dstt.store.backend import LocalBackend
+from dstt.store.codec import decode_chunk
 from dstt.store.reader import Run, StepRecord
 from dstt.store.shards import dtensor_regions, is_dtensor
 from dstt.store.tree import unflatten
@@ -305,13 +309,40 @@ def _short(keys: list[str], n: int = 5) -> str:
 # ----------------------------------------------------------------------------- reading
 
 
+def read_whole(run: Run, rec: StepRecord, name: str) -> torch.Tensor:
+    """A whole tensor of a step. Uncompressed local chunks that split only the
+    first dimension are read straight into the result (one copy, CRC-32C
+    still checked); anything else goes through :meth:`Run.read`."""
+    e = rec.by_name.get(name)
+    if (e is None or not isinstance(run.backend, LocalBackend) or e.codec.compression != "none"
+            or not e.shape or tuple(e.chunk_shape[1:]) != tuple(e.shape[1:]) or e.nchunks == 0):
+        return run.read(name, rec.step, rec.branch)
+    cb = math.prod(e.chunk_shape) * e.dtype.itemsize
+    buf = torch.empty(e.nchunks * cb + 4, dtype=torch.uint8)  # room for the last chunk's CRC
+    view = memoryview(buf.numpy())
+    for i in range(e.nchunks):  # in order: chunk i+1 overwrites chunk i's CRC once it is checked
+        coords = e.coords(i)
+        where = f"{e.name} chunk {coords} (slot {e.slots[i]})"
+        got = run.backend.readinto(L.chunk_key(e.array, e.slots[i], coords), view[i * cb: (i + 1) * cb + 4])
+        if got is None:
+            raise CorruptStoreError(f"{where}: chunk is missing")
+        if got != cb + 4:
+            raise CorruptStoreError(f"{where}: chunk has {got} bytes, expected {cb + 4}")
+        decode_chunk(view[i * cb: (i + 1) * cb + 4], e.codec, cb, where)
+    flat = buf[: math.prod(e.shape) * e.dtype.itemsize]
+    return flat.view(e.dtype.torch_storage).view(e.dtype.torch_dtype).reshape(e.shape)
+
+
 def _read_all(run: Run, rec: StepRecord, plan: _Plan, threads: int) -> dict[tuple[str, ...], Any]:
     """Read every planned tensor (only each rank's box) before anything is applied."""
     items = list(plan.loads.items())
 
     def one(item: tuple[tuple[str, ...], _Load]) -> tuple[tuple[str, ...], Any]:
         path, ld = item
-        t = run.read(ld.name, rec.step, rec.branch, index=ld.box)
+        if ld.box is None:
+            t = read_whole(run, rec, ld.name)
+        else:
+            t = run.read(ld.name, rec.step, rec.branch, index=ld.box)
         return path, ld.wrap(t)
 
     if threads <= 1 or len(items) <= 1:

@@ -183,3 +183,21 @@ def test_fsdp2_capture_two_ranks_restore_one_and_three(tmp_path: Path) -> None:
         # One more step on 3 ranks matches the same step on one process.
         for n, p in plain.named_parameters():
             torch.testing.assert_close(res["after"][n], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_corrupt_chunk_fails_before_anything_changes(store: Path) -> None:
+    m, opt, sched = make()
+    train(m, opt, sched, 1)
+    dstt.save(store, 1, dstt.state_of(model=m, optimizer=opt))
+    entry = dstt.open(store).record(1).by_name["model/2.weight"]
+    from dstt.store import layout as L
+
+    chunk = store / L.chunk_key(entry.array, entry.slots[0], entry.coords(0))
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    m2, opt2, _ = make(seed=3)
+    before = snapshot(m2, opt2)
+    with pytest.raises(dstt.ChecksumMismatchError):
+        dstt.restore(store, model=m2, optimizer=opt2)
+    assert_same(snapshot(m2, opt2), before)
