@@ -323,6 +323,23 @@ def test_array_paths_cannot_escape(tmp_path: Path, template: dict[str, Any], arr
         assert "%2E" in array
 
 
+def test_huge_declared_shape_is_a_clear_error(tmp_path: Path, template: dict[str, Any]) -> None:
+    """A shape within the index's bounds but far beyond memory (found while
+    writing these tests: np.empty raised ValueError/MemoryError)."""
+    path = tmp_path / "run"
+    dstt.save(path, 0, {"w": torch.ones(3)})
+    where = path / L.step_dir("main", 0)
+    idx = json.loads((where / "index.json").read_bytes())
+    n = 1 << 16
+    idx["tensors"][0].update(shape=[n << 30], chunk_shape=[1 << 30], slots=[0] * n, crcs=[0] * n, sha256=[None] * n)
+    write_step_files(path, index=idx)
+    run = dstt.open(path)
+    with pytest.raises(CorruptStoreError, match="cannot allocate"):
+        run.read("w", 0)
+    with pytest.raises(CorruptStoreError):
+        run.read("w", 0, index=slice(0, 2))  # one chunk: its stored size is wrong
+
+
 @pytest.mark.parametrize("case", ["non-utf8-names", "non-utf8-index", "truncated-index", "names-wrong-type",
                                   "absurd-shape", "negative-slot", "huge-slot", "wrong-chunk-count",
                                   "duplicate-names", "deep-nesting"])

@@ -285,7 +285,12 @@ class Run:
         return arr.reshape(e.chunk_shape) if e.chunk_shape else arr.reshape(())
 
     def _read_box(self, e: TensorEntry, off: tuple[int, ...], shape: tuple[int, ...], verify: bool) -> torch.Tensor:
-        out = np.empty(shape, dtype=e.dtype.numpy_storage)
+        try:  # a hostile index may declare a shape no machine can hold
+            out = np.empty(shape, dtype=e.dtype.numpy_storage)
+        except (MemoryError, ValueError):
+            raise CorruptStoreError(
+                f"{e.name}: cannot allocate {math.prod(shape) * e.dtype.itemsize} bytes for shape {list(shape)}"
+            ) from None
         if math.prod(shape) > 0 and e.nchunks > 0:
             ranges = [range(o // c, -(-(o + n) // c)) for o, n, c in zip(off, shape, e.chunk_shape)]
             for coords in _product(ranges):
