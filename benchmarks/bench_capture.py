@@ -1,0 +1,291 @@
+"""Issue 3: what lazy asynchronous capture costs a training loop (CPU).
+
+    python benchmarks/bench_capture.py [--size-gb 1.0] [--iters 5] [--dir /tmp/dstt-bench-capture]
+
+One process, one state (fp32 parameters + Adam, ~size-gb in ~400 tensors),
+one run; every figure is compared with others from the same run:
+
+* stall per capture: time the loop is blocked by the checkpointer (dstt:
+  ``snapshot()`` + the optimizer hook's wait; DCP: ``async_save()`` + waiting
+  for its staging and for the previous save) vs one memcpy of the state into a
+  warm buffer and vs ``torch.save`` (+fsync);
+* end to end: N iterations capturing every iteration vs none, ``torch.save``
+  every iteration and ``dcp.async_save`` every iteration;
+* persist throughput: dstt's background flush (stats + sha256 + write +
+  syncfs) vs one raw fsync'ed sequential write of the same bytes;
+* peak RSS vs the process's own + host_buffer_bytes (dstt phases run first,
+  so the peak is theirs).
+
+An "iteration" is a fixed compute workload standing in for forward/backward
+(it does not touch the state, as forward/backward only read parameters)
+followed by ``optimizer.step()``, which updates every parameter and Adam
+tensor in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import fresh_dir, fsync_file, machine, model_and_adam, raw_fsync_write  # noqa: E402
+
+import dstt  # noqa: E402
+from dstt.store.tree import flatten  # noqa: E402
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    return [t for t in flatten(state)[1].values() if isinstance(t, torch.Tensor)]
+
+
+class Loop:
+    """The stand-in training loop."""
+
+    def __init__(self, size_gb: float, compute_s: float) -> None:
+        self.model, self.opt = model_and_adam(int(size_gb * 2**30))
+        self.work = torch.randn(512, 512)
+        self.reps = 1
+        t = time.perf_counter()
+        self.compute()
+        self.reps = max(1, int(compute_s / max(time.perf_counter() - t, 1e-4)))
+
+    def compute(self) -> None:
+        x = self.work
+        for _ in range(self.reps):
+            x = torch.tanh(x @ self.work)
+
+    def state(self) -> dict:
+        return dstt.state_of(model=self.model, optimizer=self.opt)
+
+    def step(self) -> None:
+        self.compute()
+        self.opt.step()
+
+
+def timed(out: list[float], fn: Callable[[], Any]) -> Callable[[], Any]:
+    def wrapper() -> Any:
+        t = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            out.append(time.perf_counter() - t)
+
+    return wrapper
+
+
+def run_plain(loop: Loop, iters: int) -> float:
+    t = time.perf_counter()
+    for _ in range(iters):
+        loop.step()
+    return time.perf_counter() - t
+
+
+def run_dstt(loop: Loop, iters: int, path: str, pool: int) -> tuple[float, list[float]]:
+    stalls: list[float] = []
+    cap = dstt.Capture(fresh_dir(path), host_buffer_bytes=pool)
+    hook_waits: list[float] = []
+    cap._fence._wait = timed(hook_waits, cap._fence._wait)  # instrument the optimizer hook's wait
+    t = time.perf_counter()
+    for i in range(iters):
+        loop.compute()
+        loop.opt.step()  # the hook may wait here
+        s = time.perf_counter()
+        cap.snapshot(i, model=loop.model, optimizer=loop.opt, rng=False)
+        stalls.append(time.perf_counter() - s)
+    loop.compute()
+    loop.opt.step()  # the last capture's copy must also finish before an update
+    cap.wait()
+    total = time.perf_counter() - t
+    cap.close()
+    per = [s + w for s, w in zip(stalls, hook_waits)]  # hook wait i follows snapshot i
+    return total, per
+
+
+def run_torch_save(loop: Loop, iters: int, path: str) -> tuple[float, list[float]]:
+    fresh_dir(path)
+    f = os.path.join(path, "ckpt.pt")
+    stalls = []
+    t = time.perf_counter()
+    for _ in range(iters):
+        loop.step()
+        s = time.perf_counter()
+        torch.save(loop.state(), f)
+        fsync_file(f)
+        stalls.append(time.perf_counter() - s)
+    return time.perf_counter() - t, stalls
+
+
+def dcp_variants() -> dict[str, dict[str, Any]]:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    return {
+        "thread": {"async_checkpointer_type": AsyncCheckpointerType.THREAD},
+        "thread+async-stager": {
+            "async_checkpointer_type": AsyncCheckpointerType.THREAD,
+            "async_stager": lambda: DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                                 use_async_staging=True,
+                                                                 use_non_blocking_copy=False)),
+        },
+    }
+
+
+def run_dcp(loop: Loop, iters: int, path: str, variant: dict[str, Any]) -> tuple[float, list[float]]:
+    """dcp.async_save every iteration; the loop waits for staging before the
+    next optimizer step (else DCP stores post-update values, pytorch #144657)
+    and for the previous save before starting a new one."""
+    import torch.distributed.checkpoint as dcp
+
+    fresh_dir(path)
+    kwargs = dict(variant)
+    if "async_stager" in kwargs:
+        kwargs["async_stager"] = kwargs["async_stager"]()
+    stalls = []
+    pending: Any = None
+    staging: Any = None
+    t = time.perf_counter()
+    for i in range(iters):
+        loop.compute()
+        s = time.perf_counter()
+        if staging is not None:
+            staging.result()
+        w = time.perf_counter() - s
+        loop.opt.step()
+        s = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        resp = dcp.async_save(loop.state(), checkpoint_id=os.path.join(path, f"step{i}"), no_dist=True, **kwargs)
+        if hasattr(resp, "upload_completion"):
+            pending, staging = resp.upload_completion, resp.staging_completion
+        else:
+            pending, staging = resp, None
+        stalls.append(w + time.perf_counter() - s)
+    if staging is not None:
+        staging.result()
+    pending.result()
+    return time.perf_counter() - t, stalls
+
+
+def persist_throughput(loop: Loop, path: str, pool: int, nbytes: int, steps: int = 3) -> float:
+    """Bytes per second of back-to-back captures with nothing else running
+    (dedup off so every byte is written)."""
+    with dstt.Capture(fresh_dir(path), host_buffer_bytes=pool, dedup=False) as cap:
+        t = time.perf_counter()
+        for i in range(steps):
+            cap.snapshot(i, model=loop.model, optimizer=loop.opt, rng=False)
+        cap.wait()
+        return steps * nbytes / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-gb", type=float, default=1.0)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--compute-s", type=float, default=1.0, help="stand-in forward/backward time per iteration")
+    ap.add_argument("--dir", default="/tmp/dstt-bench-capture")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    loop = Loop(args.size_gb, args.compute_s)
+    tensors = tensors_of(loop.state())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    pool = nbytes + (64 << 20)  # one step (+ one chunk of slack)
+    print(f"machine: {machine()}")
+    print(f"state: {len(tensors)} tensors, {nbytes / 2**30:.2f} GiB; host_buffer_bytes {pool / 2**30:.2f} GiB; "
+          f"{args.iters} iterations of {args.compute_s} s compute + Adam step")
+    r: dict[str, float] = {}
+
+    # warm buffer memcpy (the floor for any consistent copy)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf.zero_()
+    views, off = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        views.append(buf[off: off + n].view(t.dtype).view(t.shape))
+        off += n
+    best = float("inf")
+    for _ in range(3):
+        s = time.perf_counter()
+        for v, t in zip(views, tensors):
+            v.copy_(t)
+        best = min(best, time.perf_counter() - s)
+    r["memcpy"] = best
+    del buf, views
+    own = rss_mib()
+
+    r["plain"] = run_plain(loop, args.iters)
+    r["dstt_e2e"], stalls = run_dstt(loop, args.iters, os.path.join(args.dir, "dstt"), pool)
+    r["dstt_stall"] = sorted(stalls)[len(stalls) // 2]
+    r["persist"] = persist_throughput(loop, os.path.join(args.dir, "dstt"), pool, nbytes)
+    r["peak_dstt"] = peak_mib()
+    raw = os.path.join(fresh_dir(os.path.join(args.dir, "raw")), "raw.bin")
+    s = time.perf_counter()
+    raw_fsync_write(raw, tensors)
+    r["raw"] = nbytes / (time.perf_counter() - s)
+    os.unlink(raw)
+    r["save_e2e"], stalls = run_torch_save(loop, args.iters, os.path.join(args.dir, "torchsave"))
+    r["save_stall"] = sorted(stalls)[len(stalls) // 2]
+    fresh_dir(os.path.join(args.dir, "torchsave"))
+    dcp_best = None
+    for name, variant in dcp_variants().items():
+        try:
+            e2e, stalls = run_dcp(loop, args.iters, os.path.join(args.dir, "dcp"), variant)
+        except Exception as e:  # an option this torch build lacks
+            print(f"dcp {name}: failed ({type(e).__name__}: {e})")
+            continue
+        stall = sorted(stalls)[len(stalls) // 2]
+        print(f"dcp.async_save [{name}]: stall {stall:.3f} s, end to end {e2e:.2f} s")
+        if dcp_best is None or stall < dcp_best[1]:
+            dcp_best = (name, stall, e2e)
+        fresh_dir(os.path.join(args.dir, "dcp"))
+    fresh_dir(args.dir)
+
+    print()
+    rows = [
+        ("memcpy into a warm buffer", f"{r['memcpy']:.3f} s", f"{nbytes / r['memcpy'] / 1e9:.2f} GB/s"),
+        ("dstt stall per capture (median)", f"{r['dstt_stall']:.3f} s",
+         f"{r['dstt_stall'] / r['memcpy']:.2f}x memcpy (target <= 2), "
+         f"{100 * r['dstt_stall'] / r['save_stall']:.1f}% of torch.save (target <= 5%)"),
+        ("torch.save + fsync per checkpoint", f"{r['save_stall']:.3f} s", ""),
+    ]
+    if dcp_best:
+        rows.append((f"dcp.async_save stall [{dcp_best[0]}]", f"{dcp_best[1]:.3f} s",
+                     f"dstt = {r['dstt_stall'] / dcp_best[1]:.2f}x of it"))
+    added = {"dstt": r["dstt_e2e"] - r["plain"], "torch.save": r["save_e2e"] - r["plain"]}
+    if dcp_best:
+        added["dcp.async_save"] = dcp_best[2] - r["plain"]
+    rows.append((f"end to end, {args.iters} iterations, no checkpoint", f"{r['plain']:.2f} s", ""))
+    for k, v in added.items():
+        rows.append((f"  time added by {k} every iteration", f"{v:.2f} s", ""))
+    ratios = []
+    if dcp_best:
+        ratios.append(f"{added['dstt'] / added['dcp.async_save']:.2f}x dcp (target <= 0.5)")
+    ratios.append(f"{added['dstt'] / added['torch.save']:.2f}x torch.save (target <= 0.25)")
+    rows.append(("  dstt's added time", "", ", ".join(ratios)))
+    rows.append(("persist throughput (background, durable)", f"{r['persist'] / 1e6:.0f} MB/s",
+                 f"{r['persist'] / r['raw']:.2f}x raw fsync'ed write {r['raw'] / 1e6:.0f} MB/s (target >= 0.7)"))
+    limit = own + pool / 2**20
+    rows.append(("peak RSS during dstt phases", f"{r['peak_dstt']:.0f} MiB",
+                 f"own {own:.0f} + pool {pool / 2**20:.0f} = {limit:.0f} MiB; ratio {r['peak_dstt'] / limit:.2f} "
+                 "(target <= 1.10)"))
+    width = max(len(a) for a, _, _ in rows)
+    for a, b, c in rows:
+        print(f"{a:<{width}}  {b:>10}  {c}")
+
+
+if __name__ == "__main__":
+    main()
