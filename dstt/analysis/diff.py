@@ -51,8 +51,11 @@ DIFF_KEYS = ("name", "status", "l2_delta", "rel_change", "cosine", "max_abs_delt
 #: Sortable metrics and whether "most different first" means descending.
 SORT_KEYS = {"l2_delta": True, "rel_change": True, "max_abs_delta": True, "frac_changed": True,
              "cosine": False, "name": False, "status": False}
-#: Elements per computation block (keeps float64 temporaries cache-sized).
-BLOCK = 1 << 20
+#: Elements per computation block: temporaries stay in L2 cache, so the
+#: several passes per block cost little more than one, and blocks stay below
+#: torch's parallel grain (32768) so no op wakes a thread pool (on a busy
+#: machine that costs milliseconds per call).
+BLOCK = 1 << 15
 #: Upper bound on an aligned row block when the two sides' chunk shapes differ.
 MAX_BLOCK_BYTES = 256 << 20
 NAN = float("nan")
@@ -94,16 +97,35 @@ def _bits_ne(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.view(ints) != b.view(ints)
 
 
-def compare_block(a: torch.Tensor, b: torch.Tensor, same_dtype: bool = True) -> _Acc:
-    """Sums of one aligned block pair (same shape), in float64 sub-blocks."""
+def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Σ x·y without BLAS: BLAS dot spins up its own threads, which costs
+    milliseconds per call on a busy machine; a cache-sized multiply and sum
+    stays on this thread."""
+    return float(torch.mul(x, y).sum())
+
+
+def compare_block(a: torch.Tensor, b: torch.Tensor, same_dtype: bool = True, finite: bool = False) -> _Acc:
+    """Sums of one aligned block pair (same shape), in float64 sub-blocks
+    small enough that the passes over them stay in cache.
+
+    ``finite=True`` (both tensors' stats say: no NaN/Inf) takes the fast
+    path: there, equal bits already give a zero difference, so no masking.
+    """
     acc = _Acc(n=a.numel(), n_read=a.numel())
     a, b = a.reshape(-1), b.reshape(-1)
     cplx = a.is_complex() or b.is_complex()
+    fast = finite and same_dtype and not cplx
+
+    # float32 data is compared in float32 on the fast path: the difference of
+    # two float32 values is exact within a factor of 2 of each other (and
+    # correctly rounded otherwise); sums are over cache-sized blocks and
+    # accumulated in float64 across blocks.
+    work = torch.float32 if fast and a.dtype == torch.float32 else torch.float64
 
     def vals(t: torch.Tensor) -> torch.Tensor:
         if cplx:  # (re, im) pairs, flattened
             return torch.view_as_real(t.to(torch.complex128)).reshape(-1)
-        return t.to(torch.float64)
+        return t.to(work)
 
     for lo in range(0, a.numel(), BLOCK):
         sa, sb = a[lo:lo + BLOCK], b[lo:lo + BLOCK]
@@ -115,18 +137,25 @@ def compare_block(a: torch.Tensor, b: torch.Tensor, same_dtype: bool = True) -> 
             ne = (fa != fb) & ~(torch.isnan(fa) & torch.isnan(fb))
             if cplx:
                 ne = ne.reshape(-1, 2).any(dim=1)
-        acc.aa_read += float(torch.dot(fa, fa))
-        n_changed = int(ne.sum())
+        acc.aa_read += _dot(fa, fa)
+        n_changed = int(torch.count_nonzero(ne))
         if n_changed == 0:
             continue
         acc.changed += n_changed
         fb = vals(sb) if fb is None else fb
-        mask = ne.repeat_interleave(2) if cplx else ne
-        d = torch.where(mask, fb - fa, 0.0)
-        fa = torch.where(mask, fa, 0.0)
-        acc.dd += float(torch.dot(d, d))
-        acc.ad += float(torch.dot(fa, d))
-        m = float((d.reshape(-1, 2).norm(dim=1) if cplx else d.abs()).max())
+        if fast:
+            d = fb - fa
+        else:
+            mask = ne.repeat_interleave(2) if cplx else ne
+            d = torch.where(mask, fb - fa, 0.0)
+            fa = torch.where(mask, fa, 0.0)
+        acc.dd += _dot(d, d)
+        acc.ad += _dot(fa, d)
+        if cplx:
+            m = float(d.reshape(-1, 2).norm(dim=1).max())
+        else:
+            lo_d, hi_d = torch.aminmax(d)
+            m = max(-float(lo_d), float(hi_d))
         if m != m:
             acc.nan = True
         else:
@@ -193,31 +222,79 @@ def _digests(e: "TensorEntry") -> list[str | None] | None:
     return getattr(e, "sha256", None) or getattr(e, "digests", None)
 
 
-def _pairs_aligned(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry",
-                   pool: ThreadPoolExecutor) -> Iterator[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
-    """(elements, A chunk, B chunk) per chunk; None, None for chunks known
-    identical. The next differing pair is read while this one is compared."""
+def _known_same(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> list[bool]:
+    """Per chunk: identical without reading? (same array and slot in one
+    store, i.e. referenced rather than rewritten; or equal recorded sha256)"""
     same_store = pa[0] is pb[0]
     da, db = _digests(ea), _digests(eb)
-    todo: list[int] = []
-    for i in range(ea.nchunks):
-        n = math.prod(min(k, s - c * k) for c, k, s in zip(ea.coords(i), ea.chunk_shape, ea.shape))
-        same = (same_store and ea.array == eb.array and ea.slots[i] == eb.slots[i]) or (
-            da is not None and db is not None and da[i] is not None and da[i] == db[i])
-        if same:
-            yield n, None, None
-        else:
-            todo.append(i)
+    return [
+        (same_store and ea.array == eb.array and ea.slots[i] == eb.slots[i])
+        or (da is not None and db is not None and da[i] is not None and da[i] == db[i])
+        for i in range(ea.nchunks)
+    ]
 
-    def load(i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        a = _chunk(pa[0], ea, i)
-        return a.numel(), a, _chunk(pb[0], eb, i)
 
-    pending = pool.submit(load, todo[0]) if todo else None
-    for k in range(len(todo)):
-        cur = pending.result()  # type: ignore[union-attr]
-        pending = pool.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
-        yield cur
+def _chunk_numel(e: "TensorEntry", i: int) -> int:
+    return math.prod(min(k, s - c * k) for c, k, s in zip(e.coords(i), e.chunk_shape, e.shape))
+
+
+@dataclass
+class _Job:
+    """One tensor present on both sides with the same shape."""
+
+    name: str
+    ea: "TensorEntry"
+    eb: "TensorEntry"
+    acc: _Acc
+
+    @property
+    def same_dtype(self) -> bool:
+        return self.ea.dtype.logical == self.eb.dtype.logical
+
+    @property
+    def finite(self) -> bool:
+        return self.ea.stats.get("nonfinite", 1) == 0 and self.eb.stats.get("nonfinite", 1) == 0
+
+    @property
+    def aligned(self) -> bool:
+        return self.same_dtype and self.ea.chunk_shape == self.eb.chunk_shape
+
+
+def _run_aligned(pa: Point, pb: Point, jobs: list[_Job], pool: ThreadPoolExecutor, depth: int,
+                 progress: Progress | None) -> None:
+    """Compare every chunk pair of chunk-aligned jobs, reading up to
+    ``depth`` pairs ahead (across tensors) while comparing the current one:
+    memory is ``depth + 1`` chunk pairs."""
+    from collections import deque
+
+    tasks: list[tuple[_Job, int]] = []
+    for job in jobs:
+        for i, same in enumerate(_known_same(pa, pb, job.ea, job.eb)):
+            if same:
+                n = _chunk_numel(job.ea, i)
+                job.acc.n += n
+                if progress is not None:
+                    progress(n * job.ea.dtype.itemsize)
+            else:
+                tasks.append((job, i))
+
+    def load(t: tuple[_Job, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        job, i = t
+        return _chunk(pa[0], job.ea, i), _chunk(pb[0], job.eb, i)
+
+    ahead: deque = deque()
+    nxt = 0
+    for k in range(len(tasks)):
+        while nxt < len(tasks) and len(ahead) <= depth:
+            ahead.append(pool.submit(load, tasks[nxt]))
+            nxt += 1
+        a, b = ahead.popleft().result()
+        job = tasks[k][0]
+        job.acc.n += a.numel()
+        job.acc.add(compare_block(a, b, True, job.finite))
+        del a, b
+        if progress is not None:
+            progress(_chunk_numel(job.ea, tasks[k][1]) * job.ea.dtype.itemsize)
 
 
 def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -239,22 +316,13 @@ def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> I
         yield a.numel(), a, b
 
 
-def diff_entry(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry",
-               pool: ThreadPoolExecutor, progress: Progress | None = None) -> dict[str, float]:
-    """Metrics of one tensor present on both sides with the same shape."""
-    same_dtype = ea.dtype.logical == eb.dtype.logical
-    acc = _Acc()
-    if same_dtype and ea.chunk_shape == eb.chunk_shape:
-        pairs: Iterable[tuple[int, Any, Any]] = _pairs_aligned(pa, pb, ea, eb, pool)
-    else:
-        pairs = _pairs_rows(pa, pb, ea, eb)
-    for n, a, b in pairs:
-        acc.n += n
-        if a is not None:
-            acc.add(compare_block(a, b, same_dtype))
+def _run_rows(pa: Point, pb: Point, job: _Job, progress: Progress | None) -> None:
+    """Compare a tensor whose sides differ in chunking or dtype, by aligned row blocks."""
+    for n, a, b in _pairs_rows(pa, pb, job.ea, job.eb):
+        job.acc.n += n
+        job.acc.add(compare_block(a, b, job.same_dtype, job.finite))
         if progress is not None:
-            progress(n * ea.dtype.itemsize)
-    return _metrics(acc, ea.stats.get("norm", NAN), math.prod(ea.shape))
+            progress(n * job.ea.dtype.itemsize)
 
 
 def bytes_to_read(pa: Point, pb: Point, names: list[str] | None = None) -> int:
@@ -290,23 +358,31 @@ def diff_points(pa: Point, pb: Point, patterns: Iterable[str] | None = None, *,
     ra, rb = pa[0].record(pa[2], pa[1]), pb[0].record(pb[2], pb[1])
     names = ra.names + [n for n in rb.names if n not in ra.by_name]
     names = match_names(names, patterns)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    jobs: list[_Job] = []
+    for name in names:
+        ea, eb = ra.by_name.get(name), rb.by_name.get(name)
+        if ea is None or eb is None:
+            rows.append(_row(name, "added" if ea is None else "removed", ea, eb, None))
+        elif ea.shape != eb.shape:
+            rows.append(_row(name, "shape_changed", ea, eb, None))
+        else:
+            job = _Job(name, ea, eb, _Acc())
+            jobs.append(job)
+            rows.append(job)  # type: ignore[arg-type]  # replaced below
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dstt-diff") as pool:
-        for name in names:
-            ea, eb = ra.by_name.get(name), rb.by_name.get(name)
-            if ea is None or eb is None:
-                rows.append(_row(name, "added" if ea is None else "removed", ea, eb, None))
-                continue
-            if ea.shape != eb.shape:
-                rows.append(_row(name, "shape_changed", ea, eb, None))
-                continue
-            m = diff_entry(pa, pb, ea, eb, pool, progress)
-            if ea.dtype.logical != eb.dtype.logical:
-                status = "dtype_changed"
-            else:
-                status = "changed" if m["frac_changed"] else "unchanged"
-            rows.append(_row(name, status, ea, eb, m))
-    return rows
+        _run_aligned(pa, pb, [j for j in jobs if j.aligned], pool, max(1, threads), progress)
+    for j in jobs:
+        if not j.aligned:
+            _run_rows(pa, pb, j, progress)
+    out = []
+    for r in rows:
+        if isinstance(r, _Job):
+            m = _metrics(r.acc, r.ea.stats.get("norm", NAN), math.prod(r.ea.shape))
+            status = "dtype_changed" if not r.same_dtype else ("changed" if m["frac_changed"] else "unchanged")
+            r = _row(r.name, status, r.ea, r.eb, m)
+        out.append(r)
+    return out
 
 
 def sort_rows(rows: list[dict[str, Any]], key: str = "rel_change", top: int | None = None) -> list[dict[str, Any]]:
