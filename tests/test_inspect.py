@@ -138,7 +138,7 @@ def test_diff_across_stores_with_different_chunking(tmp_path: Path) -> None:
     rows = dstt.open(tmp_path / "x").diff(0, f"{tmp_path / 'y'}:7")
     exp = _expected(a["big"], b["big"])
     for k, v in exp.items():
-        assert rows[0][k] == pytest.approx(v, rel=1e-9), k
+        assert rows[0][k] == pytest.approx(v, rel=1e-6), k
 
 
 def test_diff_points_and_sorting(pair: tuple[Path, dict, dict]) -> None:
@@ -249,7 +249,7 @@ def test_cli_diff(pair: tuple[Path, dict, dict]) -> None:
     assert ls == sorted(ls, reverse=True)
     doc = _json(["diff", f"{path}:0", ":1", "b*", "--changed"])
     assert [t["name"] for t in doc["tensors"]] == ["big"]
-    assert doc["tensors"][0]["l2_delta"] == pytest.approx(_expected(a["big"], b["big"])["l2_delta"], rel=1e-9)
+    assert doc["tensors"][0]["l2_delta"] == pytest.approx(_expected(a["big"], b["big"])["l2_delta"], rel=1e-6)
     assert set(doc["tensors"][0]) >= {"name", "status", "l2_delta", "rel_change", "cosine", "max_abs_delta", "frac_changed"}
     human = runner.invoke(app, ["diff", f"{path}:0", ":1"])
     assert human.exit_code == 0 and "shape_changed" in human.stdout
