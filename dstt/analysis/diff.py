@@ -1,6 +1,8 @@
 """Per-tensor difference between two points of one run or of two runs.
 
-Metrics per tensor (A = old, B = new, all accumulated in float64):
+Metrics per tensor (A = old, B = new; sums over cache-sized blocks,
+accumulated in float64 across blocks; float32 data without NaN/Inf is
+differenced in float32, everything else in float64):
 
 * ``l2_delta`` ‖B−A‖₂, ``max_abs_delta`` max|B−A|;
 * ``rel_change`` ‖B−A‖₂ / ‖A‖₂ (0 when both are 0, inf when only A is 0);
