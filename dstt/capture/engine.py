@@ -177,8 +177,10 @@ class Capture:
         if optimizer is not None:
             self._fence.watch(optimizer)
             protected = optimizer_storages(optimizer)
-        lazy = [t for t in plan.tasks if storage_key(t.source) in protected]
-        eager = [t for t in plan.tasks if storage_key(t.source) not in protected]
+        lazy: list[ChunkTask] = []
+        eager: list[ChunkTask] = []
+        for t in plan.tasks:
+            (lazy if protected and storage_key(t.source) in protected else eager).append(t)
         need = sum(_task_bytes(t) for t in plan.tasks)
         self._ensure_pool(plan, need)
         job = _Job(plan, lazy, lazy_bytes=sum(_task_bytes(t) for t in lazy))
