@@ -402,13 +402,12 @@ def _apply_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | 
             continue
         out = {}
         for key, v in st.items():
-            if isinstance(v, Stored):
-                if ("optim", pname, key) not in data:
-                    continue
-                out[key] = data[("optim", pname, key)]
-            else:
-                out[key] = v
-        state[index[pname]] = out
+            if isinstance(v, Stored) and ("optim", pname, key) not in data:
+                out = {}  # a mismatched tensor (strict=False): the param starts with fresh state
+                break
+            out[key] = data[("optim", pname, key)] if isinstance(v, Stored) else v
+        if out:
+            state[index[pname]] = out
     live_groups = optimizer.state_dict()["param_groups"]
     sgroups = stored[PARAM_GROUPS]
     groups = []

@@ -132,6 +132,22 @@ def test_strict_false_loads_what_matches(store: Path) -> None:
     assert grown[3].weight not in gopt.state
     assert gopt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
+    # A parameter whose stored state does not fit starts with fresh state and still trains.
+    lin = torch.nn.Linear(3, 4)
+    lopt = torch.optim.AdamW(lin.parameters())
+    lin(torch.randn(2, 3)).sum().backward()
+    lopt.step()
+    dstt.save(store.parent / "single", 0, dstt.state_of(model=lin, optimizer=lopt))
+    narrow = torch.nn.Linear(3, 4)
+    narrow.weight = torch.nn.Parameter(torch.randn(4, 5))
+    nopt = torch.optim.AdamW(narrow.parameters())
+    with pytest.warns(UserWarning, match="weight: stored"):
+        dstt.restore(store.parent / "single", model=narrow, optimizer=nopt, strict=False)
+    assert bits_equal(narrow.bias, lin.bias) and narrow.weight not in nopt.state
+    assert bits_equal(nopt.state[narrow.bias]["exp_avg"], lopt.state[lin.bias]["exp_avg"])
+    narrow(torch.randn(2, 5)).sum().backward()
+    nopt.step()
+
 
 def run_job(*args: str) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "tests/scripts/fsdp_job.py"), *args],
