@@ -37,7 +37,7 @@ from dstt.store.manifest import (
 from dstt.store.tree import unflatten
 from dstt.store.verify import verify
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 SLOW = settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 
 json_leaves = st.one_of(
@@ -146,14 +146,24 @@ def test_index_entry_fuzz_many(template: dict[str, Any], i: int, fieldname: str,
 COMMIT_FIELDS = ["format_version", "step", "seq", "files", "bytes_written", "bytes_referenced", "n_tensors", "time"]
 
 
+def _commit_fuzz(template: dict[str, Any], fieldname: str, value: Any) -> None:
+    only_dstt_errors(parse_commit, encode_json(mutate(template["commit"], [fieldname], value)), "w")
+    for f in template["commit"]["files"]:
+        doc = mutate(template["commit"], ["files", f], value)
+        only_dstt_errors(parse_commit, encode_json(doc), "w")
+
+
 @FAST
 @given(st.sampled_from(COMMIT_FIELDS), st.sampled_from(HOSTILE) | json_values)
 def test_commit_fuzz(template: dict[str, Any], fieldname: str, value: Any) -> None:
-    only_dstt_errors(parse_commit, encode_json(mutate(template["commit"], [fieldname], value)), "w")
-    files = template["commit"]["files"]
-    for f in files:
-        doc = mutate(template["commit"], ["files", f], value)
-        only_dstt_errors(parse_commit, encode_json(doc), "w")
+    _commit_fuzz(template, fieldname, value)
+
+
+@pytest.mark.slow
+@SLOW
+@given(st.sampled_from(COMMIT_FIELDS), st.sampled_from(HOSTILE) | json_values)
+def test_commit_fuzz_many(template: dict[str, Any], fieldname: str, value: Any) -> None:
+    _commit_fuzz(template, fieldname, value)
 
 
 # ----------------------------------------------------------------------------- value tree
@@ -289,7 +299,7 @@ def fuzz_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(st.integers(0, 5), st.sampled_from(ENTRY_FIELDS), st.sampled_from(HOSTILE) | json_values)
 def test_hostile_index_in_a_real_store(fuzz_base: Path, template: dict[str, Any], i: int, fieldname: str, value: Any) -> None:
     _store_fuzz(fuzz_base, template, i, fieldname, value)
