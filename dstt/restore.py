@@ -273,7 +273,7 @@ def _plan_optimizer(plan: _Plan, rec: StepRecord, tree: Any, optimizer: torch.op
             what = f"optim/{pname}/{key}"
             if e is None:
                 plan.problems.append(f"{what}: tensor missing from the step index")
-            elif len(e.shape) == p.dim() and e.dtype.torch_dtype.is_floating_point:
+            elif p.dim() > 0 and len(e.shape) == p.dim() and e.dtype.torch_dtype.is_floating_point:
                 # Per-element state (exp_avg, momentum_buffer...): same shape and dtype as the param.
                 _plan_tensor(plan, rec, ("optim", pname, key), what, v, p)
             else:  # scalars (step) and factored state: read whole

@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
     def restore(
-        ref: str = typer.Argument(..., help="STORE[@BRANCH][:STEP] to export (latest step by default)."),
+        ref: str = typer.Argument(..., help="Step to export: STORE, STORE:STEP, STORE@BRANCH or STORE@BRANCH:STEP (latest step of main by default)."),
         out: str = typer.Option(..., "--out", "-o", help="File to write: .pt (torch.save) or .safetensors."),
         only: Optional[str] = typer.Option(None, "--only", help="Only this subtree, e.g. 'model'."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
