@@ -54,7 +54,7 @@ class FaultyBackend(LocalBackend):
         self._count = threading.Lock()
 
     def put(self, key: str, data: Any) -> None:
-        if "/c/" in key and key.startswith("tensors/"):
+        if "/c." in key and key.startswith("tensors/"):
             time.sleep(self.delay)
             with self._count:
                 self.chunk_puts += 1

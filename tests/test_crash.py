@@ -155,7 +155,7 @@ def referenced_keys(store: Path) -> set[str]:
 
 def chunk_files(store: Path) -> set[str]:
     return {str(p.relative_to(store)) for p in (store / "tensors").rglob("*")
-            if p.is_file() and p.name != "zarr.json" and "/c/" in str(p.relative_to(store))}
+            if p.is_file() and p.name != "zarr.json" and "/c." in str(p.relative_to(store))}
 
 
 def collect_orphans(store: Path) -> None:

@@ -106,9 +106,9 @@ def within(seconds: float, fn: Callable[[], Any]) -> Any:
 
 
 FAULTS = [
-    pytest.param(errno.ENOSPC, {"put"}, "/c/", 0, id="enospc-first-chunk"),
-    pytest.param(errno.ENOSPC, {"put"}, "/c/", 2, id="enospc-partway"),
-    pytest.param(errno.EACCES, {"put"}, "/c/", 1, id="eacces-chunk"),
+    pytest.param(errno.ENOSPC, {"put"}, "/c.", 0, id="enospc-first-chunk"),
+    pytest.param(errno.ENOSPC, {"put"}, "/c.", 2, id="enospc-partway"),
+    pytest.param(errno.EACCES, {"put"}, "/c.", 1, id="eacces-chunk"),
     pytest.param(errno.ENOSPC, {"put"}, "index.json", 0, id="enospc-index"),
     pytest.param(errno.EACCES, {"put_atomic"}, "commit.json", 0, id="eacces-commit-marker"),
     pytest.param(errno.EIO, {"sync"}, "", 0, id="eio-fsync"),
@@ -165,7 +165,7 @@ def test_capture_error_surfaces_from_snapshot_and_close_returns(tmp_path: Path) 
     path = tmp_path / "run"
     b = FaultBackend(path)
     cap = dstt.Capture(b)
-    b.arm(errno.ENOSPC, {"put"}, "/c/")
+    b.arm(errno.ENOSPC, {"put"}, "/c.")
     cap.snapshot(0, rng=False, extra=state(0))
     raised = None
     for s in range(1, 200):  # each call is the trainer's "next dstt call"

@@ -48,9 +48,9 @@ def test_metadata_documents_do_not_grow_with_steps(store: Path) -> None:
 def test_unchanged_tensors_are_referenced_not_rewritten(store: Path) -> None:
     frozen = torch.randn(64, 32)
     dstt.save(store, 0, {"frozen": frozen, "live": torch.zeros(16)})
-    files_before = {p for p in store.rglob("*") if p.is_file() and "/c/" in str(p)}
+    files_before = {p for p in store.rglob("*") if p.is_file() and "/c." in str(p)}
     info = dstt.save(store, 1, {"frozen": frozen.clone(), "live": torch.ones(16)})
-    files_after = {p for p in store.rglob("*") if p.is_file() and "/c/" in str(p)}
+    files_after = {p for p in store.rglob("*") if p.is_file() and "/c." in str(p)}
     assert len(files_after - files_before) == 1  # only "live" got a new chunk
     assert info.bytes_referenced == frozen.numel() * 4
     run = dstt.open(store)
@@ -133,7 +133,7 @@ def test_large_tensors_are_chunked_and_sliced_reads_touch_few_chunks(store: Path
     original = run.backend.get
     run.backend.get = lambda key: (reads.append(key), original(key))[1]  # type: ignore[method-assign]
     assert bits_equal(run.read("t", 0, index=slice(17, 20)), t[17:20])
-    assert len([k for k in reads if "/c/" in k]) == 1
+    assert len([k for k in reads if "/c." in k]) == 1
 
 
 def test_plain_zarr_reads_the_bits_per_docs_recipe(store: Path) -> None:
@@ -178,7 +178,7 @@ def test_stats_are_recorded_without_reading_tensors(store: Path) -> None:
     run = dstt.open(store)
     run.backend.get_range = None  # type: ignore[assignment]
     original = run.backend.get
-    run.backend.get = lambda k: (_ for _ in ()).throw(AssertionError(k)) if "/c/" in k else original(k)  # type: ignore[method-assign]
+    run.backend.get = lambda k: (_ for _ in ()).throw(AssertionError(k)) if "/c." in k else original(k)  # type: ignore[method-assign]
     stats = {i.name: i.stats for i in run.tensors(0)}
     assert stats["t"]["nonfinite"] == 2 and stats["t"]["numel"] == 6
     s = stats["ok"]

@@ -28,7 +28,7 @@ import numpy as np
 
 from dstt.errors import ChecksumMismatchError, ConfigError, CorruptStoreError
 from dstt.store.dtypes import DtypeInfo
-from dstt.store.layout import MAX_SLOTS
+from dstt.store.layout import CHUNK_SEPARATOR, MAX_SLOTS
 
 _CRC = struct.Struct("<I")
 
@@ -137,7 +137,7 @@ def array_metadata(
         "shape": [MAX_SLOTS, *shape],
         "data_type": info.storage,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *chunk_shape]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": CHUNK_SEPARATOR}},
         "fill_value": _fill_value(info),
         "codecs": codec.codecs_json(),
         "attributes": {

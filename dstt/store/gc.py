@@ -176,8 +176,9 @@ def _parse_chunk_key(key: str) -> tuple[str, int, tuple[int, ...]] | None:
     for i, p in enumerate(parts):
         if p.startswith("@"):
             rest = parts[i + 1:]
-            if len(rest) >= 2 and rest[0] == "c" and all(x.isdigit() for x in rest[1:]):
-                return "/".join(parts[: i + 1]), int(rest[1]), tuple(int(x) for x in rest[2:])
+            fields = rest[0].split(L.CHUNK_SEPARATOR) if len(rest) == 1 else []
+            if len(fields) >= 2 and fields[0] == "c" and all(x.isdigit() for x in fields[1:]):
+                return "/".join(parts[: i + 1]), int(fields[1]), tuple(int(x) for x in fields[2:])
             return None
     return None
 

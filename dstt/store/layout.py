@@ -5,7 +5,7 @@
     zarr.json                              root group, attributes.dstt = {format, format_version}
     tensors/zarr.json                      group holding one array per logical tensor
     tensors/<escaped name>/@<sig>/zarr.json  array of shape (MAX_SLOTS, *shape)
-    tensors/<escaped name>/@<sig>/c/<slot>/<i>/...  chunks
+    tensors/<escaped name>/@<sig>/c.<slot>.<i>...  chunks (flat: no directory per step)
     meta/zarr.json                         group (keeps plain zarr listings quiet)
     meta/branches/<branch>.json            branch document (id, parent)
     meta/branch_ids/<id>                   claims a branch id (created exclusively)
@@ -104,9 +104,15 @@ def lock_key(branch: str) -> str:
     return f"{META}/locks/{branch}.lock"
 
 
+#: Zarr v3 "default" chunk key encoding with "." as separator: every chunk of
+#: an array is a file directly in the array's directory, so a step creates
+#: files but no directories (a "/" separator made ~2 mkdirs per tensor per step).
+CHUNK_SEPARATOR = "."
+
+
 def chunk_key(array: str, slot: int, chunk_coords: tuple[int, ...]) -> str:
-    """Zarr v3 default chunk key encoding with '/' separator, slot first."""
-    return "/".join([array, "c", str(slot), *map(str, chunk_coords)])
+    """The key of a chunk: ``<array>/c.<slot>.<i0>.<i1>...``."""
+    return f"{array}/" + CHUNK_SEPARATOR.join(["c", str(slot), *map(str, chunk_coords)])
 
 
 def slot_for(branch_id: int, seq: int) -> int:
