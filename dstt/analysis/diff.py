@@ -30,7 +30,7 @@ alone prove nothing and are not used);
 >>> _ = dstt.save(path, 1, {"w": torch.tensor([3.0, 5.0]), "b": torch.zeros(2)})
 >>> rows = dstt.open(path).diff(0, 1)
 >>> [(r["name"], r["status"], r["l2_delta"], r["frac_changed"]) for r in rows]
-[('w', 'changed', 1.0, 0.5), ('b', 'unchanged', 0.0, 0.0)]
+[('b', 'unchanged', 0.0, 0.0), ('w', 'changed', 1.0, 0.5)]
 """
 
 from __future__ import annotations
@@ -215,6 +215,8 @@ def _chunk(run: "Run", e: "TensorEntry", i: int) -> torch.Tensor:
     coords = e.coords(i)
     region = tuple(slice(0, min(k, s - c * k)) for c, k, s in zip(coords, e.chunk_shape, e.shape))
     arr = run._chunk(e, i, False)
+    if not arr.flags.writeable:  # bytes from an object store; never written here, but torch warns
+        arr = arr.copy()
     t = torch.from_numpy(arr[region] if region else arr)
     return t.view(e.dtype.torch_dtype) if e.dtype.is_bits else t
 

@@ -241,13 +241,19 @@ class LocalBackend(Backend):
             self._fsync_dir(os.path.dirname(path))
         return created
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytearray | None:
+        # A bytearray (same cost as bytes): arrays over it are writable, so
+        # torch.from_numpy takes them without a warning or a copy.
         try:
             with open(self._path(key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-        except IsADirectoryError:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                n = f.readinto(buf)
+                if n == size and not f.read(1):
+                    return buf
+                f.seek(0)  # the file changed under us: read what is there now
+                return bytearray(f.read())
+        except (FileNotFoundError, IsADirectoryError):
             return None
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:

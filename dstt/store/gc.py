@@ -108,9 +108,9 @@ def prune(
     >>> for s in range(6):
     ...     _ = dstt.save(path, s, {"w": torch.full((2,), float(s))})
     >>> prune(path, keep_last=2, keep_every=3).removed
-    [('main', 1), ('main', 2), ('main', 4)]
+    [('main', 1), ('main', 2)]
     >>> dstt.open(path).steps()
-    [0, 3, 5]
+    [0, 3, 4, 5]
     """
     for opt, v in (("keep_last", keep_last), ("keep_every", keep_every)):
         if v is not None and (not isinstance(v, int) or v < 1):

@@ -93,7 +93,7 @@ class Run:
 
     >>> import tempfile, torch, dstt
     >>> path = tempfile.mkdtemp() + "/run"
-    >>> dstt.save(path, 0, {"model": {"w": torch.arange(4.0)}})
+    >>> _ = dstt.save(path, 0, {"model": {"w": torch.arange(4.0)}})
     >>> run = dstt.open(path)
     >>> run.steps()
     [0]
