@@ -17,6 +17,10 @@ class StoreNotFoundError(DsttError, FileNotFoundError):
     """The store location does not exist."""
 
 
+class StoreExistsError(DsttError, FileExistsError):
+    """Something already exists where a new store was to be created."""
+
+
 class NotADsttStoreError(DsttError, ValueError):
     """The location exists but holds no dstt store (or an unreadable root)."""
 

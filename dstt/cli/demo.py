@@ -1,16 +1,19 @@
 """``dstt demo``: the embedded default job -- train a small model on CPU,
-capture every step into a local store, then show what was captured."""
+capture every step into a local store, then show what was captured (``ls``
+of the store and a diff of its first and last steps)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from dstt.cli.output import emit_json, handle_errors, human_bytes, stderr, stdout
+from dstt.cli.output import emit_json, handle_errors, stderr
 
 
-def run_demo(store: Path, steps: int, seed: int) -> dict:
+def run_demo(store: Path, steps: int, seed: int) -> dict[str, Any]:
     """Train a tiny MLP for ``steps`` iterations, capturing every step with :class:`dstt.Capture`."""
     import torch
 
@@ -36,6 +39,23 @@ def run_demo(store: Path, steps: int, seed: int) -> dict:
     return {"store": str(store), "steps": steps, "final_loss": losses[-1]}
 
 
+def prepare_store(store: Path, overwrite: bool) -> None:
+    """Refuse to train into an existing path unless it is a dstt store and
+    ``overwrite`` was asked for (then it is removed first)."""
+    from dstt.errors import StoreExistsError
+    from dstt.store.backend import open_backend
+    from dstt.store.root import check_root
+
+    if not store.exists():
+        return
+    if not overwrite:
+        raise StoreExistsError(f"{store} already exists; pass --overwrite to replace the demo store, "
+                               "or give another path")
+    check_root(open_backend(str(store), create=False))  # never remove something that is not a dstt store
+    stderr.print(f"removing the earlier demo store {store}")
+    shutil.rmtree(store)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
@@ -43,20 +63,36 @@ def register(app: typer.Typer) -> None:
         store: Path = typer.Argument(Path("dstt-demo"), help="Where to create the demo store."),
         steps: int = typer.Option(20, min=2, help="Training iterations to run and capture."),
         seed: int = typer.Option(0, help="Random seed."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing dstt store at STORE."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
-        """Train a small model on CPU, capturing every step, then list the store."""
-        import dstt
+        """Train a small model on CPU capturing every step, then list the store and diff two steps."""
+        from dstt.analysis.diff import diff_points, sort_rows
+        from dstt.analysis.listing import list_store
+        from dstt.analysis.select import resolve_point
+        from dstt.cli import render
+        from dstt.store.reader import Run
 
+        prepare_store(store, overwrite)
         result = run_demo(store, steps, seed)
-        run = dstt.open(store)
-        steps_list = run.steps()
-        info = [run.commit_info(s) for s in steps_list]
+        run = Run(str(store))
+        first, last = resolve_point(run, 0), resolve_point(run, "latest")
+        all_rows = diff_points(first, last, [])
+        rows = sort_rows(all_rows, "rel_change", 8)
+        a, b = f"{run.url}@main:{first[2]}", f"{run.url}@main:{last[2]}"
         if json_out:
-            emit_json({**result, "steps_captured": steps_list,
-                       "bytes_written": sum(i["bytes_written"] for i in info)})
+            emit_json({**result, "branches": list_store(run, None), "diff": {"a": a, "b": b, "tensors": rows}})
             return
-        stderr.print(f"trained {steps} steps, final loss {result['final_loss']:.4f}")
-        stdout.print(f"store {store}: {len(steps_list)} steps captured on branch main, "
-                     f"{human_bytes(sum(i['bytes_written'] for i in info))} written, "
-                     f"{human_bytes(sum(i['bytes_referenced'] for i in info))} referenced (unchanged)")
+        stderr.print(f"trained {steps} steps on CPU, final loss {result['final_loss']:.4f}; "
+                     f"every step captured into {store}\n")
+        render.store_listing(run.url, list_store(run, None), 8)
+        render.diff_table(a, b, rows, all_rows)
+        mid = steps // 2
+        stderr.print(
+            "\nnext, try:\n"
+            f"  dstt ls {store}:latest                         tensors with their stats\n"
+            f"  dstt show {store}:{mid} model/0.weight          one tensor: stats, histogram, values\n"
+            f"  dstt history {store} 'model/*' --plot norms.png   a stat across steps, as a plot\n"
+            f"  dstt restore {store}:{mid} --out step{mid}.safetensors   export a step\n"
+            f"  python: dstt.restore('{store}:{mid}', model=..., optimizer=...)  roll back and resume"
+        )

@@ -123,7 +123,7 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
         from dstt.errors import TensorNotFoundError
 
         raise TensorNotFoundError(f"no tensor matches {' '.join(patterns)!r} on either side")
-    n_all = len(rows)
+    all_rows = rows
     if changed_only:
         rows = [r for r in rows if r["status"] != "unchanged"]
     rows = sort_rows(rows, sort, top)
@@ -131,7 +131,7 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
     if json_out:
         emit_json({"a": a, "b": b, "tensors": rows})
     else:
-        render.diff_table(a, b, rows, n_all)
+        render.diff_table(a, b, rows, all_rows)
 
 
 def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,

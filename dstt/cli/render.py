@@ -144,7 +144,8 @@ def show(data: dict[str, Any], values: Any) -> None:
         torch.set_printoptions(threshold=with_printopts)
 
 
-def diff_table(a: str, b: str, rows: list[dict[str, Any]], n_all: int) -> None:
+def diff_table(a: str, b: str, rows: list[dict[str, Any]], all_rows: list[dict[str, Any]]) -> None:
+    """The ``rows`` shown (sorted, maybe cut to a top N); the summary counts ``all_rows``."""
     table = Table(title=f"{a}  →  {b}", title_justify="left")
     for c in ("name", "status", "rel_change", "l2_delta", "cosine", "max_abs_delta", "changed"):
         table.add_column(c, justify="left" if c in ("name", "status") else "right")
@@ -157,10 +158,10 @@ def diff_table(a: str, b: str, rows: list[dict[str, Any]], n_all: int) -> None:
                       fmt_float(r["max_abs_delta"]), "-" if frac is None else f"{100 * frac:.1f}%")
     emit_table(table)
     counts: dict[str, int] = {}
-    for r in rows:
+    for r in all_rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    stderr.print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())) +
-                 (f" (of {n_all} tensors)" if len(rows) != n_all else ""))
+    stderr.print(f"{len(all_rows)} tensors: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) +
+                 (f"; {len(rows)} shown" if len(rows) != len(all_rows) else ""))
 
 
 def history(label: str, series: list[dict[str, Any]], points: bool) -> None:
