@@ -250,7 +250,11 @@ class Capture:
             self._flush.shutdown(wait=True)
             self._fence.remove()
             self.writer.close()
+            self._plan_coord.close()
+            self._commit_coord.close()
             self.pool = None
+            self._copier = None
+            self._last = None
         self.raise_pending()
 
     def raise_pending(self) -> None:

@@ -9,9 +9,8 @@ the background committer thread.
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
-
-
 
 
 class Coordinator:
@@ -31,6 +30,9 @@ class Coordinator:
 
     def barrier(self) -> None:
         pass
+
+    def close(self) -> None:
+        """Release what the coordinator holds (idempotent)."""
 
     @property
     def distributed(self) -> bool:
@@ -52,26 +54,53 @@ class DistCoordinator(Coordinator):
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
 
+    def _group(self) -> Any:
+        # None would mean the default group to torch.distributed: never fall back to it.
+        if self.group is None:
+            raise RuntimeError("dstt coordinator used after close()")
+        return self.group
+
     def all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
-        self._dist.all_gather_object(out, obj, group=self.group)
+        self._dist.all_gather_object(out, obj, group=self._group())
         return out
 
     def gather(self, obj: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        self._dist.gather_object(obj, out, dst=0, group=self.group)
+        self._dist.gather_object(obj, out, dst=0, group=self._group())
         return out
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
-        self._dist.broadcast_object_list(box, src=0, group=self.group)
+        self._dist.broadcast_object_list(box, src=0, group=self._group())
         return box[0]
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self.group)
+        self._dist.barrier(group=self._group())
+
+    def close(self) -> None:
+        """Drop this coordinator's reference to its process group.
+
+        The group stays registered with torch.distributed and is torn down
+        with the others by ``destroy_process_group()``. What must not happen
+        is that dstt holds the last reference past that: a gloo group freed
+        during interpreter finalization (an unclosed Capture kept alive by a
+        reference cycle or a traceback) can abort the process at exit with
+        "terminate called without an active exception".
+        """
+        self.group = None
 
 
-_DEFAULT: dict[int, DistCoordinator] = {}
+# The coordinator dstt.save uses under torch.distributed, for the current
+# default process group: creating a group is collective and slow, so it is
+# made once per default group, and replaced when the default group changes.
+_DEFAULT: list[tuple[Any, DistCoordinator]] = []
+
+
+@atexit.register
+def _release_default() -> None:
+    while _DEFAULT:
+        _DEFAULT.pop()[1].close()
 
 
 def default_coordinator() -> Coordinator:
@@ -82,11 +111,13 @@ def default_coordinator() -> Coordinator:
     except ImportError:  # pragma: no cover
         return LocalCoordinator()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        _release_default()
         return LocalCoordinator()
-    key = id(dist.group.WORLD)
-    if key not in _DEFAULT:
-        _DEFAULT[key] = DistCoordinator()
-    return _DEFAULT[key]
+    world = dist.group.WORLD
+    if not _DEFAULT or _DEFAULT[0][0] is not world:
+        _release_default()
+        _DEFAULT.append((world, DistCoordinator()))
+    return _DEFAULT[0][1]
 
 
 def new_coordinator() -> Coordinator:

@@ -104,6 +104,10 @@ def run_mode(out: Path, mode: str) -> None:
             cap.close()
         except CaptureError as e:  # a failure not reported yet (timing decides which call sees it)
             errors.append(str(e))
+    # close() lets go of dstt's gloo groups even though the Capture object may
+    # live on (a cycle, a traceback): freed at interpreter exit, a group can
+    # abort the process ("terminate called without an active exception").
+    assert cap._plan_coord.group is None and cap._commit_coord.group is None
     if errors:
         (out / f"error{rank}.txt").write_text("\n".join(errors))
     if rank == 0 and mode == "ok":
