@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dstt.errors import CorruptStoreError, StoreNotFoundError
+from dstt.store.localio import DirectState, write_all, write_file
 
 Bytes = bytes | bytearray | memoryview
 #: A value to put: one buffer, or several written back to back.
@@ -138,11 +139,16 @@ _SYNCFS = _load_syncfs()
 
 
 class LocalBackend(Backend):
-    """A store in a local directory with explicit durability."""
+    """A store in a local directory with explicit durability.
+
+    Large page-aligned chunk buffers are written with O_DIRECT where the
+    filesystem allows it (``direct_io=False`` turns that off); see
+    :mod:`dstt.store.localio`.
+    """
 
     durable_sync = True
 
-    def __init__(self, root: str | os.PathLike[str], *, create: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = False, direct_io: bool = True) -> None:
         self.root = Path(root).absolute()
         self.url = str(self.root)
         if not self.root.exists():
@@ -152,6 +158,7 @@ class LocalBackend(Backend):
         elif not self.root.is_dir():
             raise StoreNotFoundError(f"no store at {self.root}: not a directory")
         self._lock = threading.Lock()
+        self._direct = DirectState(direct_io)
         self._made_dirs: set[str] = set()
         # Only used where syncfs(2) is unavailable: what sync() must fsync.
         self._dirty_files: set[str] = set()
@@ -178,23 +185,13 @@ class LocalBackend(Backend):
                 self._dirty_dirs.update(os.path.dirname(m) for m in missing)
                 self._dirty_dirs.add(parent)
 
-    @staticmethod
-    def _write_all(fd: int, data: Bytes) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+    _write_all = staticmethod(write_all)
 
     # -- interface
     def put(self, key: str, data: Data) -> None:
         path = self._path(key)
         self._ensure_parent(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for part in data if isinstance(data, (list, tuple)) else (data,):
-                self._write_all(fd, part)
-        finally:
-            os.close(fd)
+        write_file(path, data if isinstance(data, (list, tuple)) else (data,), self._direct)
         if _SYNCFS is None:
             with self._lock:
                 self._dirty_files.add(path)

@@ -1,0 +1,142 @@
+"""Writing a local file fast without filling the page cache.
+
+A capture writes gigabytes per step. Through the page cache that costs a
+kernel memcpy per byte, a writeback later, and evicts what the trainer keeps
+cached (its dataset); measured here, buffered chunk writes slowed a CPU
+training loop by ~0.3 s per GiB captured, O_DIRECT writes by ~0.1 s.
+
+:func:`write_file` therefore writes the page-aligned prefix of a large,
+page-aligned first buffer (a block of the capture's staging pool, which
+hands out page-aligned blocks) with ``O_DIRECT``: the device reads it from
+that memory, no copy. The rest -- the unaligned tail and the 4-byte CRC
+trailer -- goes through the page cache. Where the filesystem refuses
+``O_DIRECT`` (tmpfs) or the buffer is not aligned, everything is buffered,
+and :func:`start_writeback` asks the kernel to start writing it at once
+rather than when a tenth of RAM is dirty. Neither is a durability point:
+the store's ``sync()`` (``syncfs``) is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+#: Alignment of O_DIRECT buffers, offsets and lengths (safe for 512 B and 4 KiB sectors).
+DIRECT_ALIGN = 4096
+#: Buffers smaller than this are written through the page cache (O_DIRECT's
+#: synchronous device round trip does not pay for itself on small writes).
+DIRECT_MIN_BYTES = 1 << 20
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _load_sync_file_range() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages now, without
+    waiting (Linux; elsewhere a no-op). Errors surface at ``sync()``."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+def address(buf: Any) -> int:
+    """Memory address of a buffer's first byte."""
+    return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0])
+
+
+def write_all(fd: int, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def direct_prefix(parts: Sequence[Any]) -> int:
+    """How many leading bytes of ``parts[0]`` can go out with O_DIRECT (0: none)."""
+    if not _O_DIRECT or not parts:
+        return 0
+    first = memoryview(parts[0]).cast("B")
+    n = len(first) // DIRECT_ALIGN * DIRECT_ALIGN
+    if n < DIRECT_MIN_BYTES or address(first) % DIRECT_ALIGN:
+        return 0
+    return n
+
+
+class DirectState:
+    """Whether O_DIRECT works on one store's filesystem: unknown until tried,
+    then remembered (a refusal is not retried)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.ok: bool | None = None if enabled else False
+
+
+def write_file(path: str, parts: Sequence[Any], direct: DirectState) -> None:
+    """Create or replace ``path`` with ``parts`` written back to back."""
+    prefix = direct_prefix(parts) if direct.ok is not False else 0
+    if prefix:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            direct.ok = False  # this filesystem has no O_DIRECT (tmpfs, some FUSE)
+        else:
+            try:
+                if _write_direct(fd, parts, prefix, direct):
+                    return
+            finally:
+                os.close(fd)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for part in parts:
+            write_all(fd, part)
+        start_writeback(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_direct(fd: int, parts: Sequence[Any], prefix: int, direct: DirectState) -> bool:
+    """The aligned prefix with O_DIRECT, the rest buffered on the same fd;
+    False (nothing kept) if the device refused the aligned write."""
+    first = memoryview(parts[0]).cast("B")
+    done = 0
+    try:
+        while done < prefix:
+            done += os.write(fd, first[done:prefix])
+            if done % DIRECT_ALIGN:  # a short write off the alignment: finish buffered
+                break
+    except OSError as e:
+        if e.errno != errno.EINVAL or done:
+            raise
+        direct.ok = False  # alignment stricter than DIRECT_ALIGN: buffered from now on
+        return False
+    direct.ok = True
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+    write_all(fd, first[done:])
+    for part in parts[1:]:
+        write_all(fd, part)
+    start_writeback(fd)
+    return True
