@@ -4,7 +4,9 @@ the staging pool, the skip policy and background failures."""
 from __future__ import annotations
 
 import errno
+import os
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -450,3 +452,22 @@ def test_cuda_capture_is_consistent(store: Path) -> None:
         assert cap.pool is not None and cap.pool.pinned
     for step, ref in refs.items():
         assert_same(ref, stored(store, step), f"step {step}")
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority") or not sys.platform.startswith("linux"),
+                    reason="per-thread nice values are a Linux feature")
+def test_background_threads_yield_the_cpu_to_the_trainer(tmp_path: Path) -> None:
+    """Stager, committer and flush threads run at the configured nice value;
+    the trainer's own thread keeps its priority."""
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    model, opt, _ = make()
+    with deadline(60), dstt.Capture(tmp_path / "run", background_nice=7, flush_threads=2) as cap:
+        train_step(model, opt)
+        cap.snapshot(0, model=model, optimizer=opt)
+        cap.wait()
+        threads = [cap._stager, cap._committer, *cap._flush._threads]
+        nices = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads}
+    assert all(n == max(7, mine) for n in nices.values()), nices
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    with pytest.raises(ConfigError, match="background_nice"):
+        dstt.Capture(tmp_path / "other", background_nice=20)

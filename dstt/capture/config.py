@@ -41,12 +41,17 @@ class CaptureConfig:
     flush_threads: int = 2
     allow_pickle: bool = False
     dedup: bool = True
+    #: Nice value of dstt's background threads (Linux): the trainer's threads
+    #: win the CPU when both want it; 0 leaves them at the trainer's priority.
+    background_nice: int = 10
 
     def __post_init__(self) -> None:
         _positive_int("every", self.every)
         _positive_int("max_chunk_bytes", self.max_chunk_bytes)
         _positive_int("flush_threads", self.flush_threads)
         validate_branch(self.branch)
+        if not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 19:
+            raise ConfigError(f"background_nice must be an integer in 0..19, got {self.background_nice!r}")
         if self.on_full not in ON_FULL:
             raise ConfigError(f"on_full must be one of {ON_FULL}, got {self.on_full!r}")
         if self.host_buffer_bytes is not None:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
+import sys
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -111,12 +113,14 @@ class Capture:
         flush_threads: int = 2,
         allow_pickle: bool = False,
         dedup: bool = True,
+        background_nice: int = 10,
     ) -> None:
         extra = {} if max_chunk_bytes is None else {"max_chunk_bytes": max_chunk_bytes}
         self.config = CaptureConfig(
             every=every, branch=branch, parent=parent, host_buffer_bytes=host_buffer_bytes,
             on_full=on_full, compression=compression, zstd_level=zstd_level,
-            flush_threads=flush_threads, allow_pickle=allow_pickle, dedup=dedup, **extra,
+            flush_threads=flush_threads, allow_pickle=allow_pickle, dedup=dedup,
+            background_nice=background_nice, **extra,
         )
         cfg = self.config
         # Two coordinators: planning runs on this thread, commits on the
@@ -133,7 +137,8 @@ class Capture:
         self.pool: HostPool | None = None
         self._copier: CudaCopier | None = None
         self._fence = StepFence(self._before_optimizer_step)
-        self._flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush")
+        self._flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush",
+                                         initializer=self._lower_priority)
         self._stage_q: queue.Queue[_Job | None] = queue.Queue()
         self._commit_q: queue.Queue[_Job | None] = queue.Queue()
         self._cond = threading.Condition()
@@ -368,7 +373,12 @@ class Capture:
 
     # ================================================================ background
 
+    def _lower_priority(self) -> None:
+        """Run on each background thread: let the trainer's threads win the CPU."""
+        lower_thread_priority(self.config.background_nice)
+
     def _stage_loop(self) -> None:
+        self._lower_priority()
         while True:
             job = self._stage_q.get()
             if job is None:
@@ -420,6 +430,7 @@ class Capture:
             pool.release(staged)
 
     def _commit_loop(self) -> None:
+        self._lower_priority()
         while True:
             job = self._commit_q.get()
             if job is None:
@@ -464,6 +475,18 @@ class Capture:
         log.error("%s", err)
         with self._cond:
             self._errors.append(err)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value to ``nice`` (Linux, where nice
+    is per thread; elsewhere it would apply to the whole process: no-op)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError as e:  # a sandbox may refuse; capture works the same, only less politely
+        log.debug("could not lower dstt thread priority: %s", e)
 
 
 def _task_bytes(task: ChunkTask) -> int:
