@@ -328,3 +328,19 @@ def test_cli_subprocess(store: Path) -> None:
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.strip().startswith("error: no tensor 'model/x'") and "Traceback" not in bad.stderr
+
+
+def test_find_follows_tensors_that_come_and_go(store: Path) -> None:
+    """A norm jump is judged against the tensor's latest captured norm, also
+    when it was absent in between; a new tensor has nothing to jump from."""
+    one = torch.ones(4) * 0.5  # norm 1
+    dstt.save(store, 0, {"a": one, "b": one})
+    dstt.save(store, 1, {"a": one, "c": one * 50})          # b gone, c new (norm 50: no jump)
+    dstt.save(store, 2, {"a": one, "b": one * 20, "c": one * 50})  # b back, 20x its last norm
+    dstt.save(store, 3, {"a": one * 2, "b": one * 20, "c": one * 50})
+    events = find(dstt.open(store), first=False, jump=10.0)
+    assert [(e["step"], e["tensor"], e["previous"]) for e in events] == [(2, "b", 1.0)]
+    assert events[0]["value"] == pytest.approx(20.0)
+    assert find(dstt.open(store), ["a"], jump=1.5) == [
+        {"branch": "main", "step": 3, "tensor": "a", "reason": "norm_jump", "stat": "norm",
+         "value": 2.0, "previous": 1.0}]

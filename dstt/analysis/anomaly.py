@@ -49,7 +49,9 @@ def find(run: "Run", patterns: Iterable[str] | None = None, branch: str | None =
     if not nonfinite and jump is None and col is None:
         raise ConfigError("nothing to look for: enable nonfinite, a norm jump or a stat threshold")
     match = _Matcher(patterns)
-    prev: dict[str, float] = {}
+    prev_hits: list[tuple[str, int]] = []
+    prev_norms = np.empty(0)
+    last: dict[str, float] = {}  # latest norm of every tensor seen, as of the last change of tensor set
     events: list[dict[str, Any]] = []
     for b, s, names, stats in scan(run, branch, ancestry):
         hits = match(names)
@@ -57,10 +59,32 @@ def find(run: "Run", patterns: Iterable[str] | None = None, branch: str | None =
             continue
         idx = np.fromiter((i for _, i in hits), dtype=np.int64, count=len(hits))
         rows = stats[idx]
+        norms = rows[:, _NORM]
+        if hits is prev_hits:  # the same tensors as the step before: rows line up
+            prevs = prev_norms
+        else:  # a tensor is compared with its latest captured norm, however long ago
+            last.update(zip((n for n, _ in prev_hits), prev_norms.tolist()))
+            prevs = np.array([last.get(n, np.nan) for n, _ in hits], dtype=np.float64)
+        # Vectorized screening over the step's tensors; events are built only
+        # for the (rare) flagged rows.
+        flagged = np.zeros(len(hits), dtype=bool)
+        if nonfinite:
+            flagged |= rows[:, _NONFINITE] > 0
+        if jump is not None:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = norms / prevs
+                flagged |= (prevs > 0) & np.isfinite(prevs) & np.isfinite(norms) & ((ratio > jump) | (ratio < 1.0 / jump))
+        if col is not None:
+            v = rows[:, col]
+            if gt is not None:
+                flagged |= v > gt
+            if lt is not None:
+                flagged |= v < lt
         found: list[dict[str, Any]] = []
-        for k, (n, _) in enumerate(hits):
-            found.extend(_check(b, s, n, rows[k], prev.get(n), nonfinite, jump, stat, col, gt, lt))
-            prev[n] = float(rows[k, _NORM])
+        for k in np.flatnonzero(flagged).tolist():
+            p = float(prevs[k])
+            found.extend(_check(b, s, hits[k][0], rows[k], None if p != p else p, nonfinite, jump, stat, col, gt, lt))
+        prev_hits, prev_norms = hits, norms
         if found:
             events.extend(found)
             if first:

@@ -10,6 +10,7 @@ field is type- and bounds-checked and a violation is a CorruptStoreError.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -120,7 +121,21 @@ def decode_json(data: bytes, where: str) -> Any:
         raise CorruptStoreError(f"{where}: not valid JSON ({e.__class__.__name__}: {e})") from None
 
 
+@functools.lru_cache(maxsize=64)
+def _stats_header(n: int) -> bytes:
+    """The .npy header np.save writes for an (n, 7) float64 table."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "<f8", "fortran_order": False, "shape": (n, len(STATS_COLUMNS))})
+    return buf.getvalue()
+
+
 def decode_stats(data: bytes, n: int, where: str) -> np.ndarray:
+    # Fast path (history reads thousands of these): exactly the header dstt
+    # writes, then the raw table -- no parsing of the header dict needed.
+    header = _stats_header(n)
+    if bytes(data[: len(header)]) == header and len(data) == len(header) + n * len(STATS_COLUMNS) * 8:
+        return np.frombuffer(data, dtype="<f8", offset=len(header)).reshape(n, len(STATS_COLUMNS))
     try:
         arr = np.load(io.BytesIO(data), allow_pickle=False)
     except Exception as e:  # numpy raises ValueError/OSError/EOFError variants

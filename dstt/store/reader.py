@@ -115,6 +115,7 @@ class Run:
             load_branch(self.backend, ref.branch)  # fail early on an unknown branch
         self._cache: OrderedDict[tuple[str, int], StepRecord] = OrderedDict()
         self._cache_size = cache_steps
+        self._names_cache: tuple[str, list[str]] | None = None  # (sha256 of names.json, names)
         self._lock = threading.Lock()
 
     @property
@@ -217,7 +218,15 @@ class Run:
         if raw is None:
             raise self._no_step(step, branch)
         commit = parse_commit(raw, where)
-        names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
+        # Consecutive steps nearly always hold the same tensors: a names.json
+        # whose recorded sha256 matches the last one read is not read again.
+        digest = commit["files"][L.NAMES_FILE]["sha256"]
+        cached = self._names_cache
+        if cached is not None and cached[0] == digest:
+            names = cached[1]
+        else:
+            names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
+            self._names_cache = (digest, names)
         stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(names), where)
         return names, stats
 
