@@ -30,12 +30,12 @@ import dstt  # noqa: E402
 def build_small(path: str, steps: int, tensors: int) -> float:
     t = time.perf_counter()
     g = torch.Generator().manual_seed(0)
-    state = {f"model/t{i:04d}": torch.randn(64, generator=g) for i in range(tensors)}
+    model = {f"t{i:04d}": torch.randn(64, generator=g) for i in range(tensors)}
     with dstt.Writer(path) as w:
         for s in range(steps):
-            for k, v in state.items():
+            for v in model.values():
                 v.mul_(0.999).add_(0.001)
-            w.write(s, state)
+            w.write(s, {"model": model})
     return time.perf_counter() - t
 
 
@@ -43,13 +43,13 @@ def build_big(path: str, gb: float) -> int:
     n = 16
     per = int(gb * 2**30) // n // 4
     g = torch.Generator().manual_seed(1)
-    state = {f"model/w{i:02d}": torch.randn(per, generator=g) for i in range(n)}
+    model = {f"w{i:02d}": torch.randn(per, generator=g) for i in range(n)}
     with dstt.Writer(path) as w:
-        w.write(0, state)
-        for v in state.values():
+        w.write(0, {"model": model})
+        for v in model.values():
             v.add_(1e-3)
-        w.write(1, state)
-    return sum(v.numel() * 4 for v in state.values())
+        w.write(1, {"model": model})
+    return sum(v.numel() * 4 for v in model.values())
 
 
 def wall(cmd: list[str], repeat: int = 3) -> float:
@@ -95,12 +95,17 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=300)
     ap.add_argument("--diff-gb", type=float, default=1.0)
     ap.add_argument("--dir", default="/tmp/dstt-bench-inspect")
+    ap.add_argument("--reuse", action="store_true", help="keep a small store built by an earlier run with the same sizes")
     args = ap.parse_args()
-    base = fresh_dir(args.dir)
+    small = os.path.join(args.dir, "small")
+    reuse = args.reuse and os.path.isdir(small) and len(dstt.open(small).steps()) == args.steps
+    base = args.dir if reuse else fresh_dir(args.dir)
     print(machine())
-
-    small = os.path.join(base, "small")
-    print(f"building {args.steps} steps x {args.tensors} tensors: {build_small(small, args.steps, args.tensors):.1f} s")
+    if reuse:
+        print(f"reusing {args.steps} steps x {args.tensors} tensors in {small}")
+    else:
+        secs = build_small(small, args.steps, args.tensors)
+        print(f"building {args.steps} steps x {args.tensors} tensors: {secs:.1f} s")
     py = [sys.executable]
     cli = py + ["-m", "dstt.cli.main"]
     imp = wall(py + ["-c", "import dstt"])
@@ -118,7 +123,8 @@ def main() -> None:
         t = wall(cmd)
         print(f"{label:30s} {t:6.2f} s   ({t - imp:+.2f} s beyond import dstt)")
 
-    big = os.path.join(base, "big")
+    big = fresh_dir(os.path.join(base, "big"))
+    os.rmdir(big)
     nbytes = build_big(big, args.diff_gb)
     print(f"diff: two steps of {nbytes / 2**30:.2f} GiB each (16 tensors, every chunk changed)")
     in_fresh_process("stream", big)  # warm the page cache
