@@ -431,3 +431,67 @@ def test_cli_never_unpickles(pickle_store: tuple[Path, Path]) -> None:
     if os.environ.get("DSTT_CHECK_CONTROL", "1") == "1":
         dstt.open(path).state_dict(1, allow_pickle=True)
         assert sentinel.exists()
+
+
+# ----------------------------------------------------------------------------- symlinks
+
+
+def _tree_snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def _store_with_outside(tmp_path: Path) -> tuple[Path, Path, dict[str, Any]]:
+    """A store of two steps, and beside it an outside directory holding a
+    byte-for-byte copy of one array's chunks (a link there would read fine)."""
+    path = tmp_path / "run"
+    w = torch.arange(12.0).reshape(3, 4)
+    dstt.save(path, 0, {"model": {"w": w}})
+    dstt.save(path, 1, {"model": {"w": w + 1}})
+    entry = dstt.open(path).record(1).by_name["model/w"]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for f in (path / entry.array).iterdir():
+        (outside / f.name).write_bytes(f.read_bytes())
+    return path, outside, {"array": entry.array, "w": w}
+
+
+def test_a_symlinked_directory_is_refused_for_reads_and_writes(tmp_path: Path) -> None:
+    path, outside, info = _store_with_outside(tmp_path)
+    array_dir = path / info["array"]
+    for f in array_dir.iterdir():
+        f.unlink()
+    array_dir.rmdir()
+    array_dir.symlink_to(outside, target_is_directory=True)  # identical bytes, but outside the store
+    before = _tree_snapshot(outside)
+    run = dstt.open(path)
+    with pytest.raises(CorruptStoreError, match="symbolic link"):
+        run.read("model/w", 1)
+    report = verify(path)
+    assert not report.ok and any("symbolic link" in str(p) for p in report.problems)
+    # Appending a changed step would write a chunk into that directory: refused.
+    with pytest.raises(DsttError):
+        dstt.save(path, 2, {"model": {"w": info["w"] + 2}})
+    assert _tree_snapshot(outside) == before
+    assert dstt.open(path).steps() == [0, 1]
+
+
+def test_a_symlinked_file_is_never_followed(tmp_path: Path) -> None:
+    path, outside, info = _store_with_outside(tmp_path)
+    entry = dstt.open(path).record(1).by_name["model/w"]
+    chunk = path / L.chunk_key(entry.array, entry.slots[0], entry.coords(0))
+    chunk.unlink()
+    chunk.symlink_to(outside / chunk.name)  # the same bytes, reached through a link
+    with pytest.raises(CorruptStoreError, match="symbolic link"):
+        dstt.open(path).read("model/w", 1)
+    # The next step's chunk key, planted as a link to a file outside: the
+    # writer must not truncate or write through it.
+    victim = outside / "victim"
+    victim.write_bytes(b"keep me")
+    record = dstt.open(path).record(1)
+    next_slot = record.commit["seq"] + 1  # branch id 0: slot = seq
+    planted = path / L.chunk_key(entry.array, next_slot, entry.coords(0))
+    planted.symlink_to(victim)
+    with pytest.raises(DsttError, match="symbolic link"):
+        dstt.save(path, 2, {"model": {"w": info["w"] + 2}})
+    assert victim.read_bytes() == b"keep me"
+    assert dstt.open(path).steps() == [0, 1]

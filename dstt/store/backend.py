@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import stat
 import sys
 import threading
 import uuid
@@ -138,12 +139,21 @@ def _load_syncfs() -> Any:
 _SYNCFS = _load_syncfs()
 
 
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
 class LocalBackend(Backend):
     """A store in a local directory with explicit durability.
 
     Large page-aligned chunk buffers are written with O_DIRECT where the
     filesystem allows it (``direct_io=False`` turns that off); see
     :mod:`dstt.store.localio`.
+
+    dstt never creates links inside a store, so a link is hostile or broken:
+    every file is opened without following a final symlink, and every
+    directory used must resolve inside the store's real root. Either way the
+    access is refused with :class:`CorruptStoreError`, so a store handed to
+    you can neither make dstt read from nor write to a path outside it.
     """
 
     durable_sync = True
@@ -159,14 +169,40 @@ class LocalBackend(Backend):
             raise StoreNotFoundError(f"no store at {self.root}: not a directory")
         self._lock = threading.Lock()
         self._direct = DirectState(direct_io)
+        self._real_root = os.path.realpath(self.url)
+        self._inside: set[str] = set()  # directories known to resolve inside the store
         self._made_dirs: set[str] = set()
         # Only used where syncfs(2) is unavailable: what sync() must fsync.
         self._dirty_files: set[str] = set()
         self._dirty_dirs: set[str] = set()
 
     # -- helpers
-    def _path(self, key: str) -> str:
-        return os.path.join(self.url, *check_key(key).split("/"))
+    def _path(self, key: str, *, directory: bool = False) -> str:
+        """The local path of ``key`` (a file, or a ``directory``), after checking
+        that the directory holding it resolves inside the store."""
+        path = os.path.join(self.url, *check_key(key).split("/"))
+        self._check_inside(path if directory else os.path.dirname(path), key)
+        return path
+
+    def _check_inside(self, directory: str, key: str) -> None:
+        if directory in self._inside:
+            return
+        real = os.path.realpath(directory)
+        if real != self._real_root and not real.startswith(self._real_root + os.sep):
+            raise CorruptStoreError(
+                f"refusing {key!r} in {self.url}: a symbolic link in the store leads outside it (to {real})")
+        with self._lock:
+            self._inside.add(directory)
+
+    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        """``os.open`` that refuses to follow a symlink at ``path``."""
+        try:
+            return os.open(path, flags | _O_NOFOLLOW, mode)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptStoreError(
+                    f"refusing {path}: a symbolic link inside the store (dstt stores hold none)") from None
+            raise
 
     def _ensure_parent(self, path: str) -> None:
         parent = os.path.dirname(path)
@@ -191,7 +227,13 @@ class LocalBackend(Backend):
     def put(self, key: str, data: Data) -> None:
         path = self._path(key)
         self._ensure_parent(path)
-        write_file(path, data if isinstance(data, (list, tuple)) else (data,), self._direct)
+        try:
+            write_file(path, data if isinstance(data, (list, tuple)) else (data,), self._direct)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptStoreError(
+                    f"refusing {path}: a symbolic link inside the store (dstt stores hold none)") from None
+            raise
         if _SYNCFS is None:
             with self._lock:
                 self._dirty_files.add(path)
@@ -199,7 +241,7 @@ class LocalBackend(Backend):
     def _write_temp(self, path: str, data: Bytes) -> str:
         self._ensure_parent(path)
         tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             self._write_all(fd, data)
             os.fsync(fd)
@@ -238,11 +280,21 @@ class LocalBackend(Backend):
             self._fsync_dir(os.path.dirname(path))
         return created
 
+    def _open_read(self, key: str) -> Any:
+        """A binary file object for ``key``, or None if there is no such file."""
+        try:
+            return os.fdopen(self._open(self._path(key), os.O_RDONLY), "rb")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def get(self, key: str) -> bytearray | None:
         # A bytearray (same cost as bytes): arrays over it are writable, so
         # torch.from_numpy takes them without a warning or a copy.
+        f = self._open_read(key)
+        if f is None:
+            return None
         try:
-            with open(self._path(key), "rb") as f:
+            with f:
                 size = os.fstat(f.fileno()).st_size
                 buf = bytearray(size)
                 n = f.readinto(buf)
@@ -250,22 +302,25 @@ class LocalBackend(Backend):
                     return buf
                 f.seek(0)  # the file changed under us: read what is there now
                 return bytearray(f.read())
-        except (FileNotFoundError, IsADirectoryError):
+        except IsADirectoryError:
             return None
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        f = self._open_read(key)
+        if f is None:
+            return None
         try:
-            with open(self._path(key), "rb") as f:
+            with f:
                 f.seek(start)
                 return f.read(length)
-        except (FileNotFoundError, IsADirectoryError):
+        except IsADirectoryError:
             return None
 
     def readinto(self, key: str, out: memoryview) -> int | None:
         """Read a whole file into ``out``; the number of bytes, or None if missing."""
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except (FileNotFoundError, IsADirectoryError):
+            fd = self._open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
             return None
         try:
             total = 0
@@ -280,25 +335,29 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
+    def _lstat(self, key: str) -> os.stat_result | None:
+        try:
+            return os.lstat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
+        st = self._lstat(key)
+        return st is not None and stat.S_ISREG(st.st_mode)
 
     def size(self, key: str) -> int | None:
-        try:
-            st = os.stat(self._path(key))
-        except FileNotFoundError:
-            return None
-        return st.st_size if not os.path.isdir(self._path(key)) else None
+        st = self._lstat(key)
+        return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
 
     def list_dir(self, prefix: str) -> list[str]:
-        path = self._path(prefix) if prefix.strip("/") else self.url
+        path = self._path(prefix, directory=True) if prefix.strip("/") else self.url
         try:
             return sorted(n for n in os.listdir(path) if ".tmp-" not in n)
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def list_prefix(self, prefix: str) -> list[str]:
-        base = self._path(prefix) if prefix.strip("/") else self.url
+        base = self._path(prefix, directory=True) if prefix.strip("/") else self.url
         out = []
         for dirpath, _dirs, files in os.walk(base):
             rel = os.path.relpath(dirpath, self.url).replace(os.sep, "/")
@@ -315,7 +374,7 @@ class LocalBackend(Backend):
     def delete_prefix(self, prefix: str) -> None:
         import shutil
 
-        path = self._path(prefix)
+        path = self._path(prefix, directory=True)
         shutil.rmtree(path, ignore_errors=True)
         with self._lock:
             self._made_dirs = {d for d in self._made_dirs if not (d == path or d.startswith(path + os.sep))}

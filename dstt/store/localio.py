@@ -34,6 +34,8 @@ DIRECT_ALIGN = 4096
 DIRECT_MIN_BYTES = 1 << 20
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: A chunk path that is a symlink is never followed (see LocalBackend).
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def _load_sync_file_range() -> Any:
@@ -96,7 +98,7 @@ def write_file(path: str, parts: Sequence[Any], direct: DirectState) -> None:
     prefix = direct_prefix(parts) if direct.ok is not False else 0
     if prefix:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW | _O_DIRECT, 0o644)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -107,7 +109,7 @@ def write_file(path: str, parts: Sequence[Any], direct: DirectState) -> None:
                     return
             finally:
                 os.close(fd)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW, 0o644)
     try:
         for part in parts:
             write_all(fd, part)

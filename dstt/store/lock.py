@@ -145,7 +145,7 @@ class BranchLock:
         path = self.backend._path(self.key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self.backend._open(path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
