@@ -80,23 +80,34 @@ class Ref:
         return out
 
 
-def resolve_step(run: "Run", branch: str, spec: StepSpec) -> int:
-    """Turn a step spec (number, 'latest', '~N', None = latest) into a step."""
-    steps = run.steps(branch)
+def resolve_step(run: "Run", branch: str, spec: StepSpec) -> tuple[str, int]:
+    """The (branch, step) a step spec (number, 'latest', '~N', None = latest)
+    names on ``branch``'s trajectory: its own steps, after its ancestors'
+    steps up to each fork point (:meth:`Run.lineage`)."""
+    segs = run.lineage(branch)
+    trajectory = [(b, s) for b, steps in segs for s in steps]
+    own = segs[-1][1]
     if spec is None or spec == "latest":
-        if not steps:
+        if not trajectory:
             raise StepNotFoundError(f"branch {branch!r} has no committed steps")
-        return steps[-1]
+        return trajectory[-1]
     if isinstance(spec, str) and spec.startswith("~"):
         back = int(spec[1:])
-        if back >= len(steps):
+        if back >= len(trajectory):
             raise StepNotFoundError(
-                f"~{back} goes before the first step: branch {branch!r} has {len(steps)} steps"
+                f"~{back} goes before the first step: branch {branch!r} has {len(trajectory)} steps"
+                + (f" ({len(own)} of its own)" if len(segs) > 1 else "")
             )
-        return steps[-1 - back]
+        return trajectory[-1 - back]
     if isinstance(spec, int) and not isinstance(spec, bool):
-        if spec not in steps:
-            have = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "no steps"
-            raise StepNotFoundError(f"no committed step {spec} on branch {branch!r} (it has {have})")
-        return spec
+        for b, steps in reversed(segs):
+            if spec in steps:
+                return b, spec
+        have = "; ".join(f"{b}: {_span(steps)}" for b, steps in segs)
+        where = "it has" if len(segs) == 1 else "its trajectory has"
+        raise StepNotFoundError(f"no committed step {spec} on branch {branch!r} ({where} {have})")
     raise InvalidReferenceError(f"bad step {spec!r}: expected a number, 'latest' or '~N'")
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "no steps"

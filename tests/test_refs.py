@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,11 @@ def test_resolve_step_specs(store: Path) -> None:
     for s in (0, 5, 10):
         dstt.save(store, s, {"w": torch.full((2,), float(s))})
     run = dstt.open(store)
-    assert resolve_step(run, "main", None) == 10
-    assert resolve_step(run, "main", "latest") == 10
-    assert resolve_step(run, "main", "~0") == 10
-    assert resolve_step(run, "main", "~2") == 0
-    assert resolve_step(run, "main", 5) == 5
+    assert resolve_step(run, "main", None) == ("main", 10)
+    assert resolve_step(run, "main", "latest") == ("main", 10)
+    assert resolve_step(run, "main", "~0") == ("main", 10)
+    assert resolve_step(run, "main", "~2") == ("main", 0)
+    assert resolve_step(run, "main", 5) == ("main", 5)
     with pytest.raises(StepNotFoundError, match="~3 goes before the first step"):
         resolve_step(run, "main", "~3")
     with pytest.raises(StepNotFoundError, match="no committed step 7"):
@@ -74,3 +75,39 @@ def test_open_reference_sets_defaults(store: Path) -> None:
     assert dstt.open(f"{store}:~1").resolve() == ("main", 0)
     with pytest.raises(BranchNotFoundError, match="no branch 'nope'"):
         dstt.open(f"{store}@nope:1")
+
+
+def test_a_branch_reference_follows_its_trajectory(store: Path) -> None:
+    """Like a git branch, a dstt branch's history includes its parent's steps
+    up to the fork: references resolve through it, to the step's real owner."""
+    from typer.testing import CliRunner
+
+    from dstt.cli.main import app
+
+    for s in (0, 5, 10):
+        dstt.save(store, s, {"w": torch.full((2,), float(s))})
+    dstt.branch(f"{store}:5", "side")
+    run = dstt.open(store)
+    assert run.lineage("side") == [("main", [0, 5]), ("side", [])]
+    assert run.resolve("latest", "side") == ("main", 5)  # no own steps yet: its fork point
+    assert run.resolve(0, "side") == ("main", 0)
+    assert run.latest("side") == 5
+    with pytest.raises(StepNotFoundError, match=r"step 10 on branch 'side' \(its trajectory has main: 0..5"):
+        run.resolve(10, "side")  # main's step 10 came after the fork: not side's history
+    assert torch.equal(run.read("w", 5, branch="side"), torch.full((2,), 5.0))
+    assert run.record(5, "side").branch == "main"
+
+    dstt.save(store, 6, {"w": torch.full((2,), 60.0)}, branch="side", parent=("main", 5))
+    dstt.save(store, 7, {"w": torch.full((2,), 70.0)}, branch="side", parent=("main", 5))
+    run = dstt.open(store)
+    assert [run.resolve(spec, "side") for spec in ("latest", "~1", "~2", "~3", 6)] == [
+        ("side", 7), ("side", 6), ("main", 5), ("main", 0), ("side", 6)]
+    with pytest.raises(StepNotFoundError, match="~4 goes before the first step: branch 'side' has 4 steps"):
+        run.resolve("~4", "side")
+    assert dstt.open(f"{store}@side:~2").resolve() == ("main", 5)
+
+    r = CliRunner().invoke(app, ["diff", f"{store}@side:5", f"{store}:5", "--json"])
+    assert r.exit_code == 0, r.output
+    assert [t["status"] for t in json.loads(r.stdout)["tensors"]] == ["unchanged"]
+    r = CliRunner().invoke(app, ["show", f"{store}@side:0", "w", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["branch"] == "main"

@@ -36,29 +36,9 @@ def stat_column(stat: str) -> int:
     return STATS_COLUMNS.index(stat)
 
 
-def lineage(run: "Run", branch: str | None = None, ancestry: bool = True) -> list[tuple[str, list[int]]]:
-    """(branch, steps) segments in order: ancestors' steps up to each fork
-    point, then the branch's own steps."""
-    segs: list[tuple[str, list[int]]] = []
-    b: str | None = branch or run.default_branch
-    limit: int | None = None
-    seen: set[str] = set()
-    while b is not None and b not in seen:
-        seen.add(b)
-        steps = run.steps(b)
-        if limit is not None:
-            steps = [s for s in steps if s <= limit]
-        segs.append((b, steps))
-        parent = run.branch_info(b).parent
-        if not ancestry or parent is None:
-            break
-        b, limit = parent
-    return segs[::-1]
-
-
 def scan(run: "Run", branch: str | None = None, ancestry: bool = True) -> Iterator[tuple[str, int, list[str], np.ndarray]]:
     """(branch, step, names, stats) for every step of a branch's lineage."""
-    for b, steps in lineage(run, branch, ancestry):
+    for b, steps in run.lineage(branch, ancestry):
         for s in steps:
             names, stats = run.step_stats(s, b)
             yield b, s, names, stats

@@ -123,12 +123,14 @@ class Run:
         return self.backend.url
 
     def resolve(self, step: Any = None, branch: str | None = None) -> tuple[str, int]:
-        """(branch, step) for a step spec (number, 'latest', '~N', None = the
-        reference's step or latest) on ``branch`` (None = the reference's)."""
+        """(branch, step) of the committed step a spec names (number,
+        'latest', '~N', None = the reference's step or latest) on ``branch``
+        (None = the reference's), following the branch's lineage: a step the
+        branch inherited from its parent (at or before the fork) resolves to
+        the parent's step, like a git branch's history includes its base."""
         from dstt.refs import resolve_step
 
-        b = branch or self.default_branch
-        return b, resolve_step(self, b, self.default_step if step is None else step)
+        return resolve_step(self, branch or self.default_branch, self.default_step if step is None else step)
 
     # ------------------------------------------------------------------ branches & steps
 
@@ -145,12 +147,30 @@ class Run:
         load_branch(self.backend, branch)
         return committed_steps(self.backend, branch)
 
+    def lineage(self, branch: str | None = None, ancestry: bool = True) -> list[tuple[str, list[int]]]:
+        """The trajectory leading to ``branch``'s latest step: (branch, steps)
+        segments, oldest first -- each ancestor's steps up to its fork point,
+        then the branch's own steps (only those with ``ancestry=False``)."""
+        segs: list[tuple[str, list[int]]] = []
+        b: str | None = branch or self.default_branch
+        limit: int | None = None
+        seen: set[str] = set()
+        while b is not None and b not in seen:  # (a hostile store could loop)
+            seen.add(b)
+            steps = self.steps(b)
+            if limit is not None:
+                steps = [s for s in steps if s <= limit]
+            segs.append((b, steps))
+            parent = self.branch_info(b).parent
+            if not ancestry or parent is None:
+                break
+            b, limit = parent
+        return segs[::-1]
+
     def latest(self, branch: str | None = None) -> int:
-        branch = branch or self.default_branch
-        steps = self.steps(branch)
-        if not steps:
-            raise StepNotFoundError(f"branch {branch!r} has no committed steps")
-        return steps[-1]
+        """The latest step of ``branch``'s trajectory (its fork point while
+        it has no steps of its own)."""
+        return self.resolve("latest", branch)[1]
 
     def commit_info(self, step: Any = None, branch: str | None = None) -> dict[str, Any]:
         """The commit document of a step (time, bytes written/referenced, ...)."""
@@ -158,13 +178,17 @@ class Run:
         where = L.step_dir(branch, step)
         raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
         if raw is None:
-            raise self._no_step(step, branch)
+            raise StepNotFoundError(f"step {step} of branch {branch!r} disappeared while reading it")
         return parse_commit(raw, where)
 
-    def _no_step(self, step: int, branch: str) -> StepNotFoundError:
-        steps = self.steps(branch)
-        have = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "no steps"
-        return StepNotFoundError(f"no committed step {step} on branch {branch!r} (it has {have})")
+    def _inherited(self, step: int, branch: str) -> tuple[str, int]:
+        """Where ``step``, not committed on ``branch`` itself, lives: the
+        ancestor it was inherited from, else StepNotFoundError."""
+        load_branch(self.backend, branch)
+        b, s = self.resolve(step, branch)
+        if b == branch:  # listed but gone (pruned meanwhile)
+            raise StepNotFoundError(f"step {step} of branch {branch!r} disappeared while reading it")
+        return b, s
 
     def _file(self, where: str, fname: str, commit: dict[str, Any]) -> bytes:
         data = self.backend.get(f"{where}/{fname}")
@@ -192,8 +216,8 @@ class Run:
         where = L.step_dir(branch, step)
         raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
         if raw is None:
-            load_branch(self.backend, branch)
-            raise self._no_step(step, branch)
+            b, s = self._inherited(step, branch)
+            return self.record(s, b)
         commit = parse_commit(raw, where)
         entries, objects = parse_index(self._file(where, L.INDEX_FILE, commit), where)
         names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
@@ -216,7 +240,7 @@ class Run:
         where = L.step_dir(branch, step)
         raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
         if raw is None:
-            raise self._no_step(step, branch)
+            return self.step_stats(*reversed(self._inherited(step, branch)))
         commit = parse_commit(raw, where)
         # Consecutive steps nearly always hold the same tensors: a names.json
         # whose recorded sha256 matches the last one read is not read again.

@@ -267,7 +267,7 @@ def verify(store: Any, branch: str | None = None, step: int | str | None = None,
         if step is not None:
             from dstt.store.reader import Run
 
-            plan.append((b, resolve_step(Run(backend), b, step)))
+            plan.append(resolve_step(Run(backend), b, step))
         else:
             plan.extend((b, s) for s in committed_steps(backend, b))
             report.partial.extend(f"{b}:{s}" for s in partial_steps(backend, b))
