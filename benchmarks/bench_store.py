@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import fresh_dir, fsync_file, machine, model_and_adam, raw_fsync_write  # noqa: E402
+from common import fresh_dir, machine, model_and_adam, raw_fsync_write  # noqa: E402
 
 import dstt  # noqa: E402
 from dstt.store.writer import Writer  # noqa: E402

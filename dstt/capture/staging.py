@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import collections
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any

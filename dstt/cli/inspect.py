@@ -117,7 +117,13 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
     if pa == pb:
         stderr.print("note: both references name the same step")
     total = bytes_to_read(pa, pb)
-    with render.progress_bar(total, enabled=progress, label="diff") as advance:
+    with render.progress("diff", enabled=progress and total >= render.PROGRESS_MIN_BYTES) as update:
+        done = [0]
+
+        def advance(nbytes: int) -> None:  # diff_points reports increments
+            done[0] += nbytes
+            update(done[0], total)
+
         rows = diff_points(pa, pb, patterns, progress=advance, threads=threads)
     if patterns and not rows:
         from dstt.errors import TensorNotFoundError

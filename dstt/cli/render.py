@@ -14,7 +14,7 @@ from rich.tree import Tree
 from dstt.cli.output import fmt_float, human_bytes, stderr, stdout
 
 SPARK = "▁▂▃▄▅▆▇█"
-#: Diffs reading at least this many bytes get a progress bar.
+#: Diffs reading at least this many bytes get a progress bar (smaller ones would only flash it).
 PROGRESS_MIN_BYTES = 64 << 20
 
 
@@ -200,15 +200,24 @@ def events(branch: str, evs: list[dict[str, Any]]) -> None:
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, enabled: bool = True, label: str = "") -> Iterator[Callable[[int], None]]:
-    """A transient rich progress bar on stderr for ``total`` bytes, shown
-    only for long work (≥ PROGRESS_MIN_BYTES); yields ``advance(nbytes)``."""
-    if not enabled or total < PROGRESS_MIN_BYTES:
-        yield lambda n: None
+def progress(label: str, *, enabled: bool = True, unit: str = "bytes") -> Iterator[Callable[..., None]]:
+    """The one progress bar of every command: transient, on stderr, shown
+    only when stderr is a terminal. Yields ``update(done, total=None,
+    what=None)`` (absolute progress; ``total`` None while unknown; ``what``
+    replaces the label). ``unit``: ``"bytes"`` (sizes, speed) or
+    ``"items"`` (N/M)."""
+    if not enabled or not stderr.is_terminal:
+        yield lambda done, total=None, what=None: None
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
 
-    with Progress(f"[bold]{label}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                  console=stderr, transient=True) as prog:
-        task = prog.add_task(label, total=total)
-        yield lambda n: prog.advance(task, n)
+    counts = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()]
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), *counts, TimeRemainingColumn(),
+                  console=stderr, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int | None = None, what: str | None = None) -> None:
+            bar.update(task, completed=done, total=total, description=what or label)
+
+        yield update

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
@@ -29,18 +29,6 @@ def from_ref(store: str, text: str | None) -> str:
     return text
 
 
-def _byte_bar(enabled: bool, label: str) -> tuple[Any, Any]:
-    """A rich progress bar on stderr (bytes) and its update callback."""
-    if not enabled or not stderr.is_terminal:
-        return None, None
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                   console=stderr, transient=True)
-    task = bar.add_task(label, total=None)
-    return bar, lambda done, total: bar.update(task, completed=done, total=total)
-
-
 def _same_store(a: str, b: str) -> bool:
     return os.path.abspath(a) == os.path.abspath(b) if "://" not in a + b else a.rstrip("/") == b.rstrip("/")
 
@@ -58,12 +46,10 @@ def register(app: typer.Typer) -> None:
         """Write a step to a standalone file. To restore into live training, use dstt.restore() in Python."""
         from dstt.export import export
 
-        bar, update = _byte_bar(not quiet and not json_out, "exporting")
-        if bar is not None:
-            with bar:
-                info = export(ref, out, only=only, progress=update)
-        else:
-            info = export(ref, out, only=only)
+        from dstt.cli.render import progress
+
+        with progress("exporting", enabled=not quiet and not json_out) as update:
+            info = export(ref, out, only=only, progress=update)
         if json_out:
             emit_json(info.to_dict())
             return

@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import typer
 
 from dstt.cli.output import emit_json, handle_errors, stderr, stdout
-
-
-def _progress_bar(enabled: bool) -> tuple[Any, Any]:
-    """A rich progress bar on stderr and its update callback (None when off)."""
-    if not enabled or not stderr.is_terminal:
-        return None, None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn("verifying {task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeRemainingColumn(), console=stderr, transient=True)
-    task = bar.add_task("", total=None)
-
-    def update(done: int, total: int, what: str) -> None:
-        bar.update(task, completed=done, total=total, description=what)
-
-    return bar, update
 
 
 def register(app: typer.Typer) -> None:
@@ -39,12 +22,10 @@ def register(app: typer.Typer) -> None:
         """
         from dstt.store.verify import verify as run_verify
 
-        bar, update = _progress_bar(not quiet)
-        if bar is not None:
-            with bar:
-                report = run_verify(ref, progress=update)
-        else:
-            report = run_verify(ref)
+        from dstt.cli.render import progress
+
+        with progress("verifying", enabled=not quiet, unit="items") as update:
+            report = run_verify(ref, progress=lambda done, total, what: update(done, total, f"verifying {what}"))
         if json_out:
             emit_json(report.to_dict())
         else:

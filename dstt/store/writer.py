@@ -18,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
