@@ -19,7 +19,6 @@ single code path:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import stat
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dstt.errors import CorruptStoreError, StoreNotFoundError
-from dstt.store.localio import DirectState, write_all, write_file
+from dstt.store.localio import DirectState, libc_function, write_all, write_file
 
 Bytes = bytes | bytearray | memoryview
 #: A value to put: one buffer, or several written back to back.
@@ -125,18 +124,7 @@ class Backend(ABC):
 # --------------------------------------------------------------------------- local
 
 
-def _load_syncfs() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.syncfs
-        fn.argtypes = [ctypes.c_int]
-        fn.restype = ctypes.c_int
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
-_SYNCFS = _load_syncfs()
+_SYNCFS = libc_function("syncfs", [ctypes.c_int])
 
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

@@ -38,20 +38,20 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def _load_sync_file_range() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
+def libc_function(name: str, argtypes: list[Any]) -> Any:
+    """A libc function returning int (errno kept), or None where this libc lacks it."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        return fn
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
 
 
-_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE = (libc_function("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
+                    if sys.platform.startswith("linux") else None)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
