@@ -70,6 +70,9 @@ def export(
     fmt = FORMATS.get(Path(path).suffix.lower())
     if fmt is None:
         raise ConfigError(f"cannot export to {os.fspath(path)!r}: the name must end in .pt, .pth or .safetensors")
+    parent = Path(path).absolute().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"cannot export to {os.fspath(path)!r}: {parent} is not a writable directory")
     run = ref if isinstance(ref, Run) else Run(os.fspath(ref))
     rec = run.record()
     tree = _subtree(rec, only)

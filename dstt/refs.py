@@ -92,6 +92,8 @@ def resolve_step(run: "Run", branch: str, spec: StepSpec) -> tuple[str, int]:
             raise StepNotFoundError(f"branch {branch!r} has no committed steps")
         return trajectory[-1]
     if isinstance(spec, str) and spec.startswith("~"):
+        if not spec[1:].isdigit():
+            raise InvalidReferenceError(f"bad step {spec!r}: '~N' takes a non-negative number")
         back = int(spec[1:])
         if back >= len(trajectory):
             raise StepNotFoundError(
@@ -110,4 +112,6 @@ def resolve_step(run: "Run", branch: str, spec: StepSpec) -> tuple[str, int]:
 
 
 def _span(steps: list[int]) -> str:
-    return f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "no steps"
+    if not steps:
+        return "no steps"
+    return f"{steps[0]}..{steps[-1]} ({len(steps)} step{'s' if len(steps) != 1 else ''})"

@@ -28,11 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from dstt.errors import CorruptStoreError, RestoreMismatchError
+from dstt.errors import ChecksumMismatchError, CorruptStoreError, RestoreMismatchError
 from dstt.state import PARAM_GROUPS, _param_names, _rank, set_rng_state
 from dstt.store import layout as L
 from dstt.store.backend import LocalBackend
-from dstt.store.codec import decode_chunk
+from dstt.store.codec import crc32c
 from dstt.store.reader import Run, StepRecord
 from dstt.store.shards import dtensor_regions, is_dtensor
 from dstt.store.tree import unflatten
@@ -58,12 +58,17 @@ class _Load:
     wrap: Callable[[torch.Tensor], Any]
 
 
+#: A stored value that does not fit its live counterpart (strict=False leaves it out).
+SKIPPED = object()
+
+
 @dataclass
 class _Plan:
     """Everything a restore will do, decided before anything is read."""
 
     problems: list[str] = field(default_factory=list)
     loads: dict[tuple[str, ...], _Load] = field(default_factory=dict)  # path -> load
+    skipped: set[tuple[str, ...]] = field(default_factory=set)  # paths (or whole subtrees) left out
 
     def add(self, path: tuple[str, ...], name: str, box: tuple[slice, ...] | None = None,
             wrap: Callable[[torch.Tensor], Any] = lambda t: t) -> None:
@@ -116,18 +121,23 @@ def restore(
             raise mismatch_error(where, plan.problems)
         warnings.warn(f"partial restore of {where}: " + "; ".join(plan.problems[:MAX_LISTED]), stacklevel=2)
     data = _read_all(run, rec, plan, threads)
+    # Every value the live objects will get -- planned tensors, and tensors
+    # nested in other values (a module's extra state, a tensor lr, LBFGS's
+    # history lists) -- is read now: only then are the live objects touched.
+    wanted = {"model": model is not None, "optim": optimizer is not None, "scheduler": scheduler is not None,
+              "rng": rng, "extra": True}
     read = _small_reader(run, rec)
-    small = {k: _materialize(tree[k], (k,), data, read) for k in ("scheduler", "rng", "extra") if k in tree}
-    # Everything is read and checked: only now touch the live objects.
-    if model is not None and "model" in tree:
-        _apply_model(model, tree["model"], data, strict)
-    if optimizer is not None and isinstance(tree.get("optim"), dict):
-        _apply_optimizer(optimizer, model, tree["optim"], data)
-    if scheduler is not None and isinstance(small.get("scheduler"), dict):
-        scheduler.load_state_dict(small["scheduler"])
-    if rng and "rng" in small:
-        _apply_rng(small["rng"])
-    extra = small.get("extra", {})
+    got = {k: _materialize(tree[k], (k,), data, read, plan.skipped)
+           for k, want in wanted.items() if want and k in tree and (k,) not in plan.skipped}
+    if isinstance(got.get("model"), dict):
+        _apply_model(model, got["model"], strict)
+    if isinstance(got.get("optim"), dict):
+        _apply_optimizer(optimizer, model, got["optim"])
+    if isinstance(got.get("scheduler"), dict):
+        scheduler.load_state_dict(got["scheduler"])
+    if "rng" in got:
+        _apply_rng(got["rng"])
+    extra = got.get("extra", {})
     return extra if isinstance(extra, dict) else {"extra": extra}
 
 
@@ -212,6 +222,7 @@ def _local_box(t: Any) -> tuple[tuple[slice, ...], Callable[[torch.Tensor], Any]
 
 def _plan_tensor(plan: _Plan, rec: StepRecord, path: tuple[str, ...], what: str, stored: Any, live: Any) -> bool:
     if not _check_tensor(plan, rec, what, stored, live):
+        plan.skipped.add(path)
         return False
     if is_dtensor(live):
         box, wrap = _local_box(live)
@@ -253,6 +264,15 @@ def _plan_optimizer(plan: _Plan, rec: StepRecord, tree: Any, optimizer: torch.op
         plan.problems.append(
             f"optim: stored optimizer has {len(groups)} param groups, live one has {len(optimizer.param_groups)}"
         )
+    if groups and isinstance(groups[0], dict) and optimizer.param_groups:
+        sk = set(groups[0]) - {"params", "param_names"}
+        lk = set(optimizer.param_groups[0]) - {"params", "param_names"}
+        if sk - lk and lk - sk:  # (one-sided differences are torch versions adding options)
+            plan.problems.append(
+                f"optim: stored param groups have {_short(sorted(sk - lk))} where the live optimizer has "
+                f"{_short(sorted(lk - sk))}: a different optimizer type"
+            )
+            plan.skipped.add(("optim",))
     live_groups = _group_names(optimizer, names)
     for i, (sg, lg) in enumerate(zip(groups, live_groups)):
         sp = list(sg.get("params", [])) if isinstance(sg, dict) else []
@@ -271,13 +291,28 @@ def _plan_optimizer(plan: _Plan, rec: StepRecord, tree: Any, optimizer: torch.op
                 continue
             e = rec.by_name.get(v.name)
             what = f"optim/{pname}/{key}"
+            path = ("optim", pname, key)
             if e is None:
                 plan.problems.append(f"{what}: tensor missing from the step index")
-            elif p.dim() > 0 and len(e.shape) == p.dim() and e.dtype.torch_dtype.is_floating_point:
+                plan.skipped.add(path)
+            elif _per_element(e.shape, tuple(p.shape)) and e.dtype.torch_dtype.is_floating_point:
                 # Per-element state (exp_avg, momentum_buffer...): same shape and dtype as the param.
-                _plan_tensor(plan, rec, ("optim", pname, key), what, v, p)
-            else:  # scalars (step) and factored state: read whole
-                plan.add(("optim", pname, key), v.name)
+                _plan_tensor(plan, rec, path, what, v, p)
+            else:  # scalars (step) and factored state (Adafactor's row/col variances): read whole
+                plan.add(path, v.name)
+
+
+def _per_element(stored: tuple[int, ...], param: tuple[int, ...]) -> bool:
+    """Is a stored optimizer-state tensor meant to have its parameter's shape?
+    Yes when it has it, or the same number of elements (a reshaped
+    parameter), or the same rank with sizes that are neither the
+    parameter's nor 1; no for scalars and factored state (sizes 1 where the
+    parameter's are not)."""
+    if not param or not stored:
+        return False
+    if math.prod(stored) == math.prod(param):
+        return True
+    return len(stored) == len(param) and any(s not in (q, 1) for s, q in zip(stored, param))
 
 
 def _group_names(optimizer: torch.optim.Optimizer, names: list[str]) -> list[list[str]]:
@@ -299,6 +334,8 @@ def _plan_scheduler(plan: _Plan, tree: Any, scheduler: Any) -> None:
         plan.problems.append(f"scheduler: missing keys {_short(missing)}")
     if unexpected:
         plan.problems.append(f"scheduler: unexpected keys {_short(unexpected)}")
+    if missing or unexpected:
+        plan.skipped.add(("scheduler",))  # a different scheduler: strict=False leaves it as is
 
 
 def _short(keys: list[str], n: int = 5) -> str:
@@ -311,26 +348,36 @@ def _short(keys: list[str], n: int = 5) -> str:
 
 def read_whole(run: Run, rec: StepRecord, name: str) -> torch.Tensor:
     """A whole tensor of a step. Uncompressed local chunks that split only the
-    first dimension are read straight into the result (one copy, CRC-32C
-    still checked); anything else goes through :meth:`Run.read`."""
+    first dimension are read straight into the result -- one copy, into a
+    tensor that owns exactly its bytes (it may be saved or kept by an
+    optimizer) -- with every chunk's CRC-32C checked against its trailer and
+    against the step index; anything else goes through :meth:`Run.read`."""
     e = rec.by_name.get(name)
     if (e is None or not isinstance(run.backend, LocalBackend) or e.codec.compression != "none"
             or not e.shape or tuple(e.chunk_shape[1:]) != tuple(e.shape[1:]) or e.nchunks == 0):
         return run.read(name, rec.step, rec.branch)
     cb = math.prod(e.chunk_shape) * e.dtype.itemsize
-    buf = torch.empty(e.nchunks * cb + 4, dtype=torch.uint8)  # room for the last chunk's CRC
+    nbytes = math.prod(e.shape) * e.dtype.itemsize
+    buf = torch.empty(nbytes, dtype=torch.uint8)
     view = memoryview(buf.numpy())
-    for i in range(e.nchunks):  # in order: chunk i+1 overwrites chunk i's CRC once it is checked
+    # The last chunk's zero padding and every chunk's 4-byte CRC trailer land here.
+    tail = memoryview(bytearray(e.nchunks * cb - nbytes + 4))
+    for i in range(e.nchunks):
         coords = e.coords(i)
         where = f"{e.name} chunk {coords} (slot {e.slots[i]})"
-        got = run.backend.readinto(L.chunk_key(e.array, e.slots[i], coords), view[i * cb: (i + 1) * cb + 4])
+        lo, hi = i * cb, min((i + 1) * cb, nbytes)
+        pad = cb - (hi - lo)
+        got = run.backend.readinto(L.chunk_key(e.array, e.slots[i], coords), [view[lo:hi], tail[: pad + 4]])
         if got is None:
             raise CorruptStoreError(f"{where}: chunk is missing")
         if got != cb + 4:
             raise CorruptStoreError(f"{where}: chunk has {got} bytes, expected {cb + 4}")
-        decode_chunk(view[i * cb: (i + 1) * cb + 4], e.codec, cb, where)
-    flat = buf[: math.prod(e.shape) * e.dtype.itemsize]
-    return flat.view(e.dtype.torch_storage).view(e.dtype.torch_dtype).reshape(e.shape)
+        crc = crc32c(tail[:pad], crc32c(view[lo:hi]))
+        if crc != int.from_bytes(tail[pad: pad + 4], "little"):
+            raise ChecksumMismatchError(f"{where}: chunk CRC-32C mismatch (corrupted chunk)")
+        if crc != e.crcs[i]:  # a valid chunk, but not the one the step recorded
+            raise ChecksumMismatchError(f"{where}: CRC-32C does not match the step index")
+    return buf.view(e.dtype.torch_storage).view(e.dtype.torch_dtype).reshape(e.shape)
 
 
 def _read_all(run: Run, rec: StepRecord, plan: _Plan, threads: int) -> dict[tuple[str, ...], Any]:
@@ -361,10 +408,13 @@ def _small_reader(run: Run, rec: StepRecord) -> Callable[[Stored], Any]:
 
 
 def _materialize(tree: Any, path: tuple[str, ...], data: dict[tuple[str, ...], Any],
-                 read: Callable[[Stored], Any]) -> Any:
-    """Decode a subtree, taking planned tensors from ``data`` and reading the rest."""
+                 read: Callable[[Stored], Any], skipped: set[tuple[str, ...]] = frozenset()) -> Any:
+    """Decode a subtree, taking planned tensors from ``data``, reading the
+    rest, and :data:`SKIPPED` for the tensors that do not fit."""
     def walk(v: Any, p: tuple[str, ...]) -> Any:
         if isinstance(v, Stored):
+            if p in skipped:
+                return SKIPPED
             return data[p] if p in data else read(v)
         if isinstance(v, dict):
             return {k: walk(x, p + (str(k),)) for k, x in v.items()}
@@ -380,34 +430,23 @@ def _materialize(tree: Any, path: tuple[str, ...], data: dict[tuple[str, ...], A
 # ----------------------------------------------------------------------------- applying
 
 
-def _apply_model(model: torch.nn.Module, tree: Any, data: dict[tuple[str, ...], Any], strict: bool) -> None:
-    sd = {p[1]: v for p, v in data.items() if p[0] == "model"}
+def _apply_model(model: torch.nn.Module, stored: dict[str, Any], strict: bool) -> None:
     live = model.state_dict()
-    stored = _stored_tree(tree)
-    for k, v in stored.items():  # non-tensor entries (e.g. _extra_state)
-        if k in live and not isinstance(v, Stored) and not isinstance(live[k], torch.Tensor):
-            sd[k] = v
+    sd = {k: v for k, v in stored.items() if k in live and v is not SKIPPED}
     with torch.no_grad():
         model.load_state_dict(sd, strict=strict and set(sd) == set(live))
 
 
-def _apply_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, tree: dict[str, Any],
-                     data: dict[tuple[str, ...], Any]) -> None:
+def _apply_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, stored: dict[str, Any]) -> None:
     names = _param_names(optimizer, model)
     index = {n: i for i, n in enumerate(names)}
-    stored = _stored_tree(tree)
     state: dict[int, dict[str, Any]] = {}
     for pname, st in stored.items():
         if pname == PARAM_GROUPS or pname not in index or not isinstance(st, dict) or not st:
             continue
-        out = {}
-        for key, v in st.items():
-            if isinstance(v, Stored) and ("optim", pname, key) not in data:
-                out = {}  # a mismatched tensor (strict=False): the param starts with fresh state
-                break
-            out[key] = data[("optim", pname, key)] if isinstance(v, Stored) else v
-        if out:
-            state[index[pname]] = out
+        if any(v is SKIPPED for v in st.values()):
+            continue  # a tensor that does not fit (strict=False): the parameter starts with fresh state
+        state[index[pname]] = st
     live_groups = optimizer.state_dict()["param_groups"]
     sgroups = stored[PARAM_GROUPS]
     groups = []
@@ -416,6 +455,7 @@ def _apply_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | 
         g = dict(sgroups[gi]) if gi < len(sgroups) and isinstance(sgroups[gi], dict) else dict(lg)
         n = len(lg["params"])
         g["params"] = list(range(i, i + n))
+        g.pop("param_names", None)  # the stored order need not be the live one
         if "param_names" in lg:
             g["param_names"] = names[i: i + n]
         i += n

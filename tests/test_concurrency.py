@@ -164,11 +164,18 @@ def test_acquire_all_blocks_every_writer(tmp_path: Path) -> None:
     path = tmp_path / "run"
     for b in ("main", "a", "b"):
         dstt.save(path, 0, {"x": torch.ones(1)}, branch=b)
-    with acquire_all(path) as locks:
-        assert sorted(lk.branch for lk in locks) == ["a", "b", "main"]
+    with acquire_all(path) as locks:  # what prune and gc hold
+        assert sorted(lk.branch for lk in locks) == ["_branches", "a", "b", "main"]
         for b in ("main", "a", "b"):
             with pytest.raises(StoreLockedError):
                 dstt.save(path, 1, {"x": torch.ones(1)}, branch=b)
+        # no branch can be created meanwhile (it could fork from a step being deleted)
+        with pytest.raises(StoreLockedError, match="branches of .* are being changed"):
+            dstt.branch(f"{path}:0", "late")
+        with pytest.raises(StoreLockedError, match="branches of .* are being changed"):
+            dstt.save(path, 1, {"x": torch.ones(1)}, branch="new", parent=("main", 0))
+    assert dstt.open(path).branches() == ["a", "b", "main"]
+    dstt.branch(f"{path}:0", "late")  # free again
     w = dstt.Writer(path, branch="a")
     try:
         with pytest.raises(StoreLockedError, match="'a'"):

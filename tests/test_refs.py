@@ -63,6 +63,9 @@ def test_resolve_step_specs(store: Path) -> None:
         resolve_step(run, "main", 7)
     with pytest.raises(InvalidReferenceError):
         resolve_step(run, "main", 2.5)
+    for bad in ("~x", "~-1", "~"):
+        with pytest.raises(InvalidReferenceError, match="'~N' takes a non-negative number"):
+            run.resolve(bad)
 
 
 def test_open_reference_sets_defaults(store: Path) -> None:

@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -217,3 +218,184 @@ def test_corrupt_chunk_fails_before_anything_changes(store: Path) -> None:
     with pytest.raises(dstt.ChecksumMismatchError):
         dstt.restore(store, model=m2, optimizer=opt2)
     assert_same(snapshot(m2, opt2), before)
+
+
+# ----------------------------------------------------------------------------- values beyond flat float32 tensors
+
+
+def _roundtrip(store: Path, build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
+               step: Callable[[torch.nn.Module, torch.optim.Optimizer], None], n: int = 3) -> None:
+    """Train, save, restore into freshly built objects, train both on: bit-identical."""
+    m, opt = build()
+    for _ in range(n):
+        step(m, opt)
+    dstt.save(store, 0, dstt.state_of(model=m, optimizer=opt))
+    m2, opt2 = build()
+    dstt.restore(f"{store}:0", model=m2, optimizer=opt2)
+    for a, b in ((m, m2), (opt, opt2)):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert repr(sa) == repr(sb)  # same structure and values, nothing left as a placeholder
+    torch.manual_seed(9)
+    step(m, opt)
+    torch.manual_seed(9)
+    step(m2, opt2)
+    for (k, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert bits_equal(a, b), k
+
+
+def test_eight_byte_dtypes_restore_to_tensors_that_save_again(store: Path, tmp_path: Path) -> None:
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 5).double()  # 5 rows: chunked with padding below
+        return m, torch.optim.Adam(m.parameters())
+
+    def step(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        m(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    _roundtrip(store, build, step)
+    m2, opt2 = build()
+    dstt.restore(f"{store}:0", model=m2, optimizer=opt2)
+    for t in (*m2.state_dict().values(), *opt2.state_dict()["state"][0].values()):
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()  # owns exactly its bytes
+    torch.save(opt2.state_dict(), tmp_path / "opt.pt")  # a restored state saves and loads again
+    torch.load(tmp_path / "opt.pt", weights_only=True)
+    with dstt.Writer(tmp_path / "chunked", max_chunk_bytes=16) as w:  # many chunks, a padded last one
+        w.write(0, {"t": torch.arange(7, dtype=torch.int64)})
+    dstt.export(f"{tmp_path / 'chunked'}:0", tmp_path / "x.pt")
+    assert torch.equal(torch.load(tmp_path / "x.pt", weights_only=True)["t"], torch.arange(7))
+
+
+def test_tensors_nested_in_other_values_are_restored(store: Path) -> None:
+    class WithExtra(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.amax = torch.zeros(3)
+
+        def get_extra_state(self) -> dict:
+            return {"amax": self.amax, "n": 7}
+
+        def set_extra_state(self, state: dict) -> None:
+            self.amax = state["amax"]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.amax = torch.maximum(self.amax, x.abs().amax(0))
+            return self.lin(x)
+
+    def build_extra() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = WithExtra()
+        return m, torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-2))  # a tensor lr in param_groups
+
+    def step_extra(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        m(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    _roundtrip(store, build_extra, step_extra)
+
+    def build_lbfgs() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 1)
+        return m, torch.optim.LBFGS(m.parameters(), history_size=3, max_iter=2)  # lists of tensors in state
+
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+
+    def step_lbfgs(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = (m(x) - y).pow(2).mean()
+            loss.backward()
+            return loss
+        opt.step(closure)
+
+    _roundtrip(tmp_store(store, "lbfgs"), build_lbfgs, step_lbfgs)
+
+
+def tmp_store(store: Path, name: str) -> Path:
+    return store.parent / name
+
+
+def test_factored_optimizer_state_restores_and_reshaped_state_is_refused(store: Path) -> None:
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 4)
+        return m, torch.optim.Adafactor(m.parameters(), lr=1e-2)  # row/col variances: (4, 1), (1, 3)
+
+    def step(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        m(torch.randn(5, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    _roundtrip(store, build, step)
+    # A parameter reshaped from (12,) to (4, 3): its Adam state no longer fits, even without model=.
+    p = torch.nn.Parameter(torch.randn(12))
+    opt = torch.optim.Adam([("w", p)])  # named parameters: state keyed by name without model=
+    p.sum().backward()
+    opt.step()
+    dstt.save(tmp_store(store, "reshaped"), 0, {"optim": dstt.optimizer_state(opt)})
+    q = torch.nn.Parameter(torch.randn(4, 3))
+    opt2 = torch.optim.Adam([("w", q)])
+    before = copy.deepcopy(opt2.state_dict())
+    with pytest.raises(dstt.RestoreMismatchError, match=r"optim/w/exp_avg: stored \(12,\) float32, live \(4, 3\)"):
+        dstt.restore(f"{tmp_store(store, 'reshaped')}:0", optimizer=opt2)
+    assert opt2.state_dict() == before
+
+
+def test_a_different_optimizer_or_scheduler_type_is_not_loaded(store: Path) -> None:
+    m = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(sgd, step_size=3)
+    m(torch.randn(4, 3)).sum().backward()
+    sgd.step()
+    sched.step()
+    dstt.save(store, 0, dstt.state_of(model=m, optimizer=sgd, scheduler=sched))
+    adam = torch.optim.Adam(m.parameters())
+    with pytest.raises(dstt.RestoreMismatchError, match="a different optimizer type"):
+        dstt.restore(f"{store}:0", optimizer=adam, model=m)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(torch.optim.SGD(m.parameters(), lr=0.1), T_max=10)
+    before = cosine.state_dict()
+    with pytest.warns(UserWarning, match="partial restore"):
+        dstt.restore(f"{store}:0", model=m, optimizer=adam, scheduler=cosine, strict=False)
+    assert cosine.state_dict() == before  # left as is, not half-loaded with StepLR's keys
+    assert adam.state_dict()["state"] == {}  # SGD state never loaded into Adam
+
+
+def test_restore_checks_chunks_against_the_step_index(store: Path) -> None:
+    """A valid chunk in the wrong place (here: step 0's, copied over step 1's)."""
+    m = torch.nn.Linear(3, 2)
+    dstt.save(store, 0, dstt.state_of(model=m))
+    with torch.no_grad():
+        m.weight.add_(1)
+    dstt.save(store, 1, dstt.state_of(model=m))
+    run = dstt.open(store)
+    e0, e1 = run.record(0).by_name["model/weight"], run.record(1).by_name["model/weight"]
+    from dstt.store import layout as L
+
+    src = store / L.chunk_key(e0.array, e0.slots[0], e0.coords(0))
+    (store / L.chunk_key(e1.array, e1.slots[0], e1.coords(0))).write_bytes(src.read_bytes())
+    m2 = torch.nn.Linear(3, 2)
+    before = copy.deepcopy(m2.state_dict())
+    with pytest.raises(dstt.ChecksumMismatchError, match="does not match the step index"):
+        dstt.restore(f"{store}:1", model=m2)
+    assert all(bits_equal(a, b) for a, b in zip(before.values(), m2.state_dict().values()))
+    with pytest.raises(dstt.ChecksumMismatchError, match="does not match the step index"):
+        dstt.export(f"{store}:1", store.parent / "x.safetensors")
+
+
+def test_stored_param_names_never_replace_the_live_order(store: Path) -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(m.named_parameters())  # records param_names
+    m(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    dstt.save(store, 0, dstt.state_of(model=m, optimizer=opt))
+    opt2 = torch.optim.Adam(list(m.parameters())[::-1])  # no names, the reverse order
+    dstt.restore(f"{store}:0", model=m, optimizer=opt2)
+    assert "param_names" not in opt2.state_dict()["param_groups"][0]
+    state = dstt.optimizer_state(opt2, model=m)
+    for name, p in m.named_parameters():
+        assert state[name]["exp_avg"].shape == p.shape, name

@@ -161,3 +161,10 @@ def test_prune_and_gc_refuse_beside_a_live_writer(store: Path) -> None:
     assert invoke("prune", str(store), "--keep-last", "1", "--branch", "nope")[0] == 1
     assert prune(store, keep_last=1, branch="main").removed == [("main", 0), ("main", 1), ("main", 2)]
     assert os.listdir(store / "meta/steps/main") == ["00000000000000000003"]
+
+
+def test_export_refuses_a_missing_or_unwritable_directory(store: Path, tmp_path: Path) -> None:
+    dstt.save(store, 0, {"w": torch.ones(2)})
+    with pytest.raises(dstt.ConfigError, match="not a writable directory"):
+        dstt.export(f"{store}:0", tmp_path / "nowhere" / "x.pt")
+    assert not (tmp_path / "nowhere").exists()

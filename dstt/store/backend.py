@@ -127,6 +127,18 @@ class Backend(ABC):
 _SYNCFS = libc_function("syncfs", [ctypes.c_int])
 
 
+def _remaining(bufs: list[memoryview], skip: int) -> list[memoryview]:
+    """``bufs`` without their first ``skip`` bytes."""
+    out = []
+    for b in bufs:
+        if skip >= len(b):
+            skip -= len(b)
+            continue
+        out.append(b[skip:])
+        skip = 0
+    return out
+
+
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
@@ -304,20 +316,24 @@ class LocalBackend(Backend):
         except IsADirectoryError:
             return None
 
-    def readinto(self, key: str, out: memoryview) -> int | None:
-        """Read a whole file into ``out``; the number of bytes, or None if missing."""
+    def readinto(self, key: str, out: memoryview | list[memoryview]) -> int | None:
+        """Read a whole file into ``out`` (one buffer, or several filled in
+        order); the number of bytes read, or None if the file is missing.
+        One byte more than fits is reported as read, so a longer file shows."""
+        bufs = [memoryview(b).cast("B") for b in (out if isinstance(out, list) else [out])]
+        size = sum(len(b) for b in bufs)
         try:
             fd = self._open(self._path(key), os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
             total = 0
-            while total < len(out):
-                n = os.readv(fd, [out[total:]])
+            while total < size:
+                n = os.readv(fd, _remaining(bufs, total))
                 if n == 0:
                     break
                 total += n
-            if total == len(out) and os.read(fd, 1):
+            if total == size and os.read(fd, 1):
                 total += 1  # longer than expected: let the caller report it
             return total
         finally:

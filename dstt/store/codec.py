@@ -72,9 +72,10 @@ class CodecSpec:
         raise CorruptStoreError(f"unsupported codec chain {codecs!r}")
 
 
-def crc32c(data: Any) -> int:
+def crc32c(data: Any, crc: int = 0) -> int:
+    """CRC-32C of ``data``, continuing from ``crc`` (the CRC of what precedes it)."""
     # google_crc32c refuses writable memoryviews but takes numpy arrays (no copy).
-    return google_crc32c.value(np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8))
+    return google_crc32c.extend(crc, np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8))
 
 
 def encode_chunk(raw: memoryview, codec: CodecSpec, raw_crc: int | None = None) -> list[Any]:

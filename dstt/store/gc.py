@@ -29,7 +29,7 @@ from typing import Any, Callable
 from dstt.errors import ConfigError
 from dstt.store import layout as L
 from dstt.store.backend import Backend, LocalBackend, open_backend
-from dstt.store.lock import acquire_all
+from dstt.store.lock import BRANCH_SET, acquire_all
 from dstt.store.root import check_root, committed_steps, list_branches, load_branch
 
 
@@ -123,7 +123,9 @@ def prune(
     for b in branches:
         load_branch(backend, b)
     report = PruneReport(dry_run=dry_run)
-    with acquire_all(backend, list_branches(backend)):
+    # Every branch's lock and the branch-set lock: no writer runs and no
+    # branch can fork from a step while it is being deleted.
+    with acquire_all(backend):
         parents = branch_parents(backend)
         doomed = []
         for b in branches:
@@ -132,15 +134,9 @@ def prune(
             report.kept[b] = sorted(keep)
             doomed += [(b, s) for s in steps if s not in keep]
         if not dry_run:
-            parents = branch_parents(backend)  # a branch forked meanwhile keeps its parent
             for b, s in doomed:
-                if s in parents.get(b, set()):
-                    report.kept[b] = sorted({*report.kept[b], s})
-                    continue
                 remove_step(backend, b, s)
-                report.removed.append((b, s))
-        else:
-            report.removed = doomed
+        report.removed = doomed
     return report
 
 
@@ -205,8 +201,8 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
     backend = open_backend(store, create=False)
     check_root(backend)
     report = GcReport(dry_run=dry_run)
-    with acquire_all(backend, list_branches(backend)) as locks:
-        branches = [lk.branch for lk in locks]
+    with acquire_all(backend) as locks:
+        branches = [lk.branch for lk in locks if lk.branch != BRANCH_SET]
         locked_ids = {load_branch(backend, b).id for b in branches}
         for b in branches:
             _collect_partial_steps(backend, b, report, dry_run)
@@ -216,9 +212,10 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
         if progress:
             progress("scanning chunks")
         _collect_chunks(backend, refs, locked_ids, report, dry_run)
-    if not dry_run and isinstance(backend, LocalBackend):
-        _remove_empty_dirs(os.path.join(backend.url, L.TENSORS))
-        _remove_empty_dirs(os.path.join(backend.url, L.META, "steps"))
+        if not dry_run and isinstance(backend, LocalBackend):
+            # still under the locks: a writer starting now could lose a directory it just made
+            _remove_empty_dirs(os.path.join(backend.url, L.TENSORS))
+            _remove_empty_dirs(os.path.join(backend.url, L.META, "steps"))
     return report
 
 

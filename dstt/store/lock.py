@@ -115,7 +115,18 @@ def _record(branch: str, token: str, ttl: float | None = None) -> bytes:
     return json.dumps(doc).encode()
 
 
+#: The lock of the store's set of branches (not a branch: branch names start
+#: with a letter or digit). Held while a branch is created and for the whole
+#: of a prune or gc, so no branch can fork from a step being deleted.
+BRANCH_SET = "_branches"
+
+
 def _locked_error(backend: Backend, branch: str, info: LockInfo) -> StoreLockedError:
+    if branch == BRANCH_SET:
+        return StoreLockedError(
+            f"the branches of {backend.url} are being changed by {info.describe()} "
+            f"(a prune or gc, or a branch being created); try again when it is done"
+        )
     return StoreLockedError(
         f"branch {branch!r} of {backend.url} is being written by {info.describe()}; "
         f"only one writer per branch (if that writer is gone, run: dstt unlock {backend.url}@{branch})"
@@ -127,7 +138,7 @@ class BranchLock:
 
     def __init__(self, backend: Backend, branch: str) -> None:
         self.backend = backend
-        self.branch = L.validate_branch(branch)
+        self.branch = branch if branch == BRANCH_SET else L.validate_branch(branch)
         self.key = L.lock_key(branch)
         self.token = uuid.uuid4().hex
         self._fd: int | None = None
@@ -275,6 +286,13 @@ def acquire(backend: Any, branch: str, *, timeout: float = 0.0, ttl: float = LEA
     return lock
 
 
+def branch_set_lock(backend: Any, *, timeout: float = 2.0) -> BranchLock:
+    """Take the lock of the store's branch set (see :data:`BRANCH_SET`).
+    Creating a branch holds it for milliseconds, a prune or gc for as long
+    as they run: after ``timeout`` s StoreLockedError says which."""
+    return acquire(backend, BRANCH_SET, timeout=timeout)
+
+
 def lock_holder(backend: Any, branch: str) -> LockInfo | None:
     """Who holds ``branch``'s lock now, or None when it is free."""
     backend = open_backend(backend)
@@ -323,8 +341,10 @@ def branches_of(backend: Backend) -> list[str]:
 def acquire_all(backend: Any, branches: list[str] | None = None, *, timeout: float = 0.0) -> Iterator[list[BranchLock]]:
     """Hold the write locks of ``branches`` (default: every branch) for the
     duration of a ``with`` block -- what gc/prune take so no writer runs
-    meanwhile. Locks are taken in sorted order; on failure every lock taken so
-    far is released and StoreLockedError names the busy branch.
+    meanwhile; with no explicit ``branches`` the branch-set lock is taken
+    first, so the list cannot grow meanwhile either. Locks are taken in
+    sorted order; on failure every lock taken so far is released and
+    StoreLockedError names the busy branch.
 
     >>> import tempfile
     >>> from dstt.store.backend import LocalBackend
@@ -334,10 +354,11 @@ def acquire_all(backend: Any, branches: list[str] | None = None, *, timeout: flo
     2
     """
     backend = open_backend(backend)
-    names = sorted(set(branches if branches is not None else branches_of(backend)))
     held: list[BranchLock] = []
     try:
-        for name in names:
+        if branches is None:
+            held.append(acquire(backend, BRANCH_SET, timeout=timeout))
+        for name in sorted(set(branches if branches is not None else branches_of(backend))):
             held.append(acquire(backend, name, timeout=timeout))
         yield held
     finally:
@@ -345,4 +366,5 @@ def acquire_all(backend: Any, branches: list[str] | None = None, *, timeout: flo
             lock.release()
 
 
-__all__ = ["BranchLock", "LockInfo", "acquire", "acquire_all", "break_lock", "lock_holder", "LEASE_TTL"]
+__all__ = ["BranchLock", "LockInfo", "acquire", "acquire_all", "branch_set_lock", "break_lock", "lock_holder",
+           "BRANCH_SET", "LEASE_TTL"]

@@ -12,6 +12,7 @@ from dstt.errors import (
     BranchNotFoundError,
     FormatVersionError,
     NotADsttStoreError,
+    StepNotFoundError,
     StoreNotFoundError,
 )
 from dstt.store import layout as L
@@ -108,8 +109,21 @@ def load_branch(backend: Backend, name: str) -> BranchInfo:
 
 
 def create_branch(backend: Backend, name: str, parent: tuple[str, int] | None) -> BranchInfo:
-    """Create a branch document, claiming the lowest free branch id."""
+    """Create a branch document, claiming the lowest free branch id.
+
+    Holds the branch-set lock, which prune and gc hold throughout: a branch
+    never forks from a step being deleted. A parent step is checked again
+    under that lock."""
+    from dstt.store.lock import branch_set_lock
+
     L.validate_branch(name)
+    with branch_set_lock(backend):
+        if parent is not None and parent[1] not in committed_steps(backend, parent[0]):
+            raise StepNotFoundError(f"parent step {parent[1]} is not committed on branch {parent[0]!r}")
+        return _create_branch_locked(backend, name, parent)
+
+
+def _create_branch_locked(backend: Backend, name: str, parent: tuple[str, int] | None) -> BranchInfo:
     if backend.exists(L.branch_key(name)):
         raise BranchExistsError(f"branch {name!r} already exists in {backend.url}")
     taken = {int(n) for n in backend.list_dir(f"{L.META}/branch_ids") if n.isdigit()}

@@ -197,10 +197,7 @@ class Writer:
                 )
             return
         if parent is not None:
-            pbranch, pstep = parent
-            load_branch(backend, pbranch)
-            if pstep not in committed_steps(backend, pbranch):
-                raise StepNotFoundError(f"parent step {pstep} is not committed on branch {pbranch!r}")
+            load_branch(backend, parent[0])  # an unknown parent branch, named as such
         create_branch(backend, branch, None if parent is None else (parent[0], int(parent[1])))
 
     def _get(self, key: str) -> bytes:
