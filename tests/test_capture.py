@@ -246,13 +246,14 @@ def test_new_branch_with_parent(store: Path) -> None:
 
 def slow_staging(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.3) -> None:
     """Delay every lazy copy so training code after snapshot() surely runs first."""
-    original = Capture._stage_lazy
+    original = Capture._stage
 
-    def slow(self: Capture, job: Any) -> None:
-        time.sleep(seconds)
-        original(self, job)
+    def slow(self: Capture, job: Any, tasks: Any, *, lazy: bool) -> None:
+        if lazy:
+            time.sleep(seconds)
+        original(self, job, tasks, lazy=lazy)
 
-    monkeypatch.setattr(Capture, "_stage_lazy", slow)
+    monkeypatch.setattr(Capture, "_stage", slow)
 
 
 def test_in_place_updates_after_snapshot_are_not_captured(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -471,3 +472,97 @@ def test_background_threads_yield_the_cpu_to_the_trainer(tmp_path: Path) -> None
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
     with pytest.raises(ConfigError, match="background_nice"):
         dstt.Capture(tmp_path / "other", background_nice=20)
+
+
+# ----------------------------------------------------------------------------- failures while staging
+
+
+def test_a_staging_failure_returns_its_blocks_to_the_pool(store: Path) -> None:
+    """A copy that raises fails its step only: the pool loses nothing, so
+    later steps (wrapping the ring many times) and growth never hang."""
+    with deadline(60), dstt.Capture(store, host_buffer_bytes=64 << 10, max_chunk_bytes=4 << 10) as cap:
+        cap.snapshot(0, extra={"x": torch.empty(16, device="meta")}, rng=False)  # copy_ out of meta raises
+        with pytest.raises(CaptureError, match="step 0"):
+            cap.wait()
+        assert cap.pool is not None and cap.pool.idle() and cap.pool.in_use == 0
+        w = torch.zeros(1024)  # 4 KiB: 40 steps wrap the 64 KiB ring several times
+        for step in range(1, 41):
+            assert cap.snapshot(step, extra={"w": w + step}, rng=False)
+        cap.wait()
+    assert dstt.open(store).steps() == list(range(1, 41))
+    # the same with lazily staged optimizer state (stager thread, optimizer hook)
+    model, opt, _ = make()
+    with deadline(60), dstt.Capture(store.parent / "lazy", host_buffer_bytes=64 << 10,
+                                    max_chunk_bytes=4 << 10) as cap:
+        train_step(model, opt)
+        cap.snapshot(0, model=model, optimizer=opt, extra={"x": torch.empty(4, device="meta")})
+        errors = []
+        for step in range(1, 30):  # the failure surfaces at some next call; that step is still queued
+            train_step(model, opt)
+            try:
+                cap.snapshot(step, model=model, optimizer=opt)
+            except CaptureError as e:
+                errors.append(str(e))
+        try:
+            cap.wait()
+        except CaptureError as e:
+            errors.append(str(e))
+        assert len(errors) == 1 and "step 0" in errors[0], errors
+    assert dstt.open(store.parent / "lazy").steps() == list(range(1, 30))
+
+
+def test_an_interrupt_during_snapshot_is_raised_and_fails_only_that_step(store: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Capture._stage
+
+    def interrupted(self: Capture, job: Any, tasks: Any, *, lazy: bool) -> None:
+        if not lazy and job.plan.step == 1:
+            raise KeyboardInterrupt
+        real(self, job, tasks, lazy=lazy)
+
+    monkeypatch.setattr(Capture, "_stage", interrupted)
+    with deadline(60):
+        cap = dstt.Capture(store)
+        cap.snapshot(0, extra={"w": torch.ones(3)}, rng=False)
+        with pytest.raises(KeyboardInterrupt):  # not swallowed into a background failure
+            cap.snapshot(1, extra={"w": torch.ones(3)}, rng=False)
+        with pytest.raises(CaptureError, match="step 1 .*KeyboardInterrupt"):
+            cap.wait()
+        cap.snapshot(2, extra={"w": torch.ones(3)}, rng=False)
+        cap.close()
+    assert dstt.open(store).steps() == [0, 2]
+    assert cap.pool is None
+
+
+def test_a_pool_exactly_one_chunk_large_works(store: Path) -> None:
+    with deadline(60), dstt.Capture(store, host_buffer_bytes=100_000, max_chunk_bytes=100_000) as cap:
+        for step in range(3):
+            cap.snapshot(step, extra={"w": torch.full((25_000,), float(step))}, rng=False)
+    assert dstt.open(store).steps() == [0, 1, 2]
+
+
+def test_skip_policy_never_blocks_on_padding_or_fragmentation(store: Path) -> None:
+    """200 scalars are 800 bytes but 200 pool blocks: with 4 KiB of a slow
+    step in flight they do not fit a 16 KiB pool, so the step is skipped
+    at once instead of waiting for the slow write."""
+    with deadline(60), dstt.Capture(store, on_full="skip", host_buffer_bytes=16 << 10,
+                                    max_chunk_bytes=4 << 10) as cap:
+        cap.snapshot(0, extra={"w": torch.zeros(4)}, rng=False)
+        cap.wait()
+        release = threading.Event()
+        real = cap.writer.flush_chunk
+
+        def slow(plan: Any, task: Any, staged: Any = None) -> Any:
+            if plan.step == 1:
+                release.wait(30)
+            return real(plan, task, staged)
+
+        cap.writer.flush_chunk = slow  # type: ignore[method-assign]
+        cap.snapshot(1, extra={"big": torch.zeros(1024)}, rng=False)  # 4 KiB held until released
+        small = {f"s{i}": torch.tensor(float(i)) for i in range(200)}
+        t = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="skipped capturing step 2"):
+            assert cap.snapshot(2, extra=small, rng=False) is False
+        assert time.monotonic() - t < 5  # decided, not waited for
+        release.set()
+    assert dstt.open(store).steps() == [0, 1]

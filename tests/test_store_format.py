@@ -285,3 +285,12 @@ def test_dedup_is_exact_even_when_crcs_collide(store: Path) -> None:
     assert run.entry("x", 2).sha256[0] is not None
     for step, t in [(0, a), (1, b), (2, b), (3, c)]:
         assert torch.equal(run.read("x", step), t)
+
+
+def test_bytes_referenced_counts_tensor_bytes_not_edge_padding(store: Path) -> None:
+    t = torch.randn(1025)  # chunks of 513 floats: the second is padded by one element
+    with dstt.Writer(store, max_chunk_bytes=513 * 4) as w:
+        w.write(0, {"t": t})
+        info = w.write(1, {"t": t.clone()})
+    assert info.bytes_written == 0 and info.bytes_referenced == 1025 * 4
+    assert dstt.open(store).commit_info(1)["bytes_referenced"] == 1025 * 4

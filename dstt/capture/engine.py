@@ -178,29 +178,50 @@ class Capture:
             return False
         state = state_of(model=model, optimizer=optimizer, scheduler=scheduler, rng=rng, extra=extra)
         plan = self.writer.plan(step, state)  # collective under torch.distributed
+        # The step is planned on every rank. Whatever fails from here on, it
+        # is queued, so that its (collective) commit runs and fails on every
+        # rank instead of leaving a peer waiting. An interrupt (Ctrl-C) fails
+        # the step the same way and is raised once the step is queued.
+        job = _Job(plan, [])
+        eager: list[ChunkTask] = []
+        try:
+            eager = self._prepare(job, optimizer)
+        except BaseException as e:
+            job.error = e
+        if self.config.on_full == "skip":
+            why = self._skip_reason(job)  # collective under torch.distributed
+            if why is not None:
+                if job.error is not None and not _is_interrupt(job.error):
+                    self._fail(step, job.error)
+                self._queue_skip(job, why)
+                return self._after_queueing(job, queued=False)
+        if job.error is None:
+            try:
+                self._stage(job, eager, lazy=False)
+            except BaseException as e:
+                job.error = e
+        self._enqueue(job)
+        return self._after_queueing(job, queued=True)
+
+    def _prepare(self, job: _Job, optimizer: torch.optim.Optimizer | None) -> list[ChunkTask]:
+        """Split the step into lazy and eager tasks, make sure the pool holds
+        it, and mark the state's point in each CUDA stream; the eager tasks."""
         protected: set[tuple[str, int]] = set()
         if optimizer is not None:
             self._fence.watch(optimizer)
             protected = optimizer_storages(optimizer)
-        lazy: list[ChunkTask] = []
         eager: list[ChunkTask] = []
-        for t in plan.tasks:
-            (lazy if protected and storage_key(t.source) in protected else eager).append(t)
-        need = sum(_task_bytes(t) for t in plan.tasks)
-        self._ensure_pool(plan, need)
-        job = _Job(plan, lazy, lazy_bytes=sum(_task_bytes(t) for t in lazy))
-        why = self._skip_reason(need) if self.config.on_full == "skip" else None
-        if why is not None:
-            self._queue_skip(job, why)
-            self.raise_pending()
-            return False
-        devices = {t.source.device for t in plan.tasks if t.source.device.type == "cuda"}
+        for t in job.plan.tasks:
+            (job.lazy if protected and storage_key(t.source) in protected else eager).append(t)
+        self._ensure_pool(job.plan)
+        assert self.pool is not None
+        job.lazy_bytes = sum(self.pool.block_bytes(_task_bytes(t)) for t in job.lazy)
+        devices = {t.source.device for t in job.plan.tasks if t.source.device.type == "cuda"}
         if devices:
             job.ready = self._cuda().after_compute(devices)
-        try:
-            self._stage_eager(job, eager)
-        except BaseException as e:  # the step is planned: it must still reach commit (collective)
-            job.error = e
+        return eager
+
+    def _enqueue(self, job: _Job) -> None:
         staged_later = bool(job.lazy) and job.error is None
         with self._cond:
             self._pending += 1
@@ -212,8 +233,12 @@ class Capture:
         else:
             job.finish_staging()
         self._commit_q.put(job)
+
+    def _after_queueing(self, job: _Job, *, queued: bool) -> bool:
+        if job.error is not None and _is_interrupt(job.error):
+            raise job.error
         self.raise_pending()
-        return True
+        return queued
 
     def wait_staged(self) -> None:
         """Block until every queued step is copied to host memory.
@@ -308,9 +333,10 @@ class Capture:
         else:
             job.staged.wait()
 
-    def _ensure_pool(self, plan: StepPlan, need: int) -> None:
+    def _ensure_pool(self, plan: StepPlan) -> None:
         """Allocate the pool on first use; grow it (once idle) if one step no
         longer fits and the limit allows."""
+        need = sum(_task_bytes(t) for t in plan.tasks)
         limit = self.config.host_buffer_bytes
         biggest = max((_task_bytes(t) for t in plan.tasks), default=0)
         pin = any(t.source.device.type == "cuda" for t in plan.tasks)
@@ -327,18 +353,25 @@ class Capture:
             want = min(want, limit)
         self.pool = HostPool(want, pin=pin)
 
-    def _skip_reason(self, need: int) -> str | None:
-        """Why this step cannot be staged without waiting (agreed by all ranks)."""
-        assert self.pool is not None
-        with self._cond:
-            outstanding = self.pool.in_use + self._queued_bytes
-        wait = outstanding > 0 and self.pool.capacity - outstanding < min(need, self.pool.capacity)
+    def _skip_reason(self, job: _Job) -> str | None:
+        """Why this step cannot be staged without waiting (agreed by all ranks).
+
+        Counted in pool blocks (padding included) plus the largest block: a
+        block cannot straddle the ring's wrap, so that much may go unused."""
+        pool = self.pool
+        wait, outstanding, need = False, 0, 0
+        if pool is not None and job.error is None:
+            sizes = [pool.block_bytes(_task_bytes(t)) for t in job.plan.tasks]
+            need = sum(sizes) + max(sizes, default=0)
+            with self._cond:
+                outstanding = pool.in_use + self._queued_bytes
+            wait = outstanding > 0 and pool.capacity - outstanding < min(need, pool.capacity)
         if self._plan_coord.distributed:
             wait = any(self._plan_coord.all_gather(wait))
         if not wait:
             return None
-        return (f"staging pool full: {outstanding} of {self.pool.capacity} bytes still in flight, "
-                f"{need} needed")
+        capacity = pool.capacity if pool is not None else 0
+        return f"staging pool full: {outstanding} of {capacity} bytes still in flight, {need} needed"
 
     def _queue_skip(self, job: _Job, why: str) -> None:
         job.skip = why
@@ -349,27 +382,90 @@ class Capture:
         job.finish_staging()
         self._commit_q.put(job)
 
-    def _stage_eager(self, job: _Job, tasks: list[ChunkTask]) -> None:
-        """Copy tensors with no fence (buffers, RNG, extras) before returning."""
-        assert self.pool is not None
+    def _stage(self, job: _Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
+        """Copy ``tasks`` into pool blocks and hand each block to a flush thread.
+
+        Eager tasks (buffers, RNG, extras: no fence protects them) are staged
+        on the trainer's thread inside ``snapshot()``; lazy ones on the stager
+        thread. CPU copies are handed over one by one. CUDA copies go on the
+        copy stream and are handed over in batches: at the end, and whenever
+        the pool has no room for the next block -- the batch's copies must
+        land and be written to make room, and waiting for blocks only this
+        step can free would deadlock.
+
+        A block is this function's until a flush thread owns it: on any
+        failure it is released (after the copy stream is done with it), so
+        a failed step never shrinks the pool.
+        """
         pool = self.pool
-        cuda: list[tuple[ChunkTask, torch.Tensor]] = []
-        for t in tasks:
-            dst = pool.view_as(pool.allocate(_task_bytes(t)), t.source, t.shape)
-            if t.source.device.type == "cuda":
-                self._cuda().copy(dst, t.source, job.ready[t.source.device.index])
-                cuda.append((t, dst))
-            else:
-                dst.copy_(t.source)
-                job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
-        if cuda:
-            devices = {t.source.device for t, _ in cuda}
-            done = self._cuda().done(devices)
+        assert pool is not None
+        batch: list[tuple[ChunkTask, torch.Tensor]] = []  # CUDA copies issued, not handed over
+        block: torch.Tensor | None = None
+        try:
+            for t in tasks:
+                nbytes = _task_bytes(t)
+                block = pool.try_allocate(nbytes)
+                if block is None:
+                    if batch:
+                        self._hand_over_cuda(job, batch, lazy, last=False)
+                    block = pool.allocate(nbytes)  # backpressure: wait for earlier chunks' writes
+                if lazy:
+                    with self._cond:
+                        self._queued_bytes -= pool.block_bytes(nbytes)
+                        job.lazy_bytes -= pool.block_bytes(nbytes)
+                dst = pool.view_as(block, t.source, t.shape)
+                if t.source.device.type == "cuda":
+                    self._cuda().copy(dst, t.source, job.ready[t.source.device.index])
+                    batch.append((t, dst))
+                else:
+                    dst.copy_(t.source)
+                    job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
+                block = None
+            if batch:
+                self._hand_over_cuda(job, batch, lazy, last=True)
+        except BaseException:
+            if block is not None:
+                pool.release(block)
+            if batch:
+                self._release_after_copies(batch)
+            raise
+
+    def _hand_over_cuda(self, job: _Job, batch: list[tuple[ChunkTask, torch.Tensor]], lazy: bool,
+                        last: bool) -> None:
+        """Flush a batch of issued CUDA copies once they land (emptying ``batch``).
+
+        Eager: the compute stream waits for them on the GPU (the next forward
+        may change BatchNorm buffers) and the flush threads wait for the
+        event. Lazy: the last batch's events tell the optimizer hook what
+        the update kernels must wait for; this (stager) thread waits for
+        the device, never the trainer's."""
+        done = self._cuda().done({t.source.device for t, _ in batch})
+        if lazy:
+            if last:
+                job.cuda_done = done
+                job.issued.set()
+            for ev in done.values():
+                ev.synchronize()
+        else:
             for idx, ev in done.items():
-                # The next forward (e.g. BatchNorm stats) runs after these copies.
                 torch.cuda.current_stream(idx).wait_event(ev)
-            for t, dst in cuda:
-                job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, done[t.source.device.index]))
+        while batch:
+            t, dst = batch[0]
+            ready = None if lazy else done[t.source.device.index]
+            job.futures.append(self._flush.submit(self._flush_one, self.pool, job, t, dst, ready))
+            batch.pop(0)
+
+    def _release_after_copies(self, batch: list[tuple[ChunkTask, torch.Tensor]]) -> None:
+        """Return the blocks of issued CUDA copies that will not be flushed,
+        once the copy stream is done writing into them."""
+        try:
+            for ev in self._cuda().done({t.source.device for t, _ in batch}).values():
+                ev.synchronize()
+        except BaseException:  # the device is gone: the blocks cannot be reused safely
+            log.exception("dstt: CUDA copies did not finish; %d staging blocks stay reserved", len(batch))
+            return
+        for _, dst in batch:
+            self.pool.release(dst)  # type: ignore[union-attr]
 
     # ================================================================ background
 
@@ -384,7 +480,7 @@ class Capture:
             if job is None:
                 return
             try:
-                self._stage_lazy(job)
+                self._stage(job, job.lazy, lazy=True)
             except BaseException as e:
                 job.error = job.error or e
             finally:
@@ -392,30 +488,6 @@ class Capture:
                     self._queued_bytes -= job.lazy_bytes
                     job.lazy_bytes = 0
                 job.finish_staging()
-
-    def _stage_lazy(self, job: _Job) -> None:
-        pool = self.pool
-        assert pool is not None
-        cuda: list[tuple[ChunkTask, torch.Tensor]] = []
-        for t in job.lazy:
-            nbytes = _task_bytes(t)
-            dst = pool.view_as(pool.allocate(nbytes), t.source, t.shape)
-            with self._cond:
-                self._queued_bytes -= nbytes
-                job.lazy_bytes -= nbytes
-            if t.source.device.type == "cuda":
-                self._cuda().copy(dst, t.source, job.ready[t.source.device.index])
-                cuda.append((t, dst))
-            else:
-                dst.copy_(t.source)
-                job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
-        if cuda:
-            job.cuda_done = self._cuda().done({t.source.device for t, _ in cuda})
-            job.issued.set()
-            for ev in job.cuda_done.values():
-                ev.synchronize()  # this thread waits for the device, never the trainer's
-            for t, dst in cuda:
-                job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
 
     def _flush_one(
         self, pool: HostPool, job: _Job, task: ChunkTask, staged: torch.Tensor, ready: Any
@@ -487,6 +559,10 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
     except OSError as e:  # a sandbox may refuse; capture works the same, only less politely
         log.debug("could not lower dstt thread priority: %s", e)
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    return isinstance(e, (KeyboardInterrupt, SystemExit))
 
 
 def _task_bytes(task: ChunkTask) -> int:

@@ -119,26 +119,55 @@ class HostPool:
         # wrapped: live is [tail, cap) + [0, head); free is [head, tail)
         return head if head + n <= tail else None
 
+    def block_bytes(self, nbytes: int) -> int:
+        """Pool bytes a block of ``nbytes`` takes (its padding included)."""
+        return _round_up(max(nbytes, 1), ALIGN)
+
+    def _place(self, nbytes: int) -> tuple[int, int] | None:
+        """(start, size) for a block of ``nbytes`` now, or None if it must wait.
+        Large blocks go on a page boundary (for O_DIRECT) where that fits;
+        where only a 64-byte aligned place fits, that is taken: alignment
+        is an optimization, never a reason to wait or refuse."""
+        small = _round_up(max(nbytes, 1), ALIGN)
+        if _alignment(nbytes) == PAGE:
+            paged = _round_up(nbytes, PAGE)
+            start = self._fit(paged, PAGE) if paged <= self.capacity else None
+            if start is not None:
+                return start, paged
+        start = self._fit(small, ALIGN)
+        return None if start is None else (start, small)
+
+    def try_allocate(self, nbytes: int) -> torch.Tensor | None:
+        """A block of ``nbytes`` if one is free now, else None (never waits)."""
+        with self._cond:
+            if self._error is not None:
+                raise CaptureError(self._error)
+            placed = self._place(nbytes)
+            return None if placed is None else self._take(placed, nbytes)
+
     def allocate(self, nbytes: int, timeout: float | None = None) -> torch.Tensor:
         """A uint8 block of ``nbytes``, waiting while the pool is full."""
-        align = _alignment(nbytes)
-        n = _round_up(max(nbytes, 1), align)
-        if n > self.capacity:
+        if self.block_bytes(nbytes) > self.capacity:
             raise CaptureError(f"a {nbytes}-byte chunk does not fit the {self.capacity}-byte staging pool")
         with self._cond:
-            start = None
-            while start is None:
+            placed = None
+            while placed is None:
                 if self._error is not None:
                     raise CaptureError(self._error)
-                start = self._fit(n, align)
-                if start is None and not self._cond.wait(timeout):
+                placed = self._place(nbytes)
+                if placed is None and not self._cond.wait(timeout):
                     raise CaptureError(f"timed out waiting {timeout} s for {nbytes} bytes of staging pool")
-            block = Block(start, n)
-            self._blocks.append(block)
-            self._in_use += n
-            view = self.buffer[start : start + nbytes]
-            self._by_ptr[view.data_ptr()] = block
-            return view
+            return self._take(placed, nbytes)
+
+    def _take(self, placed: tuple[int, int], nbytes: int) -> torch.Tensor:
+        """Record a block at ``placed`` (caller holds the lock)."""
+        start, n = placed
+        block = Block(start, n)
+        self._blocks.append(block)
+        self._in_use += n
+        view = self.buffer[start : start + nbytes]
+        self._by_ptr[view.data_ptr()] = block
+        return view
 
     def stage(self, src: torch.Tensor) -> torch.Tensor:
         """Synchronously copy a CPU tensor into a new block (returned as ``src``'s

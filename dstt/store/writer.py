@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -359,8 +360,9 @@ class Writer:
             crcs = [c.crc for c in ordered]
             for c in ordered:
                 written += c.written
-                if c.written == 0:
-                    referenced += c.nbytes
+                if c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
+                    _, shape = layout.chunk_box(layout.coords(c.index))
+                    referenced += math.prod(shape) * layout.dtype.itemsize
             stats = finalize(merge([Partial.from_list(c.partial) for c in ordered]))
             tensors.append({
                 "name": layout.name,
