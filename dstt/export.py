@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dstt.errors import ConfigError, TensorNotFoundError
+from dstt.outpath import check_output_file
 from dstt.restore import read_whole
 from dstt.store.reader import Run, StepRecord
 from dstt.store.tree import unflatten
@@ -70,9 +71,7 @@ def export(
     fmt = FORMATS.get(Path(path).suffix.lower())
     if fmt is None:
         raise ConfigError(f"cannot export to {os.fspath(path)!r}: the name must end in .pt, .pth or .safetensors")
-    parent = Path(path).absolute().parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"cannot export to {os.fspath(path)!r}: {parent} is not a writable directory")
+    check_output_file(path, "export")
     run = ref if isinstance(ref, Run) else Run(os.fspath(ref))
     rec = run.record()
     tree = _subtree(rec, only)

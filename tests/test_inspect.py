@@ -255,6 +255,16 @@ def test_cli_diff(pair: tuple[Path, dict, dict]) -> None:
     assert human.exit_code == 0 and "shape_changed" in human.stdout
 
 
+def test_cli_history_plot_path_checked_before_work(store: Path, tmp_path: Path) -> None:
+    _series_store(store)
+    for bad, why in ((tmp_path / "no-dir" / "h.png", "is not a writable directory"),
+                     (tmp_path, "it is a directory")):
+        r = runner.invoke(app, ["history", str(store), "model/w", "--plot", str(bad)])
+        assert r.exit_code == 2, r.output
+        assert why in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "no-dir").exists()
+
+
 def test_cli_history_and_plot(store: Path, tmp_path: Path) -> None:
     ws = _series_store(store)
     png = tmp_path / "h.png"

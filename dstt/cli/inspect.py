@@ -145,8 +145,11 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
     from dstt.analysis.history import history, stat_column, to_series
     from dstt.cli import render
     from dstt.errors import InvalidReferenceError
+    from dstt.outpath import check_output_file
 
     stat_column(stat)
+    if plot is not None:
+        check_output_file(plot, "plot")
     run, ref = _open(target)
     if ref.step is not None:
         raise InvalidReferenceError(f"history takes STORE[@BRANCH], not a step: got {target!r}")
