@@ -193,6 +193,7 @@ def test_find_first_bad_step(store: Path) -> None:
     ev = find(run, ["model/w"], nonfinite=False, jump=None, stat="max", gt=3.5)
     assert ev[0]["step"] == 3 and ev[0]["value"] == 4.0
     assert len(find(run, first=False, jump=None, stat="max", gt=3.5, nonfinite=False)) == 3
+    assert run.find(branch="alt") == find(run, branch="alt")  # the Run method is the same query
 
 
 def test_parse_slice_and_sparkline() -> None:

@@ -420,6 +420,13 @@ class Run:
 
         return history(self, names, stat=stat, branch=branch, **kw)
 
+    def find(self, patterns: Any = None, branch: str | None = None, **kw: Any) -> list[dict[str, Any]]:
+        """The first step where something went wrong (NaN/Inf, a norm jump, a stat threshold),
+        from the step index; see :func:`dstt.analysis.anomaly.find`."""
+        from dstt.analysis.anomaly import find
+
+        return find(self, patterns, branch, **kw)
+
 
 def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
     from itertools import product
