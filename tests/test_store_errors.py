@@ -92,6 +92,7 @@ def test_unsupported_value_needs_allow_pickle(store: Path) -> None:
     assert run.commit_info(0)["has_pickle"] is True
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_unsupported_dtype(store: Path) -> None:
     with pytest.raises(dstt.UnsupportedDtypeError, match="cannot store dtype torch.complex32"):
         dstt.save(store, 0, {"q": torch.zeros(2, dtype=torch.complex32)})

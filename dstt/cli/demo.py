@@ -87,12 +87,17 @@ def register(app: typer.Typer) -> None:
                      f"every step captured into {store}\n")
         render.store_listing(run.url, list_store(run, None), 8)
         render.diff_table(a, b, rows, all_rows)
-        mid = steps // 2
-        stderr.print(
-            "\nnext, try:\n"
-            f"  dstt ls {store}:latest                         tensors with their stats\n"
-            f"  dstt show {store}:{mid} model/0.weight          one tensor: stats, histogram, values\n"
-            f"  dstt history {store} 'model/*' --plot norms.png   a stat across steps, as a plot\n"
-            f"  dstt restore {store}:{mid} --out step{mid}.safetensors   export a step\n"
-            f"  python: dstt.restore('{store}:{mid}', model=..., optimizer=...)  roll back and resume"
-        )
+        stderr.print("\nnext, try:\n" + _hints(store, steps // 2))
+
+
+def _hints(store: str, mid: int) -> str:
+    """Commands worth trying on the demo store, their descriptions in one column."""
+    hints = [
+        (f"dstt ls {store}:latest", "tensors with their stats"),
+        (f"dstt show {store}:{mid} model/0.weight", "one tensor: stats, histogram, values"),
+        (f"dstt history {store} 'model/*' --plot norms.png", "a stat across steps, as a plot"),
+        (f"dstt restore {store}:{mid} --out step{mid}.safetensors", "export a step"),
+        (f"python: dstt.restore('{store}:{mid}', model=..., optimizer=...)", "roll back and resume"),
+    ]
+    width = max(len(cmd) for cmd, _ in hints) + 3
+    return "\n".join(f"  {cmd:<{width}}{what}" for cmd, what in hints)
