@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 _STEP_RE = re.compile(r":(latest|\d+|~\d+)$")
 _BRANCH_RE = re.compile(r"@([A-Za-z0-9][A-Za-z0-9._-]{0,127})$")
+_RELATIVE_RE = re.compile(r"(?:@([A-Za-z0-9][A-Za-z0-9._-]{0,127}))?(?::(latest|\d+|~\d+))?\Z")
 
 StepSpec = int | str | None
 
@@ -51,7 +52,8 @@ class Ref:
             rest = rest[: m.start()]
         else:
             colon = rest.rfind(":")
-            if colon > 0 and colon != rest.find("://") and colon > rest.rfind("/"):
+            # An existing path is a store, whatever its name holds (dstt.save takes any path).
+            if colon > 0 and colon != rest.find("://") and colon > rest.rfind("/") and not os.path.exists(text):
                 raise InvalidReferenceError(
                     f"bad step {rest[colon + 1:]!r} in reference {text!r}: "
                     "expected a number, 'latest' or '~N'"
@@ -70,6 +72,23 @@ class Ref:
         if not rest:
             raise InvalidReferenceError(f"reference {text!r} names no store")
         return cls(rest, branch, step)
+
+    @staticmethod
+    def parse_relative(text: str) -> tuple[str | None, StepSpec]:
+        """(branch, step) of a reference relative to a known store:
+        ``:STEP``, ``@BRANCH`` or ``@BRANCH:STEP`` (None where omitted).
+
+        >>> Ref.parse_relative("@side"), Ref.parse_relative(":~1")
+        (('side', None), (None, '~1'))
+        """
+        m = _RELATIVE_RE.match(text)
+        if not m or not text:
+            raise InvalidReferenceError(
+                f"bad relative reference {text!r}: expected ':STEP', '@BRANCH' or '@BRANCH:STEP' "
+                "(STEP: a number, 'latest' or '~N')"
+            )
+        spec = m.group(2)
+        return m.group(1), (int(spec) if spec and spec.isdigit() else spec)
 
     def __str__(self) -> str:
         out = self.store

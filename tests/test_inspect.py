@@ -355,3 +355,157 @@ def test_find_follows_tensors_that_come_and_go(store: Path) -> None:
     assert find(dstt.open(store), ["a"], jump=1.5) == [
         {"branch": "main", "step": 3, "tensor": "a", "reason": "norm_jump", "stat": "norm",
          "value": 2.0, "previous": 1.0}]
+
+
+# ----------------------------------------------------------------------------- edge cases (audit)
+
+
+def test_diff_float32_extreme_magnitudes_match_float64(store: Path) -> None:
+    """float32 data is differenced in float32 on the fast path, but sums of
+    squares that would underflow (tiny values) or overflow (huge values)
+    there must not turn the metrics into 0 or inf."""
+    a = {"tiny": torch.full((100,), 1e-25), "huge": torch.full((100,), 1e20),
+         "mixed": torch.cat([torch.full((50,), 1e-30), torch.full((50,), 3e19)])}
+    b = {"tiny": torch.full((100,), 2e-25), "huge": torch.full((100,), 2e20),
+         "mixed": torch.cat([torch.full((50,), 3e-30), torch.full((50,), -3e19)])}
+    dstt.save(store, 0, a)
+    dstt.save(store, 1, b)
+    rows = {r["name"]: r for r in dstt.open(store).diff(0, 1)}
+    for name in a:
+        exp = _expected(a[name], b[name])
+        for k, v in exp.items():
+            assert rows[name][k] == pytest.approx(v, rel=1e-6), (name, k)
+
+
+def test_diff_cosine_is_nan_when_a_norm_is_not_finite(store: Path) -> None:
+    """A·B/(‖A‖‖B‖) with an infinite norm is undefined: NaN (JSON null), not
+    clamped to 1; an unchanged tensor is still cosine 1."""
+    inf = float("inf")
+    dstt.save(store, 0, {"a_inf": torch.tensor([1.0, inf, 2.0]), "b_inf": torch.tensor([1.0, 2.0, 3.0]),
+                         "same_inf": torch.tensor([inf, 1.0])})
+    dstt.save(store, 1, {"a_inf": torch.tensor([1.0, inf, 5.0]), "b_inf": torch.tensor([1.0, inf, 3.0]),
+                         "same_inf": torch.tensor([inf, 1.0])})
+    rows = {r["name"]: r for r in dstt.open(store).diff(0, 1)}
+    assert math.isnan(rows["a_inf"]["cosine"]) and math.isnan(rows["b_inf"]["cosine"])
+    assert rows["a_inf"]["max_abs_delta"] == 3.0  # the unchanged Inf adds nothing
+    assert rows["b_inf"]["l2_delta"] == inf and rows["b_inf"]["rel_change"] == inf
+    assert rows["same_inf"]["status"] == "unchanged" and rows["same_inf"]["cosine"] == 1.0
+    doc = _json(["diff", f"{store}:0", ":1"])  # strict JSON: non-finite metrics are null
+    assert {t["name"]: t["cosine"] for t in doc["tensors"]} == {"a_inf": None, "b_inf": None, "same_inf": 1.0}
+
+
+def test_diff_dtypes_and_zero_dim(store: Path) -> None:
+    """bf16, fp8, ints, bool and 0-d tensors against metrics computed in the test."""
+    g = torch.Generator().manual_seed(3)
+    a = {"bf": torch.randn(40, generator=g).bfloat16(), "f8": torch.randn(40, generator=g).to(torch.float8_e4m3fn),
+         "i32": torch.arange(20, dtype=torch.int32), "u8": torch.arange(20, dtype=torch.uint8),
+         "flag": torch.tensor([True, False, True, False]), "s": torch.tensor(3.0), "si": torch.tensor(7)}
+    b = {"bf": (a["bf"].float() + 0.5).bfloat16(), "f8": (a["f8"].float() * 2).to(torch.float8_e4m3fn),
+         "i32": a["i32"].clone(), "u8": a["u8"].clone(), "flag": torch.tensor([True, True, False, False]),
+         "s": torch.tensor(4.0), "si": torch.tensor(9)}
+    b["i32"][3] = -50
+    b["u8"][0] = 255
+    dstt.save(store, 0, a)
+    dstt.save(store, 1, b)
+    rows = {r["name"]: r for r in dstt.open(store).diff(0, 1)}
+    for name in a:
+        assert rows[name]["status"] == "changed", name
+        exp = _expected(a[name].to(torch.uint8) if a[name].dtype == torch.bool else a[name],
+                        b[name].to(torch.uint8) if b[name].dtype == torch.bool else b[name])
+        for k, v in exp.items():
+            assert rows[name][k] == pytest.approx(v, rel=1e-6), (name, k)
+    assert rows["s"]["shape_a"] == [] and rows["s"]["l2_delta"] == 1.0
+
+
+def test_diff_zero_norm_edge_cases(store: Path) -> None:
+    """rel_change: 0 when A and B are both 0, inf when only A is 0; cosine NaN when a norm is 0."""
+    dstt.save(store, 0, {"zeros": torch.zeros(3), "from0": torch.zeros(3), "to0": torch.ones(3)})
+    dstt.save(store, 1, {"zeros": torch.zeros(3), "from0": torch.tensor([0.0, 3.0, 4.0]), "to0": torch.zeros(3)})
+    rows = {r["name"]: r for r in dstt.open(store).diff(0, 1)}
+    z, f, t = rows["zeros"], rows["from0"], rows["to0"]
+    assert (z["status"], z["rel_change"], z["l2_delta"]) == ("unchanged", 0.0, 0.0) and math.isnan(z["cosine"])
+    assert (f["l2_delta"], f["rel_change"]) == (5.0, math.inf) and math.isnan(f["cosine"])
+    assert t["rel_change"] == 1.0 and math.isnan(t["cosine"])
+
+
+def test_cli_diff_progress_counts_to_its_total(pair: tuple[Path, dict, dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress bar's total is the bytes the diff compares: with a glob
+    filter it ends at 100%, not short of it."""
+    import contextlib
+
+    from dstt.cli import render
+
+    calls: list[tuple[int, int]] = []
+    shown: list[bool] = []
+
+    @contextlib.contextmanager
+    def fake(label: str, *, enabled: bool = True, unit: str = "bytes"):  # type: ignore[no-untyped-def]
+        shown.append(enabled)
+        yield lambda done, total=None, what=None: calls.append((done, total))
+
+    monkeypatch.setattr(render, "progress", fake)
+    monkeypatch.setattr(render, "PROGRESS_MIN_BYTES", 1)
+    path, a, _ = pair
+    for globs in ([], ["big"]):
+        calls.clear()
+        r = runner.invoke(app, ["diff", f"{path}:0", ":1", *globs, "--json"])
+        assert r.exit_code == 0, r.output
+        done, total = calls[-1]
+        assert done == total, globs
+    assert total == a["big"].numel() * 4 and shown == [True, True]
+
+
+def test_index_only_commands_read_no_tensor_data(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """history, find and `ls REF` come from the step index: a tensor-data read fails them."""
+    _series_store(store)
+    from dstt.store.reader import Run
+
+    def boom(self, e, i, verify):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"read chunk {i} of {e.name}")
+
+    monkeypatch.setattr(Run, "_chunk", boom)
+    run = dstt.open(store)
+    assert len(run.history("model/*", stat="mean", branch="alt")) == 8
+    assert find(run, branch="alt")[0]["reason"] == "nonfinite"
+    for args in (["history", str(store), "model/w", "--delta"], ["ls", f"{store}:3"], ["ls", str(store)],
+                 ["find", str(store)]):
+        r = runner.invoke(app, [*args, "--json"])
+        assert r.exit_code == 0, (args, r.output)
+
+
+def test_cli_ls_sort_and_reverse(pair: tuple[Path, dict, dict]) -> None:
+    path, a, _ = pair
+    doc = _json(["ls", f"{path}:0", "--sort", "nbytes", "--reverse"])
+    sizes = [t["nbytes"] for t in doc["tensors"]]
+    assert sizes == sorted(sizes, reverse=True) and doc["tensors"][0]["name"] == "big"
+    doc = _json(["ls", f"{path}:0", "*a*", "--sort", "max"])
+    names = [t["name"] for t in doc["tensors"]]
+    assert set(names) == {"same", "half", "nan", "reshaped", "cast"}
+    maxes = [float(a[n].float().nan_to_num(nan=-1).max()) if n != "nan" else 2.0 for n in names]
+    assert maxes == sorted(maxes)
+
+
+def test_diff_across_branches_skips_what_the_branch_references(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ws = _series_store(store)
+    run = dstt.open(store)
+    read: list[str] = []
+    orig = run._chunk
+    monkeypatch.setattr(run, "_chunk", lambda e, i, verify: read.append(e.name) or orig(e, i, verify))
+    rows = {r["name"]: r for r in run.diff(("main", 2), "@alt:3")}
+    assert rows["model/b"]["status"] == "unchanged" and "model/b" not in read
+    w = rows["model/w"]
+    assert w["status"] == "changed" and w["frac_changed"] == 1 / 8 and math.isnan(w["l2_delta"])
+    assert math.isnan(w["max_abs_delta"]) and math.isnan(w["rel_change"])  # a changed NaN propagates
+    doc = _json(["diff", f"{store}@alt", f"{store}:5", "model/w"])
+    assert doc["a"].endswith("@alt:3") and doc["b"].endswith("@main:5")
+    (t,) = doc["tensors"]
+    assert t["l2_delta"] is None and t["frac_changed"] == 1.0  # NaN -> null in strict JSON
+    assert t["max_abs_delta"] is None and len(ws) == 6
+
+
+def test_history_delta_from_zero_keeps_the_sign(store: Path) -> None:
+    """(v − prev)/|prev| from prev = 0 is +inf or −inf by the sign of v, 0 if v is 0."""
+    for s, m in enumerate([0.0, -1.0, 0.0, 2.0, 0.0, 0.0]):
+        dstt.save(store, s, {"w": torch.full((2,), m)})
+    d = [r["value"] for r in dstt.open(store).history("w", stat="mean", delta=True)]
+    assert math.isnan(d[0]) and d[1:] == [-math.inf, 1.0, math.inf, -1.0, 0.0]

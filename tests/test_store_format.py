@@ -23,6 +23,10 @@ def count_metadata_docs(root: Path) -> int:
     return sum(1 for _ in root.rglob("zarr.json"))
 
 
+def metadata_docs(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {str(p): (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in root.rglob("zarr.json")}
+
+
 def model_state(seed: int, n_layers: int = 5) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"model": {f"layers.{i}.weight": torch.randn(8, 4, generator=g) for i in range(n_layers)}}
@@ -32,12 +36,15 @@ def test_metadata_documents_do_not_grow_with_steps(store: Path) -> None:
     with Writer(store) as w:
         w.write(0, model_state(0))
         after_first = count_metadata_docs(store)
+        first_docs = metadata_docs(store)
         for step in range(1, 6):
             w.write(step, model_state(step))
     assert count_metadata_docs(store) == after_first
     # and a new writer process (reopening) does not add any either
     dstt.save(store, 6, model_state(6))
     assert count_metadata_docs(store) == after_first
+    # ... nor rewrites one: same file, same bytes, same modification time
+    assert metadata_docs(store) == first_docs
     # a new tensor name adds exactly one array document
     state = model_state(7)
     state["model"]["new"] = torch.zeros(3)
@@ -82,6 +89,23 @@ def test_partial_step_is_invisible_and_rewritable(store: Path) -> None:
     assert bits_equal(run.read("model/layers.3.weight", 1), model_state(1)["model"]["layers.3.weight"])
 
 
+def test_a_partly_written_array_document_is_rewritten(store: Path) -> None:
+    """A writer killed while writing a new array's zarr.json (its step never
+    committed) left it partial, and the next writer, seeing it exist, kept
+    it: committed steps then pointed at an array plain zarr cannot open."""
+    state = {"w": torch.ones(2), "new": torch.arange(3.0)}
+    dstt.save(store, 0, {"w": torch.ones(2)})
+    w = Writer(store)
+    plan = w.plan(1, state)
+    w.ensure_arrays(plan)
+    w.close()  # ... as if killed here, mid-write:
+    doc = store / next(l.array for l in plan.layouts if l.name == "new") / "zarr.json"
+    doc.write_bytes(doc.read_bytes()[:10])
+    dstt.save(store, 1, state)
+    e = dstt.open(store).entry("new", 1)
+    assert zarr.open_array(store, path=e.array, mode="r")[e.slots[0]].tolist() == [0.0, 1.0, 2.0]
+
+
 def test_commit_marker_written_last(store: Path) -> None:
     dstt.save(store, 3, model_state(0))
     step_dir = store / L.step_dir("main", 3)
@@ -93,6 +117,40 @@ def test_commit_marker_written_last(store: Path) -> None:
     (step_dir / "index.json").write_bytes((step_dir / "index.json").read_bytes().replace(b'"step":3', b'"step":4'))
     with pytest.raises(dstt.ChecksumMismatchError):
         dstt.open(store).tensors(3)
+
+
+def test_commit_follows_a_sync_of_all_step_data(store: Path) -> None:
+    """Every chunk and step file of a step is put before a sync(), and the
+    commit marker is put (atomically) only after that sync."""
+    from dstt.store.backend import LocalBackend
+
+    class Recording(LocalBackend):
+        def __init__(self, root: Path) -> None:
+            super().__init__(root, create=True)
+            self.ops: list[tuple[str, str]] = []
+
+        def put(self, key: str, data: object) -> None:
+            self.ops.append(("put", key))
+            super().put(key, data)  # type: ignore[arg-type]
+
+        def put_atomic(self, key: str, data: object) -> None:
+            self.ops.append(("put_atomic", key))
+            super().put_atomic(key, data)  # type: ignore[arg-type]
+
+        def sync(self) -> None:
+            self.ops.append(("sync", ""))
+            super().sync()
+
+    b = Recording(store)
+    dstt.save(b, 0, model_state(0))
+    b.ops.clear()
+    dstt.save(b, 1, model_state(1))
+    commit = L.step_dir("main", 1) + "/commit.json"
+    assert b.ops[-1] == ("put_atomic", commit) and ("put", commit) not in b.ops
+    last_sync = max(i for i, (op, _) in enumerate(b.ops) if op == "sync")
+    data_puts = [i for i, (op, k) in enumerate(b.ops) if op == "put" and ("/c." in k or k.startswith(L.step_dir("main", 1)))]
+    assert len(data_puts) == 5 + 3  # five changed tensors, three step files
+    assert max(data_puts) < last_sync < len(b.ops) - 1
 
 
 def test_sharded_input_is_one_logical_tensor(store: Path) -> None:
@@ -109,6 +167,16 @@ def test_sharded_input_is_one_logical_tensor(store: Path) -> None:
     e = run.entry("rows", 0)
     for boundary in (4, 7):
         assert boundary % e.chunk_shape[0] == 0
+
+
+def test_empty_pieces_may_share_an_offset(store: Path) -> None:
+    """An empty piece at the offset of a real one replaced its data
+    ("this rank holds no local data for the shard")."""
+    full = torch.randn(5, 2)
+    pieces = [((0, 0), full[:3]), ((3, 0), full[3:]), ((0, 0), full[:0]), ((5, 0), full[5:])]
+    dstt.save(store, 0, {"x": dstt.ShardedTensor((5, 2), pieces), "y": dstt.ShardedTensor((5, 2), pieces[::-1])})
+    run = dstt.open(store)
+    assert bits_equal(run.read("x", 0), full) and bits_equal(run.read("y", 0), full)
 
 
 def test_shards_with_gaps_or_overlaps_are_refused(store: Path) -> None:
@@ -169,6 +237,60 @@ def test_plain_zarr_reads_the_bits_per_docs_recipe(store: Path) -> None:
     names = json.loads((step_dir / "names.json").read_text())
     norm_col = json.loads((step_dir / "commit.json").read_text())["stats_columns"].index("norm")
     assert stats[names.index("model/big"), norm_col] == pytest.approx(float((big + 1).norm()), rel=1e-6)
+
+
+def test_docs_recipe_runs_verbatim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The code block of docs/format.md's 'Reading a tensor with zarr-python
+    alone', executed as written (only its first line's names changed), on
+    chunked, deduplicated, bfloat16/float8, 0-d and empty tensors."""
+    import re
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+    section = doc.split("## Reading a tensor with zarr-python alone", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    first = "store, branch, step, name = "
+    assert code.count(first) == 1
+    monkeypatch.chdir(tmp_path)
+    big = torch.randn(40, 3)
+    state = {"model": {"big": big, "bf": torch.randn(12, 5).to(torch.bfloat16), "f8": torch.randn(5).to(torch.float8_e5m2),
+                       "zero_d": torch.tensor(-0.0), "empty": torch.empty(0, 3), "mask": torch.tensor([True, False])}}
+    with Writer("runs/exp1", max_chunk_bytes=3 * 4 * 16) as w:  # 16 rows per chunk
+        for step in range(3):
+            big[-1] += 1  # only the last chunk of "big" changes: mixed slots
+            w.write(step, state)
+    assert len(set(dstt.open("runs/exp1").entry("model/big", 2).slots)) == 2
+    for name, want in state["model"].items():
+        lines = [f'{first}"runs/exp1", "main", 2, "model/{name}"' if line.startswith(first) else line
+                 for line in code.splitlines()]
+        scope: dict = {}
+        exec("\n".join(lines), scope)  # noqa: S102 - the documented recipe itself
+        assert bits_equal(scope["value"], want), name
+
+
+def test_chunks_and_metadata_are_what_zarr_python_writes(store: Path, tmp_path: Path) -> None:
+    """dstt renders zarr.json and encodes chunks itself: zarr-python, given
+    the same array metadata and values, writes byte-identical chunks."""
+    import shutil
+
+    t = torch.randn(10, 3)
+    with Writer(store, max_chunk_bytes=3 * 4 * 4, compression="zstd") as w:
+        w.write(0, {"t": t, "b": torch.randn(5).to(torch.bfloat16)})
+    with Writer(store, max_chunk_bytes=3 * 4 * 4) as w:
+        w.write(1, {"t": t + 1, "b": torch.randn(5).to(torch.bfloat16)})
+    run = dstt.open(store)
+    for step in (0, 1):
+        for name in ("t", "b"):
+            e = run.entry(name, step)
+            other = tmp_path / f"zarr-{step}-{name}"
+            (other / e.array).mkdir(parents=True)
+            shutil.copy(store / e.array / "zarr.json", other / e.array / "zarr.json")
+            arr = zarr.open_array(other, path=e.array, mode="r+")
+            assert json.loads(json.dumps(arr.metadata.to_dict())) == json.loads((store / e.array / "zarr.json").read_text())
+            value = run.read(name, step)
+            arr[e.slots[0]] = (value.view(torch.uint16) if value.dtype == torch.bfloat16 else value).numpy()
+            for i in range(e.nchunks):
+                key = L.chunk_key(e.array, e.slots[i], e.coords(i))
+                assert (other / key).read_bytes() == (store / key).read_bytes(), key
 
 
 def test_stats_are_recorded_without_reading_tensors(store: Path) -> None:

@@ -189,3 +189,28 @@ def test_memory_url_uses_the_same_path() -> None:
     assert run.steps() == [0, 1]
     assert bits_equal(run.read("t", 1), t * 2)
     assert run.commit_info(1)["bytes_written"] > 0
+
+
+def test_numpy_values_keep_their_type_and_shape(store: Path) -> None:
+    """np.float64 is a float subclass: it used to come back as a plain float.
+    np.ascontiguousarray makes 0-d arrays 1-d: a 0-d array came back as (1,)."""
+    state = {"loss": np.float64(0.25), "nan": np.float64("nan"), "scalar": np.array(5.0),
+             "bits": np.array(-0.0, dtype=np.float32), "t": torch.zeros(1)}
+    dstt.save(store, 0, state)
+    back = dstt.open(store).state_dict(0)
+    assert type(back["loss"]) is np.float64 and back["loss"] == 0.25
+    assert type(back["nan"]) is np.float64 and back["nan"] != back["nan"]
+    for k in ("scalar", "bits"):
+        assert isinstance(back[k], np.ndarray) and back[k].shape == () and back[k].dtype == state[k].dtype, k
+        assert back[k].tobytes() == state[k].tobytes(), k
+
+
+def test_conjugate_and_negative_views_round_trip(store: Path) -> None:
+    """A lazy conjugate view (complex .conj()) made the step fail: numpy
+    refuses tensors with the conjugate bit."""
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    state = {"conj": z.conj(), "neg": torch._neg_view(z), "conj_t": z.conj().t()}
+    dstt.save(store, 0, state)
+    back = dstt.open(store).state_dict(0)
+    for k, v in state.items():
+        assert bits_equal(back[k], v.resolve_conj().resolve_neg()), k

@@ -197,7 +197,8 @@ def test_value_tree_decoder_fuzz_many(tree: Any) -> None:
 
 @pytest.mark.parametrize("tree", [
     {"$np": ["int8", 1000]}, {"$np": ["datetime64", 1]}, {"$np": ["V8", 1]}, {"$np": ["float32", "x"]},
-    {"$np": ["int64", [1, 2]]}, {"$np": ["U5", [1]]}, {"$dtype": "_dynamo"}, {"$dtype": "manual_seed"},
+    {"$np": ["int64", [1, 2]]}, {"$np": ["U5", [1]]}, {"$np": ["(100000000000000000000,)f8", 1]},
+    {"$dtype": "_dynamo"}, {"$dtype": "manual_seed"},
     json.loads("[" * 800 + "]" * 800), json.loads('{"a":' * 800 + "1" + "}" * 800),
 ])
 def test_value_tree_holes_found_by_fuzzing(tree: Any) -> None:
@@ -352,7 +353,7 @@ def test_huge_declared_shape_is_a_clear_error(tmp_path: Path, template: dict[str
 
 @pytest.mark.parametrize("case", ["non-utf8-names", "non-utf8-index", "truncated-index", "names-wrong-type",
                                   "absurd-shape", "negative-slot", "huge-slot", "wrong-chunk-count",
-                                  "duplicate-names", "deep-nesting"])
+                                  "duplicate-names", "deep-nesting", "huge-integer"])
 def test_malformed_metadata_is_a_clear_error(tmp_path: Path, template: dict[str, Any], case: str) -> None:
     path = tmp_path / "run"
     dstt.save(path, 0, {"model": {"w": torch.randn(4, 6), "b": torch.ones(3)}, "lr": 0.1, "n": torch.arange(3).numpy()})
@@ -369,11 +370,51 @@ def test_malformed_metadata_is_a_clear_error(tmp_path: Path, template: dict[str,
         "wrong-chunk-count": {"index": mutate(idx, e0 + ["slots"], [0, 0, 0])},
         "duplicate-names": {"index": mutate(idx, ["tensors", 1], idx["tensors"][0])},
         "deep-nesting": {"raw_index": b"[" * 100000 + b"]" * 100000},
+        # beyond Python's int digit limit: json.loads raised a plain ValueError
+        "huge-integer": {"raw_index": b'{"tensors": [], "objects": ' + b"9" * 5000 + b"}"},
     }[case]
     write_step_files(path, **kwargs)
     with pytest.raises(DsttError) as info:
         dstt.open(path).state_dict(0)
     assert str(info.value) and "\n" not in str(info.value)
+
+
+def test_readers_refuse_integers_beyond_the_digit_limit() -> None:
+    """Found by hand beside the fuzzer (its integers stay below 2**70)."""
+    data = b"9" * 5000
+    for fn in (parse_commit, parse_index, parse_names, parse_branch):
+        with pytest.raises(CorruptStoreError, match="not valid JSON"):
+            fn(data, "w")
+
+
+@pytest.mark.parametrize("field,value", [("id", 2**30), ("seq", 2**24)])
+def test_out_of_range_branch_id_or_seq_is_refused_before_writing(tmp_path: Path, field: str, value: int) -> None:
+    """A branch id beyond the slot axis made the next writer commit a step
+    every reader then refused; a seq beyond a branch's slots raised a plain
+    ValueError."""
+    path = tmp_path / "run"
+    dstt.save(path, 0, {"w": torch.ones(2)})
+    doc_path = (path / L.branch_key("main")) if field == "id" else (path / L.step_dir("main", 0) / "commit.json")
+    doc = json.loads(doc_path.read_bytes())
+    doc[field] = value
+    doc_path.write_bytes(encode_json(doc))
+    chunks = sorted(p.name for p in path.rglob("c.*"))
+    with pytest.raises(CorruptStoreError, match=f"{field} {value} out of range"):
+        dstt.save(path, 1, {"w": torch.zeros(2)})
+    assert sorted(p.name for p in path.rglob("c.*")) == chunks  # nothing written
+
+
+def test_hostile_skip_records_are_a_clear_error(tmp_path: Path) -> None:
+    from dstt.capture import skipped_steps
+
+    path = tmp_path / "run"
+    dstt.save(path, 0, {"w": torch.ones(2)})
+    skips = path / "meta" / "skips" / "main"
+    skips.mkdir(parents=True)
+    for raw in (b"\xff", b"[1]", b'{"step": "x"}', b'{"step": ' + b"9" * 5000 + b"}"):
+        (skips / "00000000000000000001.json").write_bytes(raw)
+        with pytest.raises(CorruptStoreError):
+            skipped_steps(path)
 
 
 # ----------------------------------------------------------------------------- no code runs from a store

@@ -87,6 +87,20 @@ def test_shared_chunk_damage_is_reported_for_every_step_using_it(tmp_path: Path)
     assert {(p.step, p.tensor) for p in report.problems} == {(0, "frozen"), (1, "frozen"), (2, "frozen")}
 
 
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_array_metadata_is_reported(tmp_path: Path, damage: str) -> None:
+    """dstt never reads an array's zarr.json, so damage to it went unnoticed
+    by verify, while plain zarr-python (docs/format.md) could no longer read
+    the tensor's chunks."""
+    path = tmp_path / "run"
+    make_store(path)
+    doc = path / dstt.open(path).entry("model/b", 0).array / "zarr.json"
+    {"flip": lambda: flip(doc, 40), "truncate": lambda: truncate(doc), "delete": doc.unlink}[damage]()
+    report = verify(path)
+    assert {(p.step, p.tensor, p.kind) for p in report.problems} == {(s, "model/b", "array") for s in range(3)}
+    assert "zarr.json" in report.problems[0].message
+
+
 def test_normal_reads_fail_loudly(tmp_path: Path) -> None:
     path = tmp_path / "run"
     make_store(path)

@@ -106,62 +106,86 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(torch.mul(x, y).sum())
 
 
+#: float32 block sums of squares below this may have lost terms to underflow
+#: (each lost term is < 2^-126; 2^15 of them are < 2^-111, a 2^-31 share);
+#: such blocks, and any with an overflowed (non-finite) sum, are redone in float64.
+F32_TINY = 2.0 ** -80
+
+
 def compare_block(a: torch.Tensor, b: torch.Tensor, same_dtype: bool = True, finite: bool = False) -> _Acc:
-    """Sums of one aligned block pair (same shape), in float64 sub-blocks
-    small enough that the passes over them stay in cache.
+    """Sums of one aligned block pair (same shape), in sub-blocks small
+    enough that the passes over them stay in cache.
 
     ``finite=True`` (both tensors' stats say: no NaN/Inf) takes the fast
     path: there, equal bits already give a zero difference, so no masking.
+    float32 data is compared in float32 on the fast path: the difference of
+    two float32 values is exact within a factor of 2 of each other (and
+    correctly rounded otherwise); a sub-block whose float32 sums under- or
+    overflowed is redone in float64. Sums are accumulated in float64 across
+    sub-blocks.
     """
     acc = _Acc(n=a.numel(), n_read=a.numel())
     a, b = a.reshape(-1), b.reshape(-1)
     cplx = a.is_complex() or b.is_complex()
     fast = finite and same_dtype and not cplx
+    f32 = fast and a.dtype == torch.float32
+    for lo in range(0, a.numel(), BLOCK):
+        sa, sb = a[lo:lo + BLOCK], b[lo:lo + BLOCK]
+        part = _sub_block(sa, sb, torch.float32 if f32 else torch.float64, same_dtype, cplx, fast)
+        if f32 and not _f32_exact_enough(part):
+            part = _sub_block(sa, sb, torch.float64, same_dtype, cplx, fast)
+        acc.add(part)
+    return acc
 
-    # float32 data is compared in float32 on the fast path: the difference of
-    # two float32 values is exact within a factor of 2 of each other (and
-    # correctly rounded otherwise); sums are over cache-sized blocks and
-    # accumulated in float64 across blocks.
-    work = torch.float32 if fast and a.dtype == torch.float32 else torch.float64
+
+def _f32_exact_enough(p: _Acc) -> bool:
+    """Did a float32 sub-block's sums neither underflow nor overflow?"""
+    sums = (p.aa_read, p.dd, p.ad, p.max_abs) if p.changed else (p.aa_read,)
+    if not all(math.isfinite(x) for x in sums) or p.nan:
+        return False
+    return p.aa_read >= F32_TINY and (not p.changed or p.dd >= F32_TINY)
+
+
+def _sub_block(sa: torch.Tensor, sb: torch.Tensor, work: torch.dtype, same_dtype: bool, cplx: bool,
+               fast: bool) -> _Acc:
+    """Sums of one cache-sized flat sub-block pair, computed in ``work``."""
+    acc = _Acc()
 
     def vals(t: torch.Tensor) -> torch.Tensor:
         if cplx:  # (re, im) pairs, flattened
             return torch.view_as_real(t.to(torch.complex128)).reshape(-1)
         return t.to(work)
 
-    for lo in range(0, a.numel(), BLOCK):
-        sa, sb = a[lo:lo + BLOCK], b[lo:lo + BLOCK]
-        fa, fb = vals(sa), None
-        if same_dtype:
-            ne = _bits_ne(sa, sb)
-        else:
-            fb = vals(sb)
-            ne = (fa != fb) & ~(torch.isnan(fa) & torch.isnan(fb))
-            if cplx:
-                ne = ne.reshape(-1, 2).any(dim=1)
-        acc.aa_read += _dot(fa, fa)
-        n_changed = int(torch.count_nonzero(ne))
-        if n_changed == 0:
-            continue
-        acc.changed += n_changed
-        fb = vals(sb) if fb is None else fb
-        if fast:
-            d = fb - fa
-        else:
-            mask = ne.repeat_interleave(2) if cplx else ne
-            d = torch.where(mask, fb - fa, 0.0)
-            fa = torch.where(mask, fa, 0.0)
-        acc.dd += _dot(d, d)
-        acc.ad += _dot(fa, d)
+    fa, fb = vals(sa), None
+    if same_dtype:
+        ne = _bits_ne(sa, sb)
+    else:
+        fb = vals(sb)
+        ne = (fa != fb) & ~(torch.isnan(fa) & torch.isnan(fb))
         if cplx:
-            m = float(d.reshape(-1, 2).norm(dim=1).max())
-        else:
-            lo_d, hi_d = torch.aminmax(d)
-            m = max(-float(lo_d), float(hi_d))
-        if m != m:
-            acc.nan = True
-        else:
-            acc.max_abs = max(acc.max_abs, m)
+            ne = ne.reshape(-1, 2).any(dim=1)
+    acc.aa_read = _dot(fa, fa)
+    acc.changed = int(torch.count_nonzero(ne))
+    if acc.changed == 0:
+        return acc
+    fb = vals(sb) if fb is None else fb
+    if fast:
+        d = fb - fa
+    else:
+        mask = ne.repeat_interleave(2) if cplx else ne
+        d = torch.where(mask, fb - fa, 0.0)
+        fa = torch.where(mask, fa, 0.0)
+    acc.dd = _dot(d, d)
+    acc.ad = _dot(fa, d)
+    if cplx:
+        m = float(d.reshape(-1, 2).norm(dim=1).max())
+    else:
+        lo_d, hi_d = torch.aminmax(d)
+        m = max(-float(lo_d), float(hi_d))
+    if m != m:
+        acc.nan = True
+    else:
+        acc.max_abs = m
     return acc
 
 
@@ -185,8 +209,9 @@ def _metrics(acc: _Acc, norm_a: float, numel: int) -> dict[str, float]:
         cos = 1.0
     elif na == 0 or nb == 0 or na != na or nb != nb:
         cos = NAN
-    else:
-        cos = max(-1.0, min(1.0, (aa + acc.ad) / (na * nb)))
+    else:  # NaN when a norm is infinite (inf/inf); never clamped into [-1, 1]
+        cos = (aa + acc.ad) / (na * nb)
+        cos = max(-1.0, min(1.0, cos)) if cos == cos else NAN
     return {
         "l2_delta": l2,
         "rel_change": rel,
@@ -329,13 +354,14 @@ def _run_rows(pa: Point, pb: Point, job: _Job, progress: Progress | None) -> Non
             progress(n * job.ea.dtype.itemsize)
 
 
-def bytes_to_read(pa: Point, pb: Point, names: list[str] | None = None) -> int:
-    """Bytes of side A a diff will stream (for progress bars): every byte of
-    tensors present on both sides, skipped chunks included."""
+def bytes_to_read(pa: Point, pb: Point, patterns: Iterable[str] | None = None) -> int:
+    """Bytes of side A a diff with these name globs will stream (for progress
+    bars): every byte of tensors present on both sides, skipped chunks included."""
     ra, rb = pa[0].record(pa[2], pa[1]), pb[0].record(pb[2], pb[1])
+    wanted = set(match_names(ra.names, patterns))
     total = 0
     for e in ra.entries:
-        if (names is None or e.name in names) and e.name in rb.by_name and rb.by_name[e.name].shape == e.shape:
+        if e.name in wanted and e.name in rb.by_name and rb.by_name[e.name].shape == e.shape:
             total += e.nbytes
     return total
 

@@ -14,6 +14,7 @@ A branch's history includes its ancestry: a branch forked from
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
@@ -103,8 +104,9 @@ def history(run: "Run", names: str | Iterable[str], stat: str = "norm", branch: 
 
 
 def _rel(v: float, p: float) -> float:
+    """(v − p) / |p|; from p = 0: 0 if v is 0, else ±inf by the sign of v (NaN stays NaN)."""
     if p == 0:
-        return 0.0 if v == 0 else (NAN if v != v else float("inf"))
+        return 0.0 if v == 0 else (NAN if v != v else math.copysign(math.inf, v))
     return (v - p) / abs(p)
 
 

@@ -72,12 +72,12 @@ def resolve_point(run: "Run", spec: Any) -> Point:
     if not isinstance(spec, str):
         raise InvalidReferenceError(f"cannot use {spec!r} as a reference: expected a step, (branch, step) or 'STORE[@BRANCH][:STEP]'")
     if spec.startswith((":", "@")):
-        ref = Ref.parse("\x00" + spec)  # a placeholder store; only branch and step are used
-        b, s = run.resolve(ref.step, ref.branch)
+        branch, step = Ref.parse_relative(spec)  # ':STEP' keeps run's branch; '@BRANCH' means its latest
+        b, s = run.resolve("latest" if step is None and branch else step, branch)
         return run, b, s
-    ref = Ref.parse(spec)
+    ref = Ref.parse(spec)  # a reference's omitted parts are main and latest, not run's
     other = open_other(run, ref.store)
-    b, s = other.resolve(ref.step, ref.branch)
+    b, s = other.resolve("latest" if ref.step is None else ref.step, ref.branch or "main")
     return other, b, s
 
 

@@ -15,8 +15,10 @@ import json
 import time
 from typing import Any
 
+from dstt.errors import CorruptStoreError
 from dstt.store import layout as L
 from dstt.store.backend import Backend, open_backend
+from dstt.store.manifest import decode_json
 
 SKIPS = f"{L.META}/skips"
 
@@ -45,8 +47,12 @@ def skipped_steps(store: Any, branch: str = "main") -> dict[int, dict[str, Any]]
     for name in backend.list_dir(f"{SKIPS}/{branch}"):
         if not name.endswith(".json"):
             continue
-        data = backend.get(f"{SKIPS}/{branch}/{name}")
+        key = f"{SKIPS}/{branch}/{name}"
+        data = backend.get(key)
         if data is not None:
-            doc = json.loads(data)
-            out[int(doc["step"])] = doc
+            doc = decode_json(data, key)  # the store may be someone else's: validate
+            step = doc.get("step") if isinstance(doc, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise CorruptStoreError(f"{key}: not a skip record (no non-negative integer step)")
+            out[step] = doc
     return dict(sorted(out.items()))

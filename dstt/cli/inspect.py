@@ -116,7 +116,7 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
     pb = resolve_point(run, ref_b)
     if pa == pb:
         stderr.print("note: both references name the same step")
-    total = bytes_to_read(pa, pb)
+    total = bytes_to_read(pa, pb, patterns)
     with render.progress("diff", enabled=progress and total >= render.PROGRESS_MIN_BYTES) as update:
         done = [0]
 
@@ -202,7 +202,7 @@ def register(app: typer.Typer) -> None:
         patterns: Optional[List[str]] = typer.Argument(None, metavar="[TENSOR_GLOB]...", help="Only tensors matching these globs."),
         sort: str = typer.Option("name", help="Sort tensors by name, nbytes, numel, dtype, written, nonfinite, norm, mean, std, min, max."),
         reverse: bool = typer.Option(False, "--reverse", "-r", help="Reverse the sort."),
-        limit: int = typer.Option(20, help="Steps shown per branch in the table (0: all); --json lists all."),
+        limit: int = typer.Option(20, min=0, help="Steps shown per branch in the table (0: all); --json lists all."),
         json_out: bool = JSON_OPT,
     ) -> None:
         """List a store's branches and steps, or the tensors at a step."""

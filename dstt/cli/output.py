@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from dstt.errors import (
     ConfigError,
@@ -30,8 +31,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: DsttError subclasses that are the user's usage mistakes (exit code 2).
 USAGE_ERRORS: tuple[type[BaseException], ...] = (InvalidReferenceError, InvalidNameError, ConfigError)
 
-stdout = Console(highlight=False, soft_wrap=True)
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+# No console markup: what is printed is data (paths, tensor names, user input),
+# and ``[`` in it must print as is, not style or break the output. Styling
+# goes through rich Text objects or an explicit ``style=``.
+stdout = Console(highlight=False, soft_wrap=True, markup=False)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 
 
 def debug_enabled() -> bool:
@@ -66,8 +70,18 @@ def emit_json(data: Any) -> None:
 
 
 def fail(message: str, code: int = 1) -> "typer.Exit":
-    stderr.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    stderr.print(Text.assemble(("error:", "bold red"), " ", message))
     return typer.Exit(code)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null once its reader has gone (``dstt ls | head``),
+    so that flushing it at exit raises nothing either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (tests' captured output)
+        pass
 
 
 def handle_errors(fn: F) -> F:
@@ -79,6 +93,9 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
+        except BrokenPipeError:  # the reader of stdout went away: nothing left to tell anyone
+            _quiet_stdout()
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
             stderr.print("interrupted")
             raise typer.Exit(130) from None

@@ -8,7 +8,9 @@ import math
 import time
 from typing import Any, Callable, Iterator
 
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
 from dstt.cli.output import fmt_float, human_bytes, stderr, stdout
@@ -67,7 +69,7 @@ def emit_table(table: Table) -> None:
 
 
 def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
-    tree = Tree(f"[bold]{url}[/]")
+    tree = Tree(Text(url, style="bold"))
     nodes: dict[str, Any] = {}
     pending = list(branches)
     while pending:  # parents first
@@ -80,8 +82,8 @@ def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
                 ref = sum(s["bytes_referenced"] or 0 for s in steps)
                 span = f"{steps[0]['step']}..{steps[-1]['step']}" if steps else "-"
                 fork = f" from {b['parent']['branch']}:{b['parent']['step']}" if b["parent"] else ""
-                label = (f"[bold cyan]{b['name']}[/]{fork}  {len(steps)} steps ({span}), "
-                         f"{human_bytes(written)} written, {human_bytes(ref)} referenced")
+                label = Text.assemble((b["name"], "bold cyan"), f"{fork}  {len(steps)} steps ({span}), "
+                                      f"{human_bytes(written)} written, {human_bytes(ref)} referenced")
                 nodes[b["name"]] = (nodes[parent] if parent in nodes else tree).add(label)
                 pending.remove(b)
                 progressed = True
@@ -112,15 +114,15 @@ def tensor_listing(ref: str, rows: list[dict[str, Any]]) -> None:
         nonfinite = int(s.get("nonfinite", 0))
         table.add_row(r["name"], "x".join(map(str, r["shape"])) or "()", r["dtype"], human_bytes(r["nbytes"]),
                       *(fmt_float(s.get(k)) for k in ("norm", "mean", "std", "min", "max")),
-                      f"[red]{nonfinite}[/]" if nonfinite else "0")
+                      Text(str(nonfinite), style="red" if nonfinite else ""))
     emit_table(table)
     stderr.print(f"{len(rows)} tensors, {human_bytes(sum(r['nbytes'] for r in rows))}")
 
 
 def show(data: dict[str, Any], values: Any) -> None:
-    stdout.print(f"[bold]{data['name']}[/] at {data['store']}@{data['branch']}:{data['step']}  "
-                 f"{data['dtype']} {list(data['shape'])}  {human_bytes(data['nbytes'])}"
-                 f"{'' if data['written'] else '  (unchanged from the previous step)'}")
+    stdout.print(Text.assemble((data["name"], "bold"), f" at {data['store']}@{data['branch']}:{data['step']}  "
+                               f"{data['dtype']} {list(data['shape'])}  {human_bytes(data['nbytes'])}"
+                               f"{'' if data['written'] else '  (unchanged from the previous step)'}"))
     st = Table(show_header=False, box=None)
     for k, v in data["stats"].items():
         st.add_row(k, fmt_float(v, 6) if k not in ("numel", "nonfinite") else str(int(v)))
@@ -133,14 +135,14 @@ def show(data: dict[str, Any], values: Any) -> None:
             bar = "█" * round(30 * n / peak)
             stdout.print(f"  [{fmt_float(h['edges'][k]):>10}, {fmt_float(h['edges'][k + 1]):>10})  {bar} {n}")
     if h["nonfinite"]:
-        stdout.print(f"  [red]{h['nonfinite']} NaN/Inf values[/]")
+        stdout.print(f"  {h['nonfinite']} NaN/Inf values", style="red")
     stdout.print(f"values [{data['slice']}]:")
     import torch
 
     with_printopts = torch._tensor_str.PRINT_OPTS.threshold  # noqa: SLF001 - restore after printing
     torch.set_printoptions(threshold=200)
     try:
-        stdout.print(str(values), markup=False)
+        stdout.print(str(values))
     finally:
         torch.set_printoptions(threshold=with_printopts)
 
@@ -154,7 +156,7 @@ def diff_table(a: str, b: str, rows: list[dict[str, Any]], all_rows: list[dict[s
               "shape_changed": "magenta", "dtype_changed": "magenta"}
     for r in rows:
         frac = r["frac_changed"]
-        table.add_row(r["name"], f"[{colors.get(r['status'], 'white')}]{r['status']}[/]",
+        table.add_row(r["name"], Text(r["status"], style=colors.get(r["status"], "white")),
                       fmt_float(r["rel_change"]), fmt_float(r["l2_delta"]), fmt_float(r["cosine"], 6),
                       fmt_float(r["max_abs_delta"]), "-" if frac is None else f"{100 * frac:.1f}%")
     emit_table(table)
@@ -218,6 +220,6 @@ def progress(label: str, *, enabled: bool = True, unit: str = "bytes") -> Iterat
         task = bar.add_task(label, total=None)
 
         def update(done: int, total: int | None = None, what: str | None = None) -> None:
-            bar.update(task, completed=done, total=total, description=what or label)
+            bar.update(task, completed=done, total=total, description=escape(what or label))
 
         yield update

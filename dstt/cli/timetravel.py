@@ -29,6 +29,27 @@ def from_ref(store: str, text: str | None) -> str:
     return text
 
 
+def store_arg(text: str, command: str, hint: str) -> str:
+    """``text`` as the STORE of a command that works on a whole store; a
+    reference (``run@main``, ``run:5``) or nothing is refused before any work
+    (an empty path would otherwise mean the current directory).
+
+    >>> store_arg("runs/a", "gc", "")
+    'runs/a'
+    """
+    from dstt.errors import InvalidReferenceError
+    from dstt.refs import Ref
+
+    if not text.strip():
+        raise InvalidReferenceError(f"{command} needs a STORE path or URL, got an empty string")
+    if os.path.exists(text):
+        return text
+    ref = Ref.parse(text)
+    if ref.branch is not None or ref.step is not None:
+        raise InvalidReferenceError(f"{command} takes a STORE, not a reference: got {text!r}{hint}")
+    return text
+
+
 def _same_store(a: str, b: str) -> bool:
     return os.path.abspath(a) == os.path.abspath(b) if "://" not in a + b else a.rstrip("/") == b.rstrip("/")
 
@@ -71,6 +92,7 @@ def register(app: typer.Typer) -> None:
         from dstt.refs import Ref
         from dstt.restore import branch as make_branch
 
+        store = store_arg(store, "branch", "; give the fork point with --from")
         ref = from_ref(store, from_)
         if not _same_store(Ref.parse(ref).store, store):
             raise InvalidReferenceError(f"--from {from_!r} names another store than {store!r}")
@@ -94,6 +116,7 @@ def register(app: typer.Typer) -> None:
         Tensor data is freed by a following `dstt gc`."""
         from dstt.store.gc import prune as run_prune
 
+        store = store_arg(store, "prune", "; choose a branch with --branch")
         report = run_prune(store, keep_last=keep_last, keep_every=keep_every, branch=branch, dry_run=dry_run)
         if json_out:
             emit_json(report.to_dict())
@@ -115,7 +138,7 @@ def register(app: typer.Typer) -> None:
         Refuses to run while any branch has a live writer."""
         from dstt.store.gc import gc as run_gc
 
-        report = run_gc(store, dry_run=dry_run)
+        report = run_gc(store_arg(store, "gc", " (gc works on the whole store)"), dry_run=dry_run)
         if json_out:
             emit_json(report.to_dict())
             return

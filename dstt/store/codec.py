@@ -4,8 +4,9 @@ machinery but byte-for-byte what zarr-python would write and read.
 zarr-python 3.1 spends ~17 ms creating an array and ~20 ms opening and
 reading one (measured here); dstt stores one array per logical tensor and
 touches hundreds per step, so it renders the ``zarr.json`` document itself and
-encodes chunks with the same codec chain. tests/test_zarr_compat.py reads
-what dstt writes with plain ``zarr.open_array`` to keep the two in step.
+encodes chunks with the same codec chain. tests/test_store_format.py keeps
+the two in step: zarr-python, given dstt's ``zarr.json``, writes identical
+chunk bytes, and plain ``zarr.open_array`` reads what dstt wrote.
 
 Codec chains (Zarr v3 names):
 

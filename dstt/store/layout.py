@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from dstt.errors import InvalidNameError
+from dstt.errors import CaptureError, InvalidNameError
 
 FORMAT_NAME = "dstt"
 FORMAT_VERSION = 1
@@ -42,6 +42,11 @@ COMMIT_FILE = "commit.json"
 INDEX_FILE = "index.json"
 NAMES_FILE = "names.json"
 STATS_FILE = "stats.npy"
+
+#: Longest escaped tensor-name component: a file name on common local filesystems.
+MAX_COMPONENT_BYTES = 255
+#: Longest array path; readers refuse longer ones (manifest.py), so writers must too.
+MAX_ARRAY_PATH = 4096
 
 _BRANCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SAFE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -71,7 +76,10 @@ def escape_component(part: str) -> str:
         if c in _SAFE_CHARS:
             out.append(c)
         else:
-            out.extend(f"%{b:02X}" for b in c.encode("utf-8"))
+            try:
+                out.extend(f"%{b:02X}" for b in c.encode("utf-8"))
+            except UnicodeEncodeError:  # a lone surrogate has no UTF-8 form
+                raise InvalidNameError(f"tensor name component {part!r} is not valid Unicode") from None
     s = "".join(out)
     if s.startswith("__"):
         s = "%5F" + s[1:]
@@ -79,9 +87,23 @@ def escape_component(part: str) -> str:
 
 
 def array_path(name: str, sig: str) -> str:
-    """The array node path of a logical tensor with a given array signature."""
-    parts = [escape_component(p) for p in name.split("/")]
-    return "/".join([TENSORS, *parts, "@" + sig])
+    """The array node path of a logical tensor with a given array signature.
+
+    Refuses (InvalidNameError) names whose path no store could hold or no
+    reader would accept, so a writer never commits a step it cannot read.
+    """
+    parts = [*(escape_component(p) for p in name.split("/")), "@" + sig]
+    long = next((p for p in parts if len(p) > MAX_COMPONENT_BYTES), None)
+    if long is not None:
+        raise InvalidNameError(
+            f"tensor name {name[:80]!r}: path component {long[:40]}... is {len(long)} bytes, "
+            f"at most {MAX_COMPONENT_BYTES} fit in a file name")
+    path = "/".join([TENSORS, *parts])
+    if len(path) > MAX_ARRAY_PATH:
+        raise InvalidNameError(
+            f"tensor name {name[:80]!r}... is nested too deeply: its array path has {len(path)} "
+            f"characters, at most {MAX_ARRAY_PATH}")
+    return path
 
 
 def step_dir(branch: str, step: int) -> str:
@@ -117,5 +139,7 @@ def chunk_key(array: str, slot: int, chunk_coords: tuple[int, ...]) -> str:
 
 def slot_for(branch_id: int, seq: int) -> int:
     if not 0 <= seq < SLOTS_PER_BRANCH:
-        raise ValueError(f"step sequence {seq} out of range for one branch")
+        raise CaptureError(
+            f"step sequence {seq} is beyond the {SLOTS_PER_BRANCH} steps one branch can hold; "
+            "continue on a new branch")
     return branch_id * SLOTS_PER_BRANCH + seq

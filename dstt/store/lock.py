@@ -77,7 +77,7 @@ class LockInfo:
     def parse(cls, branch: str, data: bytes | None) -> "LockInfo":
         try:
             doc = json.loads((data or b"").decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # bad UTF-8 or JSON, or an over-long integer
             return cls(branch)
         if not isinstance(doc, dict):
             return cls(branch)

@@ -24,12 +24,12 @@ import numpy as np
 from dstt.errors import CorruptStoreError, FormatVersionError
 from dstt.store.codec import CodecSpec
 from dstt.store.dtypes import DtypeInfo, info_for_name
-from dstt.store.layout import FORMAT_VERSION, MAX_SLOTS, TENSORS
+from dstt.store.layout import FORMAT_VERSION, MAX_ARRAY_PATH, MAX_BRANCHES, MAX_SLOTS, SLOTS_PER_BRANCH, TENSORS
 from dstt.store.stats import STATS_COLUMNS
 
 #: What array paths written by dstt look like (layout.escape_component's
 #: alphabet plus '@' and '/'); anything else in an index is hostile.
-_ARRAY_PATH_RE = re.compile(r"^[A-Za-z0-9._%@/-]{1,4096}$")
+_ARRAY_PATH_RE = re.compile(r"^[A-Za-z0-9._%@/-]{1," + str(MAX_ARRAY_PATH) + r"}$")
 
 #: Upper bound on any stored tensor (elements); hostile shapes fail early.
 MAX_ELEMENTS = 1 << 48
@@ -117,7 +117,9 @@ def encode_stats(rows: list[list[float]]) -> bytes:
 def decode_json(data: bytes, where: str) -> Any:
     try:
         return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    # ValueError covers UnicodeDecodeError, JSONDecodeError and integers beyond
+    # Python's digit limit (sys.get_int_max_str_digits).
+    except (ValueError, RecursionError) as e:
         raise CorruptStoreError(f"{where}: not valid JSON ({e.__class__.__name__}: {e})") from None
 
 
@@ -177,7 +179,7 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise FormatVersionError(f"{where}: step written with format version {version!r}, this dstt reads {FORMAT_VERSION}")
     _int(doc.get("step"), where, "step")
-    _int(doc.get("seq"), where, "seq")
+    _int(doc.get("seq"), where, "seq", hi=SLOTS_PER_BRANCH - 1)  # a slot of its branch
     files = doc.get("files")
     _need(isinstance(files, dict), where, "files must be an object")
     for fname in ("index.json", "names.json", "stats.npy"):
@@ -250,7 +252,7 @@ def parse_branch(data: bytes, where: str) -> dict[str, Any]:
     doc = decode_json(data, where)
     _need(isinstance(doc, dict), where, "branch document must be an object")
     _str(doc.get("name"), where, "name")
-    _int(doc.get("id"), where, "id")
+    _int(doc.get("id"), where, "id", hi=MAX_BRANCHES - 1)  # slots of this id must fit the slot axis
     parent = doc.get("parent")
     if parent is not None:
         _need(isinstance(parent, dict), where, "parent must be an object or null")

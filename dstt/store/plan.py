@@ -170,8 +170,9 @@ def describe_local(name: str, kind: str, value: Any, rank: int) -> LocalTensor:
     if isinstance(value, ShardedTensor):
         info = info_for_torch(value.dtype)
         regions = [Region(off, tuple(t.shape), [rank]) for off, t in value.pieces]
+        # Empty pieces hold no data, and one may share its offset with a real piece.
         return LocalTensor(name, kind, info.logical, value.shape, "pieces", regions,
-                           {off: t.detach() for off, t in value.pieces})
+                           {off: t.detach() for off, t in value.pieces if t.numel()})
     if isinstance(value, torch.Tensor):
         if value.is_sparse or value.layout != torch.strided:
             raise UnsupportedValueError(f"{name}: only dense (strided) tensors can be stored, got {value.layout}")
@@ -265,7 +266,9 @@ def build_layout(
     check_tiling(tuple(shape), regions, name)
     bounds = interior_boundaries(tuple(shape), regions)
     chunk = choose_chunk_shape(tuple(shape), info.itemsize, bounds, max_chunk_bytes)
-    return TensorLayout(name, kind, info, tuple(shape), chunk, codec, regions)
+    layout = TensorLayout(name, kind, info, tuple(shape), chunk, codec, regions)
+    array_path(name, layout.sig)  # InvalidNameError now, before anything is written
+    return layout
 
 
 def region_tasks(layout: TensorLayout, region: Region, data: torch.Tensor, rank: int) -> list[ChunkTask]:
@@ -315,8 +318,8 @@ def plan_step(
         if lt is None:
             continue
         for region in layout.regions:
-            if rank not in region.holders:
-                continue
+            if rank not in region.holders or math.prod(region.shape) == 0:
+                continue  # an empty shard has no chunks
             data = _local_data_for(lt, region)
             tasks.extend(region_tasks(layout, region, data, rank))
     return StepPlan(step, tree, layouts, tasks, meta)

@@ -458,9 +458,9 @@ def _normalize_index(index: Any, shape: tuple[int, ...], name: str) -> tuple[tup
             box.append(1)
             post.append(0)
         elif isinstance(x, slice):
+            if x.step is not None and x.step <= 0:  # checked first: indices() raises a bare ValueError for 0
+                raise InvalidReferenceError(f"{name}: slice steps must be positive, got {x.step}")
             start, stop, step = x.indices(n)
-            if step <= 0:
-                raise InvalidReferenceError(f"{name}: slice steps must be positive")
             stop = max(stop, start)
             off.append(start)
             box.append(stop - start)

@@ -15,11 +15,18 @@ dict, str keys     as is (keys starting with ``$`` force the next form)
 other dict         ``{"$dict": [[key, value], ...]}``
 bytes              ``{"$bytes": "<base64>"}``
 torch.dtype        ``{"$dtype": "float32"}``
-numpy scalar       ``{"$np": ["int64", 3]}``
+numpy scalar       ``{"$np": ["int64", 3]}`` (``np.float64`` included)
 tensor             ``{"$tensor": "<name>"}``
-numpy array        ``{"$ndarray": "<name>"}``
+numpy array        ``{"$ndarray": "<name>"}`` (dtypes torch has)
 other (opt-in)     ``{"$pickle": "<base64>"}``
 =================  ==========================================
+
+Scalars are matched by exact type: a subclass of int, float or str
+(``IntEnum``, ``StrEnum``, ``np.str_``) would come back as its base type, so
+it is "other" (refused without ``allow_pickle=True``). Containers are
+matched by ``isinstance``: ``OrderedDict``/``defaultdict`` come back as
+``dict``, ``torch.Size`` and namedtuples as ``tuple``, ``bytearray`` as
+``bytes`` -- their tensors must stay logical tensors, not vanish in a pickle.
 
 Nothing is unpickled unless the reader passes ``allow_pickle=True``.
 """
@@ -44,7 +51,10 @@ from dstt.store.shards import ShardedTensor, is_dtensor
 
 TensorLike = Any  # torch.Tensor | DTensor | ShardedTensor | np.ndarray
 
-_NP_SCALARS = (np.integer, np.floating, np.bool_, np.complexfloating)
+#: numpy scalars stored with their dtype (complex has no JSON form: pickle only).
+_NP_SCALARS = (np.integer, np.floating, np.bool_)
+#: Leaves stored as themselves. Exact types: subclasses would lose their type.
+_JSON_SCALARS = (type(None), bool, int, str)
 _TORCH_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
@@ -80,18 +90,17 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, T
         return name
 
     def enc(v: Any, path: list[str]) -> Any:
-        if v is None or isinstance(v, (bool, str)):
+        if type(v) in _JSON_SCALARS:
             return v
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-        if isinstance(v, float):
-            return v if math.isfinite(v) else {"$float": repr(float(v))}  # np.float64 is a float
+        if type(v) is float:  # np.float64, a float subclass, is a numpy scalar below
+            return v if math.isfinite(v) else {"$float": repr(v)}
         if _is_tensor(v):
             return {"$tensor": add(path, v, "tensor")}
         if isinstance(v, np.ndarray):
-            if v.dtype == object:
+            t = _ndarray_as_tensor(v)
+            if t is None:
                 return _maybe_pickle(v, path, allow_pickle)
-            return {"$ndarray": add(path, torch.from_numpy(np.ascontiguousarray(v)), "ndarray")}
+            return {"$ndarray": add(path, t, "ndarray")}
         if isinstance(v, dict):
             str_keys = all(isinstance(k, str) and not k.startswith("$") for k in v)
             if str_keys:
@@ -106,7 +115,13 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, T
         if isinstance(v, torch.dtype):
             return {"$dtype": str(v).removeprefix("torch.")}
         if isinstance(v, _NP_SCALARS):
-            return {"$np": [v.dtype.name, enc(v.item(), path)]}
+            item = v.item()
+            # Only scalars whose .item() is a plain Python number round-trip
+            # through JSON; np.longdouble's .item() is itself (enc would recurse
+            # forever), and it has no exact Python form anyway.
+            if type(item) not in (bool, int, float):
+                return _maybe_pickle(v, path, allow_pickle)
+            return {"$np": [v.dtype.name, enc(item, path)]}
         return _maybe_pickle(v, path, allow_pickle)
 
     def enc_key(k: Any, path: list[str]) -> Any:
@@ -118,12 +133,27 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, T
     return tree, tensors, kinds
 
 
+def _ndarray_as_tensor(v: np.ndarray) -> torch.Tensor | None:
+    """``v`` as a tensor of the same shape and bytes, or None where torch has
+    no such dtype (objects, strings, datetimes, records, float128, non-native
+    byte order)."""
+    if v.dtype == object:
+        return None
+    try:
+        t = torch.from_numpy(np.ascontiguousarray(v))
+    except (TypeError, ValueError):
+        return None
+    return t.reshape(v.shape)  # ascontiguousarray turns a 0-d array into a 1-d one
+
+
 def _maybe_pickle(v: Any, path: list[str], allow_pickle: bool) -> Any:
     where = "/".join(path) or "<root>"
     if not allow_pickle:
+        what = f"{type(v).__module__}.{type(v).__qualname__}"
+        if isinstance(v, np.ndarray):
+            what += f" of dtype {v.dtype}"
         raise UnsupportedValueError(
-            f"at {where}: cannot store a {type(v).__module__}.{type(v).__qualname__} "
-            "without pickle; pass allow_pickle=True to store it pickled"
+            f"at {where}: cannot store a {what} without pickle; pass allow_pickle=True to store it pickled"
         )
     try:
         data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
@@ -194,7 +224,7 @@ def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool 
                 raise bad("$np needs [dtype, value]")
             try:
                 dtype = np.dtype(arg[0])
-            except TypeError:
+            except (TypeError, ValueError):  # ValueError: e.g. an absurd subarray shape
                 raise bad(f"$np dtype {arg[0]!r}") from None
             if dtype.kind not in "biufc":
                 raise bad(f"$np dtype {arg[0]!r} is not a numeric scalar type")

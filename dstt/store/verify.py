@@ -12,6 +12,8 @@ For each committed step :func:`verify` checks, and reports every failure
   CRC-32C of its raw bytes equals the one in the index, and so does its
   sha256 where the index records one;
 * each tensor's checksum equals the sha256 of its chunk CRC-32Cs.
+* each tensor's array ``zarr.json`` (what plain zarr-python reads) exists
+  and has exactly the bytes its index entry determines.
 
 A chunk shared by several steps (unchanged data is referenced, not
 rewritten) is read once. Uncommitted step directories left by a crash are
@@ -35,7 +37,7 @@ from typing import Any, Callable
 from dstt.errors import DsttError, StepNotFoundError
 from dstt.store import layout as L
 from dstt.store.backend import Backend, open_backend
-from dstt.store.codec import crc32c, decode_chunk
+from dstt.store.codec import array_metadata, crc32c, decode_chunk
 from dstt.store.manifest import (
     TensorEntry,
     decode_stats,
@@ -58,7 +60,7 @@ class Problem:
     branch: str
     step: int | None
     tensor: str | None
-    kind: str  # commit | index | names | stats | tree | chunk | checksum | branch
+    kind: str  # commit | index | names | stats | tree | array | chunk | checksum | branch
     message: str
 
     def __str__(self) -> str:
@@ -103,6 +105,7 @@ class _Verifier:
         self.r = report
         self.progress = progress
         self.seen: dict[tuple[Any, ...], str | None] = {}  # (chunk key, crc, sha256) -> error or None
+        self.seen_arrays: dict[str, str | None] = {}  # array path -> error of its zarr.json or None
 
     def problem(self, branch: str, step: int | None, tensor: str | None, kind: str, msg: str) -> None:
         self.r.problems.append(Problem(branch, step, tensor, kind, msg))
@@ -193,8 +196,31 @@ class _Verifier:
             return f"{where}: sha256 does not match the step index"
         return None
 
+    def array_doc(self, e: TensorEntry) -> str | None:
+        """The error of a tensor's array ``zarr.json``, or None; checked once per array.
+
+        dstt itself never reads it, but plain zarr-python needs it to read the
+        chunks (docs/format.md), and its bytes are fully determined by the
+        index entry: exactly what the writer renders (``array_metadata``).
+        """
+        if e.array not in self.seen_arrays:
+            key = f"{e.array}/zarr.json"
+            want = array_metadata(e.dtype, e.shape, e.chunk_shape, e.codec, e.name)
+            try:
+                data = self.b.get(key)
+            except (OSError, DsttError) as exc:
+                err: str | None = f"array metadata {key}: unreadable ({exc})"
+            else:
+                err = (f"array metadata {key} is missing" if data is None else
+                       None if data == want else f"array metadata {key} is damaged (not what the index describes)")
+            self.seen_arrays[e.array] = err
+        return self.seen_arrays[e.array]
+
     def tensor(self, branch: str, step: int, e: TensorEntry) -> None:
         self.r.tensors += 1
+        err = self.array_doc(e)
+        if err is not None:
+            self.problem(branch, step, e.name, "array", err)
         for i in range(e.nchunks):
             err = self.chunk(e, i)
             if err is not None:

@@ -93,7 +93,9 @@ def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryvi
     src = staged if staged is not None else task.source
     if src.device.type != "cpu":
         src = src.cpu()
-    src = as_storage_view(src.detach())
+    # A conjugate or negative view (complex .conj()) is lazy: materialize the
+    # values it stands for; numpy refuses such tensors.
+    src = as_storage_view(src.detach().resolve_conj().resolve_neg())
     if task.padded:
         full = torch.zeros(task.layout.chunk_shape, dtype=src.dtype)
         full[tuple(slice(0, n) for n in task.shape)] = src
@@ -231,6 +233,17 @@ class Writer:
             raise StepOrderError(
                 f"step {step} is not after the latest step {self.last_step} on branch {self.branch.name!r}"
             )
+        fork = self.branch.parent
+        if self.last_step is None and fork is not None and step <= fork[1]:
+            # A branch's history includes its parent's steps up to the fork
+            # point (references resolve them there, Run.lineage lists them):
+            # saving one of them would change what an existing reference
+            # reads and make the branch's trajectory go back in time.
+            cls = StepExistsError if step == fork[1] else StepOrderError
+            raise cls(
+                f"step {step} of branch {self.branch.name!r} is inherited from {fork[0]}:{fork[1]}, "
+                f"where the branch forked; its own steps start after {fork[1]}"
+            )
 
     def plan(self, step: int, state: Any) -> StepPlan:
         """Plan ``step``: validate, flatten, lay out chunks, reserve a slot."""
@@ -252,13 +265,20 @@ class Writer:
         return plan
 
     def ensure_arrays(self, plan: StepPlan) -> None:
-        """Write the zarr.json of arrays first used by this step (owner rank only)."""
+        """Write the zarr.json of arrays first used by this step (owner rank only).
+
+        An existing document is kept only if it has exactly the expected
+        bytes: a writer killed while writing one (before its step committed)
+        leaves it empty or partial, and a committed step must never point at
+        an array plain zarr-python cannot open. Arrays of the previous step
+        are known good, so steady-state steps read no metadata at all.
+        """
         for layout in plan.meta_arrays:
             if layout.array in self._known_arrays:
                 continue
             key = f"{layout.array}/zarr.json"
-            if not self.backend.exists(key):
-                doc = array_metadata(layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name)
+            doc = array_metadata(layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name)
+            if self.backend.get(key) != doc:
                 self.backend.put(key, doc)
             self._known_arrays.add(layout.array)
 
