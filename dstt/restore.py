@@ -31,7 +31,7 @@ import torch
 from dstt.errors import ChecksumMismatchError, CorruptStoreError, RestoreMismatchError
 from dstt.state import PARAM_GROUPS, _param_names, _rank, set_rng_state
 from dstt.store import layout as L
-from dstt.store.backend import LocalBackend
+from dstt.store.backends import LocalBackend
 from dstt.store.codec import crc32c
 from dstt.store.reader import Run, StepRecord
 from dstt.store.shards import dtensor_regions, is_dtensor

@@ -21,7 +21,7 @@ from dstt.capture import CaptureConfig, skipped_steps
 from dstt.capture.engine import Capture
 from dstt.capture.staging import HostPool
 from dstt.errors import CaptureError, ConfigError, StepOrderError
-from dstt.store.backend import LocalBackend
+from dstt.store.backends import LocalBackend
 
 from conftest import bits_equal
 

@@ -18,7 +18,7 @@ import torch
 
 import dstt
 from dstt.errors import StoreLockedError
-from dstt.store.backend import open_backend
+from dstt.store.backends import open_backend
 from dstt.store.lock import acquire, acquire_all, break_lock, lock_holder
 from dstt.store.verify import verify
 from tests.conftest import bits_equal

@@ -19,7 +19,7 @@ import torch
 
 import dstt
 from dstt.errors import CaptureError
-from dstt.store.backend import Data, LocalBackend
+from dstt.store.backends import Data, LocalBackend
 from dstt.store.verify import verify
 from tests.conftest import bits_equal
 

@@ -122,7 +122,7 @@ def test_commit_marker_written_last(store: Path) -> None:
 def test_commit_follows_a_sync_of_all_step_data(store: Path) -> None:
     """Every chunk and step file of a step is put before a sync(), and the
     commit marker is put (atomically) only after that sync."""
-    from dstt.store.backend import LocalBackend
+    from dstt.store.backends import LocalBackend
 
     class Recording(LocalBackend):
         def __init__(self, root: Path) -> None:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import dstt
 from dstt.errors import CorruptStoreError, DsttError, PickleNotAllowedError
 from dstt.store import layout as L
-from dstt.store.backend import check_key
+from dstt.store.backends import check_key
 from dstt.store.manifest import (
     decode_stats,
     encode_json,

@@ -17,7 +17,7 @@ from typing import Any
 
 from dstt.errors import CorruptStoreError
 from dstt.store import layout as L
-from dstt.store.backend import Backend, open_backend
+from dstt.store.backends import Backend, open_backend
 from dstt.store.manifest import decode_json
 
 SKIPS = f"{L.META}/skips"

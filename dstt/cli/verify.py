@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         a crashed local writer's lock is released by the kernel anyway."""
         from dstt.errors import InvalidReferenceError
         from dstt.refs import Ref
-        from dstt.store.backend import open_backend
+        from dstt.store.backends import open_backend
         from dstt.store.lock import break_lock, lock_holder
         from dstt.store.root import check_root, load_branch
 

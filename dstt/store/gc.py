@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from dstt.errors import ConfigError
 from dstt.store import layout as L
-from dstt.store.backend import Backend, LocalBackend, open_backend
+from dstt.store.backends import Backend, LocalBackend, open_backend
 from dstt.store.lock import BRANCH_SET, acquire_all
 from dstt.store.root import check_root, committed_steps, list_branches, load_branch
 

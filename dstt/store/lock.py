@@ -6,7 +6,7 @@ same branch -- in another process or the same one -- gets a
 :class:`~dstt.errors.StoreLockedError` naming the holder (pid, host, since
 when). Writers on different branches never contend.
 
-Local stores (:class:`~dstt.store.backend.LocalBackend`) use ``flock(2)`` on
+Local stores (:class:`~dstt.store.backends.LocalBackend`) use ``flock(2)`` on
 the lock file, held open for the writer's lifetime, so the kernel releases it
 when the writer dies, SIGKILL included: a crashed writer never leaves a stale
 lock. The file also holds a JSON record of the holder, for messages only.
@@ -28,7 +28,7 @@ so the next writer locks a fresh file. The old writer is not told; break a
 lock only when its holder is known to be gone.
 
 >>> import tempfile
->>> from dstt.store.backend import LocalBackend
+>>> from dstt.store.backends import LocalBackend
 >>> b = LocalBackend(tempfile.mkdtemp())
 >>> lock = acquire(b, "main")
 >>> try:
@@ -56,7 +56,7 @@ from typing import Any, Iterator
 
 from dstt.errors import StoreLockedError  # noqa: F401 - re-exported for doctests
 from dstt.store import layout as L
-from dstt.store.backend import Backend, LocalBackend, open_backend
+from dstt.store.backends import Backend, LocalBackend, open_backend
 
 #: Default lease lifetime for non-local backends, in seconds.
 LEASE_TTL = 60.0
@@ -315,7 +315,7 @@ def break_lock(backend: Any, branch: str) -> LockInfo | None:
     (None if there was no lock file). Only for holders known to be gone.
 
     >>> import tempfile
-    >>> from dstt.store.backend import LocalBackend
+    >>> from dstt.store.backends import LocalBackend
     >>> b = LocalBackend(tempfile.mkdtemp())
     >>> held = acquire(b, "main")
     >>> break_lock(b, "main").pid == os.getpid()
@@ -347,7 +347,7 @@ def acquire_all(backend: Any, branches: list[str] | None = None, *, timeout: flo
     StoreLockedError names the busy branch.
 
     >>> import tempfile
-    >>> from dstt.store.backend import LocalBackend
+    >>> from dstt.store.backends import LocalBackend
     >>> b = LocalBackend(tempfile.mkdtemp())
     >>> with acquire_all(b, ["a", "main"]) as locks:
     ...     len(locks)

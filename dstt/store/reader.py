@@ -26,7 +26,7 @@ from dstt.errors import (
     TensorNotFoundError,
 )
 from dstt.store import layout as L
-from dstt.store.backend import Backend, LocalBackend, open_backend
+from dstt.store.backends import Backend, LocalBackend, open_backend
 from dstt.store.codec import crc32c, decode_chunk
 from dstt.store.manifest import (
     TensorEntry,

@@ -16,7 +16,7 @@ from dstt.errors import (
     StoreNotFoundError,
 )
 from dstt.store import layout as L
-from dstt.store.backend import Backend, LocalBackend
+from dstt.store.backends import Backend, LocalBackend
 from dstt.store.codec import group_metadata
 from dstt.store.manifest import decode_json, encode_json, parse_branch
 

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from dstt.errors import DsttError, StepNotFoundError
 from dstt.store import layout as L
-from dstt.store.backend import Backend, open_backend
+from dstt.store.backends import Backend, open_backend
 from dstt.store.codec import array_metadata, crc32c, decode_chunk
 from dstt.store.manifest import (
     TensorEntry,

@@ -38,7 +38,7 @@ from dstt.errors import (
     StepOrderError,
 )
 from dstt.store import layout as L
-from dstt.store.backend import Backend, open_backend
+from dstt.store.backends import Backend, open_backend
 from dstt.store.codec import CodecSpec, array_metadata, crc32c, decode_chunk, encode_chunk
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.dtypes import as_storage_view

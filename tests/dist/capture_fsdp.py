@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dstt
 from dstt.errors import CaptureError
-from dstt.store.backend import LocalBackend
+from dstt.store.backends import LocalBackend
 
 
 class FailingBackend(LocalBackend):

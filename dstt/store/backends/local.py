@@ -1,19 +1,9 @@
-"""Byte movers: a small key/value interface over a local directory or any
-zarr store.
-
-Storage plugins only move bytes; everything about the format lives elsewhere.
-Two implementations share one interface, so the writer and reader have a
-single code path:
-
-* :class:`LocalBackend` -- a directory, with real durability: ``sync()`` calls
-  ``syncfs(2)`` on the store's filesystem (or fsyncs every file and directory
-  it wrote, where syncfs is unavailable), and ``put_atomic`` is write to a
-  temporary file, fsync, rename, fsync the directory. zarr's own LocalStore
-  renames but does not fsync, and costs a trip through its event loop per
-  call, so local stores do not go through it.
-* :class:`ZarrStoreBackend` -- any ``zarr.abc.store.Store`` (``memory://``,
-  fsspec URLs such as ``s3://``). Object stores make a put durable and atomic
-  when it returns, so ``sync()`` has nothing to do.
+"""A store in a local directory, with real durability: ``sync()`` calls
+``syncfs(2)`` on the store's filesystem (or fsyncs every file and directory it
+wrote, where syncfs is unavailable), and ``put_atomic`` is write to a
+temporary file, fsync, rename, fsync the directory. zarr's own LocalStore
+renames but does not fsync, and costs a trip through its event loop per call,
+so local stores do not go through it.
 """
 
 from __future__ import annotations
@@ -22,107 +12,14 @@ import ctypes
 import errno
 import os
 import stat
-import sys
 import threading
 import uuid
-from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 from dstt.errors import CorruptStoreError, StoreNotFoundError
+from dstt.store.backends.base import Backend, Bytes, Data, check_key
 from dstt.store.localio import DirectState, libc_function, write_all, write_file
-
-Bytes = bytes | bytearray | memoryview
-#: A value to put: one buffer, or several written back to back.
-Data = Bytes | list[Bytes] | tuple[Bytes, ...]
-
-
-def join_data(data: "Data") -> bytes:
-    if isinstance(data, (list, tuple)):
-        return b"".join(bytes(memoryview(d).cast("B")) for d in data)
-    return bytes(data)
-
-
-def check_key(key: str) -> str:
-    """Refuse keys that could leave the store (hostile manifests included)."""
-    if not isinstance(key, str) or not key or key.startswith("/") or "\\" in key or "\x00" in key:
-        raise CorruptStoreError(f"refusing unsafe store key {key!r}")
-    for part in key.split("/"):
-        if part in ("", ".", ".."):
-            raise CorruptStoreError(f"refusing unsafe store key {key!r}")
-    return key
-
-
-class Backend(ABC):
-    """Minimal byte store used by dstt. Keys are '/'-separated and relative."""
-
-    #: True when ``sync()`` really makes earlier puts durable (local disks).
-    durable_sync: bool = False
-    #: A human/URL description of where the store lives.
-    url: str = ""
-
-    @abstractmethod
-    def put(self, key: str, data: Data) -> None:
-        """Write ``data`` under ``key`` (overwriting). Durable only after sync()."""
-
-    @abstractmethod
-    def put_atomic(self, key: str, data: Bytes) -> None:
-        """Write ``key`` so that readers see the old or the new value, never a
-        mix, and the new value is durable when this returns."""
-
-    @abstractmethod
-    def put_if_absent(self, key: str, data: Bytes) -> bool:
-        """Create ``key`` only if it does not exist; True if this call created it."""
-
-    @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The value of ``key``, or None when it does not exist."""
-
-    @abstractmethod
-    def get_range(self, key: str, start: int, length: int) -> bytes | None: ...
-
-    @abstractmethod
-    def exists(self, key: str) -> bool: ...
-
-    @abstractmethod
-    def list_dir(self, prefix: str) -> list[str]:
-        """Names (files and sub-directories) directly below ``prefix``."""
-
-    @abstractmethod
-    def delete(self, key: str) -> None:
-        """Remove ``key`` if it exists."""
-
-    @abstractmethod
-    def delete_prefix(self, prefix: str) -> None:
-        """Remove everything below ``prefix``."""
-
-    def list_prefix(self, prefix: str) -> list[str]:
-        """Every key below ``prefix`` (recursive), relative to the store root."""
-        out: list[str] = []
-        stack = [prefix.rstrip("/")]
-        while stack:
-            p = stack.pop()
-            for name in self.list_dir(p):
-                k = f"{p}/{name}" if p else name
-                if self.exists(k):
-                    out.append(k)
-                else:
-                    stack.append(k)
-        return out
-
-    def sync(self) -> None:
-        """Make every put so far durable."""
-
-    def size(self, key: str) -> int | None:
-        data = self.get(key)
-        return None if data is None else len(data)
-
-    def close(self) -> None:
-        pass
-
-
-# --------------------------------------------------------------------------- local
-
 
 _SYNCFS = libc_function("syncfs", [ctypes.c_int])
 
@@ -411,108 +308,3 @@ class LocalBackend(Backend):
             except OSError as e:  # pragma: no cover - platform specific
                 if e.errno not in (errno.EINVAL, errno.ENOENT):
                     raise
-
-
-# --------------------------------------------------------------------------- zarr stores
-
-
-class ZarrStoreBackend(Backend):
-    """Any zarr-python store (memory, fsspec URLs); puts are atomic per object."""
-
-    def __init__(self, store: Any, url: str = "") -> None:
-        from zarr.core.buffer import default_buffer_prototype
-
-        self.store = store
-        self.url = url or repr(store)
-        self._proto = default_buffer_prototype()
-
-    def _run(self, coro: Any) -> Any:
-        from zarr.core.sync import sync
-
-        return sync(coro)
-
-    def _buf(self, data: Data) -> Any:
-        return self._proto.buffer.from_bytes(join_data(data))
-
-    def put(self, key: str, data: Data) -> None:
-        self._run(self.store.set(check_key(key), self._buf(data)))
-
-    def put_atomic(self, key: str, data: Bytes) -> None:
-        self.put(key, data)
-
-    def put_if_absent(self, key: str, data: Bytes) -> bool:
-        check_key(key)
-        self._run(self.store.set_if_not_exists(key, self._buf(data)))
-        return self.get(key) == join_data(data)
-
-    def get(self, key: str) -> bytes | None:
-        buf = self._run(self.store.get(check_key(key), self._proto))
-        return None if buf is None else buf.to_bytes()
-
-    def get_range(self, key: str, start: int, length: int) -> bytes | None:
-        from zarr.abc.store import RangeByteRequest
-
-        req = RangeByteRequest(start, start + length)
-        buf = self._run(self.store.get(check_key(key), self._proto, byte_range=req))
-        return None if buf is None else buf.to_bytes()
-
-    def exists(self, key: str) -> bool:
-        return bool(self._run(self.store.exists(check_key(key))))
-
-    def list_dir(self, prefix: str) -> list[str]:
-        prefix = prefix.strip("/")
-
-        async def _collect() -> list[str]:
-            return [x async for x in self.store.list_dir(prefix)]
-
-        return sorted(n.rstrip("/") for n in self._run(_collect()))
-
-    def list_prefix(self, prefix: str) -> list[str]:
-        prefix = prefix.strip("/")
-
-        async def _collect() -> list[str]:
-            return [x async for x in self.store.list_prefix(prefix)]
-
-        return sorted(self._run(_collect()))
-
-    def delete(self, key: str) -> None:
-        self._run(self.store.delete(check_key(key)))
-
-    def delete_prefix(self, prefix: str) -> None:
-        for key in self.list_prefix(prefix):
-            self.delete(key)
-
-
-def open_backend(store: Any, *, create: bool = False) -> Backend:
-    """Turn a path, URL, zarr Store or Backend into a Backend.
-
-    ``create`` allows a missing local directory to be made (writers only).
-    """
-    if isinstance(store, Backend):
-        return store
-    # A zarr Store object can only exist if zarr is imported; local paths never
-    # import it (zarr's import alone costs ~0.6 s here).
-    if "zarr" in sys.modules and not isinstance(store, (str, os.PathLike)):
-        from zarr.abc.store import Store as ZarrStore
-        from zarr.storage import LocalStore
-
-        if isinstance(store, LocalStore):
-            return LocalBackend(store.root, create=create)
-        if isinstance(store, ZarrStore):
-            return ZarrStoreBackend(store)
-    if isinstance(store, (str, os.PathLike)):
-        s = os.fspath(store)
-        if s.startswith("file://"):
-            return LocalBackend(s[len("file://"):], create=create)
-        if "://" in s:
-            from zarr.storage import FsspecStore
-
-            try:
-                zs = FsspecStore.from_url(s)
-            except (ImportError, ValueError, TypeError) as e:
-                raise StoreNotFoundError(f"cannot open store URL {s!r}: {e}") from None
-            return ZarrStoreBackend(zs, url=s)
-        return LocalBackend(s, create=create)
-    raise StoreNotFoundError(
-        f"expected a store path, URL or zarr Store, got {type(store).__name__}"
-    )

@@ -1,0 +1,66 @@
+"""Byte movers: a small key/value interface (:class:`Backend`, in
+:mod:`~dstt.store.backends.base`) over a local directory
+(:class:`LocalBackend`) or any zarr store (:class:`ZarrStoreBackend`).
+
+Each backend says what it can do with capability flags (``durable_sync``,
+``flock``, ``atomic_create``, ``readinto``, ``directories``); callers test
+those, never the class. :func:`open_backend` turns a path, URL or zarr Store
+into a backend.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from dstt.errors import StoreNotFoundError
+from dstt.store.backends.base import Backend, Bytes, Data, check_key, join_data
+from dstt.store.backends.local import LocalBackend
+from dstt.store.backends.zarr_store import ZarrStoreBackend
+
+__all__ = [
+    "Backend",
+    "Bytes",
+    "Data",
+    "LocalBackend",
+    "ZarrStoreBackend",
+    "check_key",
+    "join_data",
+    "open_backend",
+]
+
+
+def open_backend(store: Any, *, create: bool = False) -> Backend:
+    """Turn a path, URL, zarr Store or Backend into a Backend.
+
+    ``create`` allows a missing local directory to be made (writers only).
+    """
+    if isinstance(store, Backend):
+        return store
+    # A zarr Store object can only exist if zarr is imported; local paths never
+    # import it (zarr's import alone costs ~0.6 s here).
+    if "zarr" in sys.modules and not isinstance(store, (str, os.PathLike)):
+        from zarr.abc.store import Store as ZarrStore
+        from zarr.storage import LocalStore
+
+        if isinstance(store, LocalStore):
+            return LocalBackend(store.root, create=create)
+        if isinstance(store, ZarrStore):
+            return ZarrStoreBackend(store)
+    if isinstance(store, (str, os.PathLike)):
+        s = os.fspath(store)
+        if s.startswith("file://"):
+            return LocalBackend(s[len("file://"):], create=create)
+        if "://" in s:
+            from zarr.storage import FsspecStore
+
+            try:
+                zs = FsspecStore.from_url(s)
+            except (ImportError, ValueError, TypeError) as e:
+                raise StoreNotFoundError(f"cannot open store URL {s!r}: {e}") from None
+            return ZarrStoreBackend(zs, url=s)
+        return LocalBackend(s, create=create)
+    raise StoreNotFoundError(
+        f"expected a store path, URL or zarr Store, got {type(store).__name__}"
+    )
