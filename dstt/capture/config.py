@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from dstt.errors import ConfigError
 from dstt.store.layout import validate_branch
@@ -44,6 +45,13 @@ class CaptureConfig:
     #: Nice value of dstt's background threads (Linux): the trainer's threads
     #: win the CPU when both want it; 0 leaves them at the trainer's priority.
     background_nice: int = 10
+    #: At interpreter exit, a Capture never closed waits up to this many
+    #: seconds for its queued steps to commit, then says on stderr what it lost.
+    exit_drain_s: float = 60.0
+    #: Stage in a file under /dev/shm (steps sealed there survive the
+    #: trainer and are committed by the next Capture); False: in-process
+    #: memory only. None: /dev/shm when it has room, else in-process with a warning.
+    shm: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int("every", self.every)
@@ -52,6 +60,11 @@ class CaptureConfig:
         validate_branch(self.branch)
         if not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 19:
             raise ConfigError(f"background_nice must be an integer in 0..19, got {self.background_nice!r}")
+        if not isinstance(self.exit_drain_s, (int, float)) or isinstance(self.exit_drain_s, bool) \
+                or not 0 <= self.exit_drain_s < float("inf"):
+            raise ConfigError(f"exit_drain_s must be a finite number of seconds >= 0, got {self.exit_drain_s!r}")
+        if self.shm not in (None, True, False):
+            raise ConfigError(f"shm must be True, False or None (auto), got {self.shm!r}")
         if self.on_full not in ON_FULL:
             raise ConfigError(f"on_full must be one of {ON_FULL}, got {self.on_full!r}")
         if self.host_buffer_bytes is not None:
@@ -66,6 +79,32 @@ class CaptureConfig:
             if not (isinstance(self.parent, (tuple, list)) and len(self.parent) == 2):
                 raise ConfigError(f"parent must be a (branch, step) pair, got {self.parent!r}")
             self.parent = (validate_branch(self.parent[0]), int(self.parent[1]))
+
+
+def make_config(config: CaptureConfig | None, overrides: dict[str, Any]) -> CaptureConfig:
+    """``config`` (default: the defaults) with ``overrides`` applied and
+    checked; an unknown option is a ConfigError naming the known ones.
+
+    >>> make_config(None, {"every": 5}).every
+    5
+    >>> make_config(CaptureConfig(every=5), {"branch": "b"}).every
+    5
+    >>> make_config(None, {"evry": 5})
+    Traceback (most recent call last):
+    ...
+    dstt.errors.ConfigError: unknown Capture option 'evry'; known: every, branch, parent, host_buffer_bytes, on_full, compression, zstd_level, max_chunk_bytes, flush_threads, allow_pickle, dedup, background_nice, exit_drain_s, shm
+    """
+    if config is not None and not isinstance(config, CaptureConfig):
+        raise ConfigError(f"config must be a CaptureConfig, got {type(config).__name__}")
+    known = [f.name for f in fields(CaptureConfig)]
+    for key in overrides:
+        if key not in known:
+            raise ConfigError(f"unknown Capture option {key!r}; known: {', '.join(known)}")
+    if overrides.get("max_chunk_bytes", 0) is None:  # None meant "the default" before options were listed once
+        overrides = {k: v for k, v in overrides.items() if k != "max_chunk_bytes"}
+    if config is None:
+        return CaptureConfig(**overrides)
+    return replace(config, **overrides)  # __post_init__ checks the result
 
 
 def _positive_int(name: str, value: object) -> None:

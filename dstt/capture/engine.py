@@ -23,6 +23,8 @@ Threads and what they may touch:
 
 from __future__ import annotations
 
+import atexit
+import collections
 import logging
 import math
 import os
@@ -30,13 +32,16 @@ import queue
 import sys
 import threading
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from dstt.capture.config import CaptureConfig
+from dstt.capture import policy
+from dstt.capture.config import CaptureConfig, make_config
+from dstt.capture.guard import VersionGuard
 from dstt.capture.hooks import StepFence, optimizer_storages, storage_key
 from dstt.capture.records import write_skip
 from dstt.capture.staging import CudaCopier, HostPool
@@ -48,7 +53,8 @@ from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
 log = logging.getLogger("dstt.capture")
 
-_MIB = 1 << 20
+#: Commits kept for :attr:`Capture.committed` (the counters count them all).
+RECENT_COMMITS = 1024
 
 
 @dataclass
@@ -66,6 +72,8 @@ class _Job:
     issued: threading.Event = field(default_factory=threading.Event)  # lazy copies enqueued
     staged: threading.Event = field(default_factory=threading.Event)  # lazy copies complete in host memory
     submitted: threading.Event = field(default_factory=threading.Event)  # every flush future exists
+    guard: VersionGuard | None = None  # versions of the lazy sources at snapshot()
+    reported: bool = False  # its failure was already queued for the trainer (under Capture._cond)
 
     def finish_staging(self) -> None:
         self.issued.set()
@@ -98,30 +106,8 @@ class Capture:
     ([0, 1, 2], True)
     """
 
-    def __init__(
-        self,
-        store: Any,
-        *,
-        every: int = 1,
-        branch: str = "main",
-        parent: tuple[str, int] | None = None,
-        host_buffer_bytes: int | None = None,
-        on_full: str = "wait",
-        compression: str = "none",
-        zstd_level: int = 1,
-        max_chunk_bytes: int | None = None,
-        flush_threads: int = 2,
-        allow_pickle: bool = False,
-        dedup: bool = True,
-        background_nice: int = 10,
-    ) -> None:
-        extra = {} if max_chunk_bytes is None else {"max_chunk_bytes": max_chunk_bytes}
-        self.config = CaptureConfig(
-            every=every, branch=branch, parent=parent, host_buffer_bytes=host_buffer_bytes,
-            on_full=on_full, compression=compression, zstd_level=zstd_level,
-            flush_threads=flush_threads, allow_pickle=allow_pickle, dedup=dedup,
-            background_nice=background_nice, **extra,
-        )
+    def __init__(self, store: Any, config: CaptureConfig | None = None, **overrides: Any) -> None:
+        self.config = make_config(config, overrides)
         cfg = self.config
         # Two coordinators: planning runs on this thread, commits on the
         # committer thread; sharing one gloo group would interleave them.
@@ -146,13 +132,22 @@ class Capture:
         self._queued_bytes = 0  # lazy bytes queued for staging, not yet allocated
         self._errors: list[CaptureError] = []
         self._last: _Job | None = None  # the latest job with lazy copies
-        self.committed: list[CommitInfo] = []
+        self._recent: collections.deque[CommitInfo] = collections.deque(maxlen=RECENT_COMMITS)
+        self.n_committed = 0  # steps committed by this Capture
+        self.bytes_written = 0  # encoded bytes those commits wrote
+        self.last_commit: CommitInfo | None = None
         self.skipped: list[int] = []
+        self._queued_steps: set[int] = set()  # queued, not yet committed or failed (under _cond)
         self._closed = False
+        self._pid = os.getpid()  # a forked child holds a copy of this object, never the pipeline
+        #: Injection point for tests and tools: called on the stager thread as
+        #: ``before_lazy_copy(step, index)`` before each lazy copy.
+        self.before_lazy_copy: Callable[[int, int], Any] | None = None
         self._stager = threading.Thread(target=self._stage_loop, name="dstt-stager", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name="dstt-committer", daemon=True)
         self._stager.start()
         self._committer.start()
+        _LIVE.add(self)
 
     # ================================================================ trainer API
 
@@ -173,7 +168,7 @@ class Capture:
         it for the same steps. See the class docstring for an example.
         """
         self._check_open()
-        if step % self.config.every != 0:
+        if not policy.is_due(step, self.config.every):
             self.raise_pending()
             return False
         state = state_of(model=model, optimizer=optimizer, scheduler=scheduler, rng=rng, extra=extra)
@@ -213,6 +208,8 @@ class Capture:
         eager: list[ChunkTask] = []
         for t in job.plan.tasks:
             (job.lazy if protected and storage_key(t.source) in protected else eager).append(t)
+        if job.lazy:
+            job.guard = VersionGuard([t.source for t in job.lazy], [t.layout.name for t in job.lazy])
         self._ensure_pool(job.plan)
         assert self.pool is not None
         job.lazy_bytes = sum(self.pool.block_bytes(_task_bytes(t)) for t in job.lazy)
@@ -225,6 +222,7 @@ class Capture:
         staged_later = bool(job.lazy) and job.error is None
         with self._cond:
             self._pending += 1
+            self._queued_steps.add(job.plan.step)
             if staged_later:
                 self._queued_bytes += job.lazy_bytes
         if staged_later:
@@ -249,6 +247,7 @@ class Capture:
         job = self._last
         if job is not None:
             job.staged.wait()
+        self.raise_pending()
 
     def wait(self, timeout: float | None = None) -> list[CommitInfo]:
         """Block until every queued step is committed and durable; raise the
@@ -258,7 +257,14 @@ class Capture:
             if not self._cond.wait_for(lambda: self._pending == 0, timeout):
                 raise CaptureError(f"timed out after {timeout} s waiting for {self._pending} step(s) to commit")
         self.raise_pending()
-        return list(self.committed)
+        return self.committed
+
+    @property
+    def committed(self) -> list[CommitInfo]:
+        """The latest commits (at most :data:`RECENT_COMMITS`; ``n_committed``
+        counts them all, ``last_commit`` is the newest)."""
+        with self._cond:
+            return list(self._recent)
 
     def close(self) -> None:
         """Drain every queued step, stop the threads, release the pool and hooks.
@@ -269,6 +275,7 @@ class Capture:
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         try:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending == 0)
@@ -288,7 +295,9 @@ class Capture:
         self.raise_pending()
 
     def raise_pending(self) -> None:
-        """Raise the first background failure not yet reported, if any."""
+        """Raise the first background failure not yet reported, if any
+        (a lazily copied tensor already changed in place counts: the step fails)."""
+        self._scan_guard()
         with self._cond:
             errors, self._errors = self._errors, []
         if errors:
@@ -310,8 +319,36 @@ class Capture:
     # ================================================================ trainer internals
 
     def _check_open(self) -> None:
+        if self._pid != os.getpid():
+            raise CaptureError(f"this Capture belongs to process {self._pid}; a forked child cannot use it "
+                               "(create its own Capture on another branch)")
         if self._closed:
             raise CaptureError("this Capture is closed")
+
+    def _scan_guard(self) -> None:
+        """The trainer's side of the mutation guard: a lazy source whose
+        version moved before its copy ran fails its step, reported now."""
+        job = self._last
+        if job is None or job.guard is None or job.staged.is_set():
+            return
+        violation = job.guard.scan()
+        if violation is not None:
+            self._report_once(job, CaptureError(f"step {job.plan.step} not captured: {violation}"))
+
+    def _report_once(self, job: _Job, e: BaseException) -> None:
+        with self._cond:
+            if job.reported:
+                return
+            job.reported = True
+        self._fail(job.plan.step, e)
+
+    def _after_fork_in_child(self) -> None:
+        """os.fork() copied this object but none of its threads: the child
+        must neither wait for them nor release what the parent holds (the
+        branch lock is forgotten by lock.py's own at-fork hook)."""
+        self._closed = True
+        self._cond = threading.Condition()
+        self._fence = StepFence(lambda: None)  # the parent's hooks stay on the parent's optimizers
 
     def _cuda(self) -> CudaCopier:
         if self._copier is None:
@@ -322,8 +359,8 @@ class Capture:
         """The optimizer step pre-hook: params and optimizer state may change
         only once the previous snapshot's lazy copies have read them."""
         job = self._last
-        if job is None or job.staged.is_set():
-            return
+        if job is None or job.staged.is_set() or self._pid != os.getpid():
+            return  # (in a forked child the stager does not exist: never wait for it)
         job.issued.wait()
         if job.cuda_done and job.error is None:
             # GPU-side ordering: the update kernels queue behind the copies;
@@ -342,15 +379,14 @@ class Capture:
         pin = any(t.source.device.type == "cuda" for t in plan.tasks)
         pool = self.pool
         if pool is not None:
-            grow = need > pool.capacity and (limit is None or pool.capacity < limit)
+            grow = policy.should_grow(need_bytes=need, capacity_bytes=pool.capacity, limit_bytes=limit)
             if not grow and not (pin and not pool.pinned):
                 return
-            self.wait_staged()
+            job = self._last
+            if job is not None:
+                job.staged.wait()
             pool.wait_idle()
-        want = max(2 * need, biggest, _MIB)
-        want = -(-want // _MIB) * _MIB
-        if limit is not None:
-            want = min(want, limit)
+        want = policy.pool_bytes(need_bytes=need, biggest_bytes=biggest, limit_bytes=limit)
         self.pool = HostPool(want, pin=pin)
 
     def _skip_reason(self, job: _Job) -> str | None:
@@ -359,19 +395,16 @@ class Capture:
         Counted in pool blocks (padding included) plus the largest block: a
         block cannot straddle the ring's wrap, so that much may go unused."""
         pool = self.pool
-        wait, outstanding, need = False, 0, 0
+        why = None
         if pool is not None and job.error is None:
-            sizes = [pool.block_bytes(_task_bytes(t)) for t in job.plan.tasks]
-            need = sum(sizes) + max(sizes, default=0)
+            need = policy.step_need_bytes([pool.block_bytes(_task_bytes(t)) for t in job.plan.tasks])
             with self._cond:
                 outstanding = pool.in_use + self._queued_bytes
-            wait = outstanding > 0 and pool.capacity - outstanding < min(need, pool.capacity)
+            why = policy.skip_reason(capacity_bytes=pool.capacity, outstanding_bytes=outstanding, need_bytes=need)
         if self._plan_coord.distributed:
-            wait = any(self._plan_coord.all_gather(wait))
-        if not wait:
-            return None
-        capacity = pool.capacity if pool is not None else 0
-        return f"staging pool full: {outstanding} of {capacity} bytes still in flight, {need} needed"
+            reasons = [r for r in self._plan_coord.all_gather(why) if r is not None]
+            why = reasons[0] if reasons else None
+        return why
 
     def _queue_skip(self, job: _Job, why: str) -> None:
         job.skip = why
@@ -401,8 +434,11 @@ class Capture:
         assert pool is not None
         batch: list[tuple[ChunkTask, torch.Tensor]] = []  # CUDA copies issued, not handed over
         block: torch.Tensor | None = None
+        guard = job.guard if lazy else None
         try:
-            for t in tasks:
+            for i, t in enumerate(tasks):
+                if lazy and self.before_lazy_copy is not None:
+                    self.before_lazy_copy(job.plan.step, i)
                 nbytes = _task_bytes(t)
                 block = pool.try_allocate(nbytes)
                 if block is None:
@@ -417,10 +453,13 @@ class Capture:
                 if t.source.device.type == "cuda":
                     self._cuda().copy(dst, t.source, job.ready[t.source.device.index])
                     batch.append((t, dst))
+                    block = None
+                    _check_guard(job, guard, i)  # issued: the copy stream reads the state at snapshot()
                 else:
                     dst.copy_(t.source)
+                    _check_guard(job, guard, i)  # completed: a change before now is in the copy
                     job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
-                block = None
+                    block = None
             if batch:
                 self._hand_over_cuda(job, batch, lazy, last=True)
         except BaseException:
@@ -481,9 +520,14 @@ class Capture:
                 return
             try:
                 self._stage(job, job.lazy, lazy=True)
+            except _GuardTripped as e:
+                job.error = job.error or e.error
+                self._report_once(job, e.error)  # the trainer's next call raises it
             except BaseException as e:
                 job.error = job.error or e
             finally:
+                if job.guard is not None:
+                    job.guard.release()
                 with self._cond:
                     self._queued_bytes -= job.lazy_bytes
                     job.lazy_bytes = 0
@@ -514,10 +558,14 @@ class Capture:
                 else:
                     self._commit(job)
             except BaseException as e:
-                self._fail(job.plan.step, e)
+                with self._cond:
+                    reported, job.reported = job.reported, True
+                if not reported:
+                    self._fail(job.plan.step, e)
             finally:
                 with self._cond:
                     self._pending -= 1
+                    self._queued_steps.discard(job.plan.step)
                     self._cond.notify_all()
 
     def _commit(self, job: _Job) -> None:
@@ -536,7 +584,11 @@ class Capture:
         # Collective: called for every planned step, with its error, so that
         # no step is committed with missing data and no peer waits forever.
         info = self.writer.commit(job.plan, results, error)
-        self.committed.append(info)
+        with self._cond:
+            self._recent.append(info)
+            self.n_committed += 1
+            self.bytes_written += info.bytes_written
+            self.last_commit = info
 
     def _fail(self, step: int, e: BaseException) -> None:
         err = e if isinstance(e, CaptureError) and f"step {step}" in str(e) else None
@@ -559,6 +611,73 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
     except OSError as e:  # a sandbox may refuse; capture works the same, only less politely
         log.debug("could not lower dstt thread priority: %s", e)
+
+
+class _GuardTripped(Exception):
+    """Internal: a lazy source changed before its copy (carries the CaptureError)."""
+
+    def __init__(self, error: CaptureError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _check_guard(job: _Job, guard: VersionGuard | None, i: int) -> None:
+    if guard is None:
+        return
+    violation = guard.copied(i)
+    if violation is not None:
+        raise _GuardTripped(CaptureError(f"step {job.plan.step} not captured: {violation}"))
+
+
+# ---------------------------------------------------------------------------- process lifecycle
+
+#: Captures not closed yet in this process (fork and exit hooks walk it).
+_LIVE: "weakref.WeakSet[Capture]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for cap in list(_LIVE):
+        cap._after_fork_in_child()
+    _LIVE.clear()
+
+
+def _drain_at_exit() -> None:
+    """A Capture never closed: drain it (bounded by ``exit_drain_s``) before
+    the interpreter stops its threads, or say on stderr what is lost."""
+    for cap in list(_LIVE):
+        if cap._pid != os.getpid() or cap._closed:
+            continue
+        limit = cap.config.exit_drain_s
+        with cap._cond:
+            drained = cap._cond.wait_for(lambda c=cap: c._pending == 0, limit)
+            lost = sorted(cap._queued_steps)
+        if not drained:
+            cap._closed = True
+            print(f"dstt: a Capture on {cap.writer.backend.url}@{cap.config.branch} was never closed; "
+                  f"at exit {len(lost)} queued step(s) were not committed within exit_drain_s={limit} s "
+                  f"and are lost unless they commit before the process ends: steps {_steps_text(lost)} "
+                  "(call Capture.close(), or use it as a context manager)", file=sys.stderr, flush=True)
+            continue
+        try:
+            cap.close()
+        except Exception as e:  # noqa: BLE001 - exit must go on; say it loudly
+            print(f"dstt: a Capture closed at exit failed: {e}", file=sys.stderr, flush=True)
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:20])) + (f" ... ({len(steps)} in all)" if len(steps) > 20 else "")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+# threading's exit hooks run before the interpreter stops daemon threads and
+# before concurrent.futures refuses new work (its hook was registered first,
+# and these run last-registered first); atexit would be too late.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_drain_at_exit)
+else:  # pragma: no cover - other Python implementations
+    atexit.register(_drain_at_exit)
 
 
 def _is_interrupt(e: BaseException) -> bool:

@@ -42,6 +42,9 @@ COMMIT_FILE = "commit.json"
 INDEX_FILE = "index.json"
 NAMES_FILE = "names.json"
 STATS_FILE = "stats.npy"
+#: Columns of ``stats.npy`` (float64, one row per tensor, index order);
+#: computed at capture time by :mod:`dstt.store.stats`.
+STATS_COLUMNS = ("numel", "nonfinite", "norm", "mean", "std", "min", "max")
 
 #: Longest escaped tensor-name component: a file name on common local filesystems.
 MAX_COMPONENT_BYTES = 255

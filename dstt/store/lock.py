@@ -51,6 +51,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -156,7 +157,7 @@ class BranchLock:
         path = self.backend._path(self.key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         while True:
-            fd = self.backend._open(path, os.O_RDWR | os.O_CREAT)
+            fd = self.backend._open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -241,6 +242,8 @@ class BranchLock:
             return True
         ok = self._acquire_local() if isinstance(self.backend, LocalBackend) else self._acquire_lease(ttl)
         self._held = ok
+        if ok:
+            _HELD.add(self)
         return ok
 
     def release(self) -> None:
@@ -364,6 +367,31 @@ def acquire_all(backend: Any, branches: list[str] | None = None, *, timeout: flo
     finally:
         for lock in reversed(held):
             lock.release()
+
+
+#: Locks held by this process; a forked child forgets them (below).
+_HELD: "weakref.WeakSet[BranchLock]" = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """After os.fork(), in the child: the child inherited the lock file's
+    descriptor (one open file description with the parent's flock) but not
+    the lock. Close the child's copy -- that never unlocks the parent, while
+    keeping it would hold the branch locked after the parent died -- and
+    mark the lock not held, so the child's release() (or garbage
+    collection) neither unlinks the parent's lock file nor deletes its lease."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        lock._held = False
+        lock._stop = None  # the renewing thread stayed in the parent
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 __all__ = ["BranchLock", "LockInfo", "acquire", "acquire_all", "branch_set_lock", "break_lock", "lock_holder",

@@ -22,10 +22,18 @@ from typing import Any
 import numpy as np
 
 from dstt.errors import CorruptStoreError, FormatVersionError
+from dstt.store.chunks import ChunkGrid
 from dstt.store.codec import CodecSpec
 from dstt.store.dtypes import DtypeInfo, info_for_name
-from dstt.store.layout import FORMAT_VERSION, MAX_ARRAY_PATH, MAX_BRANCHES, MAX_SLOTS, SLOTS_PER_BRANCH, TENSORS
-from dstt.store.stats import STATS_COLUMNS
+from dstt.store.layout import (
+    FORMAT_VERSION,
+    MAX_ARRAY_PATH,
+    MAX_BRANCHES,
+    MAX_SLOTS,
+    SLOTS_PER_BRANCH,
+    STATS_COLUMNS,
+    TENSORS,
+)
 
 #: What array paths written by dstt look like (layout.escape_component's
 #: alphabet plus '@' and '/'); anything else in an index is hostile.
@@ -63,19 +71,19 @@ class TensorEntry:
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
+    def chunk_grid(self) -> ChunkGrid:
+        return ChunkGrid(self.shape, self.chunk_shape)
+
+    @property
     def grid(self) -> tuple[int, ...]:
-        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
+        return self.chunk_grid.grid
 
     @property
     def nchunks(self) -> int:
-        return math.prod(self.grid)
+        return self.chunk_grid.nchunks
 
     def coords(self, index: int) -> tuple[int, ...]:
-        out = []
-        for g in reversed(self.grid):
-            out.append(index % g)
-            index //= g
-        return tuple(reversed(out))
+        return self.chunk_grid.coords(index)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -21,7 +21,8 @@ import torch
 
 from dstt.errors import ShardingError, UnsupportedValueError
 from dstt.store.codec import CodecSpec
-from dstt.store.dtypes import DtypeInfo, info_for_name, info_for_torch
+from dstt.store.dtypes import DtypeInfo, info_for_name
+from dstt.store.torch_dtypes import info_for_torch
 from dstt.store.layout import array_path
 from dstt.store.shards import (
     Region,

@@ -15,8 +15,9 @@ from dstt.errors import (
     StepNotFoundError,
     StoreNotFoundError,
 )
+from dstt.refs import StepRef
 from dstt.store import layout as L
-from dstt.store.backends import Backend, LocalBackend
+from dstt.store.backends import Backend
 from dstt.store.codec import group_metadata
 from dstt.store.manifest import decode_json, encode_json, parse_branch
 
@@ -27,7 +28,7 @@ class BranchInfo:
 
     name: str
     id: int
-    parent: tuple[str, int] | None
+    parent: StepRef | None
     created: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -43,7 +44,7 @@ def check_root(backend: Backend) -> dict[str, Any]:
     """Validate the root group; the dstt attributes, or a clear error."""
     raw = backend.get("zarr.json")
     if raw is None:
-        if isinstance(backend, LocalBackend) or backend.list_dir(""):
+        if backend.directories or backend.list_dir(""):
             raise NotADsttStoreError(f"{backend.url} is not a dstt store (no zarr.json with dstt attributes)")
         raise StoreNotFoundError(f"no store at {backend.url}")
     doc = decode_json(raw, f"{backend.url}/zarr.json")
@@ -70,7 +71,7 @@ def ensure_root(backend: Backend) -> None:
         raise NotADsttStoreError(
             f"{backend.url} is not empty and is not a dstt store; refusing to write into it"
         )
-    from dstt import __version__
+    from dstt._version import __version__
 
     attrs = {"dstt": {"format": L.FORMAT_NAME, "format_version": L.FORMAT_VERSION,
                       "created": time.time(), "writer": f"dstt {__version__}"}}
@@ -103,7 +104,7 @@ def load_branch(backend: Backend, name: str) -> BranchInfo:
     return BranchInfo(
         name=name,
         id=doc["id"],
-        parent=None if parent is None else (parent["branch"], parent["step"]),
+        parent=None if parent is None else StepRef(parent["branch"], parent["step"]),
         created=float(doc.get("created", 0.0)),
     )
 
@@ -136,7 +137,7 @@ def _create_branch_locked(backend: Backend, name: str, parent: tuple[str, int] |
         if backend.put_if_absent(L.branch_id_key(bid), name.encode()):
             break
         taken.add(bid)
-    info = BranchInfo(name, bid, parent, time.time())
+    info = BranchInfo(name, bid, None if parent is None else StepRef(parent[0], int(parent[1])), time.time())
     if not backend.put_if_absent(L.branch_key(name), encode_json(info.to_dict())):
         raise BranchExistsError(f"branch {name!r} already exists in {backend.url}")
     return info

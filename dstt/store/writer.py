@@ -41,7 +41,7 @@ from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.codec import CodecSpec, array_metadata, crc32c, decode_chunk, encode_chunk
 from dstt.store.coord import Coordinator, default_coordinator
-from dstt.store.dtypes import as_storage_view
+from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
     encode_json,

@@ -35,8 +35,22 @@ def check_key(key: str) -> str:
 class Backend(ABC):
     """Minimal byte store used by dstt. Keys are '/'-separated and relative."""
 
-    #: True when ``sync()`` really makes earlier puts durable (local disks).
+    # Capabilities: what this backend can do. Callers test these flags, never
+    # the backend's class.
+
+    #: ``sync()`` really makes earlier puts durable (local disks). Without
+    #: it, a put is durable when it returns (object stores) or never.
     durable_sync: bool = False
+    #: Keys are local files that ``flock(2)`` can lock (a lock dies with its
+    #: process); otherwise locks are lease files (see :mod:`dstt.store.lock`).
+    flock: bool = False
+    #: ``put_if_absent`` is atomic against every other writer of the store.
+    atomic_create: bool = False
+    #: ``readinto(key, buffers)`` reads a whole object into caller buffers.
+    can_readinto: bool = False
+    #: Keys are files in real directories: the store's root exists apart from
+    #: its keys, and ``remove_empty_dirs(prefix)`` has empty ones to sweep.
+    directories: bool = False
     #: A human/URL description of where the store lives.
     url: str = ""
 
@@ -95,6 +109,15 @@ class Backend(ABC):
     def size(self, key: str) -> int | None:
         data = self.get(key)
         return None if data is None else len(data)
+
+    def readinto(self, key: str, out: memoryview | list[memoryview]) -> int | None:
+        """Read a whole object into ``out`` (one buffer, or several filled in
+        order): the bytes read (one more than fits when the object is longer),
+        or None if it is missing. Only where ``can_readinto``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot readinto")
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """Remove empty directories below ``prefix`` (where ``directories``)."""
 
     def close(self) -> None:
         pass

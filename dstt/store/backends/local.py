@@ -54,6 +54,10 @@ class LocalBackend(Backend):
     """
 
     durable_sync = True
+    flock = True
+    atomic_create = True  # O_CREAT | O_EXCL
+    can_readinto = True
+    directories = True
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = False, direct_io: bool = True) -> None:
         self.root = Path(root).absolute()
@@ -279,6 +283,16 @@ class LocalBackend(Backend):
         shutil.rmtree(path, ignore_errors=True)
         with self._lock:
             self._made_dirs = {d for d in self._made_dirs if not (d == path or d.startswith(path + os.sep))}
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        root = self._path(prefix, directory=True)
+        for dirpath, _dirs, _files in os.walk(root, topdown=False):
+            if dirpath == root:
+                continue
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass
 
     def sync(self) -> None:
         if _SYNCFS is not None:

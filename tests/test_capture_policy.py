@@ -1,0 +1,74 @@
+"""Capture's pure decisions (dstt.capture.policy) and its options, unit by unit."""
+
+from __future__ import annotations
+
+import pytest
+
+from dstt.capture import policy
+from dstt.capture.config import CaptureConfig, make_config
+from dstt.capture.guard import VersionGuard
+from dstt.errors import ConfigError
+
+
+def test_pool_is_two_steps_rounded_and_bounded() -> None:
+    mib = 1 << 20
+    assert policy.pool_bytes(need_bytes=0, biggest_bytes=0, limit_bytes=None) == mib
+    assert policy.pool_bytes(need_bytes=mib + 1, biggest_bytes=1, limit_bytes=None) == 3 * mib
+    assert policy.pool_bytes(need_bytes=mib, biggest_bytes=5 * mib, limit_bytes=None) == 5 * mib
+    assert policy.pool_bytes(need_bytes=10 * mib, biggest_bytes=mib, limit_bytes=7 * mib + 3) == 7 * mib + 3
+
+
+def test_pool_grows_only_when_a_step_no_longer_fits_and_the_limit_allows() -> None:
+    assert not policy.should_grow(need_bytes=10, capacity_bytes=10, limit_bytes=None)
+    assert policy.should_grow(need_bytes=11, capacity_bytes=10, limit_bytes=None)
+    assert policy.should_grow(need_bytes=11, capacity_bytes=10, limit_bytes=20)
+    assert not policy.should_grow(need_bytes=30, capacity_bytes=20, limit_bytes=20)
+
+
+def test_skip_only_when_waiting_could_help() -> None:
+    # nothing in flight: never skip (a step larger than the pool is staged in parts)
+    assert policy.skip_reason(capacity_bytes=100, outstanding_bytes=0, need_bytes=10**9) is None
+    assert policy.skip_reason(capacity_bytes=100, outstanding_bytes=50, need_bytes=50) is None
+    assert "51 of 100" in (policy.skip_reason(capacity_bytes=100, outstanding_bytes=51, need_bytes=50) or "")
+    # a step larger than the pool needs the whole pool free
+    assert policy.skip_reason(capacity_bytes=100, outstanding_bytes=1, need_bytes=500) is not None
+    assert policy.step_need_bytes([4096, 64, 64]) == 4096 * 2 + 128
+
+
+def test_shm_decision_falls_back_with_the_size_needed() -> None:
+    assert policy.shm_decision(pool_bytes=100 << 20, shm_free_bytes=1 << 30).where == "shm"
+    d = policy.shm_decision(pool_bytes=100 << 20, shm_free_bytes=64 << 20)
+    assert d.where == "process" and str(100 << 20) in (d.warning or "") and "shm-size" in (d.warning or "")
+    assert policy.shm_decision(pool_bytes=1, shm_free_bytes=None).where == "process"
+
+
+def test_every() -> None:
+    assert [s for s in range(10) if policy.is_due(s, 4)] == [0, 4, 8]
+
+
+def test_options_are_listed_once() -> None:
+    base = CaptureConfig(every=3, on_full="skip")
+    cfg = make_config(base, {"branch": "b2"})
+    assert (cfg.every, cfg.on_full, cfg.branch) == (3, "skip", "b2") and base.branch == "main"
+    with pytest.raises(ConfigError, match="unknown Capture option 'flush_thread'"):
+        make_config(None, {"flush_thread": 2})
+    with pytest.raises(ConfigError, match="every"):
+        make_config(base, {"every": 0})  # overrides are validated like the rest
+    with pytest.raises(ConfigError, match="CaptureConfig"):
+        make_config({"every": 2}, {})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="exit_drain_s"):
+        CaptureConfig(exit_drain_s=-1)
+
+
+def test_version_guard_names_the_tensor() -> None:
+    import torch
+
+    a, b = torch.zeros(4), torch.zeros(4)
+    g = VersionGuard([a, b[:2]], ["model/a", "model/b"])
+    assert g.copied(0) is None
+    a.add_(1)  # after its copy: fine
+    assert g.scan() is None
+    b.mul_(2)  # a view's base changed before the view's copy
+    msg = g.scan()
+    assert msg is not None and "model/b" in msg and "wait_staged()" in msg
+    assert g.copied(1) == msg

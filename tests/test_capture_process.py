@@ -1,0 +1,237 @@
+"""Capture and the process around it (issue 12, issue 16 defects 2 and 3):
+the mutation guard in a training loop, os.fork() beside a live Capture
+(plain fork, DataLoader workers, a multiprocessing helper outliving a
+SIGKILLed writer) and a Capture never closed at interpreter exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dstt
+from dstt.errors import CaptureError
+from dstt.store.lock import lock_holder
+from dstt.store.verify import verify
+
+from conftest import bits_equal
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def slow_writes(cap: dstt.Capture, seconds: float) -> None:
+    real = cap.writer.flush_chunk
+
+    def slow(plan: Any, task: Any, staged: Any = None) -> Any:
+        time.sleep(seconds)
+        return real(plan, task, staged)
+
+    cap.writer.flush_chunk = slow  # type: ignore[method-assign]
+
+
+# ----------------------------------------------------------------------------- mutation guard
+
+
+def test_mutation_outside_the_optimizer_without_wait_staged_fails_the_step(tmp_path: Path) -> None:
+    """Weight clipping in place right after snapshot(), no wait_staged(): the
+    step is never committed silently wrong, the next dstt call names the
+    tensor; the same loop with wait_staged() commits every step bit-exact."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train() -> None:
+        opt.zero_grad()
+        model(torch.randn(8, 256)).square().mean().backward()
+        opt.step()
+
+    store = tmp_path / "run"
+    with dstt.Capture(store) as cap:
+        release = threading.Event()
+        cap.before_lazy_copy = lambda step, index: step == 0 and release.wait(10)  # injection point
+        train()
+        cap.snapshot(0, model=model, optimizer=opt, rng=False)
+        with torch.no_grad():
+            model.weight.clamp_(-0.01, 0.01)  # in place, outside optimizer.step(), no wait_staged()
+        release.set()
+        with pytest.raises(CaptureError, match=r"step 0 not captured: tensor 'model/weight'.*wait_staged"):
+            train()
+            cap.snapshot(1, model=model, optimizer=opt, rng=False)
+        for step in range(2, 5):
+            train()
+            ref = model.weight.detach().clone()
+            cap.snapshot(step, model=model, optimizer=opt, rng=False)
+            cap.wait_staged()
+            with torch.no_grad():
+                model.weight.clamp_(-0.01, 0.01)
+            cap.wait()
+            assert bits_equal(dstt.open(store).state_dict(step)["model"]["weight"], ref)
+    assert 0 not in dstt.open(store).steps()
+    assert dstt.open(store).steps() == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------- fork
+
+
+FORKING_WRITER = """
+    import os, sys, time, torch, dstt
+    from dstt.errors import CaptureError, StoreLockedError
+    from dstt.store.lock import lock_holder
+
+    store = sys.argv[1]
+    cap = dstt.Capture(store, max_chunk_bytes=4096)
+    real = cap.writer.flush_chunk
+    def slow(plan, task, staged=None):
+        time.sleep(0.05)
+        return real(plan, task, staged)
+    cap.writer.flush_chunk = slow
+    for step in range(3):
+        cap.snapshot(step, extra={"w": torch.full((4096,), float(step))}, rng=False)
+    for queued in (True, False):
+        if not queued:
+            cap.wait()
+        pid = os.fork()
+        if pid == 0:  # the child closes what it inherited and ends with sys.exit()
+            cap.close()
+            try:
+                cap.snapshot(99, extra={"w": torch.ones(1)}, rng=False)
+                sys.exit(4)
+            except CaptureError as e:
+                sys.exit(0 if "forked child" in str(e) else 5)
+        deadline = time.monotonic() + 30
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                sys.exit("child hung")
+            time.sleep(0.02)
+        print("queued" if queued else "idle", "child exited", flush=True)
+        assert lock_holder(store, "main").pid == os.getpid()
+        try:
+            dstt.Capture(store)
+            sys.exit("a second writer was accepted")
+        except StoreLockedError:
+            print("second writer refused", flush=True)
+    cap.snapshot(3, extra={"w": torch.full((4096,), 3.0)}, rng=False)
+    cap.close()
+"""
+
+
+def test_forked_child_never_hangs_nor_releases_the_parents_lock(tmp_path: Path) -> None:
+    """Issue 16 defect 2: a child forked with steps queued hung in close();
+    with nothing queued its exit deleted the parent's lock file and a second
+    writer was accepted."""
+    store = tmp_path / "run"
+    done = run_script(FORKING_WRITER, str(store))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("second writer refused") == 2, done.stdout
+    run = dstt.open(store)
+    assert run.steps() == [0, 1, 2, 3]
+    assert all(bits_equal(run.state_dict(s)["extra"]["w"], torch.full((4096,), float(s))) for s in range(4))
+    assert lock_holder(store, "main") is None
+
+
+def test_dataloader_fork_workers_beside_a_live_capture(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 2))
+    loader = torch.utils.data.DataLoader(data, batch_size=16, num_workers=2, multiprocessing_context="fork")
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs = {}
+    with dstt.Capture(tmp_path / "run") as cap:
+        step = 0
+        for _epoch in range(2):  # workers forked twice, each time with steps in flight
+            for x, y in loader:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                refs[step] = model.weight.detach().clone()
+                cap.snapshot(step, model=model, optimizer=opt, rng=False)
+                step += 1
+    run = dstt.open(tmp_path / "run")
+    assert run.steps() == list(range(8))
+    for s, ref in refs.items():
+        assert bits_equal(run.state_dict(s)["model"]["weight"], ref)
+
+
+def test_a_multiprocessing_child_does_not_keep_a_killed_writers_lock(tmp_path: Path) -> None:
+    """The writer starts a fork-based multiprocessing child that outlives it,
+    then is SIGKILLed: the branch is free at once (the child had inherited
+    the lock file's descriptor and kept the flock, naming a dead pid)."""
+    store = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import multiprocessing as mp, sys, time, torch, dstt
+        cap = dstt.Capture(sys.argv[1])
+        cap.snapshot(0, extra={"w": torch.ones(4)}, rng=False)
+        cap.wait()
+        child = mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=False)
+        child.start()
+        print(child.pid, flush=True)
+        time.sleep(60)
+        """), str(store)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        proc.kill()
+        proc.wait(30)
+        assert lock_holder(store, "main") is None
+        with dstt.Capture(store) as cap:  # the branch is writable again
+            cap.snapshot(1, extra={"w": torch.ones(4)}, rng=False)
+        assert dstt.open(store).steps() == [0, 1]
+    finally:
+        proc.kill()
+        if child:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ----------------------------------------------------------------------------- exit
+
+
+NEVER_CLOSED = """
+    import sys, time, torch, dstt
+    from dstt.store.backends import LocalBackend
+
+    class Slow(LocalBackend):
+        def put(self, key, data):
+            if key.startswith("tensors/") and "/c." in key:
+                time.sleep(0.1)
+            super().put(key, data)
+
+    cap = dstt.Capture(Slow(sys.argv[1], create=True), max_chunk_bytes=1024, exit_drain_s=float(sys.argv[2]))
+    for step in range(5):
+        cap.snapshot(step, extra={"w": torch.full((1024,), float(step))}, rng=False)
+    print("queued", flush=True)
+    # no close(): the interpreter exits with steps queued
+"""
+
+
+def test_a_capture_never_closed_drains_at_exit_or_says_what_it_lost(tmp_path: Path) -> None:
+    done = run_script(NEVER_CLOSED, str(tmp_path / "a"), "60")
+    assert done.returncode == 0, done.stderr
+    run = dstt.open(tmp_path / "a")
+    assert run.steps() == list(range(5))
+    assert all(bits_equal(run.state_dict(s)["extra"]["w"], torch.full((1024,), float(s))) for s in range(5))
+    lost = run_script(NEVER_CLOSED, str(tmp_path / "b"), "0")
+    assert "never closed" in lost.stderr and "not committed" in lost.stderr, lost.stderr
+    listed = {int(x) for x in lost.stderr.split("steps ")[1].split(" (")[0].split(", ")}
+    assert set(range(5)) - set(dstt.open(tmp_path / "b").steps()) <= listed  # every loss was named
+    assert verify(tmp_path / "b").ok
