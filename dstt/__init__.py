@@ -1,6 +1,10 @@
 """dstt: capture a PyTorch training run at nearly every iteration and travel
 through it afterwards (list, inspect, diff, trace, restore, branch).
 
+Importing ``dstt`` is cheap: every name below is loaded on first use
+(PEP 562), so a read-only tool that touches only the store's index never
+imports torch.
+
 >>> import tempfile, torch, dstt
 >>> m = torch.nn.Linear(4, 2)
 >>> path = tempfile.mkdtemp() + "/run"
@@ -11,34 +15,87 @@ True
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-from dstt.api import open, save
-from dstt.capture import Capture
-from dstt.errors import *  # noqa: F401,F403 - the exception hierarchy is public API
-from dstt.errors import DsttError
-from dstt.export import export
-from dstt.restore import branch, restore
-from dstt.state import optimizer_state, rng_state, state_of
-from dstt.store.reader import Run, TensorInfo
-from dstt.store.shards import ShardedTensor
-from dstt.store.writer import CommitInfo, Writer
+from dstt import errors as _errors
+from dstt._version import __version__
+from dstt.errors import *  # noqa: F401,F403 - the exception hierarchy is public API (torch-free)
 
-__all__ = [
-    "__version__",
-    "save",
-    "Capture",
-    "open",
-    "state_of",
-    "optimizer_state",
-    "rng_state",
-    "Run",
-    "TensorInfo",
-    "ShardedTensor",
-    "Writer",
-    "CommitInfo",
-    "DsttError",
-    "restore",
-    "branch",
-    "export",
-]
+#: Public name -> module defining it (imported on first access).
+_LAZY: dict[str, str] = {
+    "save": "dstt.api",
+    "open": "dstt.api",
+    "Run": "dstt.api",
+    "Capture": "dstt.capture",
+    "CaptureConfig": "dstt.capture",
+    "state_of": "dstt.state",
+    "optimizer_state": "dstt.state",
+    "rng_state": "dstt.state",
+    "TensorInfo": "dstt.store.index",
+    "StepRef": "dstt.refs",
+    "Ref": "dstt.refs",
+    "ShardedTensor": "dstt.store.shards",
+    "Writer": "dstt.store.writer",
+    "CommitInfo": "dstt.store.writer",
+    "restore": "dstt.restore",
+    "branch": "dstt.restore",
+    "export": "dstt.export",
+    "verify": "dstt.store.verify",
+    "prune": "dstt.store.gc",
+    "gc": "dstt.store.gc",
+}
+
+_EXCEPTIONS = [n for n, v in vars(_errors).items()
+               if isinstance(v, type) and issubclass(v, BaseException) and v.__module__ == _errors.__name__]
+
+__all__ = ["__version__", *_LAZY, *_EXCEPTIONS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dstt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+#: Public functions named like the submodule defining them (``dstt.export``
+#: is the function in ``dstt/export.py``).
+_FUNCTION_OVER_MODULE = frozenset({"export", "restore"})
+
+
+class _Package(types.ModuleType):
+    """The ``dstt`` module object: importing the submodule ``dstt.export``
+    (or ``dstt.restore``) must not replace the function ``dstt.export`` --
+    the import system sets the submodule as an attribute of its package,
+    which an eager ``from dstt.export import export`` used to undo."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FUNCTION_OVER_MODULE and isinstance(value, types.ModuleType):
+            return  # the submodule stays reachable through sys.modules and imports
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from dstt.api import Run, open, save
+    from dstt.capture import Capture, CaptureConfig
+    from dstt.export import export
+    from dstt.refs import Ref, StepRef
+    from dstt.restore import branch, restore
+    from dstt.state import optimizer_state, rng_state, state_of
+    from dstt.store.gc import gc, prune
+    from dstt.store.index import TensorInfo
+    from dstt.store.shards import ShardedTensor
+    from dstt.store.verify import verify
+    from dstt.store.writer import CommitInfo, Writer

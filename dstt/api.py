@@ -1,11 +1,47 @@
-"""The synchronous top-level API: ``dstt.save`` and ``dstt.open``."""
+"""The synchronous top-level API: ``dstt.save``, ``dstt.open`` and
+:class:`Run`, what ``dstt.open`` returns."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dstt.store.reader import Run
+from dstt.refs import StepRef
+from dstt.store.reader import TensorReader
 from dstt.store.writer import CommitInfo, Writer
+
+
+class Run(TensorReader):
+    """A captured run, opened read-only: branches, steps, tensors (torch),
+    the nested state, and the analysis queries (diff, history, find).
+
+    >>> import tempfile, torch, dstt
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> _ = dstt.save(path, 0, {"model": {"w": torch.arange(4.0)}})
+    >>> run = dstt.open(path)
+    >>> run.steps()
+    [0]
+    >>> run.read("model/w", 0)
+    tensor([0., 1., 2., 3.])
+    """
+
+    def diff(self, a: Any, b: Any, patterns: Any = None, **kw: Any) -> list[dict[str, Any]]:
+        """Per-tensor diff rows between two points; see :func:`dstt.analysis.diff.diff`."""
+        from dstt.analysis.diff import diff
+
+        return diff(self, a, b, patterns, **kw)
+
+    def history(self, names: Any, stat: str = "norm", branch: str | None = None, **kw: Any) -> list[dict[str, Any]]:
+        """A stat across steps from the step index; see :func:`dstt.analysis.history.history`."""
+        from dstt.analysis.history import history
+
+        return history(self, names, stat=stat, branch=branch, **kw)
+
+    def find(self, patterns: Any = None, branch: str | None = None, **kw: Any) -> list[dict[str, Any]]:
+        """The first step where something went wrong (NaN/Inf, a norm jump, a stat threshold),
+        from the step index; see :func:`dstt.analysis.anomaly.find`."""
+        from dstt.analysis.anomaly import find
+
+        return find(self, patterns, branch, **kw)
 
 
 def save(
@@ -16,14 +52,16 @@ def save(
     branch: str = "main",
     allow_pickle: bool = False,
     compression: str = "none",
-    parent: tuple[str, int] | None = None,
+    parent: StepRef | tuple[str, int] | str | None = None,
 ) -> CommitInfo:
     """Save ``state`` as ``step`` of ``branch``, durably and atomically.
 
     ``state`` is a nested dict of tensors (plain, DTensor or
     :class:`dstt.ShardedTensor`) and plain values, e.g. what
     :func:`dstt.state_of` builds. Under torch.distributed every rank calls it;
-    each writes its own shards and rank 0 commits.
+    each writes its own shards and rank 0 commits. ``parent`` (for a new
+    branch) is a :class:`dstt.StepRef`, a ``(branch, step)`` pair or a
+    reference such as ``"main:1200"``.
 
     >>> import tempfile, torch, dstt
     >>> path = tempfile.mkdtemp() + "/run"

@@ -25,7 +25,8 @@ import torch
 from dstt.errors import ConfigError, TensorNotFoundError
 from dstt.outpath import check_output_file
 from dstt.restore import read_whole
-from dstt.store.reader import Run, StepRecord
+from dstt.store.index import StepRecord
+from dstt.store.reader import TensorReader as Run
 from dstt.store.tree import unflatten
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}

@@ -16,18 +16,31 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from dstt.errors import InvalidReferenceError, StepNotFoundError
 
 if TYPE_CHECKING:
-    from dstt.store.reader import Run
+    from dstt.store.index import RunIndex as Run
 
 _STEP_RE = re.compile(r":(latest|\d+|~\d+)$")
 _BRANCH_RE = re.compile(r"@([A-Za-z0-9][A-Za-z0-9._-]{0,127})$")
 _RELATIVE_RE = re.compile(r"(?:@([A-Za-z0-9][A-Za-z0-9._-]{0,127}))?(?::(latest|\d+|~\d+))?\Z")
 
 StepSpec = int | str | None
+
+
+class StepRef(NamedTuple):
+    """A committed step of a branch: what ``Run.resolve`` returns and what
+    ``parent=`` takes (beside reference strings such as ``"main:1200"``).
+
+    >>> StepRef("main", 1200)
+    StepRef(branch='main', step=1200)
+    >>> branch, step = StepRef("main", 1200)
+    """
+
+    branch: str
+    step: int
 
 
 @dataclass(frozen=True)
@@ -48,7 +61,7 @@ class Ref:
             raise InvalidReferenceError(f"reference {text!r} names no store: expected STORE[@BRANCH][:STEP]")
         if m and m.start() > 0:
             spec = m.group(1)
-            step = int(spec) if spec.isdigit() else spec
+            step = _step_number(spec, text) if spec.isdigit() else spec
             rest = rest[: m.start()]
         else:
             colon = rest.rfind(":")
@@ -88,7 +101,7 @@ class Ref:
                 "(STEP: a number, 'latest' or '~N')"
             )
         spec = m.group(2)
-        return m.group(1), (int(spec) if spec and spec.isdigit() else spec)
+        return m.group(1), (_step_number(spec, text) if spec and spec.isdigit() else spec)
 
     def __str__(self) -> str:
         out = self.store
@@ -99,17 +112,37 @@ class Ref:
         return out
 
 
-def resolve_step(run: "Run", branch: str, spec: StepSpec) -> tuple[str, int]:
+def _step_number(digits: str, text: str) -> int:
+    """A step number of a reference; past the 20 digits of step directories
+    it is a reference error, not a step that merely is not there."""
+    from dstt.store.layout import STEP_DIGITS
+
+    if len(digits.lstrip("0")) > STEP_DIGITS:
+        raise InvalidReferenceError(f"step {digits[:40]} in reference {text[:200]!r} is out of range "
+                                    f"(at most {STEP_DIGITS} digits)")
+    return int(digits)
+
+
+def resolve_step(run: "Run", branch: str, spec: StepSpec) -> StepRef:
     """The (branch, step) a step spec (number, 'latest', '~N', None = latest)
     names on ``branch``'s trajectory: its own steps, after its ancestors'
     steps up to each fork point (:meth:`Run.lineage`)."""
+    if spec is None or spec == "latest":
+        from dstt.store.heads import head_record
+        from dstt.store.layout import validate_branch
+        from dstt.store.root import load_branch
+
+        load_branch(run.backend, validate_branch(branch))
+        head = head_record(run.backend, branch)  # O(1) where the head agrees with the markers
+        if head is not None and head.step is not None:
+            return StepRef(branch, head.step)
     segs = run.lineage(branch)
     trajectory = [(b, s) for b, steps in segs for s in steps]
     own = segs[-1][1]
     if spec is None or spec == "latest":
         if not trajectory:
             raise StepNotFoundError(f"branch {branch!r} has no committed steps")
-        return trajectory[-1]
+        return StepRef(*trajectory[-1])
     if isinstance(spec, str) and spec.startswith("~"):
         if not spec[1:].isdigit():
             raise InvalidReferenceError(f"bad step {spec!r}: '~N' takes a non-negative number")
@@ -119,11 +152,11 @@ def resolve_step(run: "Run", branch: str, spec: StepSpec) -> tuple[str, int]:
                 f"~{back} goes before the first step: branch {branch!r} has {len(trajectory)} steps"
                 + (f" ({len(own)} of its own)" if len(segs) > 1 else "")
             )
-        return trajectory[-1 - back]
+        return StepRef(*trajectory[-1 - back])
     if isinstance(spec, int) and not isinstance(spec, bool):
         for b, steps in reversed(segs):
             if spec in steps:
-                return b, spec
+                return StepRef(b, spec)
         have = "; ".join(f"{b}: {_span(steps)}" for b, steps in segs)
         where = "it has" if len(segs) == 1 else "its trajectory has"
         raise StepNotFoundError(f"no committed step {spec} on branch {branch!r} ({where} {have})")

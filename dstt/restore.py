@@ -28,12 +28,13 @@ from typing import Any, Callable
 
 import torch
 
-from dstt.errors import ChecksumMismatchError, CorruptStoreError, RestoreMismatchError
+from dstt.errors import RestoreMismatchError
+from dstt.refs import StepRef
 from dstt.state import PARAM_GROUPS, _param_names, _rank, set_rng_state
-from dstt.store import layout as L
-from dstt.store.backends import LocalBackend
-from dstt.store.codec import crc32c
-from dstt.store.reader import Run, StepRecord
+from dstt.store.chunks import read_whole_into
+from dstt.store.index import StepRecord
+from dstt.store.reader import TensorReader
+from dstt.store.torch_dtypes import torch_dtype, torch_storage
 from dstt.store.shards import dtensor_regions, is_dtensor
 from dstt.store.tree import unflatten
 
@@ -105,7 +106,7 @@ def restore(
     >>> torch.equal(m2.weight, m.weight)
     True
     """
-    run = ref if isinstance(ref, Run) else Run(os.fspath(ref))
+    run = ref if isinstance(ref, TensorReader) else TensorReader(os.fspath(ref))
     rec = run.record()
     tree = rec.objects if isinstance(rec.objects, dict) else {}
     plan = _Plan()
@@ -141,23 +142,23 @@ def restore(
     return extra if isinstance(extra, dict) else {"extra": extra}
 
 
-def branch(ref: Any, name: str) -> tuple[str, int]:
+def branch(ref: Any, name: str) -> StepRef:
     """Create branch ``name`` forking at ``ref`` (``STORE[@BRANCH][:STEP]``,
     latest step by default) without copying data; returns the parent
-    ``(branch, step)``. Capturing with ``branch=name, parent=that`` then
+    :class:`~dstt.StepRef`. Capturing with ``branch=name, parent=that`` then
     continues it.
 
     >>> import tempfile, torch, dstt
     >>> path = tempfile.mkdtemp() + "/run"
     >>> _ = dstt.save(path, 3, {"w": torch.ones(2)})
     >>> dstt.branch(path, "try-b")
-    ('main', 3)
+    StepRef(branch='main', step=3)
     >>> dstt.open(path).branch_info("try-b").parent
-    ('main', 3)
+    StepRef(branch='main', step=3)
     """
     from dstt.store.root import create_branch
 
-    run = ref if isinstance(ref, Run) else Run(os.fspath(ref))
+    run = ref if isinstance(ref, TensorReader) else TensorReader(os.fspath(ref))
     parent = run.resolve()
     create_branch(run.backend, name, parent)
     return parent
@@ -295,7 +296,7 @@ def _plan_optimizer(plan: _Plan, rec: StepRecord, tree: Any, optimizer: torch.op
             if e is None:
                 plan.problems.append(f"{what}: tensor missing from the step index")
                 plan.skipped.add(path)
-            elif _per_element(e.shape, tuple(p.shape)) and e.dtype.torch_dtype.is_floating_point:
+            elif _per_element(e.shape, tuple(p.shape)) and torch_dtype(e.dtype).is_floating_point:
                 # Per-element state (exp_avg, momentum_buffer...): same shape and dtype as the param.
                 _plan_tensor(plan, rec, path, what, v, p)
             else:  # scalars (step) and factored state (Adafactor's row/col variances): read whole
@@ -346,41 +347,19 @@ def _short(keys: list[str], n: int = 5) -> str:
 # ----------------------------------------------------------------------------- reading
 
 
-def read_whole(run: Run, rec: StepRecord, name: str) -> torch.Tensor:
-    """A whole tensor of a step. Uncompressed local chunks that split only the
-    first dimension are read straight into the result -- one copy, into a
-    tensor that owns exactly its bytes (it may be saved or kept by an
-    optimizer) -- with every chunk's CRC-32C checked against its trailer and
-    against the step index; anything else goes through :meth:`Run.read`."""
+def read_whole(run: TensorReader, rec: StepRecord, name: str) -> torch.Tensor:
+    """A whole tensor of a step, into a tensor that owns exactly its bytes (it
+    may be saved or kept by an optimizer); uncompressed local chunks are read
+    straight into it (:func:`dstt.store.chunks.read_whole_into`)."""
     e = rec.by_name.get(name)
-    if (e is None or not isinstance(run.backend, LocalBackend) or e.codec.compression != "none"
-            or not e.shape or tuple(e.chunk_shape[1:]) != tuple(e.shape[1:]) or e.nchunks == 0):
+    if e is None:
         return run.read(name, rec.step, rec.branch)
-    cb = math.prod(e.chunk_shape) * e.dtype.itemsize
-    nbytes = math.prod(e.shape) * e.dtype.itemsize
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
-    # The last chunk's zero padding and every chunk's 4-byte CRC trailer land here.
-    tail = memoryview(bytearray(e.nchunks * cb - nbytes + 4))
-    for i in range(e.nchunks):
-        coords = e.coords(i)
-        where = f"{e.name} chunk {coords} (slot {e.slots[i]})"
-        lo, hi = i * cb, min((i + 1) * cb, nbytes)
-        pad = cb - (hi - lo)
-        got = run.backend.readinto(L.chunk_key(e.array, e.slots[i], coords), [view[lo:hi], tail[: pad + 4]])
-        if got is None:
-            raise CorruptStoreError(f"{where}: chunk is missing")
-        if got != cb + 4:
-            raise CorruptStoreError(f"{where}: chunk has {got} bytes, expected {cb + 4}")
-        crc = crc32c(tail[:pad], crc32c(view[lo:hi]))
-        if crc != int.from_bytes(tail[pad: pad + 4], "little"):
-            raise ChecksumMismatchError(f"{where}: chunk CRC-32C mismatch (corrupted chunk)")
-        if crc != e.crcs[i]:  # a valid chunk, but not the one the step recorded
-            raise ChecksumMismatchError(f"{where}: CRC-32C does not match the step index")
-    return buf.view(e.dtype.torch_storage).view(e.dtype.torch_dtype).reshape(e.shape)
+    buf = torch.empty(e.nbytes, dtype=torch.uint8)
+    read_whole_into(run.backend, e, memoryview(buf.numpy()))
+    return buf.view(torch_storage(e.dtype)).view(torch_dtype(e.dtype)).reshape(e.shape)
 
 
-def _read_all(run: Run, rec: StepRecord, plan: _Plan, threads: int) -> dict[tuple[str, ...], Any]:
+def _read_all(run: TensorReader, rec: StepRecord, plan: _Plan, threads: int) -> dict[tuple[str, ...], Any]:
     """Read every planned tensor (only each rank's box) before anything is applied."""
     items = list(plan.loads.items())
 
@@ -398,7 +377,7 @@ def _read_all(run: Run, rec: StepRecord, plan: _Plan, threads: int) -> dict[tupl
         return dict(pool.map(one, items))
 
 
-def _small_reader(run: Run, rec: StepRecord) -> Callable[[Stored], Any]:
+def _small_reader(run: TensorReader, rec: StepRecord) -> Callable[[Stored], Any]:
     """Reads a small unplanned tensor (RNG state, extra) whole."""
     def read(s: Stored) -> Any:
         t = run.read(s.name, rec.step, rec.branch)

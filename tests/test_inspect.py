@@ -458,12 +458,12 @@ def test_cli_diff_progress_counts_to_its_total(pair: tuple[Path, dict, dict], mo
 def test_index_only_commands_read_no_tensor_data(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """history, find and `ls REF` come from the step index: a tensor-data read fails them."""
     _series_store(store)
-    from dstt.store.reader import Run
+    from dstt.store.index import RunIndex
 
     def boom(self, e, i, verify):  # type: ignore[no-untyped-def]
         raise AssertionError(f"read chunk {i} of {e.name}")
 
-    monkeypatch.setattr(Run, "_chunk", boom)
+    monkeypatch.setattr(RunIndex, "_chunk", boom)
     run = dstt.open(store)
     assert len(run.history("model/*", stat="mean", branch="alt")) == 8
     assert find(run, branch="alt")[0]["reason"] == "nonfinite"

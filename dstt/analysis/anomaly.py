@@ -24,10 +24,10 @@ import numpy as np
 
 from dstt.analysis.history import _Matcher, scan, stat_column
 from dstt.errors import ConfigError
-from dstt.store.stats import STATS_COLUMNS
+from dstt.store.layout import STATS_COLUMNS
 
 if TYPE_CHECKING:
-    from dstt.store.reader import Run
+    from dstt.store.index import RunIndex as Run
 
 _NORM = STATS_COLUMNS.index("norm")
 _NONFINITE = STATS_COLUMNS.index("nonfinite")

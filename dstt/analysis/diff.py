@@ -43,10 +43,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 
 from dstt.analysis.select import Point, match_names, resolve_point
+from dstt.store.torch_dtypes import from_storage
 
 if TYPE_CHECKING:
     from dstt.store.manifest import TensorEntry
-    from dstt.store.reader import Run
+    from dstt.store.reader import TensorReader as Run
 
 #: Diff row keys, in output order.
 DIFF_KEYS = ("name", "status", "l2_delta", "rel_change", "cosine", "max_abs_delta", "frac_changed")
@@ -237,13 +238,11 @@ def _row(name: str, status: str, ea: "TensorEntry | None", eb: "TensorEntry | No
 
 def _chunk(run: "Run", e: "TensorEntry", i: int) -> torch.Tensor:
     """Chunk ``i`` of an entry, edge padding trimmed, in its logical dtype."""
-    coords = e.coords(i)
-    region = tuple(slice(0, min(k, s - c * k)) for c, k, s in zip(coords, e.chunk_shape, e.shape))
+    region = tuple(slice(0, n) for n in e.chunk_grid.box(e.coords(i))[1])
     arr = run._chunk(e, i, False)
     if not arr.flags.writeable:  # bytes from an object store; never written here, but torch warns
         arr = arr.copy()
-    t = torch.from_numpy(arr[region] if region else arr)
-    return t.view(e.dtype.torch_dtype) if e.dtype.is_bits else t
+    return from_storage(torch.from_numpy(arr[region] if region else arr), e.dtype)
 
 
 def _digests(e: "TensorEntry") -> list[str | None] | None:
@@ -261,10 +260,6 @@ def _known_same(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> l
         or (da is not None and db is not None and da[i] is not None and da[i] == db[i])
         for i in range(ea.nchunks)
     ]
-
-
-def _chunk_numel(e: "TensorEntry", i: int) -> int:
-    return math.prod(min(k, s - c * k) for c, k, s in zip(e.coords(i), e.chunk_shape, e.shape))
 
 
 @dataclass
@@ -300,7 +295,7 @@ def _run_aligned(pa: Point, pb: Point, jobs: list[_Job], pool: ThreadPoolExecuto
     for job in jobs:
         for i, same in enumerate(_known_same(pa, pb, job.ea, job.eb)):
             if same:
-                n = _chunk_numel(job.ea, i)
+                n = job.ea.chunk_grid.valid_numel(i)
                 job.acc.n += n
                 if progress is not None:
                     progress(n * job.ea.dtype.itemsize)
@@ -323,7 +318,7 @@ def _run_aligned(pa: Point, pb: Point, jobs: list[_Job], pool: ThreadPoolExecuto
         job.acc.add(compare_block(a, b, True, job.finite))
         del a, b
         if progress is not None:
-            progress(_chunk_numel(job.ea, tasks[k][1]) * job.ea.dtype.itemsize)
+            progress(job.ea.chunk_grid.valid_numel(tasks[k][1]) * job.ea.dtype.itemsize)
 
 
 def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -18,10 +18,10 @@ from dstt.analysis.select import require_matches
 from dstt.errors import ConfigError
 from dstt.store import layout as L
 from dstt.store.manifest import parse_commit
-from dstt.store.stats import STATS_COLUMNS
+from dstt.store.layout import STATS_COLUMNS
 
 if TYPE_CHECKING:
-    from dstt.store.reader import Run
+    from dstt.store.index import RunIndex as Run
 
 TENSOR_SORT_KEYS = ("name", "nbytes", "numel", "dtype", "written") + tuple(c for c in STATS_COLUMNS if c != "numel")
 

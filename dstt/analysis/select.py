@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from dstt.errors import InvalidReferenceError, TensorNotFoundError
 
 if TYPE_CHECKING:
-    from dstt.store.reader import Run
+    from dstt.store.index import RunIndex as Run
 
 # Chunks are read-only buffers that analysis only ever reads; torch's warning
 # about wrapping non-writable arrays would be noise on stderr.
@@ -40,7 +40,7 @@ def match_names(names: Sequence[str], patterns: Iterable[str] | None) -> list[st
 def require_matches(names: Sequence[str], patterns: Iterable[str] | None, where: str) -> list[str]:
     """Like :func:`match_names`, but a pattern matching nothing is an error
     (with a near-miss suggestion for plain names)."""
-    from dstt.store.reader import suggest
+    from dstt.store.index import suggest
 
     out = match_names(names, patterns)
     for p in patterns or []:
@@ -85,13 +85,11 @@ def open_other(run: "Run", store: str) -> "Run":
     """``run`` itself when ``store`` names the same place, else a new Run."""
     import os
 
-    from dstt.store.reader import Run
-
     here = run.url
     for cand in (store, os.path.abspath(store) if "://" not in store else store):
         if cand == here or cand.rstrip("/") == str(here).rstrip("/"):
             return run
-    return Run(store)
+    return type(run)(store)  # the same kind of reader (index only, or tensors too)
 
 
 def parse_slice(text: str) -> tuple[Any, ...]:

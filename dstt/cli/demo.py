@@ -71,7 +71,7 @@ def register(app: typer.Typer) -> None:
         from dstt.analysis.listing import list_store
         from dstt.analysis.select import resolve_point
         from dstt.cli import render
-        from dstt.store.reader import Run
+        from dstt.store.reader import TensorReader as Run
 
         prepare_store(store, overwrite)
         result = run_demo(store, steps, seed)

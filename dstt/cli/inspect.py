@@ -17,13 +17,20 @@ from dstt.cli.output import emit_json, handle_errors, stderr
 JSON_OPT = typer.Option(False, "--json", help="Machine-readable output on stdout.")
 
 
-def _open(text: str) -> tuple[Any, Any]:
-    """(Run, Ref) for a reference string."""
+def _open(text: str, tensors: bool = False) -> tuple[Any, Any]:
+    """(reader, Ref) for a reference string: a torch-free
+    :class:`~dstt.store.index.RunIndex`, or with ``tensors`` a
+    :class:`~dstt.store.reader.TensorReader` (imports torch)."""
     from dstt.refs import Ref
-    from dstt.store.reader import Run
 
     ref = Ref.parse(text)
-    return Run(text), ref
+    if tensors:
+        from dstt.store.reader import TensorReader
+
+        return TensorReader(text), ref
+    from dstt.store.index import RunIndex
+
+    return RunIndex(text), ref
 
 
 def _ref_text(run: Any, branch: str, step: int) -> str:
@@ -59,7 +66,7 @@ def cmd_show(target: str, tensor: str, slice_text: Optional[str], bins: int, jso
     from dstt.analysis.select import parse_slice
     from dstt.cli import render
 
-    run, _ = _open(target)
+    run, _ = _open(target, tensors=True)
     branch, step = run.resolve()
     e = run.entry(tensor, step, branch)
     index: Any = parse_slice(slice_text) if slice_text else _preview_index(e.shape)
@@ -111,7 +118,7 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
     from dstt.analysis.select import resolve_point
     from dstt.cli import render
 
-    run, _ = _open(ref_a)
+    run, _ = _open(ref_a, tensors=True)
     pa = resolve_point(run, run.default_step)
     pb = resolve_point(run, ref_b)
     if pa == pb:

@@ -21,14 +21,13 @@ while gc runs is left alone).
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dstt.errors import ConfigError
 from dstt.store import layout as L
-from dstt.store.backends import Backend, LocalBackend, open_backend
+from dstt.store.backends import Backend, open_backend
 from dstt.store.lock import BRANCH_SET, acquire_all
 from dstt.store.root import check_root, committed_steps, list_branches, load_branch
 
@@ -153,16 +152,21 @@ def remove_step(backend: Backend, branch: str, step: int) -> None:
 
 def referenced_chunks(backend: Backend, branches: list[str]) -> dict[str, set[tuple[int, tuple[int, ...]]]]:
     """(slot, chunk coords) referenced per array by every committed step."""
-    from dstt.store.reader import Run
+    from dstt.store.index import RunIndex
 
-    run = Run(backend, cache_steps=1)
+    run = RunIndex(backend, cache_steps=1)
     refs: dict[str, set[tuple[int, tuple[int, ...]]]] = defaultdict(set)
     for b in branches:
         for s in committed_steps(backend, b):
             for e in run.record(s, b).entries:
                 bucket = refs[e.array]
                 for i, slot in enumerate(e.slots):
-                    bucket.add((slot, e.coords(i)))
+                    key = e.keyframe(i)
+                    if key is None:
+                        bucket.add((slot, e.coords(i)))
+                    else:  # a delta chunk keeps its keyframe alive too
+                        refs[e.delta_array or ""].add((slot, e.coords(i)))
+                        bucket.add((key, e.coords(i)))
     return refs
 
 
@@ -212,10 +216,10 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
         if progress:
             progress("scanning chunks")
         _collect_chunks(backend, refs, locked_ids, report, dry_run)
-        if not dry_run and isinstance(backend, LocalBackend):
+        if not dry_run and backend.directories:
             # still under the locks: a writer starting now could lose a directory it just made
-            _remove_empty_dirs(os.path.join(backend.url, L.TENSORS))
-            _remove_empty_dirs(os.path.join(backend.url, L.META, "steps"))
+            backend.remove_empty_dirs(L.TENSORS)
+            backend.remove_empty_dirs(f"{L.META}/steps")
     return report
 
 
@@ -266,16 +270,6 @@ def _collect_chunks(backend: Backend, refs: dict[str, set[tuple[int, tuple[int, 
         else:
             for k in doomed:
                 backend.delete(k)
-
-
-def _remove_empty_dirs(root: str) -> None:
-    for dirpath, _dirs, _files in os.walk(root, topdown=False):
-        if dirpath == root:
-            continue
-        try:
-            os.rmdir(dirpath)
-        except OSError:
-            pass
 
 
 __all__ = ["prune", "gc", "keep_set", "PruneReport", "GcReport", "remove_step", "branch_parents"]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-STATS_COLUMNS = ("numel", "nonfinite", "norm", "mean", "std", "min", "max")
+from dstt.store.layout import STATS_COLUMNS  # noqa: F401 - re-exported: the columns these stats fill
+
 NAN = float("nan")
 
 

@@ -29,7 +29,6 @@ not errors: they are listed as ``partial`` (``dstt gc`` removes them).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -37,7 +36,9 @@ from typing import Any, Callable
 from dstt.errors import DsttError, StepNotFoundError
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
-from dstt.store.codec import array_metadata, crc32c, decode_chunk
+from dstt.store.chunks import check_chunk
+from dstt.store.codec import array_metadata, delta_array_metadata
+from dstt.store.keyframes import read_delta
 from dstt.store.manifest import (
     TensorEntry,
     decode_stats,
@@ -170,12 +171,19 @@ class _Verifier:
         """The error of chunk i of a tensor, or None; cached by key and checksums."""
         coords = e.coords(i)
         key = L.chunk_key(e.array, e.slots[i], coords)
-        cache_key = (key, e.crcs[i], e.sha256[i])
+        cache_key = (key, e.keyframe(i), e.crcs[i], e.sha256[i])
         if cache_key not in self.seen:
             self.seen[cache_key] = self._read_chunk(e, i, key, coords)
         return self.seen[cache_key]
 
     def _read_chunk(self, e: TensorEntry, i: int, key: str, coords: tuple[int, ...]) -> str | None:
+        if e.keyframe(i) is not None:  # a delta and its keyframe (docs/format.md "Delta chunks")
+            self.r.chunks += 1
+            try:
+                read_delta(self.b, e, i, sha256=True)
+            except (OSError, DsttError) as exc:
+                return str(exc)
+            return None
         where = f"chunk {coords} (slot {e.slots[i]}, {key})"
         try:
             data = self.b.get(key)
@@ -186,14 +194,10 @@ class _Verifier:
         self.r.chunks += 1
         self.r.bytes += len(data)
         expected = e.dtype.itemsize * _prod(e.chunk_shape)
-        try:  # the stored CRC-32C trailer (zarr's crc32c codec), then the size
-            raw = decode_chunk(data, e.codec, expected, where)
+        try:  # trailer CRC-32C, size, the index's CRC-32C and sha256 (dstt.store.chunks)
+            check_chunk(data, e.codec, expected, where, crc=e.crcs[i], sha256=e.sha256[i])
         except DsttError as exc:
             return str(exc)
-        if crc32c(raw) != e.crcs[i]:
-            return f"{where}: CRC-32C of the chunk's bytes does not match the step index"
-        if e.sha256[i] is not None and hashlib.sha256(raw).hexdigest() != e.sha256[i]:
-            return f"{where}: sha256 does not match the step index"
         return None
 
     def array_doc(self, e: TensorEntry) -> str | None:
@@ -204,15 +208,21 @@ class _Verifier:
         index entry: exactly what the writer renders (``array_metadata``).
         """
         if e.array not in self.seen_arrays:
-            key = f"{e.array}/zarr.json"
-            want = array_metadata(e.dtype, e.shape, e.chunk_shape, e.codec, e.name)
-            try:
-                data = self.b.get(key)
-            except (OSError, DsttError) as exc:
-                err: str | None = f"array metadata {key}: unreadable ({exc})"
-            else:
-                err = (f"array metadata {key} is missing" if data is None else
-                       None if data == want else f"array metadata {key} is damaged (not what the index describes)")
+            docs = [(e.array, array_metadata(e.dtype, e.shape, e.chunk_shape, e.codec, e.name))]
+            if e.delta_array is not None:
+                docs.append((e.delta_array, delta_array_metadata(e.dtype, e.shape, e.chunk_shape, e.name)))
+            err: str | None = None
+            for path, want in docs:
+                key = f"{path}/zarr.json"
+                try:
+                    data = self.b.get(key)
+                except (OSError, DsttError) as exc:
+                    err = f"array metadata {key}: unreadable ({exc})"
+                else:
+                    err = (f"array metadata {key} is missing" if data is None else
+                           None if data == want else f"array metadata {key} is damaged (not what the index describes)")
+                if err is not None:
+                    break
             self.seen_arrays[e.array] = err
         return self.seen_arrays[e.array]
 
@@ -291,9 +301,9 @@ def verify(store: Any, branch: str | None = None, step: int | str | None = None,
     for b in branches:
         load_branch(backend, b)
         if step is not None:
-            from dstt.store.reader import Run
+            from dstt.store.index import RunIndex
 
-            plan.append(resolve_step(Run(backend), b, step))
+            plan.append(resolve_step(RunIndex(backend), b, step))
         else:
             plan.extend((b, s) for s in committed_steps(backend, b))
             report.partial.extend(f"{b}:{s}" for s in partial_steps(backend, b))

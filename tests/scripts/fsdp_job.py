@@ -68,7 +68,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     import dstt
-    from dstt.store.reader import Run
+    from dstt.api import Run
 
     model = build_model()
     shard(model, world)

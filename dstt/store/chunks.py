@@ -1,0 +1,221 @@
+"""Chunks of a stored tensor: the chunk grid, and the ONE place a chunk is
+read and checked (torch-free format layer).
+
+Every reader of chunk bytes -- :class:`~dstt.store.index.RunIndex` (and so
+``Run.read``, ``state_dict``, diff, export), restore, verify and the writer's
+dedup check -- goes through :func:`check_chunk` (usually by way of
+:func:`read_chunk_raw` or :func:`read_chunk`), so a chunk is always checked
+the same way:
+
+1. its trailing CRC-32C (zarr's ``crc32c`` codec) matches its body;
+2. it decodes (compression undone) to exactly the chunk's raw size;
+3. the CRC-32C of the raw bytes equals the one the step index records;
+4. with ``sha256=True``, its sha256 equals the index's, where one is recorded.
+
+A new codec (delta encoding) plugs into :func:`decode_raw`.
+
+>>> g = ChunkGrid((5, 3), (2, 3))
+>>> g.grid, g.nchunks, g.coords(2), g.region(2)
+((3, 1), 3, (2, 0), (slice(4, 5, None), slice(0, 3, None)))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from itertools import product
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import numpy as np
+
+from dstt.errors import ChecksumMismatchError, CorruptStoreError
+from dstt.store import layout as L
+from dstt.store.codec import CodecSpec, crc32c, decode_chunk
+from dstt.store.keyframes import read_delta
+
+if TYPE_CHECKING:
+    from dstt.store.backends import Backend
+    from dstt.store.manifest import TensorEntry
+
+
+@dataclass(frozen=True)
+class ChunkGrid:
+    """The regular chunk grid of a tensor: chunk ``i`` (C order over the
+    grid) covers ``region(i)``; edge chunks are padded to ``chunk_shape``."""
+
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Chunks along each dimension."""
+        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
+
+    @property
+    def nchunks(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of a (padded) chunk."""
+        return math.prod(self.chunk_shape)
+
+    def coords(self, index: int) -> tuple[int, ...]:
+        """Grid coordinates of chunk ``index``."""
+        out = []
+        for g in reversed(self.grid):
+            out.append(index % g)
+            index //= g
+        return tuple(reversed(out))
+
+    def index(self, coords: tuple[int, ...]) -> int:
+        """Linear (C order) index of the chunk at ``coords``."""
+        i = 0
+        for c, g in zip(coords, self.grid):
+            i = i * g + c
+        return i
+
+    def box(self, coords: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offset, shape) of the chunk at ``coords``, edge chunks trimmed."""
+        off = tuple(c * k for c, k in zip(coords, self.chunk_shape))
+        return off, tuple(min(k, s - o) for k, s, o in zip(self.chunk_shape, self.shape, off))
+
+    def region(self, index: int) -> tuple[slice, ...]:
+        """The global region chunk ``index`` covers (edge chunks trimmed)."""
+        off, shp = self.box(self.coords(index))
+        return tuple(slice(o, o + n) for o, n in zip(off, shp))
+
+    def valid_numel(self, index: int) -> int:
+        """Elements of chunk ``index`` inside the tensor (padding excluded)."""
+        return math.prod(self.box(self.coords(index))[1])
+
+    def overlapping(self, off: tuple[int, ...], shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+        """Coordinates of every chunk overlapping the box ``off``/``shape``."""
+        if math.prod(shape) == 0 or self.nchunks == 0:
+            return iter(())
+        return product(*[range(o // c, -(-(o + n) // c)) for o, n, c in zip(off, shape, self.chunk_shape)])
+
+    def copy_slices(self, coords: tuple[int, ...], off: tuple[int, ...],
+                    shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+        """(inside the chunk, inside the box) slices of where chunk ``coords``
+        and the box ``off``/``shape`` overlap."""
+        src, dst = [], []
+        for c, k, o, n, s in zip(coords, self.chunk_shape, off, shape, self.shape):
+            lo = max(c * k, o)
+            hi = min((c + 1) * k, o + n, s)
+            src.append(slice(lo - c * k, hi - c * k))
+            dst.append(slice(lo - o, hi - o))
+        return tuple(src), tuple(dst)
+
+
+def chunk_where(e: TensorEntry, i: int) -> str:
+    """How errors name chunk ``i`` of ``e``."""
+    return f"{e.name} chunk {e.coords(i)} (slot {e.slots[i]})"
+
+
+def chunk_key_of(e: TensorEntry, i: int) -> str:
+    return L.chunk_key(e.array, e.slots[i], e.coords(i))
+
+
+def decode_raw(data: Any, codec: CodecSpec, nbytes: int, where: str) -> memoryview:
+    """Check a stored chunk's trailer CRC-32C and decode it to its ``nbytes``
+    raw bytes (CorruptStoreError / ChecksumMismatchError otherwise)."""
+    return decode_chunk(data, codec, nbytes, where)
+
+
+def check_chunk(data: Any, codec: CodecSpec, nbytes: int, where: str, *,
+                crc: int | None = None, sha256: str | None = None) -> memoryview:
+    """The raw bytes of stored chunk ``data``, checked: trailer CRC, size,
+    and (when given) the CRC-32C and sha256 the step index records for it."""
+    raw = decode_raw(data, codec, nbytes, where)
+    if crc is not None:
+        # Uncompressed chunks: the trailer (just checked against the body) is the
+        # raw CRC, so comparing it with the index is free and catches a valid
+        # chunk in the wrong place.
+        got = int.from_bytes(bytes(memoryview(data)[-4:]), "little") if codec.compression == "none" else crc32c(raw)
+        if got != crc:
+            raise ChecksumMismatchError(f"{where}: CRC-32C does not match the step index")
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        raise ChecksumMismatchError(f"{where}: sha256 does not match the step index")
+    return raw
+
+
+def read_chunk_raw(backend: Backend, key: str, codec: CodecSpec, nbytes: int, where: str, *,
+                   crc: int | None = None, sha256: str | None = None) -> memoryview:
+    """The raw bytes of the chunk at ``key``, read and checked (:func:`check_chunk`)."""
+    data = backend.get(key)
+    if data is None:
+        raise CorruptStoreError(f"{where}: chunk {key} is missing")
+    return check_chunk(data, codec, nbytes, where, crc=crc, sha256=sha256)
+
+
+def read_chunk(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False) -> memoryview:
+    """The raw bytes of chunk ``i`` of ``e``, checked against its trailer and
+    the step index (and its recorded sha256 with ``sha256=True``)."""
+    if e.keyframe(i) is not None:  # stored as a difference to a keyframe (issue 13)
+        return read_delta(backend, e, i, sha256=sha256)
+    nbytes = e.chunk_grid.chunk_numel * e.dtype.itemsize
+    return read_chunk_raw(backend, chunk_key_of(e, i), e.codec, nbytes, chunk_where(e, i),
+                          crc=e.crcs[i], sha256=e.sha256[i] if sha256 else None)
+
+
+def chunk_array(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False) -> np.ndarray:
+    """Chunk ``i`` as a numpy array of the storage dtype, padded to ``chunk_shape``."""
+    arr = np.frombuffer(read_chunk(backend, e, i, sha256=sha256), dtype=e.dtype.numpy_storage)
+    return arr.reshape(e.chunk_shape) if e.chunk_shape else arr.reshape(())
+
+
+def read_box(backend: Backend, e: TensorEntry, off: tuple[int, ...], shape: tuple[int, ...], *,
+             sha256: bool = False, fetch: Callable[[TensorEntry, int], np.ndarray] | None = None) -> np.ndarray:
+    """The box ``off``/``shape`` of a tensor (storage dtype), reading only
+    the chunks that overlap it (each through ``fetch(e, i)``, by default
+    :func:`chunk_array`)."""
+    try:  # a hostile index may declare a shape no machine can hold
+        out = np.empty(shape, dtype=e.dtype.numpy_storage)
+    except (MemoryError, ValueError):
+        raise CorruptStoreError(
+            f"{e.name}: cannot allocate {math.prod(shape) * e.dtype.itemsize} bytes for shape {list(shape)}"
+        ) from None
+    g = e.chunk_grid
+    for coords in g.overlapping(off, shape):
+        i = g.index(coords)
+        chunk = chunk_array(backend, e, i, sha256=sha256) if fetch is None else fetch(e, i)
+        src, dst = g.copy_slices(coords, off, shape)
+        out[dst] = chunk[src]
+    return out
+
+
+def read_whole_into(backend: Backend, e: TensorEntry, out: memoryview) -> None:
+    """Fill ``out`` (exactly the tensor's bytes, C order) with the whole tensor.
+
+    Where the backend can ``readinto`` (``can_readinto``), chunks are uncompressed and split only
+    the first dimension, each chunk file is read straight into its place (one
+    copy), its trailer CRC-32C checked and compared with the index's;
+    otherwise chunks go through :func:`read_box`."""
+    out = memoryview(out).cast("B")
+    nbytes = math.prod(e.shape) * e.dtype.itemsize
+    if len(out) != nbytes:
+        raise ValueError(f"{e.name}: buffer of {len(out)} bytes for a tensor of {nbytes}")
+    if (not backend.can_readinto or e.codec.compression != "none" or not e.shape
+            or tuple(e.chunk_shape[1:]) != tuple(e.shape[1:]) or e.nchunks == 0):
+        arr = read_box(backend, e, (0,) * len(e.shape), e.shape)
+        out[:] = memoryview(np.ascontiguousarray(arr)).cast("B")
+        return
+    cb = e.chunk_grid.chunk_numel * e.dtype.itemsize
+    # The last chunk's zero padding and every chunk's 4-byte CRC trailer land here.
+    tail = memoryview(bytearray(e.nchunks * cb - nbytes + 4))
+    for i in range(e.nchunks):
+        where = chunk_where(e, i)
+        lo, hi = i * cb, min((i + 1) * cb, nbytes)
+        pad = cb - (hi - lo)
+        got = backend.readinto(chunk_key_of(e, i), [out[lo:hi], tail[: pad + 4]])  # type: ignore[operator]
+        if got is None:
+            raise CorruptStoreError(f"{where}: chunk is missing")
+        if got != cb + 4:
+            raise CorruptStoreError(f"{where}: chunk has {got} bytes, expected {cb + 4}")
+        crc = crc32c(tail[:pad], crc32c(out[lo:hi]))
+        if crc != int.from_bytes(tail[pad: pad + 4], "little"):
+            raise ChecksumMismatchError(f"{where}: chunk CRC-32C mismatch (corrupted chunk)")
+        if crc != e.crcs[i]:  # a valid chunk, but not the one the step recorded
+            raise ChecksumMismatchError(f"{where}: CRC-32C does not match the step index")

@@ -1,0 +1,359 @@
+"""A run's committed steps and their step indexes, read torch-free.
+
+:class:`RunIndex` is what every read-only command needs: branches, steps,
+references, the parsed and verified step index of a step (tensor table,
+stats, value tree) and chunk data as numpy arrays of the storage dtype. It
+never opens a Zarr array through zarr-python: it reads the step index once
+per step (cached) and fetches only the chunks a read needs, so listing
+thousands of steps touches small index files and reading a slice touches
+only the chunks that overlap it. Torch tensors come from
+:class:`dstt.store.reader.TensorReader`, built on this class.
+
+>>> import tempfile, torch, dstt
+>>> path = tempfile.mkdtemp() + "/run"
+>>> _ = dstt.save(path, 3, {"model": {"w": torch.arange(4.0)}})
+>>> idx = RunIndex(path)
+>>> idx.resolve(), idx.read_array("model/w", 3).tolist()
+(StepRef(branch='main', step=3), [0.0, 1.0, 2.0, 3.0])
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from dstt.errors import (
+    ChecksumMismatchError,
+    CorruptStoreError,
+    InvalidReferenceError,
+    StepNotFoundError,
+    TensorNotFoundError,
+)
+from dstt.refs import Ref, StepRef, resolve_step
+from dstt.store import layout as L
+from dstt.store.backends import Backend, open_backend
+from dstt.store.chunks import chunk_array, read_box
+from dstt.store.layout import STATS_COLUMNS
+from dstt.store.manifest import (
+    TensorEntry,
+    decode_stats,
+    parse_commit,
+    parse_index,
+    parse_names,
+    sha256_hex,
+)
+from dstt.store.root import BranchInfo, check_root, committed_steps, list_branches, load_branch
+
+Index = int | slice | type(Ellipsis)
+
+
+@dataclass
+class TensorInfo:
+    """One tensor of a step: what ``run.tensors(step)`` lists."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    stats: dict[str, float]
+    checksum: str
+    written: int  # bytes this step wrote for it (0: unchanged, referenced)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "nbytes": self.nbytes,
+            "stats": dict(self.stats),
+            "checksum": self.checksum,
+            "written": self.written,
+        }
+
+
+@dataclass
+class StepRecord:
+    """A committed step's parsed index (cached by Run)."""
+
+    branch: str
+    step: int
+    commit: dict[str, Any]
+    entries: list[TensorEntry]
+    by_name: dict[str, TensorEntry]
+    objects: Any
+    stats: np.ndarray
+    names: list[str] = field(default_factory=list)
+
+
+def suggest(name: str, choices: Sequence[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class RunIndex:
+    """A captured run's steps and step indexes, opened read-only (no torch)."""
+
+    def __init__(self, store: Any, *, cache_steps: int = 64) -> None:
+        ref = Ref.parse(os.fspath(store)) if isinstance(store, (str, os.PathLike)) else None
+        #: Branch and step named by the reference this run was opened with;
+        #: the defaults of every method that takes ``branch``/``step``.
+        self.default_branch: str = (ref.branch if ref else None) or "main"
+        self.default_step: Any = ref.step if ref else None
+        self.backend: Backend = open_backend(ref.store if ref else store, create=False)
+        self.attrs = check_root(self.backend)
+        if ref is not None and ref.branch is not None:
+            load_branch(self.backend, ref.branch)  # fail early on an unknown branch
+        self._cache: OrderedDict[tuple[str, int], StepRecord] = OrderedDict()
+        self._cache_size = cache_steps
+        self._names_cache: tuple[str, list[str]] | None = None  # (sha256 of names.json, names)
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    def resolve(self, step: Any = None, branch: str | None = None) -> StepRef:
+        """(branch, step) of the committed step a spec names (number,
+        'latest', '~N', None = the reference's step or latest) on ``branch``
+        (None = the reference's), following the branch's lineage: a step the
+        branch inherited from its parent (at or before the fork) resolves to
+        the parent's step, like a git branch's history includes its base."""
+        return resolve_step(self, branch or self.default_branch, self.default_step if step is None else step)
+
+    # ------------------------------------------------------------------ branches & steps
+
+    def branches(self) -> list[str]:
+        """Branch names, sorted."""
+        return list_branches(self.backend)
+
+    def branch_info(self, branch: str | None = None) -> BranchInfo:
+        return load_branch(self.backend, branch or self.default_branch)
+
+    def steps(self, branch: str | None = None) -> list[int]:
+        """Committed steps of ``branch``, ascending."""
+        branch = branch or self.default_branch
+        load_branch(self.backend, branch)
+        return committed_steps(self.backend, branch)
+
+    def lineage(self, branch: str | None = None, ancestry: bool = True) -> list[tuple[str, list[int]]]:
+        """The trajectory leading to ``branch``'s latest step: (branch, steps)
+        segments, oldest first -- each ancestor's steps up to its fork point,
+        then the branch's own steps (only those with ``ancestry=False``)."""
+        segs: list[tuple[str, list[int]]] = []
+        b: str | None = branch or self.default_branch
+        limit: int | None = None
+        seen: set[str] = set()
+        while b is not None and b not in seen:  # (a hostile store could loop)
+            seen.add(b)
+            steps = self.steps(b)
+            if limit is not None:
+                steps = [s for s in steps if s <= limit]
+            segs.append((b, steps))
+            parent = self.branch_info(b).parent
+            if not ancestry or parent is None:
+                break
+            b, limit = parent
+        return segs[::-1]
+
+    def latest(self, branch: str | None = None) -> int:
+        """The latest step of ``branch``'s trajectory (its fork point while
+        it has no steps of its own)."""
+        return self.resolve("latest", branch)[1]
+
+    def commit_info(self, step: Any = None, branch: str | None = None) -> dict[str, Any]:
+        """The commit document of a step (time, bytes written/referenced, ...)."""
+        branch, step = self.resolve(step, branch)
+        where = L.step_dir(branch, step)
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
+        if raw is None:
+            raise StepNotFoundError(f"step {step} of branch {branch!r} disappeared while reading it")
+        return parse_commit(raw, where)
+
+    def _inherited(self, step: int, branch: str) -> tuple[str, int]:
+        """Where ``step``, not committed on ``branch`` itself, lives: the
+        ancestor it was inherited from, else StepNotFoundError."""
+        load_branch(self.backend, branch)
+        b, s = self.resolve(step, branch)
+        if b == branch:  # listed but gone (pruned meanwhile)
+            raise StepNotFoundError(f"step {step} of branch {branch!r} disappeared while reading it")
+        return b, s
+
+    def _file(self, where: str, fname: str, commit: dict[str, Any]) -> bytes:
+        data = self.backend.get(f"{where}/{fname}")
+        if data is None:
+            raise CorruptStoreError(f"{where}: committed step is missing {fname}")
+        rec = commit["files"][fname]
+        if len(data) != rec["size"] or sha256_hex(data) != rec["sha256"]:
+            raise ChecksumMismatchError(f"{where}/{fname}: checksum does not match the commit record")
+        return data
+
+    def record(self, step: Any = None, branch: str | None = None) -> StepRecord:
+        """The parsed, verified index of a committed step (cached)."""
+        branch = branch or self.default_branch
+        if not isinstance(step, int) or isinstance(step, bool):
+            branch, step = self.resolve(step, branch)
+        if step < 0:
+            raise StepNotFoundError(f"step must be a non-negative integer, got {step!r}")
+        key = (branch, step)
+        with self._lock:
+            rec = self._cache.get(key)
+            if rec is not None:
+                self._cache.move_to_end(key)
+                return rec
+        L.validate_branch(branch)
+        where = L.step_dir(branch, step)
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
+        if raw is None:
+            b, s = self._inherited(step, branch)
+            return self.record(s, b)
+        commit = parse_commit(raw, where)
+        entries, objects = parse_index(self._file(where, L.INDEX_FILE, commit), where)
+        names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
+        if names != [e.name for e in entries]:
+            raise CorruptStoreError(f"{where}: names.json does not match index.json")
+        stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(entries), where)
+        for e, row in zip(entries, stats):
+            e.stats = dict(zip(STATS_COLUMNS, (float(x) for x in row)))
+        rec = StepRecord(branch, step, commit, entries, {e.name: e for e in entries}, objects, stats, names)
+        with self._lock:
+            self._cache[key] = rec
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return rec
+
+    def step_stats(self, step: int, branch: str | None = None) -> tuple[list[str], np.ndarray]:
+        """Names and the raw stats table of a step, reading only names.json
+        and stats.npy (what ``history`` needs over thousands of steps)."""
+        branch = branch or self.default_branch
+        where = L.step_dir(branch, step)
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
+        if raw is None:
+            return self.step_stats(*reversed(self._inherited(step, branch)))
+        commit = parse_commit(raw, where)
+        # Consecutive steps nearly always hold the same tensors: a names.json
+        # whose recorded sha256 matches the last one read is not read again.
+        digest = commit["files"][L.NAMES_FILE]["sha256"]
+        cached = self._names_cache
+        if cached is not None and cached[0] == digest:
+            names = cached[1]
+        else:
+            names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
+            self._names_cache = (digest, names)
+        stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(names), where)
+        return names, stats
+
+    # ------------------------------------------------------------------ tensors
+
+    def tensors(self, step: Any = None, branch: str | None = None) -> list[TensorInfo]:
+        """Every tensor of a step with shape, dtype, size and stats (no tensor data read)."""
+        rec = self.record(step, branch)
+        return [
+            TensorInfo(e.name, e.shape, e.dtype.logical, e.nbytes, dict(e.stats), e.checksum, e.written)
+            for e in rec.entries
+        ]
+
+    def entry(self, name: str, step: Any = None, branch: str | None = None) -> TensorEntry:
+        rec = self.record(step, branch)
+        step, branch = rec.step, rec.branch
+        e = rec.by_name.get(name)
+        if e is None:
+            raise TensorNotFoundError(
+                f"no tensor {name!r} at step {step} of branch {branch!r}{suggest(name, rec.by_name)}"
+            )
+        return e
+
+    def read_array(
+        self,
+        name: str,
+        step: Any = None,
+        branch: str | None = None,
+        index: Index | tuple[Index, ...] | None = None,
+        *,
+        verify: bool = False,
+    ) -> np.ndarray:
+        """A tensor (or the part ``index`` selects) as a numpy array of its
+        storage dtype (bfloat16 and float8 as their unsigned-integer bits);
+        reads only the chunks that overlap the selection. ``verify=True``
+        also checks each chunk's sha256 (CRC-32Cs are always checked)."""
+        rec = self.record(step, branch)
+        e = self.entry(name, rec.step, rec.branch)
+
+        def fetch(e: TensorEntry, i: int) -> np.ndarray:
+            return self._chunk(e, i, verify)
+
+        if index is None:
+            return read_box(self.backend, e, (0,) * len(e.shape), e.shape, fetch=fetch)
+        box_off, box_shape, post = normalize_index(index, e.shape, name)
+        block = read_box(self.backend, e, box_off, box_shape, fetch=fetch)
+        return block[post] if post else block
+
+    def _chunk(self, e: TensorEntry, i: int, verify: bool) -> np.ndarray:
+        """Chunk ``i`` of ``e`` (storage dtype, padded): every tensor-data read
+        of this reader goes through here (:func:`dstt.store.chunks.chunk_array`)."""
+        return chunk_array(self.backend, e, i, sha256=verify)
+
+    def iter_chunk_arrays(self, name: str, step: Any = None,
+                          branch: str | None = None) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
+        """(global region, storage-dtype values) of each chunk of a tensor,
+        edge chunks trimmed: streaming access with memory bounded by one chunk."""
+        e = self.entry(name, step, branch)
+        g = e.chunk_grid
+        for i in range(e.nchunks):
+            region = g.region(i)
+            arr = self._chunk(e, i, False)[tuple(slice(0, r.stop - r.start) for r in region)]
+            yield region, arr
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "RunIndex":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def normalize_index(index: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
+    """Bounding box of a basic index and the index to apply inside the box."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if sum(1 for x in idx if x is Ellipsis) > 1:
+        raise InvalidReferenceError(f"{name}: at most one '...' in an index")
+    if Ellipsis in idx:
+        pos = idx.index(Ellipsis)
+        fill = len(shape) - (len(idx) - 1)
+        idx = idx[:pos] + (slice(None),) * fill + idx[pos + 1 :]
+    if len(idx) > len(shape):
+        raise InvalidReferenceError(f"{name}: index has {len(idx)} dimensions, tensor has {len(shape)}")
+    idx = idx + (slice(None),) * (len(shape) - len(idx))
+    off, box, post = [], [], []
+    for d, (x, n) in enumerate(zip(idx, shape)):
+        if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+            i = int(x) + (n if x < 0 else 0)
+            if not 0 <= i < n:
+                raise InvalidReferenceError(f"{name}: index {x} out of range for dimension {d} of size {n}")
+            off.append(i)
+            box.append(1)
+            post.append(0)
+        elif isinstance(x, slice):
+            if x.step is not None and x.step <= 0:  # checked first: indices() raises a bare ValueError for 0
+                raise InvalidReferenceError(f"{name}: slice steps must be positive, got {x.step}")
+            start, stop, step = x.indices(n)
+            stop = max(stop, start)
+            off.append(start)
+            box.append(stop - start)
+            post.append(slice(None, None, step))
+        else:
+            raise InvalidReferenceError(f"{name}: unsupported index {x!r} (use ints and slices)")
+    return tuple(off), tuple(box), tuple(post)
+
+
