@@ -61,7 +61,7 @@ class Ref:
             raise InvalidReferenceError(f"reference {text!r} names no store: expected STORE[@BRANCH][:STEP]")
         if m and m.start() > 0:
             spec = m.group(1)
-            step = int(spec) if spec.isdigit() else spec
+            step = _step_number(spec, text) if spec.isdigit() else spec
             rest = rest[: m.start()]
         else:
             colon = rest.rfind(":")
@@ -101,7 +101,7 @@ class Ref:
                 "(STEP: a number, 'latest' or '~N')"
             )
         spec = m.group(2)
-        return m.group(1), (int(spec) if spec and spec.isdigit() else spec)
+        return m.group(1), (_step_number(spec, text) if spec and spec.isdigit() else spec)
 
     def __str__(self) -> str:
         out = self.store
@@ -112,10 +112,30 @@ class Ref:
         return out
 
 
+def _step_number(digits: str, text: str) -> int:
+    """A step number of a reference; past the 20 digits of step directories
+    it is a reference error, not a step that merely is not there."""
+    from dstt.store.layout import STEP_DIGITS
+
+    if len(digits.lstrip("0")) > STEP_DIGITS:
+        raise InvalidReferenceError(f"step {digits[:40]} in reference {text[:200]!r} is out of range "
+                                    f"(at most {STEP_DIGITS} digits)")
+    return int(digits)
+
+
 def resolve_step(run: "Run", branch: str, spec: StepSpec) -> StepRef:
     """The (branch, step) a step spec (number, 'latest', '~N', None = latest)
     names on ``branch``'s trajectory: its own steps, after its ancestors'
     steps up to each fork point (:meth:`Run.lineage`)."""
+    if spec is None or spec == "latest":
+        from dstt.store.heads import head_record
+        from dstt.store.layout import validate_branch
+        from dstt.store.root import load_branch
+
+        load_branch(run.backend, validate_branch(branch))
+        head = head_record(run.backend, branch)  # O(1) where the head agrees with the markers
+        if head is not None and head.step is not None:
+            return StepRef(branch, head.step)
     segs = run.lineage(branch)
     trajectory = [(b, s) for b, steps in segs for s in steps]
     own = segs[-1][1]

@@ -146,14 +146,18 @@ def test_break_lock_and_cli_unlock(tmp_path: Path) -> None:
     held = acquire(open_backend(path), "main")
     info = lock_holder(path, "main")
     assert info is not None and info.pid == os.getpid()
-    res = CliRunner().invoke(app, ["unlock", f"{path}@main"])
+    res = CliRunner().invoke(app, ["unlock", f"{path}@main"])  # the holder is alive: refused
+    assert res.exit_code == 1 and "live writer" in res.output and f"pid {os.getpid()}" in res.output
+    res = CliRunner().invoke(app, ["unlock", "--force", f"{path}@main"])
     assert res.exit_code == 0 and f"pid {os.getpid()}" in res.output
     dstt.save(path, 1, {"x": torch.ones(1)})  # the broken lock no longer blocks
     held.release()  # the old holder releasing later does not remove the new writer's lock
     w = dstt.Writer(path)
     try:
         assert lock_holder(path, "main") is not None
-        assert break_lock(path, "main") is not None
+        with pytest.raises(StoreLockedError, match="live writer"):
+            break_lock(path, "main")
+        assert break_lock(path, "main", force=True) is not None
     finally:
         w.close()
     assert CliRunner().invoke(app, ["unlock", f"{path}@nope"]).exit_code == 1

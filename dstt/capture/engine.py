@@ -48,6 +48,7 @@ from dstt.capture.staging import CudaCopier, HostPool
 from dstt.errors import CaptureError
 from dstt.state import state_of
 from dstt.store.coord import new_coordinator
+from dstt.store.layout import validate_step
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
@@ -168,6 +169,7 @@ class Capture:
         it for the same steps. See the class docstring for an example.
         """
         self._check_open()
+        validate_step(step)  # before `every`: a bad step is refused, never silently skipped
         if not policy.is_due(step, self.config.every):
             self.raise_pending()
             return False

@@ -44,10 +44,18 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def unlock(
         ref: str = typer.Argument(..., help="STORE@BRANCH whose writer lock to break."),
+        force: bool = typer.Option(
+            False, "--force",
+            help="Break the lock even though its holder is alive (its flock is held, or its lease "
+                 "has not expired). Risky: that writer, if it runs on, overwrites the chunks of the step "
+                 "the next writer is writing until it notices (at its next step or commit, which then "
+                 "fails); only for a holder you know will never run again."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ) -> None:
-        """Break a branch's writer lock. Only when its writer is known to be gone:
-        a crashed local writer's lock is released by the kernel anyway."""
+        """Remove a branch's writer lock left by a writer that is gone.
+
+        A crashed local writer's lock is released by the kernel anyway; a lock
+        whose holder is alive is refused (exit 1) unless --force."""
         from dstt.errors import InvalidReferenceError
         from dstt.refs import Ref
         from dstt.store.backends import open_backend
@@ -61,12 +69,15 @@ def register(app: typer.Typer) -> None:
         check_root(backend)
         load_branch(backend, r.branch)
         live = lock_holder(backend, r.branch)
-        info = break_lock(backend, r.branch)
+        info = break_lock(backend, r.branch, force=force)
         if json_out:
             emit_json({"branch": r.branch, "broken": info is not None, "was_held": live is not None,
                        "holder": info.to_dict() if info else None})
         elif info is None:
             stdout.print(f"branch {r.branch!r} was not locked")
         else:
-            state = "held by" if live is not None else "last held by"
+            state = "held by the live writer" if live is not None else "last held by"
             stdout.print(f"broke the lock of branch {r.branch!r} ({state} {info.describe()})")
+            if live is not None:
+                stderr.print("that writer fails its next step or commit when it notices; "
+                             "run dstt verify once it has stopped")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from dstt.errors import CaptureError, InvalidNameError
+from dstt.errors import CaptureError, InvalidNameError, StepOrderError
 
 FORMAT_NAME = "dstt"
 FORMAT_VERSION = 1
@@ -37,6 +37,13 @@ MAX_BRANCHES = MAX_SLOTS // SLOTS_PER_BRANCH
 TENSORS = "tensors"
 META = "meta"
 STEP_DIGITS = 20
+#: The largest step number: step directories have STEP_DIGITS digits.
+MAX_STEP = 10**STEP_DIGITS - 1
+#: Bound on a store document read whole without a recorded size (zarr.json,
+#: branch documents, commit.json, head records, skip records): a hostile
+#: store cannot make a reader allocate more (files with a recorded size are
+#: read up to that size).
+MAX_DOC_BYTES = 1 << 20
 
 COMMIT_FILE = "commit.json"
 INDEX_FILE = "index.json"
@@ -107,6 +114,23 @@ def array_path(name: str, sig: str) -> str:
             f"tensor name {name[:80]!r}... is nested too deeply: its array path has {len(path)} "
             f"characters, at most {MAX_ARRAY_PATH}")
     return path
+
+
+def validate_step(step: object, what: str = "step") -> int:
+    """A step number as every entry point takes it: an int (not a bool) in
+    ``0..MAX_STEP`` (its directory name has STEP_DIGITS digits); anything
+    else is a StepOrderError (a ValueError) naming the value.
+
+    >>> validate_step(12)
+    12
+    >>> validate_step(10**20)
+    Traceback (most recent call last):
+    dstt.errors.StepOrderError: step must be an integer in 0..99999999999999999999, got 100000000000000000000
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        shown = repr(step) if len(repr(step)) <= 60 else repr(step)[:60] + "..."
+        raise StepOrderError(f"{what} must be an integer in 0..{MAX_STEP}, got {shown}")
+    return step
 
 
 def step_dir(branch: str, step: int) -> str:

@@ -22,10 +22,15 @@ clocks agreeing within the ttl, on the store's conditional put being atomic
 (true for S3/GCS ``If-None-Match``, not for every fsspec filesystem), and a
 writer paused for longer than the ttl can lose its lease without noticing.
 
-A live but stuck writer's lock can be broken explicitly with
-:func:`break_lock` (``dstt unlock STORE@BRANCH``): the lock file is removed,
-so the next writer locks a fresh file. The old writer is not told; break a
-lock only when its holder is known to be gone.
+A lock whose holder is gone can be removed with :func:`break_lock`
+(``dstt unlock STORE@BRANCH``). A lock whose holder is provably alive -- on a
+local store its ``flock`` is still held (a writer stopped with SIGSTOP holds
+it too), elsewhere its lease has not expired -- is refused unless
+``force=True`` (``--force``). A writer checks that it still holds its lock
+(:meth:`BranchLock.check`: same lock file, same token, lease unexpired)
+when it plans a step and again right before writing the step's commit
+marker, so a writer whose lock was broken fails that step with
+StoreLockedError instead of committing over the next writer's steps.
 
 >>> import tempfile
 >>> from dstt.store.backends import LocalBackend
@@ -57,10 +62,12 @@ from typing import Any, Iterator
 
 from dstt.errors import StoreLockedError  # noqa: F401 - re-exported for doctests
 from dstt.store import layout as L
-from dstt.store.backends import Backend, LocalBackend, open_backend
+from dstt.store.backends import Backend, open_backend
 
 #: Default lease lifetime for non-local backends, in seconds.
 LEASE_TTL = 60.0
+#: A lock record is a few hundred bytes; a bigger one is not read whole.
+LOCK_RECORD_MAX_BYTES = 64 << 10
 
 
 @dataclass
@@ -153,10 +160,10 @@ class BranchLock:
     # ------------------------------------------------------------- local: flock
 
     def _acquire_local(self) -> bool:
-        assert isinstance(self.backend, LocalBackend)
         path = self.backend._path(self.key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         while True:
+            # O_CLOEXEC: a program exec'ed by the writer must not keep the flock alive.
             fd = self.backend._open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -182,6 +189,17 @@ class BranchLock:
                 pass
             return True
 
+    def _check_local(self) -> str | None:
+        fd = self._fd
+        if fd is None:
+            return "its lock file is closed"
+        try:
+            if not _same_inode(fd, self.backend._path(self.key)):  # type: ignore[attr-defined]
+                return "its lock file was replaced (the lock was broken)"
+        except FileNotFoundError:
+            return "its lock file was removed (the lock was broken)"
+        return None
+
     def _release_local(self) -> None:
         fd, self._fd = self._fd, None
         if fd is None:
@@ -200,7 +218,7 @@ class BranchLock:
     def _acquire_lease(self, ttl: float) -> bool:
         data = _record(self.branch, self.token, ttl)
         if not self.backend.put_if_absent(self.key, data):
-            info = LockInfo.parse(self.branch, self.backend.get(self.key))
+            info = LockInfo.parse(self.branch, self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES))
             if info.expires is not None and info.expires > time.time():
                 return False
             if info.expires is None and self.backend.exists(self.key):
@@ -210,7 +228,7 @@ class BranchLock:
             self.backend.delete(self.key)  # expired: take over
             if not self.backend.put_if_absent(self.key, data):
                 return False
-        if LockInfo.parse(self.branch, self.backend.get(self.key)).token != self.token:
+        if LockInfo.parse(self.branch, self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES)).token != self.token:
             return False
         self._stop = threading.Event()
         t = threading.Thread(target=self._renew, args=(ttl, self._stop), name="dstt-lease", daemon=True)
@@ -220,19 +238,27 @@ class BranchLock:
     def _renew(self, ttl: float, stop: threading.Event) -> None:
         while not stop.wait(ttl / 3):
             try:
-                current = LockInfo.parse(self.branch, self.backend.get(self.key))
+                current = LockInfo.parse(self.branch, self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES))
                 if current.token != self.token:
                     return  # broken or taken over: stop renewing
                 self.backend.put(self.key, _record(self.branch, self.token, ttl))
             except Exception:  # pragma: no cover - retried at the next period
                 continue
 
+    def _check_lease(self) -> str | None:
+        info = LockInfo.parse(self.branch, self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES))
+        if info.token != self.token:
+            return "its lease was removed or taken over (the lock was broken or expired)"
+        if info.expires is not None and info.expires <= time.time():
+            return "its lease expired (the writer was paused for longer than the lease ttl)"
+        return None
+
     def _release_lease(self) -> None:
         if self._stop is not None:
             self._stop.set()
             self._stop = None
         with contextlib.suppress(Exception):
-            if LockInfo.parse(self.branch, self.backend.get(self.key)).token == self.token:
+            if LockInfo.parse(self.branch, self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES)).token == self.token:
                 self.backend.delete(self.key)
 
     # ------------------------------------------------------------- public
@@ -240,24 +266,39 @@ class BranchLock:
     def try_acquire(self, ttl: float = LEASE_TTL) -> bool:
         if self._held:
             return True
-        ok = self._acquire_local() if isinstance(self.backend, LocalBackend) else self._acquire_lease(ttl)
+        ok = self._acquire_local() if self.backend.flock else self._acquire_lease(ttl)
         self._held = ok
         if ok:
             _HELD.add(self)
         return ok
+
+    def check(self) -> None:
+        """Raise StoreLockedError unless this lock is still held by us: the
+        same lock file (local) or our unexpired lease (other backends).
+
+        Writers call it before each step and right before each commit
+        marker. (A holder stopped between this check and its commit can still
+        commit once: breaking a live lock is refused without ``force``.)"""
+        if not self._held:
+            raise StoreLockedError(f"the write lock of branch {self.branch!r} of {self.backend.url} is not held")
+        why = self._check_local() if self.backend.flock else self._check_lease()
+        if why is not None:
+            raise StoreLockedError(
+                f"lost the write lock of branch {self.branch!r} of {self.backend.url}: {why}; "
+                f"nothing more is committed by this writer (another writer may own the branch now)")
 
     def release(self) -> None:
         """Release the lock (idempotent)."""
         if not self._held:
             return
         self._held = False
-        if isinstance(self.backend, LocalBackend):
+        if self.backend.flock:
             self._release_local()
         else:
             self._release_lease()
 
     def holder(self) -> LockInfo:
-        return LockInfo.parse(self.branch, self.backend.get(self.key))
+        return LockInfo.parse(self.branch, self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES))
 
     def __enter__(self) -> "BranchLock":
         return self
@@ -300,36 +341,54 @@ def lock_holder(backend: Any, branch: str) -> LockInfo | None:
     """Who holds ``branch``'s lock now, or None when it is free."""
     backend = open_backend(backend)
     probe = BranchLock(backend, branch)
-    if isinstance(backend, LocalBackend):
+    if backend.flock:
         if not backend.exists(probe.key):
             return None
         if probe.try_acquire():
             probe.release()
             return None
         return probe.holder()
-    info = LockInfo.parse(branch, backend.get(probe.key)) if backend.exists(probe.key) else None
+    info = LockInfo.parse(branch, backend.get(probe.key, max_bytes=LOCK_RECORD_MAX_BYTES)) if backend.exists(probe.key) else None
     if info is not None and info.expires is not None and info.expires <= time.time():
         return None
     return info
 
 
-def break_lock(backend: Any, branch: str) -> LockInfo | None:
-    """Remove ``branch``'s lock whoever holds it; the previous holder's record
-    (None if there was no lock file). Only for holders known to be gone.
+def break_lock(backend: Any, branch: str, *, force: bool = False) -> LockInfo | None:
+    """Remove ``branch``'s lock; the previous holder's record (None if there
+    was no lock file). A lock whose holder is provably alive (a held
+    ``flock``; an unexpired lease) is refused with StoreLockedError unless
+    ``force``: that holder would go on writing chunks of its current step
+    into the slot the next writer uses (it only fails at its next lock
+    check, before its commit).
 
     >>> import tempfile
     >>> from dstt.store.backends import LocalBackend
     >>> b = LocalBackend(tempfile.mkdtemp())
     >>> held = acquire(b, "main")
-    >>> break_lock(b, "main").pid == os.getpid()
+    >>> try:
+    ...     break_lock(b, "main")
+    ... except StoreLockedError:
+    ...     print("refused: the holder is alive")
+    refused: the holder is alive
+    >>> break_lock(b, "main", force=True).pid == os.getpid()
     True
+    >>> held.check()
+    Traceback (most recent call last):
+    dstt.errors.StoreLockedError: lost the write lock of branch 'main' ...
     >>> acquire(b, "main").release()
     """
     backend = open_backend(backend)
     key = L.lock_key(L.validate_branch(branch))
     if not backend.exists(key):
         return None
-    info = LockInfo.parse(branch, backend.get(key))
+    live = lock_holder(backend, branch)
+    if live is not None and not force:
+        raise StoreLockedError(
+            f"branch {branch!r} of {backend.url} is locked by a live writer ({live.describe()}); "
+            f"refusing to break its lock (stop that writer, or force it knowing it may overwrite "
+            f"the next writer's uncommitted chunks before it notices)")
+    info = LockInfo.parse(branch, backend.get(key, max_bytes=LOCK_RECORD_MAX_BYTES))
     backend.delete(key)
     return info
 

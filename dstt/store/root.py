@@ -118,6 +118,9 @@ def create_branch(backend: Backend, name: str, parent: tuple[str, int] | None) -
     from dstt.store.lock import branch_set_lock
 
     L.validate_branch(name)
+    if parent is not None:
+        L.validate_branch(parent[0])
+        L.validate_step(parent[1], "parent step")  # (a bool would be written as JSON true)
     with branch_set_lock(backend):
         if parent is not None and parent[1] not in committed_steps(backend, parent[0]):
             raise StepNotFoundError(f"parent step {parent[1]} is not committed on branch {parent[0]!r}")

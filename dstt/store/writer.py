@@ -30,7 +30,9 @@ import torch
 
 from dstt.errors import (
     CaptureError,
+    ChecksumMismatchError,
     ConfigError,
+    CorruptStoreError,
     DsttError,
     InvalidNameError,
     StepExistsError,
@@ -41,6 +43,7 @@ from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.codec import CodecSpec, array_metadata, crc32c, decode_chunk, encode_chunk
 from dstt.store.coord import Coordinator, default_coordinator
+from dstt.store.heads import latest_committed, write_head
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
@@ -54,7 +57,6 @@ from dstt.store.manifest import (
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, ChunkTask, StepPlan, plan_step
 from dstt.store.root import (
     BranchInfo,
-    committed_steps,
     create_branch,
     ensure_root,
     load_branch,
@@ -154,15 +156,17 @@ class Writer:
         self._prev_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
         self._closed = False
-        steps = committed_steps(self.backend, branch)
-        self.last_step: int | None = steps[-1] if steps else None
-        self._committed = set(steps)
+        # The branch head (dstt.store.heads): O(1) where the head record agrees
+        # with the commit markers, a listing of the steps otherwise.
+        head = latest_committed(self.backend, branch)
+        self.last_step: int | None = head.step
+        #: (step, seq) of the latest step committed on this branch.
+        self.last_commit: tuple[int, int] | None = None
         self.next_seq = 0
-        if steps:
-            where = L.step_dir(branch, steps[-1])
-            commit = parse_commit(self._get(f"{where}/{L.COMMIT_FILE}"), where)
-            self.next_seq = commit["seq"] + 1
-            self._load_prev(branch, steps[-1])
+        if head.step is not None and head.seq is not None:
+            self.last_commit = (head.step, head.seq)
+            self.next_seq = head.seq + 1
+            self._load_prev(branch, head.step, head.commit)
         elif self.branch.parent is not None:
             self._load_prev(*self.branch.parent)
 
@@ -191,6 +195,8 @@ class Writer:
 
     @staticmethod
     def _ensure_branch(backend: Backend, branch: str, parent: tuple[str, int] | None) -> None:
+        if parent is not None:
+            L.validate_step(parent[1], "parent step")
         if backend.exists(L.branch_key(branch)):
             info = load_branch(backend, branch)
             if parent is not None and info.parent != tuple(parent):
@@ -201,17 +207,31 @@ class Writer:
             return
         if parent is not None:
             load_branch(backend, parent[0])  # an unknown parent branch, named as such
-        create_branch(backend, branch, None if parent is None else (parent[0], int(parent[1])))
+        create_branch(backend, branch, None if parent is None else (parent[0], L.validate_step(parent[1], "parent step")))
 
-    def _get(self, key: str) -> bytes:
-        data = self.backend.get(key)
+    def _get(self, key: str, max_bytes: int) -> bytes:
+        data = self.backend.get(key, max_bytes=max_bytes)
         if data is None:
             raise StepNotFoundError(f"missing {key} in {self.backend.url}")
         return data
 
-    def _load_prev(self, branch: str, step: int) -> None:
+    def _load_prev(self, branch: str, step: int, commit: dict[str, Any] | None = None) -> None:
+        """Dedup against the chunks of ``step``, read like readers read it:
+        its index.json must match the size and sha256 its commit records
+        (a damaged index would make every new step point at wrong slots)."""
         where = L.step_dir(branch, step)
-        entries, _ = parse_index(self._get(f"{where}/{L.INDEX_FILE}"), where)
+        if commit is None:
+            commit = parse_commit(self._get(f"{where}/{L.COMMIT_FILE}", L.MAX_DOC_BYTES), where)
+        rec = commit["files"][L.INDEX_FILE]
+        try:
+            data: bytes | None = self._get(f"{where}/{L.INDEX_FILE}", rec["size"])
+        except CorruptStoreError:  # longer than recorded (or not a regular file)
+            data = None
+        if data is None or len(data) != rec["size"] or sha256_hex(data) != rec["sha256"]:
+            raise ChecksumMismatchError(
+                f"{where}/{L.INDEX_FILE}: does not match its commit record (damaged); this writer would "
+                f"reference its chunks: run dstt verify, and continue on a branch from an intact step")
+        entries, _ = parse_index(data, where)
         self._prev = {
             (e.array, i): (c, None if h is None else bytes.fromhex(h), s)
             for e in entries
@@ -222,9 +242,10 @@ class Writer:
     # ------------------------------------------------------------------ phases
 
     def check_step(self, step: int) -> None:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise StepOrderError(f"step must be a non-negative integer, got {step!r}")
-        if step in self._committed:
+        L.validate_step(step)
+        if self.last_step is not None and step <= self.last_step and (
+                (self.last_commit is not None and step == self.last_commit[0])
+                or self.backend.exists(f"{L.step_dir(self.branch.name, step)}/{L.COMMIT_FILE}")):
             raise StepExistsError(
                 f"step {step} already exists on branch {self.branch.name!r}; "
                 "steps are immutable (restore it and capture on a new branch to diverge)"
@@ -249,6 +270,7 @@ class Writer:
         """Plan ``step``: validate, flatten, lay out chunks, reserve a slot."""
         self._check_open()
         self.check_step(step)
+        self.check_lock()
         plan = plan_step(
             step,
             state,
@@ -352,7 +374,7 @@ class Writer:
             if error is not None:
                 raise CaptureError(value) from error
             raise CaptureError(value)
-        self._committed.add(plan.step)
+        self.last_commit = (plan.step, plan.seq)
         with self._prev_lock:
             self._prev = {(array, r.index): (r.crc, r.sha256, r.slot) for r, array in self._arrays_of(plan, results)}
         return value
@@ -409,6 +431,10 @@ class Writer:
         for fname, data in ((L.INDEX_FILE, index), (L.NAMES_FILE, names_b), (L.STATS_FILE, stats_b)):
             self.backend.put(f"{where}/{fname}", data)
             files[fname] = {"sha256": sha256_hex(data), "size": len(data)}
+        # The head names this step before its marker exists, made durable by
+        # the sync below: a reader finding no marker for it falls back to
+        # last_commit, recorded as its predecessor (dstt.store.heads).
+        write_head(self.backend, self.branch.name, plan.step, plan.seq, self.last_commit)
         self.backend.sync()
         commit = {
             "format": "dstt-step",
@@ -426,6 +452,10 @@ class Writer:
             "stats_columns": list(STATS_COLUMNS),
             "files": files,
         }
+        # The lock may have been broken while this step was written (dstt
+        # unlock --force, a lease lost while paused): then another writer may
+        # own the branch and this step must not become visible.
+        self.check_lock()
         self.backend.put_atomic(f"{where}/{L.COMMIT_FILE}", encode_json(commit))
         return CommitInfo(self.branch.name, plan.step, plan.seq, len(tensors), written, referenced)
 
@@ -450,6 +480,11 @@ class Writer:
             raise error
         # commit() turns a flush error into a CaptureError naming the step.
         return self.commit(plan, results, error)
+
+    def check_lock(self) -> None:
+        """StoreLockedError if this writer (rank 0) no longer holds its branch lock."""
+        if self._branch_lock is not None:
+            self._branch_lock.check()
 
     def _check_open(self) -> None:
         if self._closed:

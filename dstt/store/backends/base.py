@@ -68,8 +68,11 @@ class Backend(ABC):
         """Create ``key`` only if it does not exist; True if this call created it."""
 
     @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The value of ``key``, or None when it does not exist."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        """The value of ``key``, or None when it does not exist. A value
+        longer than ``max_bytes`` (when given: what the format allows there)
+        is refused with CorruptStoreError, without reading it whole: anything
+        read from a store is untrusted."""
 
     @abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes | None: ...
@@ -107,7 +110,7 @@ class Backend(ABC):
         """Make every put so far durable."""
 
     def size(self, key: str) -> int | None:
-        data = self.get(key)
+        data = self.get(key)  # (backends that can, answer without reading)
         return None if data is None else len(data)
 
     def readinto(self, key: str, out: memoryview | list[memoryview]) -> int | None:

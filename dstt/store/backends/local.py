@@ -37,6 +37,20 @@ def _remaining(bufs: list[memoryview], skip: int) -> list[memoryview]:
 
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def _check_size(key: str, size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise CorruptStoreError(f"refusing {key!r}: {size} bytes, more than the {max_bytes} it can hold")
 
 
 class LocalBackend(Backend):
@@ -181,41 +195,58 @@ class LocalBackend(Backend):
             self._fsync_dir(os.path.dirname(path))
         return created
 
-    def _open_read(self, key: str) -> Any:
-        """A binary file object for ``key``, or None if there is no such file."""
+    def _open_regular(self, key: str) -> int | None:
+        """A read-only descriptor of the regular file ``key``; None if there
+        is no such file (or a directory stands there). Anything else -- a
+        FIFO, a device, a socket -- is refused: opened with O_NONBLOCK so a
+        FIFO cannot block the open, then checked with fstat, so neither an
+        endless read (/dev/zero) nor a read waiting on a writer happens."""
         try:
-            return os.fdopen(self._open(self._path(key), os.O_RDONLY), "rb")
+            fd = self._open(self._path(key), os.O_RDONLY | _O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            return fd
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            return None
+        raise CorruptStoreError(
+            f"refusing {key!r} in {self.url}: not a regular file ({_file_kind(mode)}; dstt stores hold only files)")
 
-    def get(self, key: str) -> bytearray | None:
+    def _open_read(self, key: str) -> Any:
+        """A binary file object for ``key``, or None if there is no such file."""
+        fd = self._open_regular(key)
+        return None if fd is None else os.fdopen(fd, "rb")
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytearray | None:
+        """The file's bytes; a file longer than ``max_bytes`` (when given) is
+        refused with CorruptStoreError before anything is read."""
         # A bytearray (same cost as bytes): arrays over it are writable, so
         # torch.from_numpy takes them without a warning or a copy.
         f = self._open_read(key)
         if f is None:
             return None
-        try:
-            with f:
-                size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
-                n = f.readinto(buf)
-                if n == size and not f.read(1):
-                    return buf
-                f.seek(0)  # the file changed under us: read what is there now
-                return bytearray(f.read())
-        except IsADirectoryError:
-            return None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            _check_size(key, size, max_bytes)
+            buf = bytearray(size)
+            n = f.readinto(buf)
+            if n == size and not f.read(1):
+                return buf
+            f.seek(0)  # the file changed under us: read what is there now (bounded)
+            limit = -1 if max_bytes is None else max_bytes + 1
+            data = bytearray(f.read(limit))
+            _check_size(key, len(data), max_bytes)
+            return data
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
         f = self._open_read(key)
         if f is None:
             return None
-        try:
-            with f:
-                f.seek(start)
-                return f.read(length)
-        except IsADirectoryError:
-            return None
+        with f:
+            f.seek(start)
+            return f.read(length)
 
     def readinto(self, key: str, out: memoryview | list[memoryview]) -> int | None:
         """Read a whole file into ``out`` (one buffer, or several filled in
@@ -223,9 +254,8 @@ class LocalBackend(Backend):
         One byte more than fits is reported as read, so a longer file shows."""
         bufs = [memoryview(b).cast("B") for b in (out if isinstance(out, list) else [out])]
         size = sum(len(b) for b in bufs)
-        try:
-            fd = self._open(self._path(key), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
+        fd = self._open_regular(key)
+        if fd is None:
             return None
         try:
             total = 0
@@ -239,6 +269,16 @@ class LocalBackend(Backend):
             return total
         finally:
             os.close(fd)
+
+    def stat_dir(self, prefix: str) -> os.stat_result | None:
+        """``lstat`` of the directory ``prefix`` (None if it is not one): its
+        mtime and link count change whenever an entry is made or removed in
+        it (dstt.store.heads checks a branch's steps directory this way)."""
+        try:
+            st = os.lstat(self._path(prefix, directory=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st if stat.S_ISDIR(st.st_mode) else None
 
     def _lstat(self, key: str) -> os.stat_result | None:
         try:

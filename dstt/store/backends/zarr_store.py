@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dstt.errors import CorruptStoreError
 from dstt.store.backends.base import Backend, Bytes, Data, check_key, join_data
 
 class ZarrStoreBackend(Backend):
@@ -38,9 +39,14 @@ class ZarrStoreBackend(Backend):
         self._run(self.store.set_if_not_exists(key, self._buf(data)))
         return self.get(key) == join_data(data)
 
-    def get(self, key: str) -> bytes | None:
-        buf = self._run(self.store.get(check_key(key), self._proto))
-        return None if buf is None else buf.to_bytes()
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        if max_bytes is None:
+            buf = self._run(self.store.get(check_key(key), self._proto))
+            return None if buf is None else buf.to_bytes()
+        data = self.get_range(key, 0, max_bytes + 1)  # one byte more shows a longer value
+        if data is not None and len(data) > max_bytes:
+            raise CorruptStoreError(f"refusing {key!r}: more than the {max_bytes} bytes it can hold")
+        return data
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
         from zarr.abc.store import RangeByteRequest
