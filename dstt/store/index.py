@@ -171,7 +171,7 @@ class RunIndex:
         """The commit document of a step (time, bytes written/referenced, ...)."""
         branch, step = self.resolve(step, branch)
         where = L.step_dir(branch, step)
-        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
         if raw is None:
             raise StepNotFoundError(f"step {step} of branch {branch!r} disappeared while reading it")
         return parse_commit(raw, where)
@@ -209,7 +209,7 @@ class RunIndex:
                 return rec
         L.validate_branch(branch)
         where = L.step_dir(branch, step)
-        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
         if raw is None:
             b, s = self._inherited(step, branch)
             return self.record(s, b)
@@ -233,7 +233,7 @@ class RunIndex:
         and stats.npy (what ``history`` needs over thousands of steps)."""
         branch = branch or self.default_branch
         where = L.step_dir(branch, step)
-        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}")
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
         if raw is None:
             return self.step_stats(*reversed(self._inherited(step, branch)))
         commit = parse_commit(raw, where)
@@ -284,15 +284,20 @@ class RunIndex:
         also checks each chunk's sha256 (CRC-32Cs are always checked)."""
         rec = self.record(step, branch)
         e = self.entry(name, rec.step, rec.branch)
+        if index is None:
+            return self._read_box(e, (0,) * len(e.shape), e.shape, verify)
+        box_off, box_shape, post = normalize_index(index, e.shape, name)
+        block = self._read_box(e, box_off, box_shape, verify)
+        return block[post] if post else block
+
+    def _read_box(self, e: TensorEntry, off: tuple[int, ...], shape: tuple[int, ...], verify: bool) -> np.ndarray:
+        """The box ``off``/``shape`` of ``e`` (storage dtype), chunk by chunk
+        through :meth:`_chunk` (:func:`dstt.store.chunks.read_box`)."""
 
         def fetch(e: TensorEntry, i: int) -> np.ndarray:
             return self._chunk(e, i, verify)
 
-        if index is None:
-            return read_box(self.backend, e, (0,) * len(e.shape), e.shape, fetch=fetch)
-        box_off, box_shape, post = normalize_index(index, e.shape, name)
-        block = read_box(self.backend, e, box_off, box_shape, fetch=fetch)
-        return block[post] if post else block
+        return read_box(self.backend, e, off, shape, fetch=fetch)
 
     def _chunk(self, e: TensorEntry, i: int, verify: bool) -> np.ndarray:
         """Chunk ``i`` of ``e`` (storage dtype, padded): every tensor-data read
