@@ -11,10 +11,14 @@ import pytest
 import dstt
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(dstt.__path__, "dstt."))
+#: Modules that import an optional extra: skipped where it is not installed.
+OPTIONAL = {"dstt.integrations.transformers": "transformers", "dstt.integrations.lightning": "lightning"}
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name: str) -> None:
+    if name in OPTIONAL:
+        pytest.importorskip(OPTIONAL[name])
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
