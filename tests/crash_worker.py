@@ -5,11 +5,13 @@ The state of step k is a pure function of k (:func:`expected_state`), so a
 test can check every committed step bit-exactly without talking to the
 writer. Run as::
 
-    python -m tests.crash_worker write STORE BRANCH N_STEPS [save|capture|auto [PAUSE_S]]
+    python -m tests.crash_worker write STORE BRANCH N_STEPS [save|capture|auto|staged [PAUSE_S]]
     python -m tests.crash_worker zygote
 
 ``write`` resumes after the branch's last committed step and captures
-N_STEPS more (0 = forever). ``zygote`` imports torch once, then forks one
+N_STEPS more (0 = forever). ``staged`` captures 1-4 steps at once, calls
+``wait_staged()``, appends the last of them to ``STORE.staged`` and stops
+itself with SIGSTOP, so a test can SIGKILL it right after ``wait_staged()``. ``zygote`` imports torch once, then forks one
 writer per ``fork`` command on stdin, so a test can SIGKILL many real writer
 processes without paying the torch import each time. Protocol, one line
 each way: ``fork STORE BRANCH N MODE`` → ``pid P``; ``wait P`` → ``status S``;
@@ -19,6 +21,7 @@ each way: ``fork STORE BRANCH N MODE`` → ``pid P``; ``wait P`` → ``status S`
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -68,11 +71,11 @@ def _last_step(store: str, branch: str) -> int:
 def write(store: str, branch: str, n_steps: int, mode: str = "auto", pause: float = 0.0) -> int:
     """Capture steps after the last committed one (``pause`` seconds of
     "training" between steps); the last step attempted."""
-    use_capture = mode == "capture" or (mode == "auto" and has_capture())
+    use_capture = mode in ("capture", "staged") or (mode == "auto" and has_capture())
+    if use_capture:
+        return _write_capture(store, branch, n_steps, pause, staged=mode == "staged")
     start = _last_step(store, branch) + 1
     stop = start + n_steps if n_steps > 0 else 1 << 62
-    if use_capture:
-        return _write_capture(store, branch, start, stop, pause)
     w = dstt.Writer(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
     try:
         for step in range(start, stop):
@@ -83,11 +86,21 @@ def write(store: str, branch: str, n_steps: int, mode: str = "auto", pause: floa
     return stop - 1
 
 
-def _write_capture(store: str, branch: str, start: int, stop: int, pause: float) -> int:
+def _write_capture(store: str, branch: str, n_steps: int, pause: float, staged: bool = False) -> int:
+    # The Capture first: it commits what a killed predecessor sealed, and
+    # the steps go on after that.
     cap = dstt.Capture(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
+    start = -1 if cap.writer.last_step is None else cap.writer.last_step
+    start += 1
+    stop = start + n_steps if n_steps > 0 else 1 << 62
     try:
         for step in range(start, stop):
             cap.snapshot(step, rng=False, extra=user_state(step))
+            if staged and (step - start) % 4 == (os.getpid() % 4):
+                cap.wait_staged()  # from here on the steps up to `step` must survive a SIGKILL
+                with open(f"{store}.staged", "a") as f:
+                    f.write(f"{step}\n")
+                os.kill(os.getpid(), signal.SIGSTOP)  # the whole process, threads included
             time.sleep(pause)
     finally:
         cap.close()

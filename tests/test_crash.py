@@ -22,7 +22,7 @@ from dstt.store import layout as L
 from dstt.store.gc import gc
 from dstt.store.verify import partial_steps, verify
 from tests.conftest import bits_equal
-from tests.crash_worker import expected_state
+from tests.crash_worker import MAX_CHUNK_BYTES, expected_state
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -169,7 +169,8 @@ def finish_and_collect(zygote: Zygote, store: Path) -> None:
     status = zygote.wait(pid)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     steps = check_store(store, set())
-    assert steps == list(range(n_before + 3))
+    # its 3 steps, after any that the last killed writer had sealed (committed first)
+    assert steps == list(range(len(steps))) and len(steps) >= n_before + 3, (steps, n_before)
 
 
 def test_sigkill_random_moments_quick(zygote: Zygote, tmp_path: Path) -> None:
@@ -188,6 +189,57 @@ def test_kill_during_store_creation_is_recoverable(zygote: Zygote, tmp_path: Pat
     out = kill_trials(zygote, store, trials=6, seed=1, max_delay=0.02)
     assert out["killed"] == 6
     finish_and_collect(zygote, store)
+
+
+def wait_stopped(pid: int, timeout: float = 60.0) -> None:
+    """Wait until ``pid`` stopped itself (SIGSTOP: state T in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        if state == "Z":
+            raise AssertionError(f"writer {pid} exited instead of stopping")
+        time.sleep(0.005)
+    raise TimeoutError(f"writer {pid} did not reach wait_staged() within {timeout} s")
+
+
+def leftover_rings(store: Path) -> list[Path]:
+    from dstt.capture.ring import group_dir
+
+    group = group_dir(str(store), "main")
+    return sorted(group.iterdir()) if group.exists() else []
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+def test_sigkill_right_after_wait_staged_loses_no_step(zygote: Zygote, tmp_path: Path) -> None:
+    """Issue 12: a trainer SIGKILLed right after wait_staged() (before the
+    background commit) lost the step in 6 trials out of 6. Now every step
+    staged is committed -- by the next Capture on the branch -- bit-exact,
+    verified, with no ring left behind and the branch writable again."""
+    store = tmp_path / "run"
+    marks = Path(f"{store}.staged")
+    checked: set[int] = set()
+    recovered = 0
+    for trial in range(20):
+        pid = zygote.fork(store, n_steps=0, mode="staged")
+        wait_stopped(pid)
+        os.kill(pid, signal.SIGKILL)
+        status = zygote.wait(pid)
+        assert os.WIFSIGNALED(status), status
+        staged = int(marks.read_text().split()[-1])
+        if trial % 2 == 0:  # recovered here; on odd trials by the next forked writer
+            with dstt.Capture(store, max_chunk_bytes=MAX_CHUNK_BYTES) as cap:
+                recovered += len(cap.recovered)
+                assert cap.writer.last_step is not None and cap.writer.last_step >= staged
+            assert leftover_rings(store) == []
+            steps = check_store(store, checked)
+            assert steps[-1] >= staged, (steps, staged)
+    print("steps recovered from rings of killed writers:", recovered)
+    assert recovered >= 3  # kills landed while sealed steps were not committed yet
+    finish_and_collect(zygote, store)
+    assert leftover_rings(store) == []
 
 
 @pytest.mark.slow

@@ -45,7 +45,8 @@ from dstt.capture.guard import VersionGuard
 from dstt.capture.hooks import StepFence, optimizer_storages, storage_key
 from dstt.capture.records import write_skip
 from dstt.capture.staging import CudaCopier, HostPool
-from dstt.errors import CaptureError
+from dstt.capture.ring import Ring, recover, seal_record, shm_free_bytes
+from dstt.errors import CaptureError, ConfigError
 from dstt.state import state_of
 from dstt.store.coord import new_coordinator
 from dstt.store.layout import validate_step
@@ -74,6 +75,13 @@ class _Job:
     staged: threading.Event = field(default_factory=threading.Event)  # lazy copies complete in host memory
     submitted: threading.Event = field(default_factory=threading.Event)  # every flush future exists
     guard: VersionGuard | None = None  # versions of the lazy sources at snapshot()
+    # Ring (crash survival): blocks handed to flush threads, and whether they
+    # are held until the step is committed (then it is sealed in the ring).
+    views: list[tuple[ChunkTask, torch.Tensor]] = field(default_factory=list)
+    pool: HostPool | None = None
+    hold: bool = False
+    sealed: bool = False
+    cuda_eager: list[Any] = field(default_factory=list)  # events after eager CUDA copies
     reported: bool = False  # its failure was already queued for the trainer (under Capture._cond)
 
     def finish_staging(self) -> None:
@@ -122,6 +130,9 @@ class Capture:
         )
         self.rank = self._plan_coord.rank
         self.pool: HostPool | None = None
+        self._pool_in_ring = False
+        self.recovered: list[int] = []  # steps sealed by a dead trainer, committed at construction
+        self._ring = self._open_ring()  # before any thread: recovery commits on this thread
         self._copier: CudaCopier | None = None
         self._fence = StepFence(self._before_optimizer_step)
         self._flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush",
@@ -214,6 +225,9 @@ class Capture:
             job.guard = VersionGuard([t.source for t in job.lazy], [t.layout.name for t in job.lazy])
         self._ensure_pool(job.plan)
         assert self.pool is not None
+        job.pool = self.pool
+        job.hold = self._pool_in_ring and policy.step_need_bytes(
+            [self.pool.block_bytes(_task_bytes(t)) for t in job.plan.tasks]) <= self.pool.capacity
         job.lazy_bytes = sum(self.pool.block_bytes(_task_bytes(t)) for t in job.lazy)
         devices = {t.source.device for t in job.plan.tasks if t.source.device.type == "cuda"}
         if devices:
@@ -221,7 +235,7 @@ class Capture:
         return eager
 
     def _enqueue(self, job: _Job) -> None:
-        staged_later = bool(job.lazy) and job.error is None
+        staged_later = (bool(job.lazy) or job.hold) and job.error is None  # held steps are sealed by the stager
         with self._cond:
             self._pending += 1
             self._queued_steps.add(job.plan.step)
@@ -241,14 +255,15 @@ class Capture:
         return queued
 
     def wait_staged(self) -> None:
-        """Block until every queued step is copied to host memory.
-
-        Call it before mutating captured tensors in place outside
-        ``optimizer.step()`` (which waits by itself).
-        """
+        """Block until every queued step is copied to host memory and, where
+        the pool is in /dev/shm, sealed there: from then on the step is
+        committed even if this process dies (by the next Capture on the
+        branch). Call it before mutating captured tensors in place outside
+        ``optimizer.step()`` (which waits by itself); raises a pending
+        failure (such as the mutation guard's)."""
         job = self._last
         if job is not None:
-            job.staged.wait()
+            job.submitted.wait()  # copied, and sealed in the ring where it has one
         self.raise_pending()
 
     def wait(self, timeout: float | None = None) -> list[CommitInfo]:
@@ -288,6 +303,10 @@ class Capture:
             self._committer.join()
             self._flush.shutdown(wait=True)
             self._fence.remove()
+            if self.pool is not None and self._pool_in_ring:
+                self.pool.unregister()
+            if self._ring is not None:
+                self._ring.close()  # everything queued is committed or failed
             self.writer.close()
             self._plan_coord.close()
             self._commit_coord.close()
@@ -389,7 +408,7 @@ class Capture:
                 job.staged.wait()
             pool.wait_idle()
         want = policy.pool_bytes(need_bytes=need, biggest_bytes=biggest, limit_bytes=limit)
-        self.pool = HostPool(want, pin=pin)
+        self.pool = self._new_pool(want, pin)
 
     def _skip_reason(self, job: _Job) -> str | None:
         """Why this step cannot be staged without waiting (agreed by all ranks).
@@ -453,13 +472,14 @@ class Capture:
                         job.lazy_bytes -= pool.block_bytes(nbytes)
                 dst = pool.view_as(block, t.source, t.shape)
                 if t.source.device.type == "cuda":
-                    self._cuda().copy(dst, t.source, job.ready[t.source.device.index])
+                    self._cuda().copy(dst, t.source, job.ready[t.source.device.index], pool.pinned)
                     batch.append((t, dst))
                     block = None
                     _check_guard(job, guard, i)  # issued: the copy stream reads the state at snapshot()
                 else:
                     dst.copy_(t.source)
                     _check_guard(job, guard, i)  # completed: a change before now is in the copy
+                    job.views.append((t, dst))
                     job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
                     block = None
             if batch:
@@ -490,8 +510,10 @@ class Capture:
         else:
             for idx, ev in done.items():
                 torch.cuda.current_stream(idx).wait_event(ev)
+            job.cuda_eager.extend(done.values())
         while batch:
             t, dst = batch[0]
+            job.views.append((t, dst))
             ready = None if lazy else done[t.source.device.index]
             job.futures.append(self._flush.submit(self._flush_one, self.pool, job, t, dst, ready))
             batch.pop(0)
@@ -530,6 +552,10 @@ class Capture:
             finally:
                 if job.guard is not None:
                     job.guard.release()
+                job.issued.set()
+                job.staged.set()  # copies landed: the optimizer may update the sources
+                if job.hold and job.error is None:
+                    self._seal(job)  # then wait_staged() returns (submitted, below)
                 with self._cond:
                     self._queued_bytes -= job.lazy_bytes
                     job.lazy_bytes = 0
@@ -545,7 +571,8 @@ class Capture:
                 raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
             return self.writer.flush_chunk(job.plan, task, staged)
         finally:
-            pool.release(staged)
+            if not job.hold:  # a held block is the ring's copy until the step is committed
+                pool.release(staged)
 
     def _commit_loop(self) -> None:
         self._lower_priority()
@@ -565,6 +592,7 @@ class Capture:
                 if not reported:
                     self._fail(job.plan.step, e)
             finally:
+                self._settle(job)
                 with self._cond:
                     self._pending -= 1
                     self._queued_steps.discard(job.plan.step)
@@ -591,6 +619,71 @@ class Capture:
             self.n_committed += 1
             self.bytes_written += info.bytes_written
             self.last_commit = info
+
+    # ================================================================ ring (crash survival)
+
+    def _open_ring(self) -> Ring | None:
+        """This Capture's ring in /dev/shm (single process; see ring.py),
+        after committing what rings of dead trainers sealed."""
+        if self.config.shm is False or self._plan_coord.distributed or shm_free_bytes() is None:
+            if self.config.shm is True:
+                raise ConfigError("shm=True: staging in /dev/shm needs a single process with /dev/shm "
+                                  "(torch.distributed runs stage in process memory)")
+            return None
+        info = self.writer.branch
+        identity = {"store": str(self.writer.backend.url), "branch": info.name, "branch_id": info.id,
+                    "branch_created": info.created}
+        ring = Ring(identity)
+        try:
+            recovered = recover(self.writer, identity, exclude=ring.dir)
+        except BaseException:
+            ring.close()
+            self.writer.close()
+            raise
+        self.recovered = recovered
+        return ring
+
+    def _new_pool(self, capacity: int, pin: bool) -> HostPool:
+        """A pool in the ring's /dev/shm file where it fits (policy.shm_decision),
+        else in process memory with a warning (or an error with shm=True)."""
+        old, was_ring = self.pool, self._pool_in_ring
+        capacity = -(-capacity // 4096) * 4096  # the file in whole pages
+        self._pool_in_ring = False
+        if self._ring is not None:
+            decision = policy.shm_decision(pool_bytes=capacity, shm_free_bytes=shm_free_bytes())
+            if decision.where == "shm":
+                if old is not None and was_ring:
+                    old.unregister()
+                    self._ring.drop_pool(self._ring.pool_name)
+                pool = HostPool(capacity, pin=pin, buffer=self._ring.new_pool(capacity))
+                self._pool_in_ring = True
+                return pool
+            if self.config.shm is True:
+                raise CaptureError(f"shm=True: {decision.warning}")
+            warnings.warn(f"dstt: {decision.warning}", RuntimeWarning, stacklevel=5)
+        return HostPool(capacity, pin=pin)
+
+    def _seal(self, job: _Job) -> None:
+        """Every copy of a held step has landed: record it in the ring, so
+        the step is committed even if this process dies now (ring.py)."""
+        try:
+            for ev in job.cuda_eager:
+                ev.synchronize()
+            assert self._ring is not None and job.pool is not None
+            self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views))
+            job.sealed = True
+        except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
+            log.warning("dstt: step %d not sealed in the staging ring (%s): it is lost if the trainer dies "
+                        "before it is committed", job.plan.step, e)
+
+    def _settle(self, job: _Job) -> None:
+        """After a step's commit (or failure): forget its seal, free its held blocks."""
+        if job.sealed and self._ring is not None:
+            self._ring.unseal(job.plan.step)
+        if job.hold and job.pool is not None:
+            for _, view in job.views:
+                job.pool.release(view)
+        job.views = []
 
     def _fail(self, step: int, e: BaseException) -> None:
         err = e if isinstance(e, CaptureError) and f"step {step}" in str(e) else None

@@ -280,10 +280,23 @@ class Writer:
             max_chunk_bytes=self.max_chunk_bytes,
             allow_pickle=self.allow_pickle,
         )
+        return self._reserve(plan)
+
+    def adopt(self, plan: StepPlan) -> StepPlan:
+        """Take a plan made by another writer of this branch, now gone (a
+        step sealed in a staging ring by a trainer that died, replayed by
+        capture/ring.py), as this writer's next step: checked and given the
+        next slot like a plan of its own."""
+        self._check_open()
+        self.check_step(plan.step)
+        self.check_lock()
+        return self._reserve(plan)
+
+    def _reserve(self, plan: StepPlan) -> StepPlan:
         plan.seq = self.next_seq
         plan.slot = L.slot_for(self.branch.id, plan.seq)
         self.next_seq += 1
-        self.last_step = step
+        self.last_step = plan.step
         return plan
 
     def ensure_arrays(self, plan: StepPlan) -> None:

@@ -1,0 +1,328 @@
+"""The staging ring in /dev/shm: pool files and sealed step records that
+outlive the trainer.
+
+Layout (one directory per Capture, mode 0700, under the user's own root)::
+
+    /dev/shm/dstt-<uid>/<group>/<run>/owner.json        who, for which store and branch
+                                     /pool-<gen>.bin    the staging pool (mmap'ed)
+                                     /seal-<step>.json  one sealed step
+
+``<group>`` hashes the store's URL and the branch; ``owner.json`` also names
+the branch id and its creation time, so a ring is never applied to another
+store or to a branch recreated under the same name.
+
+A step is *sealed* once every copy of it has landed in the pool: its record
+(step, the plan's layouts and value tree, and per chunk its place in the
+pool file and the CRC-32C of the bytes there) is written with an atomic
+rename. The pool blocks of a sealed step are not reused until the step is
+committed; then the record is removed. So if the trainer dies, each record
+left names bytes that are still in the pool file, and the next Capture on
+that store and branch (which holds the branch lock, so no other writer
+owns those rings) commits them in step order (:func:`recover`), checking
+every CRC first; a ring that does not check out is discarded whole.
+
+Why files and not ``multiprocessing.shared_memory``: its resource tracker
+unlinks segments when the process that made them exits, which is exactly
+the moment they are needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dstt.errors import CaptureError
+from dstt.store.codec import CodecSpec, crc32c
+from dstt.store.dtypes import info_for_name
+from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
+from dstt.store.shards import Region
+
+log = logging.getLogger("dstt.capture")
+
+SHM_ROOT = Path("/dev/shm")
+SEAL_FORMAT = "dstt-ring-seal"
+#: A seal record is a few KB per hundred tensors; anything bigger is not ours.
+SEAL_MAX_BYTES = 256 << 20
+
+
+def ring_root(base: Path | None = None) -> Path:
+    return (base or SHM_ROOT) / f"dstt-{os.getuid()}"
+
+
+def shm_free_bytes(base: Path | None = None) -> int | None:
+    """Free bytes of /dev/shm, or None where there is none."""
+    base = base or SHM_ROOT
+    try:
+        st = os.statvfs(base)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def group_dir(store_url: str, branch: str, base: Path | None = None) -> Path:
+    digest = hashlib.sha256(f"{store_url}\0{branch}".encode()).hexdigest()[:24]
+    return ring_root(base) / digest
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (and parents) as 0700 and check it is ours: a ring
+    read back is trusted only if nobody else could have written it."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not path.is_dir() or path.is_symlink() or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise CaptureError(f"{path}: not a private directory of this user; refusing to stage there")
+
+
+class Ring:
+    """This Capture's ring directory: pool files and seal records.
+
+    >>> import tempfile
+    >>> r = Ring({"store": "s", "branch": "main", "branch_id": 0, "branch_created": 0.0},
+    ...          base=Path(tempfile.mkdtemp()))
+    >>> buf = r.new_pool(1 << 16)
+    >>> buf.numel(), r.pool_name
+    (65536, 'pool-0.bin')
+    >>> r.close()
+    """
+
+    def __init__(self, identity: dict[str, Any], base: Path | None = None) -> None:
+        self.identity = dict(identity)
+        self.group = group_dir(identity["store"], identity["branch"], base)
+        _private_dir(ring_root(base))
+        _private_dir(self.group)
+        self.dir = self.group / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        _private_dir(self.dir)
+        _write_atomic(self.dir / "owner.json", json.dumps({**self.identity, "pid": os.getpid()}).encode())
+        self._gen = -1
+        self.pool_name = ""
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def new_pool(self, capacity_bytes: int) -> torch.Tensor:
+        """A fresh pool file of ``capacity_bytes`` mapped shared; its pages
+        are not touched here (the first copies fault them in)."""
+        self._gen += 1
+        name = f"pool-{self._gen}.bin"
+        fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, capacity_bytes)
+            mm = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._maps[name] = mm
+        self.pool_name = name
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+    def drop_pool(self, name: str) -> None:
+        """Forget an old pool file (no sealed step refers to it any more)."""
+        self._maps.pop(name, None)  # the mapping goes when its last tensor view does
+        with _suppress():
+            os.unlink(self.dir / name)
+
+    def seal(self, record: dict[str, Any]) -> None:
+        _write_atomic(self.dir / f"seal-{record['step']:020d}.json", json.dumps(record, allow_nan=False).encode())
+
+    def unseal(self, step: int) -> None:
+        with _suppress():
+            os.unlink(self.dir / f"seal-{step:020d}.json")
+
+    def close(self) -> None:
+        """Remove the ring (everything in it is committed or given up)."""
+        self._maps.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        with _suppress():
+            self.group.rmdir()  # when no other ring of this store and branch is left
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], OSError)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list[tuple[ChunkTask, torch.Tensor]]
+                ) -> dict[str, Any]:
+    """The record of a step whose chunks are all in ``pool`` (``staged``:
+    each task with its pool view)."""
+    index = {id(l): i for i, l in enumerate(plan.layouts)}
+    base = pool.data_ptr()
+    tasks = []
+    for t, view in staged:
+        nbytes = view.numel() * view.element_size()
+        raw = np.frombuffer(pool[view.data_ptr() - base:view.data_ptr() - base + nbytes].numpy(), np.uint8)
+        tasks.append({"layout": index[id(t.layout)], "index": t.index, "coords": list(t.coords),
+                      "offset": list(t.offset), "shape": list(t.shape), "dtype": str(t.source.dtype)[6:],
+                      "start": view.data_ptr() - base, "nbytes": nbytes, "crc": crc32c(raw)})
+    return {
+        "format": SEAL_FORMAT, "step": plan.step, "pool": pool_name, "tree": plan.tree,
+        "layouts": [_layout_doc(l) for l in plan.layouts],
+        "meta": [index[id(l)] for l in plan.meta_arrays],
+        "tasks": tasks,
+    }
+
+
+def _layout_doc(l: TensorLayout) -> dict[str, Any]:
+    return {"name": l.name, "kind": l.kind, "dtype": l.dtype.logical, "shape": list(l.shape),
+            "chunk_shape": list(l.chunk_shape), "compression": l.codec.compression, "level": l.codec.level,
+            "regions": [[list(r.offset), list(r.shape), list(r.holders)] for r in l.regions]}
+
+
+def _layout_of(d: dict[str, Any]) -> TensorLayout:
+    return TensorLayout(d["name"], d["kind"], info_for_name(d["dtype"]), tuple(d["shape"]),
+                        tuple(d["chunk_shape"]), CodecSpec(d["compression"], d["level"]),
+                        [Region(tuple(o), tuple(s), list(h)) for o, s, h in d["regions"]])
+
+
+def plan_of(record: dict[str, Any], pool: torch.Tensor) -> StepPlan:
+    """Rebuild a sealed step's plan, its tasks' sources viewing ``pool``;
+    CorruptRing if a chunk's bytes no longer match their CRC."""
+    layouts = [_layout_of(d) for d in record["layouts"]]
+    tasks = []
+    for d in record["tasks"]:
+        start, nbytes = int(d["start"]), int(d["nbytes"])
+        if not 0 <= start <= start + nbytes <= pool.numel():
+            raise CorruptRing(f"chunk at {start}+{nbytes} outside the pool")
+        block = pool[start:start + nbytes]
+        if crc32c(np.frombuffer(block.numpy(), np.uint8)) != d["crc"]:
+            raise CorruptRing(f"step {record['step']}: a chunk of {layouts[d['layout']].name} does not match its CRC")
+        dtype = getattr(torch, d["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptRing(f"unknown dtype {d['dtype']!r}")
+        source = block.view(dtype).view(tuple(d["shape"]))
+        tasks.append(ChunkTask(layouts[d["layout"]], int(d["index"]), tuple(d["coords"]), tuple(d["offset"]),
+                               tuple(d["shape"]), source))
+    return StepPlan(int(record["step"]), record["tree"], layouts, tasks, [layouts[i] for i in record["meta"]])
+
+
+class CorruptRing(Exception):
+    """A ring left behind does not check out: it is discarded, never committed."""
+
+
+# ----------------------------------------------------------------------------- recovery
+
+
+def abandoned(identity: dict[str, Any], base: Path | None = None, exclude: Path | None = None
+              ) -> list[tuple[Path, list[dict[str, Any]]]]:
+    """Rings of this store and branch other than ``exclude``, each with its
+    seal records in step order. Rings of another store or of an earlier
+    branch of the same name are removed. The caller holds the branch lock,
+    so every other ring's owner is gone (or closed)."""
+    group = group_dir(identity["store"], identity["branch"], base)
+    out = []
+    try:
+        entries = sorted(group.iterdir())
+    except OSError:
+        return []
+    for ring in entries:
+        if ring == exclude or not ring.is_dir() or ring.is_symlink():
+            continue
+        try:
+            if os.lstat(ring).st_uid != os.getuid():
+                continue
+            owner = json.loads(_read_bounded(ring / "owner.json"))
+            if not isinstance(owner, dict) or any(owner.get(k) != v for k, v in identity.items()):
+                raise CorruptRing("another store or branch")
+            seals = []
+            for p in sorted(ring.glob("seal-*.json")):
+                doc = json.loads(_read_bounded(p))
+                if not isinstance(doc, dict) or doc.get("format") != SEAL_FORMAT:
+                    raise CorruptRing(f"{p.name}: not a seal record")
+                seals.append(doc)
+        except (OSError, ValueError, CorruptRing) as e:
+            log.warning("dstt: discarding staging ring %s: %s", ring, e)
+            shutil.rmtree(ring, ignore_errors=True)
+            continue
+        out.append((ring, sorted(seals, key=lambda d: d["step"])))
+    return out
+
+
+def map_pool(ring: Path, name: str) -> torch.Tensor:
+    if "/" in name or not name.startswith("pool-"):
+        raise CorruptRing(f"bad pool name {name!r}")
+    fd = os.open(ring / name, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+    finally:
+        os.close(fd)
+    if mm is None:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def _read_bounded(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        import stat
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptRing(f"{path.name}: not a regular file")
+        chunks, size = [], 0
+        while size <= SEAL_MAX_BYTES:
+            part = os.read(fd, SEAL_MAX_BYTES + 1 - size)
+            if not part:
+                break
+            chunks.append(part)
+            size += len(part)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) > SEAL_MAX_BYTES:
+        raise CorruptRing(f"{path.name}: larger than {SEAL_MAX_BYTES} bytes")
+    return data
+
+
+def recover(writer: Any, identity: dict[str, Any], *, exclude: Path | None = None, base: Path | None = None
+            ) -> list[int]:
+    """Commit, in step order, the sealed steps of this branch's abandoned
+    rings that are newer than its last commit; remove those rings. The
+    steps committed. ``writer`` (a :class:`~dstt.store.writer.Writer` of a
+    single process) holds the branch lock."""
+    done: list[int] = []
+    for ring, seals in abandoned(identity, base, exclude):
+        maps: dict[str, torch.Tensor] = {}
+        try:
+            for record in seals:
+                step = record.get("step")
+                if not isinstance(step, int) or (writer.last_step is not None and step <= writer.last_step):
+                    continue  # committed before the trainer died
+                pool = maps.get(record["pool"])
+                if pool is None:
+                    pool = maps[record["pool"]] = map_pool(ring, record["pool"])
+                plan = writer.adopt(plan_of(record, pool))
+                writer.ensure_arrays(plan)
+                results = [writer.flush_chunk(plan, t, t.source) for t in plan.tasks]
+                writer.commit(plan, results)
+                done.append(step)
+                log.warning("dstt: committed step %d of branch %r, sealed in the staging ring of a trainer that "
+                            "died (%s)", step, identity["branch"], ring.name)
+        except (CorruptRing, KeyError, TypeError, ValueError) as e:
+            log.warning("dstt: discarding the rest of staging ring %s: %s", ring, e)
+        finally:  # a store error propagates and keeps the ring for the next try
+            maps.clear()
+        shutil.rmtree(ring, ignore_errors=True)
+    return done
