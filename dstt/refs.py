@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from dstt.errors import InvalidReferenceError, StepNotFoundError
+from dstt.store.layout import StepRef
 
 if TYPE_CHECKING:
     from dstt.store.index import RunIndex as Run
@@ -29,18 +30,7 @@ _RELATIVE_RE = re.compile(r"(?:@([A-Za-z0-9][A-Za-z0-9._-]{0,127}))?(?::(latest|
 
 StepSpec = int | str | None
 
-
-class StepRef(NamedTuple):
-    """A committed step of a branch: what ``Run.resolve`` returns and what
-    ``parent=`` takes (beside reference strings such as ``"main:1200"``).
-
-    >>> StepRef("main", 1200)
-    StepRef(branch='main', step=1200)
-    >>> branch, step = StepRef("main", 1200)
-    """
-
-    branch: str
-    step: int
+__all__ = ["Ref", "StepRef", "StepSpec", "resolve_step"]
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,8 @@ def read_whole(run: TensorReader, rec: StepRecord, name: str) -> torch.Tensor:
     if e is None:
         return run.read(name, rec.step, rec.branch)
     buf = torch.empty(e.nbytes, dtype=torch.uint8)
-    read_whole_into(run.backend, e, memoryview(buf.numpy()))
+    with run.removed_meanwhile(rec.branch, rec.step):  # pruned meanwhile: StepNotFoundError
+        read_whole_into(run.backend, e, memoryview(buf.numpy()))
     return buf.view(torch_storage(e.dtype)).view(torch_dtype(e.dtype)).reshape(e.shape)
 
 

@@ -281,3 +281,178 @@ def test_step_references_beyond_twenty_digits_are_reference_errors(tmp_path: Pat
     assert res.exit_code == 2 and "out of range" in res.output
     res = cli("ls", f"{path}:{10**20}")
     assert res.exit_code == 2 and "out of range" in res.output
+
+
+# --------------------------------------------------------------------------- 4. stores that hang or eat memory
+
+
+def _no_hang(fn, fifo: Path, timeout: float = 20.0):  # type: ignore[no-untyped-def]
+    """Run ``fn`` in a thread; if it blocks (on the FIFO), unblock it by
+    opening the FIFO's other end and fail."""
+    import threading
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - inspected by the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # lets a blocked open/read finish
+        os.close(fd)
+        t.join(10)
+        pytest.fail(f"blocked on the FIFO {fifo}")
+    return out
+
+
+def _make_fifo(p: Path) -> None:
+    p.unlink()
+    os.mkfifo(p)
+
+
+@pytest.mark.parametrize("what", ["zarr.json", "branch", "index", "chunk", "names"])
+def test_a_fifo_in_the_store_never_blocks(tmp_path: Path, what: str) -> None:
+    from dstt.errors import DsttError
+    from dstt.store import layout as L
+
+    path = tmp_path / "run"
+    dstt.save(path, 0, state(0))
+    step = path / L.step_dir("main", 0)
+    run = dstt.open(path)
+    chunk = path / run.entry("model/w", 0).array / "c.0.0"
+    target = {"zarr.json": path / "zarr.json", "branch": path / L.branch_key("main"),
+              "index": step / "index.json", "names": step / "names.json", "chunk": chunk}[what]
+    _make_fifo(target)
+
+    def read_it() -> object:
+        run = dstt.open(path)
+        return run.steps() if what == "branch" else run.read("model/w", 0)
+
+    got = _no_hang(read_it, target)
+    assert isinstance(got.get("error"), DsttError) and "not a regular file" in str(got["error"]), got
+    rep = _no_hang(lambda: verify(path), target)
+    if "error" in rep:  # zarr.json / branch: the store cannot be opened at all
+        assert isinstance(rep["error"], DsttError)
+    else:
+        assert not rep["value"].ok
+    args = {"branch": ["ls", str(path)], "chunk": ["show", f"{path}:0", "model/w"]}.get(what, ["ls", f"{path}:0"])
+    res = _no_hang(lambda: cli(*args), target)["value"]
+    assert res.exit_code == 1 and "not a regular file" in res.output
+
+
+def test_a_device_node_as_a_branch_document_is_refused(tmp_path: Path) -> None:
+    import stat as st
+
+    from dstt.errors import CorruptStoreError
+    from dstt.store import layout as L
+
+    path = tmp_path / "run"
+    dstt.save(path, 0, state(0))
+    doc = path / L.branch_key("main")
+    doc.unlink()
+    try:
+        os.mknod(doc, st.S_IFCHR | 0o600, os.stat("/dev/zero").st_rdev)
+    except (PermissionError, OSError) as e:
+        pytest.skip(f"cannot make a device node here: {e}")
+    with pytest.raises(CorruptStoreError, match="character device"):
+        dstt.open(path).steps()
+    res = cli("ls", str(path))
+    assert res.exit_code == 1 and "character device" in res.output
+
+
+def test_oversized_documents_are_refused_unread(tmp_path: Path) -> None:
+    from dstt.errors import CorruptStoreError
+    from dstt.store import layout as L
+
+    path = tmp_path / "run"
+    dstt.save(path, 0, state(0))
+    doc = path / L.branch_key("main")
+    with open(doc, "r+b") as f:
+        f.truncate(64 << 30)  # sparse: 64 GiB that would be read whole
+    with pytest.raises(CorruptStoreError, match="more than"):
+        dstt.open(path).steps()
+    idx = path / L.step_dir("main", 0) / "index.json"
+    doc.unlink()
+    dstt.save(tmp_path / "other", 0, state(0))
+    os.replace(tmp_path / "other" / L.branch_key("main"), path / L.branch_key("main"))
+    with open(idx, "r+b") as f:
+        f.truncate(64 << 30)
+    with pytest.raises(CorruptStoreError):
+        dstt.open(path).tensors(0)
+    assert not verify(path).ok
+
+
+@pytest.mark.parametrize("framing", ["sized", "streamed"])
+def test_a_zstd_bomb_is_refused_without_inflating_it(tmp_path: Path, framing: str) -> None:
+    import shutil
+    import tracemalloc
+
+    import numpy as np
+    from numcodecs import Zstd
+
+    from dstt.errors import CorruptStoreError
+    from dstt.store.codec import crc32c
+
+    path = tmp_path / "run"
+    dstt.save(path, 0, {"x": torch.ones(1)}, compression="zstd")  # a 4-byte tensor
+    bomb_bytes = 256 << 20
+    if framing == "sized":
+        frame = bytes(Zstd(level=1).encode(np.zeros(bomb_bytes, np.uint8)))
+    else:  # no content size in the header: only an output limit stops it
+        if shutil.which("zstd") is None:
+            pytest.skip("no zstd command")
+        frame = subprocess.run(f"head -c {bomb_bytes} /dev/zero | zstd -1 -q -c", shell=True,
+                               capture_output=True, check=True).stdout
+    run = dstt.open(path)
+    chunk = path / run.entry("x", 0).array / "c.0.0"
+    chunk.write_bytes(frame + crc32c(frame).to_bytes(4, "little"))  # a valid trailer
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptStoreError):
+            dstt.open(path).read("x", 0)
+        rep = verify(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not rep.ok
+    assert peak < 32 << 20, f"decoding allocated {peak} bytes"
+
+
+# --------------------------------------------------------------------------- 8. late errors (readers)
+
+
+def test_a_reader_racing_prune_and_gc_is_told_the_step_was_removed(tmp_path: Path) -> None:
+    from dstt.errors import StepNotFoundError
+    from dstt.store.backends import LocalBackend
+
+    path = tmp_path / "run"
+    for s in range(3):
+        dstt.save(path, s, state(s))
+    run = dstt.open(path)
+    run.record(1)  # the reader has the step's index ...
+    dstt.prune(path, keep_last=1)
+    dstt.gc(path)  # ... and its chunks are collected meanwhile
+    with pytest.raises(StepNotFoundError, match="removed"):
+        run.read("model/w", 1)
+    with pytest.raises(StepNotFoundError, match="removed"):
+        list(run.iter_chunks("model/w", 1))
+
+    class PrunedAfterCommitRead(LocalBackend):
+        """A prune that lands between the reader's commit.json and index.json reads."""
+
+        def get(self, key, *, max_bytes=None):  # type: ignore[no-untyped-def]
+            data = super().get(key, max_bytes=max_bytes)
+            if key.endswith("commit.json") and "/00000000000000000002/" in key:
+                import shutil
+
+                shutil.rmtree(os.path.join(self.url, "meta/steps/main/00000000000000000002"))
+            return data
+
+    dstt.save(path, 3, state(3))
+    with pytest.raises(StepNotFoundError, match="removed"):
+        dstt.open(PrunedAfterCommitRead(path)).tensors(2)

@@ -48,7 +48,7 @@ def skipped_steps(store: Any, branch: str = "main") -> dict[int, dict[str, Any]]
         if not name.endswith(".json"):
             continue
         key = f"{SKIPS}/{branch}/{name}"
-        data = backend.get(key)
+        data = backend.get(key, max_bytes=L.MAX_DOC_BYTES)
         if data is not None:
             doc = decode_json(data, key)  # the store may be someone else's: validate
             step = doc.get("step") if isinstance(doc, dict) else None

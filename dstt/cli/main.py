@@ -1,18 +1,69 @@
 """The ``dstt`` command: one typer app, one module per command group.
 
 Each command module exposes ``register(app)``; this module only wires them
-up. Commands are thin: they parse, call the library and hand data to
-:mod:`dstt.cli.output`.
+up, lazily: :data:`COMMANDS` says which module defines each command, and a
+command's module is imported only when that command runs (or ``--help``
+lists it). Commands are thin: they parse, call the library and hand data to
+:mod:`dstt.cli.output`. Read-only commands never import torch.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
+
+#: Command -> the module (under dstt.cli) defining it, in help order.
+COMMANDS: dict[str, str] = {
+    "demo": "demo",
+    "verify": "verify",
+    "unlock": "verify",
+    "ls": "inspect",
+    "show": "inspect",
+    "diff": "inspect",
+    "history": "inspect",
+    "find": "inspect",
+    "export": "timetravel",
+    "restore": "timetravel",
+    "branch": "timetravel",
+    "prune": "timetravel",
+    "gc": "timetravel",
+}
+
+#: Command modules, each with ``register(app)``, in help order.
+COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
+
+
+class LazyGroup(TyperGroup):
+    """A typer group that imports a command's module on first use."""
+
+    _loaded: dict[str, Any] = {}
+
+    def _module_commands(self, module: str) -> Any:
+        group = self._loaded.get(module)
+        if group is None:
+            sub = typer.Typer(pretty_exceptions_enable=False, add_completion=False)
+            sub.callback()(lambda: None)  # a group even when the module has one command
+            importlib.import_module(f"dstt.cli.{module}").register(sub)
+            group = typer.main.get_group(sub)
+            self._loaded[module] = group
+        return group
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*COMMANDS, *(n for n in self.commands if n not in COMMANDS)]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return self.commands.get(cmd_name)
+        return self._module_commands(module).get_command(ctx, cmd_name)
+
 
 app = typer.Typer(
     name="dstt",
+    cls=LazyGroup,
     help="Capture a PyTorch training run and travel through it.",
     no_args_is_help=True,
     add_completion=False,
@@ -20,13 +71,10 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-#: Command modules, each with ``register(app)``, in help order.
-COMMAND_MODULES = ["demo", "verify", "inspect", "timetravel"]
-
 
 def _version(value: bool) -> None:
     if value:
-        from dstt import __version__
+        from dstt._version import __version__
 
         typer.echo(f"dstt {__version__}")
         raise typer.Exit()
@@ -41,10 +89,6 @@ def _root(
         import os
 
         os.environ["DSTT_DEBUG"] = "1"
-
-
-for _name in COMMAND_MODULES:
-    importlib.import_module(f"dstt.cli.{_name}").register(app)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""``dstt restore`` (export a step to a file), ``dstt branch``, ``dstt prune``, ``dstt gc``."""
+"""``dstt export`` (a step to a file; ``dstt restore --out`` is an alias), ``dstt branch``, ``dstt prune``, ``dstt gc``."""
 
 from __future__ import annotations
 
@@ -55,16 +55,7 @@ def _same_store(a: str, b: str) -> bool:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
-    @handle_errors
-    def restore(
-        ref: str = typer.Argument(..., help="Step to export: STORE, STORE:STEP, STORE@BRANCH or STORE@BRANCH:STEP (latest step of main by default)."),
-        out: str = typer.Option(..., "--out", "-o", help="File to write: .pt (torch.save) or .safetensors."),
-        only: Optional[str] = typer.Option(None, "--only", help="Only this subtree, e.g. 'model'."),
-        json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-    ) -> None:
-        """Write a step to a standalone file. To restore into live training, use dstt.restore() in Python."""
+    def export_step(ref: str, out: str, only: Optional[str], json_out: bool, quiet: bool) -> None:
         from dstt.export import export
 
         from dstt.cli.render import progress
@@ -78,6 +69,26 @@ def register(app: typer.Typer) -> None:
             stderr.print(f"note: {note}")
         stdout.print(f"wrote {info.path} ({info.format}): {info.n_tensors} tensors, "
                      f"{human_bytes(info.nbytes)} from step {info.step} of branch {info.branch!r}")
+
+    ref_arg = typer.Argument(..., help="Step to export: STORE, STORE:STEP, STORE@BRANCH or STORE@BRANCH:STEP (latest step of main by default).")
+    out_opt = typer.Option(..., "--out", "-o", help="File to write: .pt (torch.save) or .safetensors.")
+    only_opt = typer.Option(None, "--only", help="Only this subtree, e.g. 'model'.")
+    json_opt = typer.Option(False, "--json", help="Machine-readable report on stdout.")
+    quiet_opt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
+
+    @app.command("export")
+    @handle_errors
+    def export_cmd(ref: str = ref_arg, out: str = out_opt, only: Optional[str] = only_opt,
+                   json_out: bool = json_opt, quiet: bool = quiet_opt) -> None:
+        """Write a step to a standalone file (.pt or .safetensors)."""
+        export_step(ref, out, only, json_out, quiet)
+
+    @app.command("restore")
+    @handle_errors
+    def restore(ref: str = ref_arg, out: str = out_opt, only: Optional[str] = only_opt,
+                json_out: bool = json_opt, quiet: bool = quiet_opt) -> None:
+        """Same as 'dstt export' (kept as an alias). To restore into live training, use dstt.restore() in Python."""
+        export_step(ref, out, only, json_out, quiet)
 
     @app.command()
     @handle_errors

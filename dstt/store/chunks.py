@@ -31,7 +31,7 @@ import numpy as np
 
 from dstt.errors import ChecksumMismatchError, CorruptStoreError
 from dstt.store import layout as L
-from dstt.store.codec import CodecSpec, crc32c, decode_chunk
+from dstt.store.codec import CodecSpec, crc32c, decode_chunk, max_stored_bytes
 
 if TYPE_CHECKING:
     from dstt.store.backends import Backend
@@ -143,7 +143,7 @@ def check_chunk(data: Any, codec: CodecSpec, nbytes: int, where: str, *,
 def read_chunk_raw(backend: Backend, key: str, codec: CodecSpec, nbytes: int, where: str, *,
                    crc: int | None = None, sha256: str | None = None) -> memoryview:
     """The raw bytes of the chunk at ``key``, read and checked (:func:`check_chunk`)."""
-    data = backend.get(key)
+    data = backend.get(key, max_bytes=max_stored_bytes(codec, nbytes))
     if data is None:
         raise CorruptStoreError(f"{where}: chunk {key} is missing")
     return check_chunk(data, codec, nbytes, where, crc=crc, sha256=sha256)

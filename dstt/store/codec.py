@@ -94,6 +94,16 @@ def encode_chunk(raw: memoryview, codec: CodecSpec, raw_crc: int | None = None) 
     return [body, _CRC.pack(crc)]
 
 
+def max_stored_bytes(codec: CodecSpec, nbytes: int) -> int:
+    """The most bytes a stored chunk of ``nbytes`` raw bytes can take with
+    ``codec`` (CRC trailer included): reads of untrusted stores are bounded
+    by it. Compressors expand incompressible data by well under 1/64 plus a
+    small header (zstd's bound is n/256 + 64 KiB-ish small-input slack)."""
+    if codec.compression == "none":
+        return nbytes + 4
+    return nbytes + nbytes // 64 + 64 * 1024 + 4
+
+
 def decode_chunk(data: bytes | memoryview, codec: CodecSpec, expected_nbytes: int, where: str) -> memoryview:
     """Verify the trailing CRC-32C and undo compression; raise on any mismatch."""
     view = memoryview(data).cast("B")
@@ -107,7 +117,10 @@ def decode_chunk(data: bytes | memoryview, codec: CodecSpec, expected_nbytes: in
         from numcodecs import Zstd
 
         try:
-            body = memoryview(Zstd().decode(body)).cast("B")
+            # Into a buffer of the chunk's known size: a frame declaring (or
+            # streaming) more fails instead of being inflated (a zstd bomb).
+            out = np.empty(expected_nbytes, dtype=np.uint8)
+            body = memoryview(Zstd().decode(body, out=out)).cast("B")
         except Exception as e:  # numcodecs raises RuntimeError/ValueError variants
             raise CorruptStoreError(f"{where}: cannot decompress chunk: {e}") from None
     if len(body) != expected_nbytes:

@@ -19,6 +19,7 @@ only the chunks that overlap it. Torch tensors come from
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
@@ -186,10 +187,11 @@ class RunIndex:
         return b, s
 
     def _file(self, where: str, fname: str, commit: dict[str, Any]) -> bytes:
-        data = self.backend.get(f"{where}/{fname}")
-        if data is None:
-            raise CorruptStoreError(f"{where}: committed step is missing {fname}")
         rec = commit["files"][fname]
+        with self.removed_meanwhile(commit["branch"], commit["step"]):
+            data = self.backend.get(f"{where}/{fname}", max_bytes=rec["size"])
+            if data is None:
+                raise CorruptStoreError(f"{where}: committed step is missing {fname}")
         if len(data) != rec["size"] or sha256_hex(data) != rec["sha256"]:
             raise ChecksumMismatchError(f"{where}/{fname}: checksum does not match the commit record")
         return data
@@ -284,11 +286,26 @@ class RunIndex:
         also checks each chunk's sha256 (CRC-32Cs are always checked)."""
         rec = self.record(step, branch)
         e = self.entry(name, rec.step, rec.branch)
-        if index is None:
-            return self._read_box(e, (0,) * len(e.shape), e.shape, verify)
-        box_off, box_shape, post = normalize_index(index, e.shape, name)
-        block = self._read_box(e, box_off, box_shape, verify)
-        return block[post] if post else block
+        with self.removed_meanwhile(rec.branch, rec.step):
+            if index is None:
+                return self._read_box(e, (0,) * len(e.shape), e.shape, verify)
+            box_off, box_shape, post = normalize_index(index, e.shape, name)
+            block = self._read_box(e, box_off, box_shape, verify)
+            return block[post] if post else block
+
+    @contextlib.contextmanager
+    def removed_meanwhile(self, branch: Any, step: Any) -> Iterator[None]:
+        """Turn a missing or damaged file of a step that ``prune`` removed
+        while it was being read (its commit marker is gone; gc may have taken
+        its chunks) into StepNotFoundError: the step is gone, the store is fine."""
+        try:
+            yield
+        except CorruptStoreError as e:
+            if (isinstance(branch, str) and isinstance(step, int)
+                    and not self.backend.exists(f"{L.step_dir(branch, step)}/{L.COMMIT_FILE}")):
+                raise StepNotFoundError(
+                    f"step {step} of branch {branch!r} was removed (pruned) while it was being read") from e
+            raise
 
     def _read_box(self, e: TensorEntry, off: tuple[int, ...], shape: tuple[int, ...], verify: bool) -> np.ndarray:
         """The box ``off``/``shape`` of ``e`` (storage dtype), chunk by chunk
@@ -308,11 +325,13 @@ class RunIndex:
                           branch: str | None = None) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         """(global region, storage-dtype values) of each chunk of a tensor,
         edge chunks trimmed: streaming access with memory bounded by one chunk."""
-        e = self.entry(name, step, branch)
+        rec = self.record(step, branch)
+        e = self.entry(name, rec.step, rec.branch)
         g = e.chunk_grid
         for i in range(e.nchunks):
             region = g.region(i)
-            arr = self._chunk(e, i, False)[tuple(slice(0, r.stop - r.start) for r in region)]
+            with self.removed_meanwhile(rec.branch, rec.step):
+                arr = self._chunk(e, i, False)[tuple(slice(0, r.stop - r.start) for r in region)]
             yield region, arr
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ paths and object stores.
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from dstt.errors import CaptureError, InvalidNameError, StepOrderError
 
@@ -60,6 +61,33 @@ MAX_ARRAY_PATH = 4096
 
 _BRANCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SAFE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+class StepRef(NamedTuple):
+    """A committed step of a branch: what ``Run.resolve`` returns and what
+    ``parent=`` takes (beside reference strings such as ``"main:1200"``);
+    public as ``dstt.StepRef``.
+
+    >>> StepRef("main", 1200)
+    StepRef(branch='main', step=1200)
+    >>> branch, step = StepRef("main", 1200)
+    """
+
+    branch: str
+    step: int
+
+
+#: Where branch documents live (``<branch>.json`` each).
+BRANCHES_DIR = f"{META}/branches"
+
+
+def branch_names(listing: list[str]) -> list[str]:
+    """Branch names, sorted, from a listing of :data:`BRANCHES_DIR`.
+
+    >>> branch_names(["main.json", "side.json", "x.tmp-1"])
+    ['main', 'side']
+    """
+    return sorted(n[: -len(".json")] for n in listing if n.endswith(".json"))
 
 
 def validate_branch(name: object) -> str:

@@ -394,9 +394,7 @@ def break_lock(backend: Any, branch: str, *, force: bool = False) -> LockInfo | 
 
 
 def branches_of(backend: Backend) -> list[str]:
-    from dstt.store.root import list_branches
-
-    return list_branches(backend)
+    return L.branch_names(backend.list_dir(L.BRANCHES_DIR))
 
 
 @contextlib.contextmanager

@@ -15,8 +15,8 @@ from dstt.errors import (
     StepNotFoundError,
     StoreNotFoundError,
 )
-from dstt.refs import StepRef
 from dstt.store import layout as L
+from dstt.store.layout import StepRef
 from dstt.store.backends import Backend
 from dstt.store.codec import group_metadata
 from dstt.store.manifest import decode_json, encode_json, parse_branch
@@ -89,8 +89,7 @@ def _interrupted_creation(backend: Backend) -> bool:
 
 
 def list_branches(backend: Backend) -> list[str]:
-    names = backend.list_dir(f"{L.META}/branches")
-    return sorted(n[: -len(".json")] for n in names if n.endswith(".json"))
+    return L.branch_names(backend.list_dir(L.BRANCHES_DIR))
 
 
 def load_branch(backend: Backend, name: str) -> BranchInfo:

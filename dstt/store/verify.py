@@ -37,7 +37,7 @@ from dstt.errors import DsttError, StepNotFoundError
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.chunks import check_chunk
-from dstt.store.codec import array_metadata
+from dstt.store.codec import array_metadata, max_stored_bytes
 from dstt.store.manifest import (
     TensorEntry,
     decode_stats,
@@ -111,11 +111,15 @@ class _Verifier:
         self.r.problems.append(Problem(branch, step, tensor, kind, msg))
 
     def file(self, branch: str, step: int, where: str, fname: str, commit: dict[str, Any]) -> bytes | None:
-        data = self.b.get(f"{where}/{fname}")
+        rec = commit["files"][fname]
+        try:  # never more than the commit records (a hostile file may be huge)
+            data = self.b.get(f"{where}/{fname}", max_bytes=rec["size"])
+        except (OSError, DsttError) as exc:
+            self.problem(branch, step, None, fname.split(".")[0], f"{fname} is unreadable ({exc})")
+            return None
         if data is None:
             self.problem(branch, step, None, fname.split(".")[0], f"{fname} is missing")
             return None
-        rec = commit["files"][fname]
         if len(data) != rec["size"]:
             self.problem(branch, step, None, fname.split(".")[0],
                          f"{fname} has {len(data)} bytes, the commit records {rec['size']} (truncated or altered)")
@@ -128,7 +132,7 @@ class _Verifier:
     def load_step(self, branch: str, step: int) -> list[TensorEntry] | None:
         where = L.step_dir(branch, step)
         try:
-            raw = self.b.get(f"{where}/{L.COMMIT_FILE}")
+            raw = self.b.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
             if raw is None:
                 raise StepNotFoundError(f"{where}: commit.json disappeared")
             commit = parse_commit(raw, where)
@@ -178,7 +182,7 @@ class _Verifier:
     def _read_chunk(self, e: TensorEntry, i: int, key: str, coords: tuple[int, ...]) -> str | None:
         where = f"chunk {coords} (slot {e.slots[i]}, {key})"
         try:
-            data = self.b.get(key)
+            data = self.b.get(key, max_bytes=max_stored_bytes(e.codec, e.dtype.itemsize * _prod(e.chunk_shape)))
         except (OSError, DsttError) as exc:
             return f"{where}: unreadable ({exc})"
         if data is None:
@@ -203,7 +207,7 @@ class _Verifier:
             key = f"{e.array}/zarr.json"
             want = array_metadata(e.dtype, e.shape, e.chunk_shape, e.codec, e.name)
             try:
-                data = self.b.get(key)
+                data = self.b.get(key, max_bytes=len(want))
             except (OSError, DsttError) as exc:
                 err: str | None = f"array metadata {key}: unreadable ({exc})"
             else:
