@@ -23,19 +23,15 @@ Threads and what they may touch:
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
-import math
 import os
 import queue
-import sys
 import threading
 import warnings
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -43,9 +39,18 @@ from dstt.capture import policy
 from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.guard import VersionGuard
 from dstt.capture.hooks import StepFence, optimizer_storages, storage_key
+from dstt.capture.lifecycle import LIVE
+from dstt.capture.pipeline import (
+    GuardTripped,
+    Job,
+    check_guard,
+    is_interrupt,
+    lower_thread_priority,
+    task_bytes,
+)
 from dstt.capture.records import write_skip
-from dstt.capture.staging import CudaCopier, HostPool
 from dstt.capture.ring import Ring, recover, seal_record, shm_free_bytes
+from dstt.capture.staging import CudaCopier, HostPool
 from dstt.errors import CaptureError, ConfigError
 from dstt.state import state_of
 from dstt.store.coord import new_coordinator
@@ -53,41 +58,12 @@ from dstt.store.layout import validate_step
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
+__all__ = ["Capture", "lower_thread_priority"]
+
 log = logging.getLogger("dstt.capture")
 
 #: Commits kept for :attr:`Capture.committed` (the counters count them all).
 RECENT_COMMITS = 1024
-
-
-@dataclass
-class _Job:
-    """One planned step travelling through the pipeline."""
-
-    plan: StepPlan
-    lazy: list[ChunkTask]
-    ready: dict[int, Any] = field(default_factory=dict)  # CUDA: compute-stream events at snapshot()
-    lazy_bytes: int = 0
-    skip: str | None = None  # why the step is skipped (then nothing else is set)
-    futures: list[Future] = field(default_factory=list)
-    error: BaseException | None = None
-    cuda_done: dict[int, Any] = field(default_factory=dict)  # CUDA: copy-stream events after lazy copies
-    issued: threading.Event = field(default_factory=threading.Event)  # lazy copies enqueued
-    staged: threading.Event = field(default_factory=threading.Event)  # lazy copies complete in host memory
-    submitted: threading.Event = field(default_factory=threading.Event)  # every flush future exists
-    guard: VersionGuard | None = None  # versions of the lazy sources at snapshot()
-    # Ring (crash survival): blocks handed to flush threads, and whether they
-    # are held until the step is committed (then it is sealed in the ring).
-    views: list[tuple[ChunkTask, torch.Tensor]] = field(default_factory=list)
-    pool: HostPool | None = None
-    hold: bool = False
-    sealed: bool = False
-    cuda_eager: list[Any] = field(default_factory=list)  # events after eager CUDA copies
-    reported: bool = False  # its failure was already queued for the trainer (under Capture._cond)
-
-    def finish_staging(self) -> None:
-        self.issued.set()
-        self.staged.set()
-        self.submitted.set()
 
 
 class Capture:
@@ -137,13 +113,13 @@ class Capture:
         self._fence = StepFence(self._before_optimizer_step)
         self._flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush",
                                          initializer=self._lower_priority)
-        self._stage_q: queue.Queue[_Job | None] = queue.Queue()
-        self._commit_q: queue.Queue[_Job | None] = queue.Queue()
+        self._stage_q: queue.Queue[Job | None] = queue.Queue()
+        self._commit_q: queue.Queue[Job | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending = 0  # jobs queued and not yet committed (or failed)
         self._queued_bytes = 0  # lazy bytes queued for staging, not yet allocated
         self._errors: list[CaptureError] = []
-        self._last: _Job | None = None  # the latest job with lazy copies
+        self._last: Job | None = None  # the latest job with lazy copies
         self._recent: collections.deque[CommitInfo] = collections.deque(maxlen=RECENT_COMMITS)
         self.n_committed = 0  # steps committed by this Capture
         self.bytes_written = 0  # encoded bytes those commits wrote
@@ -159,7 +135,7 @@ class Capture:
         self._committer = threading.Thread(target=self._commit_loop, name="dstt-committer", daemon=True)
         self._stager.start()
         self._committer.start()
-        _LIVE.add(self)
+        LIVE.add(self)
 
     # ================================================================ trainer API
 
@@ -190,7 +166,7 @@ class Capture:
         # is queued, so that its (collective) commit runs and fails on every
         # rank instead of leaving a peer waiting. An interrupt (Ctrl-C) fails
         # the step the same way and is raised once the step is queued.
-        job = _Job(plan, [])
+        job = Job(plan, [])
         eager: list[ChunkTask] = []
         try:
             eager = self._prepare(job, optimizer)
@@ -199,7 +175,7 @@ class Capture:
         if self.config.on_full == "skip":
             why = self._skip_reason(job)  # collective under torch.distributed
             if why is not None:
-                if job.error is not None and not _is_interrupt(job.error):
+                if job.error is not None and not is_interrupt(job.error):
                     self._fail(step, job.error)
                 self._queue_skip(job, why)
                 return self._after_queueing(job, queued=False)
@@ -211,7 +187,7 @@ class Capture:
         self._enqueue(job)
         return self._after_queueing(job, queued=True)
 
-    def _prepare(self, job: _Job, optimizer: torch.optim.Optimizer | None) -> list[ChunkTask]:
+    def _prepare(self, job: Job, optimizer: torch.optim.Optimizer | None) -> list[ChunkTask]:
         """Split the step into lazy and eager tasks, make sure the pool holds
         it, and mark the state's point in each CUDA stream; the eager tasks."""
         protected: set[tuple[str, int]] = set()
@@ -227,14 +203,14 @@ class Capture:
         assert self.pool is not None
         job.pool = self.pool
         job.hold = self._pool_in_ring and policy.step_need_bytes(
-            [self.pool.block_bytes(_task_bytes(t)) for t in job.plan.tasks]) <= self.pool.capacity
-        job.lazy_bytes = sum(self.pool.block_bytes(_task_bytes(t)) for t in job.lazy)
+            [self.pool.block_bytes(task_bytes(t)) for t in job.plan.tasks]) <= self.pool.capacity
+        job.lazy_bytes = sum(self.pool.block_bytes(task_bytes(t)) for t in job.lazy)
         devices = {t.source.device for t in job.plan.tasks if t.source.device.type == "cuda"}
         if devices:
             job.ready = self._cuda().after_compute(devices)
         return eager
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: Job) -> None:
         staged_later = (bool(job.lazy) or job.hold) and job.error is None  # held steps are sealed by the stager
         with self._cond:
             self._pending += 1
@@ -248,8 +224,8 @@ class Capture:
             job.finish_staging()
         self._commit_q.put(job)
 
-    def _after_queueing(self, job: _Job, *, queued: bool) -> bool:
-        if job.error is not None and _is_interrupt(job.error):
+    def _after_queueing(self, job: Job, *, queued: bool) -> bool:
+        if job.error is not None and is_interrupt(job.error):
             raise job.error
         self.raise_pending()
         return queued
@@ -292,7 +268,7 @@ class Capture:
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
+        LIVE.discard(self)
         try:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending == 0)
@@ -325,7 +301,7 @@ class Capture:
             more = f" (and {len(errors) - 1} later failure(s))" if len(errors) > 1 else ""
             raise CaptureError(f"{errors[0]}{more}") from errors[0].__cause__
 
-    def __enter__(self) -> "Capture":
+    def __enter__(self) -> Capture:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -356,7 +332,7 @@ class Capture:
         if violation is not None:
             self._report_once(job, CaptureError(f"step {job.plan.step} not captured: {violation}"))
 
-    def _report_once(self, job: _Job, e: BaseException) -> None:
+    def _report_once(self, job: Job, e: BaseException) -> None:
         with self._cond:
             if job.reported:
                 return
@@ -394,9 +370,9 @@ class Capture:
     def _ensure_pool(self, plan: StepPlan) -> None:
         """Allocate the pool on first use; grow it (once idle) if one step no
         longer fits and the limit allows."""
-        need = sum(_task_bytes(t) for t in plan.tasks)
+        need = sum(task_bytes(t) for t in plan.tasks)
         limit = self.config.host_buffer_bytes
-        biggest = max((_task_bytes(t) for t in plan.tasks), default=0)
+        biggest = max((task_bytes(t) for t in plan.tasks), default=0)
         pin = any(t.source.device.type == "cuda" for t in plan.tasks)
         pool = self.pool
         if pool is not None:
@@ -410,7 +386,7 @@ class Capture:
         want = policy.pool_bytes(need_bytes=need, biggest_bytes=biggest, limit_bytes=limit)
         self.pool = self._new_pool(want, pin)
 
-    def _skip_reason(self, job: _Job) -> str | None:
+    def _skip_reason(self, job: Job) -> str | None:
         """Why this step cannot be staged without waiting (agreed by all ranks).
 
         Counted in pool blocks (padding included) plus the largest block: a
@@ -418,7 +394,7 @@ class Capture:
         pool = self.pool
         why = None
         if pool is not None and job.error is None:
-            need = policy.step_need_bytes([pool.block_bytes(_task_bytes(t)) for t in job.plan.tasks])
+            need = policy.step_need_bytes([pool.block_bytes(task_bytes(t)) for t in job.plan.tasks])
             with self._cond:
                 outstanding = pool.in_use + self._queued_bytes
             why = policy.skip_reason(capacity_bytes=pool.capacity, outstanding_bytes=outstanding, need_bytes=need)
@@ -427,7 +403,7 @@ class Capture:
             why = reasons[0] if reasons else None
         return why
 
-    def _queue_skip(self, job: _Job, why: str) -> None:
+    def _queue_skip(self, job: Job, why: str) -> None:
         job.skip = why
         warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", RuntimeWarning, stacklevel=3)
         with self._cond:
@@ -436,7 +412,7 @@ class Capture:
         job.finish_staging()
         self._commit_q.put(job)
 
-    def _stage(self, job: _Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
+    def _stage(self, job: Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
         """Copy ``tasks`` into pool blocks and hand each block to a flush thread.
 
         Eager tasks (buffers, RNG, extras: no fence protects them) are staged
@@ -460,7 +436,7 @@ class Capture:
             for i, t in enumerate(tasks):
                 if lazy and self.before_lazy_copy is not None:
                     self.before_lazy_copy(job.plan.step, i)
-                nbytes = _task_bytes(t)
+                nbytes = task_bytes(t)
                 block = pool.try_allocate(nbytes)
                 if block is None:
                     if batch:
@@ -475,10 +451,10 @@ class Capture:
                     self._cuda().copy(dst, t.source, job.ready[t.source.device.index], pool.pinned)
                     batch.append((t, dst))
                     block = None
-                    _check_guard(job, guard, i)  # issued: the copy stream reads the state at snapshot()
+                    check_guard(job, guard, i)  # issued: the copy stream reads the state at snapshot()
                 else:
                     dst.copy_(t.source)
-                    _check_guard(job, guard, i)  # completed: a change before now is in the copy
+                    check_guard(job, guard, i)  # completed: a change before now is in the copy
                     job.views.append((t, dst))
                     job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
                     block = None
@@ -491,7 +467,7 @@ class Capture:
                 self._release_after_copies(batch)
             raise
 
-    def _hand_over_cuda(self, job: _Job, batch: list[tuple[ChunkTask, torch.Tensor]], lazy: bool,
+    def _hand_over_cuda(self, job: Job, batch: list[tuple[ChunkTask, torch.Tensor]], lazy: bool,
                         last: bool) -> None:
         """Flush a batch of issued CUDA copies once they land (emptying ``batch``).
 
@@ -544,7 +520,7 @@ class Capture:
                 return
             try:
                 self._stage(job, job.lazy, lazy=True)
-            except _GuardTripped as e:
+            except GuardTripped as e:
                 job.error = job.error or e.error
                 self._report_once(job, e.error)  # the trainer's next call raises it
             except BaseException as e:
@@ -562,7 +538,7 @@ class Capture:
                 job.finish_staging()
 
     def _flush_one(
-        self, pool: HostPool, job: _Job, task: ChunkTask, staged: torch.Tensor, ready: Any
+        self, pool: HostPool, job: Job, task: ChunkTask, staged: torch.Tensor, ready: Any
     ) -> ChunkResult:
         try:
             if ready is not None:
@@ -598,7 +574,7 @@ class Capture:
                     self._queued_steps.discard(job.plan.step)
                     self._cond.notify_all()
 
-    def _commit(self, job: _Job) -> None:
+    def _commit(self, job: Job) -> None:
         job.submitted.wait()
         error = job.error
         results: list[ChunkResult] = []
@@ -663,7 +639,7 @@ class Capture:
             warnings.warn(f"dstt: {decision.warning}", RuntimeWarning, stacklevel=5)
         return HostPool(capacity, pin=pin)
 
-    def _seal(self, job: _Job) -> None:
+    def _seal(self, job: Job) -> None:
         """Every copy of a held step has landed: record it in the ring, so
         the step is committed even if this process dies now (ring.py)."""
         try:
@@ -676,7 +652,7 @@ class Capture:
             log.warning("dstt: step %d not sealed in the staging ring (%s): it is lost if the trainer dies "
                         "before it is committed", job.plan.step, e)
 
-    def _settle(self, job: _Job) -> None:
+    def _settle(self, job: Job) -> None:
         """After a step's commit (or failure): forget its seal, free its held blocks."""
         if job.sealed and self._ring is not None:
             self._ring.unseal(job.plan.step)
@@ -696,88 +672,3 @@ class Capture:
             self._errors.append(err)
 
 
-def lower_thread_priority(nice: int) -> None:
-    """Raise the calling thread's nice value to ``nice`` (Linux, where nice
-    is per thread; elsewhere it would apply to the whole process: no-op)."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-    except OSError as e:  # a sandbox may refuse; capture works the same, only less politely
-        log.debug("could not lower dstt thread priority: %s", e)
-
-
-class _GuardTripped(Exception):
-    """Internal: a lazy source changed before its copy (carries the CaptureError)."""
-
-    def __init__(self, error: CaptureError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _check_guard(job: _Job, guard: VersionGuard | None, i: int) -> None:
-    if guard is None:
-        return
-    violation = guard.copied(i)
-    if violation is not None:
-        raise _GuardTripped(CaptureError(f"step {job.plan.step} not captured: {violation}"))
-
-
-# ---------------------------------------------------------------------------- process lifecycle
-
-#: Captures not closed yet in this process (fork and exit hooks walk it).
-_LIVE: "weakref.WeakSet[Capture]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for cap in list(_LIVE):
-        cap._after_fork_in_child()
-    _LIVE.clear()
-
-
-def _drain_at_exit() -> None:
-    """A Capture never closed: drain it (bounded by ``exit_drain_s``) before
-    the interpreter stops its threads, or say on stderr what is lost."""
-    for cap in list(_LIVE):
-        if cap._pid != os.getpid() or cap._closed:
-            continue
-        limit = cap.config.exit_drain_s
-        with cap._cond:
-            drained = cap._cond.wait_for(lambda c=cap: c._pending == 0, limit)
-            lost = sorted(cap._queued_steps)
-        if not drained:
-            cap._closed = True
-            print(f"dstt: a Capture on {cap.writer.backend.url}@{cap.config.branch} was never closed; "
-                  f"at exit {len(lost)} queued step(s) were not committed within exit_drain_s={limit} s "
-                  f"and are lost unless they commit before the process ends: steps {_steps_text(lost)} "
-                  "(call Capture.close(), or use it as a context manager)", file=sys.stderr, flush=True)
-            continue
-        try:
-            cap.close()
-        except Exception as e:  # noqa: BLE001 - exit must go on; say it loudly
-            print(f"dstt: a Capture closed at exit failed: {e}", file=sys.stderr, flush=True)
-
-
-def _steps_text(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[:20])) + (f" ... ({len(steps)} in all)" if len(steps) > 20 else "")
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-# threading's exit hooks run before the interpreter stops daemon threads and
-# before concurrent.futures refuses new work (its hook was registered first,
-# and these run last-registered first); atexit would be too late.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_drain_at_exit)
-else:  # pragma: no cover - other Python implementations
-    atexit.register(_drain_at_exit)
-
-
-def _is_interrupt(e: BaseException) -> bool:
-    return isinstance(e, (KeyboardInterrupt, SystemExit))
-
-
-def _task_bytes(task: ChunkTask) -> int:
-    return math.prod(task.shape) * task.source.dtype.itemsize

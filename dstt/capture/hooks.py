@@ -15,7 +15,8 @@ extras -- has no such fence, so it is staged eagerly inside ``snapshot()``.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -147,7 +147,7 @@ class _suppress:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> bool:
         return exc[0] is not None and issubclass(exc[0], OSError)
 
 

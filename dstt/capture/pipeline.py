@@ -1,0 +1,95 @@
+"""Pieces of the capture pipeline shared by its threads: one step's job,
+the mutation-guard check at each copy, and thread priority.
+
+A :class:`Job` travels trainer → stager → flush threads → committer; each
+event marks a stage, in this order: ``issued`` (lazy copies enqueued),
+``staged`` (they landed in host memory), ``submitted`` (every flush future
+exists and, with a ring, the step is sealed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dstt.capture.guard import VersionGuard
+from dstt.capture.staging import HostPool
+from dstt.errors import CaptureError
+from dstt.store.plan import ChunkTask, StepPlan
+
+log = logging.getLogger("dstt.capture")
+
+
+@dataclass
+class Job:
+    """One planned step travelling through the pipeline."""
+
+    plan: StepPlan
+    lazy: list[ChunkTask]
+    ready: dict[int, Any] = field(default_factory=dict)  # CUDA: compute-stream events at snapshot()
+    lazy_bytes: int = 0
+    skip: str | None = None  # why the step is skipped (then nothing else is set)
+    futures: list[Future] = field(default_factory=list)
+    error: BaseException | None = None
+    cuda_done: dict[int, Any] = field(default_factory=dict)  # CUDA: copy-stream events after lazy copies
+    issued: threading.Event = field(default_factory=threading.Event)  # lazy copies enqueued
+    staged: threading.Event = field(default_factory=threading.Event)  # lazy copies complete in host memory
+    submitted: threading.Event = field(default_factory=threading.Event)  # every flush future exists
+    guard: VersionGuard | None = None  # versions of the lazy sources at snapshot()
+    # Ring (crash survival): blocks handed to flush threads, and whether they
+    # are held until the step is committed (then it is sealed in the ring).
+    views: list[tuple[ChunkTask, torch.Tensor]] = field(default_factory=list)
+    pool: HostPool | None = None
+    hold: bool = False
+    sealed: bool = False
+    cuda_eager: list[Any] = field(default_factory=list)  # events after eager CUDA copies
+    reported: bool = False  # its failure was already queued for the trainer (under Capture._cond)
+
+    def finish_staging(self) -> None:
+        self.issued.set()
+        self.staged.set()
+        self.submitted.set()
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raise the calling thread's nice value to ``nice`` (Linux, where nice
+    is per thread; elsewhere it would apply to the whole process: no-op)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError as e:  # a sandbox may refuse; capture works the same, only less politely
+        log.debug("could not lower dstt thread priority: %s", e)
+
+
+class GuardTripped(Exception):
+    """Internal: a lazy source changed before its copy (carries the CaptureError)."""
+
+    def __init__(self, error: CaptureError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def check_guard(job: Job, guard: VersionGuard | None, i: int) -> None:
+    if guard is None:
+        return
+    violation = guard.copied(i)
+    if violation is not None:
+        raise GuardTripped(CaptureError(f"step {job.plan.step} not captured: {violation}"))
+
+
+def is_interrupt(e: BaseException) -> bool:
+    return isinstance(e, (KeyboardInterrupt, SystemExit))
+
+
+def task_bytes(task: ChunkTask) -> int:
+    return math.prod(task.shape) * task.source.dtype.itemsize
