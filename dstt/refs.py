@@ -113,6 +113,37 @@ def _step_number(digits: str, text: str) -> int:
     return int(digits)
 
 
+#: ``BRANCH:STEP`` (or a bare ``BRANCH``) inside a known store.
+_IN_STORE_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,127})(?::(latest|\d+|~\d+))?\Z")
+
+
+def split_in_store(text: str) -> tuple[str | None, StepSpec] | None:
+    """(branch, step) of a reference relative to a known store, or None when
+    ``text`` is a full reference (``STORE[@BRANCH][:STEP]``). The one rule
+    for every place that takes a step of "this" store (``parent=``, the CLI's
+    ``--from``, the other side of a diff):
+
+    * ``:STEP``, ``@BRANCH``, ``@BRANCH:STEP`` (see :meth:`Ref.parse_relative`);
+    * ``latest``, ``~N`` or a step number, on the default branch;
+    * ``BRANCH:STEP`` or ``BRANCH``, when no path of that name exists.
+
+    >>> split_in_store("main:1200"), split_in_store("@side"), split_in_store("~3")
+    (('main', 1200), ('side', None), (None, '~3'))
+    >>> split_in_store("runs/other:5") is None
+    True
+    """
+    if text.startswith((":", "@")):
+        return Ref.parse_relative(text)
+    if text == "latest" or (text.startswith("~") and text[1:].isdigit()):
+        return None, text
+    if text.isdigit():
+        return None, Ref.parse_relative(":" + text)[1]
+    m = _IN_STORE_RE.match(text)
+    if m and not os.path.exists(m.group(1)):
+        return Ref.parse_relative(f"@{text}")
+    return None
+
+
 def resolve_step(run: "Run", branch: str, spec: StepSpec) -> StepRef:
     """The (branch, step) a step spec (number, 'latest', '~N', None = latest)
     names on ``branch``'s trajectory: its own steps, after its ancestors'

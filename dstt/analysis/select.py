@@ -58,7 +58,7 @@ def resolve_point(run: "Run", spec: Any) -> Point:
     (``"runs/b@main:100"``; another store opens it), or a reference relative
     to this run's store (``":100"``, ``"@lr-sweep:~1"``).
     """
-    from dstt.refs import Ref
+    from dstt.refs import Ref, split_in_store
 
     if isinstance(spec, tuple):
         if len(spec) != 2:
@@ -66,13 +66,14 @@ def resolve_point(run: "Run", spec: Any) -> Point:
         branch, step = spec
         b, s = run.resolve(step, branch)
         return run, b, s
-    if spec is None or isinstance(spec, int) or (isinstance(spec, str) and (spec == "latest" or spec.startswith("~"))):
+    if spec is None or (isinstance(spec, int) and not isinstance(spec, bool)):
         b, s = run.resolve(spec, None)
         return run, b, s
     if not isinstance(spec, str):
         raise InvalidReferenceError(f"cannot use {spec!r} as a reference: expected a step, (branch, step) or 'STORE[@BRANCH][:STEP]'")
-    if spec.startswith((":", "@")):
-        branch, step = Ref.parse_relative(spec)  # ':STEP' keeps run's branch; '@BRANCH' means its latest
+    rel = split_in_store(spec)  # the one rule for references inside a known store (dstt.refs)
+    if rel is not None:
+        branch, step = rel  # ':STEP' keeps run's branch; '@BRANCH' means its latest
         b, s = run.resolve("latest" if step is None and branch else step, branch)
         return run, b, s
     ref = Ref.parse(spec)  # a reference's omitted parts are main and latest, not run's

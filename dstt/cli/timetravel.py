@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import os
-import re
 from typing import Optional
 
 import typer
 
 from dstt.cli.output import emit_json, handle_errors, human_bytes, stderr, stdout
-
-_SHORT_FROM = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(:(latest|\d+|~\d+))?$")
-
 
 def from_ref(store: str, text: str | None) -> str:
     """The fork point as a full reference. ``--from`` may be a full
@@ -20,13 +16,15 @@ def from_ref(store: str, text: str | None) -> str:
     >>> from_ref("runs/a", "main:100"), from_ref("runs/a", ":7"), from_ref("runs/a", None)
     ('runs/a@main:100', 'runs/a:7', 'runs/a@main:latest')
     """
+    from dstt.refs import split_in_store
+
     if not text:
         return f"{store}@main:latest"
-    if text.startswith(("@", ":")):
-        return store + text
-    if _SHORT_FROM.match(text) and not os.path.exists(text.split(":", 1)[0]):
-        return f"{store}@{text}"
-    return text
+    rel = split_in_store(text)  # the same rule as the Python API's (dstt.refs)
+    if rel is None:
+        return text
+    branch, step = rel
+    return store + (f"@{branch}" if branch else "") + ("" if step is None else f":{step}")
 
 
 def store_arg(text: str, command: str, hint: str) -> str:

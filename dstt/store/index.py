@@ -347,6 +347,37 @@ class RunIndex:
         return f"{type(self).__name__}({self.url!r})"
 
 
+def resolve_parent(backend: Backend, parent: Any) -> StepRef | None:
+    """The fork point ``parent=`` names: a :class:`StepRef` or ``(branch,
+    step)`` pair (taken as given), or a reference inside the store being
+    written (``"main:1200"``, ``"@main:latest"``, ``"~3"``; see
+    :func:`dstt.refs.split_in_store`), resolved to a committed step.
+
+    >>> import tempfile, torch, dstt
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> for s in (1, 2, 3):
+    ...     _ = dstt.save(path, s, {"w": torch.ones(1)})
+    >>> b = open_backend(path)
+    >>> resolve_parent(b, "main:2"), resolve_parent(b, "~1"), resolve_parent(b, ("main", 3))
+    (StepRef(branch='main', step=2), StepRef(branch='main', step=2), StepRef(branch='main', step=3))
+    """
+    if parent is None:
+        return None
+    if isinstance(parent, str):
+        from dstt.refs import split_in_store
+
+        rel = split_in_store(parent)
+        if rel is None:
+            raise InvalidReferenceError(
+                f"parent {parent!r} is not a step of this store: use 'BRANCH:STEP', '@BRANCH[:STEP]', "
+                "':STEP', '~N' or a StepRef")
+        branch, step = rel
+        return RunIndex(backend).resolve("latest" if step is None else step, branch or "main")
+    if isinstance(parent, tuple) and len(parent) == 2 and isinstance(parent[0], str):
+        return StepRef(parent[0], parent[1])
+    raise InvalidReferenceError(f"parent must be a reference string, a StepRef or (branch, step), got {parent!r}")
+
+
 def normalize_index(index: Any, shape: tuple[int, ...], name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
     """Bounding box of a basic index and the index to apply inside the box."""
     idx = index if isinstance(index, tuple) else (index,)

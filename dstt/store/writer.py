@@ -11,17 +11,20 @@ Invariants:
   happens after every rank's chunks and the step's index files are durable;
 * every chunk key is written by exactly one rank (see plan.py) and a slot is
   used by one step only (slot = branch id × 2^24 + per-branch sequence);
-* a chunk whose sha256 equals the previous committed step's chunk at the
-  same array and index is not rewritten: the index points at the old slot.
+* a chunk equal to the same chunk of the previous *captured* step (planned
+  just before it, committed or not yet) is not rewritten: the index points
+  at the old slot. What a chunk is compared with (and, with delta coding,
+  coded against) follows the order steps were planned in, never the order
+  background threads happen to finish them (keyframes.py), so the same run
+  stores the same bytes whatever the timing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +44,11 @@ from dstt.errors import (
 )
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
-from dstt.store.codec import CodecSpec, array_metadata, crc32c, decode_chunk, encode_chunk
+from dstt.store.codec import CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
+from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, Link, code_chunk
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.heads import latest_committed, write_head
+from dstt.store.index import resolve_parent
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
@@ -60,6 +65,7 @@ from dstt.store.root import (
     create_branch,
     ensure_root,
     load_branch,
+    raise_root_version,
 )
 from dstt.store.stats import STATS_COLUMNS, Partial, chunk_partial, finalize, merge
 from dstt.store.tree import tree_has_pickle
@@ -75,6 +81,14 @@ class ChunkResult:
     written: int  # encoded bytes written by this step (0 when referenced)
     nbytes: int  # decoded chunk bytes
     partial: list[float]
+    keyframe: int | None = None  # delta coded: the keyframe slot it is the difference to
+    #: Set while the chunk waits for the previous step's same chunk to be
+    #: stored (its flush came first); ``Writer.commit`` waits for it.
+    pending: Future | None = None
+
+    def settled(self) -> "ChunkResult":
+        """The finished result (waiting for a pending one)."""
+        return self if self.pending is None else self.pending.result()
 
 
 @dataclass
@@ -133,8 +147,12 @@ class Writer:
         threads: int = 2,
         coordinator: Coordinator | None = None,
         commit_coordinator: Coordinator | None = None,
+        keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
     ) -> None:
         L.validate_branch(branch)
+        if not isinstance(keyframe_every, int) or isinstance(keyframe_every, bool) or keyframe_every < 1:
+            raise ConfigError(f"keyframe_every must be a positive integer, got {keyframe_every!r}")
+        self.keyframe_every = keyframe_every
         if max_chunk_bytes < 1:
             raise ConfigError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
         if threads < 1:
@@ -151,11 +169,20 @@ class Writer:
         self.backend: Backend = self._setup(store, branch, parent)
         self.branch: BranchInfo = load_branch(self.backend, branch)
         self._known_arrays: set[str] = set()
-        # (array, chunk index) -> (crc, sha256 or None, slot) of the latest committed step
-        self._prev: dict[tuple[str, int], tuple[int, bytes | None, int]] = {}
-        self._prev_lock = threading.Lock()
+        self._known_groups: set[str] = set()
+        # (array, chunk index) -> the link of that chunk in the latest planned
+        # step (keyframes.py); touched only by plan(), on one thread.
+        self._tails: dict[tuple[str, int], Link] = {}
+        # Planned steps not yet committed, by seq: commit() settles the links
+        # of earlier ones that never will be (a skipped step).
+        self._open_plans: dict[int, StepPlan] = {}
+        self._open_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
         self._closed = False
+        if self.codec.delta and self.rank == 0:
+            # Readers that know only format 1 must refuse this store, not
+            # misread its delta chunks as zeros.
+            raise_root_version(self.backend, L.DELTA_FORMAT_VERSION)
         # The branch head (dstt.store.heads): O(1) where the head record agrees
         # with the commit markers, a listing of the steps otherwise.
         head = latest_committed(self.backend, branch)
@@ -180,7 +207,7 @@ class Writer:
                 backend = open_backend(store, create=True)
                 ensure_root(backend)
                 self._branch_lock = acquire_lock(backend, branch)
-                self._ensure_branch(backend, branch, parent)
+                self._ensure_branch(backend, branch, resolve_parent(backend, parent))
             except DsttError as e:
                 error = e
                 if self._branch_lock is not None:
@@ -232,8 +259,12 @@ class Writer:
                 f"{where}/{L.INDEX_FILE}: does not match its commit record (damaged); this writer would "
                 f"reference its chunks: run dstt verify, and continue on a branch from an intact step")
         entries, _ = parse_index(data, where)
-        self._prev = {
-            (e.array, i): (c, None if h is None else bytes.fromhex(h), s)
+        # Keyframe bytes are not kept across writers: the first step delta
+        # codes nothing (its chunks are keyframes), dedup still applies.
+        self._tails = {
+            (e.array, i): Link.resolved(ChunkRef(
+                c, None if h is None else bytes.fromhex(h), s,
+                None if e.keyframes is None else (s if e.keyframe(i) is None else e.keyframe(i))))
             for e in entries
             for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots))
         }
@@ -297,6 +328,12 @@ class Writer:
         plan.slot = L.slot_for(self.branch.id, plan.seq)
         self.next_seq += 1
         self.last_step = plan.step
+        # Chain each chunk to the same chunk of the previous planned step.
+        tails = self._tails
+        plan.links = {(t.layout.array, t.index): Link(tails.get((t.layout.array, t.index))) for t in plan.tasks}
+        self._tails = plan.links
+        with self._open_lock:
+            self._open_plans[plan.seq] = plan
         return plan
 
     def ensure_arrays(self, plan: StepPlan) -> None:
@@ -308,14 +345,40 @@ class Writer:
         an array plain zarr-python cannot open. Arrays of the previous step
         are known good, so steady-state steps read no metadata at all.
         """
+        if self.rank == 0:
+            self._ensure_groups(plan)
         for layout in plan.meta_arrays:
-            if layout.array in self._known_arrays:
-                continue
-            key = f"{layout.array}/zarr.json"
-            doc = array_metadata(layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name)
-            if self.backend.get(key) != doc:
-                self.backend.put(key, doc)
-            self._known_arrays.add(layout.array)
+            if layout.array not in self._known_arrays:
+                self._ensure_doc(layout.array, array_metadata(
+                    layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name))
+            # Checked once per writer: gc removes a delta array none of whose
+            # chunks a step references, while its keyframe array stays.
+            if layout.delta and layout.delta_array not in self._known_arrays:
+                self._ensure_doc(layout.delta_array, delta_array_metadata(
+                    layout.dtype, layout.shape, layout.chunk_shape, layout.name))
+
+    def _ensure_doc(self, path: str, doc: bytes) -> None:
+        key = f"{path}/zarr.json"
+        if self.backend.get(key) != doc:
+            self.backend.put(key, doc)
+        self._known_arrays.add(path)
+
+    def _ensure_groups(self, plan: StepPlan) -> None:
+        """Rank 0: a group ``zarr.json`` in every directory between
+        ``tensors/`` and an array, so Zarr tools that walk the hierarchy
+        (zarr-python, xarray, zarrs) list every array. Written once, like
+        array documents; checked once per writer."""
+        doc = group_metadata()
+        for layout in plan.layouts:
+            parts = layout.array.split("/")[1:-1]  # below tensors/, above @<sig>
+            for depth in range(1, len(parts) + 1):
+                group = "/".join([L.TENSORS, *parts[:depth]])
+                if group in self._known_groups:
+                    continue
+                key = f"{group}/zarr.json"
+                if self.backend.get(key) != doc:
+                    self.backend.put(key, doc)
+                self._known_groups.add(group)
 
     def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None) -> ChunkResult:
         """Stats, checksum, dedup and write of one chunk. Thread-safe.
@@ -326,40 +389,97 @@ class Writer:
         has one, else by comparing with the stored bytes -- and the sha256 is
         recorded so a frozen tensor is proven by hash from then on.
         """
-        src = staged if staged is not None else task.source
-        partial = chunk_partial(src if src.device.type == "cpu" else src.cpu()).to_list()
-        raw = chunk_bytes(task, src)
-        crc = crc32c(raw)
-        name, array = task.layout.name, task.layout.array
-        if self.dedup:
-            with self._prev_lock:
-                prev = self._prev.get((array, task.index))
-            if prev is not None and prev[0] == crc:
-                sha = hashlib.sha256(raw).digest()
-                same = prev[1] == sha if prev[1] is not None else self._equals_stored(task, prev[2], raw)
-                if same:
-                    return ChunkResult(name, task.index, crc, sha, prev[2], 0, len(raw), partial)
-        parts = encode_chunk(raw, task.layout.codec, raw_crc=crc)
-        self.backend.put(L.chunk_key(array, plan.slot, task.coords), parts)
-        written = sum(len(memoryview(p).cast("B")) for p in parts)
-        return ChunkResult(name, task.index, crc, None, plan.slot, written, len(raw), partial)
-
-    def _equals_stored(self, task: ChunkTask, slot: int, raw: memoryview) -> bool:
-        """Exact byte comparison with the chunk stored at ``slot``."""
-        data = self.backend.get(L.chunk_key(task.layout.array, slot, task.coords))
-        if data is None:
-            return False
+        link = plan.links.get((task.layout.array, task.index)) or Link(None)
+        link.started = True
         try:
-            stored = decode_chunk(data, task.layout.codec, len(raw), task.layout.name)
-        except DsttError:
-            return False
-        return bool(np.array_equal(np.frombuffer(stored, np.uint8), np.frombuffer(raw, np.uint8)))
+            src = staged if staged is not None else task.source
+            partial = chunk_partial(src if src.device.type == "cpu" else src.cpu()).to_list()
+            raw = chunk_bytes(task, src)
+            crc = crc32c(raw)
+            result = ChunkResult(task.layout.name, task.index, crc, None, plan.slot, 0, len(raw), partial)
+            prev = link.prev
+            done, value = (True, None) if prev is None else prev.peek()
+            if done:
+                return self._store(plan, task, raw, result, link, value)
+            # The same chunk of the previous planned step is not stored yet
+            # (its flush was queued after this one): finish when it is, on
+            # this writer's own thread, from a private copy of the bytes --
+            # the staging block goes back to the pool now. commit() waits.
+            owned = memoryview(np.frombuffer(raw, dtype=np.uint8).copy()).cast("B")
+            pending: Future = Future()
+            result.pending = pending
+
+            def finish(value: ChunkRef | None) -> None:
+                def run() -> None:
+                    try:
+                        pending.set_result(self._store(plan, task, owned, result, link, value))
+                    except BaseException as e:
+                        pending.set_exception(e)
+                self._pool.submit(run)
+
+            prev.then(finish)
+            return result
+        except BaseException:
+            link.pass_through()  # later steps compare with what was there before
+            raise
+
+    def _store(self, plan: StepPlan, task: ChunkTask, raw: memoryview, result: ChunkResult, link: Link,
+               prev: ChunkRef | None) -> ChunkResult:
+        """Dedup, delta code or write one chunk against ``prev``; resolves ``link``."""
+        layout = task.layout
+        place = ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta else None,
+                           layout.codec, layout.dtype.itemsize, task.coords)
+        try:
+            coded = code_chunk(self.backend, place, plan.slot, raw, result.crc, prev,
+                               dedup=self.dedup, keyframe_every=self.keyframe_every)
+        except BaseException:
+            link.pass_through()
+            raise
+        link.resolve(coded.ref)
+        result.slot, result.keyframe = coded.ref.slot, coded.ref.keyframe
+        result.written, result.sha256 = coded.written, coded.sha256
+        return result
+
+    def _settle_links(self, plan: StepPlan, *, earlier: bool) -> None:
+        """Links of ``plan`` (or, ``earlier``: of every open plan before it)
+        whose chunk was never flushed -- a failed or skipped step -- pass
+        their predecessor's value on, so no later chunk waits for them."""
+        with self._open_lock:
+            if earlier:
+                plans = [p for seq, p in self._open_plans.items() if seq < plan.seq]
+            else:
+                plans = [plan]
+            for p in plans:
+                self._open_plans.pop(p.seq, None)
+        for p in plans:
+            for link in p.links.values():
+                if not link.started:
+                    link.pass_through()
 
     def commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None = None) -> CommitInfo:
         """Make this rank's chunks durable, then (rank 0) write the index and
         the commit marker. Collective under torch.distributed: every rank calls
         it for every planned step, passing its flush error if any, so no rank
         waits forever on a failed peer."""
+        self._settle_links(plan, earlier=True)
+        try:
+            results, error = self._settled(results, error)
+            return self._commit(plan, results, error)
+        finally:
+            self._settle_links(plan, earlier=False)
+
+    @staticmethod
+    def _settled(results: list[ChunkResult],
+                 error: BaseException | None) -> tuple[list[ChunkResult], BaseException | None]:
+        out = []
+        for r in results:
+            try:
+                out.append(r.settled())
+            except BaseException as e:  # wait for every one: none may outlive its step
+                error = error or e
+        return out, error
+
+    def _commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None) -> CommitInfo:
         if error is None:
             try:
                 self.backend.sync()
@@ -388,14 +508,8 @@ class Writer:
                 raise CaptureError(value) from error
             raise CaptureError(value)
         self.last_commit = (plan.step, plan.seq)
-        with self._prev_lock:
-            self._prev = {(array, r.index): (r.crc, r.sha256, r.slot) for r, array in self._arrays_of(plan, results)}
         return value
 
-    @staticmethod
-    def _arrays_of(plan: StepPlan, results: list[ChunkResult]) -> list[tuple[ChunkResult, str]]:
-        by_name = {l.name: l.array for l in plan.layouts}
-        return [(r, by_name[r.name]) for r in results]
 
     def _write_commit(self, plan: StepPlan, results: list[ChunkResult]) -> CommitInfo:
         by_tensor: dict[str, dict[int, ChunkResult]] = {}
@@ -425,18 +539,23 @@ class Writer:
                 "dtype": layout.dtype.logical,
                 "shape": list(layout.shape),
                 "chunk_shape": list(layout.chunk_shape),
-                "codec": layout.codec.codecs_json(),
+                "codec": layout.codec.codecs_json(layout.dtype.itemsize),
                 "array": layout.array,
                 "slots": [c.slot for c in ordered],
                 "crcs": crcs,
                 "sha256": [None if c.sha256 is None else c.sha256.hex() for c in ordered],
                 "checksum": tensor_checksum(crcs),
                 "written": sum(c.written for c in ordered),
+                **({"delta": {"array": layout.delta_array, "keyframes": [c.keyframe for c in ordered]}}
+                   if layout.delta else {}),
             })
             names.append(layout.name)
             rows.append(stats)
         where = L.step_dir(self.branch.name, plan.step)
-        index = encode_json({"format_version": L.FORMAT_VERSION, "branch": self.branch.name,
+        # Format 2 only where a step uses delta coding: other steps stay
+        # readable by format-1 readers.
+        version = L.DELTA_FORMAT_VERSION if any(l.delta for l in plan.layouts) else L.FORMAT_VERSION
+        index = encode_json({"format_version": version, "branch": self.branch.name,
                              "step": plan.step, "tensors": tensors, "objects": plan.tree})
         names_b = encode_json(names)
         stats_b = encode_stats(rows)
@@ -451,7 +570,7 @@ class Writer:
         self.backend.sync()
         commit = {
             "format": "dstt-step",
-            "format_version": L.FORMAT_VERSION,
+            "format_version": version,
             "branch": self.branch.name,
             "step": plan.step,
             "seq": plan.seq,
