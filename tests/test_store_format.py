@@ -45,11 +45,13 @@ def test_metadata_documents_do_not_grow_with_steps(store: Path) -> None:
     assert count_metadata_docs(store) == after_first
     # ... nor rewrites one: same file, same bytes, same modification time
     assert metadata_docs(store) == first_docs
-    # a new tensor name adds exactly one array document
+    # a new tensor name adds exactly one array document, and the group of
+    # its name (tensors/model/new/zarr.json: Zarr tools walk groups)
     state = model_state(7)
     state["model"]["new"] = torch.zeros(3)
     dstt.save(store, 7, state)
-    assert count_metadata_docs(store) == after_first + 1
+    assert count_metadata_docs(store) == after_first + 2
+    assert (store / "tensors" / "model" / "new" / "zarr.json").is_file()
 
 
 def test_unchanged_tensors_are_referenced_not_rewritten(store: Path) -> None:

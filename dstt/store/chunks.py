@@ -32,6 +32,7 @@ import numpy as np
 from dstt.errors import ChecksumMismatchError, CorruptStoreError
 from dstt.store import layout as L
 from dstt.store.codec import CodecSpec, crc32c, decode_chunk, max_stored_bytes
+from dstt.store.keyframes import read_delta
 
 if TYPE_CHECKING:
     from dstt.store.backends import Backend
@@ -152,6 +153,8 @@ def read_chunk_raw(backend: Backend, key: str, codec: CodecSpec, nbytes: int, wh
 def read_chunk(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False) -> memoryview:
     """The raw bytes of chunk ``i`` of ``e``, checked against its trailer and
     the step index (and its recorded sha256 with ``sha256=True``)."""
+    if e.keyframe(i) is not None:  # stored as a difference to a keyframe (issue 13)
+        return read_delta(backend, e, i, sha256=sha256)
     nbytes = e.chunk_grid.chunk_numel * e.dtype.itemsize
     return read_chunk_raw(backend, chunk_key_of(e, i), e.codec, nbytes, chunk_where(e, i),
                           crc=e.crcs[i], sha256=e.sha256[i] if sha256 else None)

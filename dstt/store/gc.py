@@ -161,7 +161,12 @@ def referenced_chunks(backend: Backend, branches: list[str]) -> dict[str, set[tu
             for e in run.record(s, b).entries:
                 bucket = refs[e.array]
                 for i, slot in enumerate(e.slots):
-                    bucket.add((slot, e.coords(i)))
+                    key = e.keyframe(i)
+                    if key is None:
+                        bucket.add((slot, e.coords(i)))
+                    else:  # a delta chunk keeps its keyframe alive too
+                        refs[e.delta_array or ""].add((slot, e.coords(i)))
+                        bucket.add((key, e.coords(i)))
     return refs
 
 

@@ -25,6 +25,13 @@ from dstt.errors import CaptureError, InvalidNameError, StepOrderError
 
 FORMAT_NAME = "dstt"
 FORMAT_VERSION = 1
+#: Steps (and stores) that use delta coding are format version 2; a store
+#: is raised to 2 when a delta writer first opens it. Readers read both.
+DELTA_FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+#: A delta-coded tensor's difference chunks live in the sibling array
+#: ``<array>`` + DELTA_SUFFIX (docs/format.md "Delta chunks").
+DELTA_SUFFIX = ".delta"
 
 #: Length of the leading slot axis of every tensor array. Arrays are sparse:
 #: a slot exists only once some step wrote its chunks, so the array metadata is

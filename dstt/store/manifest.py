@@ -24,9 +24,11 @@ import numpy as np
 from dstt.errors import CorruptStoreError, FormatVersionError
 from dstt.store.chunks import ChunkGrid
 from dstt.store.codec import CodecSpec
+from dstt.store.delta import DELTA_ITEMSIZES
 from dstt.store.dtypes import DtypeInfo, info_for_name
 from dstt.store.layout import (
-    FORMAT_VERSION,
+    DELTA_SUFFIX,
+    READ_VERSIONS,
     MAX_ARRAY_PATH,
     MAX_BRANCHES,
     MAX_SLOTS,
@@ -65,6 +67,17 @@ class TensorEntry:
     checksum: str
     written: int
     stats: dict[str, float] = field(default_factory=dict)
+    #: Delta coding (format version 2; docs/format.md "Delta chunks"): per
+    #: chunk, None where the chunk at ``slots[i]`` of ``array`` is stored
+    #: whole (a keyframe), else the slot of the keyframe in ``array`` that the
+    #: chunk at ``slots[i]`` of ``delta_array`` is the difference to. Both
+    #: None for tensors that are not delta coded.
+    keyframes: list[int | None] | None = None
+    delta_array: str | None = None
+
+    def keyframe(self, index: int) -> int | None:
+        """The keyframe slot chunk ``index`` is coded against, None if stored whole."""
+        return None if self.keyframes is None else self.keyframes[index]
 
     @property
     def nbytes(self) -> int:
@@ -92,13 +105,15 @@ class TensorEntry:
             "dtype": self.dtype.logical,
             "shape": list(self.shape),
             "chunk_shape": list(self.chunk_shape),
-            "codec": self.codec.codecs_json(),
+            "codec": self.codec.codecs_json(self.dtype.itemsize),
             "array": self.array,
             "slots": self.slots,
             "crcs": self.crcs,
             "sha256": self.sha256,
             "checksum": self.checksum,
             "written": self.written,
+            **({} if self.keyframes is None else
+               {"delta": {"array": self.delta_array, "keyframes": self.keyframes}}),
         }
 
 
@@ -184,8 +199,10 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
     doc = decode_json(data, where)
     _need(isinstance(doc, dict), where, "commit must be a JSON object")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
-        raise FormatVersionError(f"{where}: step written with format version {version!r}, this dstt reads {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise FormatVersionError(
+            f"{where}: step written with format version {version!r}, this dstt reads "
+            + " and ".join(map(str, READ_VERSIONS)))
     _int(doc.get("step"), where, "step")
     _int(doc.get("seq"), where, "seq", hi=SLOTS_PER_BRANCH - 1)  # a slot of its branch
     files = doc.get("files")
@@ -236,7 +253,23 @@ def parse_entry(raw: Any, where: str) -> TensorEntry:
     entry.sha256 = shas
     entry.checksum = _str(raw.get("checksum"), w, "checksum")
     entry.written = _int(raw.get("written"), w, "written")
+    if "delta" in raw:
+        _parse_delta(entry, raw["delta"], w)
     return entry
+
+
+def _parse_delta(entry: TensorEntry, raw: Any, w: str) -> None:
+    """The ``delta`` object of a delta-coded entry (format version 2)."""
+    _need(isinstance(raw, dict), w, "delta must be an object")
+    _need(entry.codec.blosc and entry.dtype.itemsize in DELTA_ITEMSIZES, w,
+          f"delta coding of a {entry.dtype.logical} tensor with codec {entry.codec.tag}")
+    _need(raw.get("array") == entry.array + DELTA_SUFFIX, w,
+          f"delta array must be {entry.array + DELTA_SUFFIX!r}, got {raw.get('array')!r}")
+    keys = raw.get("keyframes")
+    n = entry.nchunks
+    _need(isinstance(keys, list) and len(keys) == n, w, f"delta keyframes must list {n} entries")
+    entry.keyframes = [None if k is None else _int(k, w, "keyframe slot", hi=MAX_SLOTS - 1) for k in keys]
+    entry.delta_array = entry.array + DELTA_SUFFIX
 
 
 def parse_index(data: bytes, where: str) -> tuple[list[TensorEntry], Any]:

@@ -23,7 +23,8 @@ from dstt.errors import ShardingError, UnsupportedValueError
 from dstt.store.codec import CodecSpec
 from dstt.store.dtypes import DtypeInfo, info_for_name
 from dstt.store.torch_dtypes import info_for_torch
-from dstt.store.layout import array_path
+from dstt.store.delta import DELTA_ITEMSIZES
+from dstt.store.layout import DELTA_SUFFIX, array_path
 from dstt.store.shards import (
     Region,
     ShardedTensor,
@@ -81,6 +82,15 @@ class TensorLayout:
         shape = "x".join(map(str, self.shape)) or "scalar"
         chunk = "x".join(map(str, self.chunk_shape)) or "scalar"
         return f"{self.dtype.logical}_{shape}_c{chunk}_{self.codec.tag}"
+
+    @property
+    def delta(self) -> bool:
+        """Chunks may be stored as differences to a keyframe (docs/format.md "Delta chunks")."""
+        return self.codec.delta and self.dtype.itemsize in DELTA_ITEMSIZES
+
+    @property
+    def delta_array(self) -> str:
+        return self.array + DELTA_SUFFIX
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -154,6 +164,9 @@ class StepPlan:
     meta_arrays: list[TensorLayout]
     seq: int = -1
     slot: int = -1
+    #: (array, chunk index) -> this step's keyframes.Link for each chunk this
+    #: rank writes, chained to the previous planned step's (set by Writer.plan).
+    links: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     @property
     def local_bytes(self) -> int:
@@ -269,6 +282,8 @@ def build_layout(
     chunk = choose_chunk_shape(tuple(shape), info.itemsize, bounds, max_chunk_bytes)
     layout = TensorLayout(name, kind, info, tuple(shape), chunk, codec, regions)
     array_path(name, layout.sig)  # InvalidNameError now, before anything is written
+    if layout.delta:
+        array_path(name, layout.sig + DELTA_SUFFIX)
     return layout
 
 

@@ -51,12 +51,27 @@ def check_root(backend: Backend) -> dict[str, Any]:
     attrs = doc.get("attributes", {}).get("dstt") if isinstance(doc, dict) and isinstance(doc.get("attributes"), dict) else None
     if not isinstance(attrs, dict) or attrs.get("format") != L.FORMAT_NAME:
         raise NotADsttStoreError(f"{backend.url} is a Zarr group but not a dstt store")
-    if attrs.get("format_version") != L.FORMAT_VERSION:
+    if attrs.get("format_version") not in L.READ_VERSIONS:
         raise FormatVersionError(
             f"{backend.url} has dstt format version {attrs.get('format_version')!r}; "
-            f"this dstt reads version {L.FORMAT_VERSION}"
+            f"this dstt reads versions {' and '.join(map(str, L.READ_VERSIONS))}"
         )
     return attrs
+
+
+def raise_root_version(backend: Backend, version: int) -> None:
+    """Record in the root group that the store holds steps of format
+    ``version`` (delta coding: 2), so readers that know only older versions
+    refuse the store instead of misreading its steps. Idempotent; never lowers."""
+    raw = backend.get("zarr.json", max_bytes=L.MAX_DOC_BYTES)
+    if raw is None:
+        return
+    doc = decode_json(raw, f"{backend.url}/zarr.json")
+    attrs = doc["attributes"]["dstt"]
+    if attrs.get("format_version", 0) >= version:
+        return
+    attrs["format_version"] = version
+    backend.put_atomic("zarr.json", group_metadata(doc["attributes"]))
 
 
 def ensure_root(backend: Backend) -> None:

@@ -37,7 +37,8 @@ from dstt.errors import DsttError, StepNotFoundError
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.chunks import check_chunk
-from dstt.store.codec import array_metadata, max_stored_bytes
+from dstt.store.codec import array_metadata, delta_array_metadata, max_stored_bytes
+from dstt.store.keyframes import read_delta
 from dstt.store.manifest import (
     TensorEntry,
     decode_stats,
@@ -174,12 +175,19 @@ class _Verifier:
         """The error of chunk i of a tensor, or None; cached by key and checksums."""
         coords = e.coords(i)
         key = L.chunk_key(e.array, e.slots[i], coords)
-        cache_key = (key, e.crcs[i], e.sha256[i])
+        cache_key = (key, e.keyframe(i), e.crcs[i], e.sha256[i])
         if cache_key not in self.seen:
             self.seen[cache_key] = self._read_chunk(e, i, key, coords)
         return self.seen[cache_key]
 
     def _read_chunk(self, e: TensorEntry, i: int, key: str, coords: tuple[int, ...]) -> str | None:
+        if e.keyframe(i) is not None:  # a delta and its keyframe (docs/format.md "Delta chunks")
+            self.r.chunks += 1
+            try:
+                read_delta(self.b, e, i, sha256=True)
+            except (OSError, DsttError) as exc:
+                return str(exc)
+            return None
         where = f"chunk {coords} (slot {e.slots[i]}, {key})"
         try:
             data = self.b.get(key, max_bytes=max_stored_bytes(e.codec, e.dtype.itemsize * _prod(e.chunk_shape)))
@@ -204,15 +212,21 @@ class _Verifier:
         index entry: exactly what the writer renders (``array_metadata``).
         """
         if e.array not in self.seen_arrays:
-            key = f"{e.array}/zarr.json"
-            want = array_metadata(e.dtype, e.shape, e.chunk_shape, e.codec, e.name)
-            try:
-                data = self.b.get(key, max_bytes=len(want))
-            except (OSError, DsttError) as exc:
-                err: str | None = f"array metadata {key}: unreadable ({exc})"
-            else:
-                err = (f"array metadata {key} is missing" if data is None else
-                       None if data == want else f"array metadata {key} is damaged (not what the index describes)")
+            docs = [(e.array, array_metadata(e.dtype, e.shape, e.chunk_shape, e.codec, e.name))]
+            if e.delta_array is not None:
+                docs.append((e.delta_array, delta_array_metadata(e.dtype, e.shape, e.chunk_shape, e.name)))
+            err: str | None = None
+            for path, want in docs:
+                key = f"{path}/zarr.json"
+                try:
+                    data = self.b.get(key, max_bytes=len(want))
+                except (OSError, DsttError) as exc:
+                    err = f"array metadata {key}: unreadable ({exc})"
+                else:
+                    err = (f"array metadata {key} is missing" if data is None else
+                           None if data == want else f"array metadata {key} is damaged (not what the index describes)")
+                if err is not None:
+                    break
             self.seen_arrays[e.array] = err
         return self.seen_arrays[e.array]
 
