@@ -65,7 +65,10 @@ def cmd_show(target: str, tensor: str, slice_text: Optional[str], bins: int, jso
     from dstt.analysis.history import histogram
     from dstt.analysis.select import parse_slice
     from dstt.cli import render
+    from dstt.cli.values import show_value
 
+    if show_value(target, tensor, json_out):  # a value path: optim/param_groups/0/lr, extra/loss, ...
+        return
     run, _ = _open(target, tensors=True)
     branch, step = run.resolve()
     e = run.entry(tensor, step, branch)
@@ -132,19 +135,30 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
             update(done[0], total)
 
         rows = diff_points(pa, pb, patterns, progress=advance, threads=threads)
-    if patterns and not rows:
+    from dstt.analysis.values import section_sorted
+    from dstt.cli.values import diff_values, render_value_diff
+
+    value_rows = diff_values(pa, pb, patterns)
+    if patterns and not rows and not value_rows:
         from dstt.errors import TensorNotFoundError
 
-        raise TensorNotFoundError(f"no tensor matches {' '.join(patterns)!r} on either side")
+        raise TensorNotFoundError(f"no tensor matches {' '.join(patterns)!r} on either side (nor any value)")
     all_rows = rows
     if changed_only:
         rows = [r for r in rows if r["status"] != "unchanged"]
-    rows = sort_rows(rows, sort, top)
+    # Model tensors first, then the rest, optimizer state last (Adam's step
+    # counters change by 100% every step and would crowd out every weight).
+    rows = sort_rows(rows, sort)
+    if sort != "name":
+        rows = section_sorted(rows)
+    rows = rows[:top] if top is not None else rows
     a, b = _ref_text(pa[0], pa[1], pa[2]), _ref_text(pb[0], pb[1], pb[2])
     if json_out:
-        emit_json({"a": a, "b": b, "tensors": rows})
+        emit_json({"a": a, "b": b, "tensors": rows, "values": value_rows})
     else:
-        render.diff_table(a, b, rows, all_rows)
+        if rows or not value_rows:
+            render.diff_table(a, b, rows, all_rows)
+        render_value_diff(value_rows)
 
 
 def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,
@@ -160,6 +174,24 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
     run, ref = _open(target)
     if ref.step is not None:
         raise InvalidReferenceError(f"history takes STORE[@BRANCH], not a step: got {target!r}")
+    from dstt.cli import values as V
+
+    value_names, tensors = V.value_paths(run, (branches or [run.default_branch])[0], tensors)
+    if value_names:  # learning rates, scheduler state, extra values: their values over the steps
+        vseries = V.value_series(run, value_names, branches or [run.default_branch], ancestry)
+        if plot is not None and not tensors:
+            from dstt.analysis.plot import line_plot
+
+            line_plot(V.plot_points(vseries), str(plot), title=f"value - {run.url}")
+            stderr.print(f"wrote {plot}")
+        if not tensors:
+            if json_out:
+                emit_json({"stat": "value", "delta": False, "series": vseries})
+            else:
+                V.render_value_history(vseries, points)
+            return
+        if not json_out:
+            V.render_value_history(vseries, points)
     series = []
     for b in branches or [run.default_branch]:
         for s in to_series(history(run, tensors, stat, b, delta=delta, ancestry=ancestry)):
