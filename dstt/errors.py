@@ -98,6 +98,10 @@ class StoreLockedError(DsttError, BlockingIOError):
     """Another live writer holds the branch's write lock."""
 
 
+class StoreNotWritableError(DsttError, PermissionError):
+    """The store cannot be written here (a read-only filesystem, no permission)."""
+
+
 class CaptureError(DsttError, RuntimeError):
     """Background capture work failed; the message names the step."""
 

@@ -456,3 +456,136 @@ def test_a_reader_racing_prune_and_gc_is_told_the_step_was_removed(tmp_path: Pat
     dstt.save(path, 3, state(3))
     with pytest.raises(StepNotFoundError, match="removed"):
         dstt.open(PrunedAfterCommitRead(path)).tensors(2)
+
+
+# --------------------------------------------------------------------------- 8. late errors (writers)
+
+
+def _deep(n: int) -> dict:
+    root: dict = {}
+    cur = root
+    for _ in range(n):
+        cur["a"] = {}
+        cur = cur["a"]
+    cur["w"] = torch.ones(1)
+    return root
+
+
+def _cyclic() -> dict:
+    d: dict = {"w": torch.ones(1), "l": []}
+    d["l"].append(d["l"])
+    return d
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: {"x": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}, "nested"),
+    (lambda: {"x": torch.ones(2, device="meta")}, "meta device"),
+    (lambda: _deep(3000), "nested more than 64 containers"),
+    (lambda: _cyclic(), "reference cycle"),
+])
+def test_unstorable_states_are_refused_up_front(tmp_path: Path, bad, match: str) -> None:  # type: ignore[no-untyped-def]
+    import warnings
+
+    from dstt.errors import UnsupportedValueError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's nested-tensor prototype warning
+        state_ = bad()
+    path = tmp_path / "run"
+    dstt.save(path, 0, state(0))
+    with pytest.raises(UnsupportedValueError, match=match):
+        dstt.save(path, 1, state_)
+    with dstt.Capture(path) as cap:
+        with pytest.raises(UnsupportedValueError, match=match):
+            cap.snapshot(1, extra=state_)  # on the caller's thread, not in the background
+        assert cap.snapshot(2, extra=state(2))
+    assert dstt.open(path).steps() == [0, 2] and verify(path).ok
+
+
+def test_a_state_as_deep_as_writers_allow_reads_back(tmp_path: Path) -> None:
+    from dstt.store.manifest import MAX_STATE_DEPTH
+
+    path = tmp_path / "run"
+    deep = _deep(MAX_STATE_DEPTH - 2)
+    tup: object = torch.ones(1)
+    levels = 0
+    while levels < MAX_STATE_DEPTH - 2:  # tuples and non-string keys take the most JSON levels
+        if isinstance(tup, tuple) and levels + 2 <= MAX_STATE_DEPTH - 2:
+            tup, levels = {1: (tup,)}, levels + 2
+        else:
+            tup, levels = (tup,), levels + 1
+    dstt.save(path, 0, {"d": deep, "t": [tup]})
+    got = dstt.open(path).state_dict(0)
+    cur = got["d"]
+    for _ in range(MAX_STATE_DEPTH - 2):
+        cur = cur["a"]
+    assert bits_equal(cur["w"], torch.ones(1))
+
+
+def test_conjugate_and_negative_views_are_stored_as_their_values(tmp_path: Path) -> None:
+    z = torch.randn(64, 64, dtype=torch.complex64)
+    views = {"conj": z.conj(), "conj_t": z.conj().t(), "neg": z.conj().imag}
+    dstt.save(tmp_path / "a", 0, views)
+    with dstt.Capture(tmp_path / "b") as cap:
+        cap.snapshot(0, extra=views)
+    for store, prefix in ((tmp_path / "a", ""), (tmp_path / "b", "extra/")):
+        run = dstt.open(store)
+        for k, v in views.items():
+            assert bits_equal(run.read(prefix + k, 0), v.resolve_conj().resolve_neg().contiguous())
+
+
+def test_a_read_only_store_is_a_clear_error(tmp_path: Path) -> None:
+    from dstt.errors import StoreNotWritableError
+
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        dstt.save(mnt / "run", 0, state(0))
+        (mnt / "empty").mkdir()
+        if subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode:
+            pytest.skip("cannot remount read-only")
+        for attempt in (lambda: dstt.save(mnt / "run", 1, state(1)), lambda: dstt.save(mnt / "new", 0, state(0)),
+                        lambda: dstt.save(mnt / "empty", 0, state(0)), lambda: dstt.Capture(mnt / "run"),
+                        lambda: dstt.gc(mnt / "run"), lambda: dstt.prune(mnt / "run", keep_last=1),
+                        lambda: dstt.branch(mnt / "run", "b")):
+            with pytest.raises(StoreNotWritableError, match="Read-only file system"):
+                attempt()
+        res = cli("branch", str(mnt / "run"), "b")
+        assert res.exit_code == 1 and "cannot write to the store" in res.output and "Traceback" not in res.output
+        assert dstt.open(mnt / "run").steps() == [0] and verify(mnt / "run").ok  # reads still work
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+# --------------------------------------------------------------------------- 11. portability
+
+
+def test_the_value_tree_decoder_bounds_depth_itself_not_via_the_recursion_limit() -> None:
+    """Python 3.12 decodes deeper trees than 3.11 before a RecursionError; the
+    bound must not depend on it (here: a recursion limit high enough that
+    recursion would never stop a 1,000-deep tree)."""
+    from dstt.errors import CorruptStoreError
+    from dstt.store.manifest import MAX_TREE_DEPTH, parse_index
+    from dstt.store.tree import unflatten
+
+    def nested(n: int) -> object:
+        tree: object = 1
+        for _ in range(n):
+            tree = [tree]
+        return tree
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(50_000)
+    try:
+        for n in (MAX_TREE_DEPTH + 1, 800, 1000):
+            with pytest.raises(CorruptStoreError, match="nested more than"):
+                unflatten(nested(n), lambda n_, k: None)
+            import json
+
+            with pytest.raises(CorruptStoreError, match="nested more than"):
+                parse_index(json.dumps({"tensors": [], "objects": nested(n)}).encode(), "index.json")
+        assert unflatten(nested(MAX_TREE_DEPTH), lambda n_, k: None) == nested(MAX_TREE_DEPTH)
+    finally:
+        sys.setrecursionlimit(old)

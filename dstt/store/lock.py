@@ -63,6 +63,7 @@ from typing import Any, Iterator
 from dstt.errors import StoreLockedError  # noqa: F401 - re-exported for doctests
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
+from dstt.store.backends.local import not_writable
 
 #: Default lease lifetime for non-local backends, in seconds.
 LEASE_TTL = 60.0
@@ -266,7 +267,10 @@ class BranchLock:
     def try_acquire(self, ttl: float = LEASE_TTL) -> bool:
         if self._held:
             return True
-        ok = self._acquire_local() if self.backend.flock else self._acquire_lease(ttl)
+        try:  # every writer (save, Capture, branch, prune, gc) locks first: one place for this
+            ok = self._acquire_local() if self.backend.flock else self._acquire_lease(ttl)
+        except OSError as e:  # a read-only store: a clear error, not a raw OSError
+            raise not_writable(self.backend.url, e) from None
         self._held = ok
         if ok:
             _HELD.add(self)

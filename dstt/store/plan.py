@@ -188,8 +188,15 @@ def describe_local(name: str, kind: str, value: Any, rank: int) -> LocalTensor:
         return LocalTensor(name, kind, info.logical, value.shape, "pieces", regions,
                            {off: t.detach() for off, t in value.pieces if t.numel()})
     if isinstance(value, torch.Tensor):
+        # Refused here, on the caller's thread, with the tensor's name: these
+        # used to fail later with a raw RuntimeError or only in the background.
+        if value.is_nested:
+            raise UnsupportedValueError(f"{name}: nested (ragged) tensors cannot be stored; "
+                                        "store their components (.unbind()) instead")
         if value.is_sparse or value.layout != torch.strided:
             raise UnsupportedValueError(f"{name}: only dense (strided) tensors can be stored, got {value.layout}")
+        if value.device.type == "meta":
+            raise UnsupportedValueError(f"{name}: a tensor on the meta device has no data to store")
         info = info_for_torch(value.dtype)
         zero = (0,) * value.dim()
         return LocalTensor(name, kind, info.logical, tuple(value.shape), "replicated",

@@ -42,7 +42,7 @@ class BranchInfo:
 
 def check_root(backend: Backend) -> dict[str, Any]:
     """Validate the root group; the dstt attributes, or a clear error."""
-    raw = backend.get("zarr.json")
+    raw = backend.get("zarr.json", max_bytes=L.MAX_DOC_BYTES)
     if raw is None:
         if backend.directories or backend.list_dir(""):
             raise NotADsttStoreError(f"{backend.url} is not a dstt store (no zarr.json with dstt attributes)")
@@ -79,7 +79,7 @@ def ensure_root(backend: Backend) -> None:
 
     An existing directory with other content is never taken over.
     """
-    if backend.get("zarr.json") is not None:
+    if backend.get("zarr.json", max_bytes=L.MAX_DOC_BYTES) is not None:
         check_root(backend)
         return
     if backend.list_dir("") and not _interrupted_creation(backend):
@@ -109,7 +109,7 @@ def list_branches(backend: Backend) -> list[str]:
 
 def load_branch(backend: Backend, name: str) -> BranchInfo:
     L.validate_branch(name)
-    raw = backend.get(L.branch_key(name))
+    raw = backend.get(L.branch_key(name), max_bytes=L.MAX_DOC_BYTES)
     if raw is None:
         known = ", ".join(list_branches(backend)) or "none"
         raise BranchNotFoundError(f"no branch {name!r} in {backend.url} (branches: {known})")

@@ -47,6 +47,7 @@ from dstt.errors import (
     PickleNotAllowedError,
     UnsupportedValueError,
 )
+from dstt.store.manifest import MAX_STATE_DEPTH, check_tree_depth
 from dstt.store.shards import ShardedTensor, is_dtensor
 
 TensorLike = Any  # torch.Tensor | DTensor | ShardedTensor | np.ndarray
@@ -101,15 +102,8 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, T
             if t is None:
                 return _maybe_pickle(v, path, allow_pickle)
             return {"$ndarray": add(path, t, "ndarray")}
-        if isinstance(v, dict):
-            str_keys = all(isinstance(k, str) and not k.startswith("$") for k in v)
-            if str_keys:
-                return {k: enc(x, path + [escape_name_part(k)]) for k, x in v.items()}
-            return {"$dict": [[enc_key(k, path), enc(x, path + [escape_name_part(str(k))])] for k, x in v.items()]}
-        if isinstance(v, list):
-            return [enc(x, path + [str(i)]) for i, x in enumerate(v)]
-        if isinstance(v, tuple):
-            return {"$tuple": [enc(x, path + [str(i)]) for i, x in enumerate(v)]}
+        if isinstance(v, (dict, list, tuple)):
+            return enc_container(v, path)
         if isinstance(v, (bytes, bytearray)):
             return {"$bytes": base64.b64encode(bytes(v)).decode("ascii")}
         if isinstance(v, torch.dtype):
@@ -124,6 +118,31 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, T
             return {"$np": [v.dtype.name, enc(item, path)]}
         return _maybe_pickle(v, path, allow_pickle)
 
+    active: set[int] = set()  # ids of the containers on the path being encoded
+
+    def enc_container(v: Any, path: list[str]) -> Any:
+        # Refused up front with a clear error instead of a RecursionError:
+        # a cycle, and nesting beyond what readers decode (MAX_STATE_DEPTH).
+        if id(v) in active:
+            raise UnsupportedValueError(
+                f"at {_where(path)}: the state contains itself (a reference cycle); it cannot be stored")
+        if len(active) >= MAX_STATE_DEPTH:
+            raise UnsupportedValueError(
+                f"at {_where(path)}: the state is nested more than {MAX_STATE_DEPTH} containers deep")
+        active.add(id(v))
+        try:
+            if isinstance(v, dict):
+                str_keys = all(isinstance(k, str) and not k.startswith("$") for k in v)
+                if str_keys:
+                    return {k: enc(x, path + [escape_name_part(k)]) for k, x in v.items()}
+                return {"$dict": [[enc_key(k, path), enc(x, path + [escape_name_part(str(k))])]
+                                  for k, x in v.items()]}
+            if isinstance(v, list):
+                return [enc(x, path + [str(i)]) for i, x in enumerate(v)]
+            return {"$tuple": [enc(x, path + [str(i)]) for i, x in enumerate(v)]}
+        finally:
+            active.discard(id(v))
+
     def enc_key(k: Any, path: list[str]) -> Any:
         if _is_tensor(k) or isinstance(k, (dict, list, np.ndarray)):
             raise UnsupportedValueError(f"at {'/'.join(path) or '<root>'}: unsupported dict key type {type(k).__name__}")
@@ -131,6 +150,13 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, T
 
     tree = enc(state, [])
     return tree, tensors, kinds
+
+
+def _where(path: list[str]) -> str:
+    """A path for messages: shortened when deep."""
+    if not path:
+        return "<root>"
+    return "/".join(path) if len(path) <= 8 else "/".join(path[:4]) + "/.../" + "/".join(path[-2:])
 
 
 def _ndarray_as_tensor(v: np.ndarray) -> torch.Tensor | None:
@@ -251,9 +277,10 @@ def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool 
             return pickle.loads(base64.b64decode(arg))
         raise bad(f"unknown tag {tag!r}")
 
+    check_tree_depth(tree, "value tree")  # explicit: not Python's recursion limit
     try:
         return dec(tree)
-    except RecursionError:
+    except RecursionError:  # (not reached within MAX_TREE_DEPTH)
         raise bad("nested too deeply") from None
 
 

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from dstt.errors import CorruptStoreError, StoreNotFoundError
+from dstt.errors import CorruptStoreError, StoreNotFoundError, StoreNotWritableError
 from dstt.store.backends.base import Backend, Bytes, Data, check_key
 from dstt.store.localio import DirectState, libc_function, write_all, write_file
 
@@ -46,6 +46,19 @@ def _file_kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a file"
+
+
+#: errno values that mean "this store cannot be written here".
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def not_writable(url: str, e: OSError) -> Exception:
+    """StoreNotWritableError for ``e`` when it says the store cannot be
+    written (read-only filesystem, permissions); ``e`` itself otherwise."""
+    if e.errno in _NOT_WRITABLE:
+        return StoreNotWritableError(f"cannot write to the store {url}: {e.strerror} ({e.filename or url}); "
+                                     "open it read-only (dstt.open) or copy it somewhere writable")
+    return e
 
 
 def _check_size(key: str, size: int, max_bytes: int | None) -> None:
@@ -79,7 +92,10 @@ class LocalBackend(Backend):
         if not self.root.exists():
             if not create:
                 raise StoreNotFoundError(f"no store at {self.root}: the path does not exist")
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise not_writable(self.url, e) from None
         elif not self.root.is_dir():
             raise StoreNotFoundError(f"no store at {self.root}: not a directory")
         self._lock = threading.Lock()
@@ -141,22 +157,25 @@ class LocalBackend(Backend):
     # -- interface
     def put(self, key: str, data: Data) -> None:
         path = self._path(key)
-        self._ensure_parent(path)
         try:
+            self._ensure_parent(path)
             write_file(path, data if isinstance(data, (list, tuple)) else (data,), self._direct)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise CorruptStoreError(
                     f"refusing {path}: a symbolic link inside the store (dstt stores hold none)") from None
-            raise
+            raise not_writable(self.url, e) from None
         if _SYNCFS is None:
             with self._lock:
                 self._dirty_files.add(path)
 
     def _write_temp(self, path: str, data: Bytes) -> str:
-        self._ensure_parent(path)
         tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            self._ensure_parent(path)
+            fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except OSError as e:
+            raise not_writable(self.url, e) from None
         try:
             self._write_all(fd, data)
             os.fsync(fd)
