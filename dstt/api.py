@@ -53,6 +53,7 @@ def save(
     allow_pickle: bool = False,
     compression: str = "none",
     parent: StepRef | tuple[str, int] | str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> CommitInfo:
     """Save ``state`` as ``step`` of ``branch``, durably and atomically.
 
@@ -61,7 +62,8 @@ def save(
     :func:`dstt.state_of` builds. Under torch.distributed every rank calls it;
     each writes its own shards and rank 0 commits. ``parent`` (for a new
     branch) is a :class:`dstt.StepRef`, a ``(branch, step)`` pair or a
-    reference such as ``"main:1200"``.
+    reference such as ``"main:1200"``. ``storage_options`` go to fsspec for
+    URLs such as ``s3://`` (docs/object-stores.md).
 
     >>> import tempfile, torch, dstt
     >>> path = tempfile.mkdtemp() + "/run"
@@ -69,12 +71,14 @@ def save(
     >>> info.n_tensors, dstt.open(path).state_dict(0)["lr"]
     (1, 0.1)
     """
-    with Writer(store, branch=branch, parent=parent, allow_pickle=allow_pickle, compression=compression) as w:
+    with Writer(store, branch=branch, parent=parent, allow_pickle=allow_pickle, compression=compression,
+                storage_options=storage_options) as w:
         return w.write(step, state)
 
 
-def open(store: Any) -> Run:  # noqa: A001 - mirrors zarr.open / builtins.open naming
-    """Open a store (path, URL or zarr Store) read-only.
+def open(store: Any, *, storage_options: dict[str, Any] | None = None) -> Run:  # noqa: A001 - mirrors zarr.open
+    """Open a store (path, URL or zarr Store) read-only; ``storage_options``
+    go to fsspec for URLs such as ``s3://`` (docs/object-stores.md).
 
     >>> import tempfile, torch, dstt
     >>> path = tempfile.mkdtemp() + "/run"
@@ -82,4 +86,4 @@ def open(store: Any) -> Run:  # noqa: A001 - mirrors zarr.open / builtins.open n
     >>> dstt.open(path).steps()
     [5]
     """
-    return Run(store)
+    return Run(store, storage_options=storage_options)

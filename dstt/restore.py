@@ -88,6 +88,7 @@ def restore(
     rng: bool = True,
     strict: bool = True,
     threads: int = 4,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore step ``ref`` (``STORE[@BRANCH][:STEP]`` or an open :class:`Run`)
     into live objects; return the step's ``extra`` dict (``{}`` if none).
@@ -106,7 +107,7 @@ def restore(
     >>> torch.equal(m2.weight, m.weight)
     True
     """
-    run = ref if isinstance(ref, TensorReader) else TensorReader(os.fspath(ref))
+    run = ref if isinstance(ref, TensorReader) else TensorReader(os.fspath(ref), storage_options=storage_options)
     rec = run.record()
     tree = rec.objects if isinstance(rec.objects, dict) else {}
     plan = _Plan()

@@ -52,6 +52,9 @@ class CaptureConfig:
     #: trainer and are committed by the next Capture); False: in-process
     #: memory only. None: /dev/shm when it has room, else in-process with a warning.
     shm: bool | None = None
+    #: Options for fsspec when the store is a URL such as ``s3://``
+    #: (endpoint, credentials; docs/object-stores.md).
+    storage_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _positive_int("every", self.every)
@@ -92,7 +95,7 @@ def make_config(config: CaptureConfig | None, overrides: dict[str, Any]) -> Capt
     >>> make_config(None, {"evry": 5})
     Traceback (most recent call last):
     ...
-    dstt.errors.ConfigError: unknown Capture option 'evry'; known: every, branch, parent, host_buffer_bytes, on_full, compression, zstd_level, max_chunk_bytes, flush_threads, allow_pickle, dedup, background_nice, exit_drain_s, shm
+    dstt.errors.ConfigError: unknown Capture option 'evry'; known: every, branch, parent, host_buffer_bytes, on_full, compression, zstd_level, max_chunk_bytes, flush_threads, allow_pickle, dedup, background_nice, exit_drain_s, shm, storage_options
     """
     if config is not None and not isinstance(config, CaptureConfig):
         raise ConfigError(f"config must be a CaptureConfig, got {type(config).__name__}")

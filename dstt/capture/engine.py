@@ -103,6 +103,7 @@ class Capture:
             zstd_level=cfg.zstd_level, max_chunk_bytes=cfg.max_chunk_bytes,
             allow_pickle=cfg.allow_pickle, dedup=cfg.dedup, threads=1,
             coordinator=self._plan_coord, commit_coordinator=self._commit_coord,
+            storage_options=cfg.storage_options,
         )
         self.rank = self._plan_coord.rank
         self.pool: HostPool | None = None

@@ -101,13 +101,14 @@ def suggest(name: str, choices: Sequence[str]) -> str:
 class RunIndex:
     """A captured run's steps and step indexes, opened read-only (no torch)."""
 
-    def __init__(self, store: Any, *, cache_steps: int = 64) -> None:
+    def __init__(self, store: Any, *, cache_steps: int = 64, storage_options: dict[str, Any] | None = None) -> None:
         ref = Ref.parse(os.fspath(store)) if isinstance(store, (str, os.PathLike)) else None
         #: Branch and step named by the reference this run was opened with;
         #: the defaults of every method that takes ``branch``/``step``.
         self.default_branch: str = (ref.branch if ref else None) or "main"
         self.default_step: Any = ref.step if ref else None
-        self.backend: Backend = open_backend(ref.store if ref else store, create=False)
+        self.backend: Backend = open_backend(ref.store if ref else store, create=False,
+                                             storage_options=storage_options)
         self.attrs = check_root(self.backend)
         if ref is not None and ref.branch is not None:
             load_branch(self.backend, ref.branch)  # fail early on an unknown branch

@@ -217,18 +217,28 @@ class BranchLock:
     # ------------------------------------------------------------- other: lease
 
     def _acquire_lease(self, ttl: float) -> bool:
+        _check_atomic_create(self.backend)
         data = _record(self.branch, self.token, ttl)
         if not self.backend.put_if_absent(self.key, data):
-            info = LockInfo.parse(self.branch, self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES))
+            raw = self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES)
+            info = LockInfo.parse(self.branch, raw)
             if info.expires is not None and info.expires > time.time():
                 return False
             if info.expires is None and self.backend.exists(self.key):
                 # Unreadable lease: treat as held until its writer's ttl could
                 # have passed; the caller can break it explicitly.
                 return False
-            self.backend.delete(self.key)  # expired: take over
-            if not self.backend.put_if_absent(self.key, data):
-                return False
+            # Expired: take over. Where the store can replace an object only
+            # if it is unchanged, of two writers taking over the same lease one
+            # wins; "delete, then create" lets the second delete the first's.
+            replace = getattr(self.backend, "put_if_unchanged", None)
+            if replace is not None and raw is not None:
+                if not replace(self.key, raw, data):
+                    return False
+            else:
+                self.backend.delete(self.key)
+                if not self.backend.put_if_absent(self.key, data):
+                    return False
         if LockInfo.parse(self.branch, self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES)).token != self.token:
             return False
         self._stop = threading.Event()
@@ -239,10 +249,17 @@ class BranchLock:
     def _renew(self, ttl: float, stop: threading.Event) -> None:
         while not stop.wait(ttl / 3):
             try:
-                current = LockInfo.parse(self.branch, self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES))
+                raw = self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES)
+                current = LockInfo.parse(self.branch, raw)
                 if current.token != self.token:
                     return  # broken or taken over: stop renewing
-                self.backend.put(self.key, _record(self.branch, self.token, ttl))
+                renewed = _record(self.branch, self.token, ttl)
+                replace = getattr(self.backend, "put_if_unchanged", None)
+                if replace is not None and raw is not None:
+                    # Never over a lease taken over since it was read.
+                    replace(self.key, raw, renewed)
+                else:
+                    self.backend.put(self.key, renewed)
             except Exception:  # pragma: no cover - retried at the next period
                 continue
 
@@ -313,6 +330,21 @@ class BranchLock:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.release()
+
+
+def _check_atomic_create(backend: Backend) -> None:
+    """Say at lock time when a store cannot make a lease safe: backends that
+    can check their conditional create do (StoreLockedError when the store
+    ignores it); others without ``atomic_create`` get a warning."""
+    check = getattr(backend, "check_atomic_create", None)
+    if check is not None:
+        check()
+    elif not backend.atomic_create:
+        import warnings
+
+        warnings.warn(f"{backend.url}: this store's conditional create is not atomic; two writers "
+                      f"starting together could both take a branch lock (see docs/object-stores.md)",
+                      stacklevel=4)
 
 
 def _same_inode(fd: int, path: str) -> bool:

@@ -148,6 +148,7 @@ class Writer:
         coordinator: Coordinator | None = None,
         commit_coordinator: Coordinator | None = None,
         keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         L.validate_branch(branch)
         if not isinstance(keyframe_every, int) or isinstance(keyframe_every, bool) or keyframe_every < 1:
@@ -166,6 +167,7 @@ class Writer:
         self.commit_coord = commit_coordinator or self.coord
         self.rank = self.coord.rank
         self._branch_lock: Any = None  # rank 0 holds the branch write lock (lock.py)
+        self._storage_options = storage_options
         self.backend: Backend = self._setup(store, branch, parent)
         self.branch: BranchInfo = load_branch(self.backend, branch)
         self._known_arrays: set[str] = set()
@@ -204,7 +206,7 @@ class Writer:
         backend = None
         if self.rank == 0:
             try:
-                backend = open_backend(store, create=True)
+                backend = open_backend(store, create=True, storage_options=self._storage_options)
                 ensure_root(backend)
                 self._branch_lock = acquire_lock(backend, branch)
                 self._ensure_branch(backend, branch, resolve_parent(backend, parent))
@@ -217,7 +219,7 @@ class Writer:
         if error is not None:
             raise error
         if backend is None:
-            backend = open_backend(store, create=False)
+            backend = open_backend(store, create=False, storage_options=self._storage_options)
         return backend
 
     @staticmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 from dstt.errors import StoreNotFoundError
 from dstt.store.backends.base import Backend, Bytes, Data, check_key, join_data
@@ -31,11 +31,18 @@ __all__ = [
 ]
 
 
-def open_backend(store: Any, *, create: bool = False) -> Backend:
+def open_backend(store: Any, *, create: bool = False, storage_options: Mapping[str, Any] | None = None) -> Backend:
     """Turn a path, URL, zarr Store or Backend into a Backend.
 
     ``create`` allows a missing local directory to be made (writers only).
+    ``storage_options`` go to fsspec for URLs (``s3://``...; see
+    :mod:`~dstt.store.backends.objectstore`); anything else refuses them.
     """
+    if storage_options and not (isinstance(store, (str, os.PathLike)) and "://" in os.fspath(store)
+                                and not os.fspath(store).startswith("file://")):
+        from dstt.errors import ConfigError
+
+        raise ConfigError("storage_options apply only to fsspec URLs (s3://, gs://, memory://, ...)")
     if isinstance(store, Backend):
         return store
     # A zarr Store object can only exist if zarr is imported; local paths never
@@ -53,13 +60,9 @@ def open_backend(store: Any, *, create: bool = False) -> Backend:
         if s.startswith("file://"):
             return LocalBackend(s[len("file://"):], create=create)
         if "://" in s:
-            from zarr.storage import FsspecStore
+            from dstt.store.backends.objectstore import FsspecBackend
 
-            try:
-                zs = FsspecStore.from_url(s)
-            except (ImportError, ValueError, TypeError) as e:
-                raise StoreNotFoundError(f"cannot open store URL {s!r}: {e}") from None
-            return ZarrStoreBackend(zs, url=s)
+            return FsspecBackend(s, storage_options)
         return LocalBackend(s, create=create)
     raise StoreNotFoundError(
         f"expected a store path, URL or zarr Store, got {type(store).__name__}"
