@@ -67,7 +67,10 @@ class ZarrStoreBackend(Backend):
         return sorted(n.rstrip("/") for n in self._run(_collect()))
 
     def list_prefix(self, prefix: str) -> list[str]:
-        prefix = prefix.strip("/")
+        # Below the directory ``prefix`` only: zarr's list_prefix is a plain
+        # string prefix, so "meta/steps/main" would also list (and
+        # delete_prefix delete) the steps of a branch "main2".
+        prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
 
         async def _collect() -> list[str]:
             return [x async for x in self.store.list_prefix(prefix)]
