@@ -293,7 +293,9 @@ def test_cli_history_and_plot(store: Path, tmp_path: Path) -> None:
 
 def test_cli_find(store: Path) -> None:
     _series_store(store)
-    doc = _json(["find", str(store)])
+    doc = _json(["find", str(store)])  # every branch unless told otherwise (issue 15)
+    assert doc["branches"] == {"main": 4, "alt": 3} and doc["first_step"] == 3
+    doc = _json(["find", f"{store}@main"])
     assert doc["first_step"] == 4 and doc["events"][0]["reason"] == "norm_jump"
     doc = _json(["find", f"{store}@alt", "--nonfinite"])
     assert doc["first_step"] == 3
