@@ -106,3 +106,54 @@ def test_value_api_without_torch_tensors(blown_up: Path) -> None:
     assert flat["extra/note"] == "hot" and "model/weight" not in flat
     assert len([p for p in flat if p.startswith("rng/python")]) == 3  # 625-word state kept as one value
     assert value_diff(step_tree(run, 4), step_tree(run, 4)) == []
+
+
+# ------------------------------------------------------------------ the rest of issue 15 item 7
+
+
+def test_find_searches_every_branch_and_reports_divergence(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    for s in range(4):
+        dstt.save(path, s, {"model": {"w": torch.full((4,), float(s + 1))}})
+    dstt.save(path, 2, {"model": {"w": torch.full((4,), float("nan"))}}, branch="hot", parent=("main", 1))
+    dstt.save(path, 3, {"model": {"w": torch.full((4,), 4.0)}}, branch="hot")
+    doc = cli("find", str(path))
+    assert doc["branches"] == {"hot": 2, "main": None} and doc["events"][0]["branch"] == "hot"
+    assert cli("find", f"{path}@main")["first_step"] is None  # told otherwise: one branch
+    d = cli("find", str(path), "--diverge", "main", "--diverge", "hot")
+    assert (d["fork"], d["step"], d["tensors"]) == (["main", 1], 2, ["model/w"])
+    human = runner.invoke(app, ["find", str(path), "--diverge", "hot"])
+    assert human.exit_code == 0 and "first differ at step 2" in human.stdout
+
+
+def test_prune_dry_run_lists_steps_and_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    for s in range(5):
+        dstt.save(path, s, {"w": torch.full((4096,), float(s)), "frozen": torch.ones(4096)})
+    doc = cli("prune", str(path), "--keep-last", "2", "--dry-run")
+    assert [r["step"] for r in doc["removed"]] == [0, 1, 2] and all(r["bytes"] > 16384 for r in doc["removed"])
+    gc_before = cli("gc", str(path), "--dry-run")["bytes_freed"]
+    assert gc_before == 0 and dstt.open(path).steps() == [0, 1, 2, 3, 4]  # nothing was touched
+    # 'frozen' is shared with kept steps: not counted; each step's own 'w' chunk is.
+    chunk_bytes = doc["bytes_freed"] - sum(
+        sum(f.stat().st_size for f in (path / "meta/steps/main" / f"{s:020d}").iterdir()) for s in range(3))
+    cli("prune", str(path), "--keep-last", "2")
+    assert cli("gc", str(path))["bytes_freed"] == chunk_bytes  # the estimate is what gc then frees
+
+
+def test_export_refuses_to_overwrite(tmp_path: Path) -> None:
+    path, out = tmp_path / "run", tmp_path / "w.pt"
+    dstt.save(path, 0, {"w": torch.ones(2)})
+    out.write_bytes(b"keep me")
+    r = runner.invoke(app, ["export", f"{path}:0", "--out", str(out)])
+    assert r.exit_code == 2 and "--overwrite" in r.stderr and out.read_bytes() == b"keep me"
+    r = runner.invoke(app, ["export", f"{path}:0", "--out", str(out), "--overwrite", "-q"])
+    assert r.exit_code == 0 and torch.load(out, weights_only=True)["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("command", ["ls", "show", "diff", "history", "find", "export", "prune", "gc", "branch"])
+def test_help_has_no_bool_on_flags_and_prints_reference_syntax(command: str) -> None:
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "<bool>" not in r.stdout
+    if command in ("history", "find"):
+        assert "STORE[@BRANCH]" in r.stdout  # not eaten as rich markup

@@ -213,19 +213,50 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
 
 def cmd_find(target: str, tensors: list[str], branch: Optional[str], nonfinite: Optional[bool],
              jump: Optional[float], stat: Optional[str], gt: Optional[float], lt: Optional[float],
-             all_steps: bool, json_out: bool) -> None:
+             all_steps: bool, json_out: bool, diverge: list[str] | None = None) -> None:
     from dstt.analysis.anomaly import find
+    from dstt.cli.output import stdout
     from dstt.cli import render
     from dstt.errors import InvalidReferenceError
 
     run, ref = _open(target)
     if ref.step is not None:
         raise InvalidReferenceError(f"find takes STORE[@BRANCH], not a step: got {target!r}")
+    if diverge:
+        from dstt.analysis.branches import first_divergence
+
+        if len(diverge) > 2:
+            from dstt.errors import ConfigError
+
+            raise ConfigError("--diverge takes one branch (compared with --branch or main) or two")
+        a, b2 = (diverge[0], diverge[1]) if len(diverge) == 2 else (branch or ref.branch or "main", diverge[0])
+        d = first_divergence(run, a, b2)
+        if json_out:
+            emit_json(d)
+        else:
+            fork = f"share steps up to {d['fork'][0]}:{d['fork'][1]}" if d["fork"] else "share no step"
+            where = (f"first differ at step {d['step']} ({len(d['tensors'])} tensors: "
+                     f"{', '.join(d['tensors'][:5])}{', ...' if len(d['tensors']) > 5 else ''})"
+                     if d["step"] is not None else "never differ on the steps both captured")
+            stdout.print(f"{a} and {b2} {fork}; they {where}")
+        return
     if nonfinite is None and jump is None and stat is None and gt is None and lt is None:
         nonfinite, jump = True, 10.0
+    checks = {"nonfinite": bool(nonfinite), "jump": jump, "stat": stat, "gt": gt, "lt": lt}
+    if branch is None and ref.branch is None:  # every branch, unless told otherwise
+        from dstt.analysis.branches import find_branches
+
+        per = find_branches(run, tensors, first=not all_steps, **checks)
+        events = sorted((e for evs in per.values() for e in evs), key=lambda e: (e["step"], e["branch"]))
+        firsts = {b: (evs[0]["step"] if evs else None) for b, evs in per.items()}
+        if json_out:
+            emit_json({"branch": None, "branches": firsts, "first_step": events[0]["step"] if events else None,
+                       "events": events})
+        else:
+            render.events(f"any of {len(per)} branch(es)", events)
+        return
     b = branch or run.default_branch
-    events = find(run, tensors, b, nonfinite=bool(nonfinite), jump=jump, stat=stat, gt=gt, lt=lt,
-                  first=not all_steps)
+    events = find(run, tensors, b, first=not all_steps, **checks)
     first = events[0]["step"] if events else None
     if json_out:
         emit_json({"branch": b, "first_step": first, "events": events})
@@ -296,14 +327,16 @@ def register(app: typer.Typer) -> None:
     def find(
         target: str = typer.Argument(..., metavar="STORE", help="STORE[@BRANCH]."),
         tensors: Optional[List[str]] = typer.Argument(None, metavar="[TENSOR_GLOB]...", help="Only these tensors."),
-        branch: Optional[str] = typer.Option(None, "--branch", "-b", help="Branch (default: the reference's or main)."),
+        branch: Optional[str] = typer.Option(None, "--branch", "-b", help="Only this branch (default: the reference's, else every branch)."),
         nonfinite: Optional[bool] = typer.Option(None, "--nonfinite/--no-nonfinite", help="Look for NaN/Inf values."),
         jump: Optional[float] = typer.Option(None, "--jump", help="Look for a norm change of more than this factor between captured steps."),
         stat: Optional[str] = typer.Option(None, "--stat", help="Stat for --gt/--lt (default norm)."),
         gt: Optional[float] = typer.Option(None, "--gt", help="Look for the stat above this value."),
         lt: Optional[float] = typer.Option(None, "--lt", help="Look for the stat below this value."),
         all_steps: bool = typer.Option(False, "--all", help="Every matching step, not only the first."),
+        diverge: Optional[List[str]] = typer.Option(None, "--diverge", metavar="BRANCH", help="Instead: the first step where BRANCH differs from --branch (or main); give it twice to compare two branches."),
         json_out: bool = JSON_OPT,
     ) -> None:
-        """Find the first step where something went wrong (default: NaN/Inf or a 10x norm jump)."""
-        cmd_find(target, tensors or [], branch, nonfinite, jump, stat, gt, lt, all_steps, json_out)
+        """Find the first step where something went wrong (default: NaN/Inf or a 10x norm jump), on every branch
+        unless STORE@BRANCH or --branch names one; or where two branches first differ (--diverge)."""
+        cmd_find(target, tensors or [], branch, nonfinite, jump, stat, gt, lt, all_steps, json_out, diverge or [])

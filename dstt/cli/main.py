@@ -71,6 +71,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+importlib.import_module("dstt.cli.helptext").apply()  # no "<bool>" on flags; help printed as written
+
 
 def _version(value: bool) -> None:
     if value:

@@ -53,10 +53,16 @@ def _same_store(a: str, b: str) -> bool:
 
 
 def register(app: typer.Typer) -> None:
-    def export_step(ref: str, out: str, only: Optional[str], json_out: bool, quiet: bool) -> None:
+    def export_step(ref: str, out: str, only: Optional[str], json_out: bool, quiet: bool,
+                    overwrite: bool = False) -> None:
         from dstt.export import export
 
         from dstt.cli.render import progress
+
+        if not overwrite and os.path.lexists(out) and not os.path.isdir(out):
+            from dstt.errors import ConfigError
+
+            raise ConfigError(f"{out!r} exists; pass --overwrite to replace it")
 
         with progress("exporting", enabled=not quiet and not json_out) as update:
             info = export(ref, out, only=only, progress=update)
@@ -73,20 +79,21 @@ def register(app: typer.Typer) -> None:
     only_opt = typer.Option(None, "--only", help="Only this subtree, e.g. 'model'.")
     json_opt = typer.Option(False, "--json", help="Machine-readable report on stdout.")
     quiet_opt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
+    overwrite_opt = typer.Option(False, "--overwrite", help="Replace FILE if it exists (refused otherwise).")
 
     @app.command("export")
     @handle_errors
     def export_cmd(ref: str = ref_arg, out: str = out_opt, only: Optional[str] = only_opt,
-                   json_out: bool = json_opt, quiet: bool = quiet_opt) -> None:
+                   json_out: bool = json_opt, quiet: bool = quiet_opt, overwrite: bool = overwrite_opt) -> None:
         """Write a step to a standalone file (.pt or .safetensors)."""
-        export_step(ref, out, only, json_out, quiet)
+        export_step(ref, out, only, json_out, quiet, overwrite)
 
     @app.command("restore")
     @handle_errors
     def restore(ref: str = ref_arg, out: str = out_opt, only: Optional[str] = only_opt,
-                json_out: bool = json_opt, quiet: bool = quiet_opt) -> None:
+                json_out: bool = json_opt, quiet: bool = quiet_opt, overwrite: bool = overwrite_opt) -> None:
         """Same as 'dstt export' (kept as an alias). To restore into live training, use dstt.restore() in Python."""
-        export_step(ref, out, only, json_out, quiet)
+        export_step(ref, out, only, json_out, quiet, overwrite)
 
     @app.command()
     @handle_errors
@@ -131,7 +138,11 @@ def register(app: typer.Typer) -> None:
             emit_json(report.to_dict())
             return
         verb = "would remove" if dry_run else "removed"
-        stdout.print(f"{verb} {len(report.removed)} step(s); kept "
+        if dry_run and report.step_bytes is not None:
+            for (b, s), n in report.step_bytes.items():
+                stdout.print(f"  {b}:{s}  {human_bytes(n)}")
+        freed = f", freeing {human_bytes(report.bytes_freed)} with a following gc" if report.bytes_freed else ""
+        stdout.print(f"{verb} {len(report.removed)} step(s){freed}; kept "
                      + ", ".join(f"{b}: {len(s)}" for b, s in report.kept.items()))
         if report.removed and not dry_run:
             stderr.print("run `dstt gc STORE` to free the data they no longer reference")

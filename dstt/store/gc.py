@@ -39,10 +39,21 @@ class PruneReport:
     removed: list[tuple[str, int]] = field(default_factory=list)
     kept: dict[str, list[int]] = field(default_factory=dict)
     dry_run: bool = False
+    #: With ``dry_run``: per removed step, the bytes freed by removing it and
+    #: then running gc (its documents, and the chunks no kept step of any
+    #: branch references; a chunk several removed steps share counts once, at
+    #: the first). None without ``dry_run`` (not computed).
+    step_bytes: dict[tuple[str, int], int] | None = None
+
+    @property
+    def bytes_freed(self) -> int | None:
+        return None if self.step_bytes is None else sum(self.step_bytes.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"removed": [{"branch": b, "step": s} for b, s in self.removed],
-                "kept": self.kept, "dry_run": self.dry_run}
+        sb = self.step_bytes
+        return {"removed": [{"branch": b, "step": s, **({} if sb is None else {"bytes": sb.get((b, s), 0)})}
+                            for b, s in self.removed],
+                "kept": self.kept, "dry_run": self.dry_run, "bytes_freed": self.bytes_freed}
 
 
 @dataclass
@@ -132,11 +143,49 @@ def prune(
             keep = keep_set(steps, keep_last, keep_every, parents.get(b, set()))
             report.kept[b] = sorted(keep)
             doomed += [(b, s) for s in steps if s not in keep]
-        if not dry_run:
+        if dry_run:
+            report.step_bytes = freed_bytes(backend, doomed)
+        else:
             for b, s in doomed:
                 remove_step(backend, b, s)
         report.removed = doomed
     return report
+
+
+def _step_refs(run: Any, branch: str, step: int) -> set[tuple[str, int, tuple[int, ...]]]:
+    """(array, slot, coords) of every chunk a committed step references."""
+    out = set()
+    for e in run.record(step, branch).entries:
+        for i, slot in enumerate(e.slots):
+            key = e.keyframe(i)
+            if key is None:
+                out.add((e.array, slot, e.coords(i)))
+            else:  # a delta chunk keeps its keyframe alive too
+                out.add((e.delta_array or "", slot, e.coords(i)))
+                out.add((e.array, key, e.coords(i)))
+    return out
+
+
+def freed_bytes(backend: Backend, doomed: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """Bytes each of ``doomed`` would free once removed and collected: its
+    step documents and the chunks no other (kept) step of any branch uses."""
+    from dstt.store.index import RunIndex
+
+    run = RunIndex(backend, cache_steps=1)
+    gone = set(doomed)
+    kept: set[tuple[str, int, tuple[int, ...]]] = set()
+    for b in list_branches(backend):
+        for s in committed_steps(backend, b):
+            if (b, s) not in gone:
+                kept |= _step_refs(run, b, s)
+    counted: set[tuple[str, int, tuple[int, ...]]] = set()
+    out = {}
+    for b, s in doomed:
+        own = _step_refs(run, b, s) - kept - counted
+        counted |= own
+        docs = sum(backend.size(k) or 0 for k in backend.list_prefix(L.step_dir(b, s)))
+        out[(b, s)] = docs + sum(backend.size(L.chunk_key(a, slot, c)) or 0 for a, slot, c in own)
+    return out
 
 
 def remove_step(backend: Backend, branch: str, step: int) -> None:
