@@ -18,7 +18,8 @@ per-tensor checksums), torch-free.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from dstt.errors import TensorNotFoundError
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from dstt.store.index import RunIndex
 
 
-def find_branches(run: "RunIndex", patterns: Iterable[str] | None = None, branches: list[str] | None = None,
+def find_branches(run: RunIndex, patterns: Iterable[str] | None = None, branches: list[str] | None = None,
                   *, first: bool = True, **checks: Any) -> dict[str, list[dict[str, Any]]]:
     """:func:`dstt.analysis.anomaly.find` on every branch (or ``branches``):
     ``{branch: events}``, each branch judged on its own trajectory (its
@@ -55,7 +56,7 @@ def find_branches(run: "RunIndex", patterns: Iterable[str] | None = None, branch
     return out
 
 
-def first_divergence(run: "RunIndex", a: str, b: str) -> dict[str, Any]:
+def first_divergence(run: RunIndex, a: str, b: str) -> dict[str, Any]:
     """Where branches ``a`` and ``b`` first differ: the latest step they share
     (``fork``, the common ancestor step; None when unrelated) and the first
     step number both trajectories captured after it where some tensor's
