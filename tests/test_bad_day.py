@@ -589,3 +589,55 @@ def test_the_value_tree_decoder_bounds_depth_itself_not_via_the_recursion_limit(
         assert unflatten(nested(MAX_TREE_DEPTH), lambda n_, k: None) == nested(MAX_TREE_DEPTH)
     finally:
         sys.setrecursionlimit(old)
+
+
+# --------------------------------------------------------------------------- 7. terminal injection
+
+#: Clears the screen, sets the window title, rings, overrides text direction,
+#: returns the carriage, breaks the line and uses a C1 CSI.
+HOSTILE = "ev\x1b[2J\x1b]0;pwned\x07il\u202eeman\rX\nY\x9b31m"
+
+
+def _assert_inert(out: str) -> None:
+    for raw in ("\x1b", "\x07", "\u202e", "\r", "\x9b"):
+        assert raw not in out, (raw, out)
+    assert "\\x1b" in out  # shown, escaped, not dropped
+
+
+def test_hostile_names_values_and_paths_print_escaped_in_every_command(tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / f"exp{HOSTILE}"
+    name = f"model/{HOSTILE}"
+    for s in range(3):
+        w = torch.full((8,), float(s))
+        if s == 2:
+            w[0] = float("nan")  # something for find to find
+        dstt.save(path, s, {"model": {HOSTILE: w}, "extra": {"note": HOSTILE}})
+    store = str(path)
+    runs = {
+        "ls": cli("ls", store),
+        "ls step": cli("ls", f"{store}:1"),
+        "show": cli("show", f"{store}:1", name),
+        "show value": cli("show", f"{store}:1", "extra/note"),
+        "diff": cli("diff", f"{store}:0", f"{store}:1"),
+        "history": cli("history", store, "model/*"),
+        "find": cli("find", store),
+        "missing tensor": cli("show", f"{store}:1", f"model/{HOSTILE}x"),
+        "bad store": cli("ls", str(tmp_path / f"nothing{HOSTILE}")),
+    }
+    for what, res in runs.items():
+        _assert_inert(res.output)
+        assert "Traceback" not in res.output, (what, res.output)
+    assert runs["ls step"].exit_code == 0 and runs["missing tensor"].exit_code != 0
+    # Damage the hostile tensor's chunk: verify's message names it, escaped.
+    e = dstt.open(path).entry(name, 1)
+    chunk = path / e.array / f"c.{e.slots[0]}.0"
+    chunk.write_bytes(b"\x00" * len(chunk.read_bytes()))
+    res = cli("verify", store)
+    assert res.exit_code == 1 and "CORRUPT" in res.output
+    _assert_inert(res.output)
+    # JSON keeps the data exact.
+    doc = json.loads(cli("ls", f"{store}:1", "--json").stdout)
+    rows = doc if isinstance(doc, list) else doc.get("tensors", doc)
+    assert any(r["name"] == name for r in rows)

@@ -12,11 +12,13 @@ import functools
 import json
 import math
 import os
+import re
 import sys
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.segment import Segment
 from rich.text import Text
 
 from dstt.errors import (
@@ -31,11 +33,46 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: DsttError subclasses that are the user's usage mistakes (exit code 2).
 USAGE_ERRORS: tuple[type[BaseException], ...] = (InvalidReferenceError, InvalidNameError, ConfigError)
 
+#: Characters that must never reach a terminal raw from data (tensor and
+#: branch names, paths, values, messages): C0 controls but newline (ESC starts
+#: escape sequences; CR/BS rewrite what was printed), DEL, C1 controls (CSI
+#: 0x9b) and the bidirectional overrides/isolates that reorder text.
+_UNPRINTABLE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_UNPRINTABLE_LINE = re.compile(_UNPRINTABLE.pattern[:-1] + "\n]")
+
+
+def _escape_char(m: re.Match[str]) -> str:
+    c = m.group()
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def printable(text: str, *, line: bool = True) -> str:
+    r"""``text`` with control characters escaped as ``\x1b`` / ``\u202e``
+    (newlines too unless ``line=False``): how data from a store or the
+    command line is shown to people. ``--json`` output keeps data exact.
+
+    >>> printable("evil\x1b[2Jname\n")
+    'evil\\x1b[2Jname\\x0a'
+    """
+    return (_UNPRINTABLE_LINE if line else _UNPRINTABLE).sub(_escape_char, text)
+
+
+class _SafeConsole(Console):
+    """A Console that escapes control characters in everything it prints
+    (styles still render): whatever a command forgets to pass through
+    :func:`printable`, a terminal never receives an escape sequence from data."""
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        return super()._render_buffer(
+            seg if seg.control else Segment(_UNPRINTABLE.sub(_escape_char, seg.text), seg.style, seg.control)
+            for seg in buffer)
+
+
 # No console markup: what is printed is data (paths, tensor names, user input),
 # and ``[`` in it must print as is, not style or break the output. Styling
 # goes through rich Text objects or an explicit ``style=``.
-stdout = Console(highlight=False, soft_wrap=True, markup=False)
-stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+stdout = _SafeConsole(highlight=False, soft_wrap=True, markup=False)
+stderr = _SafeConsole(stderr=True, highlight=False, soft_wrap=True, markup=False)
 
 
 def debug_enabled() -> bool:

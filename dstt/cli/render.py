@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from dstt.cli.output import fmt_float, human_bytes, stderr, stdout
+from dstt.cli.output import fmt_float, human_bytes, printable, stderr, stdout
 
 SPARK = "▁▂▃▄▅▆▇█"
 #: Diffs reading at least this many bytes get a progress bar (smaller ones would only flash it).
@@ -69,7 +69,7 @@ def emit_table(table: Table) -> None:
 
 
 def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
-    tree = Tree(Text(url, style="bold"))
+    tree = Tree(Text(printable(url), style="bold"))
     nodes: dict[str, Any] = {}
     pending = list(branches)
     while pending:  # parents first
@@ -82,7 +82,7 @@ def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
                 ref = sum(s["bytes_referenced"] or 0 for s in steps)
                 span = f"{steps[0]['step']}..{steps[-1]['step']}" if steps else "-"
                 fork = f" from {b['parent']['branch']}:{b['parent']['step']}" if b["parent"] else ""
-                label = Text.assemble((b["name"], "bold cyan"), f"{fork}  {len(steps)} steps ({span}), "
+                label = Text.assemble((printable(b["name"]), "bold cyan"), f"{printable(fork)}  {len(steps)} steps ({span}), "
                                       f"{human_bytes(written)} written, {human_bytes(ref)} referenced")
                 nodes[b["name"]] = (nodes[parent] if parent in nodes else tree).add(label)
                 pending.remove(b)
@@ -92,7 +92,7 @@ def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
     stdout.print(tree)
     for b in branches:
         steps = b["steps"] if limit <= 0 else b["steps"][-limit:]
-        table = Table(title=f"branch {b['name']}", title_justify="left")
+        table = Table(title=f"branch {printable(b['name'])}", title_justify="left")
         for col, just in (("step", "right"), ("time", "left"), ("tensors", "right"),
                           ("written", "right"), ("referenced", "right")):
             table.add_column(col, justify=just)  # type: ignore[arg-type]
@@ -105,14 +105,14 @@ def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
 
 
 def tensor_listing(ref: str, rows: list[dict[str, Any]]) -> None:
-    table = Table(title=ref, title_justify="left")
+    table = Table(title=printable(ref), title_justify="left")
     cols = ("name", "shape", "dtype", "size", "norm", "mean", "std", "min", "max", "nonfinite")
     for c in cols:
         table.add_column(c, justify="left" if c in ("name", "dtype", "shape") else "right")
     for r in rows:
         s = r["stats"]
         nonfinite = int(s.get("nonfinite", 0))
-        table.add_row(r["name"], "x".join(map(str, r["shape"])) or "()", r["dtype"], human_bytes(r["nbytes"]),
+        table.add_row(printable(r["name"]), "x".join(map(str, r["shape"])) or "()", r["dtype"], human_bytes(r["nbytes"]),
                       *(fmt_float(s.get(k)) for k in ("norm", "mean", "std", "min", "max")),
                       Text(str(nonfinite), style="red" if nonfinite else ""))
     emit_table(table)
@@ -120,7 +120,7 @@ def tensor_listing(ref: str, rows: list[dict[str, Any]]) -> None:
 
 
 def show(data: dict[str, Any], values: Any) -> None:
-    stdout.print(Text.assemble((data["name"], "bold"), f" at {data['store']}@{data['branch']}:{data['step']}  "
+    stdout.print(Text.assemble((printable(data["name"]), "bold"), f" at {printable(data['store'])}@{data['branch']}:{data['step']}  "
                                f"{data['dtype']} {list(data['shape'])}  {human_bytes(data['nbytes'])}"
                                f"{'' if data['written'] else '  (unchanged from the previous step)'}"))
     st = Table(show_header=False, box=None)
@@ -149,14 +149,14 @@ def show(data: dict[str, Any], values: Any) -> None:
 
 def diff_table(a: str, b: str, rows: list[dict[str, Any]], all_rows: list[dict[str, Any]]) -> None:
     """The ``rows`` shown (sorted, maybe cut to a top N); the summary counts ``all_rows``."""
-    table = Table(title=f"{a}  →  {b}", title_justify="left")
+    table = Table(title=f"{printable(a)}  →  {printable(b)}", title_justify="left")
     for c in ("name", "status", "rel_change", "l2_delta", "cosine", "max_abs_delta", "changed"):
         table.add_column(c, justify="left" if c in ("name", "status") else "right")
     colors = {"changed": "yellow", "unchanged": "dim", "added": "green", "removed": "red",
               "shape_changed": "magenta", "dtype_changed": "magenta"}
     for r in rows:
         frac = r["frac_changed"]
-        table.add_row(r["name"], Text(r["status"], style=colors.get(r["status"], "white")),
+        table.add_row(printable(r["name"]), Text(r["status"], style=colors.get(r["status"], "white")),
                       fmt_float(r["rel_change"]), fmt_float(r["l2_delta"]), fmt_float(r["cosine"], 6),
                       fmt_float(r["max_abs_delta"]), "-" if frac is None else f"{100 * frac:.1f}%")
     emit_table(table)
@@ -168,19 +168,19 @@ def diff_table(a: str, b: str, rows: list[dict[str, Any]], all_rows: list[dict[s
 
 
 def history(label: str, series: list[dict[str, Any]], points: bool) -> None:
-    table = Table(title=label, title_justify="left")
+    table = Table(title=printable(label), title_justify="left")
     for c in ("tensor", "branch", "points", "first", "last", "min", "max", "trend"):
         table.add_column(c, justify="left" if c in ("tensor", "branch", "trend") else "right")
     for s in series:
         vals = [p["value"] for p in s["points"]]
         fin = [v for v in vals if math.isfinite(v)]
-        table.add_row(s["tensor"], s["branch"], str(len(vals)), fmt_float(vals[0] if vals else None),
+        table.add_row(printable(s["tensor"]), s["branch"], str(len(vals)), fmt_float(vals[0] if vals else None),
                       fmt_float(vals[-1] if vals else None), fmt_float(min(fin) if fin else None),
                       fmt_float(max(fin) if fin else None), sparkline(vals))
     emit_table(table)
     if points:
         for s in series:
-            pt = Table(title=f"{s['tensor']} ({s['branch']})", title_justify="left")
+            pt = Table(title=f"{printable(s['tensor'])} ({s['branch']})", title_justify="left")
             for c in ("branch", "step", "value"):
                 pt.add_column(c, justify="right" if c != "branch" else "left")
             for p in s["points"]:
@@ -196,7 +196,7 @@ def events(branch: str, evs: list[dict[str, Any]]) -> None:
     for c in ("branch", "step", "tensor", "reason", "stat", "value", "previous"):
         table.add_column(c, justify="right" if c in ("step", "value", "previous") else "left")
     for e in evs:
-        table.add_row(e["branch"], str(e["step"]), e["tensor"], e["reason"], e["stat"],
+        table.add_row(e["branch"], str(e["step"]), printable(e["tensor"]), e["reason"], e["stat"],
                       fmt_float(e["value"]), fmt_float(e["previous"]))
     emit_table(table)
 
