@@ -1,27 +1,26 @@
 """A local S3-compatible server for tests: moto in server mode on
 127.0.0.1 at a free port, stopped when the module's tests are done.
 
-Use it with ``from s3_server import s3`` in a test module (the fixture is
-module-scoped). Tests skip only where moto (with its server extra) or s3fs is
-not installed.
+:func:`serve` is a context manager (benchmarks use it too); test modules
+wrap it in a module-scoped fixture. Tests skip only where moto (with its
+server extra) or s3fs is not installed: :func:`require` skips them.
 
 moto checks ``If-None-Match: *`` and then stores the object in two Python
 steps, so two conditional PUTs handled by two server threads at once can
 both succeed -- S3 itself arbitrates them atomically. The server here runs
 writes (PUT/POST/DELETE) one at a time, which is what S3 guarantees; reads
 stay concurrent. dstt's own code gets no help from this: a "check, then put"
-client still loses the race against it (tests/test_s3.py shows both).
+client can still lose the race against it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator
-
-import pytest
 
 
 @dataclass
@@ -59,16 +58,25 @@ def _serialized_writes(app: Any) -> Any:
     return wsgi
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    pytest.importorskip("s3fs")
-    pytest.importorskip("boto3")
-    pytest.importorskip("werkzeug")
-    pytest.importorskip("moto.moto_server.werkzeug_app")
+def require() -> None:
+    """Skip the calling test unless moto's server, boto3 and s3fs import."""
+    import pytest
+
+    for mod in ("s3fs", "boto3", "werkzeug", "moto.moto_server.werkzeug_app"):
+        pytest.importorskip(mod)
+
+
+@contextlib.contextmanager
+def serve(quiet: bool = True) -> Iterator[S3Server]:
+    """Run the server (AWS_* variables set for this process) until the block ends."""
+    import logging
+
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
     from s3fs import S3FileSystem
     from werkzeug.serving import make_server
 
+    if quiet:
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
     app = DomainDispatcherApplication(create_backend_app)
     server = make_server("127.0.0.1", 0, _serialized_writes(app), threaded=True)  # port 0: a free one
     thread = threading.Thread(target=server.serve_forever, name="moto-s3", daemon=True)

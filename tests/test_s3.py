@@ -11,18 +11,26 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+import s3_server
 import torch
-from s3_server import S3Server, s3  # noqa: F401 - s3 is the fixture
+from s3_server import S3Server
 from typer.testing import CliRunner
 
 import dstt
 from dstt.cli.main import app
 from dstt.errors import CorruptStoreError, StoreLockedError
 
-pytest.importorskip("s3fs")
 runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    s3_server.require()
+    with s3_server.serve() as server:
+        yield server
 
 
 def _backend(url: str):  # type: ignore[no-untyped-def]

@@ -1,185 +1,259 @@
-"""A dependency-free line plot written as a PNG (zlib + struct only).
+"""Line plots of stats over steps, drawn with matplotlib (the ``dstt[plot]``
+extra), for ``dstt history --plot`` and the HTML report.
 
-Enough for ``dstt history --plot``: axes, ticks with labels, one coloured
-polyline per series, a legend and a title, drawn on an RGB canvas with a
-built-in 3×5 pixel font. Non-finite values leave gaps in a line.
+matplotlib is imported only here, inside the functions that draw, with the
+non-interactive Agg backend: the read-only CLI never pays for it unless a
+plot is asked for. The output format follows the file's suffix (``.png``,
+``.svg``, ``.pdf``).
+
+What a plot shows: one line per (tensor, branch) series -- overlaid in one
+panel, or one panel per tensor -- an optional log-scale y axis, each
+branch's fork point (a dotted vertical line and a ring on the parent's
+line), and events (``find`` detections, incidents) as red crosses.
 
 >>> import tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "p.png")
->>> line_plot([("w", [0, 1, 2], [1.0, 0.5, 0.25])], path, title="norm")
->>> open(path, "rb").read(8) == PNG_SIGNATURE
+>>> line_plot([("w", [0, 1, 2], [1.0, 0.5, 0.25])], path, title="norm")  # doctest: +SKIP
+>>> open(path, "rb").read(8) == b"\\x89PNG\\r\\n\\x1a\\n"  # doctest: +SKIP
 True
 """
 
 from __future__ import annotations
 
+import io
 import math
-import struct
-import zlib
-from typing import Sequence
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
-import numpy as np
+from dstt.errors import ConfigError
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PALETTE = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-           (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
-
-_FONT_SRC = {
-    "0": "111 101 101 101 111", "1": "010 110 010 010 111", "2": "111 001 111 100 111",
-    "3": "111 001 111 001 111", "4": "101 101 111 001 001", "5": "111 100 111 001 111",
-    "6": "111 100 111 101 111", "7": "111 001 010 010 010", "8": "111 101 111 101 111",
-    "9": "111 101 111 001 111", "A": "010 101 111 101 101", "B": "110 101 110 101 110",
-    "C": "011 100 100 100 011", "D": "110 101 101 101 110", "E": "111 100 110 100 111",
-    "F": "111 100 110 100 100", "G": "011 100 101 101 011", "H": "101 101 111 101 101",
-    "I": "111 010 010 010 111", "J": "001 001 001 101 010", "K": "101 101 110 101 101",
-    "L": "100 100 100 100 111", "M": "101 111 111 101 101", "N": "110 101 101 101 101",
-    "O": "010 101 101 101 010", "P": "110 101 110 100 100", "Q": "010 101 101 110 011",
-    "R": "110 101 110 101 101", "S": "011 100 010 001 110", "T": "111 010 010 010 010",
-    "U": "101 101 101 101 111", "V": "101 101 101 101 010", "W": "101 101 111 111 101",
-    "X": "101 101 010 101 101", "Y": "101 101 010 010 010", "Z": "111 001 010 100 111",
-    ".": "000 000 000 000 010", "-": "000 000 111 000 000", "+": "000 010 111 010 000",
-    "_": "000 000 000 000 111", "/": "001 001 010 100 100", ":": "000 010 000 010 000",
-    "(": "010 100 100 100 010", ")": "010 001 001 001 010", "@": "111 101 111 100 111",
-    "=": "000 111 000 111 000", "*": "101 010 101 000 000", ",": "000 000 000 010 100",
-    "[": "110 100 100 100 110", "]": "011 001 001 001 011", "%": "101 001 010 100 101",
-    " ": "000 000 000 000 000",
-}
-_FONT = {c: np.array([[ch == "1" for ch in row] for row in rows.split()], dtype=bool) for c, rows in _FONT_SRC.items()}
-SCALE = 2  # font pixels per glyph pixel
+#: Output formats, by file suffix.
+FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+INSTALL_HINT = "pip install 'dstt[plot]' (or: pip install matplotlib)"
 
 
-class Canvas:
-    """An RGB image with the few drawing primitives a line plot needs."""
+@dataclass
+class Series:
+    """One line: ``ys`` over ``xs`` (NaN/inf leave gaps)."""
 
-    def __init__(self, width: int, height: int) -> None:
-        self.px = np.full((height, width, 3), 255, dtype=np.uint8)
-        self.w, self.h = width, height
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, color: tuple[int, int, int]) -> None:
-        x0, x1 = max(0, min(x0, x1)), min(self.w, max(x0, x1) + 1)
-        y0, y1 = max(0, min(y0, y1)), min(self.h, max(y0, y1) + 1)
-        self.px[y0:y1, x0:x1] = color
-
-    def line(self, x0: float, y0: float, x1: float, y1: float, color: tuple[int, int, int], width: int = 1) -> None:
-        n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-        xs = np.rint(np.linspace(x0, x1, n)).astype(np.int64)
-        ys = np.rint(np.linspace(y0, y1, n)).astype(np.int64)
-        for dx in range(width):
-            for dy in range(width):
-                x, y = xs + dx - width // 2, ys + dy - width // 2
-                ok = (x >= 0) & (x < self.w) & (y >= 0) & (y < self.h)
-                self.px[y[ok], x[ok]] = color
-
-    def text(self, x: int, y: int, s: str, color: tuple[int, int, int] = (0, 0, 0), anchor: str = "left") -> None:
-        width = text_width(s)
-        if anchor == "right":
-            x -= width
-        elif anchor == "center":
-            x -= width // 2
-        for ch in s.upper():
-            glyph = _FONT.get(ch, _FONT["*"])
-            big = np.kron(glyph, np.ones((SCALE, SCALE), dtype=bool))
-            h, w = big.shape
-            ys, xs = np.nonzero(big)
-            ys, xs = ys + y, xs + x
-            ok = (xs >= 0) & (xs < self.w) & (ys >= 0) & (ys < self.h)
-            self.px[ys[ok], xs[ok]] = color
-            x += w + SCALE
-
-    def png(self) -> bytes:
-        raw = b"".join(b"\x00" + self.px[r].tobytes() for r in range(self.h))
-        return encode_png(raw, self.w, self.h)
+    label: str
+    xs: Sequence[float]
+    ys: Sequence[float]
+    tensor: str = ""
+    branch: str = ""
 
 
-def text_width(s: str) -> int:
-    return len(s) * 4 * SCALE - SCALE if s else 0
+@dataclass
+class Marker:
+    """A point of interest at ``step``: a fork (``kind="fork"``) or an
+    event (``"detection"``, ``"incident"``); ``tensor``/``branch`` place it on
+    a line where one matches, else it spans the panel."""
+
+    step: float
+    kind: str
+    label: str = ""
+    tensor: str = ""
+    branch: str = ""
 
 
-def encode_png(scanlines: bytes, width: int, height: int) -> bytes:
-    """A PNG of 8-bit RGB filtered scanlines (filter byte 0 per row)."""
+@dataclass
+class PlotSpec:
+    """What to draw."""
 
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return PNG_SIGNATURE + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(scanlines, 6)) + chunk(b"IEND", b"")
-
-
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values covering [lo, hi]."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return []
-    if hi <= lo:
-        return [lo]
-    raw = (hi - lo) / max(1, n)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    start = math.ceil(lo / step - 1e-9) * step
-    return [start + i * step for i in range(int((hi - start) / step + 1e-9) + 1)]
+    series: list[Series]
+    title: str = ""
+    ylabel: str = ""
+    xlabel: str = "step"
+    log_y: bool = False
+    panels: bool = False  # one panel per tensor instead of all overlaid
+    markers: list[Marker] = field(default_factory=list)
+    width_in: float = 9.0
+    height_in: float = 4.5
 
 
-def fmt_tick(v: float) -> str:
-    if v == 0:
-        return "0"
-    if abs(v) >= 1e5 or abs(v) < 1e-3:
-        return f"{v:.2e}".replace("e-0", "e-").replace("e+0", "e")
-    return f"{v:.4g}"
+def plot_format(path: str | os.PathLike[str]) -> str:
+    """The format a path's suffix asks for, or ConfigError (a usage error).
+
+    >>> plot_format("a/b.SVG")
+    'svg'
+    >>> plot_format("x.jpg")
+    Traceback (most recent call last):
+    dstt.errors.ConfigError: cannot plot to 'x.jpg': use a .png, .svg or .pdf file name
+    """
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix not in FORMATS:
+        raise ConfigError(f"cannot plot to {os.fspath(path)!r}: use a .png, .svg or .pdf file name")
+    return FORMATS[suffix]
+
+
+def require_matplotlib() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or a one-line ConfigError
+    saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError(f"plots need matplotlib, which is not installed: {INSTALL_HINT}") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _finite(v: float) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _value_at(s: Series, step: float) -> float | None:
+    for x, y in zip(s.xs, s.ys):
+        if x == step and _finite(y):
+            return float(y)
+    return None
+
+
+def figure(spec: PlotSpec) -> Any:
+    """A matplotlib Figure drawing ``spec`` (closed by :func:`save`)."""
+    plt = require_matplotlib()
+    groups: list[tuple[str, list[Series]]] = []
+    if spec.panels:
+        for s in spec.series:
+            key = s.tensor or s.label
+            for name, members in groups:
+                if name == key:
+                    members.append(s)
+                    break
+            else:
+                groups.append((key, [s]))
+    else:
+        groups = [("", list(spec.series))]
+    n = max(1, len(groups))
+    fig, axes = plt.subplots(n, 1, figsize=(spec.width_in, max(spec.height_in, 2.6 * n) if n > 1 else spec.height_in),
+                             sharex=True, squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    branch_colors: dict[str, str] = {}
+    for ax, (name, members) in zip(axes[:, 0], groups or [("", [])]):
+        for k, s in enumerate(members):
+            color = colors[k % len(colors)] if not spec.panels else branch_colors.setdefault(
+                s.branch, colors[len(branch_colors) % len(colors)])
+            ys = [float(y) if _finite(y) and not (spec.log_y and y <= 0) else math.nan for y in s.ys]
+            ax.plot(list(s.xs), ys, label=s.label, color=color, linewidth=1.6, marker="." if len(ys) < 60 else None)
+        _draw_markers(ax, spec, members)
+        if spec.log_y:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.set_ylabel(spec.ylabel)
+        if name:
+            ax.set_title(name, fontsize=10, loc="left")
+        if members:
+            ax.legend(fontsize=8, loc="best")
+    axes[-1, 0].set_xlabel(spec.xlabel)
+    if spec.title:
+        fig.suptitle(spec.title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_markers(ax: Any, spec: PlotSpec, members: list[Series]) -> None:
+    labelled: set[str] = set()
+    for m in spec.markers:
+        on = [s for s in members if (not m.tensor or s.tensor == m.tensor) and (not m.branch or s.branch == m.branch)]
+        if m.tensor and not on:
+            continue  # the event is on a tensor of another panel
+        legend = {"fork": "fork point", "detection": "find: detection", "incident": "incident"}.get(m.kind, m.kind)
+        label = None if legend in labelled else legend
+        labelled.add(legend)
+        if m.kind == "fork":
+            ax.axvline(m.step, color="0.45", linestyle=":", linewidth=1.2, label=label)
+            if m.label:
+                ax.annotate(m.label, (m.step, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                            rotation=90, va="top", ha="right", color="0.35")
+            for s in on:
+                y = _value_at(s, m.step)
+                if y is not None:
+                    ax.plot([m.step], [y], marker="o", markersize=8, markerfacecolor="none",
+                            markeredgecolor="0.2", linestyle="none")
+            continue
+        color = "#d62728" if m.kind == "detection" else "#9467bd"
+        ys = [y for y in (_value_at(s, m.step) for s in on) if y is not None]
+        if ys:
+            ax.plot([m.step] * len(ys), ys, marker="x", markersize=9, markeredgewidth=2, color=color,
+                    linestyle="none", label=label)
+        else:
+            ax.axvline(m.step, color=color, linestyle="--", linewidth=1.0, label=label)
+
+
+def render(spec: PlotSpec, fmt: str) -> bytes:
+    """The plot as ``fmt`` (png, svg or pdf) bytes."""
+    fig = figure(spec)
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format=fmt, dpi=110 if fmt == "png" else None,
+                    metadata={"Date": None} if fmt in ("svg", "pdf") else None)
+    finally:
+        require_matplotlib().close(fig)
+    return buf.getvalue()
+
+
+def save(spec: PlotSpec, path: str | os.PathLike[str]) -> None:
+    """Write the plot to ``path`` in the format its suffix names."""
+    fmt = plot_format(path)
+    data = render(spec, fmt)
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], path: str, *,
-              title: str = "", xlabel: str = "step", width: int = 900, height: int = 500) -> None:
-    """Write a PNG line plot of ``(label, xs, ys)`` series to ``path``."""
-    c = Canvas(width, height)
-    left, right, top, bottom = 90, 20, 40, 50
-    legend_rows = min(len(series), 8)
-    top += legend_rows * 7 * SCALE
-    pw, ph = width - left - right, height - top - bottom
-    xs_all = [x for _, xs, ys in series for x, y in zip(xs, ys) if math.isfinite(y)]
-    ys_all = [y for _, _, ys in series for y in ys if math.isfinite(y)]
-    x0, x1 = (min(xs_all), max(xs_all)) if xs_all else (0.0, 1.0)
-    y0, y1 = (min(ys_all), max(ys_all)) if ys_all else (0.0, 1.0)
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    if y1 == y0:
-        pad = abs(y0) * 0.05 or 1.0
-        y0, y1 = y0 - pad, y1 + pad
-    pad = (y1 - y0) * 0.05
-    y0, y1 = y0 - pad, y1 + pad
+              title: str = "", xlabel: str = "step", ylabel: str = "", log_y: bool = False) -> None:
+    """Write a line plot of ``(label, xs, ys)`` series to ``path`` (.png,
+    .svg or .pdf)."""
+    save(PlotSpec([Series(label, xs, ys, tensor=label) for label, xs, ys in series], title=title,
+                  xlabel=xlabel, ylabel=ylabel, log_y=log_y), path)
 
-    def X(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * pw
 
-    def Y(y: float) -> float:
-        return top + ph - (y - y0) / (y1 - y0) * ph
+#: Most event markers drawn per plot (a run blown up flags every tensor).
+MAX_EVENT_MARKERS = 200
 
-    grey, axis = (225, 225, 225), (60, 60, 60)
-    for t in nice_ticks(y0, y1):
-        c.line(left, Y(t), left + pw, Y(t), grey)
-        c.text(left - 8, int(Y(t)) - 5, fmt_tick(t), axis, anchor="right")
-    for t in nice_ticks(x0, x1, 8):
-        c.line(X(t), top, X(t), top + ph, grey)
-        c.line(X(t), top + ph, X(t), top + ph + 5, axis)
-        c.text(int(X(t)), top + ph + 10, fmt_tick(t), axis, anchor="center")
-    c.rect(left, top, left, top + ph, axis)
-    c.rect(left, top + ph, left + pw, top + ph, axis)
-    for k, (label, xs, ys) in enumerate(series):
-        color = PALETTE[k % len(PALETTE)]
-        last: tuple[float, float] | None = None
-        for x, y in zip(xs, ys):
-            if not math.isfinite(y):
-                last = None
+
+def events_and_forks(run: Any, tensors: Sequence[str], branches: Sequence[str]) -> list[Marker]:
+    """Markers for ``branches``: each one's fork point, and every ``find``
+    detection (NaN/Inf, a 10x norm jump) on ``tensors`` -- from the step
+    index only."""
+    from dstt.analysis.anomaly import find
+
+    markers: list[Marker] = []
+    for b in branches:
+        parent = run.branch_info(b).parent
+        if parent is not None:
+            markers.append(Marker(parent[1], "fork", f"{b} forks from {parent[0]}:{parent[1]}", branch=b))
+    seen: set[tuple[int, str]] = set()
+    for b in branches:
+        for e in find(run, list(tensors) or None, b, first=False):
+            key = (int(e["step"]), str(e["tensor"]))
+            if key in seen or len(seen) >= MAX_EVENT_MARKERS:
                 continue
-            p = (X(x), Y(y))
-            if last is not None:
-                c.line(*last, *p, color, width=2)
-            else:  # start of a segment (or a lone point)
-                c.rect(int(p[0]) - 1, int(p[1]) - 1, int(p[0]) + 1, int(p[1]) + 1, color)
-            last = p
-        if k < legend_rows:
-            ly = 40 + k * 7 * SCALE
-            c.rect(left, ly + 2, left + 14, ly + 6, color)
-            c.text(left + 22, ly, label if k < 7 or len(series) == 8 else f"... {len(series) - 7} more", axis)
-    c.text(width // 2, 12, title, (0, 0, 0), anchor="center")
-    c.text(left + pw // 2, height - 18, xlabel, axis, anchor="center")
-    with open(path, "wb") as f:
-        f.write(c.png())
+            seen.add(key)
+            markers.append(Marker(e["step"], "detection", str(e.get("reason", "")), tensor=str(e["tensor"]), branch=b))
+    return markers
+
+
+def history_plot(run: Any, series: list[dict[str, Any]], path: str | os.PathLike[str], *, label: str,
+                 log_y: bool = False, panels: bool = False, marks: bool = True) -> None:
+    """Write ``dstt history``'s series (``{"tensor", "branch", "points"}``)
+    to ``path``: branches overlaid with their fork points, ``find``
+    detections marked (``marks``), one panel per tensor with ``panels``."""
+    branches = list(dict.fromkeys(s["branch"] for s in series))
+    multi = len(branches) > 1
+    lines = [Series(f"{s['tensor']}@{s['branch']}" if multi and not panels else
+                    (s["branch"] if panels else s["tensor"]),
+                    [p["step"] for p in s["points"]], [p["value"] for p in s["points"]],
+                    tensor=s["tensor"], branch=s["branch"]) for s in series]
+    tensors = list(dict.fromkeys(s["tensor"] for s in series))
+    markers = events_and_forks(run, tensors, branches) if marks else []
+    if not multi:  # a single branch: its fork point is still worth a line, not a ring per tensor
+        markers = [m for m in markers if m.kind != "fork" or m.branch in branches]
+    save(PlotSpec(lines, title=f"{label} - {run.url}", ylabel=label, log_y=log_y, panels=panels,
+                  markers=markers), path)
+
+
+__all__ = ["FORMATS", "Marker", "PlotSpec", "Series", "events_and_forks", "figure", "history_plot", "line_plot",
+           "plot_format", "render", "require_matplotlib", "save"]

@@ -162,15 +162,20 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
 
 
 def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,
-                plot: Optional[Path], points: bool, ancestry: bool, json_out: bool) -> None:
+                plot: Optional[Path], points: bool, ancestry: bool, json_out: bool,
+                log_y: bool = False, panels: bool = False, marks: bool = True) -> None:
     from dstt.analysis.history import history, stat_column, to_series
     from dstt.cli import render
     from dstt.errors import InvalidReferenceError
     from dstt.outpath import check_output_file
 
     stat_column(stat)
-    if plot is not None:
+    if plot is not None:  # a bad path, format or a missing matplotlib: one line, before any work
+        from dstt.analysis.plot import plot_format, require_matplotlib
+
         check_output_file(plot, "plot")
+        plot_format(plot)
+        require_matplotlib()
     run, ref = _open(target)
     if ref.step is not None:
         raise InvalidReferenceError(f"history takes STORE[@BRANCH], not a step: got {target!r}")
@@ -182,7 +187,7 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
         if plot is not None and not tensors:
             from dstt.analysis.plot import line_plot
 
-            line_plot(V.plot_points(vseries), str(plot), title=f"value - {run.url}")
+            line_plot(V.plot_points(vseries), str(plot), title=f"value - {run.url}", log_y=log_y)
             stderr.print(f"wrote {plot}")
         if not tensors:
             if json_out:
@@ -198,12 +203,9 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
             series.append({"tensor": s["tensor"], "branch": b, "points": s["points"]})
     label = f"{'relative change of ' if delta else ''}{stat}"
     if plot is not None:
-        from dstt.analysis.plot import line_plot
+        from dstt.analysis.plot import history_plot
 
-        multi = len(branches or []) > 1
-        line_plot([(f"{s['tensor']}@{s['branch']}" if multi else s["tensor"],
-                    [p["step"] for p in s["points"]], [p["value"] for p in s["points"]]) for s in series],
-                  str(plot), title=f"{label} - {run.url}")
+        history_plot(run, series, plot, label=label, log_y=log_y, panels=panels, marks=marks)
         stderr.print(f"wrote {plot}")
     if json_out:
         emit_json({"stat": stat, "delta": delta, "series": series})
@@ -314,13 +316,17 @@ def register(app: typer.Typer) -> None:
         stat: str = typer.Option("norm", help="norm, mean, std, min, max, nonfinite or numel."),
         branches: Optional[List[str]] = typer.Option(None, "--branch", "-b", help="Branch (repeatable; default: the reference's or main)."),
         delta: bool = typer.Option(False, "--delta", help="Relative change between consecutive captured steps."),
-        plot: Optional[Path] = typer.Option(None, "--plot", help="Also write a PNG line plot here."),
+        plot: Optional[Path] = typer.Option(None, "--plot", help="Also write a line plot here: .png, .svg or .pdf (needs matplotlib: pip install 'dstt[plot]')."),
+        log_y: bool = typer.Option(False, "--log-y", help="Plot with a logarithmic y axis."),
+        panels: bool = typer.Option(False, "--panels", help="Plot one panel per tensor instead of overlaying them."),
+        marks: bool = typer.Option(True, "--marks/--no-marks", help="Mark fork points and find's detections on the plot."),
         points: bool = typer.Option(False, "--points", help="Print every point, not just the summary."),
         ancestry: bool = typer.Option(True, "--ancestry/--no-ancestry", help="Include parent branches' steps up to the fork."),
         json_out: bool = JSON_OPT,
     ) -> None:
         """A stat of tensors across steps, from the step index (no tensor reads)."""
-        cmd_history(target, tensors, stat, branches or [], delta, plot, points, ancestry, json_out)
+        cmd_history(target, tensors, stat, branches or [], delta, plot, points, ancestry, json_out,
+                    log_y=log_y, panels=panels, marks=marks)
 
     @app.command("find")
     @handle_errors
