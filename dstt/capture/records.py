@@ -11,25 +11,20 @@ It is not a step: ``Run.steps()`` does not list it.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from dstt.errors import CorruptStoreError
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
-from dstt.store.manifest import decode_json
+from dstt.store.manifest import parse_skip, skip_document
 
-SKIPS = f"{L.META}/skips"
-
-
-def skip_key(branch: str, step: int) -> str:
-    return f"{SKIPS}/{branch}/{step:0{L.STEP_DIGITS}d}.json"
+# Where records live and what they hold is format knowledge:
+# dstt.store.layout.skip_key and dstt.store.manifest.parse_skip/skip_document.
 
 
 def write_skip(backend: Backend, branch: str, step: int, reason: str) -> None:
-    doc = {"format": "dstt-skip", "branch": branch, "step": step, "reason": reason, "time": time.time()}
-    backend.put_atomic(skip_key(branch, step), json.dumps(doc).encode())
+    backend.put_atomic(L.skip_key(branch, step), skip_document(branch, step, reason, time.time()))
 
 
 def skipped_steps(store: Any, branch: str = "main") -> dict[int, dict[str, Any]]:
@@ -44,15 +39,14 @@ def skipped_steps(store: Any, branch: str = "main") -> dict[int, dict[str, Any]]
     backend = open_backend(store)
     L.validate_branch(branch)
     out: dict[int, dict[str, Any]] = {}
-    for name in backend.list_dir(f"{SKIPS}/{branch}"):
+    for name in backend.list_dir(L.skips_prefix(branch).rstrip("/")):
         if not name.endswith(".json"):
             continue
-        key = f"{SKIPS}/{branch}/{name}"
+        key = L.skips_prefix(branch) + name
         data = backend.get(key, max_bytes=L.MAX_DOC_BYTES)
         if data is not None:
-            doc = decode_json(data, key)  # the store may be someone else's: validate
-            step = doc.get("step") if isinstance(doc, dict) else None
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise CorruptStoreError(f"{key}: not a skip record (no non-negative integer step)")
-            out[step] = doc
+            doc = parse_skip(data, key, branch)  # the store may be someone else's: validated
+            if key != L.skip_key(branch, doc["step"]):
+                raise CorruptStoreError(f"{key}: skip record of step {doc['step']} under another step's name")
+            out[doc["step"]] = doc
     return dict(sorted(out.items()))

@@ -188,6 +188,20 @@ def lock_key(branch: str) -> str:
     return f"{META}/locks/{branch}.lock"
 
 
+#: Skip records: steps a Capture's skip policy dropped (not steps; see
+#: docs/format.md "Skip records" and :func:`dstt.store.manifest.parse_skip`).
+SKIPS_DIR = f"{META}/skips"
+
+
+def skips_prefix(branch: str) -> str:
+    return f"{SKIPS_DIR}/{branch}/"
+
+
+def skip_key(branch: str, step: int) -> str:
+    """``meta/skips/<branch>/<step:020d>.json``."""
+    return f"{SKIPS_DIR}/{branch}/{step:0{STEP_DIGITS}d}.json"
+
+
 #: Zarr v3 "default" chunk key encoding with "." as separator: every chunk of
 #: an array is a file directly in the array's directory, so a step creates
 #: files but no directories (a "/" separator made ~2 mkdirs per tensor per step).

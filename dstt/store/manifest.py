@@ -324,6 +324,31 @@ def parse_names(data: bytes, where: str) -> list[str]:
     return doc
 
 
+SKIP_FORMAT = "dstt-skip"
+
+
+def skip_document(branch: str, step: int, reason: str, time: float) -> bytes:
+    """A skip record (docs/format.md "Skip records")."""
+    return encode_json({"format": SKIP_FORMAT, "branch": branch, "step": step, "reason": reason, "time": time})
+
+
+def parse_skip(data: bytes, where: str, branch: str | None = None) -> dict[str, Any]:
+    """A skip record, validated like every other document (a store may be
+    someone else's): format, branch (``branch`` when given), non-negative
+    integer step, text reason, numeric time. Records written before the
+    format tag was checked carry it too."""
+    doc = decode_json(data, where)
+    _need(isinstance(doc, dict), where, "not a skip record (not a JSON object)")
+    _need(doc.get("format") == SKIP_FORMAT, where, f"not a skip record (format {doc.get('format')!r})")
+    b = _str(doc.get("branch"), where, "branch")
+    _need(branch is None or b == branch, where, f"skip record of branch {b!r} under branch {branch!r}")
+    _int(doc.get("step"), where, "step")
+    _str(doc.get("reason"), where, "reason")
+    _need(isinstance(doc.get("time"), (int, float)) and not isinstance(doc.get("time"), bool), where,
+          "time must be a number")
+    return doc
+
+
 def parse_branch(data: bytes, where: str) -> dict[str, Any]:
     doc = decode_json(data, where)
     _need(isinstance(doc, dict), where, "branch document must be an object")
