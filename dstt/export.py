@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dstt.errors import ConfigError, TensorNotFoundError
-from dstt.outpath import check_output_file
+from dstt.outpath import check_output_file, temp_path
 from dstt.restore import read_whole
 from dstt.store.index import StepRecord
 from dstt.store.reader import TensorReader as Run
@@ -81,7 +81,7 @@ def export(
     tensors = _read_tensors(run, rec, names, progress, threads)
     info = ExportInfo(os.fspath(path), fmt, rec.branch, rec.step, len(names),
                       sum(t.numel() * t.element_size() for t in tensors.values()))
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    tmp = temp_path(path)  # (removes what a killed export of this path left)
     try:
         if fmt == "pt":
             state = _weights_only_safe(unflatten(tree, lambda n, k: tensors[n]), info.notes, only or "")

@@ -24,3 +24,43 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> Path:
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise ConfigError(f"cannot {what} to {os.fspath(path)!r}: {parent} is not a writable directory")
     return p
+
+
+def temp_path(path: str | os.PathLike[str]) -> str:
+    """A temporary name next to ``path`` to write it through (then
+    ``os.replace``), named like the store's atomic-write temporaries
+    (``<name>.tmp-<pid>-<hex>``), after removing stale ones a killed writer
+    of ``path`` left (:func:`remove_stale_temps`)."""
+    import uuid
+
+    remove_stale_temps(path)
+    return f"{os.fspath(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_stale_temps(path: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporaries of ``path`` whose process is gone (a SIGKILLed
+    export leaves one as large as the export) or that are over an hour old
+    (the rule of ``dstt gc``: dstt.store.gc.is_stale_temp); the names removed."""
+    import time
+
+    from dstt.store.gc import is_stale_temp, pid_alive
+
+    p = Path(path).absolute()
+    removed = []
+    try:
+        names = os.listdir(p.parent)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        if not name.startswith(p.name + ".tmp-"):
+            continue
+        f = p.parent / name
+        try:
+            st = os.lstat(f)
+            if is_stale_temp(name, now - st.st_mtime, pid_alive):
+                os.unlink(f)
+                removed.append(str(f))
+        except OSError:
+            continue
+    return removed

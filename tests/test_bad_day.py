@@ -641,3 +641,125 @@ def test_hostile_names_values_and_paths_print_escaped_in_every_command(tmp_path:
     doc = json.loads(cli("ls", f"{store}:1", "--json").stdout)
     rows = doc if isinstance(doc, list) else doc.get("tensors", doc)
     assert any(r["name"] == name for r in rows)
+
+
+# --------------------------------------------------------------------------- 9. temporary files of killed processes
+
+_HANG_BEFORE = r"""
+import os, sys, time
+target = sys.argv[1]
+real = getattr(os, target)
+def hang(*a, **k):
+    print("hanging", flush=True)
+    time.sleep(600)
+setattr(os, target, hang)  # the process is killed between writing its temp file and renaming it
+import dstt
+if sys.argv[2] == "branch":
+    dstt.branch(sys.argv[3], "side")
+else:
+    dstt.export(sys.argv[3], sys.argv[4])
+"""
+
+
+def _kill_while_hanging(*args: str) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _HANG_BEFORE, *args], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "hanging", (line, proc.stderr.read() if proc.stderr else "")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _age(p: Path, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(p, (t, t))
+
+
+def test_gc_removes_temp_files_of_killed_writers(tmp_path: Path) -> None:
+    from dstt.store import layout as L
+
+    path = tmp_path / "run"
+    dstt.save(path, 0, state(0))
+    _kill_while_hanging("link", "branch", str(path))  # put_if_absent of the branch id: temp, then link
+    temps = list((path / L.META / "branch_ids").glob("*.tmp-*"))
+    assert len(temps) == 1
+    # A temp of a process still running here, and a fresh one, are kept; an old one goes whoever made it.
+    live = path / L.step_dir("main", 0) / f"commit.json.tmp-{os.getpid()}-0123abcd"
+    fresh = path / L.META / "branches" / "x.json.tmp-999999999-0123abcd"
+    old = path / L.META / "zarr.json.tmp-1-0123abcd"
+    for p in (live, fresh, old):
+        p.write_bytes(b"{}")
+    for p in (temps[0], live):
+        _age(p, 120)
+    _age(old, 7200)
+    report = dstt.gc(path, dry_run=True)
+    assert report.temp_files_removed == 2 and temps[0].exists()
+    report = dstt.gc(path)
+    assert report.temp_files_removed == 2
+    assert not temps[0].exists() and not old.exists() and live.exists() and fresh.exists()
+    assert dstt.open(path).steps() == [0] and verify(path).ok
+    dstt.branch(path, "side")  # the killed branch creation can be done again
+
+
+def test_a_killed_exports_temp_file_is_removed_by_the_next_export(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    dstt.save(path, 0, state(0))
+    out = tmp_path / "w.pt"
+    _kill_while_hanging("replace", "export", f"{path}:0", str(out))
+    temps = list(tmp_path.glob("w.pt.tmp-*"))
+    assert len(temps) == 1 and temps[0].stat().st_size > 0 and not out.exists()
+    _age(temps[0], 120)
+    dstt.export(f"{path}:0", out)
+    assert out.exists() and not list(tmp_path.glob("w.pt.tmp-*"))
+    assert bits_equal(torch.load(out, weights_only=True)["model"]["w"], state(0)["model"]["w"])
+
+
+# --------------------------------------------------------------------------- 10. orphans: verify and gc agree
+
+
+_KILL_IN_CHUNKS = r"""
+import os, sys
+from dstt.store.backends import LocalBackend
+from tests.test_bad_day import state
+import dstt
+path, step, after = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+class Dying(LocalBackend):
+    n = 0
+    def put(self, key, data):
+        if "/c." in key:
+            Dying.n += 1
+            if Dying.n > after:
+                os.kill(os.getpid(), 9)  # a real SIGKILL between two chunk writes
+        super().put(key, data)
+s = state(step)
+s["model"][f"new{step}"] = torch_ones = __import__("torch").ones(3)  # an array first used by this step
+dstt.save(Dying(path), step, s)
+"""
+
+
+def test_verify_reports_orphans_and_gc_removes_them_counting_chunks_alike(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    for s in range(3):
+        dstt.save(path, s, state(s))
+    dstt.save(path, 3, {**state(3), "model": {**state(3)["model"], "frozen": torch.arange(8.0)}})
+    # Killed after its first chunk: the new array's zarr.json exists, maybe no chunk of it.
+    for step, after in ((4, 0), (5, 1)):
+        proc = subprocess.run([sys.executable, "-c", _KILL_IN_CHUNKS, str(path), str(step), str(after)],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True)
+        assert proc.returncode == -9, proc.stderr
+    arrays = {p.parent.name for p in path.glob("tensors/model/new*/@*/zarr.json")}
+    assert arrays, "the killed writers left array documents"
+    rep = verify(path)
+    assert rep.ok and rep.orphans is not None
+    assert rep.orphans["arrays"] >= len(arrays) and rep.orphans["chunks"] >= 1
+    res = cli("verify", str(path))
+    assert res.exit_code == 0 and "no committed step references" in res.output
+    report = dstt.gc(path)
+    assert report.chunks_kept == rep.chunks  # one definition of a referenced chunk
+    assert not list(path.glob("tensors/model/new*/@*/zarr.json"))  # orphan array documents gone
+    after = verify(path)
+    assert after.ok and after.orphans == {"chunks": 0, "arrays": 0, "bytes": 0}
+    assert after.chunks == rep.chunks

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import typer
 
 from dstt.cli.output import emit_json, handle_errors, stderr, stdout
@@ -20,9 +19,8 @@ def register(app: typer.Typer) -> None:
 
         Exits 1 when anything is corrupt or missing, naming the step and tensor.
         """
-        from dstt.store.verify import verify as run_verify
-
         from dstt.cli.render import progress
+        from dstt.store.verify import verify as run_verify
 
         with progress("verifying", enabled=not quiet, unit="items") as update:
             report = run_verify(ref, progress=lambda done, total, what: update(done, total, f"verifying {what}"))
@@ -34,6 +32,11 @@ def register(app: typer.Typer) -> None:
             if report.partial:
                 stderr.print(f"{len(report.partial)} uncommitted step(s) left by an interrupted writer "
                              f"(invisible to readers; dstt gc removes them): {', '.join(report.partial[:5])}")
+            orphans = report.orphans or {}
+            if orphans.get("chunks") or orphans.get("arrays"):
+                stderr.print(f"{orphans['chunks']} chunk(s) in {orphans['arrays']} array(s) no committed step "
+                             f"references ({orphans['bytes']} bytes; left by interrupted writers or prune; "
+                             "no step reads them; dstt gc removes them)")
             verdict = "OK" if report.ok else f"{len(report.problems)} problem(s)"
             stdout.print(f"{verdict}: {report.steps} steps, {report.tensors} tensors, "
                          f"{report.chunks} chunks ({report.bytes} bytes) checked in {report.store}")

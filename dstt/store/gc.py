@@ -21,9 +21,11 @@ while gc runs is left alone).
 
 from __future__ import annotations
 
+import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from dstt.errors import ConfigError
 from dstt.store import layout as L
@@ -66,6 +68,9 @@ class GcReport:
     bytes_freed: int = 0
     chunks_kept: int = 0
     skipped_unlocked: int = 0  # chunks of branches created while gc ran
+    #: Temporary files of atomic writes left by killed processes (a killed
+    #: ``dstt branch`` in meta/branch_ids, a commit marker's temp file, ...).
+    temp_files_removed: int = 0
     dry_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,17 +157,25 @@ def prune(
     return report
 
 
+def entry_chunks(e: Any) -> Iterator[tuple[str, int, tuple[int, ...]]]:
+    """(array, slot, coords) of every chunk file a tensor entry of a step
+    references: its chunks, and for a delta chunk its keyframe too. The one
+    definition of "referenced" that gc (what it keeps) and verify (what it
+    counts and what it calls an orphan) share."""
+    for i, slot in enumerate(e.slots):
+        key = e.keyframe(i)
+        if key is None:
+            yield e.array, slot, e.coords(i)
+        else:  # a delta chunk keeps its keyframe alive too
+            yield e.delta_array or "", slot, e.coords(i)
+            yield e.array, key, e.coords(i)
+
+
 def _step_refs(run: Any, branch: str, step: int) -> set[tuple[str, int, tuple[int, ...]]]:
     """(array, slot, coords) of every chunk a committed step references."""
     out = set()
-    for e in run.record(step, branch).entries:
-        for i, slot in enumerate(e.slots):
-            key = e.keyframe(i)
-            if key is None:
-                out.add((e.array, slot, e.coords(i)))
-            else:  # a delta chunk keeps its keyframe alive too
-                out.add((e.delta_array or "", slot, e.coords(i)))
-                out.add((e.array, key, e.coords(i)))
+    for e in run.record(step, branch=branch).entries:
+        out.update(entry_chunks(e))
     return out
 
 
@@ -207,19 +220,13 @@ def referenced_chunks(backend: Backend, branches: list[str]) -> dict[str, set[tu
     refs: dict[str, set[tuple[int, tuple[int, ...]]]] = defaultdict(set)
     for b in branches:
         for s in committed_steps(backend, b):
-            for e in run.record(s, b).entries:
-                bucket = refs[e.array]
-                for i, slot in enumerate(e.slots):
-                    key = e.keyframe(i)
-                    if key is None:
-                        bucket.add((slot, e.coords(i)))
-                    else:  # a delta chunk keeps its keyframe alive too
-                        refs[e.delta_array or ""].add((slot, e.coords(i)))
-                        bucket.add((key, e.coords(i)))
+            for e in run.record(s, branch=b).entries:
+                for array, slot, coords in entry_chunks(e):
+                    refs[array].add((slot, coords))
     return refs
 
 
-def _parse_chunk_key(key: str) -> tuple[str, int, tuple[int, ...]] | None:
+def parse_chunk_key(key: str) -> tuple[str, int, tuple[int, ...]] | None:
     """(array, slot, coords) of a chunk key; None for anything else."""
     parts = key.split("/")
     for i, p in enumerate(parts):
@@ -232,7 +239,7 @@ def _parse_chunk_key(key: str) -> tuple[str, int, tuple[int, ...]] | None:
     return None
 
 
-def _array_of(key: str) -> str | None:
+def array_of(key: str) -> str | None:
     parts = key.split("/")
     for i, p in enumerate(parts):
         if p.startswith("@"):
@@ -265,6 +272,7 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
         if progress:
             progress("scanning chunks")
         _collect_chunks(backend, refs, locked_ids, report, dry_run)
+        _collect_temp_files(backend, report, dry_run)
         if not dry_run and backend.directories:
             # still under the locks: a writer starting now could lose a directory it just made
             backend.remove_empty_dirs(L.TENSORS)
@@ -288,14 +296,14 @@ def _collect_chunks(backend: Backend, refs: dict[str, set[tuple[int, tuple[int, 
                     report: GcReport, dry_run: bool) -> None:
     by_array: dict[str, list[str]] = defaultdict(list)
     for key in backend.list_prefix(L.TENSORS):
-        array = _array_of(key)
+        array = array_of(key)
         if array is not None:
             by_array[array].append(key)
     for array, keys in by_array.items():
         live = refs.get(array, set())
         doomed, unlocked = [], 0
         for key in keys:
-            parsed = _parse_chunk_key(key)
+            parsed = parse_chunk_key(key)
             if parsed is None:
                 continue
             _arr, slot, coords = parsed
@@ -306,11 +314,14 @@ def _collect_chunks(backend: Backend, refs: dict[str, set[tuple[int, tuple[int, 
             else:
                 doomed.append(key)
         report.skipped_unlocked += unlocked
-        whole = not live and not unlocked and bool(doomed)
-        if whole:  # nothing references the array: its metadata goes too
+        # Nothing references the array: its metadata goes too -- also when it
+        # has no chunk at all (a writer killed between an array's zarr.json
+        # and its first chunk leaves just the document).
+        whole = not live and not unlocked
+        if whole:
             doomed = [k for k in keys]
             report.arrays_removed += 1
-        report.chunks_removed += sum(1 for k in doomed if _parse_chunk_key(k) is not None)
+        report.chunks_removed += sum(1 for k in doomed if parse_chunk_key(k) is not None)
         report.bytes_freed += sum(backend.size(k) or 0 for k in doomed)
         if dry_run:
             continue
@@ -319,6 +330,67 @@ def _collect_chunks(backend: Backend, refs: dict[str, set[tuple[int, tuple[int, 
         else:
             for k in doomed:
                 backend.delete(k)
+
+
+#: A temporary file older than this is stale whoever made it (a writer on
+#: another host included); younger ones only when their process is gone.
+TEMP_STALE_AGE_S = 3600.0
+#: ...and never younger than this (a process could be between creating it
+#: and renaming it, on another host with a reused pid).
+TEMP_MIN_AGE_S = 60.0
+
+
+def is_stale_temp(name: str, age_s: float, alive: Callable[[int], bool]) -> bool:
+    """Whether a file named like dstt's atomic-write temporaries
+    (``<name>.tmp-<pid>-<hex>``) can be removed: older than TEMP_STALE_AGE_S,
+    or older than TEMP_MIN_AGE_S with its process no longer running here.
+
+    >>> is_stale_temp("commit.json.tmp-123-ab12cd34", 120.0, lambda pid: False)
+    True
+    >>> is_stale_temp("commit.json.tmp-123-ab12cd34", 120.0, lambda pid: True)
+    False
+    >>> is_stale_temp("commit.json", 1e9, lambda pid: False)
+    False
+    """
+    base, sep, tail = name.rpartition(".tmp-")
+    pid_text = tail.split("-", 1)[0]
+    if not sep or not base or not pid_text.isdigit():
+        return False
+    if age_s >= TEMP_STALE_AGE_S:
+        return True
+    return age_s >= TEMP_MIN_AGE_S and not alive(int(pid_text))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return True
+
+
+def _collect_temp_files(backend: Backend, report: GcReport, dry_run: bool) -> None:
+    """Remove stale temporaries of atomic writes (put_atomic, put_if_absent)
+    anywhere in the store. Runs under every branch lock and the branch-set
+    lock, so no dstt writer of this store is between its temp and its rename
+    (store creation aside: the age and pid checks cover it)."""
+    temp_files = getattr(backend, "temp_files", None)
+    if temp_files is None:  # object stores put atomically: no temporaries
+        return
+    now = time.time()
+    for key, mtime in temp_files():
+        if is_stale_temp(key.rsplit("/", 1)[-1], now - mtime, pid_alive):
+            report.temp_files_removed += 1
+            report.bytes_freed += backend.size(key) or 0
+            if not dry_run:
+                backend.delete(key)
 
 
 __all__ = ["prune", "gc", "keep_set", "PruneReport", "GcReport", "remove_step", "branch_parents"]

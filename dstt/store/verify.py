@@ -38,6 +38,7 @@ from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.chunks import check_chunk
 from dstt.store.codec import array_metadata, delta_array_metadata, max_stored_bytes
+from dstt.store.gc import entry_chunks
 from dstt.store.keyframes import read_delta
 from dstt.store.manifest import (
     TensorEntry,
@@ -89,6 +90,13 @@ class VerifyReport:
     bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
     partial: list[str] = field(default_factory=list)  # uncommitted step dirs
+    #: Whole-store runs: files under tensors/ no committed step references --
+    #: {"chunks", "arrays", "bytes"} (an array counts when none of its chunks
+    #: is referenced, its zarr.json included). Left by interrupted (or still
+    #: running) writers and by prune; not problems: no committed step reads
+    #: them, and ``dstt gc`` removes them. None when not computed (one branch
+    #: or step verified, or a step's index unreadable).
+    orphans: dict[str, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,7 +105,8 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {"store": self.store, "ok": self.ok, "branches": self.branches, "steps": self.steps,
                 "tensors": self.tensors, "chunks": self.chunks, "bytes": self.bytes,
-                "problems": [p.to_dict() for p in self.problems], "partial": self.partial}
+                "problems": [p.to_dict() for p in self.problems], "partial": self.partial,
+                "orphans": self.orphans}
 
 
 class _Verifier:
@@ -107,6 +116,9 @@ class _Verifier:
         self.progress = progress
         self.seen: dict[tuple[Any, ...], str | None] = {}  # (chunk key, crc, sha256) -> error or None
         self.seen_arrays: dict[str, str | None] = {}  # array path -> error of its zarr.json or None
+        #: Chunk files referenced by the steps checked (gc.entry_chunks: the
+        #: same definition gc keeps by), so both count the same chunks.
+        self.referenced: set[tuple[str, int, tuple[int, ...]]] = set()
 
     def problem(self, branch: str, step: int | None, tensor: str | None, kind: str, msg: str) -> None:
         self.r.problems.append(Problem(branch, step, tensor, kind, msg))
@@ -182,7 +194,6 @@ class _Verifier:
 
     def _read_chunk(self, e: TensorEntry, i: int, key: str, coords: tuple[int, ...]) -> str | None:
         if e.keyframe(i) is not None:  # a delta and its keyframe (docs/format.md "Delta chunks")
-            self.r.chunks += 1
             try:
                 read_delta(self.b, e, i, sha256=True)
             except (OSError, DsttError) as exc:
@@ -195,7 +206,6 @@ class _Verifier:
             return f"{where}: unreadable ({exc})"
         if data is None:
             return f"{where}: missing"
-        self.r.chunks += 1
         self.r.bytes += len(data)
         expected = e.dtype.itemsize * _prod(e.chunk_shape)
         try:  # trailer CRC-32C, size, the index's CRC-32C and sha256 (dstt.store.chunks)
@@ -232,6 +242,7 @@ class _Verifier:
 
     def tensor(self, branch: str, step: int, e: TensorEntry) -> None:
         self.r.tensors += 1
+        self.referenced.update(entry_chunks(e))
         err = self.array_doc(e)
         if err is not None:
             self.problem(branch, step, e.name, "array", err)
@@ -327,7 +338,32 @@ def verify(store: Any, branch: str | None = None, step: int | str | None = None,
             done += 1
             if progress is not None:
                 progress(done, total, f"{b}:{s}")
+    report.chunks = len(v.referenced)
+    if branch is None and step is None and len(loaded) == len(plan):
+        report.orphans = _orphans(backend, v.referenced)
     return report
+
+
+def _orphans(backend: Backend, referenced: set[tuple[str, int, tuple[int, ...]]]) -> dict[str, int]:
+    """Chunk files and arrays under tensors/ that no committed step references."""
+    from dstt.store.gc import array_of, parse_chunk_key
+
+    live_arrays = {a for a, _, _ in referenced}
+    out = {"chunks": 0, "arrays": 0, "bytes": 0}
+    arrays: set[str] = set()
+    for key in backend.list_prefix(L.TENSORS):
+        array = array_of(key)
+        if array is None:
+            continue
+        parsed = parse_chunk_key(key)
+        orphan = array not in live_arrays if parsed is None else parsed not in referenced
+        if orphan:
+            out["chunks"] += parsed is not None
+            out["bytes"] += backend.size(key) or 0
+            if array not in live_arrays:
+                arrays.add(array)
+    out["arrays"] = len(arrays)
+    return out
 
 
 __all__ = ["verify", "VerifyReport", "Problem", "partial_steps", "tree_refs"]

@@ -289,6 +289,22 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
+    def temp_files(self) -> list[tuple[str, float]]:
+        """(key, mtime) of every temporary file of an atomic write in the
+        store (``<name>.tmp-<pid>-<hex>``; listings hide them): what a killed
+        writer leaves behind, for gc."""
+        out = []
+        for dirpath, _dirs, files in os.walk(self.url):
+            rel = os.path.relpath(dirpath, self.url).replace(os.sep, "/")
+            for f in files:
+                if ".tmp-" in f:
+                    try:
+                        mtime = os.lstat(os.path.join(dirpath, f)).st_mtime
+                    except FileNotFoundError:
+                        continue
+                    out.append((f if rel == "." else f"{rel}/{f}", mtime))
+        return sorted(out)
+
     def stat_dir(self, prefix: str) -> os.stat_result | None:
         """``lstat`` of the directory ``prefix`` (None if it is not one): its
         mtime and link count change whenever an entry is made or removed in
