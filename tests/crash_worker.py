@@ -5,7 +5,7 @@ The state of step k is a pure function of k (:func:`expected_state`), so a
 test can check every committed step bit-exactly without talking to the
 writer. Run as::
 
-    python -m tests.crash_worker write STORE BRANCH N_STEPS [save|capture|auto|staged [PAUSE_S]]
+    python -m tests.crash_worker write STORE BRANCH N_STEPS [save|capture|auto|staged|delta [PAUSE_S]]
     python -m tests.crash_worker zygote
 
 ``write`` resumes after the branch's last committed step and captures
@@ -49,6 +49,8 @@ def user_state(step: int) -> dict[str, Any]:
             "w": torch.randn(24, 40, generator=g),
             "b": torch.randn(40, generator=g).to(torch.bfloat16),
             "frozen": torch.arange(600, dtype=torch.float32),  # same every step: referenced
+            # a little different every step: delta coded under compression="delta"
+            "smooth": torch.linspace(-1.0, 1.0, 960).reshape(24, 40) + 1e-3 * step,
         },
         "optim": {"exp_avg": torch.randn(24, 40, generator=g), "step": torch.tensor(float(step))},
         "loop": {"step": step, "loss": 1.0 / (step + 1), "tag": f"s{step}"},
@@ -71,9 +73,10 @@ def _last_step(store: str, branch: str) -> int:
 def write(store: str, branch: str, n_steps: int, mode: str = "auto", pause: float = 0.0) -> int:
     """Capture steps after the last committed one (``pause`` seconds of
     "training" between steps); the last step attempted."""
-    use_capture = mode in ("capture", "staged") or (mode == "auto" and has_capture())
+    use_capture = mode in ("capture", "staged", "delta") or (mode == "auto" and has_capture())
     if use_capture:
-        return _write_capture(store, branch, n_steps, pause, staged=mode == "staged")
+        return _write_capture(store, branch, n_steps, pause, staged=mode == "staged",
+                              compression="delta" if mode == "delta" else "none")
     start = _last_step(store, branch) + 1
     stop = start + n_steps if n_steps > 0 else 1 << 62
     w = dstt.Writer(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
@@ -86,10 +89,11 @@ def write(store: str, branch: str, n_steps: int, mode: str = "auto", pause: floa
     return stop - 1
 
 
-def _write_capture(store: str, branch: str, n_steps: int, pause: float, staged: bool = False) -> int:
+def _write_capture(store: str, branch: str, n_steps: int, pause: float, staged: bool = False,
+                   compression: str = "none") -> int:
     # The Capture first: it commits what a killed predecessor sealed, and
     # the steps go on after that.
-    cap = dstt.Capture(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
+    cap = dstt.Capture(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES, compression=compression)
     start = -1 if cap.writer.last_step is None else cap.writer.last_step
     start += 1
     stop = start + n_steps if n_steps > 0 else 1 << 62

@@ -763,3 +763,23 @@ def test_verify_reports_orphans_and_gc_removes_them_counting_chunks_alike(tmp_pa
     after = verify(path)
     assert after.ok and after.orphans == {"chunks": 0, "arrays": 0, "bytes": 0}
     assert after.chunks == rep.chunks
+
+
+def test_multi_rank_test_jobs_put_no_rank_on_a_gpu_that_may_not_exist() -> None:
+    """fully_shard without a mesh picks CUDA whenever a GPU is present and
+    puts rank r on cuda:r: on a one-GPU machine the 2-rank gloo jobs failed
+    with "invalid device ordinal". Every job under tests/ passes a CPU mesh."""
+    import ast
+
+    offenders = []
+    for f in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if fn == "fully_shard" and not any(k.arg == "mesh" for k in node.keywords):
+                offenders.append(f"{f.name}:{node.lineno} fully_shard without mesh=")
+            if fn == "init_device_mesh" and not (node.args and isinstance(node.args[0], ast.Constant)
+                                                 and node.args[0].value == "cpu"):
+                offenders.append(f"{f.name}:{node.lineno} init_device_mesh not on cpu")
+    assert not offenders, offenders

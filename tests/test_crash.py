@@ -102,13 +102,13 @@ def check_store(store: Path, checked: set[int], branch: str = "main") -> list[in
 
 
 def kill_trials(zygote: Zygote, store: Path, trials: int, seed: int, max_delay: float,
-                gc_every: int = 0) -> dict[str, int]:
+                gc_every: int = 0, mode: str = "auto") -> dict[str, int]:
     rng = random.Random(seed)
     checked: set[int] = set()
     outcome = {"killed": 0, "finished_before_kill": 0, "steps": 0, "trials_with_progress": 0}
     before = -1
     for _ in range(trials):
-        pid = zygote.fork(store)
+        pid = zygote.fork(store, mode=mode)
         time.sleep(rng.uniform(0.0, max_delay))
         try:
             os.kill(pid, signal.SIGKILL)
@@ -136,7 +136,11 @@ def referenced_keys(store: Path) -> set[str]:
     for b in run.branches():
         for s in run.steps(b):
             for e in run.record(s, b).entries:
-                keys.update(L.chunk_key(e.array, e.slots[i], e.coords(i)) for i in range(e.nchunks))
+                for i in range(e.nchunks):
+                    key = e.keyframe(i)  # delta coded: the delta and its keyframe
+                    keys.add(L.chunk_key(e.array if key is None else e.delta_array or "", e.slots[i], e.coords(i)))
+                    if key is not None:
+                        keys.add(L.chunk_key(e.array, key, e.coords(i)))
     return keys
 
 
@@ -179,6 +183,18 @@ def test_sigkill_random_moments_quick(zygote: Zygote, tmp_path: Path) -> None:
     print("kill trials:", out)
     assert out["killed"] >= 20, out  # a writer never finishes on its own (infinite loop)
     assert out["trials_with_progress"] >= 3, out  # kills landed after commits, not only at startup
+    finish_and_collect(zygote, store)
+
+
+def test_sigkill_random_moments_with_delta_coding(zygote: Zygote, tmp_path: Path) -> None:
+    """The same trials with compression="delta": every committed step reads
+    back exactly (deltas against keyframes a killed writer wrote, and a new
+    writer's keyframes), gc keeps what kept deltas need."""
+    store = tmp_path / "run"
+    out = kill_trials(zygote, store, trials=12, seed=8, max_delay=0.5, gc_every=4, mode="delta")
+    assert out["killed"] >= 10 and out["trials_with_progress"] >= 2, out
+    run = dstt.open(store)
+    assert any(k is not None for s in run.steps() for k in (run.entry("extra/model/smooth", s).keyframes or []))
     finish_and_collect(zygote, store)
 
 

@@ -92,20 +92,54 @@ def same(a: object, b: object) -> bool:
     return a == b
 
 
+def perturbed(x: object, rng: np.random.Generator) -> object:
+    """``x`` with every tensor's bits changed a little (same shapes and dtypes)."""
+    if isinstance(x, torch.Tensor):
+        out = x.detach().clone().contiguous()
+        if out.numel():
+            flat = out.view(-1) if out.dtype == torch.bool else out.view(-1).view(torch.uint8)
+            i = int(rng.integers(0, flat.numel()))
+            flat[i] = ~flat[i] if out.dtype == torch.bool else flat[i] ^ 0x11
+        return out
+    if isinstance(x, dict):
+        return {k: perturbed(v, rng) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        return type(x)(perturbed(v, rng) for v in x)
+    return x
+
+
+def save_read(path: Path, state: dict, compression: str, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Save ``state`` and read it back. With delta coding, a perturbed copy
+    is saved first, so every tensor of ``state`` is stored as a delta against
+    it (every delta kept, however large)."""
+    step = 0
+    if compression == "delta":
+        from dstt.store import keyframes
+
+        monkeypatch.setattr(keyframes, "DELTA_MAX_RATIO", math.inf)
+        dstt.save(path, 0, perturbed(state, np.random.default_rng(0)), compression=compression)
+        step = 1
+    dstt.save(path, step, state, compression=compression)
+    return dstt.open(path).state_dict(step)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(state=states())
-def test_roundtrip_bit_exact(tmp_path_factory: pytest.TempPathFactory, state: dict) -> None:
+@pytest.mark.parametrize("compression", ["none", "delta"])
+def test_roundtrip_bit_exact(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+                             compression: str, state: dict) -> None:
     path = tmp_path_factory.mktemp("rt") / "run"
     try:
-        dstt.save(path, 0, state)
+        back = save_read(path, state, compression, monkeypatch)
     except dstt.InvalidNameError:
         return  # two keys that map to one tensor name ("1" and 1) are refused, tested below
-    back = dstt.open(path).state_dict(0)
     assert same(state, back)
 
 
+@pytest.mark.parametrize("compression", ["none", "delta"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_each_dtype_bit_exact_with_special_values(store: Path, dtype: torch.dtype) -> None:
+def test_each_dtype_bit_exact_with_special_values(store: Path, dtype: torch.dtype, compression: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(0)
     t = random_bits((7, 5), dtype, rng)
     if dtype.is_floating_point and dtype.itemsize >= 2:
@@ -113,20 +147,23 @@ def test_each_dtype_bit_exact_with_special_values(store: Path, dtype: torch.dtyp
         t[0, 1] = float("nan")
         t[0, 2] = float("inf")
     state = {"t": t, "scalar": t[1, 1].clone(), "empty": t[:0], "strided": t[:, ::2]}
-    dstt.save(store, 0, state)
-    run = dstt.open(store)
-    back = run.state_dict(0)
+    back = save_read(store, state, compression, monkeypatch)
     for k, v in state.items():
         assert bits_equal(back[k], v), k
         assert back[k].dtype == dtype
-    assert bits_equal(run.read("t", 0, index=(slice(2, 5), 3)), t[2:5, 3].contiguous())
+    run = dstt.open(store)
+    step = run.steps()[-1]
+    if compression == "delta" and dtype.itemsize <= 8:
+        assert run.entry("t", step).keyframes == [run.entry("t", 0).slots[0]]
+    assert bits_equal(run.read("t", step, index=(slice(2, 5), 3)), t[2:5, 3].contiguous())
 
 
-def test_nan_payloads_survive(store: Path) -> None:
+@pytest.mark.parametrize("compression", ["none", "delta"])
+def test_nan_payloads_survive(store: Path, compression: str, monkeypatch: pytest.MonkeyPatch) -> None:
     payloads = torch.tensor([0x7FC00001, 0x7F800123, 0xFFC0BEEF, 0x80000000], dtype=torch.int64).to(torch.int32)
     t = payloads.view(torch.float32)
-    dstt.save(store, 0, {"t": t})
-    assert dstt.open(store).read("t", 0).view(torch.int32).tolist() == payloads.tolist()
+    back = save_read(store, {"t": t}, compression, monkeypatch)
+    assert back["t"].view(torch.int32).tolist() == payloads.tolist()
 
 
 def test_values_keep_python_types(store: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dstt
@@ -55,10 +56,14 @@ def build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
                                 torch.nn.ReLU(), torch.nn.Linear(7, 2))
     reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # An explicit CPU mesh: without one, fully_shard picks CUDA whenever a GPU
+    # is present and puts rank r on cuda:r, which a machine with fewer GPUs
+    # than ranks does not have ("invalid device ordinal"). gloo, CPU tensors.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, reference
 
 
