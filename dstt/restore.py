@@ -354,7 +354,7 @@ def read_whole(run: TensorReader, rec: StepRecord, name: str) -> torch.Tensor:
     straight into it (:func:`dstt.store.chunks.read_whole_into`)."""
     e = rec.by_name.get(name)
     if e is None:
-        return run.read(name, rec.step, rec.branch)
+        return run.read(name, rec.step, branch=rec.branch)
     buf = torch.empty(e.nbytes, dtype=torch.uint8)
     with run.removed_meanwhile(rec.branch, rec.step):  # pruned meanwhile: StepNotFoundError
         read_whole_into(run.backend, e, memoryview(buf.numpy()))
@@ -370,7 +370,7 @@ def _read_all(run: TensorReader, rec: StepRecord, plan: _Plan, threads: int) -> 
         if ld.box is None:
             t = read_whole(run, rec, ld.name)
         else:
-            t = run.read(ld.name, rec.step, rec.branch, index=ld.box)
+            t = run.read(ld.name, rec.step, branch=rec.branch, index=ld.box)
         return path, ld.wrap(t)
 
     if threads <= 1 or len(items) <= 1:
@@ -382,7 +382,7 @@ def _read_all(run: TensorReader, rec: StepRecord, plan: _Plan, threads: int) -> 
 def _small_reader(run: TensorReader, rec: StepRecord) -> Callable[[Stored], Any]:
     """Reads a small unplanned tensor (RNG state, extra) whole."""
     def read(s: Stored) -> Any:
-        t = run.read(s.name, rec.step, rec.branch)
+        t = run.read(s.name, rec.step, branch=rec.branch)
         return t.numpy() if s.kind == "ndarray" else t
 
     return read

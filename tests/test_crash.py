@@ -72,7 +72,7 @@ def zygote() -> Any:
 
 
 def assert_step_exact(run: dstt.Run, step: int, branch: str = "main") -> None:
-    got = run.state_dict(step, branch, verify=True)["extra"]
+    got = run.state_dict(step, branch=branch, verify=True)["extra"]
     want = expected_state(step)["extra"]
     assert got["loop"] == want["loop"], step
     for group in ("model", "optim"):
@@ -135,7 +135,7 @@ def referenced_keys(store: Path) -> set[str]:
     keys = set()
     for b in run.branches():
         for s in run.steps(b):
-            for e in run.record(s, b).entries:
+            for e in run.record(s, branch=b).entries:
                 for i in range(e.nchunks):
                     key = e.keyframe(i)  # delta coded: the delta and its keyframe
                     keys.add(L.chunk_key(e.array if key is None else e.delta_array or "", e.slots[i], e.coords(i)))

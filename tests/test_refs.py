@@ -92,21 +92,21 @@ def test_a_branch_reference_follows_its_trajectory(store: Path) -> None:
     dstt.branch(f"{store}:5", "side")
     run = dstt.open(store)
     assert run.lineage("side") == [("main", [0, 5]), ("side", [])]
-    assert run.resolve("latest", "side") == ("main", 5)  # no own steps yet: its fork point
-    assert run.resolve(0, "side") == ("main", 0)
+    assert run.resolve("latest", branch="side") == ("main", 5)  # no own steps yet: its fork point
+    assert run.resolve(0, branch="side") == ("main", 0)
     assert run.latest("side") == 5
     with pytest.raises(StepNotFoundError, match=r"step 10 on branch 'side' \(its trajectory has main: 0..5"):
-        run.resolve(10, "side")  # main's step 10 came after the fork: not side's history
+        run.resolve(10, branch="side")  # main's step 10 came after the fork: not side's history
     assert torch.equal(run.read("w", 5, branch="side"), torch.full((2,), 5.0))
-    assert run.record(5, "side").branch == "main"
+    assert run.record(5, branch="side").branch == "main"
 
     dstt.save(store, 6, {"w": torch.full((2,), 60.0)}, branch="side", parent=("main", 5))
     dstt.save(store, 7, {"w": torch.full((2,), 70.0)}, branch="side", parent=("main", 5))
     run = dstt.open(store)
-    assert [run.resolve(spec, "side") for spec in ("latest", "~1", "~2", "~3", 6)] == [
+    assert [run.resolve(spec, branch="side") for spec in ("latest", "~1", "~2", "~3", 6)] == [
         ("side", 7), ("side", 6), ("main", 5), ("main", 0), ("side", 6)]
     with pytest.raises(StepNotFoundError, match="~4 goes before the first step: branch 'side' has 4 steps"):
-        run.resolve("~4", "side")
+        run.resolve("~4", branch="side")
     assert dstt.open(f"{store}@side:~2").resolve() == ("main", 5)
 
     r = CliRunner().invoke(app, ["diff", f"{store}@side:5", f"{store}:5", "--json"])

@@ -83,7 +83,7 @@ def test_a_forked_branch_refuses_the_steps_it_inherits(saved: Path) -> None:
     with pytest.raises(dstt.StepOrderError, match="step 0 of branch 'side' is inherited from main:1"):
         dstt.save(saved, 0, weight, branch="side", parent=("main", 1))
     run = dstt.open(saved)
-    assert run.steps("side") == [] and torch.equal(run.read("model/layer.weight", 1, "side"), torch.zeros(2))
+    assert run.steps("side") == [] and torch.equal(run.read("model/layer.weight", 1, branch="side"), torch.zeros(2))
     dstt.save(saved, 2, weight, branch="side", parent=("main", 1))
     assert dstt.open(saved).lineage("side") == [("main", [0, 1]), ("side", [2])]
 

@@ -347,10 +347,10 @@ def test_branches_have_separate_slot_spaces(store: Path) -> None:
     run = dstt.open(store)
     assert run.branches() == ["exp", "main"]
     assert run.branch_info("exp").parent == ("main", 0)
-    assert bits_equal(run.read("w", 2, "exp"), base + 1)
-    assert bits_equal(run.read("w", 1, "main"), base - 1)
-    slots_main = set(run.entry("w", 1, "main").slots)
-    slots_exp = set(run.entry("w", 2, "exp").slots)
+    assert bits_equal(run.read("w", 2, branch="exp"), base + 1)
+    assert bits_equal(run.read("w", 1, branch="main"), base - 1)
+    slots_main = set(run.entry("w", 1, branch="main").slots)
+    slots_exp = set(run.entry("w", 2, branch="exp").slots)
     assert not slots_main & slots_exp
 
 

@@ -91,7 +91,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path: Path) -> None:
     ref = dstt.open(ref_store)
     for name in [t.name for t in ref.tensors(2 * K)]:
         if not name.startswith("rng/"):
-            assert bits_equal(run.read(name, 2 * K, "resumed"), ref.read(name, 2 * K)), name
+            assert bits_equal(run.read(name, 2 * K, branch="resumed"), ref.read(name, 2 * K)), name
 
     # Control: the same resume without the RNG states diverges (dropout, shuffling, noise).
     train_here(str(crash_store), "--resume", f"{crash_store}@main:{K}", "--branch", "no-rng", "--no-rng",

@@ -50,7 +50,7 @@ def test_branch_shares_parent_data(store: Path) -> None:
     assert 0 < info.bytes_written < 64 * 64 * 4  # only the changed tensor
     run = dstt.open(store)
     assert run.steps("main") == [0, 1, 2] and run.steps("exp") == [2, 3]
-    assert bits_equal(run.read("model/w", 2, "exp"), run.read("model/w", 1, "main"))
+    assert bits_equal(run.read("model/w", 2, branch="exp"), run.read("model/w", 1, branch="main"))
     # Writer/Capture with parent= creates the branch too; errors are one line with exit codes.
     dstt.save(store, 5, state(5), branch="exp2", parent=("main", 2))
     assert dstt.open(store).branch_info("exp2").parent == ("main", 2)
@@ -113,7 +113,7 @@ def test_prune_and_gc_keep_everything_referenced(store: Path) -> None:
     partial.mkdir()
     (partial / "index.json").write_bytes(b"{}")
     run = dstt.open(store)
-    expected = {(b, s): run.state_dict(s, b) for b in ("main", "side") for s in run.steps(b)}
+    expected = {(b, s): run.state_dict(s, branch=b) for b in ("main", "side") for s in run.steps(b)}
     before = disk_bytes(store)
 
     code, out = invoke("prune", str(store), "--keep-last", "2", "--keep-every", "4", "--dry-run", "--json")
@@ -135,14 +135,14 @@ def test_prune_and_gc_keep_everything_referenced(store: Path) -> None:
     for b, steps in kept.items():
         assert run.steps(b) == steps
         for s in steps:
-            got = run.state_dict(s, b, verify=True)
+            got = run.state_dict(s, branch=b, verify=True)
             assert got["extra"] == expected[(b, s)]["extra"]
             for k, v in expected[(b, s)]["model"].items():
                 assert bits_equal(got["model"][k], v), (b, s, k)
     assert gc(store).chunks_removed == 0  # idempotent
     # The frozen embedding written once at step 0 is still shared by every kept step.
-    assert {tuple(run.record(s, "main").by_name["model/emb"].slots) for s in kept["main"]} == \
-        {tuple(run.record(0, "main").by_name["model/emb"].slots)}
+    assert {tuple(run.record(s, branch="main").by_name["model/emb"].slots) for s in kept["main"]} == \
+        {tuple(run.record(0, branch="main").by_name["model/emb"].slots)}
 
 
 def test_prune_and_gc_refuse_beside_a_live_writer(store: Path) -> None:

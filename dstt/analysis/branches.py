@@ -69,7 +69,7 @@ def first_divergence(run: RunIndex, a: str, b: str) -> dict[str, Any]:
     for s in sorted(set(la) & set(lb)):
         if la[s] == lb[s]:
             continue  # the same stored step, inherited by both
-        ra, rb = run.record(la[s][1], la[s][0]), run.record(lb[s][1], lb[s][0])
+        ra, rb = run.record(la[s][1], branch=la[s][0]), run.record(lb[s][1], branch=lb[s][0])
         diff = [n for n in ra.names if n not in rb.by_name or rb.by_name[n].checksum != ra.by_name[n].checksum
                 or rb.by_name[n].shape != ra.by_name[n].shape]
         diff += [n for n in rb.names if n not in ra.by_name]

@@ -324,7 +324,7 @@ def _run_aligned(pa: Point, pb: Point, jobs: list[_Job], pool: ThreadPoolExecuto
 def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Aligned blocks of leading-axis rows when the chunk shapes differ."""
     if not ea.shape:
-        a, b = pa[0].read(ea.name, pa[2], pa[1]), pb[0].read(eb.name, pb[2], pb[1])
+        a, b = pa[0].read(ea.name, pa[2], branch=pa[1]), pb[0].read(eb.name, pb[2], branch=pb[1])
         yield 1, a, b
         return
     rows = ea.shape[0]
@@ -335,8 +335,8 @@ def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> I
         step = max(ca, cb)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        a = pa[0].read(ea.name, pa[2], pa[1], index=(slice(lo, hi),))
-        b = pb[0].read(eb.name, pb[2], pb[1], index=(slice(lo, hi),))
+        a = pa[0].read(ea.name, pa[2], branch=pa[1], index=(slice(lo, hi),))
+        b = pb[0].read(eb.name, pb[2], branch=pb[1], index=(slice(lo, hi),))
         yield a.numel(), a, b
 
 
@@ -352,7 +352,7 @@ def _run_rows(pa: Point, pb: Point, job: _Job, progress: Progress | None) -> Non
 def bytes_to_read(pa: Point, pb: Point, patterns: Iterable[str] | None = None) -> int:
     """Bytes of side A a diff with these name globs will stream (for progress
     bars): every byte of tensors present on both sides, skipped chunks included."""
-    ra, rb = pa[0].record(pa[2], pa[1]), pb[0].record(pb[2], pb[1])
+    ra, rb = pa[0].record(pa[2], branch=pa[1]), pb[0].record(pb[2], branch=pb[1])
     wanted = set(match_names(ra.names, patterns))
     total = 0
     for e in ra.entries:
@@ -380,7 +380,7 @@ def diff(run: "Run", a: Any, b: Any, patterns: Iterable[str] | None = None, *,
 def diff_points(pa: Point, pb: Point, patterns: Iterable[str] | None = None, *,
                 progress: Progress | None = None, threads: int = 2) -> list[dict[str, Any]]:
     """:func:`diff` between two resolved ``(run, branch, step)`` points."""
-    ra, rb = pa[0].record(pa[2], pa[1]), pb[0].record(pb[2], pb[1])
+    ra, rb = pa[0].record(pa[2], branch=pa[1]), pb[0].record(pb[2], branch=pb[1])
     names = ra.names + [n for n in rb.names if n not in ra.by_name]
     names = match_names(names, patterns)
     rows: list[dict[str, Any]] = []

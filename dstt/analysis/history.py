@@ -41,7 +41,7 @@ def scan(run: "Run", branch: str | None = None, ancestry: bool = True) -> Iterat
     """(branch, step, names, stats) for every step of a branch's lineage."""
     for b, steps in run.lineage(branch, ancestry):
         for s in steps:
-            names, stats = run.step_stats(s, b)
+            names, stats = run.step_stats(s, branch=b)
             yield b, s, names, stats
 
 
@@ -126,12 +126,12 @@ def histogram(run: "Run", name: str, step: Any = None, branch: str | None = None
 
     if bins < 1:
         raise ConfigError(f"bins must be at least 1, got {bins}")
-    e = run.entry(name, step, branch)
-    rec = run.record(step, branch)
+    e = run.entry(name, step, branch=branch)
+    rec = run.record(step, branch=branch)
     lo, hi = e.stats.get("min", NAN), e.stats.get("max", NAN)
 
     def values() -> Iterator[torch.Tensor]:
-        for _, t in run.iter_chunks(name, rec.step, rec.branch):
+        for _, t in run.iter_chunks(name, rec.step, branch=rec.branch):
             v = (t.abs() if t.is_complex() else t).reshape(-1).to(torch.float64)
             yield v[torch.isfinite(v)]
 

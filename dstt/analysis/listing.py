@@ -62,7 +62,7 @@ def list_tensors(run: "Run", step: Any = None, branch: str | None = None,
     sorted by ``sort`` (a key of :data:`TENSOR_SORT_KEYS`)."""
     if sort not in TENSOR_SORT_KEYS:
         raise ConfigError(f"cannot sort by {sort!r}; choose one of {', '.join(TENSOR_SORT_KEYS)}")
-    rec = run.record(step, branch)
+    rec = run.record(step, branch=branch)
     wanted = set(require_matches(rec.names, patterns, f"at step {rec.step} of branch {rec.branch!r}"))
     rows = [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype.logical, "nbytes": e.nbytes,
              "written": e.written, "stats": dict(e.stats)} for e in rec.entries if e.name in wanted]

@@ -64,21 +64,21 @@ def resolve_point(run: "Run", spec: Any) -> Point:
         if len(spec) != 2:
             raise InvalidReferenceError(f"expected a (branch, step) pair, got {spec!r}")
         branch, step = spec
-        b, s = run.resolve(step, branch)
+        b, s = run.resolve(step, branch=branch)
         return run, b, s
     if spec is None or (isinstance(spec, int) and not isinstance(spec, bool)):
-        b, s = run.resolve(spec, None)
+        b, s = run.resolve(spec, branch=None)
         return run, b, s
     if not isinstance(spec, str):
         raise InvalidReferenceError(f"cannot use {spec!r} as a reference: expected a step, (branch, step) or 'STORE[@BRANCH][:STEP]'")
     rel = split_in_store(spec)  # the one rule for references inside a known store (dstt.refs)
     if rel is not None:
         branch, step = rel  # ':STEP' keeps run's branch; '@BRANCH' means its latest
-        b, s = run.resolve("latest" if step is None and branch else step, branch)
+        b, s = run.resolve("latest" if step is None and branch else step, branch=branch)
         return run, b, s
     ref = Ref.parse(spec)  # a reference's omitted parts are main and latest, not run's
     other = open_other(run, ref.store)
-    b, s = other.resolve("latest" if ref.step is None else ref.step, ref.branch or "main")
+    b, s = other.resolve("latest" if ref.step is None else ref.step, branch=ref.branch or "main")
     return other, b, s
 
 

@@ -52,7 +52,7 @@ def _escape(part: str) -> str:
 
 def step_tree(run: RunIndex, step: Any = None, branch: str | None = None) -> Any:
     """The raw value tree of a step (JSON with dstt's type tags)."""
-    return run.record(step, branch).objects
+    return run.record(step, branch=branch).objects
 
 
 def plain(v: Any) -> Any:

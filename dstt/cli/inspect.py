@@ -71,9 +71,9 @@ def cmd_show(target: str, tensor: str, slice_text: Optional[str], bins: int, jso
         return
     run, _ = _open(target, tensors=True)
     branch, step = run.resolve()
-    e = run.entry(tensor, step, branch)
+    e = run.entry(tensor, step, branch=branch)
     index: Any = parse_slice(slice_text) if slice_text else _preview_index(e.shape)
-    values = run.read(tensor, step, branch, index=index)
+    values = run.read(tensor, step, branch=branch, index=index)
     hist = histogram(run, tensor, step, branch, bins)
     data = {"store": run.url, "branch": branch, "step": step, "name": tensor, "shape": list(e.shape),
             "dtype": e.dtype.logical, "nbytes": e.nbytes, "written": e.written, "stats": dict(e.stats),

@@ -47,7 +47,7 @@ def show_value(target: str, path: str, json_out: bool) -> bool:
 
     run = RunIndex(target)
     branch, step = run.resolve()
-    rec = run.record(step, branch)
+    rec = run.record(step, branch=branch)
     if path in rec.by_name:
         return False
     tree = rec.objects
@@ -111,7 +111,7 @@ def value_paths(run: Any, branch: str, names: list[str]) -> tuple[list[str], lis
     there, or is a glob matching only values."""
     from dstt.analysis.select import is_glob, match_names
 
-    rec = run.record("latest", branch)
+    rec = run.record("latest", branch=branch)
     flat = None
     values, rest = [], []
     for n in names:

@@ -82,7 +82,7 @@ def resume_target(ref: str, branch: str | None) -> tuple[str, str, int, tuple[st
     run = RunIndex(ref)
     try:
         src_branch, step = run.resolve()
-        latest_branch, latest = run.resolve("latest", run.default_branch)
+        latest_branch, latest = run.resolve("latest", branch=run.default_branch)
     finally:
         run.close()
     # (a branch without steps of its own resolves to its fork point: continuing it is fine)

@@ -203,7 +203,7 @@ def to_checkpoint(ref: str, path: str) -> tuple[str, Any]:
 
     run = dstt.open(ref)
     branch, step = run.resolve()
-    state = run.state_dict(step, branch)
+    state = run.state_dict(step, branch=branch)
     if not isinstance(state, dict) or "model" not in state:
         raise RestoreMismatchError(f"step {step} of branch {branch!r} holds no model state")
     extra = state.get("extra") if isinstance(state.get("extra"), dict) else {}

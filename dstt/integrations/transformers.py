@@ -178,7 +178,7 @@ def to_checkpoint(ref: str, directory: str) -> str:
 
     run = dstt.open(ref)
     branch, step = run.resolve()
-    state = run.state_dict(step, branch)
+    state = run.state_dict(step, branch=branch)
     if not isinstance(state, dict) or "model" not in state:
         raise RestoreMismatchError(f"step {step} of branch {branch!r} holds no model state")
     os.makedirs(directory, exist_ok=True)

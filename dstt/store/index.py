@@ -121,7 +121,7 @@ class RunIndex:
     def url(self) -> str:
         return self.backend.url
 
-    def resolve(self, step: Any = None, branch: str | None = None) -> StepRef:
+    def resolve(self, step: Any = None, *, branch: str | None = None) -> StepRef:
         """(branch, step) of the committed step a spec names (number,
         'latest', '~N', None = the reference's step or latest) on ``branch``
         (None = the reference's), following the branch's lineage: a step the
@@ -167,11 +167,11 @@ class RunIndex:
     def latest(self, branch: str | None = None) -> int:
         """The latest step of ``branch``'s trajectory (its fork point while
         it has no steps of its own)."""
-        return self.resolve("latest", branch)[1]
+        return self.resolve("latest", branch=branch)[1]
 
-    def commit_info(self, step: Any = None, branch: str | None = None) -> dict[str, Any]:
+    def commit_info(self, step: Any = None, *, branch: str | None = None) -> dict[str, Any]:
         """The commit document of a step (time, bytes written/referenced, ...)."""
-        branch, step = self.resolve(step, branch)
+        branch, step = self.resolve(step, branch=branch)
         where = L.step_dir(branch, step)
         raw = self.backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
         if raw is None:
@@ -182,7 +182,7 @@ class RunIndex:
         """Where ``step``, not committed on ``branch`` itself, lives: the
         ancestor it was inherited from, else StepNotFoundError."""
         load_branch(self.backend, branch)
-        b, s = self.resolve(step, branch)
+        b, s = self.resolve(step, branch=branch)
         if b == branch:  # listed but gone (pruned meanwhile)
             raise StepNotFoundError(f"step {step} of branch {branch!r} disappeared while reading it")
         return b, s
@@ -197,11 +197,11 @@ class RunIndex:
             raise ChecksumMismatchError(f"{where}/{fname}: checksum does not match the commit record")
         return data
 
-    def record(self, step: Any = None, branch: str | None = None) -> StepRecord:
+    def record(self, step: Any = None, *, branch: str | None = None) -> StepRecord:
         """The parsed, verified index of a committed step (cached)."""
         branch = branch or self.default_branch
         if not isinstance(step, int) or isinstance(step, bool):
-            branch, step = self.resolve(step, branch)
+            branch, step = self.resolve(step, branch=branch)
         if step < 0:
             raise StepNotFoundError(f"step must be a non-negative integer, got {step!r}")
         key = (branch, step)
@@ -215,7 +215,7 @@ class RunIndex:
         raw = self.backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
         if raw is None:
             b, s = self._inherited(step, branch)
-            return self.record(s, b)
+            return self.record(s, branch=b)
         commit = parse_commit(raw, where)
         entries, objects = parse_index(self._file(where, L.INDEX_FILE, commit), where)
         names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
@@ -231,14 +231,15 @@ class RunIndex:
                 self._cache.popitem(last=False)
         return rec
 
-    def step_stats(self, step: int, branch: str | None = None) -> tuple[list[str], np.ndarray]:
+    def step_stats(self, step: int, *, branch: str | None = None) -> tuple[list[str], np.ndarray]:
         """Names and the raw stats table of a step, reading only names.json
         and stats.npy (what ``history`` needs over thousands of steps)."""
         branch = branch or self.default_branch
         where = L.step_dir(branch, step)
         raw = self.backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
         if raw is None:
-            return self.step_stats(*reversed(self._inherited(step, branch)))
+            b, s = self._inherited(step, branch)
+            return self.step_stats(s, branch=b)
         commit = parse_commit(raw, where)
         # Consecutive steps nearly always hold the same tensors: a names.json
         # whose recorded sha256 matches the last one read is not read again.
@@ -254,16 +255,16 @@ class RunIndex:
 
     # ------------------------------------------------------------------ tensors
 
-    def tensors(self, step: Any = None, branch: str | None = None) -> list[TensorInfo]:
+    def tensors(self, step: Any = None, *, branch: str | None = None) -> list[TensorInfo]:
         """Every tensor of a step with shape, dtype, size and stats (no tensor data read)."""
-        rec = self.record(step, branch)
+        rec = self.record(step, branch=branch)
         return [
             TensorInfo(e.name, e.shape, e.dtype.logical, e.nbytes, dict(e.stats), e.checksum, e.written)
             for e in rec.entries
         ]
 
-    def entry(self, name: str, step: Any = None, branch: str | None = None) -> TensorEntry:
-        rec = self.record(step, branch)
+    def entry(self, name: str, step: Any = None, *, branch: str | None = None) -> TensorEntry:
+        rec = self.record(step, branch=branch)
         step, branch = rec.step, rec.branch
         e = rec.by_name.get(name)
         if e is None:
@@ -276,17 +277,17 @@ class RunIndex:
         self,
         name: str,
         step: Any = None,
+        *,
         branch: str | None = None,
         index: Index | tuple[Index, ...] | None = None,
-        *,
         verify: bool = False,
     ) -> np.ndarray:
         """A tensor (or the part ``index`` selects) as a numpy array of its
         storage dtype (bfloat16 and float8 as their unsigned-integer bits);
         reads only the chunks that overlap the selection. ``verify=True``
         also checks each chunk's sha256 (CRC-32Cs are always checked)."""
-        rec = self.record(step, branch)
-        e = self.entry(name, rec.step, rec.branch)
+        rec = self.record(step, branch=branch)
+        e = self.entry(name, rec.step, branch=rec.branch)
         with self.removed_meanwhile(rec.branch, rec.step):
             if index is None:
                 return self._read_box(e, (0,) * len(e.shape), e.shape, verify)
@@ -322,12 +323,12 @@ class RunIndex:
         of this reader goes through here (:func:`dstt.store.chunks.chunk_array`)."""
         return chunk_array(self.backend, e, i, sha256=verify)
 
-    def iter_chunk_arrays(self, name: str, step: Any = None,
+    def iter_chunk_arrays(self, name: str, step: Any = None, *,
                           branch: str | None = None) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         """(global region, storage-dtype values) of each chunk of a tensor,
         edge chunks trimmed: streaming access with memory bounded by one chunk."""
-        rec = self.record(step, branch)
-        e = self.entry(name, rec.step, rec.branch)
+        rec = self.record(step, branch=branch)
+        e = self.entry(name, rec.step, branch=rec.branch)
         g = e.chunk_grid
         for i in range(e.nchunks):
             region = g.region(i)
@@ -373,7 +374,7 @@ def resolve_parent(backend: Backend, parent: Any) -> StepRef | None:
                 f"parent {parent!r} is not a step of this store: use 'BRANCH:STEP', '@BRANCH[:STEP]', "
                 "':STEP', '~N' or a StepRef")
         branch, step = rel
-        return RunIndex(backend).resolve("latest" if step is None else step, branch or "main")
+        return RunIndex(backend).resolve("latest" if step is None else step, branch=branch or "main")
     if isinstance(parent, tuple) and len(parent) == 2 and isinstance(parent[0], str):
         return StepRef(parent[0], parent[1])
     raise InvalidReferenceError(f"parent must be a reference string, a StepRef or (branch, step), got {parent!r}")

@@ -40,9 +40,9 @@ class TensorReader(RunIndex):
         self,
         name: str,
         step: Any = None,
+        *,
         branch: str | None = None,
         index: Index | tuple[Index, ...] | None = None,
-        *,
         verify: bool = False,
     ) -> torch.Tensor:
         """A tensor at a step, in its original dtype.
@@ -51,16 +51,16 @@ class TensorReader(RunIndex):
         chunks that overlap it. ``verify=True`` also checks the sha256 of
         every chunk read (the CRC-32C of each chunk is always checked).
         """
-        rec = self.record(step, branch)
-        e = self.entry(name, rec.step, rec.branch)
-        arr = self.read_array(name, rec.step, rec.branch, index, verify=verify)
+        rec = self.record(step, branch=branch)
+        e = self.entry(name, rec.step, branch=rec.branch)
+        arr = self.read_array(name, rec.step, branch=rec.branch, index=index, verify=verify)
         return from_storage(_tensor(arr), e.dtype)
 
     def state_dict(
         self,
         step: Any = None,
-        branch: str | None = None,
         *,
+        branch: str | None = None,
         allow_pickle: bool = False,
         prefix: str | None = None,
         verify: bool = False,
@@ -70,7 +70,7 @@ class TensorReader(RunIndex):
 
         ``prefix`` (e.g. ``"model"``) returns only that subtree.
         """
-        rec = self.record(step, branch)
+        rec = self.record(step, branch=branch)
         step, branch = rec.step, rec.branch
         tree = rec.objects
         if prefix:
@@ -88,7 +88,7 @@ class TensorReader(RunIndex):
             if n not in rec.by_name:
                 raise CorruptStoreError(f"step {step}: value tree refers to missing tensor {n!r}")
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            loaded = dict(zip(wanted, pool.map(lambda n: self.read(n, step, branch, verify=verify), wanted)))
+            loaded = dict(zip(wanted, pool.map(lambda n: self.read(n, step, branch=branch, verify=verify), wanted)))
 
         def load(name: str, kind: str) -> Any:
             t = loaded[name]
@@ -96,12 +96,12 @@ class TensorReader(RunIndex):
 
         return unflatten(tree, load, allow_pickle=allow_pickle)
 
-    def iter_chunks(self, name: str, step: Any = None,
+    def iter_chunks(self, name: str, step: Any = None, *,
                     branch: str | None = None) -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]:
         """(global region, values) of each chunk of a tensor, edge chunks trimmed:
         streaming access with memory bounded by one chunk."""
-        e = self.entry(name, step, branch)
-        for region, arr in self.iter_chunk_arrays(name, step, branch):
+        e = self.entry(name, step, branch=branch)
+        for region, arr in self.iter_chunk_arrays(name, step, branch=branch):
             yield region, from_storage(_tensor(arr), e.dtype)
 
 
