@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -46,10 +47,12 @@ class S3Server:
         return {**os.environ, **self.env}
 
 
-def _serialized_writes(app: Any) -> Any:
+def _serialized_writes(app: Any, latency_s: float = 0.0) -> Any:
     lock = threading.Lock()
 
     def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
+        if latency_s:
+            time.sleep(latency_s)  # a network round trip (benchmarks): waits, uses no CPU
         if environ.get("REQUEST_METHOD") in ("PUT", "POST", "DELETE"):
             with lock:
                 return list(app(environ, start_response))
@@ -67,8 +70,9 @@ def require() -> None:
 
 
 @contextlib.contextmanager
-def serve(quiet: bool = True) -> Iterator[S3Server]:
-    """Run the server (AWS_* variables set for this process) until the block ends."""
+def serve(quiet: bool = True, latency_s: float = 0.0) -> Iterator[S3Server]:
+    """Run the server (AWS_* variables set for this process) until the block
+    ends; ``latency_s`` delays every request (an emulated network round trip)."""
     import logging
 
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
@@ -78,7 +82,7 @@ def serve(quiet: bool = True) -> Iterator[S3Server]:
     if quiet:
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
     app = DomainDispatcherApplication(create_backend_app)
-    server = make_server("127.0.0.1", 0, _serialized_writes(app), threaded=True)  # port 0: a free one
+    server = make_server("127.0.0.1", 0, _serialized_writes(app, latency_s), threaded=True)  # port 0: a free one
     thread = threading.Thread(target=server.serve_forever, name="moto-s3", daemon=True)
     thread.start()
     endpoint = f"http://127.0.0.1:{server.server_port}"

@@ -26,16 +26,30 @@ if TYPE_CHECKING:
 TENSOR_SORT_KEYS = ("name", "nbytes", "numel", "dtype", "written") + tuple(c for c in STATS_COLUMNS if c != "numel")
 
 
-def step_summary(run: "Run", branch: str, step: int) -> dict[str, Any]:
+_UNREAD: Any = object()
+
+
+def step_summary(run: "Run", branch: str, step: int, raw: Any = _UNREAD) -> dict[str, Any]:
     """Time, tensor count and bytes written/referenced of one committed step
-    (reads only its commit.json)."""
+    (reads only its commit.json, unless given its bytes as ``raw``)."""
     where = L.step_dir(branch, step)
-    raw = run.backend.get(f"{where}/{L.COMMIT_FILE}")
+    if raw is _UNREAD:
+        raw = run.backend.get(f"{where}/{L.COMMIT_FILE}")
     if raw is None:  # raced with a prune
         return {"step": step, "time": None, "n_tensors": None, "bytes_written": None, "bytes_referenced": None}
     c = parse_commit(raw, where)
     return {"step": step, "time": c["time"], "n_tensors": c["n_tensors"],
             "bytes_written": c["bytes_written"], "bytes_referenced": c["bytes_referenced"]}
+
+
+def _summaries(run: "Run", branch: str, steps: list[int]) -> list[dict[str, Any]]:
+    """step_summary of each step; on object stores the commit records are
+    fetched concurrently first (one round trip's latency, not one per step)."""
+    get_many = getattr(run.backend, "get_many", None)
+    if get_many is None or len(steps) < 2:
+        return [step_summary(run, branch, s) for s in steps]
+    raws = get_many([f"{L.step_dir(branch, s)}/{L.COMMIT_FILE}" for s in steps])
+    return [step_summary(run, branch, s, raw) for s, raw in zip(steps, raws)]
 
 
 def list_store(run: "Run", branch: str | None = None) -> list[dict[str, Any]]:
@@ -49,7 +63,7 @@ def list_store(run: "Run", branch: str | None = None) -> list[dict[str, Any]]:
             "name": b,
             "parent": None if info.parent is None else {"branch": info.parent[0], "step": info.parent[1]},
             "created": info.created,
-            "steps": [step_summary(run, b, s) for s in run.steps(b)],
+            "steps": _summaries(run, b, run.steps(b)),
         })
     return out
 

@@ -164,6 +164,15 @@ def committed_steps(backend: Backend, branch: str) -> list[int]:
     """Steps of a branch whose commit marker exists, ascending."""
     prefix = L.steps_prefix(branch).rstrip("/")
     out = []
+    if not backend.directories:
+        # Object stores: one flat listing (a request per 1,000 keys) instead
+        # of one existence check per step.
+        suffix = "/" + L.COMMIT_FILE
+        for key in backend.list_prefix(prefix):
+            d = key[len(prefix) + 1:-len(suffix)] if key.startswith(prefix + "/") and key.endswith(suffix) else ""
+            if d.isdigit() and len(d) == L.STEP_DIGITS:
+                out.append(int(d))
+        return sorted(out)
     for d in backend.list_dir(prefix):
         if d.isdigit() and len(d) == L.STEP_DIGITS and backend.exists(f"{prefix}/{d}/{L.COMMIT_FILE}"):
             out.append(int(d))

@@ -97,6 +97,8 @@ class FsspecBackend(Backend):
         #: Conditional create is one request the store itself arbitrates
         #: (memory://: under a process-wide lock). Verified at lock time.
         self.atomic_create = True
+        self._prefetched: dict[str, bytes] = {}
+        self._prefetch_lock = threading.Lock()
 
     # -- helpers
     def _p(self, key: str) -> str:
@@ -108,6 +110,7 @@ class FsspecBackend(Backend):
 
     # -- interface
     def put(self, key: str, data: Data) -> None:
+        self._take_prefetched(key)
         self.fs.pipe_file(self._p(key), join_data(data))
 
     def put_atomic(self, key: str, data: Bytes) -> None:
@@ -135,6 +138,11 @@ class FsspecBackend(Backend):
         """The object's bytes; one longer than ``max_bytes`` (when given) is
         refused with CorruptStoreError after reading at most one byte more."""
         path = self._p(key)
+        early = self._take_prefetched(key)
+        if early is not None:
+            if max_bytes is not None and len(early) > max_bytes:
+                raise CorruptStoreError(f"refusing {key!r}: more than the {max_bytes} bytes it can hold")
+            return early
         try:
             if max_bytes is None:
                 return bytes(self.fs.cat_file(path))
@@ -145,24 +153,53 @@ class FsspecBackend(Backend):
             raise CorruptStoreError(f"refusing {key!r}: more than the {max_bytes} bytes it can hold")
         return data
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """The values of ``keys`` (None where missing), fetched concurrently."""
+    def get_many(self, keys: Sequence[str], *, max_bytes: int | None = None) -> list[bytes | None]:
+        """The values of ``keys`` (None where missing), fetched concurrently
+        (batches of :data:`READ_BATCH` requests); each bounded like :meth:`get`."""
         if not keys:
             return []
-        paths = [self._p(k) for k in keys]
         if not getattr(self.fs, "async_impl", False):
-            return [self.get(k) for k in keys]
-        got = self.fs.cat(paths, on_error="return", batch_size=READ_BATCH)
+            return [self.get(k, max_bytes=max_bytes) for k in keys]
+        paths = [self._p(k) for k in keys]
+        if max_bytes is None:
+            got = self.fs.cat(paths, on_error="return", batch_size=READ_BATCH)
+            values = [got.get(p, FileNotFoundError(p)) for p in paths]
+        else:
+            values = self.fs.cat_ranges(paths, [0] * len(paths), [max_bytes + 1] * len(paths),
+                                        on_error="return", batch_size=READ_BATCH)
         out: list[bytes | None] = []
-        for p in paths:
-            v = got.get(p, FileNotFoundError(p)) if isinstance(got, dict) else got
+        for key, v in zip(keys, values):
             if isinstance(v, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
                 out.append(None)
             elif isinstance(v, BaseException):
                 raise v
+            elif max_bytes is not None and len(v) > max_bytes:
+                raise CorruptStoreError(f"refusing {key!r}: more than the {max_bytes} bytes it can hold")
             else:
                 out.append(bytes(v))
         return out
+
+    def prefetch(self, keys: Sequence[str], *, max_total_bytes: int = 256 << 20) -> None:
+        """Fetch ``keys`` concurrently now; each is handed to the next
+        :meth:`get` of that key, once (then forgotten: nothing is served
+        twice, so nothing goes stale). For readers that know what they will
+        read next (verify: a step's chunks). Missing keys are not kept."""
+        keys = [k for k in dict.fromkeys(keys) if k not in self._prefetched]
+        if not keys:
+            return
+        got = self.get_many(keys)
+        with self._prefetch_lock:
+            total = sum(len(v) for v in self._prefetched.values())
+            for k, v in zip(keys, got):
+                if v is not None and total + len(v) <= max_total_bytes:
+                    self._prefetched[k] = v
+                    total += len(v)
+
+    def _take_prefetched(self, key: str) -> bytes | None:
+        if not self._prefetched:
+            return None
+        with self._prefetch_lock:
+            return self._prefetched.pop(key, None)
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
         try:
@@ -206,6 +243,7 @@ class FsspecBackend(Backend):
         return sorted(self._rel(p, self.root) for p in found if p.rstrip("/") != base or not prefix)
 
     def delete(self, key: str) -> None:
+        self._take_prefetched(key)
         try:
             self.fs.rm_file(self._p(key))
         except FileNotFoundError:
