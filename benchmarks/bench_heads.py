@@ -97,13 +97,13 @@ def main() -> None:
     for rep in range(args.reps):
         for k, path in stores.items():
             s = next_step[k]
-            res[k]["save"].append(timed(lambda: dstt.save(path, s, state(s))))
-            res[k]["latest"].append(timed(lambda: dstt.open(path).latest()))
+            res[k]["save"].append(timed(lambda p=path, n=s: dstt.save(p, n, state(n))))
+            res[k]["latest"].append(timed(lambda p=path: dstt.open(p).latest()))
             next_step[k] = s + 1
             if rep < args.listing_reps:  # (slow on the long store: a few suffice)
                 os.unlink(os.path.join(path, head_key("main")))  # as a store written before heads
-                res[k]["latest_listing"].append(timed(lambda: dstt.open(path).latest()))
-                res[k]["save_listing"].append(timed(lambda: dstt.save(path, s + 1, state(s + 1))))
+                res[k]["latest_listing"].append(timed(lambda p=path: dstt.open(p).latest()))
+                res[k]["save_listing"].append(timed(lambda p=path, n=s + 1: dstt.save(p, n, state(n))))
                 next_step[k] = s + 2
     print(machine())
     print(f"{'':16} {'10 steps':>12} {f'{args.steps} steps':>14} {'ratio':>7}")

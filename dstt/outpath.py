@@ -46,7 +46,7 @@ def remove_stale_temps(path: str | os.PathLike[str]) -> list[str]:
     from dstt.store.gc import is_stale_temp, pid_alive
 
     p = Path(path).absolute()
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(p.parent)
     except OSError:

@@ -173,7 +173,7 @@ def entry_chunks(e: Any) -> Iterator[tuple[str, int, tuple[int, ...]]]:
 
 def _step_refs(run: Any, branch: str, step: int) -> set[tuple[str, int, tuple[int, ...]]]:
     """(array, slot, coords) of every chunk a committed step references."""
-    out = set()
+    out: set[tuple[str, int, tuple[int, ...]]] = set()
     for e in run.record(step, branch=branch).entries:
         out.update(entry_chunks(e))
     return out

@@ -95,8 +95,9 @@ def _point(v: Any) -> tuple[int, int] | None:
     if not isinstance(v, dict):
         return None
     step, seq = v.get("step"), v.get("seq")
-    ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (step, seq))
-    if not ok or not 0 <= step <= L.MAX_STEP or not 0 <= seq < L.SLOTS_PER_BRANCH:
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(seq, int) or isinstance(seq, bool):
+        return None
+    if not 0 <= step <= L.MAX_STEP or not 0 <= seq < L.SLOTS_PER_BRANCH:
         return None
     return step, seq
 

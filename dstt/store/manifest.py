@@ -28,10 +28,10 @@ from dstt.store.delta import DELTA_ITEMSIZES
 from dstt.store.dtypes import DtypeInfo, info_for_name
 from dstt.store.layout import (
     DELTA_SUFFIX,
-    READ_VERSIONS,
     MAX_ARRAY_PATH,
     MAX_BRANCHES,
     MAX_SLOTS,
+    READ_VERSIONS,
     SLOTS_PER_BRANCH,
     STATS_COLUMNS,
     TENSORS,

@@ -265,7 +265,8 @@ class LocalBackend(Backend):
             return None
         with f:
             f.seek(start)
-            return f.read(length)
+            data: bytes = f.read(length)
+            return data
 
     def readinto(self, key: str, out: memoryview | list[memoryview]) -> int | None:
         """Read a whole file into ``out`` (one buffer, or several filled in
