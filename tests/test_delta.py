@@ -437,3 +437,17 @@ def test_docs_recipe_refuses_missing_and_corrupt_chunks(tmp_path: Path, forced: 
     (other / a / "c.1.0").write_bytes((other / a / "c.0.0").read_bytes())
     with pytest.raises(AssertionError, match="corrupt"):
         run_recipe(str(other), "main", 1, "t")
+
+
+def test_a_writer_that_only_plans_keeps_bounded_references(tmp_path: Path) -> None:
+    """A trainer's writer whose steps are stored by another process (or never
+    committed) must not keep every plan's reference chain alive."""
+    from dstt.store.writer import MAX_OPEN_PLANS
+
+    with Writer(tmp_path / "run", compression="delta") as w:
+        plans = [w.plan(s, {"t": torch.full((4,), float(s))}) for s in range(MAX_OPEN_PLANS + 10)]
+        assert len(w._open_plans) == MAX_OPEN_PLANS
+        first = next(iter(plans[0].links.values()))
+        assert first.peek() == (True, None)  # settled: nothing behind it stays reachable
+        untracked = w.plan(MAX_OPEN_PLANS + 10, {"t": torch.zeros(4)}, track=False)
+        assert untracked.links == {} and len(w._open_plans) == MAX_OPEN_PLANS

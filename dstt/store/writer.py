@@ -46,6 +46,9 @@ from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.codec import CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
 from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, Link, code_chunk
+
+#: Planned, uncommitted steps a writer tracks references for (see Writer._link).
+MAX_OPEN_PLANS = 64
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.heads import latest_committed, write_head
 from dstt.store.index import resolve_parent
@@ -177,7 +180,7 @@ class Writer:
         self._tails: dict[tuple[str, int], Link] = {}
         # Planned steps not yet committed, by seq: commit() settles the links
         # of earlier ones that never will be (a skipped step).
-        self._open_plans: dict[int, StepPlan] = {}
+        self._open_plans: dict[int, list[Link]] = {}
         self._open_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
         self._closed = False
@@ -299,8 +302,11 @@ class Writer:
                 f"where the branch forked; its own steps start after {fork[1]}"
             )
 
-    def plan(self, step: int, state: Any) -> StepPlan:
-        """Plan ``step``: validate, flatten, lay out chunks, reserve a slot."""
+    def plan(self, step: int, state: Any, *, track: bool = True) -> StepPlan:
+        """Plan ``step``: validate, flatten, lay out chunks, reserve a slot.
+
+        ``track=False``: this writer will not store the plan's chunks (another
+        process adopts it, capture/helper.py), so it keeps no reference chain."""
         self._check_open()
         self.check_step(step)
         self.check_lock()
@@ -313,7 +319,7 @@ class Writer:
             max_chunk_bytes=self.max_chunk_bytes,
             allow_pickle=self.allow_pickle,
         )
-        return self._reserve(plan)
+        return self._reserve(plan, track=track)
 
     def adopt(self, plan: StepPlan) -> StepPlan:
         """Take a plan made by another writer of this branch, now gone (a
@@ -325,18 +331,32 @@ class Writer:
         self.check_lock()
         return self._reserve(plan)
 
-    def _reserve(self, plan: StepPlan) -> StepPlan:
+    def _reserve(self, plan: StepPlan, track: bool = True) -> StepPlan:
         plan.seq = self.next_seq
         plan.slot = L.slot_for(self.branch.id, plan.seq)
         self.next_seq += 1
         self.last_step = plan.step
-        # Chain each chunk to the same chunk of the previous planned step.
+        if track:
+            self._link(plan)
+        return plan
+
+    def _link(self, plan: StepPlan) -> None:
+        """Chain each chunk to the same chunk of the previous planned step."""
         tails = self._tails
         plan.links = {(t.layout.array, t.index): Link(tails.get((t.layout.array, t.index))) for t in plan.tasks}
         self._tails = plan.links
         with self._open_lock:
-            self._open_plans[plan.seq] = plan
-        return plan
+            self._open_plans[plan.seq] = list(plan.links.values())
+            # A safety net for a writer whose plans are stored elsewhere
+            # (helper process) or never committed: the oldest open plan is
+            # settled, so neither memory nor the chain grows without bound.
+            # (A capture pipeline is a few steps deep: never reached there.)
+            old = sorted(self._open_plans)[:-MAX_OPEN_PLANS] if len(self._open_plans) > MAX_OPEN_PLANS else []
+            stale = [self._open_plans.pop(seq) for seq in old]
+        for links in stale:
+            for link in links:
+                if not link.started:
+                    link.pass_through()
 
     def ensure_arrays(self, plan: StepPlan) -> None:
         """Write the zarr.json of arrays first used by this step (owner rank only).
@@ -447,14 +467,10 @@ class Writer:
         whose chunk was never flushed -- a failed or skipped step -- pass
         their predecessor's value on, so no later chunk waits for them."""
         with self._open_lock:
-            if earlier:
-                plans = [p for seq, p in self._open_plans.items() if seq < plan.seq]
-            else:
-                plans = [plan]
-            for p in plans:
-                self._open_plans.pop(p.seq, None)
-        for p in plans:
-            for link in p.links.values():
+            seqs = [seq for seq in self._open_plans if seq < plan.seq] if earlier else [plan.seq]
+            settled = [self._open_plans.pop(seq, []) for seq in seqs]
+        for links in settled:
+            for link in links:
                 if not link.started:
                     link.pass_through()
 
