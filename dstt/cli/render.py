@@ -50,6 +50,42 @@ def _time(t: float | None) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
+def _cell_text(cell: Any) -> str | None:
+    if isinstance(cell, str):
+        return cell
+    if isinstance(cell, Text):
+        return cell.plain
+    return None
+
+
+def _plain_table(table: Table) -> bool:
+    """Write ``table`` to a non-terminal stdout as aligned plain text (its
+    title, a header, a rule and one line per row): what a pipe or a file
+    wants, and ~10x faster than rich's layout of hundreds of rows (issue 11:
+    ``dstt ls STORE:latest`` of 300 tensors). False (nothing written) for
+    tables whose cells are not plain text."""
+    cols = table.columns
+    cells = [[_cell_text(c) for c in col.cells] for col in cols]
+    if any(c is None for col in cells for c in col):
+        return False
+    headers = [_cell_text(col.header) or "" for col in cols]
+    widths = [max([len(h), *(len(c or "") for c in col)]) for h, col in zip(headers, cells)]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if col.justify == "right" else v.ljust(w)
+                         for v, w, col in zip(values, widths, cols)).rstrip()
+
+    out = []
+    if table.title:
+        out.append(_cell_text(table.title) or "")
+    out.append(line(headers))
+    out.append("  ".join("-" * w for w in widths))
+    out.extend(line([col[i] or "" for col in cells]) for i in range(table.row_count))
+    stdout.file.write("\n".join(out) + "\n")
+    stdout.file.flush()
+    return True
+
+
 def emit_table(table: Table) -> None:
     """Print a table on stdout; when stdout is not a terminal (a pipe, a
     file) the table keeps its natural width instead of wrapping at 80.
@@ -59,6 +95,8 @@ def emit_table(table: Table) -> None:
     pass instead of two -- 0.4 s instead of 0.8 s for 300 rows.)"""
     if stdout.is_terminal:
         stdout.print(table)
+        return
+    if _plain_table(table):
         return
     old = stdout.width
     stdout.width = 100_000
