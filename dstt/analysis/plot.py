@@ -100,6 +100,27 @@ def require_matplotlib() -> Any:
     return plt
 
 
+#: SVG text stays text (searchable; escaped by matplotlib's XML writer).
+STYLE = {"svg.fonttype": "none", "axes.titlesize": 10}
+
+
+def safe_text(text: Any) -> str:
+    """Text from a store, shown literally: a '$' would start mathtext (which
+    can fail to parse or draw a formula), so each is escaped; a leading '_'
+    would hide a legend entry.
+
+    >>> safe_text("_w$x$") == " _w" + chr(92) + "$x" + chr(92) + "$"
+    True
+    """
+    s = str(text).replace("$", "\\$")
+    return " " + s if s.startswith("_") else s
+
+
+def style() -> Any:
+    """A context in which figures are created and saved (see :data:`STYLE`)."""
+    return require_matplotlib().rc_context(STYLE)
+
+
 def _finite(v: float) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -136,19 +157,19 @@ def figure(spec: PlotSpec) -> Any:
             color = colors[k % len(colors)] if not spec.panels else branch_colors.setdefault(
                 s.branch, colors[len(branch_colors) % len(colors)])
             ys = [float(y) if _finite(y) and not (spec.log_y and y <= 0) else math.nan for y in s.ys]
-            ax.plot(list(s.xs), ys, label=s.label, color=color, linewidth=1.6, marker="." if len(ys) < 60 else None)
+            ax.plot(list(s.xs), ys, label=safe_text(s.label), color=color, linewidth=1.6, marker="." if len(ys) < 60 else None)
         _draw_markers(ax, spec, members)
         if spec.log_y:
             ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
-        ax.set_ylabel(spec.ylabel)
+        ax.set_ylabel(safe_text(spec.ylabel))
         if name:
-            ax.set_title(name, fontsize=10, loc="left")
+            ax.set_title(safe_text(name), fontsize=10, loc="left")
         if members:
             ax.legend(fontsize=8, loc="best")
     axes[-1, 0].set_xlabel(spec.xlabel)
     if spec.title:
-        fig.suptitle(spec.title, fontsize=11)
+        fig.suptitle(safe_text(spec.title), fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -165,7 +186,7 @@ def _draw_markers(ax: Any, spec: PlotSpec, members: list[Series]) -> None:
         if m.kind == "fork":
             ax.axvline(m.step, color="0.45", linestyle=":", linewidth=1.2, label=label)
             if m.label:
-                ax.annotate(m.label, (m.step, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                ax.annotate(safe_text(m.label), (m.step, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
                             rotation=90, va="top", ha="right", color="0.35")
             for s in on:
                 y = _value_at(s, m.step)
@@ -184,13 +205,14 @@ def _draw_markers(ax: Any, spec: PlotSpec, members: list[Series]) -> None:
 
 def render(spec: PlotSpec, fmt: str) -> bytes:
     """The plot as ``fmt`` (png, svg or pdf) bytes."""
-    fig = figure(spec)
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format=fmt, dpi=110 if fmt == "png" else None,
-                    metadata={"Date": None} if fmt in ("svg", "pdf") else None)
-    finally:
-        require_matplotlib().close(fig)
+    with style():
+        fig = figure(spec)
+        buf = io.BytesIO()
+        try:
+            fig.savefig(buf, format=fmt, dpi=110 if fmt == "png" else None,
+                        metadata={"Date": None} if fmt in ("svg", "pdf") else None)
+        finally:
+            require_matplotlib().close(fig)
     return buf.getvalue()
 
 
@@ -256,4 +278,4 @@ def history_plot(run: Any, series: list[dict[str, Any]], path: str | os.PathLike
 
 
 __all__ = ["FORMATS", "Marker", "PlotSpec", "Series", "events_and_forks", "figure", "history_plot", "line_plot",
-           "plot_format", "render", "require_matplotlib", "save"]
+           "plot_format", "render", "require_matplotlib", "safe_text", "save", "style"]

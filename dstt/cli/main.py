@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "branch": "timetravel",
     "prune": "timetravel",
     "gc": "timetravel",
+    "report": "report",
 }
 
 #: Command modules, each with ``register(app)``, in help order.
