@@ -88,14 +88,14 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from dstt.api import Run, open, save
-    from dstt.capture import Capture, CaptureConfig
-    from dstt.export import export
-    from dstt.refs import Ref, StepRef
-    from dstt.restore import branch, restore
-    from dstt.state import optimizer_state, rng_state, state_of
-    from dstt.store.gc import gc, prune
-    from dstt.store.index import TensorInfo
-    from dstt.store.shards import ShardedTensor
-    from dstt.store.verify import verify
-    from dstt.store.writer import CommitInfo, Writer
+    from dstt.api import Run, open, save  # noqa: F401
+    from dstt.capture import Capture, CaptureConfig  # noqa: F401
+    from dstt.export import export  # noqa: F401
+    from dstt.refs import Ref, StepRef  # noqa: F401
+    from dstt.restore import branch, restore  # noqa: F401
+    from dstt.state import optimizer_state, rng_state, state_of  # noqa: F401
+    from dstt.store.gc import gc, prune  # noqa: F401
+    from dstt.store.index import TensorInfo  # noqa: F401
+    from dstt.store.shards import ShardedTensor  # noqa: F401
+    from dstt.store.verify import verify  # noqa: F401
+    from dstt.store.writer import CommitInfo, Writer  # noqa: F401

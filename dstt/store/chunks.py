@@ -200,7 +200,7 @@ def read_whole_into(backend: Backend, e: TensorEntry, out: memoryview) -> None:
     if (not backend.can_readinto or e.codec.compression != "none" or not e.shape
             or tuple(e.chunk_shape[1:]) != tuple(e.shape[1:]) or e.nchunks == 0):
         arr = read_box(backend, e, (0,) * len(e.shape), e.shape)
-        out[:] = memoryview(np.ascontiguousarray(arr)).cast("B")
+        out[:] = np.ascontiguousarray(arr).data.cast("B")
         return
     cb = e.chunk_grid.chunk_numel * e.dtype.itemsize
     # The last chunk's zero padding and every chunk's 4-byte CRC trailer land here.
@@ -209,7 +209,7 @@ def read_whole_into(backend: Backend, e: TensorEntry, out: memoryview) -> None:
         where = chunk_where(e, i)
         lo, hi = i * cb, min((i + 1) * cb, nbytes)
         pad = cb - (hi - lo)
-        got = backend.readinto(chunk_key_of(e, i), [out[lo:hi], tail[: pad + 4]])  # type: ignore[operator]
+        got = backend.readinto(chunk_key_of(e, i), [out[lo:hi], tail[: pad + 4]])
         if got is None:
             raise CorruptStoreError(f"{where}: chunk is missing")
         if got != cb + 4:

@@ -23,8 +23,10 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from types import EllipsisType
+from typing import Any, Iterator, TypeAlias
 
 import numpy as np
 
@@ -50,7 +52,8 @@ from dstt.store.manifest import (
 )
 from dstt.store.root import BranchInfo, check_root, committed_steps, list_branches, load_branch
 
-Index = int | slice | type(Ellipsis)
+#: One index of a basic selection: an int, a slice or ``...``.
+Index: TypeAlias = "int | slice | EllipsisType"
 
 
 @dataclass
@@ -91,7 +94,7 @@ class StepRecord:
     names: list[str] = field(default_factory=list)
 
 
-def suggest(name: str, choices: Sequence[str]) -> str:
+def suggest(name: str, choices: Iterable[str]) -> str:
     import difflib
 
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
@@ -392,7 +395,9 @@ def normalize_index(index: Any, shape: tuple[int, ...], name: str) -> tuple[tupl
     if len(idx) > len(shape):
         raise InvalidReferenceError(f"{name}: index has {len(idx)} dimensions, tensor has {len(shape)}")
     idx = idx + (slice(None),) * (len(shape) - len(idx))
-    off, box, post = [], [], []
+    off: list[int] = []
+    box: list[int] = []
+    post: list[Any] = []
     for d, (x, n) in enumerate(zip(idx, shape)):
         if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
             i = int(x) + (n if x < 0 else 0)

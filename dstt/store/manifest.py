@@ -17,7 +17,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -200,7 +200,7 @@ def decode_stats(data: bytes, n: int, where: str) -> np.ndarray:
         raise CorruptStoreError(f"{where}: unreadable stats ({e})") from None
     if arr.dtype != np.dtype("<f8") or arr.shape != (n, len(STATS_COLUMNS)):
         raise CorruptStoreError(f"{where}: stats have shape {arr.shape} {arr.dtype}, expected ({n}, {len(STATS_COLUMNS)}) float64")
-    return arr
+    return cast('np.ndarray', arr)  # validated above
 
 
 # ----------------------------------------------------------------------------- validation helpers
@@ -214,12 +214,12 @@ def _need(cond: bool, where: str, what: str) -> None:
 def _int(v: Any, where: str, what: str, lo: int = 0, hi: int | None = None) -> int:
     _need(isinstance(v, int) and not isinstance(v, bool), where, f"{what} must be an integer, got {type(v).__name__}")
     _need(v >= lo and (hi is None or v <= hi), where, f"{what} {v} out of range")
-    return v
+    return cast('int', v)  # validated above
 
 
 def _str(v: Any, where: str, what: str) -> str:
     _need(isinstance(v, str), where, f"{what} must be a string, got {type(v).__name__}")
-    return v
+    return cast('str', v)  # validated above
 
 
 def _shape(v: Any, where: str, what: str, positive: bool = False) -> tuple[int, ...]:
@@ -248,7 +248,7 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
     for k in ("bytes_written", "bytes_referenced", "n_tensors"):
         _int(doc.get(k), where, k)
     _need(isinstance(doc.get("time"), (int, float)), where, "time must be a number")
-    return doc
+    return cast('dict[str, Any]', doc)  # validated above
 
 
 def parse_entry(raw: Any, where: str) -> TensorEntry:
@@ -321,7 +321,7 @@ def parse_index(data: bytes, where: str) -> tuple[list[TensorEntry], Any]:
 def parse_names(data: bytes, where: str) -> list[str]:
     doc = decode_json(data, where)
     _need(isinstance(doc, list) and all(isinstance(x, str) for x in doc), where, "names must be a list of strings")
-    return doc
+    return cast('list[str]', doc)  # validated above
 
 
 SKIP_FORMAT = "dstt-skip"
@@ -346,7 +346,7 @@ def parse_skip(data: bytes, where: str, branch: str | None = None) -> dict[str, 
     _str(doc.get("reason"), where, "reason")
     _need(isinstance(doc.get("time"), (int, float)) and not isinstance(doc.get("time"), bool), where,
           "time must be a number")
-    return doc
+    return cast('dict[str, Any]', doc)  # validated above
 
 
 def parse_branch(data: bytes, where: str) -> dict[str, Any]:
@@ -359,4 +359,4 @@ def parse_branch(data: bytes, where: str) -> dict[str, Any]:
         _need(isinstance(parent, dict), where, "parent must be an object or null")
         _str(parent.get("branch"), where, "parent branch")
         _int(parent.get("step"), where, "parent step")
-    return doc
+    return cast('dict[str, Any]', doc)  # validated above

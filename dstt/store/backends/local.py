@@ -238,7 +238,7 @@ class LocalBackend(Backend):
         fd = self._open_regular(key)
         return None if fd is None else os.fdopen(fd, "rb")
 
-    def get(self, key: str, *, max_bytes: int | None = None) -> bytearray | None:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytearray | None:  # type: ignore[override]
         """The file's bytes; a file longer than ``max_bytes`` (when given) is
         refused with CorruptStoreError before anything is read."""
         # A bytearray (same cost as bytes): arrays over it are writable, so
