@@ -783,3 +783,62 @@ def test_multi_rank_test_jobs_put_no_rank_on_a_gpu_that_may_not_exist() -> None:
                                                  and node.args[0].value == "cpu"):
                 offenders.append(f"{f.name}:{node.lineno} init_device_mesh not on cpu")
     assert not offenders, offenders
+
+
+def test_writers_never_write_into_a_fifo_or_a_device_planted_in_the_store(tmp_path: Path) -> None:
+    """Siblings of defect 4 on the write side: a FIFO where the next step's
+    chunk goes blocked the writer's open; a device node there (or as the lock
+    file, which gets the holder's record) would have been written through."""
+    import stat as st
+
+    from dstt.errors import CaptureError, CorruptStoreError
+    from dstt.store import layout as L
+
+    path = tmp_path / "run"
+    dstt.save(path, 0, state(0))
+    e = dstt.open(path).entry("model/w", 0)
+    nxt = path / e.array / f"c.{L.slot_for(0, 1)}.0"  # where step 1 writes its changed chunk
+    os.mkfifo(nxt)
+    res = _no_hang(lambda: dstt.save(path, 1, state(1)), nxt)
+    assert isinstance(res.get("error"), CaptureError) and "not a regular file" in str(res["error"]) \
+        or "FIFO" in str(res.get("error")), res
+    nxt.unlink()
+    try:
+        os.mknod(nxt, st.S_IFCHR | 0o600, os.stat("/dev/null").st_rdev)
+        lock = path / L.lock_key("main")
+        if lock.exists():
+            lock.unlink()
+        os.mknod(lock, st.S_IFCHR | 0o600, os.stat("/dev/null").st_rdev)
+    except (PermissionError, OSError) as err:
+        pytest.skip(f"cannot make a device node here: {err}")
+    with pytest.raises(CorruptStoreError, match="not a regular file"):
+        dstt.save(path, 1, state(1))  # the lock file first
+    lock.unlink()
+    with pytest.raises(CaptureError, match="not a regular file"):
+        dstt.save(path, 1, state(1))  # then the chunk
+    nxt.unlink()
+    dstt.save(path, 1, state(1))
+    assert dstt.open(path).steps() == [0, 1] and verify(path).ok
+
+
+def test_gc_stops_before_deleting_when_its_locks_were_broken_meanwhile(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    for s in range(3):
+        dstt.save(path, s, state(s))
+    dstt.prune(path, keep_last=1)
+    chunks_before = sorted(p.name for p in path.rglob("c.*"))
+    held: list = []
+
+    def progress(what: str) -> None:
+        if what == "scanning chunks":  # gc read every index; a writer takes the branch by force
+            break_lock(path, "main", force=True)
+            held.append(acquire(path, "main"))
+
+    try:
+        with pytest.raises(StoreLockedError, match="lost the write lock"):
+            dstt.gc(path, progress=progress)
+    finally:
+        for h in held:
+            h.release()
+    assert sorted(p.name for p in path.rglob("c.*")) == chunks_before  # nothing deleted
+    assert dstt.gc(path).chunks_removed > 0

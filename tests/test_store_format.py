@@ -201,7 +201,7 @@ def test_large_tensors_are_chunked_and_sliced_reads_touch_few_chunks(store: Path
     assert bits_equal(run.read("t", 0), t)
     reads = []
     original = run.backend.get
-    run.backend.get = lambda key: (reads.append(key), original(key))[1]  # type: ignore[method-assign]
+    run.backend.get = lambda key, **kw: (reads.append(key), original(key, **kw))[1]  # type: ignore[method-assign]
     assert bits_equal(run.read("t", 0, index=slice(17, 20)), t[17:20])
     assert len([k for k in reads if "/c." in k]) == 1
 
@@ -303,7 +303,7 @@ def test_stats_are_recorded_without_reading_tensors(store: Path) -> None:
     run = dstt.open(store)
     run.backend.get_range = None  # type: ignore[assignment]
     original = run.backend.get
-    run.backend.get = lambda k: (_ for _ in ()).throw(AssertionError(k)) if "/c." in k else original(k)  # type: ignore[method-assign]
+    run.backend.get = lambda k, **kw: (_ for _ in ()).throw(AssertionError(k)) if "/c." in k else original(k, **kw)  # type: ignore[method-assign]
     stats = {i.name: i.stats for i in run.tensors(0)}
     assert stats["t"]["nonfinite"] == 2 and stats["t"]["numel"] == 6
     s = stats["ok"]

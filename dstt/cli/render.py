@@ -65,10 +65,14 @@ def _plain_table(table: Table) -> bool:
     ``dstt ls STORE:latest`` of 300 tensors). False (nothing written) for
     tables whose cells are not plain text."""
     cols = table.columns
+    # Written to the file directly, past the console's escaping: every cell,
+    # header and title goes through printable() (control characters and
+    # newlines escaped) here.
     cells = [[_cell_text(c) for c in col.cells] for col in cols]
     if any(c is None for col in cells for c in col):
         return False
-    headers = [_cell_text(col.header) or "" for col in cols]
+    cells = [[printable(c or "") for c in col] for col in cells]
+    headers = [printable(_cell_text(col.header) or "") for col in cols]
     widths = [max([len(h), *(len(c or "") for c in col)]) for h, col in zip(headers, cells)]
 
     def line(values: list[str]) -> str:
@@ -77,7 +81,7 @@ def _plain_table(table: Table) -> bool:
 
     out = []
     if table.title:
-        out.append(_cell_text(table.title) or "")
+        out.append(printable(_cell_text(table.title) or ""))
     out.append(line(headers))
     out.append("  ".join("-" * w for w in widths))
     out.extend(line([col[i] or "" for col in cells]) for i in range(table.row_count))
@@ -249,8 +253,15 @@ def progress(label: str, *, enabled: bool = True, unit: str = "bytes") -> Iterat
     if not enabled or not stderr.is_terminal:
         yield lambda done, total=None, what=None: None
         return
-    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     counts = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn()]
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), *counts, TimeRemainingColumn(),

@@ -271,6 +271,11 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
         refs = referenced_chunks(backend, branches)
         if progress:
             progress("scanning chunks")
+        # Reading every index takes a while: if a lock was broken meanwhile
+        # (dstt unlock --force), a writer may be adding chunks this gc would
+        # take for garbage. Stop before deleting anything more.
+        for lk in locks:
+            lk.check()
         _collect_chunks(backend, refs, locked_ids, report, dry_run)
         _collect_temp_files(backend, report, dry_run)
         if not dry_run and backend.directories:

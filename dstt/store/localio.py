@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import stat
 import sys
 from typing import Any, Sequence
 
@@ -36,6 +37,33 @@ DIRECT_MIN_BYTES = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: A chunk path that is a symlink is never followed (see LocalBackend).
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: ...and a FIFO there cannot block the open (no reader: ENXIO).
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def open_regular(path: str, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` for writing a store file: never through a final symlink,
+    never blocking on a FIFO, and only onto a regular file -- a FIFO, device
+    or socket planted in a store is refused (CorruptStoreError) before a byte
+    is written (a block device node would otherwise be written through)."""
+    from dstt.errors import CorruptStoreError
+
+    try:
+        fd = os.open(path, flags | _O_NOFOLLOW | _O_NONBLOCK, mode)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise CorruptStoreError(f"refusing to write {path}: a FIFO (dstt stores hold only files)") from None
+        raise
+    st_mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(st_mode):
+        os.close(fd)
+        raise CorruptStoreError(f"refusing to write {path}: not a regular file (mode {stat.filemode(st_mode)}); "
+                                "dstt stores hold only files")
+    if _O_NONBLOCK:  # (no effect on regular files; cleared for clarity)
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_NONBLOCK)
+    return fd
 
 
 def libc_function(name: str, argtypes: list[Any]) -> Any:
@@ -98,7 +126,7 @@ def write_file(path: str, parts: Sequence[Any], direct: DirectState) -> None:
     prefix = direct_prefix(parts) if direct.ok is not False else 0
     if prefix:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW | _O_DIRECT, 0o644)
+            fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -109,7 +137,7 @@ def write_file(path: str, parts: Sequence[Any], direct: DirectState) -> None:
                     return
             finally:
                 os.close(fd)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW, 0o644)
+    fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         for part in parts:
             write_all(fd, part)

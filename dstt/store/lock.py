@@ -53,6 +53,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -60,7 +61,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from dstt.errors import StoreLockedError  # noqa: F401 - re-exported for doctests
+from dstt.errors import CorruptStoreError, StoreLockedError
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.backends.local import not_writable
@@ -165,7 +166,10 @@ class BranchLock:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         while True:
             # O_CLOEXEC: a program exec'ed by the writer must not keep the flock alive.
-            fd = self.backend._open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+            fd = self.backend._open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a device node would get our record written into it
+                os.close(fd)
+                raise CorruptStoreError(f"refusing the lock file {path}: not a regular file (dstt stores hold only files)")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
