@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dstt.refs import StepRef
+from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY
 from dstt.store.reader import TensorReader
 from dstt.store.writer import CommitInfo, Writer
 
@@ -54,6 +55,7 @@ def save(
     compression: str = "none",
     parent: StepRef | tuple[str, int] | str | None = None,
     storage_options: dict[str, Any] | None = None,
+    keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
 ) -> CommitInfo:
     """Save ``state`` as ``step`` of ``branch``, durably and atomically.
 
@@ -63,7 +65,11 @@ def save(
     each writes its own shards and rank 0 commits. ``parent`` (for a new
     branch) is a :class:`dstt.StepRef`, a ``(branch, step)`` pair or a
     reference such as ``"main:1200"``. ``storage_options`` go to fsspec for
-    URLs such as ``s3://`` (docs/object-stores.md).
+    URLs such as ``s3://`` (docs/object-stores.md). ``compression``:
+    ``"none"``, ``"zstd"``, ``"shuffle-zstd"`` or ``"delta"`` (each chunk
+    stored as its difference to the same chunk's keyframe when that is
+    smaller; a keyframe at least every ``keyframe_every`` steps:
+    docs/format.md "Delta chunks").
 
     >>> import tempfile, torch, dstt
     >>> path = tempfile.mkdtemp() + "/run"
@@ -72,7 +78,7 @@ def save(
     (1, 0.1)
     """
     with Writer(store, branch=branch, parent=parent, allow_pickle=allow_pickle, compression=compression,
-                storage_options=storage_options) as w:
+                storage_options=storage_options, keyframe_every=keyframe_every) as w:
         return w.write(step, state)
 
 

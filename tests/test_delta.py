@@ -23,8 +23,8 @@ from dstt.errors import ChecksumMismatchError, ConfigError, CorruptStoreError
 from dstt.store import keyframes
 from dstt.store.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta
 from dstt.store.gc import gc, prune
-from dstt.store.verify import verify
 from dstt.store.plan import ChunkTask, StepPlan
+from dstt.store.verify import verify
 from dstt.store.writer import Writer
 from tests.conftest import bits_equal
 

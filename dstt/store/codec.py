@@ -117,7 +117,7 @@ class CodecSpec:
 def crc32c(data: Any, crc: int = 0) -> int:
     """CRC-32C of ``data``, continuing from ``crc`` (the CRC of what precedes it)."""
     # google_crc32c refuses writable memoryviews but takes numpy arrays (no copy).
-    return google_crc32c.extend(crc, np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8))
+    return int(google_crc32c.extend(crc, np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)))
 
 
 def encode_chunk(raw: memoryview, codec: CodecSpec, raw_crc: int | None = None, itemsize: int = 1) -> list[Any]:
@@ -148,7 +148,7 @@ def max_stored_bytes(codec: CodecSpec, nbytes: int) -> int:
     return nbytes + nbytes // 64 + 64 * 1024 + 4
 
 
-def decode_chunk(data: bytes | memoryview, codec: CodecSpec, expected_nbytes: int, where: str) -> memoryview:
+def decode_chunk(data: bytes | bytearray | memoryview, codec: CodecSpec, expected_nbytes: int, where: str) -> memoryview:
     """Verify the trailing CRC-32C and undo compression; raise on any mismatch."""
     view = memoryview(data).cast("B")
     if len(view) < 4:

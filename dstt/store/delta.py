@@ -78,7 +78,8 @@ def zigzag_delta(new: Any, key: Any, itemsize: int) -> np.ndarray:
     sign = s >> (8 * itemsize - 1)  # arithmetic shift: all ones where negative
     np.left_shift(s, 1, out=s)
     np.bitwise_xor(s, sign, out=s)
-    return d
+    out: np.ndarray = d
+    return out
 
 
 def undo_delta(key: Any, z: Any, itemsize: int) -> np.ndarray:
@@ -91,7 +92,8 @@ def undo_delta(key: Any, z: Any, itemsize: int) -> np.ndarray:
     np.negative(low, out=low)  # 0 or all ones (unsigned negation wraps)
     np.bitwise_xor(d, low, out=d)
     np.add(d, k, out=d)
-    return d
+    out: np.ndarray = d
+    return out
 
 
 def blosc_config(itemsize: int) -> dict[str, Any]:
@@ -129,12 +131,12 @@ def blosc_decode(body: Any, nbytes: int, where: str) -> memoryview:
         raise CorruptStoreError(f"{where}: blosc chunk records {cbytes} bytes, has {len(view)}")
     out = np.empty(nbytes, dtype=np.uint8)
     if nbytes == 0:
-        return memoryview(out)
+        return out.data
     try:
         blosc.decompress(view, out)
     except Exception as e:  # numcodecs raises RuntimeError/ValueError variants
         raise CorruptStoreError(f"{where}: cannot decompress chunk: {e}") from None
-    return memoryview(out)
+    return out.data
 
 
 __all__ = ["BLOCK_BYTES", "DELTA_ITEMSIZES", "blosc_config", "blosc_decode", "blosc_encode",

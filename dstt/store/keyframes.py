@@ -161,7 +161,7 @@ def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, 
         key = _keyframe_for(backend, place, prev, slot, len(raw), keyframe_every)
         if key is not None:
             z = zigzag_delta(raw, key.key_raw, place.itemsize)
-            parts = encode_chunk(memoryview(z).cast("B"), place.codec, itemsize=place.itemsize)
+            parts = encode_chunk(z.data.cast("B"), place.codec, itemsize=place.itemsize)
             size = _size(parts)
             if size < DELTA_MAX_RATIO * key.key_written:
                 backend.put(L.chunk_key(place.delta_array, slot, place.coords), parts)
@@ -234,7 +234,7 @@ def read_coded(backend: Backend, place: ChunkPlace, slot: int, keyframe: int | N
         key_raw = decode_chunk(kdata, place.codec, nbytes, kwhere)
     data = _get(backend, L.chunk_key(place.delta_array, slot, place.coords), f"{where}: delta", place.codec, nbytes)
     z = decode_chunk(data, place.codec, nbytes, f"{where}: delta")
-    return memoryview(undo_delta(key_raw, z, place.itemsize)).cast("B")
+    return undo_delta(key_raw, z, place.itemsize).data.cast("B")
 
 
 def read_delta(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False) -> memoryview:
@@ -257,7 +257,7 @@ def read_delta(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False
     return raw
 
 
-def _get(backend: Backend, key: str, where: str, codec: CodecSpec, nbytes: int) -> bytes:
+def _get(backend: Backend, key: str, where: str, codec: CodecSpec, nbytes: int) -> bytes | bytearray:
     """A stored chunk's bytes, read no further than its codec allows (untrusted store)."""
     data = backend.get(key, max_bytes=max_stored_bytes(codec, nbytes))
     if data is None:

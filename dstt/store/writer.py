@@ -45,13 +45,10 @@ from dstt.errors import (
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.codec import CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
-from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, Link, code_chunk
-
-#: Planned, uncommitted steps a writer tracks references for (see Writer._link).
-MAX_OPEN_PLANS = 64
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.heads import latest_committed, write_head
 from dstt.store.index import resolve_parent
+from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, Link, code_chunk
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
@@ -73,6 +70,9 @@ from dstt.store.root import (
 from dstt.store.stats import STATS_COLUMNS, Partial, chunk_partial, finalize, merge
 from dstt.store.tree import tree_has_pickle
 
+#: Planned, uncommitted steps a writer tracks references for (see Writer._link).
+MAX_OPEN_PLANS = 64
+
 
 @dataclass
 class ChunkResult:
@@ -87,7 +87,7 @@ class ChunkResult:
     keyframe: int | None = None  # delta coded: the keyframe slot it is the difference to
     #: Set while the chunk waits for the previous step's same chunk to be
     #: stored (its flush came first); ``Writer.commit`` waits for it.
-    pending: Future | None = None
+    pending: Future[ChunkResult] | None = None
 
     def settled(self) -> "ChunkResult":
         """The finished result (waiting for a pending one)."""
@@ -421,14 +421,14 @@ class Writer:
             result = ChunkResult(task.layout.name, task.index, crc, None, plan.slot, 0, len(raw), partial)
             prev = link.prev
             done, value = (True, None) if prev is None else prev.peek()
-            if done:
+            if prev is None or done:
                 return self._store(plan, task, raw, result, link, value)
             # The same chunk of the previous planned step is not stored yet
             # (its flush was queued after this one): finish when it is, on
             # this writer's own thread, from a private copy of the bytes --
             # the staging block goes back to the pool now. commit() waits.
-            owned = memoryview(np.frombuffer(raw, dtype=np.uint8).copy()).cast("B")
-            pending: Future = Future()
+            owned = np.frombuffer(raw, dtype=np.uint8).copy().data
+            pending: Future[ChunkResult] = Future()
             result.pending = pending
 
             def finish(value: ChunkRef | None) -> None:
