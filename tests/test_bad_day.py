@@ -842,3 +842,25 @@ def test_gc_stops_before_deleting_when_its_locks_were_broken_meanwhile(tmp_path:
             h.release()
     assert sorted(p.name for p in path.rglob("c.*")) == chunks_before  # nothing deleted
     assert dstt.gc(path).chunks_removed > 0
+
+
+def test_a_writer_checks_existing_documents_with_bounded_reads(tmp_path: Path) -> None:
+    """The writer compares an existing group/array zarr.json with what it
+    would write; a huge file there used to be read whole first."""
+    import tracemalloc
+
+    path = tmp_path / "run"
+    dstt.save(path, 0, state(0))
+    group = path / "tensors" / "model" / "zarr.json"
+    assert group.exists()
+    with open(group, "r+b") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB of zeros
+    tracemalloc.start()
+    try:
+        dstt.save(path, 1, state(1))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+    assert group.stat().st_size < 4096  # rewritten
+    assert verify(path).ok

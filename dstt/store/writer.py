@@ -381,9 +381,19 @@ class Writer:
 
     def _ensure_doc(self, path: str, doc: bytes) -> None:
         key = f"{path}/zarr.json"
-        if self.backend.get(key) != doc:
+        if self._differs(key, doc):
             self.backend.put(key, doc)
         self._known_arrays.add(path)
+
+    def _differs(self, key: str, doc: bytes) -> bool:
+        """Whether the document at ``key`` is not exactly ``doc`` -- read
+        bounded by ``doc``'s size (a longer file differs, unread)."""
+        try:
+            return self.backend.get(key, max_bytes=len(doc)) != doc
+        except CorruptStoreError as e:
+            if "not a regular file" in str(e):
+                raise  # a FIFO or device there: refused, not written through
+            return True
 
     def _ensure_groups(self, plan: StepPlan) -> None:
         """Rank 0: a group ``zarr.json`` in every directory between
@@ -398,7 +408,7 @@ class Writer:
                 if group in self._known_groups:
                     continue
                 key = f"{group}/zarr.json"
-                if self.backend.get(key) != doc:
+                if self._differs(key, doc):
                     self.backend.put(key, doc)
                 self._known_groups.add(group)
 
