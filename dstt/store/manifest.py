@@ -150,6 +150,26 @@ class TensorEntry:
         }
 
 
+def index_document(version: int, branch: str, step: int, entries: list[TensorEntry], objects: Any) -> bytes:
+    """``index.json`` of a step: what :func:`parse_index` reads back."""
+    return encode_json({"format_version": version, "branch": branch, "step": step,
+                        "tensors": [e.to_json() for e in entries], "objects": objects})
+
+
+def commit_document(*, version: int, branch: str, step: int, seq: int, time: float, world_size: int,
+                    n_tensors: int, bytes_total: int, bytes_written: int, bytes_referenced: int,
+                    has_pickle: bool, files: dict[str, dict[str, Any]]) -> bytes:
+    """``commit.json``, the commit marker of a step: what :func:`parse_commit`
+    reads back. ``files`` maps index.json, names.json and stats.npy to their
+    ``{"sha256", "size"}``."""
+    return encode_json({
+        "format": "dstt-step", "format_version": version, "branch": branch, "step": step, "seq": seq,
+        "time": time, "world_size": world_size, "n_tensors": n_tensors, "bytes_total": bytes_total,
+        "bytes_written": bytes_written, "bytes_referenced": bytes_referenced, "has_pickle": has_pickle,
+        "stats_columns": list(STATS_COLUMNS), "files": files,
+    })
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -52,8 +52,11 @@ from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, L
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
+    TensorEntry,
+    commit_document,
     encode_json,
     encode_stats,
+    index_document,
     parse_commit,
     parse_index,
     sha256_hex,
@@ -67,7 +70,7 @@ from dstt.store.root import (
     load_branch,
     raise_root_version,
 )
-from dstt.store.stats import STATS_COLUMNS, Partial, chunk_partial, finalize, merge
+from dstt.store.stats import Partial, chunk_partial, finalize, merge
 from dstt.store.tree import tree_has_pickle
 
 #: Planned, uncommitted steps a writer tracks references for (see Writer._link).
@@ -546,7 +549,9 @@ class Writer:
             if r.index in slot_map:
                 raise CaptureError(f"chunk {r.index} of {r.name} was written twice")
             slot_map[r.index] = r
-        tensors, names, rows = [], [], []
+        tensors: list[TensorEntry] = []
+        names: list[str] = []
+        rows: list[list[float]] = []
         written = referenced = 0
         for layout in plan.layouts:
             chunks = by_tensor.get(layout.name, {})
@@ -561,30 +566,21 @@ class Writer:
                     _, shape = layout.chunk_box(layout.coords(c.index))
                     referenced += math.prod(shape) * layout.dtype.itemsize
             stats = finalize(merge([Partial.from_list(c.partial) for c in ordered]))
-            tensors.append({
-                "name": layout.name,
-                "kind": layout.kind,
-                "dtype": layout.dtype.logical,
-                "shape": list(layout.shape),
-                "chunk_shape": list(layout.chunk_shape),
-                "codec": layout.codec.codecs_json(layout.dtype.itemsize),
-                "array": layout.array,
-                "slots": [c.slot for c in ordered],
-                "crcs": crcs,
-                "sha256": [None if c.sha256 is None else c.sha256.hex() for c in ordered],
-                "checksum": tensor_checksum(crcs),
-                "written": sum(c.written for c in ordered),
-                **({"delta": {"array": layout.delta_array, "keyframes": [c.keyframe for c in ordered]}}
-                   if layout.delta else {}),
-            })
+            tensors.append(TensorEntry(
+                layout.name, layout.kind, layout.dtype, tuple(layout.shape), tuple(layout.chunk_shape),
+                layout.codec, layout.array, [c.slot for c in ordered], crcs,
+                [None if c.sha256 is None else c.sha256.hex() for c in ordered], tensor_checksum(crcs),
+                sum(c.written for c in ordered),
+                keyframes=[c.keyframe for c in ordered] if layout.delta else None,
+                delta_array=layout.delta_array if layout.delta else None,
+            ))
             names.append(layout.name)
             rows.append(stats)
         where = L.step_dir(self.branch.name, plan.step)
         # Format 2 only where a step uses delta coding: other steps stay
         # readable by format-1 readers.
         version = L.DELTA_FORMAT_VERSION if any(l.delta for l in plan.layouts) else L.FORMAT_VERSION
-        index = encode_json({"format_version": version, "branch": self.branch.name,
-                             "step": plan.step, "tensors": tensors, "objects": plan.tree})
+        index = index_document(version, self.branch.name, plan.step, tensors, plan.tree)
         names_b = encode_json(names)
         stats_b = encode_stats(rows)
         files = {}
@@ -596,27 +592,15 @@ class Writer:
         # last_commit, recorded as its predecessor (dstt.store.heads).
         write_head(self.backend, self.branch.name, plan.step, plan.seq, self.last_commit)
         self.backend.sync()
-        commit = {
-            "format": "dstt-step",
-            "format_version": version,
-            "branch": self.branch.name,
-            "step": plan.step,
-            "seq": plan.seq,
-            "time": time.time(),
-            "world_size": self.coord.world,
-            "n_tensors": len(tensors),
-            "bytes_total": sum(l.nbytes for l in plan.layouts),
-            "bytes_written": written,
-            "bytes_referenced": referenced,
-            "has_pickle": tree_has_pickle(plan.tree),
-            "stats_columns": list(STATS_COLUMNS),
-            "files": files,
-        }
+        commit = commit_document(
+            version=version, branch=self.branch.name, step=plan.step, seq=plan.seq, time=time.time(),
+            world_size=self.coord.world, n_tensors=len(tensors), bytes_total=sum(l.nbytes for l in plan.layouts),
+            bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files)
         # The lock may have been broken while this step was written (dstt
         # unlock --force, a lease lost while paused): then another writer may
         # own the branch and this step must not become visible.
         self.check_lock()
-        self.backend.put_atomic(f"{where}/{L.COMMIT_FILE}", encode_json(commit))
+        self.backend.put_atomic(f"{where}/{L.COMMIT_FILE}", commit)
         return CommitInfo(self.branch.name, plan.step, plan.seq, len(tensors), written, referenced)
 
     # ------------------------------------------------------------------ sync API
