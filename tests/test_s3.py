@@ -101,6 +101,24 @@ def test_racing_writers_never_both_get_the_branch_lock(s3: S3Server) -> None:
         locks[won[0]].release()
 
 
+def test_expired_lease_is_taken_over_by_exactly_one_writer(s3: S3Server) -> None:
+    """A dead writer's expired lease, four writers taking it over at once:
+    one wins (the takeover replaces the lease only if unchanged, If-Match);
+    "delete, then create" let a slower writer delete the winner's new lease."""
+    from dstt.store import layout as L
+    from dstt.store.lock import BranchLock
+
+    b = _backend(s3.url())
+    for rnd in range(10):
+        name = f"e{rnd}"
+        dead = {"branch": name, "pid": 1, "host": "gone", "since": 0.0, "expires": 1.0, "token": "dead"}
+        b.put(L.lock_key(name), json.dumps(dead).encode())
+        locks = [BranchLock(b, name) for _ in range(4)]
+        won = _race(4, lambda i: locks[i].try_acquire())
+        assert len(won) == 1, f"round {rnd}: {len(won)} writers took over the lease"
+        locks[won[0]].release()
+
+
 def test_concurrent_branches_get_distinct_ids(s3: S3Server) -> None:
     url = s3.url()
     dstt.save(url, 0, {"w": torch.zeros(3)})

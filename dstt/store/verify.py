@@ -268,19 +268,20 @@ def _prefetched_groups(v: _Verifier, entries: list[TensorEntry]) -> Iterator[lis
     (object stores: ``prefetch``), each group's unchecked chunks are fetched
     concurrently before it is checked, instead of one request at a time."""
     prefetch = getattr(v.b, "prefetch", None)
-    group: list[TensorEntry] = []
+    groups: list[list[TensorEntry]] = [[]]
     size = 0
-    for e in entries + [None]:  # type: ignore[list-item]
-        if e is not None:
-            group.append(e)
-            size += e.nbytes
-        if group and (e is None or size >= PREFETCH_BYTES):
-            if prefetch is not None:
-                prefetch([L.chunk_key(x.array, x.slots[i], x.coords(i)) for x in group for i in range(x.nchunks)
-                          if x.keyframe(i) is None
-                          and (L.chunk_key(x.array, x.slots[i], x.coords(i)), None, x.crcs[i], x.sha256[i]) not in v.seen])
-            yield group
-            group, size = [], 0
+    for e in entries:
+        if size >= PREFETCH_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e.nbytes
+    for group in groups:
+        if prefetch is not None and group:
+            prefetch([key for x in group for i in range(x.nchunks) if x.keyframe(i) is None
+                      for key in (L.chunk_key(x.array, x.slots[i], x.coords(i)),)
+                      if (key, None, x.crcs[i], x.sha256[i]) not in v.seen])
+        yield group
 
 
 def _prod(xs: tuple[int, ...]) -> int:
