@@ -36,6 +36,7 @@ from dstt.store.layout import (
     STATS_COLUMNS,
     TENSORS,
 )
+from dstt.store.valuetree import MAX_STATE_DEPTH, MAX_TREE_DEPTH, check_tree_depth  # noqa: F401 - re-exported
 
 #: What array paths written by dstt look like (layout.escape_component's
 #: alphabet plus '@' and '/'); anything else in an index is hostile.
@@ -43,40 +44,6 @@ _ARRAY_PATH_RE = re.compile(r"^[A-Za-z0-9._%@/-]{1," + str(MAX_ARRAY_PATH) + r"}
 
 #: Upper bound on any stored tensor (elements); hostile shapes fail early.
 MAX_ELEMENTS = 1 << 48
-
-#: Deepest value tree (JSON nesting of ``objects``) a reader decodes. An
-#: explicit bound, not Python's recursion limit (which differs between
-#: versions: 3.12 decodes trees 3.11 refused). Writers refuse states nested
-#: more than MAX_STATE_DEPTH containers (tree.flatten), at most 3 JSON
-#: levels each ({"$dict": [[key, value]]}) plus a tagged leaf, so every tree
-#: dstt writes fits.
-MAX_TREE_DEPTH = 256
-#: Deepest state (containers inside containers) a writer takes.
-MAX_STATE_DEPTH = 64
-
-
-def check_tree_depth(tree: Any, where: str, limit: int = MAX_TREE_DEPTH) -> None:
-    """CorruptStoreError if ``tree`` nests deeper than ``limit`` (iterative:
-    never recurses, whatever the depth).
-
-    >>> check_tree_depth({"a": [[1]]}, "x", limit=3)
-    >>> check_tree_depth({"a": [[[1]]]}, "x", limit=3)
-    Traceback (most recent call last):
-    dstt.errors.CorruptStoreError: x: value tree nested more than 3 levels deep
-    """
-    stack: list[tuple[Any, int]] = [(tree, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, dict):
-            children: Any = v.values()
-        elif isinstance(v, list):
-            children = v
-        else:
-            continue
-        if depth >= limit:
-            raise CorruptStoreError(f"{where}: value tree nested more than {limit} levels deep")
-        stack.extend((c, depth + 1) for c in children)
-
 
 @dataclass
 class TensorEntry:

@@ -47,8 +47,8 @@ from dstt.errors import (
     PickleNotAllowedError,
     UnsupportedValueError,
 )
-from dstt.store.manifest import MAX_STATE_DEPTH, check_tree_depth
 from dstt.store.shards import ShardedTensor, is_dtensor
+from dstt.store.valuetree import MAX_STATE_DEPTH, check_tree_depth, has_pickle
 
 TensorLike = Any  # torch.Tensor | DTensor | ShardedTensor | np.ndarray
 
@@ -285,10 +285,4 @@ def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool 
 
 
 def tree_has_pickle(tree: Any) -> bool:
-    if isinstance(tree, dict):
-        if "$pickle" in tree and len(tree) == 1:
-            return True
-        return any(tree_has_pickle(v) for v in tree.values())
-    if isinstance(tree, list):
-        return any(tree_has_pickle(v) for v in tree)
-    return False
+    return has_pickle(tree)

@@ -50,6 +50,7 @@ from dstt.store.manifest import (
     tensor_checksum,
 )
 from dstt.store.root import check_root, committed_steps, list_branches, load_branch
+from dstt.store.valuetree import tensor_refs as tree_refs
 
 #: progress(done, total, description) -- called once per tensor checked.
 Progress = Callable[[int, int, str], None]
@@ -288,27 +289,6 @@ def _prod(xs: tuple[int, ...]) -> int:
     out = 1
     for x in xs:
         out *= x
-    return out
-
-
-def tree_refs(tree: Any) -> list[str]:
-    """Tensor names a value tree refers to (``$tensor``/``$ndarray``), without
-    decoding anything else -- pickled values are never touched."""
-    out: list[str] = []
-    stack = [tree]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            if len(v) == 1:
-                (tag, arg), = v.items()
-                if tag in ("$tensor", "$ndarray") and isinstance(arg, str):
-                    out.append(arg)
-                    continue
-                if tag == "$pickle":
-                    continue
-            stack.extend(v.values())
     return out
 
 
