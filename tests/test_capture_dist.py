@@ -60,7 +60,7 @@ def assert_bits(expected: Any, got: Any, where: str) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 2-process run (both modes), shared by the tests below."""
     out = tmp_path_factory.mktemp("dist2")
-    torchrun(2, out, "ok,fail")
+    torchrun(2, out, "ok,fail,delta")
     return out
 
 
@@ -85,6 +85,19 @@ def test_fsdp2_capture_equals_unsharded_state(nproc: int, request: pytest.Fixtur
     # the optimizer state really is there (and sharded over every rank)
     assert expected[3]["optim"]["0.weight"]["exp_avg"].shape == (10, 6)
     assert run.commit_info(3)["world_size"] == nproc
+
+
+def test_fsdp2_capture_with_delta_coding_equals_unsharded_state(two_ranks: Path) -> None:
+    """compression="delta" under FSDP2: each rank codes its own shards
+    against its own keyframes; every step reads back exactly."""
+    out = two_ranks / "delta"
+    expected = torch.load(out / "expected.pt")
+    run = dstt.open(out / "run")
+    assert run.steps() == [0, 1, 2, 3]
+    for step, state in expected.items():
+        assert_bits(state, run.state_dict(step), f"step {step}")
+    keys = [k for e in run.record(3).entries for k in (e.keyframes or [])]
+    assert any(k is not None for k in keys)
 
 
 def test_a_rank_failure_fails_the_step_everywhere(two_ranks: Path) -> None:

@@ -85,7 +85,11 @@ def run_mode(out: Path, mode: str) -> None:
     expected: dict[int, Any] = {}
     extra = {"shared": torch.arange(12.0).reshape(3, 4)}  # replicated: written once, by some rank
     torch.manual_seed(100 + rank)
-    cap = dstt.Capture(store, max_chunk_bytes=64)
+    if mode == "delta":  # every chunk after the first step a delta, however large
+        from dstt.store import keyframes
+
+        keyframes.DELTA_MAX_RATIO = float("inf")
+    cap = dstt.Capture(store, max_chunk_bytes=64, compression="delta" if mode == "delta" else "none")
     errors: list[str] = []
     try:
         cap.snapshot(0, model=model, optimizer=opt, extra=extra)
@@ -99,7 +103,7 @@ def run_mode(out: Path, mode: str) -> None:
             model(torch.randn(5, 6)).square().mean().backward()
             opt.step()
             cap.snapshot(step, model=model, optimizer=opt, extra=extra)
-            if mode == "ok":
+            if mode in ("ok", "delta"):
                 expected[step] = full(dstt.state_of(model=model, optimizer=opt))
         cap.wait()
     except CaptureError as e:
@@ -115,7 +119,7 @@ def run_mode(out: Path, mode: str) -> None:
     assert cap._plan_coord.group is None and cap._commit_coord.group is None
     if errors:
         (out / f"error{rank}.txt").write_text("\n".join(errors))
-    if rank == 0 and mode == "ok":
+    if rank == 0 and mode in ("ok", "delta"):
         torch.save(expected, out / "expected.pt")
 
 
