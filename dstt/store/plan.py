@@ -14,16 +14,15 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
-from itertools import product
 from typing import Any, Callable
 
 import torch
 
 from dstt.errors import ShardingError, UnsupportedValueError
+from dstt.store.chunks import ChunkGrid
 from dstt.store.codec import CodecSpec
-from dstt.store.dtypes import DtypeInfo, info_for_name
-from dstt.store.torch_dtypes import info_for_torch
 from dstt.store.delta import DELTA_ITEMSIZES
+from dstt.store.dtypes import DtypeInfo, info_for_name
 from dstt.store.layout import DELTA_SUFFIX, array_path
 from dstt.store.shards import (
     Region,
@@ -33,6 +32,7 @@ from dstt.store.shards import (
     interior_boundaries,
     is_dtensor,
 )
+from dstt.store.torch_dtypes import info_for_torch
 from dstt.store.tree import flatten
 
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
@@ -93,12 +93,16 @@ class TensorLayout:
         return self.array + DELTA_SUFFIX
 
     @property
+    def chunk_grid(self) -> ChunkGrid:
+        return ChunkGrid(self.shape, self.chunk_shape)
+
+    @property
     def grid(self) -> tuple[int, ...]:
-        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
+        return self.chunk_grid.grid
 
     @property
     def nchunks(self) -> int:
-        return math.prod(self.grid)
+        return self.chunk_grid.nchunks
 
     @property
     def nbytes(self) -> int:
@@ -106,25 +110,16 @@ class TensorLayout:
 
     @property
     def chunk_nbytes(self) -> int:
-        return math.prod(self.chunk_shape) * self.dtype.itemsize
+        return self.chunk_grid.chunk_numel * self.dtype.itemsize
 
     def linear(self, coords: tuple[int, ...]) -> int:
-        idx = 0
-        for c, g in zip(coords, self.grid):
-            idx = idx * g + c
-        return idx
+        return self.chunk_grid.index(coords)
 
     def coords(self, index: int) -> tuple[int, ...]:
-        out = []
-        for g in reversed(self.grid):
-            out.append(index % g)
-            index //= g
-        return tuple(reversed(out))
+        return self.chunk_grid.coords(index)
 
     def chunk_box(self, coords: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        off = tuple(c * k for c, k in zip(coords, self.chunk_shape))
-        shp = tuple(min(k, s - o) for k, s, o in zip(self.chunk_shape, self.shape, off))
-        return off, shp
+        return self.chunk_grid.box(coords)
 
     def owner(self, region: Region, index: int) -> int:
         h = zlib.crc32(self.name.encode()) + index
@@ -298,11 +293,8 @@ def region_tasks(layout: TensorLayout, region: Region, data: torch.Tensor, rank:
     """Chunk tasks of one region that ``rank`` owns; ``data`` is the region's local data."""
     if math.prod(region.shape) == 0:
         return []
-    ranges = [
-        range(o // c, -(-(o + n) // c)) for o, n, c in zip(region.offset, region.shape, layout.chunk_shape)
-    ]
     tasks = []
-    for coords in product(*ranges):
+    for coords in layout.chunk_grid.overlapping(region.offset, region.shape):
         index = layout.linear(coords)
         if layout.owner(region, index) != rank:
             continue
