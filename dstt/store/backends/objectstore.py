@@ -97,6 +97,9 @@ class FsspecBackend(Backend):
         #: Conditional create is one request the store itself arbitrates
         #: (memory://: under a process-wide lock). Verified at lock time.
         self.atomic_create = True
+        # s3fs first HEADs an object read whole, to split big ones into
+        # concurrent ranges (above its 50 MiB block size); one GET is enough.
+        self._cat_kw: dict[str, Any] = {"max_concurrency": 1} if self.protocol in ("s3", "s3a") else {}
         self._prefetched: dict[str, bytes] = {}
         self._prefetch_lock = threading.Lock()
 
@@ -145,7 +148,7 @@ class FsspecBackend(Backend):
             return early
         try:
             if max_bytes is None:
-                return bytes(self.fs.cat_file(path))
+                return bytes(self.fs.cat_file(path, **self._cat_kw))
             data = bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
@@ -161,12 +164,10 @@ class FsspecBackend(Backend):
         if not getattr(self.fs, "async_impl", False):
             return [self.get(k, max_bytes=max_bytes) for k in keys]
         paths = [self._p(k) for k in keys]
-        if max_bytes is None:
-            got = self.fs.cat(paths, on_error="return", batch_size=READ_BATCH)
-            values = [got.get(p, FileNotFoundError(p)) for p in paths]
-        else:
-            values = self.fs.cat_ranges(paths, [0] * len(paths), [max_bytes + 1] * len(paths),
-                                        on_error="return", batch_size=READ_BATCH)
+        # cat_ranges: one GET per key (fs.cat would first HEAD each path).
+        values = self.fs.cat_ranges(paths, [None] * len(paths),
+                                    [None if max_bytes is None else max_bytes + 1] * len(paths),
+                                    on_error="return", batch_size=READ_BATCH, **self._cat_kw)
         out: list[bytes | None] = []
         for key, v in zip(keys, values):
             if isinstance(v, (FileNotFoundError, IsADirectoryError, NotADirectoryError)):
