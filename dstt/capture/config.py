@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from dstt.errors import ConfigError
-from dstt.store.layout import validate_branch
+from dstt.store.layout import StepRef, validate_branch
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES
 
 ON_FULL = ("wait", "skip")
@@ -33,7 +33,7 @@ class CaptureConfig:
 
     every: int = 1
     branch: str = "main"
-    parent: tuple[str, int] | None = None
+    parent: StepRef | tuple[str, int] | str | None = None
     host_buffer_bytes: int | None = None
     on_full: str = "wait"
     compression: str = "none"
@@ -78,10 +78,16 @@ class CaptureConfig:
                     f"({self.max_chunk_bytes}): the staging pool must hold the largest chunk; "
                     "lower max_chunk_bytes or raise host_buffer_bytes"
                 )
-        if self.parent is not None:
+        if isinstance(self.parent, str):  # a reference inside the store, resolved by the writer
+            from dstt.refs import split_in_store
+
+            if split_in_store(self.parent) is None:
+                raise ConfigError(f"parent {self.parent!r} is not a step of this store: use 'BRANCH:STEP', "
+                                  "'@BRANCH[:STEP]', ':STEP', '~N', a StepRef or (branch, step)")
+        elif self.parent is not None:
             if not (isinstance(self.parent, (tuple, list)) and len(self.parent) == 2):
                 raise ConfigError(f"parent must be a (branch, step) pair, got {self.parent!r}")
-            self.parent = (validate_branch(self.parent[0]), int(self.parent[1]))
+            self.parent = StepRef(validate_branch(self.parent[0]), int(self.parent[1]))
 
 
 def make_config(config: CaptureConfig | None, overrides: dict[str, Any]) -> CaptureConfig:
