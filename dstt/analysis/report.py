@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from dstt.store.stats import STATS_COLUMNS
+from dstt.store.layout import STATS_COLUMNS
 
 #: Tensors listed in the latest-step table at most.
 MAX_TABLE_ROWS = 2000
@@ -113,6 +113,9 @@ def collect(run: Any, branch: str | None = None) -> ReportData:
                       elapsed_s=time.perf_counter() - t0)
 
 
+_LAYER_RE = re.compile(r"(?<=[./_])\d+(?=[./_]|$)")
+
+
 def layer_group(name: str) -> str:
     """The same parameter across layers: each run of digits between
     separators becomes ``*`` (``model/layers.3.w`` -> ``model/layers.*.w``).
@@ -120,7 +123,36 @@ def layer_group(name: str) -> str:
     >>> layer_group("model/layers.12.attn.wq.weight")
     'model/layers.*.attn.wq.weight'
     """
-    return re.sub(r"(?<=[./_])\d+(?=[./_]|$)", "*", name)
+    return _LAYER_RE.sub("*", name)
+
+
+#: Points per line at most: more than a figure has pixels across.
+MAX_POINTS = 500
+
+
+def envelope(xs: np.ndarray, ys: np.ndarray, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """At most ~``max_points`` points of a line that keep its shape: the
+    minimum and the maximum of each of ``max_points // 2`` buckets (a spike
+    survives; plain striding could drop it). NaN-only buckets are dropped.
+
+    >>> px, py = envelope(np.arange(10000.0), np.r_[np.zeros(5000), [7.0], np.zeros(4999)], 100)
+    >>> len(px) <= 100, float(py.max())
+    (True, 7.0)
+    """
+    n = len(xs)
+    if n <= max_points:
+        return xs, ys
+    buckets = max(1, max_points // 2)
+    size = -(-n // buckets)
+    pad = buckets * size - n
+    y = np.concatenate([ys, np.full(pad, np.nan)]).reshape(buckets, size)
+    valid = ~np.isnan(y)
+    lo = np.argmin(np.where(valid, y, np.inf), axis=1)
+    hi = np.argmax(np.where(valid, y, -np.inf), axis=1)
+    keep = valid.any(axis=1)
+    base = np.arange(buckets) * size
+    idx = np.unique(np.concatenate([(base + lo)[keep], (base + hi)[keep]]))
+    return xs[idx], ys[idx]
 
 
 def update_sizes(norms: np.ndarray) -> np.ndarray:
@@ -185,8 +217,11 @@ def group_figures(data: ReportData) -> list[tuple[str, str]]:
         if len(members) > MAX_LINES:  # evenly spread over depth
             members = [members[round(k * (len(members) - 1) / (MAX_LINES - 1))] for k in range(MAX_LINES)]
         fig, ax = plt.subplots(figsize=(6.4, 2.8))
+        fig.subplots_adjust(left=0.12, right=0.98, bottom=0.17, top=0.96)  # fixed: tight_layout draws twice
         for i in members:
-            ax.plot(xs, data.norms[i], linewidth=1.2, label=safe_text(data.names[i]))
+            px, py = envelope(xs, data.norms[i])
+            ids = ",".join(_LAYER_RE.findall(data.names[i]))
+            ax.plot(px, py, linewidth=1.2, label=safe_text(ids or data.names[i]))
         for f in forks:
             ax.axvline(f, color="0.5", linestyle=":", linewidth=1)
         if np.nanmin(np.where(data.norms[members] > 0, data.norms[members], np.nan), initial=np.inf) < np.inf:
@@ -196,9 +231,8 @@ def group_figures(data: ReportData) -> list[tuple[str, str]]:
         ax.set_xlabel("step")
         ax.set_ylabel("norm")
         ax.grid(True, alpha=0.3)
-        if len(members) <= 8:
-            ax.legend(fontsize=6, loc="best")
-        fig.tight_layout()
+        ax.legend(fontsize=6, loc="upper right", ncol=4, title="*" if "*" in g else None,
+                  title_fontsize=6)  # not "best": it searches every point
         out.append((g, _svg(fig)))
     return out
 
@@ -220,7 +254,9 @@ def heatmap_figure(data: ReportData) -> str | None:
     finite = shown[np.isfinite(shown) & (shown > 0)]
     lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (1e-6, 1.0)
     lo = max(lo, hi * 1e-8)
-    fig, ax = plt.subplots(figsize=(8.0, 1.2 + 0.14 * len(rows)))
+    height_in = 1.2 + 0.14 * len(rows)
+    fig, ax = plt.subplots(figsize=(8.0, height_in))
+    fig.subplots_adjust(left=0.3, right=0.98, bottom=0.75 / height_in, top=1 - 0.2 / height_in)
     img = np.where(np.isfinite(shown) & (shown > 0), shown, np.nan)
     im = ax.imshow(img, aspect="auto", interpolation="nearest", cmap="viridis",
                    norm=LogNorm(vmin=lo, vmax=hi if hi > lo else lo * 10),
@@ -235,7 +271,6 @@ def heatmap_figure(data: ReportData) -> str | None:
 
     bar = fig.colorbar(im, ax=ax, label="|Δ norm| / norm")
     bar.ax.yaxis.set_minor_formatter(NullFormatter())
-    fig.tight_layout()
     return _svg(fig)
 
 

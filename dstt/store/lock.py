@@ -162,11 +162,11 @@ class BranchLock:
     # ------------------------------------------------------------- local: flock
 
     def _acquire_local(self) -> bool:
-        path = self.backend._path(self.key)
+        path = self.backend._path(self.key)  # type: ignore[attr-defined]  # (flock: LocalBackend)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         while True:
             # O_CLOEXEC: a program exec'ed by the writer must not keep the flock alive.
-            fd = self.backend._open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = self.backend._open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK)  # type: ignore[attr-defined]
             if not stat.S_ISREG(os.fstat(fd).st_mode):  # a device node would get our record written into it
                 os.close(fd)
                 raise CorruptStoreError(f"refusing the lock file {path}: not a regular file (dstt stores hold only files)")

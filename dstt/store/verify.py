@@ -154,10 +154,11 @@ class _Verifier:
             self.problem(branch, step, None, "commit", str(e))
             return None
         files = {f: self.file(branch, step, where, f, commit) for f in (L.INDEX_FILE, L.NAMES_FILE, L.STATS_FILE)}
-        if files[L.INDEX_FILE] is None:
+        index_data = files[L.INDEX_FILE]
+        if index_data is None:
             return None
         try:
-            entries, objects = parse_index(files[L.INDEX_FILE], where)
+            entries, objects = parse_index(index_data, where)
         except DsttError as e:
             self.problem(branch, step, None, "index", str(e))
             return None
@@ -172,15 +173,16 @@ class _Verifier:
 
     def check_side_files(self, branch: str, step: int, where: str, entries: list[TensorEntry],
                          files: dict[str, bytes | None]) -> None:
-        if files[L.NAMES_FILE] is not None:
+        names_data, stats_data = files[L.NAMES_FILE], files[L.STATS_FILE]
+        if names_data is not None:
             try:
-                if parse_names(files[L.NAMES_FILE], where) != [e.name for e in entries]:
+                if parse_names(names_data, where) != [e.name for e in entries]:
                     self.problem(branch, step, None, "names", "names.json does not match index.json")
             except DsttError as e:
                 self.problem(branch, step, None, "names", str(e))
-        if files[L.STATS_FILE] is not None:
+        if stats_data is not None:
             try:
-                decode_stats(files[L.STATS_FILE], len(entries), where)
+                decode_stats(stats_data, len(entries), where)
             except DsttError as e:
                 self.problem(branch, step, None, "stats", str(e))
 

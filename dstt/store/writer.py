@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -126,7 +126,7 @@ def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryvi
         src = src.contiguous()
     if src.dim() == 0:
         src = src.reshape(1)
-    return memoryview(src.numpy()).cast("B")
+    return src.numpy().data.cast("B")
 
 
 class Writer:
@@ -526,7 +526,7 @@ class Writer:
                 outcome = ("error", f"step {plan.step} on branch {self.branch.name!r} not committed: " + "; ".join(failures))
             else:
                 try:
-                    all_results = [r for res, _ in gathered for r in res]
+                    all_results = [r for res, _ in gathered for r in (res or [])]
                     outcome = ("ok", self._write_commit(plan, all_results))
                 except Exception as e:  # reported to every rank below
                     outcome = ("error", f"step {plan.step} on branch {self.branch.name!r} not committed: {_describe(e)}")
@@ -539,7 +539,7 @@ class Writer:
                 raise CaptureError(value) from error
             raise CaptureError(value)
         self.last_commit = (plan.step, plan.seq)
-        return value
+        return cast(CommitInfo, value)
 
 
     def _write_commit(self, plan: StepPlan, results: list[ChunkResult]) -> CommitInfo:
