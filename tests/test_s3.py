@@ -225,11 +225,14 @@ def test_capture_and_cli_on_s3(s3: S3Server, tmp_path: Path) -> None:
 
 def test_cli_subprocess_uses_standard_environment(s3: S3Server) -> None:
     """A new user's `dstt ls s3://...`: endpoint and credentials only from
-    AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."""
+    AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; the read
+    path imports neither torch nor zarr."""
     url = s3.url()
     dstt.save(url, 0, {"w": torch.ones(2)})
-    r = subprocess.run([sys.executable, "-m", "dstt.cli.main", "ls", url, "--json"], capture_output=True,
-                       text=True, env=s3.subprocess_env(), timeout=120)
+    code = (f"import sys\nfrom dstt.cli.main import main\nsys.argv = ['dstt', 'ls', {url!r}, '--json']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules and 'zarr' not in sys.modules, 'the read path imported torch/zarr'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=s3.subprocess_env(), timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["branches"][0]["steps"][0]["step"] == 0
     missing = subprocess.run([sys.executable, "-m", "dstt.cli.main", "ls", f"s3://{s3.new_bucket()}/none"],
