@@ -493,3 +493,29 @@ def test_plain_zarr_lists_every_array(tmp_path: Path) -> None:
     arrays = sorted(path for path, node in root.members(max_depth=None) if isinstance(node, zarr.Array))
     run = dstt.open(tmp_path / "run")
     assert arrays == sorted(e.array for e in run.record(0).entries)
+
+
+@pytest.mark.parametrize("damage", ["array", "length", "slot", "codec", "dtype"])
+def test_hostile_delta_entries_are_refused_with_a_clear_error(tmp_path: Path, forced: None, damage: str) -> None:
+    from dstt.store.manifest import parse_entry
+
+    rng = np.random.default_rng(12)
+    t = random_bits((10,), torch.float32, rng)
+    with Writer(tmp_path / "run", compression="delta") as w:
+        w.write(0, {"t": t})
+        w.write(1, {"t": nudge(t, rng)})
+    index = json.loads((tmp_path / "run" / "meta" / "steps" / "main" / f"{1:020d}" / "index.json").read_text())
+    entry = index["tensors"][0]
+    parse_entry(entry, "index")  # intact: accepted
+    if damage == "array":
+        entry["delta"]["array"] = "tensors/other/@x.delta"
+    elif damage == "length":
+        entry["delta"]["keyframes"] = [None, None]
+    elif damage == "slot":
+        entry["delta"]["keyframes"] = [-1]
+    elif damage == "codec":
+        entry["codec"][1]["configuration"]["clevel"] = 9  # not what dstt writes
+    else:
+        entry["dtype"] = "complex128"  # no delta coding for 16-byte items
+    with pytest.raises(CorruptStoreError):
+        parse_entry(entry, "index")
