@@ -26,7 +26,6 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from common import machine  # noqa: E402
 
 WARMUP = 5

@@ -34,8 +34,8 @@ from dstt.state import PARAM_GROUPS, _param_names, _rank, set_rng_state
 from dstt.store.chunks import read_whole_into
 from dstt.store.index import StepRecord
 from dstt.store.reader import TensorReader
-from dstt.store.torch_dtypes import torch_dtype, torch_storage
 from dstt.store.shards import dtensor_regions, is_dtensor
+from dstt.store.torch_dtypes import torch_dtype, torch_storage
 from dstt.store.tree import unflatten
 
 #: How many problems the error message spells out (all are in ``.problems``).

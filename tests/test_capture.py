@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from conftest import bits_equal
 
 import dstt
 from dstt.capture import CaptureConfig, skipped_steps
@@ -22,8 +23,6 @@ from dstt.capture.engine import Capture
 from dstt.capture.staging import HostPool
 from dstt.errors import CaptureError, ConfigError, StepOrderError
 from dstt.store.backends import LocalBackend
-
-from conftest import bits_equal
 
 
 @contextmanager

@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import bits_equal
 
 import dstt
-
-from conftest import bits_equal
 
 WORKER = Path(__file__).parent / "dist" / "capture_fsdp.py"
 

@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import bits_equal
 
 import dstt
 from dstt.errors import CaptureError
 from dstt.store.lock import lock_holder
 from dstt.store.verify import verify
-
-from conftest import bits_equal
 
 ROOT = Path(__file__).resolve().parent.parent
 

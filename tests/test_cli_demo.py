@@ -10,13 +10,12 @@ import sys
 from pathlib import Path
 
 import torch
+from conftest import bits_equal
 from typer.testing import CliRunner
 
 import dstt
 from dstt.cli.main import app
 from dstt.store.verify import verify
-
-from conftest import bits_equal
 
 runner = CliRunner()
 

@@ -74,7 +74,7 @@ def test_fit_killed_and_resumed_from_dstt_is_bit_exact(tmp_path: Path) -> None:
     for p in resumed.values():
         finish(p)
 
-    for name, (n, k, _flags) in cases.items():
+    for name, (n, _k, _flags) in cases.items():
         a = torch.load(tmp_path / f"{name}-ref.pt", weights_only=True)
         b = torch.load(tmp_path / f"{name}-res.pt", weights_only=True)
         assert same_training_state(a, b), name

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 from dstt.analysis.select import require_matches
 from dstt.errors import ConfigError
 from dstt.store import layout as L
-from dstt.store.manifest import parse_commit
 from dstt.store.layout import STATS_COLUMNS
+from dstt.store.manifest import parse_commit
 
 if TYPE_CHECKING:
     from dstt.store.index import RunIndex as Run

@@ -16,9 +16,9 @@ from dstt.errors import (
     StoreNotFoundError,
 )
 from dstt.store import layout as L
-from dstt.store.layout import StepRef
 from dstt.store.backends import Backend
 from dstt.store.codec import group_metadata
+from dstt.store.layout import StepRef
 from dstt.store.manifest import decode_json, encode_json, parse_branch
 
 

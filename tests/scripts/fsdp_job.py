@@ -16,13 +16,13 @@ import socket
 import sys
 
 import torch
+import torch._dynamo  # noqa: F401 - fully_shard imports it lazily (seconds) in every rank otherwise
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-import dstt  # noqa: F401 - imported before forking the ranks (imports cost seconds here)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-import torch._dynamo  # noqa: F401 - fully_shard imports it lazily (seconds) in every rank otherwise
+
+import dstt  # noqa: F401 - imported before forking the ranks (imports cost seconds here)
 
 
 def build_model() -> torch.nn.Module:
@@ -67,7 +67,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    import dstt
     from dstt.api import Run
 
     model = build_model()
