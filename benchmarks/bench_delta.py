@@ -118,7 +118,7 @@ def capture_runs(args: argparse.Namespace, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for regime, sleep_s in (("cpu trains", 0.0), (f"cpu idle {args.idle_s}s/iter", args.idle_s)):
         row = {}
-        for mode in ("no capture", "none", "delta"):
+        for mode in ("no capture", "none", "delta", "auto"):
             model = build(args.vocab, args.d_model, args.layers)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
             g = torch.Generator().manual_seed(1)
@@ -140,6 +140,8 @@ def capture_runs(args: argparse.Namespace, root: str) -> dict[str, Any]:
             row[mode] = {"loop_s_per_iter": loop_s / args.capture_iters, "with_drain_s_per_iter": total_s / args.capture_iters}
             if cap is not None:
                 row[mode]["stored_mb"] = sum(f.stat().st_size for f in __import__("pathlib").Path(root, "cap").rglob("c.*")) / 1e6
+                run = dstt.open(os.path.join(root, "cap"))
+                row[mode]["fast_steps"] = sum(run.commit_info(s).get("coding") == "fast" for s in run.steps())
         out[regime] = row
     return out
 
@@ -246,14 +248,15 @@ def main() -> None:
 
 
 def report_capture(c: dict[str, Any]) -> str:
-    lines = ["", "| regime | no capture s/iter | Capture none s/iter (with drain) | Capture delta s/iter (with drain) "
-             "| stored MB none / delta |", "|---|---|---|---|---|"]
+    modes = ("none", "delta", "auto")
+    lines = ["", "| regime | no capture s/iter | " + " | ".join(f"Capture {m} s/iter (with drain)" for m in modes)
+             + " | stored MB none / delta / auto | auto: fast steps |", "|---" * (len(modes) + 4) + "|"]
     for regime, row in c.items():
         base = row["no capture"]["loop_s_per_iter"]
         cells = [f"{row[m]['loop_s_per_iter']:.3f} ({row[m]['with_drain_s_per_iter']:.3f}; "
-                 f"{row[m]['with_drain_s_per_iter'] / base:.2f}x)" for m in ("none", "delta")]
-        lines.append(f"| {regime} | {base:.3f} | {cells[0]} | {cells[1]} "
-                     f"| {row['none']['stored_mb']:.0f} / {row['delta']['stored_mb']:.0f} |")
+                 f"{row[m]['with_drain_s_per_iter'] / base:.2f}x)" for m in modes]
+        mb = " / ".join(f"{row[m]['stored_mb']:.0f}" for m in modes)
+        lines.append(f"| {regime} | {base:.3f} | " + " | ".join(cells) + f" | {mb} | {row['auto']['fast_steps']} |")
     return "\n".join(lines)
 
 

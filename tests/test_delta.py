@@ -519,3 +519,37 @@ def test_hostile_delta_entries_are_refused_with_a_clear_error(tmp_path: Path, fo
         entry["dtype"] = "complex128"  # no delta coding for 16-byte items
     with pytest.raises(CorruptStoreError):
         parse_entry(entry, "index")
+
+
+def test_auto_stores_fast_while_the_writer_is_behind(tmp_path: Path, forced: None) -> None:
+    """compression="auto": delta coding, except for steps planned while two
+    earlier ones are still being written -- stored without compression (the
+    same Blosc chain, readable by any reader), and recorded in commit.json."""
+    from dstt.store.writer import AUTO_BEHIND
+
+    g = torch.Generator().manual_seed(13)
+    states = [{"w": torch.randn(64, 32, generator=g) + 0.0}]
+    for _ in range(AUTO_BEHIND + 2):
+        states.append({"w": states[-1]["w"] + 1e-4 * torch.randn(64, 32, generator=g)})
+    path = tmp_path / "run"
+    with Writer(path, compression="auto") as w:
+        w.write(0, states[0])
+        plans = [w.plan(s, states[s]) for s in range(1, AUTO_BEHIND + 2)]  # nothing committed meanwhile
+        assert [p.fast for p in plans] == [False] * AUTO_BEHIND + [True]
+        for p in plans:
+            w.commit(p, [w.flush_chunk(p, t) for t in p.tasks])
+        w.write(AUTO_BEHIND + 2, states[-1])
+    run = dstt.open(path)
+    for s, state in enumerate(states):
+        assert bits_equal(run.read("w", s), state["w"])
+    fast = AUTO_BEHIND + 1
+    assert [run.commit_info(s).get("coding") for s in range(len(states))] == \
+        [None] * fast + ["fast"] + [None]
+    raw = 64 * 32 * 4
+    assert run.tensors(fast)[0].written > raw  # stored whole, uncompressed (Blosc header and CRC)
+    assert run.entry("w", fast).keyframes == [None]
+    assert run.entry("w", fast + 1).keyframes == [run.entry("w", fast).slots[0]]  # the next delta uses it
+    root = zarr.open_group(path, mode="r")  # plain zarr decodes the uncompressed Blosc chunk too
+    e = run.entry("w", fast)
+    assert np.array_equal(root[e.array][e.slots[0]], states[fast]["w"].numpy())
+    assert verify(path).ok

@@ -40,8 +40,10 @@ from dstt.store.layout import CHUNK_SEPARATOR, MAX_SLOTS
 _CRC = struct.Struct("<I")
 
 
-#: What ``compression=`` accepts.
-COMPRESSIONS = ("none", "zstd", "shuffle-zstd", "delta")
+#: What ``compression=`` accepts. ``"auto"``: ``"delta"``, except that a
+#: step planned while earlier ones are still being written (the writer is
+#: behind) is stored without compression in the same Blosc container.
+COMPRESSIONS = ("none", "zstd", "shuffle-zstd", "delta", "auto")
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,11 @@ class CodecSpec:
     @property
     def blosc(self) -> bool:
         """Chunks are Blosc containers (shuffle + zstd-1): ``shuffle-zstd`` and ``delta``."""
-        return self.compression in ("shuffle-zstd", "delta")
+        return self.compression in ("shuffle-zstd", "delta", "auto")
 
     @property
     def delta(self) -> bool:
-        return self.compression == "delta"
+        return self.compression in ("delta", "auto")
 
     @property
     def array_codec(self) -> "CodecSpec":
@@ -120,12 +122,14 @@ def crc32c(data: Any, crc: int = 0) -> int:
     return int(google_crc32c.extend(crc, np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)))
 
 
-def encode_chunk(raw: memoryview, codec: CodecSpec, raw_crc: int | None = None, itemsize: int = 1) -> list[Any]:
+def encode_chunk(raw: memoryview, codec: CodecSpec, raw_crc: int | None = None, itemsize: int = 1,
+                 *, fast: bool = False) -> list[Any]:
     """Encoded chunk as a list of buffers to write back to back (no copy for
     raw). ``raw_crc``, the CRC-32C of ``raw`` if already known, is reused as
-    the trailer of uncompressed chunks; ``itemsize`` is blosc's typesize."""
+    the trailer of uncompressed chunks; ``itemsize`` is blosc's typesize;
+    ``fast``: blosc chunks stored uncompressed (same chain, any reader)."""
     if codec.blosc:
-        body: Any = blosc_encode(raw, itemsize)
+        body: Any = blosc_encode(raw, itemsize, stored=fast)
         crc = crc32c(body)
     elif codec.compression == "zstd":
         from numcodecs import Zstd

@@ -102,14 +102,17 @@ def blosc_config(itemsize: int) -> dict[str, Any]:
             "shuffle": "shuffle" if itemsize > 1 else "noshuffle", "blocksize": BLOCK_BYTES}
 
 
-def blosc_encode(data: Any, itemsize: int) -> bytes:
+def blosc_encode(data: Any, itemsize: int, *, stored: bool = False) -> bytes:
     """Byte-shuffle + zstd-1 of ``data`` in a Blosc container (what zarr's
-    ``blosc`` codec with :func:`blosc_config` writes, byte for byte)."""
+    ``blosc`` codec with :func:`blosc_config` writes, byte for byte).
+    ``stored=True``: the bytes as they are (Blosc level 0, ~memcpy speed) in
+    the same container, which every Blosc reader decodes the same way."""
     from numcodecs import blosc
 
-    shuffle = blosc.SHUFFLE if itemsize > 1 else blosc.NOSHUFFLE
+    shuffle = blosc.SHUFFLE if itemsize > 1 and not stored else blosc.NOSHUFFLE
     buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-    out: bytes = blosc.compress(buf, CNAME.encode(), CLEVEL, shuffle, BLOCK_BYTES, typesize=itemsize)
+    level = 0 if stored else CLEVEL
+    out: bytes = blosc.compress(buf, CNAME.encode(), level, shuffle, BLOCK_BYTES, typesize=itemsize)
     return out
 
 

@@ -150,15 +150,17 @@ class Coded:
 
 
 def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, crc: int,
-               prev: ChunkRef | None, *, dedup: bool, keyframe_every: int) -> Coded:
-    """Store one chunk of the step at ``slot`` (or reference ``prev``); see the module doc."""
+               prev: ChunkRef | None, *, dedup: bool, keyframe_every: int, fast: bool = False) -> Coded:
+    """Store one chunk of the step at ``slot`` (or reference ``prev``); see
+    the module doc. ``fast`` (the writer is behind, ``compression="auto"``):
+    no delta, the chunk stored whole without compression -- a keyframe."""
     if dedup and prev is not None and prev.crc == crc:
         sha = hashlib.sha256(raw).digest()
         same = prev.sha256 == sha if prev.sha256 is not None else _equals_stored(backend, place, prev, raw)
         if same:
             return Coded(replace(prev, sha256=sha), 0, sha)
     if place.delta_array is not None:
-        key = _keyframe_for(backend, place, prev, slot, len(raw), keyframe_every)
+        key = None if fast else _keyframe_for(backend, place, prev, slot, len(raw), keyframe_every)
         if key is not None:
             z = zigzag_delta(raw, key.key_raw, place.itemsize)
             parts = encode_chunk(z.data.cast("B"), place.codec, itemsize=place.itemsize)
@@ -167,7 +169,7 @@ def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, 
                 backend.put(L.chunk_key(place.delta_array, slot, place.coords), parts)
                 ref = ChunkRef(crc, None, slot, key.key_slot, key.key_raw, key.key_written)
                 return Coded(ref, size, None)
-        parts = encode_chunk(raw, place.codec, raw_crc=crc, itemsize=place.itemsize)
+        parts = encode_chunk(raw, place.codec, raw_crc=crc, itemsize=place.itemsize, fast=fast)
         backend.put(L.chunk_key(place.array, slot, place.coords), parts)
         size = _size(parts)
         # A copy: ``raw`` may be a staging block that goes back to the pool.

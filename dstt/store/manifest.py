@@ -125,15 +125,17 @@ def index_document(version: int, branch: str, step: int, entries: list[TensorEnt
 
 def commit_document(*, version: int, branch: str, step: int, seq: int, time: float, world_size: int,
                     n_tensors: int, bytes_total: int, bytes_written: int, bytes_referenced: int,
-                    has_pickle: bool, files: dict[str, dict[str, Any]]) -> bytes:
+                    has_pickle: bool, files: dict[str, dict[str, Any]], coding: str | None = None) -> bytes:
     """``commit.json``, the commit marker of a step: what :func:`parse_commit`
     reads back. ``files`` maps index.json, names.json and stats.npy to their
-    ``{"sha256", "size"}``."""
+    ``{"sha256", "size"}``; ``coding`` (``"fast"``: a ``compression="auto"``
+    step stored without compression because the writer was behind) is
+    recorded only when given."""
     return encode_json({
         "format": "dstt-step", "format_version": version, "branch": branch, "step": step, "seq": seq,
         "time": time, "world_size": world_size, "n_tensors": n_tensors, "bytes_total": bytes_total,
         "bytes_written": bytes_written, "bytes_referenced": bytes_referenced, "has_pickle": has_pickle,
-        "stats_columns": list(STATS_COLUMNS), "files": files,
+        "stats_columns": list(STATS_COLUMNS), "files": files, **({"coding": coding} if coding else {}),
     })
 
 

@@ -162,6 +162,9 @@ class StepPlan:
     #: (array, chunk index) -> this step's keyframes.Link for each chunk this
     #: rank writes, chained to the previous planned step's (set by Writer.plan).
     links: dict[tuple[str, int], Any] = field(default_factory=dict)
+    #: compression="auto" only: planned while the writer was behind, so its
+    #: chunks are stored without compression or deltas (set by Writer.plan).
+    fast: bool = False
 
     @property
     def local_bytes(self) -> int:

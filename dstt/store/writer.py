@@ -75,6 +75,9 @@ from dstt.store.tree import tree_has_pickle
 
 #: Planned, uncommitted steps a writer tracks references for (see Writer._link).
 MAX_OPEN_PLANS = 64
+#: compression="auto": steps still being written when the next is planned
+#: that make it a fast (uncompressed) step. One is normal pipelining.
+AUTO_BEHIND = 2
 
 
 @dataclass
@@ -349,6 +352,10 @@ class Writer:
         plan.links = {(t.layout.array, t.index): Link(tails.get((t.layout.array, t.index))) for t in plan.tasks}
         self._tails = plan.links
         with self._open_lock:
+            # compression="auto": a step planned while AUTO_BEHIND earlier ones
+            # are still being written is stored fast (no compression) instead
+            # of making the trainer wait for the encoder (recorded per step).
+            plan.fast = self.codec.compression == "auto" and len(self._open_plans) >= AUTO_BEHIND
             self._open_plans[plan.seq] = list(plan.links.values())
             # A safety net for a writer whose plans are stored elsewhere
             # (helper process) or never committed: the oldest open plan is
@@ -466,7 +473,7 @@ class Writer:
                            layout.codec, layout.dtype.itemsize, task.coords)
         try:
             coded = code_chunk(self.backend, place, plan.slot, raw, result.crc, prev,
-                               dedup=self.dedup, keyframe_every=self.keyframe_every)
+                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast)
         except BaseException:
             link.pass_through()
             raise
@@ -595,7 +602,8 @@ class Writer:
         commit = commit_document(
             version=version, branch=self.branch.name, step=plan.step, seq=plan.seq, time=time.time(),
             world_size=self.coord.world, n_tensors=len(tensors), bytes_total=sum(l.nbytes for l in plan.layouts),
-            bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files)
+            bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files,
+            coding="fast" if plan.fast else None)
         # The lock may have been broken while this step was written (dstt
         # unlock --force, a lease lost while paused): then another writer may
         # own the branch and this step must not become visible.
