@@ -10,7 +10,8 @@ writer. Run as::
 
 ``write`` resumes after the branch's last committed step and captures
 N_STEPS more (0 = forever). ``staged`` captures 1-4 steps at once, calls
-``wait_staged()``, appends the last of them to ``STORE.staged`` and stops
+``wait_staged()``, appends the last of them and the pid of its capture
+helper (0: none) to ``STORE.staged`` and stops
 itself with SIGSTOP, so a test can SIGKILL it right after ``wait_staged()``. ``zygote`` imports torch once, then forks one
 writer per ``fork`` command on stdin, so a test can SIGKILL many real writer
 processes without paying the torch import each time. Protocol, one line
@@ -102,8 +103,9 @@ def _write_capture(store: str, branch: str, n_steps: int, pause: float, staged: 
             cap.snapshot(step, rng=False, extra=user_state(step))
             if staged and (step - start) % 4 == (os.getpid() % 4):
                 cap.wait_staged()  # from here on the steps up to `step` must survive a SIGKILL
+                helper = cap._helper.pid if getattr(cap, "_helper", None) is not None else 0
                 with open(f"{store}.staged", "a") as f:
-                    f.write(f"{step}\n")
+                    f.write(f"{step} {helper}\n")
                 os.kill(os.getpid(), signal.SIGSTOP)  # the whole process, threads included
             time.sleep(pause)
     finally:

@@ -374,13 +374,13 @@ def test_background_write_failure_surfaces_naming_the_step(tmp_path: Path, exc: 
     model, opt, _ = make()
     train_step(model, opt)
     probe = FaultyBackend(tmp_path / "probe")
-    with dstt.Capture(probe) as cap:
+    with dstt.Capture(probe, helper=False) as cap:
         cap.snapshot(0, model=model, optimizer=opt)
     per_step = probe.chunk_puts  # chunk writes of one full step
     backend = FaultyBackend(tmp_path / "run", fail_chunk_after=2 * per_step + 1, exc=exc)
     refs = {}
     with deadline(60):
-        cap = dstt.Capture(backend, dedup=False)
+        cap = dstt.Capture(backend, dedup=False, helper=False)  # counts chunk writes in this process
         for step in range(2):
             train_step(model, opt)
             cap.snapshot(step, model=model, optimizer=opt)
@@ -477,11 +477,19 @@ def test_background_threads_yield_the_cpu_to_the_trainer(tmp_path: Path) -> None
 # ----------------------------------------------------------------------------- failures while staging
 
 
+def failing_copy(step: int, index: int, lazy: bool) -> None:
+    """A ``before_copy`` hook: step 0's first eager copy raises, or its first
+    lazy one (after the eager blocks were handed to the flush threads)."""
+    if step == 0 and (lazy or index == 0):
+        raise RuntimeError("copy failed")
+
+
 def test_a_staging_failure_returns_its_blocks_to_the_pool(store: Path) -> None:
     """A copy that raises fails its step only: the pool loses nothing, so
     later steps (wrapping the ring many times) and growth never hang."""
     with deadline(60), dstt.Capture(store, host_buffer_bytes=64 << 10, max_chunk_bytes=4 << 10) as cap:
-        cap.snapshot(0, extra={"x": torch.empty(16, device="meta")}, rng=False)  # copy_ out of meta raises
+        cap.before_copy = failing_copy
+        cap.snapshot(0, extra={"x": torch.empty(16)}, rng=False)  # its copy raises
         with pytest.raises(CaptureError, match="step 0"):
             cap.wait()
         assert cap.pool is not None and cap.pool.idle() and cap.pool.in_use == 0
@@ -495,7 +503,8 @@ def test_a_staging_failure_returns_its_blocks_to_the_pool(store: Path) -> None:
     with deadline(60), dstt.Capture(store.parent / "lazy", host_buffer_bytes=64 << 10,
                                     max_chunk_bytes=4 << 10) as cap:
         train_step(model, opt)
-        cap.snapshot(0, model=model, optimizer=opt, extra={"x": torch.empty(4, device="meta")})
+        cap.before_copy = failing_copy
+        cap.snapshot(0, model=model, optimizer=opt)  # a lazy copy raises
         errors = []
         for step in range(1, 30):  # the failure surfaces at some next call; that step is still queued
             train_step(model, opt)

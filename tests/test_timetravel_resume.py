@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,12 @@ def kill_after(store: Path, step: int) -> None:
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
+    # Its capture helper commits the steps already sealed, then frees the branch.
+    from dstt.store.lock import lock_holder
+
+    deadline = time.monotonic() + 60
+    while lock_holder(store, "main") is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def final(path: Path) -> dict:

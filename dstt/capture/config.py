@@ -52,6 +52,10 @@ class CaptureConfig:
     #: trainer and are committed by the next Capture); False: in-process
     #: memory only. None: /dev/shm when it has room, else in-process with a warning.
     shm: bool | None = None
+    #: Write and commit in a helper process that outlives the trainer
+    #: (capture/helper.py); False: in this process's threads. None: the
+    #: helper where it can run (single process, local store, /dev/shm).
+    helper: bool | None = None
     #: Options for fsspec when the store is a URL such as ``s3://``
     #: (endpoint, credentials; docs/object-stores.md).
     storage_options: dict[str, Any] | None = None
@@ -68,6 +72,8 @@ class CaptureConfig:
             raise ConfigError(f"exit_drain_s must be a finite number of seconds >= 0, got {self.exit_drain_s!r}")
         if self.shm not in (None, True, False):
             raise ConfigError(f"shm must be True, False or None (auto), got {self.shm!r}")
+        if self.helper not in (None, True, False):
+            raise ConfigError(f"helper must be True, False or None (auto), got {self.helper!r}")
         if self.on_full not in ON_FULL:
             raise ConfigError(f"on_full must be one of {ON_FULL}, got {self.on_full!r}")
         if self.host_buffer_bytes is not None:
@@ -98,10 +104,10 @@ def make_config(config: CaptureConfig | None, overrides: dict[str, Any]) -> Capt
     5
     >>> make_config(CaptureConfig(every=5), {"branch": "b"}).every
     5
-    >>> make_config(None, {"evry": 5})
+    >>> make_config(None, {"evry": 5})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    dstt.errors.ConfigError: unknown Capture option 'evry'; known: every, branch, parent, host_buffer_bytes, on_full, compression, zstd_level, max_chunk_bytes, flush_threads, allow_pickle, dedup, background_nice, exit_drain_s, shm, storage_options
+    dstt.errors.ConfigError: unknown Capture option 'evry'; known: every, branch, parent, ...
     """
     if config is not None and not isinstance(config, CaptureConfig):
         raise ConfigError(f"config must be a CaptureConfig, got {type(config).__name__}")

@@ -27,7 +27,9 @@ import collections
 import logging
 import os
 import queue
+import socket
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +40,8 @@ import torch
 from dstt.capture import policy
 from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.guard import VersionGuard
+from dstt.capture.helper import HelperHandle
+from dstt.capture.helper import start as start_helper
 from dstt.capture.hooks import StepFence, optimizer_storages, storage_key
 from dstt.capture.lifecycle import LIVE
 from dstt.capture.pipeline import (
@@ -51,14 +55,49 @@ from dstt.capture.pipeline import (
 from dstt.capture.records import write_skip
 from dstt.capture.ring import Ring, recover, seal_record, shm_free_bytes
 from dstt.capture.staging import CudaCopier, HostPool
-from dstt.errors import CaptureError, ConfigError
+from dstt.errors import CaptureError, ConfigError, StoreLockedError
 from dstt.state import state_of
 from dstt.store.coord import new_coordinator
 from dstt.store.layout import validate_step
+from dstt.store.lock import lock_holder
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
 __all__ = ["Capture", "lower_thread_priority"]
+
+#: How long a new Capture waits for a dead trainer's helper to finish
+#: committing its sealed steps (it holds the branch lock until then).
+HELPER_TAIL_S = 60.0
+
+
+def _after_helpers(make: Callable[[], Writer], store: Any, branch: str) -> Writer:
+    """``make()``, waiting (up to HELPER_TAIL_S) while the branch is locked
+    by a writer whose recorded trainer is dead on this host: that is its
+    capture helper finishing, and it frees the branch when done."""
+    deadline = time.monotonic() + HELPER_TAIL_S
+    while True:
+        try:
+            return make()
+        except StoreLockedError:
+            try:
+                info = lock_holder(store, branch)
+            except Exception:  # noqa: BLE001 - the original error says more
+                info = None
+            finishing = (info is not None and info.pid is not None and info.host == socket.gethostname()
+                         and not _pid_alive(info.pid))
+            if not finishing or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 log = logging.getLogger("dstt.capture")
 
@@ -93,23 +132,25 @@ class Capture:
 
     def __init__(self, store: Any, config: CaptureConfig | None = None, **overrides: Any) -> None:
         self.config = make_config(config, overrides)
+        self._store_by_name = isinstance(store, (str, os.PathLike))
         cfg = self.config
         # Two coordinators: planning runs on this thread, commits on the
         # committer thread; sharing one gloo group would interleave them.
         self._plan_coord = new_coordinator()
         self._commit_coord = new_coordinator()
-        self.writer = Writer(
+        self.writer = _after_helpers(lambda: Writer(
             store, branch=cfg.branch, parent=cfg.parent, compression=cfg.compression,
             zstd_level=cfg.zstd_level, max_chunk_bytes=cfg.max_chunk_bytes,
             allow_pickle=cfg.allow_pickle, dedup=cfg.dedup, threads=1,
             coordinator=self._plan_coord, commit_coordinator=self._commit_coord,
             storage_options=cfg.storage_options,
-        )
+        ), store, cfg.branch)
         self.rank = self._plan_coord.rank
         self.pool: HostPool | None = None
         self._pool_in_ring = False
         self.recovered: list[int] = []  # steps sealed by a dead trainer, committed at construction
         self._ring = self._open_ring()  # before any thread: recovery commits on this thread
+        self._helper = self._start_helper()  # forked before this Capture has threads
         self._copier: CudaCopier | None = None
         self._fence = StepFence(self._before_optimizer_step)
         self._flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush",
@@ -130,8 +171,9 @@ class Capture:
         self._closed = False
         self._pid = os.getpid()  # a forked child holds a copy of this object, never the pipeline
         #: Injection point for tests and tools: called on the stager thread as
-        #: ``before_lazy_copy(step, index)`` before each lazy copy.
-        self.before_lazy_copy: Callable[[int, int], Any] | None = None
+        #: ``before_copy(step, index, lazy)`` before each copy into the pool
+        #: (on the stager thread for lazy copies); an exception fails the step.
+        self.before_copy: Callable[[int, int, bool], Any] | None = None
         self._stager = threading.Thread(target=self._stage_loop, name="dstt-stager", daemon=True)
         self._committer = threading.Thread(target=self._commit_loop, name="dstt-committer", daemon=True)
         self._stager.start()
@@ -205,6 +247,11 @@ class Capture:
         job.pool = self.pool
         job.hold = self._pool_in_ring and policy.step_need_bytes(
             [self.pool.block_bytes(task_bytes(t)) for t in job.plan.tasks]) <= self.pool.capacity
+        if self._helper is not None and not job.hold:
+            raise CaptureError(
+                f"step {job.plan.step} does not fit the {self.pool.capacity}-byte staging pool whole, and the "
+                "capture helper takes whole sealed steps only: raise host_buffer_bytes, or use helper=False "
+                "to stage larger steps in parts")
         job.lazy_bytes = sum(self.pool.block_bytes(task_bytes(t)) for t in job.lazy)
         devices = {t.source.device for t in job.plan.tasks if t.source.device.type == "cuda"}
         if devices:
@@ -280,6 +327,8 @@ class Capture:
             self._committer.join()
             self._flush.shutdown(wait=True)
             self._fence.remove()
+            if self._helper is not None:
+                self._helper.close()
             if self.pool is not None and self._pool_in_ring:
                 self.pool.unregister()
             if self._ring is not None:
@@ -347,6 +396,9 @@ class Capture:
         self._closed = True
         self._cond = threading.Condition()
         self._fence = StepFence(lambda: None)  # the parent's hooks stay on the parent's optimizers
+        if self._helper is not None:  # the helper must see end-of-file when the parent dies
+            self._helper.abandon()
+            self._helper = None
 
     def _cuda(self) -> CudaCopier:
         if self._copier is None:
@@ -435,8 +487,8 @@ class Capture:
         guard = job.guard if lazy else None
         try:
             for i, t in enumerate(tasks):
-                if lazy and self.before_lazy_copy is not None:
-                    self.before_lazy_copy(job.plan.step, i)
+                if self.before_copy is not None:
+                    self.before_copy(job.plan.step, i, lazy)
                 nbytes = task_bytes(t)
                 block = pool.try_allocate(nbytes)
                 if block is None:
@@ -457,7 +509,8 @@ class Capture:
                     dst.copy_(t.source)
                     check_guard(job, guard, i)  # completed: a change before now is in the copy
                     job.views.append((t, dst))
-                    job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
+                    if self._helper is None:
+                        job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
                     block = None
             if batch:
                 self._hand_over_cuda(job, batch, lazy, last=True)
@@ -492,7 +545,8 @@ class Capture:
             t, dst = batch[0]
             job.views.append((t, dst))
             ready = None if lazy else done[t.source.device.index]
-            job.futures.append(self._flush.submit(self._flush_one, self.pool, job, t, dst, ready))
+            if self._helper is None:
+                job.futures.append(self._flush.submit(self._flush_one, self.pool, job, t, dst, ready))
             batch.pop(0)
 
     def _release_after_copies(self, batch: list[tuple[ChunkTask, torch.Tensor]]) -> None:
@@ -577,6 +631,30 @@ class Capture:
 
     def _commit(self, job: Job) -> None:
         job.submitted.wait()
+        if self._helper is not None:
+            info = self._commit_by_helper(job)
+        else:
+            info = self._commit_here(job)
+        with self._cond:
+            self._recent.append(info)
+            self.n_committed += 1
+            self.bytes_written += info.bytes_written
+            self.last_commit = info
+
+    def _commit_by_helper(self, job: Job) -> CommitInfo:
+        """Helper mode (single process): the helper writes and commits the
+        sealed step; a step that failed here, or could not be sealed, fails."""
+        assert self._helper is not None
+        if job.error is not None:
+            raise job.error
+        if not job.sealed:
+            raise CaptureError(
+                f"step {job.plan.step} not committed: it was not sealed in the staging ring (a step must fit "
+                "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
+                "to stage larger steps in parts)")
+        return CommitInfo(**self._helper.commit(job.plan.step))
+
+    def _commit_here(self, job: Job) -> CommitInfo:
         error = job.error
         results: list[ChunkResult] = []
         try:
@@ -590,12 +668,7 @@ class Capture:
                 error = error or e
         # Collective: called for every planned step, with its error, so that
         # no step is committed with missing data and no peer waits forever.
-        info = self.writer.commit(job.plan, results, error)
-        with self._cond:
-            self._recent.append(info)
-            self.n_committed += 1
-            self.bytes_written += info.bytes_written
-            self.last_commit = info
+        return self.writer.commit(job.plan, results, error)
 
     # ================================================================ ring (crash survival)
 
@@ -619,6 +692,27 @@ class Capture:
             raise
         self.recovered = recovered
         return ring
+
+    def _start_helper(self) -> HelperHandle | None:
+        """The helper process (helper.py) where it can run: a ring, a single
+        process, a local store (a shared flock), fork available."""
+        lock = getattr(self.writer, "_branch_lock", None)
+        fd = lock.fileno() if lock is not None and hasattr(lock, "fileno") else None
+        able = self._ring is not None and fd is not None and hasattr(os, "fork")
+        # auto: only with an auto-sized pool (it always holds a whole step); an
+        # explicit host_buffer_bytes may be meant to stage steps in parts.
+        # A Backend object given by the caller stays in this process: the helper
+        # would act on a copy of it, invisible to the caller.
+        auto = self.config.helper is None and self.config.host_buffer_bytes is None and self._store_by_name
+        if not (self.config.helper or auto) or not able:
+            if self.config.helper is True:
+                raise ConfigError("helper=True needs a single process, /dev/shm and a local store")
+            return None
+        cfg = self.config
+        options = {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
+                   "max_chunk_bytes": cfg.max_chunk_bytes, "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
+        assert self._ring is not None and fd is not None
+        return start_helper(options, self.writer.backend, self._ring.dir, fd, cfg.background_nice)
 
     def _new_pool(self, capacity: int, pin: bool) -> HostPool:
         """A pool in the ring's /dev/shm file where it fits (policy.shm_decision),

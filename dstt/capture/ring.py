@@ -132,15 +132,33 @@ class Ring:
         _write_atomic(self.dir / f"seal-{record['step']:020d}.json", json.dumps(record, allow_nan=False).encode())
 
     def unseal(self, step: int) -> None:
-        with _suppress():
-            os.unlink(self.dir / f"seal-{step:020d}.json")
+        unseal_file(self.dir, step)
 
     def close(self) -> None:
         """Remove the ring (everything in it is committed or given up)."""
         self._maps.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        with _suppress():
-            self.group.rmdir()  # when no other ring of this store and branch is left
+        remove_ring(self.dir)
+
+
+def unseal_file(ring: Path, step: int) -> None:
+    with _suppress():
+        os.unlink(ring / f"seal-{step:020d}.json")
+
+
+def sealed_steps(ring: Path) -> list[int]:
+    """Steps with a seal record in ``ring``, in order."""
+    out = []
+    for p in ring.glob("seal-*.json"):
+        digits = p.name[5:-5]
+        if digits.isdigit():
+            out.append(int(digits))
+    return sorted(out)
+
+
+def remove_ring(ring: Path) -> None:
+    shutil.rmtree(ring, ignore_errors=True)
+    with _suppress():
+        ring.parent.rmdir()  # when no other ring of this store and branch is left
 
 
 class _suppress:
@@ -197,9 +215,10 @@ def _layout_of(d: dict[str, Any]) -> TensorLayout:
                         [Region(tuple(o), tuple(s), list(h)) for o, s, h in d["regions"]])
 
 
-def plan_of(record: dict[str, Any], pool: torch.Tensor) -> StepPlan:
+def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True) -> StepPlan:
     """Rebuild a sealed step's plan, its tasks' sources viewing ``pool``;
-    CorruptRing if a chunk's bytes no longer match their CRC."""
+    with ``verify``, CorruptRing if a chunk's bytes no longer match their CRC
+    (a ring left by a dead trainer; the live trainer's helper trusts it)."""
     layouts = [_layout_of(d) for d in record["layouts"]]
     tasks = []
     for d in record["tasks"]:
@@ -207,7 +226,7 @@ def plan_of(record: dict[str, Any], pool: torch.Tensor) -> StepPlan:
         if not 0 <= start <= start + nbytes <= pool.numel():
             raise CorruptRing(f"chunk at {start}+{nbytes} outside the pool")
         block = pool[start:start + nbytes]
-        if crc32c(np.frombuffer(block.numpy(), np.uint8)) != d["crc"]:
+        if verify and crc32c(np.frombuffer(block.numpy(), np.uint8)) != d["crc"]:
             raise CorruptRing(f"step {record['step']}: a chunk of {layouts[d['layout']].name} does not match its CRC")
         dtype = getattr(torch, d["dtype"])
         if not isinstance(dtype, torch.dtype):
@@ -243,12 +262,12 @@ def abandoned(identity: dict[str, Any], base: Path | None = None, exclude: Path 
         try:
             if os.lstat(ring).st_uid != os.getuid():
                 continue
-            owner = json.loads(_read_bounded(ring / "owner.json"))
+            owner = json.loads(read_bounded(ring / "owner.json"))
             if not isinstance(owner, dict) or any(owner.get(k) != v for k, v in identity.items()):
                 raise CorruptRing("another store or branch")
             seals = []
             for p in sorted(ring.glob("seal-*.json")):
-                doc = json.loads(_read_bounded(p))
+                doc = json.loads(read_bounded(p))
                 if not isinstance(doc, dict) or doc.get("format") != SEAL_FORMAT:
                     raise CorruptRing(f"{p.name}: not a seal record")
                 seals.append(doc)
@@ -274,7 +293,7 @@ def map_pool(ring: Path, name: str) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def _read_bounded(path: Path) -> bytes:
+def read_bounded(path: Path) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
         import stat

@@ -159,6 +159,20 @@ class BranchLock:
     def held(self) -> bool:
         return self._held
 
+    @classmethod
+    def inherited(cls, backend: Any, branch: str, fd: int) -> "BranchLock":
+        """The local lock held through ``fd``: a descriptor of the holder's
+        own open lock file, inherited across fork (a capture helper shares
+        its trainer's flock, so the branch stays locked until both are gone)."""
+        lock = cls(open_backend(backend), branch)
+        lock._fd, lock._held = fd, True
+        _HELD.add(lock)
+        return lock
+
+    def fileno(self) -> int | None:
+        """The lock file's descriptor (local locks), else None."""
+        return self._fd
+
     # ------------------------------------------------------------- local: flock
 
     def _acquire_local(self) -> bool:

@@ -49,6 +49,7 @@ from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.heads import latest_committed, write_head
 from dstt.store.index import resolve_parent
 from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, Link, code_chunk
+from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
     TensorEntry,
@@ -70,14 +71,10 @@ from dstt.store.root import (
     raise_root_version,
 )
 from dstt.store.stats import Partial, chunk_partial, finalize, merge
-from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.tree import tree_has_pickle
 
 #: Planned, uncommitted steps a writer tracks references for (see Writer._link).
 MAX_OPEN_PLANS = 64
-#: compression="auto": steps still being written when the next is planned
-#: that make it a fast (uncompressed) step. One is normal pipelining.
-AUTO_BEHIND = 2
 
 
 @dataclass
@@ -156,6 +153,7 @@ class Writer:
         threads: int = 2,
         coordinator: Coordinator | None = None,
         commit_coordinator: Coordinator | None = None,
+        lock: Any = None,
         keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
@@ -175,6 +173,9 @@ class Writer:
         # Commits may run on another thread than planning; it needs its own group.
         self.commit_coord = commit_coordinator or self.coord
         self.rank = self.coord.rank
+        # A lock already held for this branch (a capture helper inherits its
+        # trainer's: capture/helper.py); else rank 0 takes it below.
+        self._given_lock = lock
         self._branch_lock: Any = None  # rank 0 holds the branch write lock (lock.py)
         self._storage_options = storage_options
         self.backend: Backend = self._setup(store, branch, parent)
@@ -217,7 +218,7 @@ class Writer:
             try:
                 backend = open_backend(store, create=True, storage_options=self._storage_options)
                 ensure_root(backend)
-                self._branch_lock = acquire_lock(backend, branch)
+                self._branch_lock = self._given_lock or acquire_lock(backend, branch)
                 self._ensure_branch(backend, branch, resolve_parent(backend, parent))
             except DsttError as e:
                 error = e
@@ -352,10 +353,6 @@ class Writer:
         plan.links = {(t.layout.array, t.index): Link(tails.get((t.layout.array, t.index))) for t in plan.tasks}
         self._tails = plan.links
         with self._open_lock:
-            # compression="auto": a step planned while AUTO_BEHIND earlier ones
-            # are still being written is stored fast (no compression) instead
-            # of making the trainer wait for the encoder (recorded per step).
-            plan.fast = self.codec.compression == "auto" and len(self._open_plans) >= AUTO_BEHIND
             self._open_plans[plan.seq] = list(plan.links.values())
             # A safety net for a writer whose plans are stored elsewhere
             # (helper process) or never committed: the oldest open plan is
@@ -473,7 +470,7 @@ class Writer:
                            layout.codec, layout.dtype.itemsize, task.coords)
         try:
             coded = code_chunk(self.backend, place, plan.slot, raw, result.crc, prev,
-                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast)
+                               dedup=self.dedup, keyframe_every=self.keyframe_every)
         except BaseException:
             link.pass_through()
             raise
@@ -602,8 +599,7 @@ class Writer:
         commit = commit_document(
             version=version, branch=self.branch.name, step=plan.step, seq=plan.seq, time=time.time(),
             world_size=self.coord.world, n_tensors=len(tensors), bytes_total=sum(l.nbytes for l in plan.layouts),
-            bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files,
-            coding="fast" if plan.fast else None)
+            bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files)
         # The lock may have been broken while this step was written (dstt
         # unlock --force, a lease lost while paused): then another writer may
         # own the branch and this step must not become visible.
