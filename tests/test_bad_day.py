@@ -268,6 +268,18 @@ def test_out_of_range_steps_are_refused_up_front(tmp_path: Path, bad: object) ->
     assert dstt.open(path).steps() == [0] and dstt.open(path).branches() == ["main"]
 
 
+def test_retention_counts_are_integers_not_bools(tmp_path: Path) -> None:
+    from dstt.errors import ConfigError
+
+    path = tmp_path / "run"
+    for s in range(3):
+        dstt.save(path, s, state(s))
+    for kw in ({"keep_every": True}, {"keep_last": True}, {"keep_last": 1.0}):
+        with pytest.raises(ConfigError, match="positive integer"):
+            dstt.prune(path, **kw)
+    assert dstt.open(path).steps() == [0, 1, 2]
+
+
 def test_step_references_beyond_twenty_digits_are_reference_errors(tmp_path: Path) -> None:
     from dstt.errors import InvalidReferenceError
     from dstt.refs import Ref

@@ -128,7 +128,7 @@ def prune(
     [0, 3, 4, 5]
     """
     for opt, v in (("keep_last", keep_last), ("keep_every", keep_every)):
-        if v is not None and (not isinstance(v, int) or v < 1):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ConfigError(f"{opt} must be a positive integer, got {v!r}")
     if keep_last is None and keep_every is None:
         raise ConfigError("say what to keep: --keep-last N and/or --keep-every K")

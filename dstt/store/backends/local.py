@@ -118,6 +118,20 @@ class LocalBackend(Backend):
     def _check_inside(self, directory: str, key: str) -> None:
         if directory in self._inside:
             return
+        parent = os.path.dirname(directory)
+        if parent == self.url or parent in self._inside:
+            # One lstat instead of realpath's one per path component (a
+            # listing of 1,000 steps checks 1,000 new step directories): a
+            # real directory (or none yet) inside a directory known to be
+            # inside is inside. A symbolic link takes the full check below.
+            try:
+                is_link = stat.S_ISLNK(os.lstat(directory).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                is_link = False
+            if not is_link:
+                with self._lock:
+                    self._inside.add(directory)
+                return
         real = os.path.realpath(directory)
         if real != self._real_root and not real.startswith(self._real_root + os.sep):
             raise CorruptStoreError(
