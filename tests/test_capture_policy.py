@@ -72,3 +72,22 @@ def test_version_guard_names_the_tensor() -> None:
     msg = g.scan()
     assert msg is not None and "model/b" in msg and "wait_staged()" in msg
     assert g.copied(1) == msg
+
+
+def test_gpu_benchmark_parses_and_skips_cleanly_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_capture_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_capture_gpu", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--check", "--size-gb", "0.1"]) == 0
+    with pytest.raises(SystemExit):
+        bench.main(["--iters", "1"])  # a usage error, not a crash
+    if not torch.cuda.is_available():
+        assert bench.main(["--size-gb", "0.1"]) == 0
+        assert "no CUDA GPU" in capsys.readouterr().out

@@ -430,7 +430,7 @@ class Capture:
         pool = self.pool
         if pool is not None:
             grow = policy.should_grow(need_bytes=need, capacity_bytes=pool.capacity, limit_bytes=limit)
-            if not grow and not (pin and not pool.pinned):
+            if not grow and not (pin and not pool.wants_pin):
                 return
             job = self._last
             if job is not None:

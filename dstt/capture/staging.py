@@ -78,6 +78,7 @@ class HostPool:
         #: A ``buffer`` (a /dev/shm mapping, capture/ring.py) is registered
         #: with CUDA in a background thread; until then it is pageable.
         self.pinned = pin and buffer is None
+        self.wants_pin = pin  # pinned, or being registered in the background
         self.registered = threading.Event()
         if buffer is not None:
             if buffer.numel() < self.capacity or buffer.data_ptr() % PAGE:

@@ -1,0 +1,179 @@
+"""Issue 12: capture of a GPU-resident state, one command.
+
+    python benchmarks/bench_capture_gpu.py [--size-gb 2.4] [--iters 10] [--dir /tmp/dstt-bench-gpu]
+
+Measured in one run, on one GPU (a model of fp32 matrices + Adam state on
+``cuda``, a stand-in forward/backward of ~``--compute-s`` seconds of matmuls
+on the same device):
+
+* raw pinned copy: ``copy_`` of every state tensor into a pinned host
+  buffer, synchronized (the physical floor of any consistent snapshot);
+* dstt: the first ``snapshot()``'s stall (pool created and registered in
+  the background) and later stalls (``snapshot()`` + the optimizer hook's
+  wait), goals: later <= 0.05x the raw copy, first <= 2x;
+* ``dcp.async_save`` stall and ``torch.save`` (+fsync) time per checkpoint.
+
+Without a GPU it parses its arguments, says so and exits 0 (``--check``
+does only that), so the suite and CI can run it anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-gb", type=float, default=2.4, help="state size (parameters + Adam)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--compute-s", type=float, default=0.2, help="stand-in forward/backward per iteration")
+    ap.add_argument("--dir", default="/tmp/dstt-bench-gpu")
+    ap.add_argument("--check", action="store_true", help="parse arguments and exit")
+    args = ap.parse_args(argv)
+    if args.size_gb <= 0 or args.iters < 2 or args.compute_s < 0:
+        ap.error("--size-gb must be > 0, --iters >= 2, --compute-s >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.check:
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_capture_gpu: no CUDA GPU on this machine; nothing measured")
+        return 0
+    sys.path.insert(0, os.path.dirname(__file__))
+    from common import fresh_dir, fsync_file, machine
+
+    import dstt
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    n_params = 100
+    rows = max(1, int(args.size_gb * 2**30) // 3 // n_params // 4 // 1024)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(rows, 1024, device=dev))
+                                    for _ in range(n_params)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    work = torch.randn(4096, 4096, device=dev)
+    reps = calibrate(work, args.compute_s)
+    state = dstt.state_of(model=model, optimizer=opt, rng=False)
+    tensors = [t for t in _tensors(state)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    print(f"machine: {machine()}, GPU {torch.cuda.get_device_name()}")
+    print(f"state: {len(tensors)} tensors, {nbytes / 2**30:.2f} GiB on {dev}")
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    raw = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        off = 0
+        for x in tensors:
+            n = x.numel() * x.element_size()
+            host[off:off + n].view(x.dtype).view(x.shape).copy_(x, non_blocking=True)
+            off += n
+        torch.cuda.synchronize()
+        raw.append(time.perf_counter() - t)
+    del host
+    raw_s = sorted(raw)[1]
+
+    def step() -> None:
+        x = work
+        for _ in range(reps):
+            x = torch.tanh(x @ work)
+        opt.step()
+
+    stalls: list[float] = []
+    waits: list[float] = []
+    cap = dstt.Capture(fresh_dir(os.path.join(args.dir, "dstt")))
+    for i in range(args.iters):
+        step()
+        t = time.perf_counter()
+        cap.snapshot(i, model=model, optimizer=opt, rng=False)
+        stalls.append(time.perf_counter() - t)
+        if i == 0:
+            real = cap._fence._wait
+            cap._fence._wait = _timed(waits, real)
+    cap.close()
+    per = [s + w for s, w in zip(stalls, [0.0] + waits)]
+    first, later = per[0], sorted(per[1:])[len(per[1:]) // 2]
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp_stalls = []
+    pending: Any = None
+    path = fresh_dir(os.path.join(args.dir, "dcp"))
+    for i in range(args.iters):
+        step()
+        t = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        pending = dcp.async_save(dstt.state_of(model=model, optimizer=opt, rng=False),
+                                 checkpoint_id=os.path.join(path, f"s{i}"), no_dist=True)
+        dcp_stalls.append(time.perf_counter() - t)
+    pending.result()
+    save = []
+    f = os.path.join(fresh_dir(os.path.join(args.dir, "save")), "ckpt.pt")
+    for _ in range(3):
+        step()
+        t = time.perf_counter()
+        torch.save(dstt.state_of(model=model, optimizer=opt, rng=False), f)
+        fsync_file(f)
+        save.append(time.perf_counter() - t)
+    fresh_dir(args.dir)
+
+    dcp_s = sorted(dcp_stalls)[len(dcp_stalls) // 2]
+    print(f"raw pinned copy_ (median of 3)   {raw_s:.4f} s  {nbytes / raw_s / 1e9:.1f} GB/s")
+    print(f"dstt first stall                 {first:.4f} s  {first / raw_s:.2f}x raw (goal <= 2)")
+    print(f"dstt later stall (median)        {later:.4f} s  {later / raw_s:.3f}x raw (goal <= 0.05)")
+    print(f"dcp.async_save stall (median)    {dcp_s:.4f} s  dstt later = {later / max(dcp_s, 1e-9):.3f}x of it")
+    print(f"torch.save + fsync (median of 3) {sorted(save)[1]:.4f} s")
+    return 0
+
+
+def calibrate(work: Any, target_s: float) -> int:
+    import torch
+
+    reps = 1
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        x = work
+        for _ in range(reps):
+            x = torch.tanh(x @ work)
+        torch.cuda.synchronize()
+        took = time.perf_counter() - t
+        if target_s == 0 or abs(took - target_s) <= 0.1 * target_s:
+            break
+        reps = max(1, round(reps * target_s / max(took, 1e-5)))
+    return reps
+
+
+def _tensors(state: Any) -> list[Any]:
+    from dstt.store.tree import flatten
+
+    return list(flatten(state)[1].values())
+
+
+def _timed(out: list[float], fn: Any) -> Any:
+    def wrapper(*a: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a)
+        finally:
+            out.append(time.perf_counter() - t)
+
+    return wrapper
+
+
+if __name__ == "__main__":
+    sys.exit(main())
