@@ -18,9 +18,16 @@ Other backends (object stores, fsspec URLs) get a *lease*: a JSON file with
 holder, time and expiry, created with ``put_if_absent`` and renewed by a
 daemon thread every ``ttl / 3`` seconds. A writer that dies leaves the lease
 until it expires (``ttl``, default 60 s). This is weaker: it relies on
-clocks agreeing within the ttl, on the store's conditional put being atomic
-(true for S3/GCS ``If-None-Match``, not for every fsspec filesystem), and a
-writer paused for longer than the ttl can lose its lease without noticing.
+clocks agreeing within the ttl and on the store's conditional create being
+atomic (S3 ``If-None-Match: *``). The first lease a process takes on a
+store checks that (a backend's ``check_atomic_create``: a second create of
+a probe object must be refused) and refuses a store that ignores it; a
+backend that cannot check and is not ``atomic_create`` gets a warning.
+Renewing a lease and taking over an expired one replace the object only if
+it is unchanged (``put_if_unchanged``: S3 ``If-Match``), so neither can
+overwrite another writer's newer lease. A writer paused for longer than the
+ttl loses its lease; it finds out at its next :meth:`BranchLock.check`.
+See docs/object-stores.md.
 
 A lock whose holder is gone can be removed with :func:`break_lock`
 (``dstt unlock STORE@BRANCH``). A lock whose holder is provably alive -- on a
