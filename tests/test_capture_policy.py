@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from dstt.capture import policy
@@ -91,3 +94,33 @@ def test_gpu_benchmark_parses_and_skips_cleanly_without_a_gpu(capsys: pytest.Cap
     if not torch.cuda.is_available():
         assert bench.main(["--size-gb", "0.1"]) == 0
         assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_ring_sweep_removes_only_rings_nobody_can_commit(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    from dstt.capture.ring import Ring, sweep
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    dead = proc.pid  # exited and reaped
+    store = tmp_path / "store"
+    store.mkdir()
+    base = tmp_path / "shm"
+
+    def ring(name: str, store_path: Path, seals: bool, pid: int) -> Path:
+        r = Ring({"store": str(store_path), "branch": name, "branch_id": 0, "branch_created": 0.0}, base=base)
+        (r.dir / "owner.json").write_text(json.dumps({"store": str(store_path), "pid": pid}))
+        if seals:
+            (r.dir / "seal-00000000000000000003.json").write_text("{}")
+        return r.dir
+
+    empty_dead = ring("a", store, False, dead)
+    sealed_dead = ring("b", store, True, dead)
+    store_gone = ring("c", tmp_path / "gone", True, dead)
+    alive = ring("d", store, False, os.getpid())  # (building a Ring sweeps too)
+    sweep(base)
+    assert not empty_dead.exists() and not store_gone.exists()
+    assert sealed_dead.exists() and alive.exists()  # the next Capture on that branch commits it / its owner lives
+    assert sweep(base) == 0

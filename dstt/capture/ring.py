@@ -99,6 +99,7 @@ class Ring:
         self.identity = dict(identity)
         self.group = group_dir(identity["store"], identity["branch"], base)
         _private_dir(ring_root(base))
+        sweep(base)
         _private_dir(self.group)
         self.dir = self.group / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         _private_dir(self.dir)
@@ -138,6 +139,44 @@ class Ring:
         """Remove the ring (everything in it is committed or given up)."""
         self._maps.clear()
         remove_ring(self.dir)
+
+
+def sweep(base: Path | None = None) -> int:
+    """Remove rings that can never be committed, of any store: their owner
+    is dead and they hold no seal record, or the local store they belong to
+    is gone. (A ring with seals of a live store waits for the next Capture
+    on its branch.) The number removed."""
+    removed = 0
+    try:
+        groups = list(ring_root(base).iterdir())
+    except OSError:
+        return 0
+    for group in groups:
+        for ring in list(group.iterdir()) if group.is_dir() and not group.is_symlink() else []:
+            try:
+                owner = json.loads(read_bounded(ring / "owner.json"))
+                pid, store = int(owner["pid"]), str(owner["store"])
+            except (OSError, ValueError, KeyError, TypeError, CorruptRing):
+                continue  # being created, or not ours to judge
+            if _alive(pid):
+                continue
+            local_gone = store.startswith("/") and not os.path.exists(store)
+            if local_gone or not any(ring.glob("seal-*.json")):
+                remove_ring(ring)
+                removed += 1
+        with _suppress():
+            group.rmdir()  # empty: every ring of that store and branch is gone
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def unseal_file(ring: Path, step: int) -> None:
