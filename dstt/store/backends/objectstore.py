@@ -303,9 +303,13 @@ class FsspecBackend(Backend):
                 try:
                     first = self.put_if_absent(probe, b"probe")
                     second = self.put_if_absent(probe, b"probe")
+                    ok = first and not second
+                except Exception as e:  # noqa: BLE001 - e.g. an fsspec too old for mode="create"
+                    raise StoreLockedError(
+                        f"{self.url}: cannot create an object conditionally on this store "
+                        f"({type(e).__name__}: {str(e)[:200]}); dstt needs fsspec/s3fs >= 2025.3") from None
                 finally:
                     self.delete(probe)
-                ok = first and not second
                 _ATOMIC_CHECKED[token] = ok
         if not ok:
             self.atomic_create = False
