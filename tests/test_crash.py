@@ -193,7 +193,8 @@ def test_sigkill_random_moments_with_delta_coding(zygote: Zygote, tmp_path: Path
     writer's keyframes), gc keeps what kept deltas need."""
     store = tmp_path / "run"
     out = kill_trials(zygote, store, trials=12, seed=8, max_delay=0.5, gc_every=4, mode="delta")
-    assert out["killed"] >= 10 and out["trials_with_progress"] >= 2, out
+    # (progress across trials is the quick trial's subject; here: committed delta steps survive)
+    assert out["killed"] >= 10 and out["steps"] >= 2, out
     run = dstt.open(store)
     assert any(k is not None for s in run.steps() for k in (run.entry("extra/model/smooth", s).keyframes or []))
     finish_and_collect(zygote, store)

@@ -489,8 +489,8 @@ def test_plain_zarr_lists_every_array(tmp_path: Path) -> None:
     hierarchy walk finds every tensor's array."""
     state = {"model": {"layers.0": {"w": torch.ones(2)}, "b": torch.zeros(3)}, "rng": torch.ones(1)}
     dstt.save(tmp_path / "run", 0, state)
-    root = zarr.open_group(tmp_path / "run", mode="r")
-    arrays = sorted(path for path, node in root.members(max_depth=None) if isinstance(node, zarr.Array))
+    tensors = zarr.open_group(tmp_path / "run", mode="r")["tensors"]
+    arrays = sorted(f"tensors/{path}" for path, node in tensors.members(max_depth=None) if isinstance(node, zarr.Array))
     run = dstt.open(tmp_path / "run")
     assert arrays == sorted(e.array for e in run.record(0).entries)
 
