@@ -19,6 +19,9 @@ class ZarrStoreBackend(Backend):
         self.store = store
         self.url = url or repr(store)
         self._proto = default_buffer_prototype()
+        # zarr's MemoryStore creates with dict.setdefault (one atomic step, in
+        # this process); other zarr stores check, then put (lock.py warns).
+        self.atomic_create = type(store).__name__ == "MemoryStore"
 
     def _run(self, coro: Any) -> Any:
         from zarr.core.sync import sync
