@@ -7,9 +7,8 @@
 dstt captures in on_train_batch_end, once per optimizer step (gradient
 accumulation 2 here). The shuffled order is seeded per epoch (a sampler with
 set_epoch, which Lightning calls), so it does not depend on the global RNG
-at an epoch's start; resuming from a step at an epoch's end is then
-bit-exact. Mid-epoch, Lightning resumes exactly only with a resumable
-dataloader (state_dict/load_state_dict): see docs/integrations.md.
+at an epoch's start; resuming from any step, mid-epoch included, continues
+the captured run (see docs/integrations.md).
 """
 
 from __future__ import annotations

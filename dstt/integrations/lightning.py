@@ -24,13 +24,14 @@ Resuming: ``trainer.fit(module, ckpt_path=cb.resume(REF))``. ``resume``
 writes the captured step as a Lightning checkpoint file (temporary, removed
 when fitting ends) and the callback sets the captured RNG states back at
 ``on_fit_start``, before the fit loop builds its data iterator; Lightning restores
-the rest as from its own checkpoints. The data position follows Lightning's
-rules: exact at an epoch boundary, and mid-epoch for dataloaders that are
-resumable (``state_dict``/``load_state_dict``, e.g. torchdata's
-``StatefulDataLoader``); for a plain ``DataLoader`` Lightning restarts the
-epoch's data and says so. A shuffled order must also not depend on the global
-RNG at the epoch's start (use a sampler seeded per epoch, e.g.
-``DistributedSampler`` or ``set_epoch``): see docs/integrations.md.
+the rest as from its own checkpoints. The data position: resuming mid-epoch,
+the callback makes the train dataloaders skip the batches the epoch had
+already consumed (indices only, in the epoch's order; Lightning alone would
+restart a plain ``DataLoader``'s epoch) and sets the RNG states again after
+that; resumable dataloaders (``state_dict``) are left to Lightning. The
+shuffled order must not depend on the global RNG at the epoch's start (a
+sampler seeded per epoch, e.g. ``DistributedSampler`` or any ``set_epoch``
+sampler): see docs/integrations.md.
 
 >>> from dstt.integrations.lightning import DsttCallback
 >>> DsttCallback("runs/pl", every=5).every
@@ -85,6 +86,7 @@ class DsttCallback(pl.Callback):  # type: ignore[misc]
         self._last_step = -1
         self._resume_dir: str | None = None
         self._resume_rng: Any = None
+        self._resume_at: dict[str, Any] | None = None  # extra/lightning of the step resumed from
 
     # ------------------------------------------------------------------ resume
 
@@ -99,7 +101,7 @@ class DsttCallback(pl.Callback):  # type: ignore[misc]
             _store, self.branch, _step, self.parent = resume_target(ref, self.branch)
         if directory is None:
             directory = self._resume_dir = tempfile.mkdtemp(prefix="dstt-pl-resume-")
-        path, self._resume_rng = to_checkpoint(ref, os.path.join(directory, "dstt-resume.ckpt"))
+        path, self._resume_rng, self._resume_at = to_checkpoint(ref, os.path.join(directory, "dstt-resume.ckpt"))
         return path
 
     # ------------------------------------------------------------------ trainer events
@@ -111,10 +113,14 @@ class DsttCallback(pl.Callback):  # type: ignore[misc]
             # DataLoader's iter() draws its base seed from the global RNG, as
             # the next epoch's iter() did in the captured run).
             set_rng_state(_this_rank(self._resume_rng))
-            self._resume_rng = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
+        if self._resume_at is not None:
+            at, rng, self._resume_at, self._resume_rng = self._resume_at, self._resume_rng, None, None
+            consumed = int(at["batch_idx"]) + 1
+            if consumed < trainer.num_training_batches and _skip_consumed(trainer, int(at["epoch"]), consumed):
+                set_rng_state(_this_rank(rng))  # the iterator rebuilt above drew a base seed
         if self.capture is None:
             self.capture = Capture(self.store, every=self.every, branch=self.branch or "main",
                                    parent=self.parent, **self.capture_options)
@@ -163,6 +169,54 @@ class DsttCallback(pl.Callback):  # type: ignore[misc]
                 self._resume_dir = None
 
 
+class _SkipOnce(torch.utils.data.Sampler):  # type: ignore[type-arg]
+    """A batch sampler that drops its first ``n`` batches once (indices only:
+    no data is loaded for them) and is its inner sampler otherwise."""
+
+    def __init__(self, inner: Any, n: int) -> None:
+        self.inner, self.n = inner, n
+
+    def __iter__(self) -> Any:
+        it, n = iter(self.inner), self.n
+        self.n = 0
+        for _ in range(n):
+            next(it, None)
+        return it
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, batch_size, drop_last, set_epoch ...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _skip_consumed(trainer: pl.Trainer, epoch: int, consumed: int) -> bool:
+    """Resuming mid-epoch: make the train dataloaders yield the epoch's
+    batches after the ``consumed`` ones, in the epoch's order, as the HF
+    Trainer does (Lightning itself restarts a plain DataLoader's epoch).
+    Needs a map-style DataLoader with a batch sampler; loaders that are
+    resumable (``state_dict``) are left to Lightning. False: not done."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from lightning.fabric.utilities.types import _Stateful
+
+    fit_loop = trainer.fit_loop
+    combined = getattr(fit_loop, "_combined_loader", None)
+    fetcher = getattr(fit_loop, "_data_fetcher", None)
+    loaders = list(getattr(combined, "flattened", []) or [])
+    if combined is None or fetcher is None or not loaders:
+        return False
+    if any(isinstance(dl, _Stateful) or not isinstance(dl, torch.utils.data.DataLoader)
+           or getattr(dl, "batch_sampler", None) is None for dl in loaders):
+        return False
+    for dl in loaders:
+        _set_sampler_epoch(dl, epoch)
+        object.__setattr__(dl, "batch_sampler", _SkipOnce(dl.batch_sampler, consumed))  # set once, after init
+    iter(fetcher)  # a fresh iterator over the rest of the epoch
+    return True
+
+
 def _number(v: Any) -> Any:
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         return v.item()
@@ -195,10 +249,10 @@ def _this_rank(rng: Any) -> Any:
     return rng
 
 
-def to_checkpoint(ref: str, path: str) -> tuple[str, Any]:
+def to_checkpoint(ref: str, path: str) -> tuple[str, Any, dict[str, Any]]:
     """Write step ``ref`` as a Lightning checkpoint file at ``path``; return
-    ``(path, the step's RNG states)`` (Lightning checkpoints hold no global
-    RNG state; :class:`DsttCallback` sets these at ``on_train_start``)."""
+    ``(path, the step's RNG states, its extra/lightning)`` (Lightning
+    checkpoints hold no global RNG state: :class:`DsttCallback` sets these)."""
     import dstt
 
     run = dstt.open(ref)
@@ -230,7 +284,7 @@ def to_checkpoint(ref: str, path: str) -> tuple[str, Any]:
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     torch.save(ckpt, path)
-    return path, state.get("rng")
+    return path, state.get("rng"), info
 
 
 __all__ = ["DsttCallback", "to_checkpoint"]
