@@ -749,7 +749,9 @@ class Capture:
 
     def _settle(self, job: Job) -> None:
         """After a step's commit (or failure): forget its seal, free its held blocks."""
-        if job.sealed and self._ring is not None:
+        # With the helper, it removes a seal once committed; a seal it could not
+        # commit stays (its blocks are reused now: recovery's CRC check skips it).
+        if job.sealed and self._ring is not None and self._helper is None:
             self._ring.unseal(job.plan.step)
         if job.hold and job.pool is not None:
             for _, view in job.views:

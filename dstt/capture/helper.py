@@ -211,6 +211,8 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
                 if writer.last_step is None or step > writer.last_step:
                     try:
                         commit(step, verify=True)
+                    except R.StaleSeal as e:  # its blocks were reused after its commit failed
+                        print(f"dstt helper: step {step} not committed: {e}", file=sys.stderr, flush=True)
                     except Exception as e:  # noqa: BLE001 - the next Capture retries from the ring
                         print(f"dstt helper: step {step} not committed: {e}", file=sys.stderr, flush=True)
                         return 1

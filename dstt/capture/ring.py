@@ -266,7 +266,7 @@ def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True) -> 
             raise CorruptRing(f"chunk at {start}+{nbytes} outside the pool")
         block = pool[start:start + nbytes]
         if verify and crc32c(np.frombuffer(block.numpy(), np.uint8)) != d["crc"]:
-            raise CorruptRing(f"step {record['step']}: a chunk of {layouts[d['layout']].name} does not match its CRC")
+            raise StaleSeal(f"step {record['step']}: a chunk of {layouts[d['layout']].name} does not match its CRC")
         dtype = getattr(torch, d["dtype"])
         if not isinstance(dtype, torch.dtype):
             raise CorruptRing(f"unknown dtype {d['dtype']!r}")
@@ -278,6 +278,11 @@ def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True) -> 
 
 class CorruptRing(Exception):
     """A ring left behind does not check out: it is discarded, never committed."""
+
+
+class StaleSeal(CorruptRing):
+    """One sealed step's bytes changed since it was sealed (its blocks were
+    reused after its commit failed): that step is skipped, never committed."""
 
 
 # ----------------------------------------------------------------------------- recovery
@@ -371,7 +376,11 @@ def recover(writer: Any, identity: dict[str, Any], *, exclude: Path | None = Non
                 pool = maps.get(record["pool"])
                 if pool is None:
                     pool = maps[record["pool"]] = map_pool(ring, record["pool"])
-                plan = writer.adopt(plan_of(record, pool))
+                try:
+                    plan = writer.adopt(plan_of(record, pool))
+                except StaleSeal as e:
+                    log.warning("dstt: not committing a step of staging ring %s: %s", ring, e)
+                    continue
                 writer.ensure_arrays(plan)
                 results = [writer.flush_chunk(plan, t, t.source) for t in plan.tasks]
                 writer.commit(plan, results)
