@@ -78,7 +78,9 @@ def register(app: typer.Typer) -> None:
         run = Run(str(store))
         first, last = resolve_point(run, 0), resolve_point(run, "latest")
         all_rows = diff_points(first, last, [])
-        rows = sort_rows(all_rows, "rel_change", 8)
+        from dstt.analysis.values import section_sorted
+
+        rows = section_sorted(sort_rows(all_rows, "rel_change"))[:8]  # weights first, Adam's step counters last
         a, b = f"{run.url}@main:{first[2]}", f"{run.url}@main:{last[2]}"
         if json_out:
             emit_json({**result, "branches": list_store(run, None), "diff": {"a": a, "b": b, "tensors": rows}})
