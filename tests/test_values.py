@@ -157,3 +157,12 @@ def test_help_has_no_bool_on_flags_and_prints_reference_syntax(command: str) -> 
     assert r.exit_code == 0 and "<bool>" not in r.stdout
     if command in ("history", "find"):
         assert "STORE[@BRANCH]" in r.stdout  # not eaten as rich markup
+
+
+def test_demo_diff_lists_weights_before_optimizer_counters(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["demo", str(tmp_path / "demo"), "--json"])
+    assert r.exit_code == 0, r.output
+    names = [row["name"] for row in json.loads(r.stdout)["diff"]["tensors"]]
+    assert names[0].startswith("model/") and any(n.endswith("/step") for n in names)
+    assert max(i for i, n in enumerate(names) if n.startswith("model/")) < min(
+        i for i, n in enumerate(names) if n.startswith("optim/"))
