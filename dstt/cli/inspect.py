@@ -217,8 +217,8 @@ def cmd_find(target: str, tensors: list[str], branch: Optional[str], nonfinite: 
              jump: Optional[float], stat: Optional[str], gt: Optional[float], lt: Optional[float],
              all_steps: bool, json_out: bool, diverge: list[str] | None = None) -> None:
     from dstt.analysis.anomaly import find
-    from dstt.cli.output import stdout
     from dstt.cli import render
+    from dstt.cli.output import stdout
     from dstt.errors import InvalidReferenceError
 
     run, ref = _open(target)

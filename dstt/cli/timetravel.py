@@ -9,6 +9,7 @@ import typer
 
 from dstt.cli.output import emit_json, handle_errors, human_bytes, stderr, stdout
 
+
 def from_ref(store: str, text: str | None) -> str:
     """The fork point as a full reference. ``--from`` may be a full
     reference, or relative to STORE: ``@BRANCH:STEP``, ``:STEP``, ``BRANCH:STEP``.
@@ -55,9 +56,8 @@ def _same_store(a: str, b: str) -> bool:
 def register(app: typer.Typer) -> None:
     def export_step(ref: str, out: str, only: Optional[str], json_out: bool, quiet: bool,
                     overwrite: bool = False) -> None:
-        from dstt.export import export
-
         from dstt.cli.render import progress
+        from dstt.export import export
 
         if not overwrite and os.path.lexists(out) and not os.path.isdir(out):
             from dstt.errors import ConfigError
