@@ -521,12 +521,15 @@ def test_hostile_delta_entries_are_refused_with_a_clear_error(tmp_path: Path, fo
         parse_entry(entry, "index")
 
 
-def test_auto_stores_fast_while_the_writer_is_behind(tmp_path: Path, forced: None) -> None:
+def test_auto_stores_fast_while_the_writer_is_behind(tmp_path: Path, forced: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """compression="auto": delta coding, except for steps planned while two
     earlier ones are still being written -- stored without compression (the
     same Blosc chain, readable by any reader), and recorded in commit.json."""
+    from dstt.store import writer as W
     from dstt.store.writer import AUTO_BEHIND
 
+    monkeypatch.setattr(W, "AUTO_CPU_CORES", math.inf)  # the backlog rule alone
     g = torch.Generator().manual_seed(13)
     states = [{"w": torch.randn(64, 32, generator=g) + 0.0}]
     for _ in range(AUTO_BEHIND + 2):
@@ -553,3 +556,22 @@ def test_auto_stores_fast_while_the_writer_is_behind(tmp_path: Path, forced: Non
     e = run.entry("w", fast)
     assert np.array_equal(root[e.array][e.slots[0]], states[fast]["w"].numpy())
     assert verify(path).ok
+
+
+def test_auto_stores_fast_when_encoding_exceeds_its_cpu_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compression="auto" with a CPU budget of 0 cores: any coding since the
+    previous planned step makes the next one fast; every step reads back."""
+    from dstt.store import writer as W
+
+    monkeypatch.setattr(W, "AUTO_CPU_CORES", 0.0)
+    g = torch.Generator().manual_seed(14)
+    w = torch.randn(128, 64, generator=g)
+    saved = []
+    with Writer(tmp_path / "run", compression="auto") as wr:
+        for step in range(3):
+            wr.write(step, {"w": w})
+            saved.append(w.clone())
+            w = w + 1e-4 * torch.randn(w.shape, generator=g)
+    run = dstt.open(tmp_path / "run")
+    assert [run.commit_info(s).get("coding") for s in range(3)] == [None, "fast", "fast"]
+    assert all(bits_equal(run.read("w", s), saved[s]) for s in range(3))

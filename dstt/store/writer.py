@@ -75,6 +75,13 @@ from dstt.store.tree import tree_has_pickle
 
 #: Planned, uncommitted steps a writer tracks references for (see Writer._link).
 MAX_OPEN_PLANS = 64
+#: compression="auto": steps still being written when the next is planned
+#: that make it a fast (uncompressed) step. One is normal pipelining.
+AUTO_BEHIND = 2
+#: compression="auto": the CPU budget of encoding, in cores (CPU seconds
+#: spent coding chunks per second of wall time between two planned steps).
+#: Above it the next step is stored fast.
+AUTO_CPU_CORES = 0.5
 
 
 @dataclass
@@ -189,6 +196,10 @@ class Writer:
         # of earlier ones that never will be (a skipped step).
         self._open_plans: dict[int, list[Link]] = {}
         self._open_lock = threading.Lock()
+        # compression="auto": CPU seconds spent coding chunks, and (time, that
+        # total) at the previous planned step (guarded by _open_lock).
+        self._encode_cpu_s = 0.0
+        self._rate_mark = (0.0, 0.0)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
         self._closed = False
         if self.codec.delta and self.rank == 0:
@@ -347,12 +358,28 @@ class Writer:
             self._link(plan)
         return plan
 
+    def _encode_rate(self) -> float:
+        """Cores' worth of CPU spent coding chunks since the previous planned
+        step (caller holds ``_open_lock``); 0 for the first."""
+        now = time.perf_counter()
+        used = self._encode_cpu_s - self._rate_mark[1]
+        rate = used / (now - self._rate_mark[0]) if self._rate_mark[0] else 0.0
+        self._rate_mark = (now, self._encode_cpu_s)
+        return rate
+
     def _link(self, plan: StepPlan) -> None:
         """Chain each chunk to the same chunk of the previous planned step."""
         tails = self._tails
         plan.links = {(t.layout.array, t.index): Link(tails.get((t.layout.array, t.index))) for t in plan.tasks}
         self._tails = plan.links
         with self._open_lock:
+            # compression="auto": a step planned while AUTO_BEHIND earlier ones
+            # are still being written, or while coding uses more than
+            # AUTO_CPU_CORES, is stored fast (no compression) instead of making
+            # the trainer wait for, or share its CPU with, the encoder
+            # (recorded per step in commit.json).
+            plan.fast = self.codec.compression == "auto" and (
+                len(self._open_plans) >= AUTO_BEHIND or self._encode_rate() > AUTO_CPU_CORES)
             self._open_plans[plan.seq] = list(plan.links.values())
             # A safety net for a writer whose plans are stored elsewhere
             # (helper process) or never committed: the oldest open plan is
@@ -468,12 +495,15 @@ class Writer:
         layout = task.layout
         place = ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta else None,
                            layout.codec, layout.dtype.itemsize, task.coords)
+        cpu = time.thread_time()
         try:
             coded = code_chunk(self.backend, place, plan.slot, raw, result.crc, prev,
-                               dedup=self.dedup, keyframe_every=self.keyframe_every)
+                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast)
         except BaseException:
             link.pass_through()
             raise
+        with self._open_lock:
+            self._encode_cpu_s += time.thread_time() - cpu
         link.resolve(coded.ref)
         result.slot, result.keyframe = coded.ref.slot, coded.ref.keyframe
         result.written, result.sha256 = coded.written, coded.sha256
@@ -599,7 +629,8 @@ class Writer:
         commit = commit_document(
             version=version, branch=self.branch.name, step=plan.step, seq=plan.seq, time=time.time(),
             world_size=self.coord.world, n_tensors=len(tensors), bytes_total=sum(l.nbytes for l in plan.layouts),
-            bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files)
+            bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files,
+            coding="fast" if plan.fast else None)
         # The lock may have been broken while this step was written (dstt
         # unlock --force, a lease lost while paused): then another writer may
         # own the branch and this step must not become visible.
