@@ -149,6 +149,10 @@ class Coded:
     sha256: bytes | None
 
 
+#: Chunks up to this size get their sha256 when first written (see code_chunk).
+HASH_ON_WRITE_BYTES = 64 << 10
+
+
 def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, crc: int,
                prev: ChunkRef | None, *, dedup: bool, keyframe_every: int, fast: bool = False) -> Coded:
     """Store one chunk of the step at ``slot`` (or reference ``prev``); see
@@ -177,7 +181,11 @@ def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, 
         return Coded(ChunkRef(crc, None, slot, slot, key_raw, size), size, None)
     parts = encode_chunk(raw, place.codec, raw_crc=crc, itemsize=place.itemsize)
     backend.put(L.chunk_key(place.array, slot, place.coords), parts)
-    return Coded(ChunkRef(crc, None, slot), _size(parts), None)
+    # A small chunk's sha256 costs less than reading it back: recorded now,
+    # the next step's dedup proves equality by hash, not by a read per chunk
+    # (tens of thousands of small tensors: issue 16).
+    digest = hashlib.sha256(raw).digest() if len(raw) <= HASH_ON_WRITE_BYTES else None
+    return Coded(ChunkRef(crc, digest, slot), _size(parts), digest)
 
 
 def _keyframe_for(backend: Backend, place: ChunkPlace, prev: ChunkRef | None, slot: int, nbytes: int,

@@ -11,6 +11,7 @@ computes the same layout without talking to the others.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -73,11 +74,13 @@ class TensorLayout:
     codec: CodecSpec
     regions: list[Region]
 
-    @property
+    # Cached: a layout is not changed once built, and these are asked for
+    # several times per chunk (tens of thousands of tensors: issue 16).
+    @functools.cached_property
     def array(self) -> str:
         return array_path(self.name, self.sig)
 
-    @property
+    @functools.cached_property
     def sig(self) -> str:
         shape = "x".join(map(str, self.shape)) or "scalar"
         chunk = "x".join(map(str, self.chunk_shape)) or "scalar"
@@ -92,15 +95,15 @@ class TensorLayout:
     def delta_array(self) -> str:
         return self.array + DELTA_SUFFIX
 
-    @property
+    @functools.cached_property
     def chunk_grid(self) -> ChunkGrid:
         return ChunkGrid(self.shape, self.chunk_shape)
 
-    @property
+    @functools.cached_property
     def grid(self) -> tuple[int, ...]:
         return self.chunk_grid.grid
 
-    @property
+    @functools.cached_property
     def nchunks(self) -> int:
         return self.chunk_grid.nchunks
 

@@ -87,8 +87,16 @@ class TensorReader(RunIndex):
         for n in wanted:
             if n not in rec.by_name:
                 raise CorruptStoreError(f"step {step}: value tree refers to missing tensor {n!r}")
+        # Names handed to the pool in groups: one pool task per tensor cost
+        # more than reading a small tensor (tens of thousands: issue 16).
+        per_task = max(1, min(256, len(wanted) // (4 * max(1, threads))))
+        groups = [wanted[i:i + per_task] for i in range(0, len(wanted), per_task)]
+
+        def read_group(names: list[str]) -> list[torch.Tensor]:
+            return [self.read(n, step, branch=branch, verify=verify) for n in names]
+
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            loaded = dict(zip(wanted, pool.map(lambda n: self.read(n, step, branch=branch, verify=verify), wanted)))
+            loaded = dict(zip(wanted, (t for ts in pool.map(read_group, groups) for t in ts)))
 
         def load(name: str, kind: str) -> Any:
             t = loaded[name]

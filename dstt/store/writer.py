@@ -292,6 +292,11 @@ class Writer:
             for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots))
         }
         self._known_arrays.update(e.array for e in entries)
+        # The groups above a committed step's arrays were written (and made
+        # durable) before its commit: not read again per tensor (issue 16).
+        self._known_groups.update(
+            "/".join([L.TENSORS, *parts[:depth]])
+            for e in entries for parts in [e.array.split("/")[1:-1]] for depth in range(1, len(parts) + 1))
 
     # ------------------------------------------------------------------ phases
 
@@ -647,10 +652,12 @@ class Writer:
         error: BaseException | None = None
         try:
             self.ensure_arrays(plan)
-            futures = [self._pool.submit(self.flush_chunk, plan, t) for t in plan.tasks]
+            futures = [self._pool.submit(self._flush_batch, plan, batch) for batch in _batches(plan.tasks)]
             for f in futures:
                 try:
-                    results.append(f.result())
+                    done, err = f.result()
+                    results.extend(done)
+                    error = error or err
                 except BaseException as e:  # keep draining so no thread outlives the step
                     error = error or e
         except BaseException as e:
@@ -659,6 +666,18 @@ class Writer:
             raise error
         # commit() turns a flush error into a CaptureError naming the step.
         return self.commit(plan, results, error)
+
+    def _flush_batch(self, plan: StepPlan, tasks: list[ChunkTask]) -> tuple[list[ChunkResult], BaseException | None]:
+        """Flush several chunks on one pool thread: one task per chunk cost
+        more than a small chunk's own work (tens of thousands of tensors)."""
+        results: list[ChunkResult] = []
+        error: BaseException | None = None
+        for t in tasks:
+            try:
+                results.append(self.flush_chunk(plan, t))
+            except BaseException as e:  # every chunk is flushed or failed: none left running
+                error = error or e
+        return results, error
 
     def check_lock(self) -> None:
         """StoreLockedError if this writer (rank 0) no longer holds its branch lock."""
@@ -682,6 +701,33 @@ class Writer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+#: Chunks below this size are flushed in batches (see Writer._flush_batch).
+SMALL_CHUNK_BYTES = 1 << 20
+#: Bytes of small chunks handed to one pool task.
+BATCH_BYTES = 4 << 20
+
+
+def _batches(tasks: list[ChunkTask]) -> list[list[ChunkTask]]:
+    """Large chunks one per task (the pool writes them in parallel); small
+    ones grouped up to BATCH_BYTES, in plan order."""
+    out: list[list[ChunkTask]] = []
+    batch: list[ChunkTask] = []
+    size = 0
+    for t in tasks:
+        n = t.nbytes
+        if n >= SMALL_CHUNK_BYTES:
+            out.append([t])
+            continue
+        batch.append(t)
+        size += n
+        if size >= BATCH_BYTES:
+            out.append(batch)
+            batch, size = [], 0
+    if batch:
+        out.append(batch)
+    return out
 
 
 def _describe(e: BaseException) -> str:

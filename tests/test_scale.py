@@ -1,0 +1,99 @@
+"""Many small tensors (issue 16, "Scale in tensor count"): per-tensor costs
+of an unchanged step, batched flushes and reads, errors inside a batch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dstt
+from dstt.errors import CaptureError
+from dstt.store.backends.local import LocalBackend
+from dstt.store.writer import Writer
+from tests.conftest import bits_equal
+
+
+def small_state(n: int) -> dict[str, Any]:
+    """``n`` small tensors of mixed dtypes in nested groups (0-d and empty included)."""
+    g = torch.Generator().manual_seed(n)
+    makers = [
+        lambda: torch.randn(16, generator=g).to(torch.bfloat16),
+        lambda: torch.randn(8, generator=g).to(torch.float8_e4m3fn),
+        lambda: torch.rand(5, generator=g) > 0.5,
+        lambda: torch.randn((), generator=g),
+        lambda: torch.empty(0, 3),
+        lambda: torch.randint(-9, 9, (3, 2), generator=g, dtype=torch.int64),
+    ]
+    return {f"layer{i // 10}": {f"p{i}": makers[i % len(makers)]() for i in range(i0, i0 + 10)}
+            for i0 in range(0, n, 10) for i in [i0]}
+
+
+def files_under(path: Path) -> int:
+    return sum(len(fs) for _, _, fs in os.walk(path))
+
+
+def test_many_small_tensors_round_trip_bit_exact(tmp_path: Path) -> None:
+    state = small_state(600)
+    path = tmp_path / "run"
+    dstt.save(path, 0, state)
+    changed = {k: dict(v) for k, v in state.items()}
+    changed["layer7"]["p70"] = changed["layer7"]["p70"] + 1
+    dstt.save(path, 1, changed)
+    run = dstt.open(path)
+    for step, want in ((0, state), (1, changed)):
+        got = run.state_dict(step, threads=3)
+        assert got.keys() == want.keys()
+        for group, tensors in want.items():
+            for name, t in tensors.items():
+                assert bits_equal(got[group][name], t), (step, group, name)
+    report = dstt.verify(path)
+    assert report.problems == [] and report.steps == 2 and report.tensors == 1200
+
+
+def test_unchanged_step_costs_no_per_tensor_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fully unchanged step written by a new writer (dstt.save opens one per
+    call) used to read every group zarr.json again: ~1 read per tensor."""
+    n = 400
+    path = tmp_path / "run"
+    state = {f"block{i}": {"w": torch.full((4,), float(i))} for i in range(n)}
+    dstt.save(path, 0, state)
+    gets: list[str] = []
+    real_get = LocalBackend.get
+
+    def counting_get(self: LocalBackend, key: str, *, max_bytes: int | None = None) -> Any:
+        gets.append(key)
+        return real_get(self, key, max_bytes=max_bytes)
+
+    monkeypatch.setattr(LocalBackend, "get", counting_get)
+    before = files_under(path)
+    info = dstt.save(path, 1, state)
+    assert info.bytes_written == 0
+    assert len(gets) < 20, f"{len(gets)} reads for an unchanged step of {n} tensors: {gets[:10]}"
+    # index.json, names.json, stats.json, commit.json and the branch head
+    assert files_under(path) - before <= 6
+
+
+def test_flush_error_inside_a_batch_is_raised_and_nothing_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small chunks are flushed in batches: one failing chunk in the middle of
+    a batch fails the step, naming it, and later chunks are still settled."""
+    path = tmp_path / "run"
+    state = {f"t{i:03d}": torch.full((8,), float(i)) for i in range(300)}
+    real_flush = Writer.flush_chunk
+
+    def failing_flush(self: Writer, plan: Any, task: Any, staged: Any = None) -> Any:
+        if task.layout.name == "t150":
+            raise OSError("disk on fire")
+        return real_flush(self, plan, task, staged)
+
+    monkeypatch.setattr(Writer, "flush_chunk", failing_flush)
+    with pytest.raises(CaptureError, match="step 3.*disk on fire"):
+        dstt.save(path, 3, state)
+    monkeypatch.setattr(Writer, "flush_chunk", real_flush)
+    assert dstt.open(path).steps() == []
+    dstt.save(path, 3, state)  # the failed step left nothing in the way
+    assert bits_equal(dstt.open(path).read("t150", 3), state["t150"])
