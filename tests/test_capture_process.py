@@ -278,3 +278,23 @@ def test_helper_runs_in_its_own_session_and_reports_write_failures(tmp_path: Pat
         os.environ.pop("DSTT_TEST_FULL")
     assert dstt.open(tmp_path / "run").steps() == [0]
     assert verify(tmp_path / "run").ok
+
+
+def test_a_helper_killed_under_a_live_trainer_fails_steps_loudly_and_loses_no_sealed_one(tmp_path: Path) -> None:
+    store = tmp_path / "run"
+    cap = dstt.Capture(store, helper=True, max_chunk_bytes=1024)
+    try:
+        cap.snapshot(0, extra={"w": torch.full((1024,), 0.0)}, rng=False)
+        cap.wait()
+        os.kill(cap._helper.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        cap.snapshot(1, extra={"w": torch.full((1024,), 1.0)}, rng=False)
+        with pytest.raises(CaptureError, match=r"step 1 .*helper"):
+            cap.wait()
+    finally:
+        cap.close()  # returns; the ring with sealed step 1 stays
+    with dstt.Capture(store) as again:  # commits what the dead helper left sealed
+        assert again.recovered == [1]
+    run = dstt.open(store)
+    assert run.steps() == [0, 1]
+    assert bits_equal(run.state_dict(1)["extra"]["w"], torch.full((1024,), 1.0))
+    assert verify(store).ok

@@ -331,8 +331,11 @@ class Capture:
                 self._helper.close()
             if self.pool is not None and self._pool_in_ring:
                 self.pool.unregister()
-            if self._ring is not None:
+            if self._ring is not None and not (self._helper is not None and self._helper.lost):
                 self._ring.close()  # everything queued is committed or failed
+            elif self._ring is not None:
+                log.warning("dstt: the capture helper died; steps sealed in %s stay there for the next "
+                            "Capture on branch %r", self._ring.dir, self.config.branch)
             self.writer.close()
             self._plan_coord.close()
             self._commit_coord.close()

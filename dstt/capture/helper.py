@@ -59,6 +59,7 @@ class HelperHandle:
         self._ack = os.fdopen(ack_fd, "rb", buffering=0)
         self._buf = b""
         self.closed = False
+        self.lost = False  # the helper died while the trainer lives
 
     def commit(self, step: int) -> dict[str, Any]:
         """Hand over sealed ``step`` and wait for its commit; the commit's
@@ -66,11 +67,14 @@ class HelperHandle:
         try:
             os.write(self._cmd, f"commit {step}\n".encode())
         except OSError as e:
-            raise CaptureError(f"the capture helper (pid {self.pid}) is gone: {e}") from None
+            self.lost = True
+            raise CaptureError(f"step {step} not committed: the capture helper (pid {self.pid}) is gone ({e}); "
+                               "sealed steps stay in /dev/shm for the next Capture on this branch") from None
         line = self._readline()
         if not line:
-            raise CaptureError(f"the capture helper (pid {self.pid}) exited; step {step} stays sealed in "
-                               "/dev/shm and is committed by the next Capture on this branch")
+            self.lost = True
+            raise CaptureError(f"step {step} not committed: the capture helper (pid {self.pid}) exited; the "
+                               "step stays sealed in /dev/shm for the next Capture on this branch")
         kind, got, rest = line.split(" ", 2)
         if int(got) != step:
             raise CaptureError(f"the capture helper answered for step {got}, expected {step}")
