@@ -97,3 +97,24 @@ def test_flush_error_inside_a_batch_is_raised_and_nothing_committed(
     assert dstt.open(path).steps() == []
     dstt.save(path, 3, state)  # the failed step left nothing in the way
     assert bits_equal(dstt.open(path).read("t150", 3), state["t150"])
+
+
+def test_layouts_reused_only_while_the_tensor_is_unchanged(tmp_path: Path) -> None:
+    """One writer reuses a tensor's layout across steps (planning cost per
+    tensor): a new shape or dtype under the same name gets a new layout."""
+    path = tmp_path / "run"
+    steps = [torch.arange(4.0), torch.arange(4.0) + 1, torch.arange(6.0), torch.arange(6, dtype=torch.int16),
+             torch.arange(6, dtype=torch.int16).reshape(2, 3)]
+    with Writer(path, max_chunk_bytes=8) as w:
+        for step, t in enumerate(steps):
+            w.write(step, {"w": t, "b": torch.ones(3)})
+    run = dstt.open(path)
+    for step, t in enumerate(steps):
+        assert bits_equal(run.read("w", step), t), step
+    assert len({run.entry("w", s).array for s in range(len(steps))}) == 4
+    assert report_ok(path)
+
+
+def report_ok(path: Path) -> bool:
+    report = dstt.verify(path)
+    return report.problems == []

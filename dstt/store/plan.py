@@ -128,6 +128,10 @@ class TensorLayout:
         h = zlib.crc32(self.name.encode()) + index
         return region.holders[h % len(region.holders)]
 
+    @functools.cached_property
+    def meta_owner_rank(self) -> int:
+        return self.meta_owner()
+
     def meta_owner(self) -> int:
         """The rank that writes this array's zarr.json (the owner of chunk 0)."""
         region = next((r for r in self.regions if math.prod(r.shape) > 0), self.regions[0])
@@ -305,7 +309,10 @@ def region_tasks(layout: TensorLayout, region: Region, data: torch.Tensor, rank:
         if layout.owner(region, index) != rank:
             continue
         off, shp = layout.chunk_box(coords)
-        view = data[tuple(slice(o - ro, o - ro + n) for o, ro, n in zip(off, region.offset, shp))]
+        if off == tuple(region.offset) and shp == tuple(region.shape):
+            view = data  # the whole region (a small tensor's one chunk): no view to build
+        else:
+            view = data[tuple(slice(o - ro, o - ro + n) for o, ro, n in zip(off, region.offset, shp))]
         tasks.append(ChunkTask(layout, index, coords, off, shp, view))
     return tasks
 
@@ -319,9 +326,14 @@ def plan_step(
     codec: CodecSpec = CodecSpec(),
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     allow_pickle: bool = False,
+    layout_cache: dict[Any, TensorLayout] | None = None,
 ) -> StepPlan:
     """Plan one step. ``exchange(obj)`` all-gathers ``obj`` across ranks
-    (None for a single process)."""
+    (None for a single process). ``layout_cache`` (kept by the caller across
+    steps) reuses the layout of a tensor whose global description is
+    unchanged: a layout is a pure function of it (and of codec and chunk
+    size), and building one per tensor per step dominated planning of small
+    tensors (issue 16)."""
     tree, tensors, kinds = flatten(state, allow_pickle=allow_pickle)
     local = {name: describe_local(name, kinds[name], v, rank) for name, v in tensors.items()}
     desc = {name: lt.describe() for name, lt in local.items()}
@@ -329,11 +341,11 @@ def plan_step(
         gathered = exchange((desc, tree))
         desc = merge_descriptions([d for d, _ in gathered])
         tree = merge_trees([t for _, t in gathered])
-    layouts = [build_layout(n, desc[n], codec, max_chunk_bytes) for n in sorted(desc)]
+    layouts = [_cached_layout(n, desc[n], codec, max_chunk_bytes, layout_cache) for n in sorted(desc)]
     tasks: list[ChunkTask] = []
     meta: list[TensorLayout] = []
     for layout in layouts:
-        if layout.meta_owner() == rank:
+        if layout.meta_owner_rank == rank:
             meta.append(layout)
         lt = local.get(layout.name)
         if lt is None:
@@ -344,6 +356,26 @@ def plan_step(
             data = _local_data_for(lt, region)
             tasks.extend(region_tasks(layout, region, data, rank))
     return StepPlan(step, tree, layouts, tasks, meta)
+
+
+#: Layouts a cache keeps at most (it is cleared when full: a run whose
+#: tensors keep changing shape never grows it without bound).
+MAX_CACHED_LAYOUTS = 1 << 20
+
+
+def _cached_layout(name: str, desc: tuple[Any, ...], codec: CodecSpec, max_chunk_bytes: int,
+                   cache: dict[Any, TensorLayout] | None) -> TensorLayout:
+    if cache is None:
+        return build_layout(name, desc, codec, max_chunk_bytes)
+    kind, dtype, shape, mode, regions = desc
+    key = (name, kind, dtype, tuple(shape), mode,
+           tuple((tuple(o), tuple(s), tuple(h)) for o, s, h in regions), codec, max_chunk_bytes)
+    layout = cache.get(key)
+    if layout is None:
+        if len(cache) >= MAX_CACHED_LAYOUTS:
+            cache.clear()
+        layout = cache[key] = build_layout(name, desc, codec, max_chunk_bytes)
+    return layout
 
 
 def _local_data_for(lt: LocalTensor, region: Region) -> torch.Tensor:

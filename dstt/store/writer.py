@@ -189,6 +189,9 @@ class Writer:
         self.branch: BranchInfo = load_branch(self.backend, branch)
         self._known_arrays: set[str] = set()
         self._known_groups: set[str] = set()
+        # Layouts of the tensors planned so far, reused while unchanged
+        # (plan.plan_step); touched only by plan(), on one thread.
+        self._layout_cache: dict[Any, Any] = {}
         # (array, chunk index) -> the link of that chunk in the latest planned
         # step (keyframes.py); touched only by plan(), on one thread.
         self._tails: dict[tuple[str, int], Link] = {}
@@ -341,6 +344,7 @@ class Writer:
             codec=self.codec,
             max_chunk_bytes=self.max_chunk_bytes,
             allow_pickle=self.allow_pickle,
+            layout_cache=self._layout_cache,
         )
         return self._reserve(plan, track=track)
 

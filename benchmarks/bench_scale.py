@@ -1,0 +1,196 @@
+"""Issue 16, "Scale in tensor count and small fast loops": many tiny tensors
+and a nanoGPT-sized loop captured every iteration, before vs after.
+
+Each case runs in a subprocess (so the dstt imported is the one on
+PYTHONPATH): ``--before DIR`` names a checkout of the older code (e.g.
+``git worktree add --detach /tmp/before-scale 83d37b8``); both versions run
+in the same invocation, so the ratios compare like with like.
+
+    python benchmarks/bench_scale.py --before /tmp/before-scale --tensors 100000 --stall-tensors 20000
+
+Cases: ``save`` (dstt.save of N x 1 KiB fp32 tensors in a flat dict: first
+step, a fully unchanged second step, run.state_dict of step 0, files created
+per step); ``stall`` (Capture.snapshot() time for N tensors: the median of
+the steps after the first); ``loop`` (66 tensors, ~1.3 MB of state, a
+~12 ms iteration incl. Adam's step: median iteration with Capture.snapshot
+every iteration vs none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def count_files(path: str) -> int:
+    return sum(len(fs) for _, _, fs in os.walk(path))
+
+
+def case_save(n: int, work: str) -> dict[str, Any]:
+    import torch
+
+    import dstt
+
+    state = {f"t{i:06d}": torch.full((256,), float(i)) for i in range(n)}  # 1 KiB each
+    path = os.path.join(work, "run")
+    out: dict[str, Any] = {}
+    t = time.perf_counter()
+    dstt.save(path, 0, state)
+    out["first_s"] = time.perf_counter() - t
+    out["files_first"] = count_files(path)
+    t = time.perf_counter()
+    dstt.save(path, 1, state)
+    out["unchanged_s"] = time.perf_counter() - t
+    out["files_unchanged"] = count_files(path) - out["files_first"]
+    t = time.perf_counter()
+    got = dstt.open(path).state_dict(0)
+    out["read_s"] = time.perf_counter() - t
+    if not all(torch.equal(got[k], v) for k, v in list(state.items())[:: max(1, n // 100)]):
+        raise SystemExit("read back differs")
+    return out
+
+
+def case_stall(n: int, work: str) -> dict[str, Any]:
+    import torch
+
+    import dstt
+
+    state = {f"t{i:06d}": torch.full((256,), float(i)) for i in range(n)}
+    stalls = []
+    with dstt.Capture(os.path.join(work, "cap")) as cap:
+        for step in range(4):
+            for v in list(state.values())[:: max(1, n // 50)]:
+                v.add_(1)  # a few tensors change each step
+            t = time.perf_counter()
+            cap.snapshot(step, extra={"state": state}, rng=False)
+            stalls.append(time.perf_counter() - t)
+            cap.wait()  # the stall alone, not the pipeline's backlog
+    return {"stall_first_s": stalls[0], "stall_median_s": statistics.median(stalls[1:])}
+
+
+def nanogpt_sized(torch: Any) -> tuple[Any, Any]:
+    """66 tensors, ~1.3 MB of state with Adam (22 parameters x 3)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(11):  # 11 x (weight 96x96 + bias) = 22 parameters
+        layers += [torch.nn.Linear(96, 96), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+def case_loop(iters: int, work: str) -> dict[str, Any]:
+    import torch
+
+    import dstt
+
+    torch.set_num_threads(1)
+    model, opt = nanogpt_sized(torch)
+    x = torch.randn(64, 96)
+    work_m = torch.randn(256, 256)
+    reps = [1]
+
+    def compute() -> None:
+        y = work_m
+        for _ in range(reps[0]):
+            y = torch.tanh(y @ work_m)
+
+    def iteration() -> None:
+        compute()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    for _ in range(5):  # calibrate to ~12 ms per iteration
+        t = time.perf_counter()
+        iteration()
+        took = time.perf_counter() - t
+        reps[0] = max(1, round(reps[0] * 0.012 / max(took, 1e-5)))
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                       if isinstance(v, torch.Tensor))
+    n_tensors = len(model.state_dict()) + sum(len(s) for s in opt.state.values())
+
+    def median_iter(cap: Any) -> float:
+        times = []
+        for i in range(iters):
+            t = time.perf_counter()
+            iteration()
+            if cap is not None:
+                cap.snapshot(i, model=model, optimizer=opt, rng=False)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[5:])
+
+    plain = [median_iter(None)]
+    with dstt.Capture(os.path.join(work, "loop")) as cap:
+        captured = median_iter(cap)
+        cap.wait()
+    plain.append(median_iter(None))  # before and after: the machine's drift
+    base = statistics.mean(plain)
+    return {"tensors": n_tensors, "state_bytes": state_bytes, "iter_plain_s": base,
+            "iter_captured_s": captured, "added": captured / base - 1}
+
+
+def run_case(pythonpath: str, case: str, n: int) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    work = tempfile.mkdtemp(prefix="bench_scale_")
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--case", case, "--n", str(n), "--work", work],
+                              env=env, capture_output=True, text=True, cwd=work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--before", help="checkout of the older code (PYTHONPATH)")
+    ap.add_argument("--tensors", type=int, default=100_000)
+    ap.add_argument("--stall-tensors", type=int, default=20_000)
+    ap.add_argument("--loop-iters", type=int, default=60)
+    ap.add_argument("--cases", default="save,stall,loop")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        fn = {"save": case_save, "stall": case_stall, "loop": case_loop}[args.case]
+        print(json.dumps(fn(args.n, args.work)))
+        return
+    sys.path.insert(0, HERE)
+    from common import machine
+
+    print(f"machine: {machine()}")
+    versions = [("after", ROOT)] + ([("before", os.path.abspath(args.before))] if args.before else [])
+    sizes = {"save": args.tensors, "stall": args.stall_tensors, "loop": args.loop_iters}
+    results: dict[str, dict[str, Any]] = {}
+    for case in args.cases.split(","):
+        for label, path in versions:
+            r = run_case(path, case, sizes[case])
+            results[f"{case}/{label}"] = r
+            print(f"{case:6} {label:6} n={sizes[case]}: {json.dumps(r)}", flush=True)
+    for case in args.cases.split(","):
+        a, b = results.get(f"{case}/after", {}), results.get(f"{case}/before", {})
+        for k, v in a.items():
+            if k.endswith("_s") and isinstance(b.get(k), float) and v > 0:
+                print(f"{case:6} {k:18} before/after = {b[k] / v:.1f}x")
+    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
+    with open(os.path.join(HERE, "out", "bench_scale.json"), "w") as f:
+        json.dump({"machine": machine(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
