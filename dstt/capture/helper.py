@@ -147,6 +147,7 @@ def start(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             os.setsid()
             os.close(cmd_w)
             os.close(ack_r)
+            os.write(ack_w, b"R")  # in its own session now: the trainer may go on
             if nice > 0:
                 os.nice(nice)
             code = serve(writer_options, store, ring_dir, lock_dup, cmd_r, ack_w)
@@ -157,7 +158,11 @@ def start(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     os.close(cmd_r)
     os.close(ack_w)
     os.close(lock_dup)
-    return HelperHandle(pid, cmd_w, ack_r)
+    handle = HelperHandle(pid, cmd_w, ack_r)
+    if handle._ack.read(1) != b"R":  # Capture() returns once the helper is out of the trainer's session
+        handle.lost = True
+        log.error("dstt: the capture helper (pid %d) did not start", pid)
+    return handle
 
 
 def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: int, cmd_fd: int,
