@@ -49,7 +49,6 @@ from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.heads import latest_committed, write_head
 from dstt.store.index import resolve_parent
 from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, Link, code_chunk
-from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
     TensorEntry,
@@ -71,6 +70,7 @@ from dstt.store.root import (
     raise_root_version,
 )
 from dstt.store.stats import Partial, chunk_partial, finalize, merge
+from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.tree import tree_has_pickle
 
 #: Planned, uncommitted steps a writer tracks references for (see Writer._link).

@@ -10,6 +10,7 @@ from typing import Any
 from dstt.errors import CorruptStoreError
 from dstt.store.backends.base import Backend, Bytes, Data, check_key, join_data
 
+
 class ZarrStoreBackend(Backend):
     """Any zarr-python store (memory, fsspec URLs); puts are atomic per object."""
 
