@@ -4,6 +4,7 @@ of the store and a diff of its first and last steps)."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 from typing import Any
@@ -94,11 +95,15 @@ def register(app: typer.Typer) -> None:
 
 def _hints(store: str, mid: int) -> str:
     """Commands worth trying on the demo store, their descriptions in one column."""
+    plots = importlib.util.find_spec("matplotlib") is not None
+    needs = "" if plots else " (pip install 'dstt[plot]')"
     hints = [
         (f"dstt ls {store}:latest", "tensors with their stats"),
         (f"dstt show {store}:{mid} model/0.weight", "one tensor: stats, histogram, values"),
-        (f"dstt history {store} 'model/*' --plot norms.png", "a stat across steps, as a plot"),
-        (f"dstt restore {store}:{mid} --out step{mid}.safetensors", "export a step"),
+        (f"dstt show {store}:{mid} optim/param_groups/0/lr", "a value: the learning rate"),
+        (f"dstt history {store} 'model/*' --plot norms.png", "a stat across steps, as a plot" + needs),
+        (f"dstt report {store} -o report.html", "the whole run on one page" + needs),
+        (f"dstt export {store}:{mid} --out step{mid}.safetensors", "export a step to a file"),
         (f"python: dstt.restore('{store}:{mid}', model=..., optimizer=...)", "roll back and resume"),
     ]
     width = max(len(cmd) for cmd, _ in hints) + 3
