@@ -92,7 +92,7 @@ class Loop:
             x = torch.tanh(x @ self.work)
 
     def state(self) -> dict:
-        return dstt.state_of(model=self.model, optimizer=self.opt)
+        return dstt.state_of(model=self.model, optimizer=self.opt, rng=False)
 
     def step(self) -> None:
         self.compute()

@@ -65,7 +65,7 @@ def main() -> None:
     nbytes = sum(p.numel() * 4 for p in model.parameters()) * 3
     store, pt, dcp_dir, sf = (os.path.join(args.dir, n) for n in ("store", "state.pt", "dcp", "state.safetensors"))
 
-    dstt.save(store, 1, dstt.state_of(model=model, optimizer=opt))
+    dstt.save(store, 1, dstt.state_of(model=model, optimizer=opt, rng=False))
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, pt)
     import torch.distributed.checkpoint as dcp
 

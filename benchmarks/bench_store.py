@@ -32,7 +32,7 @@ def all_tensors(state: object) -> list[torch.Tensor]:
 
 def big_state(args: argparse.Namespace) -> dict:
     model, opt = model_and_adam(int(args.size_gb * 2**30))
-    state = dstt.state_of(model=model, optimizer=opt)
+    state = dstt.state_of(model=model, optimizer=opt, rng=False)
     tensors = all_tensors(state)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     print(f"state: {len(tensors)} tensors, {nbytes / 2**30:.2f} GiB")

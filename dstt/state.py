@@ -136,7 +136,7 @@ def state_of(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
-    rng: bool = False,
+    rng: bool = True,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The storable state of a training loop.
@@ -144,10 +144,14 @@ def state_of(
     Keys: ``model`` (state_dict), ``optim`` (by parameter name, with
     ``param_groups``), ``scheduler`` (state_dict), ``rng`` (per rank under
     torch.distributed: ``rng/rank<r>/...``), ``extra`` (user values).
+    RNG states are included unless ``rng=False``, as ``Capture.snapshot``
+    and ``dstt.restore`` default.
 
     >>> m = torch.nn.Linear(2, 1)
     >>> sorted(state_of(model=m, extra={"epoch": 3}))
-    ['extra', 'model']
+    ['extra', 'model', 'rng']
+    >>> sorted(state_of(model=m, rng=False))
+    ['model']
     """
     state: dict[str, Any] = {}
     if model is not None:

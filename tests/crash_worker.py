@@ -38,7 +38,7 @@ MAX_CHUNK_BYTES = 2048
 
 
 def expected_state(step: int) -> dict[str, Any]:
-    """The state captured at ``step`` (as ``state_of(extra=user_state(step))``)."""
+    """The state captured at ``step`` (as ``state_of(extra=user_state(step), rng=False)``)."""
     return {"extra": user_state(step)}
 
 
@@ -83,7 +83,7 @@ def write(store: str, branch: str, n_steps: int, mode: str = "auto", pause: floa
     w = dstt.Writer(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
     try:
         for step in range(start, stop):
-            w.write(step, dstt.state_of(extra=user_state(step)))
+            w.write(step, dstt.state_of(extra=user_state(step), rng=False))
             time.sleep(pause)
     finally:
         w.close()

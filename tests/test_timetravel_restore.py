@@ -90,7 +90,7 @@ def test_rng_false_leaves_rng_alone(store: Path) -> None:
 def test_mismatch_lists_every_problem_and_changes_nothing(store: Path) -> None:
     m, opt, sched = make()
     train(m, opt, sched, 2)
-    dstt.save(store, 2, dstt.state_of(model=m, optimizer=opt, scheduler=sched))
+    dstt.save(store, 2, dstt.state_of(model=m, optimizer=opt, scheduler=sched, rng=False))
     other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2),
                                 torch.nn.Linear(2, 2))
     oopt = torch.optim.AdamW(other.parameters(), lr=0.5)
@@ -113,7 +113,7 @@ def test_mismatch_lists_every_problem_and_changes_nothing(store: Path) -> None:
     small = torch.nn.Sequential(torch.nn.Linear(3, 4))
     with pytest.raises(dstt.RestoreMismatchError, match=r"unexpected keys \['1.weight'"):
         dstt.restore(store, model=small)
-    dstt.save(store, 3, dstt.state_of(model=m))
+    dstt.save(store, 3, dstt.state_of(model=m, rng=False))
     with pytest.raises(dstt.RestoreMismatchError, match="the step has no scheduler state"):
         dstt.restore(store, model=m, scheduler=sched)
 
@@ -121,7 +121,7 @@ def test_mismatch_lists_every_problem_and_changes_nothing(store: Path) -> None:
 def test_strict_false_loads_what_matches(store: Path) -> None:
     m, opt, sched = make()
     train(m, opt, sched, 2)
-    dstt.save(store, 2, dstt.state_of(model=m, optimizer=opt))
+    dstt.save(store, 2, dstt.state_of(model=m, optimizer=opt, rng=False))
     grown = torch.nn.Sequential(*make()[0], torch.nn.Linear(2, 2))
     gopt = torch.optim.AdamW(grown.parameters(), lr=0.5)
     fresh_last = grown[3].weight.detach().clone()
@@ -138,7 +138,7 @@ def test_strict_false_loads_what_matches(store: Path) -> None:
     lopt = torch.optim.AdamW(lin.parameters())
     lin(torch.randn(2, 3)).sum().backward()
     lopt.step()
-    dstt.save(store.parent / "single", 0, dstt.state_of(model=lin, optimizer=lopt))
+    dstt.save(store.parent / "single", 0, dstt.state_of(model=lin, optimizer=lopt, rng=False))
     narrow = torch.nn.Linear(3, 4)
     narrow.weight = torch.nn.Parameter(torch.randn(4, 5))
     nopt = torch.optim.AdamW(narrow.parameters())
@@ -205,7 +205,7 @@ def test_fsdp2_capture_two_ranks_restore_one_and_three(tmp_path: Path) -> None:
 def test_corrupt_chunk_fails_before_anything_changes(store: Path) -> None:
     m, opt, sched = make()
     train(m, opt, sched, 1)
-    dstt.save(store, 1, dstt.state_of(model=m, optimizer=opt))
+    dstt.save(store, 1, dstt.state_of(model=m, optimizer=opt, rng=False))
     entry = dstt.open(store).record(1).by_name["model/2.weight"]
     from dstt.store import layout as L
 
@@ -229,7 +229,7 @@ def _roundtrip(store: Path, build: Callable[[], tuple[torch.nn.Module, torch.opt
     m, opt = build()
     for _ in range(n):
         step(m, opt)
-    dstt.save(store, 0, dstt.state_of(model=m, optimizer=opt))
+    dstt.save(store, 0, dstt.state_of(model=m, optimizer=opt, rng=False))
     m2, opt2 = build()
     dstt.restore(f"{store}:0", model=m2, optimizer=opt2)
     for a, b in ((m, m2), (opt, opt2)):
@@ -352,7 +352,7 @@ def test_a_different_optimizer_or_scheduler_type_is_not_loaded(store: Path) -> N
     m(torch.randn(4, 3)).sum().backward()
     sgd.step()
     sched.step()
-    dstt.save(store, 0, dstt.state_of(model=m, optimizer=sgd, scheduler=sched))
+    dstt.save(store, 0, dstt.state_of(model=m, optimizer=sgd, scheduler=sched, rng=False))
     adam = torch.optim.Adam(m.parameters())
     with pytest.raises(dstt.RestoreMismatchError, match="a different optimizer type"):
         dstt.restore(f"{store}:0", optimizer=adam, model=m)
@@ -367,10 +367,10 @@ def test_a_different_optimizer_or_scheduler_type_is_not_loaded(store: Path) -> N
 def test_restore_checks_chunks_against_the_step_index(store: Path) -> None:
     """A valid chunk in the wrong place (here: step 0's, copied over step 1's)."""
     m = torch.nn.Linear(3, 2)
-    dstt.save(store, 0, dstt.state_of(model=m))
+    dstt.save(store, 0, dstt.state_of(model=m, rng=False))
     with torch.no_grad():
         m.weight.add_(1)
-    dstt.save(store, 1, dstt.state_of(model=m))
+    dstt.save(store, 1, dstt.state_of(model=m, rng=False))
     run = dstt.open(store)
     e0, e1 = run.record(0).by_name["model/weight"], run.record(1).by_name["model/weight"]
     from dstt.store import layout as L
@@ -392,7 +392,7 @@ def test_stored_param_names_never_replace_the_live_order(store: Path) -> None:
     opt = torch.optim.Adam(m.named_parameters())  # records param_names
     m(torch.randn(5, 3)).sum().backward()
     opt.step()
-    dstt.save(store, 0, dstt.state_of(model=m, optimizer=opt))
+    dstt.save(store, 0, dstt.state_of(model=m, optimizer=opt, rng=False))
     opt2 = torch.optim.Adam(list(m.parameters())[::-1])  # no names, the reverse order
     dstt.restore(f"{store}:0", model=m, optimizer=opt2)
     assert "param_names" not in opt2.state_dict()["param_groups"][0]
