@@ -21,6 +21,7 @@ A new codec (delta encoding) plugs into :func:`decode_raw`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -47,12 +48,12 @@ class ChunkGrid:
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property  # (works on a frozen dataclass: written to __dict__ directly)
     def grid(self) -> tuple[int, ...]:
         """Chunks along each dimension."""
         return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
 
-    @property
+    @functools.cached_property
     def nchunks(self) -> int:
         return math.prod(self.grid)
 

@@ -76,6 +76,8 @@ class ShardedTensor:
 
 
 def is_dtensor(v: Any) -> bool:
+    if type(v) is torch.Tensor or isinstance(v, ShardedTensor):
+        return False  # the common case, without an import per tensor (issue 16)
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed
