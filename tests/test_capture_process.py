@@ -20,7 +20,7 @@ import torch
 from conftest import bits_equal
 
 import dstt
-from dstt.errors import CaptureError
+from dstt.errors import CaptureError, ConfigError
 from dstt.store.lock import lock_holder
 from dstt.store.verify import verify
 
@@ -242,23 +242,30 @@ def test_a_capture_never_closed_drains_at_exit_or_says_what_it_lost(tmp_path: Pa
 # ----------------------------------------------------------------------------- the helper process
 
 
-def test_helper_runs_in_its_own_session_and_reports_write_failures(tmp_path: Path) -> None:
-    """The helper (forked at construction, its own session: a process-group
-    kill of the trainer does not reach it) writes and commits; a write that
-    fails there is raised here naming the step, nothing is committed with
-    missing data, and close() reaps the helper."""
-    import errno
+#: Imported by the helper's interpreter (its PYTHONPATH): a disk that is full
+#: for chunk files, so the failure happens in the helper process itself.
+FULL_DISK = """
+import errno, os
+from dstt.store.backends import local
 
-    from dstt.store.backends import LocalBackend
+_put = local.LocalBackend.put
 
-    class Full(LocalBackend):
-        def put(self, key: str, data: Any) -> None:
-            if key.startswith("tensors/") and "/c." in key and os.environ.get("DSTT_TEST_FULL") == "1":
-                raise OSError(errno.ENOSPC, "No space left on device")
-            super().put(key, data)
+def put(self, key, data):
+    if key.startswith("tensors/") and "/c." in key:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _put(self, key, data)
 
-    os.environ["DSTT_TEST_FULL"] = "0"
-    cap = dstt.Capture(Full(tmp_path / "run", create=True), helper=True, max_chunk_bytes=1024)
+local.LocalBackend.put = put
+"""
+
+
+def test_helper_runs_in_its_own_session_and_reports_write_failures(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper (an exec'ed ``python -m dstt.capture.helper`` in its own
+    session: a process-group kill of the trainer does not reach it) writes
+    and commits; a write that fails there is raised here naming the step,
+    nothing is committed with missing data, and close() reaps the helper."""
+    cap = dstt.Capture(tmp_path / "run", helper=True, max_chunk_bytes=1024)
     try:
         helper = cap._helper.pid  # type: ignore[union-attr]
         assert helper != os.getpid() and os.getsid(helper) == helper != os.getsid(0)
@@ -267,17 +274,33 @@ def test_helper_runs_in_its_own_session_and_reports_write_failures(tmp_path: Pat
     finally:
         cap.close()
     assert not os.path.exists(f"/proc/{helper}")  # reaped by close()
-    os.environ["DSTT_TEST_FULL"] = "1"  # seen by the next helper, forked after this
-    try:
-        cap = dstt.Capture(Full(tmp_path / "run", create=True), helper=True, max_chunk_bytes=1024)
-        cap.snapshot(1, extra={"w": torch.zeros(1024)}, rng=False)
-        with pytest.raises(CaptureError, match=r"step 1 .*No space left on device"):
-            cap.wait()
-        cap.close()
-    finally:
-        os.environ.pop("DSTT_TEST_FULL")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_DISK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    cap = dstt.Capture(tmp_path / "run", helper=True, max_chunk_bytes=1024)
+    cap.snapshot(1, extra={"w": torch.zeros(1024)}, rng=False)
+    with pytest.raises(CaptureError, match=r"step 1 .*No space left on device"):
+        cap.wait()
+    cap.close()
     assert dstt.open(tmp_path / "run").steps() == [0]
     assert verify(tmp_path / "run").ok
+
+
+def test_helper_needs_a_store_path(tmp_path: Path) -> None:
+    """A Backend object cannot move into the exec'ed helper: helper=True
+    with a subclass is refused clearly, auto falls back to the threads."""
+    from dstt.store.backends import LocalBackend
+
+    class Mine(LocalBackend):
+        pass
+
+    with pytest.raises(ConfigError, match="helper=True: .*Mine"):
+        dstt.Capture(Mine(tmp_path / "run", create=True), helper=True)
+    with dstt.Capture(Mine(tmp_path / "run", create=True)) as cap:
+        assert cap._helper is None
+        cap.snapshot(0, extra={"w": torch.ones(4)}, rng=False)
+    assert dstt.open(tmp_path / "run").steps() == [0]
 
 
 def test_a_helper_killed_under_a_live_trainer_fails_steps_loudly_and_loses_no_sealed_one(tmp_path: Path) -> None:
@@ -298,3 +321,42 @@ def test_a_helper_killed_under_a_live_trainer_fails_steps_loudly_and_loses_no_se
     assert run.steps() == [0, 1]
     assert bits_equal(run.state_dict(1)["extra"]["w"], torch.full((1024,), 1.0))
     assert verify(store).ok
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def test_helper_is_a_fresh_process_not_a_fork_of_the_trainer(tmp_path: Path) -> None:
+    """A forked helper kept every page of the trainer's state alive: the
+    trainer's first optimizer step after it paid copy-on-write for all of
+    them, and peak memory doubled. The helper is an exec'ed interpreter
+    (its command line runs dstt.capture.helper) and holds no copy of the
+    trainer's state (coarse: anonymous memory, not a timing)."""
+    model = torch.nn.Linear(4096, 8192, bias=False)  # 128 MiB of parameters
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4096)).sum().backward()
+    opt.step()  # gradients and momentum exist: 384 MiB of state in this process
+    state_kib = 3 * model.weight.numel() * 4 // 1024
+    trainer_before = _status_kib(os.getpid(), "RssAnon")
+    with dstt.Capture(tmp_path / "run", helper=True) as cap:
+        helper = cap._helper.pid  # type: ignore[union-attr]
+        with open(f"/proc/{helper}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert b"dstt.capture.helper" in argv, argv
+        for step in range(2):
+            model(torch.randn(2, 4096)).sum().backward()
+            opt.step()  # the first one after the helper started: no copy on write of the state
+            cap.snapshot(step, model=model, optimizer=opt, rng=False)
+        cap.wait()
+        helper_anon = _status_kib(helper, "RssAnon")
+        trainer_growth = _status_kib(os.getpid(), "RssAnon") - trainer_before
+    assert helper_anon < state_kib // 2, (helper_anon, state_kib)  # a fork held all of it
+    assert trainer_growth < state_kib // 2, (trainer_growth, state_kib)
+    run = dstt.open(tmp_path / "run")
+    assert run.steps() == [0, 1]
+    assert bits_equal(run.state_dict(1)["model"]["weight"], model.weight.detach())

@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -57,6 +58,7 @@ from dstt.capture.ring import Ring, recover, seal_record, shm_free_bytes
 from dstt.capture.staging import CudaCopier, HostPool
 from dstt.errors import CaptureError, ConfigError, StoreLockedError
 from dstt.state import state_of
+from dstt.store.backends import LocalBackend
 from dstt.store.coord import new_coordinator
 from dstt.store.layout import validate_step
 from dstt.store.lock import lock_holder
@@ -150,7 +152,13 @@ class Capture:
         self._pool_in_ring = False
         self.recovered: list[int] = []  # steps sealed by a dead trainer, committed at construction
         self._ring = self._open_ring()  # before any thread: recovery commits on this thread
-        self._helper = self._start_helper()  # forked before this Capture has threads
+        try:
+            self._helper = self._start_helper()  # not waited for: its start-up overlaps training
+        except BaseException:
+            if self._ring is not None:
+                self._ring.close()
+            self.writer.close()
+            raise
         self._copier: CudaCopier | None = None
         self._fence = StepFence(self._before_optimizer_step)
         self._flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush",
@@ -698,24 +706,28 @@ class Capture:
 
     def _start_helper(self) -> HelperHandle | None:
         """The helper process (helper.py) where it can run: a ring, a single
-        process, a local store (a shared flock), fork available."""
+        process, a local store (a shared flock). Started, not waited for."""
         lock = getattr(self.writer, "_branch_lock", None)
         fd = lock.fileno() if lock is not None and hasattr(lock, "fileno") else None
-        able = self._ring is not None and fd is not None and hasattr(os, "fork")
+        able = self._ring is not None and fd is not None and sys.platform.startswith("linux")
         # auto: only with an auto-sized pool (it always holds a whole step); an
         # explicit host_buffer_bytes may be meant to stage steps in parts.
         # A Backend object given by the caller stays in this process: the helper
-        # would act on a copy of it, invisible to the caller.
+        # would act on another instance of it, invisible to the caller.
         auto = self.config.helper is None and self.config.host_buffer_bytes is None and self._store_by_name
         if not (self.config.helper or auto) or not able:
             if self.config.helper is True:
                 raise ConfigError("helper=True needs a single process, /dev/shm and a local store")
             return None
+        if type(self.writer.backend) is not LocalBackend:  # the helper opens the store by its path
+            raise ConfigError(f"helper=True: the capture helper process opens the store by its path; a "
+                              f"{type(self.writer.backend).__name__} object cannot move into it (pass the path, "
+                              "or use helper=False)")
         cfg = self.config
         options = {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
                    "max_chunk_bytes": cfg.max_chunk_bytes, "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
         assert self._ring is not None and fd is not None
-        return start_helper(options, self.writer.backend, self._ring.dir, fd, cfg.background_nice)
+        return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice)
 
     def _new_pool(self, capacity: int, pin: bool) -> HostPool:
         """A pool in the ring's /dev/shm file where it fits (policy.shm_decision),

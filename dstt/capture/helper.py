@@ -6,28 +6,36 @@ The trainer only plans, copies into the /dev/shm pool and seals each step
 writes and the commit -- for each step the trainer hands it::
 
     trainer ── "commit <step>" ──▶ helper: read seal-<step>.json, flush
-            ◀── "ok <step> <json>" │        every chunk, Writer.commit,
-                "err <step> <msg>" │        remove the seal record
+            ◀── "ready" (once)     │        every chunk, Writer.commit,
+                "ok <step> <json>" │        remove the seal record
+                "err <step> <msg>" │
 
 How it is started and why that way:
 
-* ``os.fork()`` from the trainer when the Capture is built, before the
-  Capture's own threads exist: no interpreter and torch start-up to wait
-  for (a fresh ``python`` takes seconds here), and the helper has the same
-  dstt and torch as the trainer. The child makes itself a session leader
-  (``setsid``): torchrun and job schedulers kill the trainer's process
-  group, not the helper.
-* The branch lock is shared, not re-taken: the helper keeps a duplicate of
-  the trainer's lock-file descriptor (one open file description, one
+* A fresh, exec'ed interpreter (``python -m dstt.capture.helper``), not a
+  fork of the trainer: a forked helper keeps the trainer's pages alive, so
+  the trainer's first optimizer step after it paid copy-on-write for every
+  parameter, gradient and optimizer page (the first capture's stall went
+  from 0.5 s to 5 s and peak memory doubled; docs/benchmarks.md). It is
+  started in its own session (``start_new_session``): torchrun and job
+  schedulers kill the trainer's process group, not the helper.
+* Its start-up (importing torch: seconds) is off the trainer's path:
+  ``start`` returns as soon as the process exists. Steps sealed meanwhile
+  wait in the ring; the pipe buffers the commands. The helper says
+  ``ready`` once it can serve; the trainer's committer thread waits for
+  that at most ``HELPER_START_S`` (then the helper is killed and every
+  step fails naming it; sealed steps stay for the next Capture).
+* The branch lock is shared, not re-taken: the trainer passes its lock
+  file's descriptor (``pass_fds``; one open file description, one
   ``flock``), so the branch stays locked until both are gone and no other
   writer can slip in between the trainer's death and the helper's last
-  commit. (store/lock.py closes every *other* inherited lock descriptor in
-  forked children.)
+  commit. Only the three descriptors it needs are passed.
 * It exits by itself: the command pipe reaches end-of-file when the
-  trainer closes it or dies. On ``close`` the trainer waits for it; at
-  end-of-file without ``close`` (trainer dead) the helper commits every
-  sealed step left in the ring, in step order, removes the ring and exits,
-  releasing the lock. No orphan, no lock left held.
+  trainer closes it or dies. On ``close`` the trainer waits for it to exit
+  (so the lock is free when ``Capture.close()`` returns); at end-of-file
+  without ``close`` (trainer dead) the helper commits every sealed step
+  left in the ring, in step order, removes the ring and exits, releasing
+  the lock. No orphan, no lock left held.
 
 If the helper dies too (the whole job killed), the ring stays in /dev/shm
 and the next Capture on the store and branch commits it (ring.recover).
@@ -35,11 +43,14 @@ and the next Capture on the store and branch commits it (ring.recover).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import select
+import subprocess
 import sys
-import traceback
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -49,32 +60,47 @@ from dstt.errors import CaptureError
 
 log = logging.getLogger("dstt.capture")
 
+#: How long the trainer waits for a new helper to say it is ready (its
+#: interpreter and torch start-up) before failing the steps handed to it.
+HELPER_START_S = 120.0
+
 
 class HelperHandle:
     """The trainer's end of a running helper."""
 
-    def __init__(self, pid: int, cmd_fd: int, ack_fd: int) -> None:
-        self.pid = pid
+    def __init__(self, proc: subprocess.Popen[bytes], cmd_fd: int, ack_fd: int,
+                 start_timeout_s: float = HELPER_START_S) -> None:
+        self.proc = proc
+        self.pid = proc.pid
         self._cmd = cmd_fd
-        self._ack = os.fdopen(ack_fd, "rb", buffering=0)
+        self._ack = ack_fd
         self._buf = b""
+        self._start_timeout_s = start_timeout_s
+        self.ready = False
+        self.sent = False  # a step was handed over
         self.closed = False
-        self.lost = False  # the helper died while the trainer lives
+        self.lost = False  # the helper died (or never came up) while the trainer lives
+
+    def _gone(self, step: int, why: str) -> CaptureError:
+        self.lost = True
+        return CaptureError(f"step {step} not committed: the capture helper (pid {self.pid}) {why}; "
+                            "sealed steps stay in /dev/shm for the next Capture on this branch")
 
     def commit(self, step: int) -> dict[str, Any]:
         """Hand over sealed ``step`` and wait for its commit; the commit's
         figures, or CaptureError with the helper's message."""
+        if self.lost:
+            raise self._gone(step, "is not serving")
         try:
             os.write(self._cmd, f"commit {step}\n".encode())
         except OSError as e:
-            self.lost = True
-            raise CaptureError(f"step {step} not committed: the capture helper (pid {self.pid}) is gone ({e}); "
-                               "sealed steps stay in /dev/shm for the next Capture on this branch") from None
-        line = self._readline()
-        if not line:
-            self.lost = True
-            raise CaptureError(f"step {step} not committed: the capture helper (pid {self.pid}) exited; the "
-                               "step stays sealed in /dev/shm for the next Capture on this branch")
+            raise self._gone(step, f"is gone ({e})") from None
+        self.sent = True
+        if not self.ready:
+            self._await_ready(step)
+        line = self._readline(None)
+        if line is None:
+            raise self._gone(step, f"exited{self._exit_text()}")
         kind, got, rest = line.split(" ", 2)
         if int(got) != step:
             raise CaptureError(f"the capture helper answered for step {got}, expected {step}")
@@ -83,86 +109,118 @@ class HelperHandle:
             return doc
         raise CaptureError(rest)
 
-    def _readline(self) -> str:
+    def _await_ready(self, step: int) -> None:
+        """The helper's first line; bounded: a helper that never comes up is
+        killed (the ring keeps what was sealed), never waited for forever."""
+        line = self._readline(self._start_timeout_s)
+        if line == "ready":
+            self.ready = True
+            return
+        if line is None:
+            raise self._gone(step, f"exited while starting{self._exit_text()}")
+        if line == "":  # timed out
+            self._kill()
+            raise self._gone(step, f"did not come up within {self._start_timeout_s:g} s and was killed")
+        self._kill()
+        raise self._gone(step, f"said {line[:200]!r} instead of ready")
+
+    def _exit_text(self) -> str:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            return ""
+        return f" (exit status {code}; its stderr says why)"
+
+    def _readline(self, timeout_s: float | None) -> str | None:
+        """The next line; None at end-of-file, "" when ``timeout_s`` passed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while b"\n" not in self._buf:
-            part = self._ack.read(65536)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self._ack], [], [], left)[0]:
+                    return ""
+            part = os.read(self._ack, 65536)
             if not part:
-                return ""
+                return None
             self._buf += part
         line, self._buf = self._buf.split(b"\n", 1)
         return line.decode()
 
+    def _kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+
     def close(self, timeout_s: float = 120.0) -> None:
         """Tell the helper to stop (after the steps already handed over) and
-        reap it; it is killed if it does not exit within ``timeout_s``."""
+        wait until it has exited -- so the branch lock it shares is released
+        when this returns; it is killed if it does not exit within ``timeout_s``."""
         if self.closed:
             return
         self.closed = True
-        try:
+        if not self.sent:
+            # Never handed a step: it has nothing to finish. Do not wait for
+            # its start-up (seconds) only to tell it to stop.
+            self._kill()
+        with contextlib.suppress(OSError):
             os.write(self._cmd, b"close\n")
-        except OSError:
-            pass
         os.close(self._cmd)
-        self._ack.close()
-        _reap(self.pid, timeout_s)
+        os.close(self._ack)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.error("dstt: capture helper %d did not exit within %s s; killing it", self.pid, timeout_s)
+            self._kill()
 
     def abandon(self) -> None:
-        """Close our ends without ``close``: the helper treats it as the
-        trainer's death (commits what is sealed, then exits). Not reaped."""
+        """Close our ends without ``close`` (in a forked child of the
+        trainer): the helper must still see end-of-file when the trainer
+        dies. Not waited for: it is not this process's child."""
         if not self.closed:
             self.closed = True
             os.close(self._cmd)
-            self._ack.close()
+            os.close(self._ack)
+            self.proc.returncode = 0  # Popen must never waitpid() for it from here
 
 
-def _reap(pid: int, timeout_s: float) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if done:
-            return
-        if time.monotonic() > deadline:
-            log.error("dstt: capture helper %d did not exit within %s s; killing it", pid, timeout_s)
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            return
-        time.sleep(0.01)
+def _helper_env() -> dict[str, str]:
+    """The trainer's environment, with the directory this dstt was imported
+    from first on PYTHONPATH: the helper runs the same dstt as the trainer."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
-def start(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: int, nice: int) -> HelperHandle:
-    """Fork the helper (see the module docstring). Call it before the
-    Capture starts threads."""
+def start(writer_options: dict[str, Any], store_path: str, ring_dir: Path, lock_fd: int, nice: int) -> HelperHandle:
+    """Start the helper (see the module docstring); returns at once, without
+    waiting for its start-up."""
     cmd_r, cmd_w = os.pipe()
     ack_r, ack_w = os.pipe()
-    lock_dup = os.dup(lock_fd)  # survives lock.py's at-fork close of the trainer's own descriptor
-    pid = os.fork()
-    if pid == 0:  # the helper; never returns into the trainer's code
-        code = 1
-        try:
-            os.setsid()
-            os.close(cmd_w)
-            os.close(ack_r)
-            os.write(ack_w, b"R")  # in its own session now: the trainer may go on
-            if nice > 0:
-                os.nice(nice)
-            code = serve(writer_options, store, ring_dir, lock_dup, cmd_r, ack_w)
-        except BaseException:  # noqa: BLE001 - reported, then the process ends
-            traceback.print_exc()
-        finally:
-            os._exit(code)
+    args = {"store": store_path, "ring": str(ring_dir), "options": writer_options, "nice": nice,
+            "lock_fd": lock_fd, "cmd_fd": cmd_r, "ack_fd": ack_w}
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dstt.capture.helper", json.dumps(args)],
+            stdin=subprocess.DEVNULL, close_fds=True, pass_fds=(lock_fd, cmd_r, ack_w),
+            start_new_session=True, env=_helper_env())
+    except BaseException:
+        for fd in (cmd_r, cmd_w, ack_r, ack_w):
+            os.close(fd)
+        raise
     os.close(cmd_r)
     os.close(ack_w)
-    os.close(lock_dup)
-    handle = HelperHandle(pid, cmd_w, ack_r)
-    if handle._ack.read(1) != b"R":  # Capture() returns once the helper is out of the trainer's session
-        handle.lost = True
-        log.error("dstt: the capture helper (pid %d) did not start", pid)
-    return handle
+    return HelperHandle(proc, cmd_w, ack_r)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m dstt.capture.helper ARGS_JSON`` (started by :func:`start`)."""
+    args = json.loads(argv[0])
+    if args["nice"] > 0:
+        os.nice(args["nice"])
+    return serve(args["options"], args["store"], Path(args["ring"]), args["lock_fd"], args["cmd_fd"],
+                 args["ack_fd"])
 
 
 def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: int, cmd_fd: int,
@@ -177,6 +235,8 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     torch.set_num_threads(1)
     lock = BranchLock.inherited(store, writer_options["branch"], lock_fd)
     writer = Writer(store, lock=lock, threads=1, **writer_options)
+    with contextlib.suppress(OSError):  # (the trainer may have died while this started: serve the ring)
+        os.write(ack_fd, b"ready\n")  # the trainer's committer waits for this line first
     pools: dict[str, Any] = {}
     flush = ThreadPoolExecutor(2, thread_name_prefix="dstt-helper")
     commands = os.fdopen(cmd_fd, "rb")
@@ -231,3 +291,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     finally:
         flush.shutdown(wait=True)
         writer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
