@@ -295,11 +295,6 @@ class Writer:
             for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots))
         }
         self._known_arrays.update(e.array for e in entries)
-        # The groups above a committed step's arrays were written (and made
-        # durable) before its commit: not read again per tensor (issue 16).
-        self._known_groups.update(
-            "/".join([L.TENSORS, *parts[:depth]])
-            for e in entries for parts in [e.array.split("/")[1:-1]] for depth in range(1, len(parts) + 1))
 
     # ------------------------------------------------------------------ phases
 
