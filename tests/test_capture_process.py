@@ -360,3 +360,31 @@ def test_helper_is_a_fresh_process_not_a_fork_of_the_trainer(tmp_path: Path) -> 
     run = dstt.open(tmp_path / "run")
     assert run.steps() == [0, 1]
     assert bits_equal(run.state_dict(1)["model"]["weight"], model.weight.detach())
+
+
+@pytest.mark.parametrize("hook, why", [("import os; os._exit(3)", "exited while starting"),
+                                       ("import time; time.sleep(120)", "did not come up within 1 s")])
+def test_a_helper_that_never_comes_up_fails_its_steps_and_never_hangs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hook: str, why: str) -> None:
+    """The trainer does not wait for the helper's start-up; if the helper
+    dies while starting or never says it is ready, the steps handed to it
+    fail naming it (bounded wait; a stuck helper is killed), close() returns,
+    and the sealed step is committed by the next Capture."""
+    from dstt.capture import helper as helper_module
+
+    store = tmp_path / "run"
+    with monkeypatch.context() as m:
+        (tmp_path / "sitecustomize.py").write_text(hook + "\n")
+        m.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+        m.setattr(helper_module, "HELPER_START_S", 1.0)
+        cap = dstt.Capture(store, helper=True, max_chunk_bytes=1024)
+        pid = cap._helper.pid  # type: ignore[union-attr]
+        cap.snapshot(0, extra={"w": torch.full((1024,), 7.0)}, rng=False)
+        with pytest.raises(CaptureError, match=rf"step 0 not committed: the capture helper \(pid {pid}\) {why}"):
+            cap.wait()
+        cap.close()
+    assert not os.path.exists(f"/proc/{pid}")  # no helper left behind
+    with dstt.Capture(store) as again:  # the sealed step waited in /dev/shm
+        assert again.recovered == [0]
+    assert bits_equal(dstt.open(store).state_dict(0)["extra"]["w"], torch.full((1024,), 7.0))
+    assert verify(store).ok

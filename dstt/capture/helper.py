@@ -69,13 +69,13 @@ class HelperHandle:
     """The trainer's end of a running helper."""
 
     def __init__(self, proc: subprocess.Popen[bytes], cmd_fd: int, ack_fd: int,
-                 start_timeout_s: float = HELPER_START_S) -> None:
+                 start_timeout_s: float | None = None) -> None:
         self.proc = proc
         self.pid = proc.pid
         self._cmd = cmd_fd
         self._ack = ack_fd
         self._buf = b""
-        self._start_timeout_s = start_timeout_s
+        self._start_timeout_s = HELPER_START_S if start_timeout_s is None else start_timeout_s
         self.ready = False
         self.sent = False  # a step was handed over
         self.closed = False
@@ -94,6 +94,8 @@ class HelperHandle:
         try:
             os.write(self._cmd, f"commit {step}\n".encode())
         except OSError as e:
+            if not self.ready and self.proc.poll() is not None:
+                raise self._gone(step, f"exited while starting{self._exit_text()}") from None
             raise self._gone(step, f"is gone ({e})") from None
         self.sent = True
         if not self.ready:
