@@ -347,7 +347,7 @@ def test_helper_is_a_fresh_process_not_a_fork_of_the_trainer(tmp_path: Path) -> 
         helper = cap._helper.pid  # type: ignore[union-attr]
         with open(f"/proc/{helper}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        assert b"dstt.capture.helper" in argv, argv
+        assert b"dstt.capture.helper" in argv, (argv, cap._helper.proc.poll())  # type: ignore[union-attr]
         for step in range(2):
             model(torch.randn(2, 4096)).sum().backward()
             opt.step()  # the first one after the helper started: no copy on write of the state
