@@ -150,6 +150,28 @@ def test_keyframe_every_bounds_what_a_read_touches(tmp_path: Path, forced: None)
     assert keys == [None, slot[0], slot[0], slot[0], None, slot[4], slot[4], slot[4], None, slot[8]]
 
 
+@pytest.mark.parametrize("helper", [False, None])
+def test_capture_takes_the_keyframe_spacing(tmp_path: Path, helper: bool | None) -> None:
+    """Capture(keyframe_every=) reaches the writer, in-thread and in the helper process."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 64, generator=g)
+    saved = []
+    with dstt.Capture(tmp_path / "run", compression="delta", keyframe_every=3, helper=helper) as cap:
+        for step in range(6):
+            cap.snapshot(step, extra={"w": w}, rng=False)
+            cap.wait_staged()
+            saved.append(w.clone())
+            w += 1e-4 * torch.randn(w.shape, generator=g)
+    run = dstt.open(tmp_path / "run")
+    slot = [run.entry("extra/w", s).slots[0] for s in range(6)]
+    keys = [run.entry("extra/w", s).keyframes[0] for s in range(6)]
+    assert keys == [None, slot[0], slot[0], None, slot[3], slot[3]]
+    for step, want in enumerate(saved):
+        assert bits_equal(run.read("extra/w", step), want)
+    with pytest.raises(ConfigError, match="keyframe_every"):
+        dstt.Capture(tmp_path / "other", compression="delta", keyframe_every=0)
+
+
 def test_a_delta_that_does_not_pay_is_stored_as_a_keyframe(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     with Writer(tmp_path / "run", compression="delta") as w:

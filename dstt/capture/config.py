@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from dstt.errors import ConfigError
+from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY
 from dstt.store.layout import StepRef, validate_branch
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES
 
@@ -38,6 +39,9 @@ class CaptureConfig:
     on_full: str = "wait"
     compression: str = "none"
     zstd_level: int = 1
+    #: With ``compression="delta"`` (or ``"auto"``): a chunk is stored whole
+    #: (a keyframe) at least every this many steps; deltas reference it.
+    keyframe_every: int = DEFAULT_KEYFRAME_EVERY
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     flush_threads: int = 2
     allow_pickle: bool = False
@@ -64,6 +68,7 @@ class CaptureConfig:
         _positive_int("every", self.every)
         _positive_int("max_chunk_bytes", self.max_chunk_bytes)
         _positive_int("flush_threads", self.flush_threads)
+        _positive_int("keyframe_every", self.keyframe_every)
         validate_branch(self.branch)
         if not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 19:
             raise ConfigError(f"background_nice must be an integer in 0..19, got {self.background_nice!r}")

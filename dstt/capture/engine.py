@@ -142,7 +142,7 @@ class Capture:
         self._commit_coord = new_coordinator()
         self.writer = _after_helpers(lambda: Writer(
             store, branch=cfg.branch, parent=cfg.parent, compression=cfg.compression,
-            zstd_level=cfg.zstd_level, max_chunk_bytes=cfg.max_chunk_bytes,
+            zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every, max_chunk_bytes=cfg.max_chunk_bytes,
             allow_pickle=cfg.allow_pickle, dedup=cfg.dedup, threads=1,
             coordinator=self._plan_coord, commit_coordinator=self._commit_coord,
             storage_options=cfg.storage_options,
@@ -725,7 +725,7 @@ class Capture:
                               "or use helper=False)")
         cfg = self.config
         options = {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
-                   "max_chunk_bytes": cfg.max_chunk_bytes, "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
+                   "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes, "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
         assert self._ring is not None and fd is not None
         return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice)
 
