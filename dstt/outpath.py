@@ -43,7 +43,8 @@ def remove_stale_temps(path: str | os.PathLike[str]) -> list[str]:
     (the rule of ``dstt gc``: dstt.store.gc.is_stale_temp); the names removed."""
     import time
 
-    from dstt.store.gc import is_stale_temp, pid_alive
+    from dstt.store.gc import is_stale_temp
+    from dstt.store.localio import pid_alive
 
     p = Path(path).absolute()
     removed: list[str] = []

@@ -61,6 +61,7 @@ from dstt.state import state_of
 from dstt.store.backends import LocalBackend
 from dstt.store.coord import new_coordinator
 from dstt.store.layout import validate_step
+from dstt.store.localio import pid_alive
 from dstt.store.lock import lock_holder
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
@@ -86,20 +87,11 @@ def _after_helpers(make: Callable[[], Writer], store: Any, branch: str) -> Write
             except Exception:  # noqa: BLE001 - the original error says more
                 info = None
             finishing = (info is not None and info.pid is not None and info.host == socket.gethostname()
-                         and not _pid_alive(info.pid))
+                         and not pid_alive(info.pid))
             if not finishing or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 log = logging.getLogger("dstt.capture")
 

@@ -44,6 +44,7 @@ import torch
 from dstt.errors import CaptureError
 from dstt.store.codec import CodecSpec, crc32c
 from dstt.store.dtypes import info_for_name
+from dstt.store.localio import pid_alive
 from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
 from dstt.store.shards import Region
 
@@ -158,7 +159,7 @@ def sweep(base: Path | None = None) -> int:
                 pid, store = int(owner["pid"]), str(owner["store"])
             except (OSError, ValueError, KeyError, TypeError, CorruptRing):
                 continue  # being created, or not ours to judge
-            if _alive(pid):
+            if pid_alive(pid):
                 continue
             local_gone = store.startswith("/") and not os.path.exists(store)
             if local_gone or not any(ring.glob("seal-*.json")):
@@ -168,15 +169,6 @@ def sweep(base: Path | None = None) -> int:
             group.rmdir()  # empty: every ring of that store and branch is gone
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def unseal_file(ring: Path, step: int) -> None:

@@ -21,7 +21,6 @@ while gc runs is left alone).
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterator
 from dstt.errors import ConfigError
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
+from dstt.store.localio import pid_alive
 from dstt.store.lock import BRANCH_SET, acquire_all
 from dstt.store.root import check_root, committed_steps, list_branches, load_branch
 
@@ -365,20 +365,6 @@ def is_stale_temp(name: str, age_s: float, alive: Callable[[int], bool]) -> bool
         return True
     return age_s >= TEMP_MIN_AGE_S and not alive(int(pid_text))
 
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this host (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except OSError:
-        return True
 
 
 def _collect_temp_files(backend: Backend, report: GcReport, dry_run: bool) -> None:
