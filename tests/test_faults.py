@@ -160,8 +160,9 @@ def test_capture_reports_on_next_call_and_goes_on(tmp_path: Path, err: int, ops:
 
 
 def test_capture_error_surfaces_from_snapshot_and_close_returns(tmp_path: Path) -> None:
-    """The failure of step 0 is raised by a later snapshot() (not swallowed),
-    and close() afterwards returns."""
+    """The failure of step 0 is raised by the trainer's next dstt call
+    (snapshot() or wait_staged(), whichever comes after the failure; not
+    swallowed), and close() afterwards returns."""
     path = tmp_path / "run"
     b = FaultBackend(path)
     cap = dstt.Capture(b)
@@ -171,10 +172,10 @@ def test_capture_error_surfaces_from_snapshot_and_close_returns(tmp_path: Path) 
     for s in range(1, 200):  # each call is the trainer's "next dstt call"
         try:
             within(60, lambda: cap.snapshot(s, rng=False, extra=state(s)))
+            within(60, cap.wait_staged)
         except CaptureError as e:
             raised = e
             break
-        within(60, cap.wait_staged)
         if s % 5 == 0:
             threading.Event().wait(0.05)
     assert raised is not None and "step 0" in str(raised)
