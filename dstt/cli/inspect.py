@@ -343,6 +343,9 @@ def register(app: typer.Typer) -> None:
         diverge: Optional[List[str]] = typer.Option(None, "--diverge", metavar="BRANCH", help="Instead: the first step where BRANCH differs from --branch (or main); give it twice to compare two branches."),
         json_out: bool = JSON_OPT,
     ) -> None:
-        """Find the first step where something went wrong (default: NaN/Inf or a 10x norm jump), on every branch
-        unless STORE@BRANCH or --branch names one; or where two branches first differ (--diverge)."""
+        """Find the first step where something went wrong, or where two branches first differ.
+
+        Default: NaN/Inf or a 10x norm jump, on every branch unless STORE@BRANCH or --branch names one.
+
+        --diverge A --diverge B: where two branches first differ."""
         cmd_find(target, tensors or [], branch, nonfinite, jump, stat, gt, lt, all_steps, json_out, diverge or [])

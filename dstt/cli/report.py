@@ -47,6 +47,7 @@ def register(app: typer.Typer) -> None:
         branch: Optional[str] = typer.Option(None, "--branch", "-b", help="The branch whose trajectory is plotted."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable summary on stdout."),
     ) -> None:
-        """Write one self-contained HTML page about a run: branches, the latest step's tensors, norm
-        histories, an update-size heatmap, the largest changes and find's detections (needs dstt[plot])."""
+        """Write one self-contained HTML page about a run (needs dstt[plot]).
+
+        Branches, the latest tensors, norm histories, an update heatmap, largest changes, detections."""
         cmd_report(target, out, branch, json_out)

@@ -128,8 +128,9 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be removed."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
     ) -> None:
-        """Remove steps outside the policy. Always kept: each branch's latest step and every fork point.
-        Tensor data is freed by a following `dstt gc`."""
+        """Remove steps outside the policy (data is freed by a following `dstt gc`).
+
+        Always kept: each branch's latest step and every fork point."""
         from dstt.store.gc import prune as run_prune
 
         store = store_arg(store, "prune", "; choose a branch with --branch")
@@ -154,7 +155,8 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be removed."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
     ) -> None:
-        """Remove chunks and arrays no committed step references, and uncommitted step leftovers.
+        """Remove chunks and arrays no committed step references, and uncommitted leftovers.
+
         Refuses to run while any branch has a live writer."""
         from dstt.store.gc import gc as run_gc
 
