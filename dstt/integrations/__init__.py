@@ -19,6 +19,22 @@ from typing import Any
 from dstt.errors import ConfigError
 
 
+def check_callback_options(every: Any, capture_options: dict[str, Any]) -> None:
+    """Refuse a bad ``every`` and capture options the callbacks set themselves.
+
+    >>> check_callback_options(2, {"compression": "zstd"})
+    >>> check_callback_options(1, {"branch": "b"})
+    Traceback (most recent call last):
+    ...
+    dstt.errors.ConfigError: branch= is an argument of DsttCallback itself, not a capture option
+    """
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ConfigError(f"every must be a positive integer, got {every!r}")
+    for k in ("branch", "parent", "every"):
+        if k in capture_options:
+            raise ConfigError(f"{k}= is an argument of DsttCallback itself, not a capture option")
+
+
 def plain_values(obj: Any, depth: int = 0) -> Any:
     """A JSON-safe copy of ``obj``: numbers, strings, None, lists and
     str-keyed dicts are kept; anything else (objects, tensors, callables)

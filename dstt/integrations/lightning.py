@@ -49,8 +49,9 @@ import lightning.pytorch as pl
 import torch
 
 from dstt.capture import Capture
-from dstt.errors import ConfigError, RestoreMismatchError
+from dstt.errors import RestoreMismatchError
 from dstt.integrations import (
+    check_callback_options,
     numbers_only,
     optimizer_state_dict,
     plain_values,
@@ -71,11 +72,7 @@ class DsttCallback(pl.Callback):  # type: ignore[misc]
 
     def __init__(self, store: Any, *, every: int = 1, branch: str | None = None, rng: bool = True,
                  **capture_options: Any) -> None:
-        if not isinstance(every, int) or every < 1:
-            raise ConfigError(f"every must be a positive integer, got {every!r}")
-        for k in ("branch", "parent", "every"):
-            if k in capture_options:
-                raise ConfigError(f"{k}= is an argument of DsttCallback itself, not a capture option")
+        check_callback_options(every, capture_options)
         self.store = os.fspath(store)
         self.every = every
         self.branch = branch

@@ -47,8 +47,9 @@ import torch
 from transformers import TrainerCallback
 
 from dstt.capture import Capture
-from dstt.errors import ConfigError, RestoreMismatchError
+from dstt.errors import RestoreMismatchError
 from dstt.integrations import (
+    check_callback_options,
     dumps,
     numbers_only,
     optimizer_state_dict,
@@ -77,11 +78,7 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, store: Any, *, every: int = 1, branch: str | None = None, rng: bool = True,
                  **capture_options: Any) -> None:
-        if not isinstance(every, int) or every < 1:
-            raise ConfigError(f"every must be a positive integer, got {every!r}")
-        for k in ("branch", "parent", "every"):
-            if k in capture_options:
-                raise ConfigError(f"{k}= is an argument of DsttCallback itself, not a capture option")
+        check_callback_options(every, capture_options)
         self.store = os.fspath(store)
         self.every = every
         self.branch = branch
