@@ -41,7 +41,6 @@ sampler): see docs/integrations.md.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -51,7 +50,7 @@ import torch
 from dstt.capture import Capture
 from dstt.errors import RestoreMismatchError
 from dstt.integrations import (
-    check_callback_options,
+    CallbackCore,
     numbers_only,
     optimizer_state_dict,
     plain_values,
@@ -61,7 +60,7 @@ from dstt.integrations import (
 from dstt.state import optimizer_state, set_rng_state
 
 
-class DsttCallback(pl.Callback):  # type: ignore[misc]
+class DsttCallback(CallbackCore, pl.Callback):  # type: ignore[misc]
     """Capture a Lightning ``Trainer.fit`` run into a dstt store.
 
     ``store``: path or URL; ``every``: capture when ``global_step % every ==
@@ -72,16 +71,8 @@ class DsttCallback(pl.Callback):  # type: ignore[misc]
 
     def __init__(self, store: Any, *, every: int = 1, branch: str | None = None, rng: bool = True,
                  **capture_options: Any) -> None:
-        check_callback_options(every, capture_options)
-        self.store = os.fspath(store)
-        self.every = every
-        self.branch = branch
-        self.parent: tuple[str, int] | None = None
-        self.rng = rng
-        self.capture_options = capture_options
-        self.capture: Capture | None = None
+        CallbackCore.__init__(self, store, every=every, branch=branch, rng=rng, capture_options=capture_options)
         self._last_step = -1
-        self._resume_dir: str | None = None
         self._resume_rng: Any = None
         self._resume_at: dict[str, Any] | None = None  # extra/lightning of the step resumed from
 
@@ -152,18 +143,6 @@ class DsttCallback(pl.Callback):  # type: ignore[misc]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.close()
-
-    def close(self) -> None:
-        """Wait until every captured step is committed, release the capture,
-        remove the temporary resume checkpoint. Idempotent."""
-        cap, self.capture = self.capture, None
-        try:
-            if cap is not None:
-                cap.close()
-        finally:
-            if self._resume_dir is not None:
-                shutil.rmtree(self._resume_dir, ignore_errors=True)
-                self._resume_dir = None
 
 
 class _SkipOnce(torch.utils.data.Sampler):  # type: ignore[type-arg]

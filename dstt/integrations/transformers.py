@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -49,7 +48,7 @@ from transformers import TrainerCallback
 from dstt.capture import Capture
 from dstt.errors import RestoreMismatchError
 from dstt.integrations import (
-    check_callback_options,
+    CallbackCore,
     dumps,
     numbers_only,
     optimizer_state_dict,
@@ -62,7 +61,7 @@ from dstt.integrations import (
 _SKIPPED_STATE = ("log_history",)
 
 
-class DsttCallback(TrainerCallback):  # type: ignore[misc]
+class DsttCallback(CallbackCore, TrainerCallback):  # type: ignore[misc]
     """Capture a ``transformers.Trainer`` run into a dstt store.
 
     ``store``: path or URL; ``every``: capture when ``global_step % every ==
@@ -78,16 +77,8 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, store: Any, *, every: int = 1, branch: str | None = None, rng: bool = True,
                  **capture_options: Any) -> None:
-        check_callback_options(every, capture_options)
-        self.store = os.fspath(store)
-        self.every = every
-        self.branch = branch
-        self.parent: tuple[str, int] | None = None
-        self.rng = rng
-        self.capture_options = capture_options
-        self.capture: Capture | None = None
+        CallbackCore.__init__(self, store, every=every, branch=branch, rng=rng, capture_options=capture_options)
         self._logs: dict[str, float | int] = {}
-        self._resume_dir: str | None = None
 
     # ------------------------------------------------------------------ resume
 
@@ -132,18 +123,6 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()
-
-    def close(self) -> None:
-        """Wait until every captured step is committed, release the capture,
-        remove the temporary resume directory. Idempotent."""
-        cap, self.capture = self.capture, None
-        try:
-            if cap is not None:
-                cap.close()
-        finally:
-            if self._resume_dir is not None:
-                shutil.rmtree(self._resume_dir, ignore_errors=True)
-                self._resume_dir = None
 
     def _extra(self, args: Any, state: Any) -> dict[str, Any]:
         fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in _SKIPPED_STATE}
