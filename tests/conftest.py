@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,35 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.bool:
         return torch.equal(a, b)
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_script(script: Path, *args: str, stderr: int | None = subprocess.PIPE) -> subprocess.Popen:
+    """``python SCRIPT ARGS...`` from the repository root, stdout read by the test."""
+    return subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=stderr, text=True)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    """Wait for ``proc`` (at most 180 s) and require exit status 0."""
+    _out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, (err or "")[-3000:]
+
+
+def kill_when_committed(proc: subprocess.Popen, step: int) -> None:
+    """SIGKILL ``proc`` once it prints ``committed STEP``; fail if it exits first."""
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip() == f"committed {step}":
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+        else:
+            err = proc.stderr.read()[-2000:] if proc.stderr is not None else ""
+            pytest.fail(f"training exited ({proc.wait()}) before committing step {step}: {err}")
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL

@@ -5,10 +5,7 @@ bit."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,35 +14,14 @@ import torch
 pytest.importorskip("lightning")
 
 import dstt
-from tests.conftest import bits_equal
+from tests.conftest import bits_equal, finish, kill_when_committed, start_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests/scripts/pl_train.py"
 
 
 def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen) -> None:
-    _out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 0, err[-3000:]
-
-
-def kill_when_committed(proc: subprocess.Popen, step: int) -> None:
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.strip() == f"committed {step}":
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-        else:
-            pytest.fail(f"training exited ({proc.wait()}) before committing step {step}: {proc.stderr.read()[-2000:]}")
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+    return start_script(SCRIPT, *args)
 
 
 def same_training_state(a: dict, b: dict) -> bool:

@@ -5,9 +5,7 @@ real subprocess and resumed from dstt bit for bit."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 import dstt
-from tests.conftest import bits_equal
+from tests.conftest import bits_equal, finish, kill_when_committed, start_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests/scripts/hf_train.py"
@@ -24,28 +22,7 @@ N, K = 7, 4  # 3 optimizer steps per epoch: K is mid-epoch, N crosses two epoch 
 
 
 def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen) -> None:
-    _out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 0, err[-3000:]
-
-
-def kill_when_committed(proc: subprocess.Popen, step: int) -> None:
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.strip() == f"committed {step}":
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-        else:
-            pytest.fail(f"training exited ({proc.wait()}) before committing step {step}: {proc.stderr.read()[-2000:]}")
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+    return start_script(SCRIPT, *args)
 
 
 def same_training_state(a: dict, b: dict) -> bool:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 import dstt
-from tests.conftest import bits_equal
+from tests.conftest import bits_equal, kill_when_committed, start_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests/scripts/resume_train.py"
@@ -43,20 +40,7 @@ def train_here(*args: str) -> None:
 
 def kill_after(store: Path, step: int) -> None:
     """Train 'forever', SIGKILL the process once ``step`` is committed."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(store), "--steps", "1000000"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.strip() == f"committed {step}":
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-        else:
-            pytest.fail(f"training exited ({proc.wait()}) before committing step {step}")
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when_committed(start_script(SCRIPT, str(store), "--steps", "1000000", stderr=subprocess.DEVNULL), step)
     # Its capture helper commits the steps already sealed, then frees the branch.
     from dstt.store.lock import lock_holder
 
