@@ -27,10 +27,7 @@ import collections
 import logging
 import os
 import queue
-import socket
-import sys
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,9 +37,8 @@ import torch
 
 from dstt.capture import policy
 from dstt.capture.config import CaptureConfig, make_config
+from dstt.capture.crashsafe import CrashSafe, after_helpers
 from dstt.capture.guard import VersionGuard
-from dstt.capture.helper import HelperHandle
-from dstt.capture.helper import start as start_helper
 from dstt.capture.hooks import StepFence, optimizer_storages, storage_key
 from dstt.capture.lifecycle import LIVE
 from dstt.capture.pipeline import (
@@ -54,44 +50,15 @@ from dstt.capture.pipeline import (
     task_bytes,
 )
 from dstt.capture.records import write_skip
-from dstt.capture.ring import Ring, recover, seal_record, shm_free_bytes
 from dstt.capture.staging import CudaCopier, HostPool
-from dstt.errors import CaptureError, ConfigError, StoreLockedError
+from dstt.errors import CaptureError
 from dstt.state import state_of
-from dstt.store.backends import LocalBackend
 from dstt.store.coord import new_coordinator
 from dstt.store.layout import validate_step
-from dstt.store.localio import pid_alive
-from dstt.store.lock import lock_holder
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
 __all__ = ["Capture", "lower_thread_priority"]
-
-#: How long a new Capture waits for a dead trainer's helper to finish
-#: committing its sealed steps (it holds the branch lock until then).
-HELPER_TAIL_S = 60.0
-
-
-def _after_helpers(make: Callable[[], Writer], store: Any, branch: str) -> Writer:
-    """``make()``, waiting (up to HELPER_TAIL_S) while the branch is locked
-    by a writer whose recorded trainer is dead on this host: that is its
-    capture helper finishing, and it frees the branch when done."""
-    deadline = time.monotonic() + HELPER_TAIL_S
-    while True:
-        try:
-            return make()
-        except StoreLockedError:
-            try:
-                info = lock_holder(store, branch)
-            except Exception:  # noqa: BLE001 - the original error says more
-                info = None
-            finishing = (info is not None and info.pid is not None and info.host == socket.gethostname()
-                         and not pid_alive(info.pid))
-            if not finishing or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
 
 log = logging.getLogger("dstt.capture")
 
@@ -99,7 +66,7 @@ log = logging.getLogger("dstt.capture")
 RECENT_COMMITS = 1024
 
 
-class Capture:
+class Capture(CrashSafe):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -132,7 +99,7 @@ class Capture:
         # committer thread; sharing one gloo group would interleave them.
         self._plan_coord = new_coordinator()
         self._commit_coord = new_coordinator()
-        self.writer = _after_helpers(lambda: Writer(
+        self.writer = after_helpers(lambda: Writer(
             store, branch=cfg.branch, parent=cfg.parent, compression=cfg.compression,
             zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every, max_chunk_bytes=cfg.max_chunk_bytes,
             allow_pickle=cfg.allow_pickle, dedup=cfg.dedup, threads=1,
@@ -644,19 +611,6 @@ class Capture:
             self.bytes_written += info.bytes_written
             self.last_commit = info
 
-    def _commit_by_helper(self, job: Job) -> CommitInfo:
-        """Helper mode (single process): the helper writes and commits the
-        sealed step; a step that failed here, or could not be sealed, fails."""
-        assert self._helper is not None
-        if job.error is not None:
-            raise job.error
-        if not job.sealed:
-            raise CaptureError(
-                f"step {job.plan.step} not committed: it was not sealed in the staging ring (a step must fit "
-                "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
-                "to stage larger steps in parts)")
-        return CommitInfo(**self._helper.commit(job.plan.step))
-
     def _commit_here(self, job: Job) -> CommitInfo:
         error = job.error
         results: list[ChunkResult] = []
@@ -672,98 +626,6 @@ class Capture:
         # Collective: called for every planned step, with its error, so that
         # no step is committed with missing data and no peer waits forever.
         return self.writer.commit(job.plan, results, error)
-
-    # ================================================================ ring (crash survival)
-
-    def _open_ring(self) -> Ring | None:
-        """This Capture's ring in /dev/shm (single process; see ring.py),
-        after committing what rings of dead trainers sealed."""
-        if self.config.shm is False or self._plan_coord.distributed or shm_free_bytes() is None:
-            if self.config.shm is True:
-                raise ConfigError("shm=True: staging in /dev/shm needs a single process with /dev/shm "
-                                  "(torch.distributed runs stage in process memory)")
-            return None
-        info = self.writer.branch
-        identity = {"store": str(self.writer.backend.url), "branch": info.name, "branch_id": info.id,
-                    "branch_created": info.created}
-        ring = Ring(identity)
-        try:
-            recovered = recover(self.writer, identity, exclude=ring.dir)
-        except BaseException:
-            ring.close()
-            self.writer.close()
-            raise
-        self.recovered = recovered
-        return ring
-
-    def _start_helper(self) -> HelperHandle | None:
-        """The helper process (helper.py) where it can run: a ring, a single
-        process, a local store (a shared flock). Started, not waited for."""
-        lock = getattr(self.writer, "_branch_lock", None)
-        fd = lock.fileno() if lock is not None and hasattr(lock, "fileno") else None
-        able = self._ring is not None and fd is not None and sys.platform.startswith("linux")
-        # auto: only with an auto-sized pool (it always holds a whole step); an
-        # explicit host_buffer_bytes may be meant to stage steps in parts.
-        # A Backend object given by the caller stays in this process: the helper
-        # would act on another instance of it, invisible to the caller.
-        auto = self.config.helper is None and self.config.host_buffer_bytes is None and self._store_by_name
-        if not (self.config.helper or auto) or not able:
-            if self.config.helper is True:
-                raise ConfigError("helper=True needs a single process, /dev/shm and a local store")
-            return None
-        if type(self.writer.backend) is not LocalBackend:  # the helper opens the store by its path
-            raise ConfigError(f"helper=True: the capture helper process opens the store by its path; a "
-                              f"{type(self.writer.backend).__name__} object cannot move into it (pass the path, "
-                              "or use helper=False)")
-        cfg = self.config
-        options = {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
-                   "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes, "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
-        assert self._ring is not None and fd is not None
-        return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice)
-
-    def _new_pool(self, capacity: int, pin: bool) -> HostPool:
-        """A pool in the ring's /dev/shm file where it fits (policy.shm_decision),
-        else in process memory with a warning (or an error with shm=True)."""
-        old, was_ring = self.pool, self._pool_in_ring
-        capacity = -(-capacity // 4096) * 4096  # the file in whole pages
-        self._pool_in_ring = False
-        if self._ring is not None:
-            decision = policy.shm_decision(pool_bytes=capacity, shm_free_bytes=shm_free_bytes())
-            if decision.where == "shm":
-                if old is not None and was_ring:
-                    old.unregister()
-                    self._ring.drop_pool(self._ring.pool_name)
-                pool = HostPool(capacity, pin=pin, buffer=self._ring.new_pool(capacity))
-                self._pool_in_ring = True
-                return pool
-            if self.config.shm is True:
-                raise CaptureError(f"shm=True: {decision.warning}")
-            warnings.warn(f"dstt: {decision.warning}", RuntimeWarning, stacklevel=5)
-        return HostPool(capacity, pin=pin)
-
-    def _seal(self, job: Job) -> None:
-        """Every copy of a held step has landed: record it in the ring, so
-        the step is committed even if this process dies now (ring.py)."""
-        try:
-            for ev in job.cuda_eager:
-                ev.synchronize()
-            assert self._ring is not None and job.pool is not None
-            self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views))
-            job.sealed = True
-        except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
-            log.warning("dstt: step %d not sealed in the staging ring (%s): it is lost if the trainer dies "
-                        "before it is committed", job.plan.step, e)
-
-    def _settle(self, job: Job) -> None:
-        """After a step's commit (or failure): forget its seal, free its held blocks."""
-        # With the helper, it removes a seal once committed; a seal it could not
-        # commit stays (its blocks are reused now: recovery's CRC check skips it).
-        if job.sealed and self._ring is not None and self._helper is None:
-            self._ring.unseal(job.plan.step)
-        if job.hold and job.pool is not None:
-            for _, view in job.views:
-                job.pool.release(view)
-        job.views = []
 
     def _fail(self, step: int, e: BaseException) -> None:
         err = e if isinstance(e, CaptureError) and f"step {step}" in str(e) else None

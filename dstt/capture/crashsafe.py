@@ -1,0 +1,177 @@
+"""The crash-surviving half of :class:`dstt.Capture` (issue 12): the
+staging ring in /dev/shm, the helper process that commits sealed steps even
+if the trainer dies, and recovery of what a dead trainer's ring sealed.
+
+:class:`CrashSafe` is a mixin: it holds no state of its own and works on the
+attributes :class:`~dstt.capture.engine.Capture` sets up (``config``,
+``writer``, ``pool``, ``_ring``, ``_helper``, ``_plan_coord``...). Keeping
+it apart keeps the pipeline (engine.py) readable and lets the two evolve
+separately; the engine calls only the methods defined here.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from dstt.capture import policy
+from dstt.capture.helper import HelperHandle
+from dstt.capture.helper import start as start_helper
+from dstt.capture.pipeline import Job
+from dstt.capture.ring import Ring, recover, seal_record, shm_free_bytes
+from dstt.capture.staging import HostPool
+from dstt.errors import CaptureError, ConfigError, StoreLockedError
+from dstt.store.backends import LocalBackend
+from dstt.store.localio import pid_alive
+from dstt.store.lock import lock_holder
+from dstt.store.writer import CommitInfo, Writer
+
+log = logging.getLogger("dstt.capture")
+
+#: How long a new Capture waits for a dead trainer's helper to finish
+#: committing its sealed steps (it holds the branch lock until then).
+HELPER_TAIL_S = 60.0
+
+
+def after_helpers(make: Callable[[], Writer], store: Any, branch: str) -> Writer:
+    """``make()``, waiting (up to HELPER_TAIL_S) while the branch is locked
+    by a writer whose recorded trainer is dead on this host: that is its
+    capture helper finishing, and it frees the branch when done."""
+    deadline = time.monotonic() + HELPER_TAIL_S
+    while True:
+        try:
+            return make()
+        except StoreLockedError:
+            try:
+                info = lock_holder(store, branch)
+            except Exception:  # noqa: BLE001 - the original error says more
+                info = None
+            finishing = (info is not None and info.pid is not None and info.host == socket.gethostname()
+                         and not pid_alive(info.pid))
+            if not finishing or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+
+class CrashSafe:
+    """Ring, helper and recovery methods of :class:`~dstt.capture.engine.Capture`."""
+
+    config: Any
+    writer: Writer
+    pool: HostPool | None
+    _ring: Ring | None
+    _helper: HelperHandle | None
+    _pool_in_ring: bool
+    _plan_coord: Any
+    _store_by_name: bool
+    recovered: list[int]
+
+    def _commit_by_helper(self, job: Job) -> CommitInfo:
+        """Helper mode (single process): the helper writes and commits the
+        sealed step; a step that failed here, or could not be sealed, fails."""
+        assert self._helper is not None
+        if job.error is not None:
+            raise job.error
+        if not job.sealed:
+            raise CaptureError(
+                f"step {job.plan.step} not committed: it was not sealed in the staging ring (a step must fit "
+                "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
+                "to stage larger steps in parts)")
+        return CommitInfo(**self._helper.commit(job.plan.step))
+
+    def _open_ring(self) -> Ring | None:
+        """This Capture's ring in /dev/shm (single process; see ring.py),
+        after committing what rings of dead trainers sealed."""
+        if self.config.shm is False or self._plan_coord.distributed or shm_free_bytes() is None:
+            if self.config.shm is True:
+                raise ConfigError("shm=True: staging in /dev/shm needs a single process with /dev/shm "
+                                  "(torch.distributed runs stage in process memory)")
+            return None
+        info = self.writer.branch
+        identity = {"store": str(self.writer.backend.url), "branch": info.name, "branch_id": info.id,
+                    "branch_created": info.created}
+        ring = Ring(identity)
+        try:
+            recovered = recover(self.writer, identity, exclude=ring.dir)
+        except BaseException:
+            ring.close()
+            self.writer.close()
+            raise
+        self.recovered = recovered
+        return ring
+
+    def _start_helper(self) -> HelperHandle | None:
+        """The helper process (helper.py) where it can run: a ring, a single
+        process, a local store (a shared flock). Started, not waited for."""
+        lock = getattr(self.writer, "_branch_lock", None)
+        fd = lock.fileno() if lock is not None and hasattr(lock, "fileno") else None
+        able = self._ring is not None and fd is not None and sys.platform.startswith("linux")
+        # auto: only with an auto-sized pool (it always holds a whole step); an
+        # explicit host_buffer_bytes may be meant to stage steps in parts.
+        # A Backend object given by the caller stays in this process: the helper
+        # would act on another instance of it, invisible to the caller.
+        auto = self.config.helper is None and self.config.host_buffer_bytes is None and self._store_by_name
+        if not (self.config.helper or auto) or not able:
+            if self.config.helper is True:
+                raise ConfigError("helper=True needs a single process, /dev/shm and a local store")
+            return None
+        if type(self.writer.backend) is not LocalBackend:  # the helper opens the store by its path
+            raise ConfigError(f"helper=True: the capture helper process opens the store by its path; a "
+                              f"{type(self.writer.backend).__name__} object cannot move into it (pass the path, "
+                              "or use helper=False)")
+        cfg = self.config
+        options = {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
+                   "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes, "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
+        assert self._ring is not None and fd is not None
+        return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice)
+
+    def _new_pool(self, capacity: int, pin: bool) -> HostPool:
+        """A pool in the ring's /dev/shm file where it fits (policy.shm_decision),
+        else in process memory with a warning (or an error with shm=True)."""
+        old, was_ring = self.pool, self._pool_in_ring
+        capacity = -(-capacity // 4096) * 4096  # the file in whole pages
+        self._pool_in_ring = False
+        if self._ring is not None:
+            decision = policy.shm_decision(pool_bytes=capacity, shm_free_bytes=shm_free_bytes())
+            if decision.where == "shm":
+                if old is not None and was_ring:
+                    old.unregister()
+                    self._ring.drop_pool(self._ring.pool_name)
+                pool = HostPool(capacity, pin=pin, buffer=self._ring.new_pool(capacity))
+                self._pool_in_ring = True
+                return pool
+            if self.config.shm is True:
+                raise CaptureError(f"shm=True: {decision.warning}")
+            warnings.warn(f"dstt: {decision.warning}", RuntimeWarning, stacklevel=5)
+        return HostPool(capacity, pin=pin)
+
+    def _seal(self, job: Job) -> None:
+        """Every copy of a held step has landed: record it in the ring, so
+        the step is committed even if this process dies now (ring.py)."""
+        try:
+            for ev in job.cuda_eager:
+                ev.synchronize()
+            assert self._ring is not None and job.pool is not None
+            self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views))
+            job.sealed = True
+        except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
+            log.warning("dstt: step %d not sealed in the staging ring (%s): it is lost if the trainer dies "
+                        "before it is committed", job.plan.step, e)
+
+    def _settle(self, job: Job) -> None:
+        """After a step's commit (or failure): forget its seal, free its held blocks."""
+        # With the helper, it removes a seal once committed; a seal it could not
+        # commit stays (its blocks are reused now: recovery's CRC check skips it).
+        if job.sealed and self._ring is not None and self._helper is None:
+            self._ring.unseal(job.plan.step)
+        if job.hold and job.pool is not None:
+            for _, view in job.views:
+                job.pool.release(view)
+        job.views = []
+
