@@ -45,10 +45,12 @@ from dstt.store.layout import STATS_COLUMNS
 from dstt.store.manifest import (
     TensorEntry,
     decode_stats,
+    memory_only_of,
     parse_commit,
     parse_index,
     parse_names,
     sha256_hex,
+    stats_columns_of,
 )
 from dstt.store.root import BranchInfo, check_root, committed_steps, list_branches, load_branch
 
@@ -224,7 +226,8 @@ class RunIndex:
         names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
         if names != [e.name for e in entries]:
             raise CorruptStoreError(f"{where}: names.json does not match index.json")
-        stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(entries), where)
+        stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(entries), where,
+                             stats_columns_of(commit))
         for e, row in zip(entries, stats):
             e.stats = dict(zip(STATS_COLUMNS, (float(x) for x in row)))
         rec = StepRecord(branch, step, commit, entries, {e.name: e for e in entries}, objects, stats, names)
@@ -253,8 +256,33 @@ class RunIndex:
         else:
             names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
             self._names_cache = (digest, names)
-        stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(names), where)
+        stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(names), where,
+                             stats_columns_of(commit))
         return names, stats
+
+    def captured(self, branch: str | None = None) -> tuple[list[tuple[int, int]], list[int]]:
+        """What ``branch`` captured, from its commit documents (no tensor
+        data read): (captured spans as inclusive ``(first, last)`` ranges,
+        persisted steps). With ``Capture(memory_steps=K)`` a step may be
+        captured into memory only; each commit records those since the
+        previous persisted step (``memory_only``). See :func:`captured_spans`.
+
+        >>> import tempfile, torch, dstt
+        >>> path = tempfile.mkdtemp() + "/run"
+        >>> for s in (100, 108):
+        ...     _ = dstt.save(path, s, {"w": torch.ones(1)})
+        >>> RunIndex(path).captured()
+        ([(100, 100), (108, 108)], [100, 108])
+        """
+        branch = branch or self.default_branch
+        commits = []
+        for s in self.steps(branch):
+            where = L.step_dir(branch, s)
+            raw = self.backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
+            if raw is not None:  # (None: pruned since the listing)
+                commits.append((s, memory_only_of(parse_commit(raw, where))))
+        spans, persisted, _ = captured_spans(commits)
+        return spans, persisted
 
     # ------------------------------------------------------------------ tensors
 
@@ -350,6 +378,62 @@ class RunIndex:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+def captured_spans(commits: Iterable[tuple[int, list[tuple[int, int]]]]
+                   ) -> tuple[list[tuple[int, int]], list[int], list[tuple[int, int]]]:
+    """(captured spans, persisted steps, memory-only ranges) of a branch
+    from its commits' ``(step, memory_only ranges)``.
+
+    Persisted steps are the committed ones. A memory-only range that a
+    later persisted step covers (a backfill after an incident) is split
+    around it: commit markers win. A captured span joins each commit's
+    memory-only ranges to the persisted step before them (they were recorded
+    as "since the previous persisted step") and to the commit itself;
+    adjacent or overlapping spans merge.
+
+    >>> captured_spans([(100, []), (108, [(101, 107)]), (116, [(109, 115)]), (200, [])])
+    ([(100, 116), (200, 200)], [100, 108, 116, 200], [(101, 107), (109, 115)])
+    >>> captured_spans([(100, []), (108, [(101, 107)]), (104, [])])[2]
+    [(101, 103), (105, 107)]
+    """
+    import bisect
+
+    points = sorted(commits)
+    persisted = sorted({s for s, _ in points})
+    spans: list[tuple[int, int]] = []
+    raw_ranges: list[tuple[int, int]] = []
+    prev: int | None = None
+    for step, ranges in points:
+        if ranges:
+            raw_ranges.extend(ranges)
+            spans.append((min(ranges[0][0], step) if prev is None else min(prev, ranges[0][0]), step))
+        spans.append((step, step))
+        prev = step
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(spans):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    memory: list[tuple[int, int]] = []
+    for first, last in sorted(raw_ranges):
+        lo = bisect.bisect_left(persisted, first)
+        hi = bisect.bisect_right(persisted, last)
+        cur = first
+        for p in persisted[lo:hi]:
+            if cur <= p - 1:
+                memory.append((cur, p - 1))
+            cur = p + 1
+        if cur <= last:
+            memory.append((cur, last))
+    out: list[tuple[int, int]] = []
+    for first, last in memory:  # ranges of different commits may overlap (a hostile or odd store)
+        if out and first <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return merged, persisted, out
 
 
 def resolve_parent(backend: Backend, parent: Any) -> StepRef | None:

@@ -11,6 +11,7 @@
     meta/branch_ids/<id>                   claims a branch id (created exclusively)
     meta/steps/<branch>/<step:020d>/{index.json,names.json,stats.npy,commit.json}
     meta/locks/<branch>.lock               single-writer lock per branch
+    meta/incidents/<branch>/<step:020d>-<unique>.json  incident records (dstt.store.incidents)
 
 All keys are '/'-separated, relative to the store root, identical for local
 paths and object stores.
@@ -59,7 +60,14 @@ NAMES_FILE = "names.json"
 STATS_FILE = "stats.npy"
 #: Columns of ``stats.npy`` (float64, one row per tensor, index order);
 #: computed at capture time by :mod:`dstt.store.stats`.
-STATS_COLUMNS = ("numel", "nonfinite", "norm", "mean", "std", "min", "max")
+#: ``update_norm`` is ‖θₖ − θₖ₋₁‖ over the tensor (θₖ₋₁: the previous
+#: captured step, persisted or not), ``update_ratio`` is update_norm / norm;
+#: both NaN where the previous step was not at hand. Steps written before
+#: they existed have the first 7 columns: the commit document's
+#: ``stats_columns`` says which a step holds (missing ones read as NaN).
+STATS_COLUMNS = ("numel", "nonfinite", "norm", "mean", "std", "min", "max", "update_norm", "update_ratio")
+#: The columns of every stats.npy written before ``stats_columns`` could differ.
+LEGACY_STATS_COLUMNS = STATS_COLUMNS[:7]
 
 #: Longest escaped tensor-name component: a file name on common local filesystems.
 MAX_COMPONENT_BYTES = 255
@@ -200,6 +208,15 @@ def skips_prefix(branch: str) -> str:
 def skip_key(branch: str, step: int) -> str:
     """``meta/skips/<branch>/<step:020d>.json``."""
     return f"{SKIPS_DIR}/{branch}/{step:0{STEP_DIGITS}d}.json"
+
+
+#: Incident records (issue 14; :mod:`dstt.store.incidents`): one JSON
+#: document per incident, ``meta/incidents/<branch>/<step:020d>-<unique>.json``.
+INCIDENTS_DIR = f"{META}/incidents"
+
+
+def incidents_prefix(branch: str) -> str:
+    return f"{INCIDENTS_DIR}/{branch}/"
 
 
 #: Zarr v3 "default" chunk key encoding with "." as separator: every chunk of

@@ -28,6 +28,7 @@ from dstt.store.delta import DELTA_ITEMSIZES
 from dstt.store.dtypes import DtypeInfo, info_for_name
 from dstt.store.layout import (
     DELTA_SUFFIX,
+    LEGACY_STATS_COLUMNS,
     MAX_ARRAY_PATH,
     MAX_BRANCHES,
     MAX_SLOTS,
@@ -125,18 +126,64 @@ def index_document(version: int, branch: str, step: int, entries: list[TensorEnt
 
 def commit_document(*, version: int, branch: str, step: int, seq: int, time: float, world_size: int,
                     n_tensors: int, bytes_total: int, bytes_written: int, bytes_referenced: int,
-                    has_pickle: bool, files: dict[str, dict[str, Any]], coding: str | None = None) -> bytes:
+                    has_pickle: bool, files: dict[str, dict[str, Any]], coding: str | None = None,
+                    memory_only: list[tuple[int, int]] | None = None) -> bytes:
     """``commit.json``, the commit marker of a step: what :func:`parse_commit`
     reads back. ``files`` maps index.json, names.json and stats.npy to their
     ``{"sha256", "size"}``; ``coding`` (``"fast"``: a ``compression="auto"``
     step stored without compression because the writer was behind) is
-    recorded only when given."""
+    recorded only when given. ``memory_only`` (issue 14): the steps captured
+    into memory only (not persisted) since the branch's previous persisted
+    step, as inclusive ``(first, last)`` ranges, ascending; recorded only
+    when given and non-empty."""
+    ranges = check_memory_only(memory_only, step, f"step {step}") if memory_only else []
     return encode_json({
         "format": "dstt-step", "format_version": version, "branch": branch, "step": step, "seq": seq,
         "time": time, "world_size": world_size, "n_tensors": n_tensors, "bytes_total": bytes_total,
         "bytes_written": bytes_written, "bytes_referenced": bytes_referenced, "has_pickle": has_pickle,
         "stats_columns": list(STATS_COLUMNS), "files": files, **({"coding": coding} if coding else {}),
+        **({"memory_only": [list(r) for r in ranges]} if ranges else {}),
     })
+
+
+#: Memory-only ranges one commit document holds at most.
+MAX_MEMORY_ONLY_RANGES = 100_000
+
+
+def check_memory_only(raw: Any, step: int, where: str) -> list[tuple[int, int]]:
+    """Validated ``memory_only`` ranges of a commit of ``step``: a list of
+    at most MAX_MEMORY_ONLY_RANGES ``[first, last]`` integer pairs with
+    ``first <= last < step``, ascending and disjoint (CorruptStoreError
+    otherwise; the writer checks what it records the same way).
+
+    >>> check_memory_only([[1, 3], [5, 5]], 8, "w")
+    [(1, 3), (5, 5)]
+    """
+    _need(isinstance(raw, (list, tuple)) and len(raw) <= MAX_MEMORY_ONLY_RANGES, where,
+          f"memory_only must be a list of at most {MAX_MEMORY_ONLY_RANGES} ranges")
+    out: list[tuple[int, int]] = []
+    prev_last = -1
+    for r in raw:
+        _need(isinstance(r, (list, tuple)) and len(r) == 2, where, "memory_only ranges must be [first, last] pairs")
+        first = _int(r[0], where, "memory_only first step", hi=step - 1)
+        last = _int(r[1], where, "memory_only last step", hi=step - 1)
+        _need(first <= last, where, f"memory_only range [{first}, {last}] is reversed")
+        _need(first > prev_last, where, "memory_only ranges must be ascending and disjoint")
+        prev_last = last
+        out.append((first, last))
+    return out
+
+
+def stats_columns_of(commit: dict[str, Any]) -> tuple[str, ...]:
+    """The stats columns a (parsed) commit's stats.npy holds: its
+    ``stats_columns`` when recorded, else the 7 of stores written before it."""
+    cols = commit.get("stats_columns")
+    return LEGACY_STATS_COLUMNS if cols is None else tuple(cols)
+
+
+def memory_only_of(commit: dict[str, Any]) -> list[tuple[int, int]]:
+    """The memory-only ranges of a (parsed) commit; [] when absent."""
+    return [(int(r[0]), int(r[1])) for r in commit.get("memory_only", ())]
 
 
 def sha256_hex(data: bytes) -> str:
@@ -169,27 +216,55 @@ def decode_json(data: bytes, where: str) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _stats_header(n: int) -> bytes:
-    """The .npy header np.save writes for an (n, 7) float64 table."""
+def _stats_header(n: int, ncols: int = len(STATS_COLUMNS)) -> bytes:
+    """The .npy header np.save writes for an (n, ncols) float64 table."""
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
-        buf, {"descr": "<f8", "fortran_order": False, "shape": (n, len(STATS_COLUMNS))})
+        buf, {"descr": "<f8", "fortran_order": False, "shape": (n, ncols)})
     return buf.getvalue()
 
 
-def decode_stats(data: bytes, n: int, where: str) -> np.ndarray:
+def _stored_stats(data: bytes, n: int, ncols: int, where: str) -> np.ndarray:
     # Fast path (history reads thousands of these): exactly the header dstt
     # writes, then the raw table -- no parsing of the header dict needed.
-    header = _stats_header(n)
-    if bytes(data[: len(header)]) == header and len(data) == len(header) + n * len(STATS_COLUMNS) * 8:
-        return np.frombuffer(data, dtype="<f8", offset=len(header)).reshape(n, len(STATS_COLUMNS))
+    header = _stats_header(n, ncols)
+    if bytes(data[: len(header)]) == header and len(data) == len(header) + n * ncols * 8:
+        return np.frombuffer(data, dtype="<f8", offset=len(header)).reshape(n, ncols)
     try:
         arr = np.load(io.BytesIO(data), allow_pickle=False)
     except Exception as e:  # numpy raises ValueError/OSError/EOFError variants
         raise CorruptStoreError(f"{where}: unreadable stats ({e})") from None
-    if arr.dtype != np.dtype("<f8") or arr.shape != (n, len(STATS_COLUMNS)):
-        raise CorruptStoreError(f"{where}: stats have shape {arr.shape} {arr.dtype}, expected ({n}, {len(STATS_COLUMNS)}) float64")
+    if arr.dtype != np.dtype("<f8") or arr.shape != (n, ncols):
+        raise CorruptStoreError(f"{where}: stats have shape {arr.shape} {arr.dtype}, expected ({n}, {ncols}) float64")
     return cast('np.ndarray', arr)  # validated above
+
+
+def decode_stats(data: bytes, n: int, where: str, columns: tuple[str, ...] | None = None) -> np.ndarray:
+    """A step's stats table as an ``(n, len(STATS_COLUMNS))`` float64 array
+    in STATS_COLUMNS order, whatever columns it was written with:
+    ``columns`` are the stored ones (the commit's ``stats_columns``, see
+    :func:`stats_columns_of`); a column this dstt knows that the step lacks
+    reads as NaN, a stored column it does not know is ignored. Without
+    ``columns``, a table of STATS_COLUMNS or of the 7 legacy columns is taken
+    for what it is."""
+    if columns is None:
+        legacy = len(STATS_COLUMNS) != len(LEGACY_STATS_COLUMNS) and (
+            bytes(data[:len(_stats_header(n, len(LEGACY_STATS_COLUMNS)))]) ==
+            _stats_header(n, len(LEGACY_STATS_COLUMNS)))
+        columns = LEGACY_STATS_COLUMNS if legacy else STATS_COLUMNS
+    arr = _stored_stats(data, n, len(columns), where)
+    if columns == STATS_COLUMNS:
+        return arr
+    out = np.full((n, len(STATS_COLUMNS)), np.nan)
+    for j, c in enumerate(columns):
+        if c in _STATS_POS:
+            out[:, _STATS_POS[c]] = arr[:, j]
+    return out
+
+
+_STATS_POS = {c: i for i, c in enumerate(STATS_COLUMNS)}
+#: Stats columns one step records at most (names of at most 64 characters).
+MAX_STATS_COLUMNS = 64
 
 
 # ----------------------------------------------------------------------------- validation helpers
@@ -237,6 +312,13 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
     for k in ("bytes_written", "bytes_referenced", "n_tensors"):
         _int(doc.get(k), where, k)
     _need(isinstance(doc.get("time"), (int, float)), where, "time must be a number")
+    cols = doc.get("stats_columns")
+    if cols is not None:
+        _need(isinstance(cols, list) and 0 < len(cols) <= MAX_STATS_COLUMNS
+              and all(isinstance(c, str) and 0 < len(c) <= 64 for c in cols) and len(set(cols)) == len(cols),
+              where, f"stats_columns must list at most {MAX_STATS_COLUMNS} distinct column names")
+    if "memory_only" in doc:
+        check_memory_only(doc["memory_only"], doc["step"], where)
     return cast('dict[str, Any]', doc)  # validated above
 
 

@@ -1,14 +1,24 @@
 """Per-tensor statistics computed at capture time, chunk by chunk.
 
 Each chunk yields mergeable partials (count, mean, M2, sum of squares, min,
-max, non-finite count); partials from chunks written by different threads or
+max, non-finite count, and the sum of squares of the update since the
+previous captured step); partials from chunks written by different threads or
 ranks are merged with Chan's parallel update, so the step index has exact
 whole-tensor stats without a second pass over the data.
 
 Stats columns of ``stats.npy`` (float64, one row per tensor, index order):
-``numel, nonfinite, norm, mean, std, min, max``. ``std`` uses Bessel's
-correction like ``torch.Tensor.std()``; NaN/Inf values propagate (the
-``nonfinite`` column counts them).
+``numel, nonfinite, norm, mean, std, min, max, update_norm, update_ratio``.
+``std`` uses Bessel's correction like ``torch.Tensor.std()``; NaN/Inf values
+propagate (the ``nonfinite`` column counts them). ``update_norm`` is
+‖x − prev‖ (prev: the same tensor at the previous captured step, when the
+capture has it at hand), ``update_ratio`` is update_norm / norm; both NaN
+when prev is unknown.
+
+>>> import torch
+>>> a, b = torch.tensor([3.0, 4.0, 0.0]), torch.tensor([3.0, 4.0, 1.0])
+>>> row = finalize(merge([chunk_partial(b[:2], a[:2]), chunk_partial(b[2:], a[2:])]))
+>>> dict(zip(STATS_COLUMNS, row))["update_norm"], round(dict(zip(STATS_COLUMNS, row))["update_ratio"], 4)
+(1.0, 0.1961)
 """
 
 from __future__ import annotations
@@ -32,13 +42,17 @@ class Partial:
     min: float = math.inf
     max: float = -math.inf
     nonfinite: int = 0
+    #: Sum of squares of (x - prev) over the chunk's values; NaN when the
+    #: previous value is unknown (merged: NaN if any part's is).
+    usq: float = NAN
 
     def to_list(self) -> list[float]:
-        return [self.n, self.mean, self.m2, self.sumsq, self.min, self.max, self.nonfinite]
+        return [self.n, self.mean, self.m2, self.sumsq, self.min, self.max, self.nonfinite, self.usq]
 
     @classmethod
     def from_list(cls, v: list[float]) -> "Partial":
-        return cls(int(v[0]), v[1], v[2], v[3], v[4], v[5], int(v[6]))
+        """Inverse of :meth:`to_list` (a 7-item list, from before ``usq``: NaN)."""
+        return cls(int(v[0]), v[1], v[2], v[3], v[4], v[5], int(v[6]), v[7] if len(v) > 7 else NAN)
 
 
 def _as_float(x: torch.Tensor) -> torch.Tensor:
@@ -51,8 +65,31 @@ def _as_float(x: torch.Tensor) -> torch.Tensor:
     return x.double()
 
 
-def chunk_partial(x: torch.Tensor) -> Partial:
-    """Partials of one chunk's logical values (any dtype, any device).
+def update_sumsq(x: torch.Tensor, prev: torch.Tensor | None) -> float:
+    """Σ (x − prev)² over the values, as float64-safe as ``sumsq``: the
+    difference is taken in float32 (float64 for float64/int inputs) after
+    widening, never in a low-precision dtype; NaN when ``prev`` is None or
+    its shape differs."""
+    if prev is None or prev.numel() != x.numel():
+        return NAN
+    if x.numel() == 0:
+        return 0.0
+    if x.is_complex() or prev.is_complex():
+        d = x.reshape(-1).to(torch.complex128) - prev.reshape(-1).to(x.device, torch.complex128)
+        norm = float(torch.linalg.vector_norm(d))
+        return norm * norm
+    a = _as_float(x.reshape(-1))
+    b = _as_float(prev.reshape(-1).to(x.device))
+    if a.dtype != b.dtype:
+        a, b = a.double(), b.double()
+    norm = float(torch.linalg.vector_norm(a - b))
+    return norm * norm  # inf on overflow
+
+
+def chunk_partial(x: torch.Tensor, prev: torch.Tensor | None = None) -> Partial:
+    """Partials of one chunk's logical values (any dtype, any device);
+    ``prev`` is the same chunk at the previous captured step (same number of
+    values), for the update norm (``usq`` NaN without it).
 
     Fast path: mean from a sum and M2 from the sum of squares (both cascade
     reductions, ~3-5 GB/s) -- Welford's ``var_mean`` runs at ~0.25 GB/s here.
@@ -60,9 +97,10 @@ def chunk_partial(x: torch.Tensor) -> Partial:
     near 1), so below a variance/mean² ratio of 1e-2 the exact two-pass
     ``torch.var`` is used instead.
     """
+    usq = update_sumsq(x, prev)
     n = x.numel()
     if n == 0:
-        return Partial()
+        return Partial(usq=usq)
     xf = _as_float(x.reshape(-1))
     total = float(xf.sum(dtype=torch.float64) if xf.dtype == torch.float64 else xf.sum())
     mean = total / n
@@ -72,14 +110,16 @@ def chunk_partial(x: torch.Tensor) -> Partial:
     m2 = sumsq - n * mean * mean
     if not (math.isfinite(mean) and math.isfinite(sumsq)):
         nonfinite = int(xf.numel() - torch.isfinite(xf).sum())
-        return Partial(n, mean, float("nan"), sumsq, float(lo), float(hi), nonfinite)
+        return Partial(n, mean, float("nan"), sumsq, float(lo), float(hi), nonfinite, usq)
     if m2 < 1e-2 * n * mean * mean or m2 <= 0:
         m2 = float(torch.var(xf, correction=0)) * n if n > 1 else 0.0
-    return Partial(n, mean, m2, sumsq, float(lo), float(hi), 0)
+    return Partial(n, mean, m2, sumsq, float(lo), float(hi), 0, usq)
 
 
 def merge(parts: list[Partial]) -> Partial:
     out = Partial()
+    # The update sum: NaN as soon as one part lacks it (an empty merge too).
+    usq = sum(p.usq for p in parts) if parts else NAN
     for p in parts:
         if p.n == 0:
             continue
@@ -99,6 +139,7 @@ def merge(parts: list[Partial]) -> Partial:
             _nanmax(out.max, p.max),
             out.nonfinite + p.nonfinite,
         )
+    out.usq = usq
     return out
 
 
@@ -112,10 +153,22 @@ def _nanmax(a: float, b: float) -> float:
 
 def finalize(p: Partial) -> list[float]:
     """Row of ``STATS_COLUMNS`` for a merged partial."""
+    update_norm = math.sqrt(p.usq) if p.usq == p.usq and p.usq >= 0 else NAN
     if p.n == 0:
-        return [0.0, 0.0, 0.0, NAN, NAN, NAN, NAN]
+        return [0.0, 0.0, 0.0, NAN, NAN, NAN, NAN, update_norm, _ratio(update_norm, 0.0)]
     std = math.sqrt(max(p.m2, 0.0) / (p.n - 1)) if p.n > 1 else (NAN if p.m2 != p.m2 else 0.0)
     if p.m2 != p.m2:
         std = NAN
     norm = math.sqrt(p.sumsq) if p.sumsq == p.sumsq and p.sumsq >= 0 else NAN
-    return [float(p.n), float(p.nonfinite), norm, p.mean, std, p.min, p.max]
+    return [float(p.n), float(p.nonfinite), norm, p.mean, std, p.min, p.max, update_norm,
+            _ratio(update_norm, norm)]
+
+
+def _ratio(update_norm: float, norm: float) -> float:
+    """update_norm / norm: 0 when both are 0, inf when only norm is, NaN
+    when either is unknown."""
+    if update_norm != update_norm or norm != norm:
+        return NAN
+    if norm == 0:
+        return 0.0 if update_norm == 0 else math.inf
+    return update_norm / norm
