@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dstt.refs import StepRef
+from dstt.store.incidents import Incident
 from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY
 from dstt.store.reader import TensorReader
 from dstt.store.writer import CommitInfo, Writer
@@ -43,6 +44,32 @@ class Run(TensorReader):
         from dstt.analysis.anomaly import find
 
         return find(self, patterns, branch, **kw)
+
+    def incidents(self, branch: str | None = None) -> list[Incident]:
+        """The incidents recorded in the store (``cap.incident(reason)``,
+        automatic ones on NaN/Inf values, rewinds), of ``branch`` or of every
+        branch, sorted by (branch, step, time). Each is a
+        :class:`dstt.store.incidents.Incident`: ``branch``, ``step``,
+        ``reason``, ``source`` (``"trainer"``, ``"non-finite"``,
+        ``"rewind"``), ``time``, ``steps`` (the memory ring's steps persisted
+        because of it) and ``tensors`` (the non-finite ones). A damaged
+        record is skipped with a logged warning. Which steps were captured
+        and which persisted: :meth:`captured`.
+
+        >>> import tempfile, torch, dstt
+        >>> from dstt.store.incidents import Incident, record_incident
+        >>> path = tempfile.mkdtemp() + "/run"
+        >>> _ = dstt.save(path, 7, {"w": torch.ones(1)})
+        >>> run = dstt.open(path)
+        >>> _ = record_incident(run.backend, Incident("main", 7, "loss spike", "trainer", 1.0e9, (6, 7)))
+        >>> [(i.step, i.source, i.reason, i.steps) for i in run.incidents()]
+        [(7, 'trainer', 'loss spike', (6, 7))]
+        >>> run.captured()  # (captured spans, persisted steps)
+        ([(7, 7)], [7])
+        """
+        from dstt.store.incidents import list_incidents
+
+        return list_incidents(self.backend, branch)
 
 
 def save(

@@ -122,7 +122,7 @@ def test_incident_document_bounds(store: Path) -> None:
     [], {"format": "dstt-skip"}, {"format": "dstt-incident", "format_version": 2},
     {"branch": "../x"}, {"branch": "other"}, {"step": -1}, {"step": True}, {"step": 10**21},
     {"reason": 5}, {"reason": "r" * (MAX_REASON_CHARS + 1)}, {"source": "me"}, {"time": "now"},
-    {"time": True}, {"steps": [3, 2]}, {"steps": [1, 1]}, {"steps": "1-3"}, {"steps": [-4]},
+    {"time": True}, {"time": 1e300}, {"time": -5}, {"steps": [3, 2]}, {"steps": [1, 1]}, {"steps": "1-3"}, {"steps": [-4]},
     {"tensors": [1]}, {"tensors": "w"},
 ])
 def test_parse_incident_refuses_hostile_fields(doc: object) -> None:
@@ -255,3 +255,152 @@ def test_old_seven_column_stores_still_read(store: Path) -> None:
     edit_commit(store, 1, stats_columns=list(L.STATS_COLUMNS))
     with pytest.raises(DsttError):
         dstt.open(store).step_stats(1)
+
+
+# ----------------------------------------------------------------------------- what people see: ls, find, history, report
+
+from typer.testing import CliRunner
+
+from dstt.cli.main import app
+
+runner = CliRunner()
+HOSTILE_REASON = "loss 9.1\x1b[2J<b>spike</b>\nnext line"
+
+
+def _cli_json(*args: str) -> dict:
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def add_update_stats(store: Path, step: int, cur: dict[str, torch.Tensor], prev: dict[str, torch.Tensor]) -> None:
+    """Fill a saved step's update columns as the capture does, from the real
+    tensors (torch, float64), and re-record the file in its commit."""
+    where = store / L.step_dir("main", step)
+    names = json.loads((where / L.NAMES_FILE).read_bytes())
+    table = np.load(where / L.STATS_FILE).copy()
+    for i, n in enumerate(names):
+        u = float(torch.linalg.vector_norm(cur[n].double() - prev[n].double()))
+        table[i, 7], table[i, 8] = u, u / float(torch.linalg.vector_norm(cur[n].double()))
+    buf = io.BytesIO()
+    np.save(buf, table, allow_pickle=False)
+    (where / L.STATS_FILE).write_bytes(buf.getvalue())
+    doc = json.loads((where / L.COMMIT_FILE).read_bytes())
+    doc["files"][L.STATS_FILE] = {"sha256": sha256_hex(buf.getvalue()), "size": len(buf.getvalue())}
+    (where / L.COMMIT_FILE).write_bytes(encode_json(doc))
+
+
+def flight_store(store: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Steps 100..131 captured, 100/108/116/124/131 persisted (the rest
+    memory-only, as Capture(memory_steps=K, persist=8) records them); small
+    steady updates, and a 50x larger update of model/w at 124; an incident at
+    124 (the trainer's) and one at 131 (non-finite)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(256, generator=g)
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    persisted = [100, 108, 116, 124, 131]
+    for s in persisted:
+        if states:
+            w = w + torch.randn(256, generator=g) * (0.5 if s == 124 else 0.01)
+        states[s] = {"model/w": w.clone(), "model/b": torch.full((8,), 1.0 + s / 1000)}
+        dstt.save(store, s, {"model": {"w": states[s]["model/w"], "b": states[s]["model/b"]}})
+    for prev, s in zip(persisted, persisted[1:]):
+        edit_commit(store, s, memory_only=[[prev + 1, s - 1]])
+        add_update_stats(store, s, states[s], states[prev])
+    b = open_backend(store)
+    record_incident(b, Incident("main", 124, HOSTILE_REASON, "trainer", 1.7e9, tuple(range(117, 125))))
+    record_incident(b, Incident("main", 131, "non-finite values in 1 tensor(s)", "non-finite", 1.7e9 + 60,
+                                tuple(range(125, 132)), ("model/w",)))
+    return states
+
+
+def test_cli_ls_says_captured_persisted_and_incidents(store: Path) -> None:
+    flight_store(store)
+    (branch,) = _cli_json("ls", str(store))["branches"]
+    assert branch["captured"] == [[100, 131]] and [s["step"] for s in branch["steps"]] == [100, 108, 116, 124, 131]
+    assert branch["memory_only"] == [[101, 107], [109, 115], [117, 123], [125, 130]]
+    assert branch["steps"][1]["memory_only"] == [[101, 107]]
+    assert [(i["step"], i["source"]) for i in branch["incidents"]] == [(124, "trainer"), (131, "non-finite")]
+    assert branch["incidents"][0]["reason"] == HOSTILE_REASON and branch["incidents"][0]["steps"][0] == 117
+    human = runner.invoke(app, ["ls", str(store)])
+    assert human.exit_code == 0, human.output
+    assert "steps 100-131 captured, 100/108/116/124/131 persisted" in human.stdout
+    assert "2 incident(s)" in human.stdout and "non-finite" in human.stdout and "117-124 (8 steps)" in human.stdout
+    assert "\x1b" not in human.stdout and "\\x1b[2J<b>spike</b>" in human.stdout  # store text printed as text
+    # a store without memory-only steps says nothing more than before
+    plain = store.parent / "plain"
+    _series(plain, [0, 1])
+    (b2,) = _cli_json("ls", str(plain))["branches"]
+    assert b2["captured"] == [[0, 1]] and b2["memory_only"] == [] and b2["incidents"] == []
+    assert "persisted" not in runner.invoke(app, ["ls", str(plain)]).stdout
+
+
+def test_cli_find_lists_incidents_and_detects_update_jumps(store: Path) -> None:
+    states = flight_store(store)
+    doc = _cli_json("find", f"{store}@main")
+    assert doc["first_step"] == 124
+    (ev,) = [e for e in doc["events"] if e["reason"] == "update_jump"]
+    want = float(torch.linalg.vector_norm(states[124]["model/w"] - states[116]["model/w"]))
+    assert ev["tensor"] == "model/w" and ev["value"] == pytest.approx(want / float(states[124]["model/w"].norm()))
+    assert ev["previous"] > 0 and ev["value"] > 10 * ev["previous"]
+    assert [(i["step"], i["source"]) for i in doc["incidents"]] == [(124, "trainer"), (131, "non-finite")]
+    assert _cli_json("find", str(store))["incidents"] == doc["incidents"]  # every branch
+    # only the checks asked for: no update jump without --update-jump
+    assert _cli_json("find", f"{store}@main", "--nonfinite")["events"] == []
+    assert _cli_json("find", f"{store}@main", "--update-jump", "5")["first_step"] == 124
+    assert _cli_json("find", f"{store}@main", "--update-jump", "1000")["events"] == []
+    human = runner.invoke(app, ["find", f"{store}@main"])
+    assert human.exit_code == 0 and "update_jump" in human.stdout and "recorded incident" in human.stdout
+    bad = runner.invoke(app, ["find", str(store), "--update-jump", "0.5"])
+    assert bad.exit_code == 2 and "update jump must be a factor" in bad.stderr
+    # steps without update stats (dstt.save, old stores) are not judged
+    plain = store.parent / "plain"
+    _series(plain, [0, 1, 2])
+    assert _cli_json("find", str(plain), "--update-jump", "1.01")["events"] == []
+
+
+def test_history_of_update_stats_reads_no_tensor_data(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    states = flight_store(store)
+    steps = sorted(states)
+    want = [math.nan] + [float(torch.linalg.vector_norm(states[s]["model/w"].double() - states[p]["model/w"].double()))
+                         for p, s in zip(steps, steps[1:])]
+
+    def no_reads(*a: object, **k: object) -> None:
+        raise AssertionError("history read tensor data")
+
+    monkeypatch.setattr(RunIndex, "_chunk", no_reads)
+    got = [p["value"] for p in dstt.open(store).history("model/w", stat="update_norm")]
+    assert math.isnan(got[0]) and got[1:] == pytest.approx(want[1:])
+    doc = _cli_json("history", str(store), "model/w", "--stat", "update_ratio")
+    vals = [p["value"] for p in doc["series"][0]["points"]]
+    assert vals[1:] == pytest.approx([u / float(states[s]["model/w"].norm()) for u, s in zip(want[1:], steps[1:])])
+    run = dstt.open(store)
+    assert [(i.step, i.source) for i in run.incidents()] == [(124, "trainer"), (131, "non-finite")]
+    assert run.incidents("main")[1].tensors == ("model/w",) and run.captured()[0] == [(100, 131)]
+    rows = _cli_json("ls", f"{store}:124", "--sort", "update_ratio")["tensors"]
+    assert [r["name"] for r in rows] == ["model/b", "model/w"]
+
+
+def test_report_shows_incidents_and_memory_only_steps(store: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import html
+
+    flight_store(store)
+    out = tmp_path / "r.html"
+    r = runner.invoke(app, ["report", str(store), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    page = out.read_text()
+    assert "No incident records" not in page
+    assert html.escape(HOSTILE_REASON) in page and "<b>spike</b>" not in page
+    assert "117-124" in page and "non-finite" in page
+    assert "Captured and persisted steps" in page and "100-131" in page and "101-107, 109-115, 117-123, 125-130" in page
+    assert "5: 100/108/116/124/131" in page and "update_jump" in page
+
+
+def test_history_plot_marks_incidents(store: Path) -> None:
+    from dstt.analysis.plot import events_and_forks
+
+    flight_store(store)
+    marks = events_and_forks(dstt.open(store), ["model/w"], ["main"])
+    assert [(m.step, m.kind) for m in marks if m.kind == "incident"] == [(124, "incident"), (131, "incident")]
+    assert any(m.kind == "detection" and m.label == "update_jump" for m in marks)

@@ -6,7 +6,16 @@ Checks, per tensor and step of a branch's lineage:
 * ``norm_jump``: its norm changed by more than ``jump``× (up or down) since
   the previous captured step (steps where the previous norm was 0 are not
   judged);
-* ``threshold``: a stat is above ``gt`` / below ``lt``.
+* ``threshold``: a stat is above ``gt`` / below ``lt``;
+* ``update_jump``: its update ratio ‖θₖ − θₖ₋₁‖ / ‖θₖ‖ (recorded at capture
+  time where the previous step was at hand) is more than ``update_jump``×
+  the median of its previous :data:`UPDATE_WINDOW` captured ratios -- a
+  loss spike shows as a jump in the update size before the norms move.
+  Steps without update stats (stores written before them, the first step
+  of a capture) are not judged.
+
+Incidents recorded by the capture (:mod:`dstt.store.incidents`) are not
+detections: ``dstt find`` lists them beside these.
 
 >>> import tempfile, torch, dstt
 >>> path = tempfile.mkdtemp() + "/run"
@@ -18,6 +27,7 @@ Checks, per tensor and step of a branch's lineage:
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
@@ -31,27 +41,34 @@ if TYPE_CHECKING:
 
 _NORM = STATS_COLUMNS.index("norm")
 _NONFINITE = STATS_COLUMNS.index("nonfinite")
+_URATIO = STATS_COLUMNS.index("update_ratio")
+#: Previous update ratios a tensor's current one is compared with (their median).
+UPDATE_WINDOW = 8
 
 
 def find(run: "Run", patterns: Iterable[str] | None = None, branch: str | None = None, *,
          nonfinite: bool = True, jump: float | None = 10.0, stat: str | None = None,
          gt: float | None = None, lt: float | None = None, first: bool = True,
-         ancestry: bool = True) -> list[dict[str, Any]]:
+         ancestry: bool = True, update_jump: float | None = 10.0) -> list[dict[str, Any]]:
     """Events ``{"branch", "step", "tensor", "reason", "stat", "value", "previous"}``
-    in step order; with ``first=True`` only those of the first step that has any."""
+    in step order; with ``first=True`` only those of the first step that has any.
+    (``previous`` of an ``update_jump`` is the median of the earlier ratios.)"""
     if jump is not None and not jump > 1:
         raise ConfigError(f"jump must be a factor greater than 1, got {jump}")
+    if update_jump is not None and not update_jump > 1:
+        raise ConfigError(f"update jump must be a factor greater than 1, got {update_jump}")
     if (gt is not None or lt is not None) and stat is None:
         stat = "norm"
     col = stat_column(stat) if stat is not None else None
     if col is not None and gt is None and lt is None:
         raise ConfigError("--stat needs a threshold: --gt and/or --lt")
-    if not nonfinite and jump is None and col is None:
-        raise ConfigError("nothing to look for: enable nonfinite, a norm jump or a stat threshold")
+    if not nonfinite and jump is None and col is None and update_jump is None:
+        raise ConfigError("nothing to look for: enable nonfinite, a norm jump, an update jump or a stat threshold")
     match = _Matcher(patterns)
     prev_hits: list[tuple[str, int]] = []
     prev_norms = np.empty(0)
     last: dict[str, float] = {}  # latest norm of every tensor seen, as of the last change of tensor set
+    updates = _UpdateWindows()
     events: list[dict[str, Any]] = []
     for b, s, names, stats in scan(run, branch, ancestry):
         hits = match(names)
@@ -80,10 +97,18 @@ def find(run: "Run", patterns: Iterable[str] | None = None, branch: str | None =
                 flagged |= v > gt
             if lt is not None:
                 flagged |= v < lt
+        base = updates.step(hits, rows[:, _URATIO]) if update_jump is not None else None
+        if base is not None:
+            with np.errstate(invalid="ignore"):
+                up = (base > 0) & np.isfinite(rows[:, _URATIO]) & (rows[:, _URATIO] > update_jump * base)
+            flagged |= up
         found: list[dict[str, Any]] = []
         for k in np.flatnonzero(flagged).tolist():
             p = float(prevs[k])
             found.extend(_check(b, s, hits[k][0], rows[k], None if p != p else p, nonfinite, jump, stat, col, gt, lt))
+            if base is not None and up[k]:
+                found.append({"branch": b, "step": s, "tensor": hits[k][0], "reason": "update_jump",
+                              "stat": "update_ratio", "value": float(rows[k, _URATIO]), "previous": float(base[k])})
         prev_hits, prev_norms = hits, norms
         if found:
             events.extend(found)
@@ -114,3 +139,38 @@ def _check(b: str, s: int, name: str, row: np.ndarray, prev_norm: float | None, 
         if (gt is not None and v > gt) or (lt is not None and v < lt):
             ev("threshold", stat, v)
     return out
+
+
+class _UpdateWindows:
+    """Each tensor's last UPDATE_WINDOW finite update ratios, as an array
+    whose rows line up with the current step's matched tensors (rebuilt only
+    when the tensor set changes), so a step costs a few vector operations."""
+
+    def __init__(self) -> None:
+        self.hits: list[tuple[str, int]] | None = None
+        self.buf = np.empty((0, UPDATE_WINDOW))
+        self.kept: dict[str, np.ndarray] = {}  # rows of tensors seen before the last change of tensor set
+        self.seen_any = False
+
+    def step(self, hits: list[tuple[str, int]], ratios: np.ndarray) -> np.ndarray | None:
+        """The median of each tensor's previous ratios (NaN without any),
+        then remembers ``ratios``; None while no step had update stats (old
+        stores: nothing to compare, nothing computed)."""
+        have = np.isfinite(ratios)
+        if not self.seen_any and not have.any():
+            return None
+        self.seen_any = True
+        if hits is not self.hits:
+            if self.hits is not None:
+                self.kept.update(zip((n for n, _ in self.hits), self.buf))
+            nan_row = np.full(UPDATE_WINDOW, np.nan)
+            self.buf = np.array([self.kept.get(n, nan_row) for n, _ in hits]).reshape(len(hits), UPDATE_WINDOW)
+            self.hits = hits
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: a tensor with no history yet
+            base = np.nanmedian(self.buf, axis=1) if len(hits) else np.empty(0)
+        # Shift in the finite ratios only: a step without one keeps the window.
+        if have.any():
+            shifted = np.concatenate([self.buf[:, 1:], ratios[:, None]], axis=1)
+            self.buf = np.where(have[:, None], shifted, self.buf)
+        return base

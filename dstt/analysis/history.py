@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from dstt.store.index import RunIndex as Run
 
 #: Stats a history can follow (columns of the step index's stats table).
-STATS = ("norm", "mean", "std", "min", "max", "nonfinite", "numel")
+STATS = ("norm", "mean", "std", "min", "max", "nonfinite", "numel", "update_norm", "update_ratio")
 NAN = float("nan")
 
 

@@ -18,7 +18,7 @@ from dstt.analysis.select import require_matches
 from dstt.errors import ConfigError
 from dstt.store import layout as L
 from dstt.store.layout import STATS_COLUMNS
-from dstt.store.manifest import parse_commit
+from dstt.store.manifest import memory_only_of, parse_commit
 
 if TYPE_CHECKING:
     from dstt.store.index import RunIndex as Run
@@ -34,12 +34,14 @@ def step_summary(run: "Run", branch: str, step: int, raw: Any = _UNREAD) -> dict
     (reads only its commit.json, unless given its bytes as ``raw``)."""
     where = L.step_dir(branch, step)
     if raw is _UNREAD:
-        raw = run.backend.get(f"{where}/{L.COMMIT_FILE}")
+        raw = run.backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
     if raw is None:  # raced with a prune
-        return {"step": step, "time": None, "n_tensors": None, "bytes_written": None, "bytes_referenced": None}
+        return {"step": step, "time": None, "n_tensors": None, "bytes_written": None, "bytes_referenced": None,
+                "memory_only": []}
     c = parse_commit(raw, where)
     return {"step": step, "time": c["time"], "n_tensors": c["n_tensors"],
-            "bytes_written": c["bytes_written"], "bytes_referenced": c["bytes_referenced"]}
+            "bytes_written": c["bytes_written"], "bytes_referenced": c["bytes_referenced"],
+            "memory_only": [list(r) for r in memory_only_of(c)]}
 
 
 def _summaries(run: "Run", branch: str, steps: list[int]) -> list[dict[str, Any]]:
@@ -53,17 +55,31 @@ def _summaries(run: "Run", branch: str, steps: list[int]) -> list[dict[str, Any]
 
 
 def list_store(run: "Run", branch: str | None = None) -> list[dict[str, Any]]:
-    """``[{"name", "parent", "created", "steps": [...]}]`` for every branch
-    (or only ``branch``); ``parent`` is ``{"branch", "step"}`` or None."""
+    """``[{"name", "parent", "created", "steps": [...], "captured",
+    "memory_only", "incidents"}]`` for every branch (or only ``branch``);
+    ``parent`` is ``{"branch", "step"}`` or None. ``steps`` are the
+    persisted (committed) steps; ``captured`` the spans of steps captured,
+    in memory or persisted, and ``memory_only`` those never persisted, as
+    ``[first, last]`` ranges (:func:`dstt.store.index.captured_spans`);
+    ``incidents`` the branch's incident records (oldest step first)."""
+    from dstt.store.incidents import list_incidents
+    from dstt.store.index import captured_spans
+
     names = [branch] if branch else run.branches()
+    incidents = list_incidents(run.backend, branch) if branch else list_incidents(run.backend)
     out = []
     for b in names:
         info = run.branch_info(b)
+        steps = _summaries(run, b, run.steps(b))
+        spans, _, memory = captured_spans([(s["step"], [tuple(r) for r in s["memory_only"]]) for s in steps])
         out.append({
             "name": b,
             "parent": None if info.parent is None else {"branch": info.parent[0], "step": info.parent[1]},
             "created": info.created,
-            "steps": _summaries(run, b, run.steps(b)),
+            "steps": steps,
+            "captured": [list(r) for r in spans],
+            "memory_only": [list(r) for r in memory],
+            "incidents": [i.to_dict() for i in incidents if i.branch == b],
         })
     return out
 

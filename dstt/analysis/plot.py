@@ -237,9 +237,9 @@ MAX_EVENT_MARKERS = 200
 
 
 def events_and_forks(run: Any, tensors: Sequence[str], branches: Sequence[str]) -> list[Marker]:
-    """Markers for ``branches``: each one's fork point, and every ``find``
-    detection (NaN/Inf, a 10x norm jump) on ``tensors`` -- from the step
-    index only."""
+    """Markers for ``branches``: each one's fork point, every ``find``
+    detection (NaN/Inf, a 10x norm or update-ratio jump) on ``tensors`` and
+    every recorded incident -- from the step index and incident records only."""
     from dstt.analysis.anomaly import find
 
     markers: list[Marker] = []
@@ -255,6 +255,11 @@ def events_and_forks(run: Any, tensors: Sequence[str], branches: Sequence[str]) 
                 continue
             seen.add(key)
             markers.append(Marker(e["step"], "detection", str(e.get("reason", "")), tensor=str(e["tensor"]), branch=b))
+    from dstt.store.incidents import list_incidents
+
+    for b in branches:  # incidents the capture recorded: across the panel (they name a step, not a tensor)
+        for i in list_incidents(run.backend, b)[:MAX_EVENT_MARKERS]:
+            markers.append(Marker(i.step, "incident", f"{i.source}: {i.reason}", branch=b))
     return markers
 
 

@@ -10,8 +10,11 @@ What it holds, all from the step index (no tensor data is read):
 * an update-size heatmap, tensors x steps: the relative change of each
   tensor's norm from one captured step to the next;
 * the largest changes between the first and the last step (norm, mean);
-* incidents recorded in the store (this format records none yet) and
-  ``find``'s detections (NaN/Inf, 10x norm jumps).
+* which steps each branch captured and which it persisted (with
+  ``Capture(memory_steps=K)`` some steps live in memory only);
+* incidents recorded in the store (``cap.incident``, NaN/Inf, rewinds;
+  marked on the norm plots too) and ``find``'s detections (NaN/Inf, 10x
+  norm jumps, 10x update-ratio jumps).
 
 The page is one file: figures are inline SVG drawn by matplotlib (the
 ``dstt[plot]`` extra), a Content-Security-Policy forbids every fetch and
@@ -109,8 +112,9 @@ def collect(run: Any, branch: str | None = None) -> ReportData:
     if steps:
         latest = [t.to_dict() for t in run.tensors(steps[-1], branch=where[-1])][:MAX_TABLE_ROWS]
     events = find(run, None, branch, first=False)[:MAX_EVENTS] if steps else []
+    incidents = [i for b in branches for i in b.get("incidents", [])][:MAX_EVENTS]
     return ReportData(run.url, branch, branches, steps, where, list(index), norms, means, latest, events,
-                      elapsed_s=time.perf_counter() - t0)
+                      incidents, elapsed_s=time.perf_counter() - t0)
 
 
 _LAYER_RE = re.compile(r"(?<=[./_])\d+(?=[./_]|$)")
@@ -211,6 +215,8 @@ def group_figures(data: ReportData) -> list[tuple[str, str]]:
     order = sorted(groups, key=lambda g: (not g.startswith("model/"), g))[:MAX_GROUPS]
     xs = np.asarray(data.steps, dtype=np.float64)
     forks = sorted({s for s, b0, b1 in zip(data.steps[1:], data.step_branch, data.step_branch[1:]) if b0 != b1})
+    on_path = set(data.step_branch) | {data.branch}
+    incident_steps = sorted({i["step"] for i in data.incidents if i["branch"] in on_path})[:MAX_EVENTS]
     out = []
     for g in order:
         members = groups[g]
@@ -224,6 +230,8 @@ def group_figures(data: ReportData) -> list[tuple[str, str]]:
             ax.plot(px, py, linewidth=1.2, label=safe_text(ids or data.names[i]))
         for f in forks:
             ax.axvline(f, color="0.5", linestyle=":", linewidth=1)
+        for k, s in enumerate(incident_steps):
+            ax.axvline(s, color="#9467bd", linestyle="--", linewidth=1, label="incident" if k == 0 else None)
         if np.nanmin(np.where(data.norms[members] > 0, data.norms[members], np.nan), initial=np.inf) < np.inf:
             finite = data.norms[members][np.isfinite(data.norms[members])]
             if finite.size and finite.min() > 0 and finite.max() / finite.min() > 100:
@@ -295,6 +303,31 @@ def _bytes(n: Any) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _as_ranges(steps: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for s in steps:
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return out
+
+
+def _ranges(ranges: list[list[int]], limit: int = 12) -> str:
+    """``[[100, 131], [200, 200]]`` -> ``100-131, 200`` (a long list cut in the middle)."""
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in ranges]
+    if len(parts) > limit:
+        parts = parts[: limit // 2] + ["..."] + parts[-(limit // 2):]
+    return ", ".join(parts)
+
+
+def _steps(b: dict[str, Any], limit: int = 12) -> str:
+    steps = [str(s["step"]) for s in b["steps"]]
+    if len(steps) > limit:
+        steps = steps[: limit // 2] + ["..."] + steps[-(limit // 2):]
+    return f"{len(b['steps'])}: " + "/".join(steps) if steps else "none"
 
 
 def _table(headers: list[str], rows: list[list[Any]], cls: str = "") -> str:
@@ -373,9 +406,17 @@ def render_html(data: ReportData) -> str:
         "<h2>Largest changes between the first and last steps</h2>",
         _table(["tensor", "first step", "last step", "norm (first)", "norm (last)", "relative change",
                 "mean (first)", "mean (last)"], changes, "changes") if changes else "<p class=\"none\">none</p>",
+        "<h2>Captured and persisted steps</h2>",
+        _table(["branch", "captured", "persisted", "memory-only (never persisted)"],
+               [[b["name"], _ranges(b.get("captured", [])), _steps(b), _ranges(b.get("memory_only", [])) or "none"]
+                for b in data.branches], "captured"),
         "<h2>Incidents and detections</h2>",
         "<p class=\"none\">No incident records in this store.</p>" if not data.incidents else
-        _table(["step", "what"], [[i.get("step"), i.get("what")] for i in data.incidents]),
+        _table(["branch", "step", "time", "source", "reason", "ring steps persisted", "tensors"],
+               [[i["branch"], i["step"], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i["time"])), i["source"],
+                 i["reason"], _ranges(_as_ranges(i["steps"])) or "-", ", ".join(i["tensors"][:5])
+                 + (f", ... ({len(i['tensors'])})" if len(i["tensors"]) > 5 else "")] for i in data.incidents],
+               "incidents"),
         (_table(["branch", "step", "tensor", "reason", "value", "previous"], events, "events")
          if events else "<p class=\"none\">find: no NaN/Inf and no 10x norm jump.</p>"),
         f"<p class=\"meta\">read in {data.elapsed_s:.2f} s, drawn in {time.perf_counter() - t0:.2f} s</p>",

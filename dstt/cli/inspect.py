@@ -213,9 +213,26 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
         render.history(label, series, points)
 
 
+def _incidents(run: Any, branch: Optional[str]) -> list[dict[str, Any]]:
+    """Recorded incidents (of ``branch``, or every branch) as plain data."""
+    from dstt.store.incidents import list_incidents
+
+    return [i.to_dict() for i in list_incidents(run.backend, branch)]
+
+
+def _render_incidents(incidents: list[dict[str, Any]]) -> None:
+    from dstt.cli import render
+
+    if incidents:
+        render.incidents_table(f"{len(incidents)} recorded incident(s)", incidents)
+    else:
+        stderr.print("no incidents recorded")
+
+
 def cmd_find(target: str, tensors: list[str], branch: Optional[str], nonfinite: Optional[bool],
              jump: Optional[float], stat: Optional[str], gt: Optional[float], lt: Optional[float],
-             all_steps: bool, json_out: bool, diverge: list[str] | None = None) -> None:
+             all_steps: bool, json_out: bool, diverge: list[str] | None = None,
+             update_jump: Optional[float] = None) -> None:
     from dstt.analysis.anomaly import find
     from dstt.cli import render
     from dstt.cli.output import stdout
@@ -242,28 +259,33 @@ def cmd_find(target: str, tensors: list[str], branch: Optional[str], nonfinite: 
                      if d["step"] is not None else "never differ on the steps both captured")
             stdout.print(f"{a} and {b2} {fork}; they {where}")
         return
-    if nonfinite is None and jump is None and stat is None and gt is None and lt is None:
-        nonfinite, jump = True, 10.0
-    checks = {"nonfinite": bool(nonfinite), "jump": jump, "stat": stat, "gt": gt, "lt": lt}
+    if nonfinite is None and jump is None and stat is None and gt is None and lt is None and update_jump is None:
+        nonfinite, jump, update_jump = True, 10.0, 10.0
+    checks = {"nonfinite": bool(nonfinite), "jump": jump, "stat": stat, "gt": gt, "lt": lt,
+              "update_jump": update_jump}
     if branch is None and ref.branch is None:  # every branch, unless told otherwise
         from dstt.analysis.branches import find_branches
 
         per = find_branches(run, tensors, first=not all_steps, **checks)
         events = sorted((e for evs in per.values() for e in evs), key=lambda e: (e["step"], e["branch"]))
         firsts = {b: (evs[0]["step"] if evs else None) for b, evs in per.items()}
+        incidents = _incidents(run, None)
         if json_out:
             emit_json({"branch": None, "branches": firsts, "first_step": events[0]["step"] if events else None,
-                       "events": events})
+                       "events": events, "incidents": incidents})
         else:
             render.events(f"any of {len(per)} branch(es)", events)
+            _render_incidents(incidents)
         return
     b = branch or run.default_branch
     events = find(run, tensors, b, first=not all_steps, **checks)
     first = events[0]["step"] if events else None
+    incidents = _incidents(run, b)
     if json_out:
-        emit_json({"branch": b, "first_step": first, "events": events})
+        emit_json({"branch": b, "first_step": first, "events": events, "incidents": incidents})
     else:
         render.events(b, events)
+        _render_incidents(incidents)
 
 
 def register(app: typer.Typer) -> None:
@@ -272,7 +294,7 @@ def register(app: typer.Typer) -> None:
     def ls(
         target: str = typer.Argument(..., metavar="STORE|REF", help="A store (lists branches and steps) or STORE[@BRANCH]:STEP (lists tensors)."),
         patterns: Optional[List[str]] = typer.Argument(None, metavar="[TENSOR_GLOB]...", help="Only tensors matching these globs."),
-        sort: str = typer.Option("name", help="Sort tensors by name, nbytes, numel, dtype, written, nonfinite, norm, mean, std, min, max."),
+        sort: str = typer.Option("name", help="Sort tensors by name, nbytes, numel, dtype, written, nonfinite, norm, mean, std, min, max, update_norm, update_ratio."),
         reverse: bool = typer.Option(False, "--reverse", "-r", help="Reverse the sort."),
         limit: int = typer.Option(20, min=0, help="Steps shown per branch in the table (0: all); --json lists all."),
         json_out: bool = JSON_OPT,
@@ -313,7 +335,7 @@ def register(app: typer.Typer) -> None:
     def history(
         target: str = typer.Argument(..., metavar="STORE", help="STORE[@BRANCH]."),
         tensors: List[str] = typer.Argument(..., metavar="TENSOR...", help="Tensor names or globs."),
-        stat: str = typer.Option("norm", help="norm, mean, std, min, max, nonfinite or numel."),
+        stat: str = typer.Option("norm", help="norm, mean, std, min, max, nonfinite, numel, update_norm (|θ_k - θ_k-1|) or update_ratio (update_norm / norm)."),
         branches: Optional[List[str]] = typer.Option(None, "--branch", "-b", help="Branch (repeatable; default: the reference's or main)."),
         delta: bool = typer.Option(False, "--delta", help="Relative change between consecutive captured steps."),
         plot: Optional[Path] = typer.Option(None, "--plot", help="Also write a line plot here: .png, .svg or .pdf (needs matplotlib: pip install 'dstt[plot]')."),
@@ -336,6 +358,7 @@ def register(app: typer.Typer) -> None:
         branch: Optional[str] = typer.Option(None, "--branch", "-b", help="Only this branch (default: the reference's, else every branch)."),
         nonfinite: Optional[bool] = typer.Option(None, "--nonfinite/--no-nonfinite", help="Look for NaN/Inf values."),
         jump: Optional[float] = typer.Option(None, "--jump", help="Look for a norm change of more than this factor between captured steps."),
+        update_jump: Optional[float] = typer.Option(None, "--update-jump", help="Look for an update ratio (|θ_k - θ_k-1| / |θ_k|) above this factor times the median of the tensor's previous 8."),
         stat: Optional[str] = typer.Option(None, "--stat", help="Stat for --gt/--lt (default norm)."),
         gt: Optional[float] = typer.Option(None, "--gt", help="Look for the stat above this value."),
         lt: Optional[float] = typer.Option(None, "--lt", help="Look for the stat below this value."),
@@ -345,7 +368,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Find the first step where something went wrong, or where two branches first differ.
 
-        Default: NaN/Inf or a 10x norm jump, on every branch unless STORE@BRANCH or --branch names one.
+        Default: NaN/Inf, a 10x norm jump or a 10x jump of the update ratio, on every branch unless STORE@BRANCH or --branch names one. Incidents the capture recorded are listed beside the detections.
 
         --diverge A --diverge B: where two branches first differ."""
-        cmd_find(target, tensors or [], branch, nonfinite, jump, stat, gt, lt, all_steps, json_out, diverge or [])
+        cmd_find(target, tensors or [], branch, nonfinite, jump, stat, gt, lt, all_steps, json_out, diverge or [],
+                 update_jump=update_jump)

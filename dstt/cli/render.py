@@ -110,6 +110,69 @@ def emit_table(table: Table) -> None:
         stdout.width = old
 
 
+def steps_text(steps: list[int], limit: int = 8) -> str:
+    """Steps as ``a/b/c``; a long list keeps its first and last few.
+
+    >>> steps_text([100, 108, 116, 124, 131])
+    '100/108/116/124/131'
+    >>> steps_text(list(range(0, 200, 10)), limit=4)
+    '0/10/.../180/190 (20)'
+    """
+    if len(steps) <= limit:
+        return "/".join(map(str, steps))
+    half = max(1, limit // 2)
+    return "/".join(map(str, steps[:half])) + "/.../" + "/".join(map(str, steps[-half:])) + f" ({len(steps)})"
+
+
+def ranges_text(ranges: list[list[int]] | list[tuple[int, int]], limit: int = 6) -> str:
+    """Inclusive ranges as ``100-131, 200``; a long list keeps its first and last few.
+
+    >>> ranges_text([[100, 131], [200, 200]])
+    '100-131, 200'
+    """
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges]
+    if len(parts) > limit:
+        parts = parts[: limit // 2] + ["..."] + parts[-(limit // 2):]
+    return ", ".join(parts)
+
+
+def captured_text(b: dict[str, Any]) -> str:
+    """What a branch captured when some steps lived in memory only, e.g.
+    ``steps 100-131 captured, 100/108/116/124/131 persisted``; "" when every
+    captured step was persisted (nothing more to say than the step list)."""
+    if not b.get("memory_only"):
+        return ""
+    persisted = [s["step"] for s in b["steps"]]
+    return (f"steps {ranges_text(b['captured'])} captured, {steps_text(persisted)} persisted "
+            f"(memory-only: {ranges_text(b['memory_only'], limit=4)})")
+
+
+def incidents_table(title: str, incidents: list[dict[str, Any]]) -> None:
+    """Recorded incidents (step, time, source, reason, ring steps persisted, tensors)."""
+    table = Table(title=printable(title), title_justify="left")
+    for col, just in (("branch", "left"), ("step", "right"), ("time", "left"), ("source", "left"),
+                      ("reason", "left"), ("persisted", "left"), ("tensors", "left")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for i in incidents:
+        steps = i["steps"]
+        tensors = i.get("tensors") or []
+        shown = ", ".join(tensors[:3]) + (f", ... ({len(tensors)})" if len(tensors) > 3 else "")
+        table.add_row(printable(i["branch"]), str(i["step"]), _time(i["time"]), printable(i["source"]),
+                      printable(i["reason"]), f"{ranges_text(_as_ranges(steps))} ({len(steps)} steps)" if steps else "-",
+                      printable(shown) or "-")
+    emit_table(table)
+
+
+def _as_ranges(steps: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s in steps:
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
 def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
     tree = Tree(Text(printable(url), style="bold"))
     nodes: dict[str, Any] = {}
@@ -124,14 +187,20 @@ def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
                 ref = sum(s["bytes_referenced"] or 0 for s in steps)
                 span = f"{steps[0]['step']}..{steps[-1]['step']}" if steps else "-"
                 fork = f" from {b['parent']['branch']}:{b['parent']['step']}" if b["parent"] else ""
+                n_inc = len(b.get("incidents") or [])
                 label = Text.assemble((printable(b["name"]), "bold cyan"), f"{printable(fork)}  {len(steps)} steps ({span}), "
-                                      f"{human_bytes(written)} written, {human_bytes(ref)} referenced")
+                                      f"{human_bytes(written)} written, {human_bytes(ref)} referenced",
+                                      (f", {n_inc} incident(s)" if n_inc else "", "bold red"))
                 nodes[b["name"]] = (nodes[parent] if parent in nodes else tree).add(label)
                 pending.remove(b)
                 progressed = True
         if not progressed:
             break
     stdout.print(tree)
+    for b in branches:  # a line of its own: a tree label is cut at the console's width
+        extra = captured_text(b)
+        if extra:
+            stdout.print(Text(f"{printable(b['name'])}: {extra}"), soft_wrap=True)
     for b in branches:
         steps = b["steps"] if limit <= 0 else b["steps"][-limit:]
         table = Table(title=f"branch {printable(b['name'])}", title_justify="left")
@@ -144,11 +213,16 @@ def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
         emit_table(table)
         if len(steps) < len(b["steps"]):
             stderr.print(f"{len(b['steps']) - len(steps)} earlier steps of {b['name']} not shown (--limit 0 shows all)")
+        if b.get("incidents"):
+            incidents_table(f"incidents on branch {b['name']}", b["incidents"])
 
 
 def tensor_listing(ref: str, rows: list[dict[str, Any]]) -> None:
     table = Table(title=printable(ref), title_justify="left")
-    cols = ("name", "shape", "dtype", "size", "norm", "mean", "std", "min", "max", "nonfinite")
+    # The update ratio (|θ_k - θ_k-1| / |θ_k|) only where the capture recorded one.
+    updates = any(math.isfinite(r["stats"].get("update_ratio", math.nan)) for r in rows)
+    cols = ("name", "shape", "dtype", "size", "norm", "mean", "std", "min", "max", "nonfinite",
+            *(("update_ratio",) if updates else ()))
     for c in cols:
         table.add_column(c, justify="left" if c in ("name", "dtype", "shape") else "right")
     for r in rows:
@@ -156,7 +230,8 @@ def tensor_listing(ref: str, rows: list[dict[str, Any]]) -> None:
         nonfinite = int(s.get("nonfinite", 0))
         table.add_row(printable(r["name"]), "x".join(map(str, r["shape"])) or "()", r["dtype"], human_bytes(r["nbytes"]),
                       *(fmt_float(s.get(k)) for k in ("norm", "mean", "std", "min", "max")),
-                      Text(str(nonfinite), style="red" if nonfinite else ""))
+                      Text(str(nonfinite), style="red" if nonfinite else ""),
+                      *((fmt_float(s.get("update_ratio")),) if updates else ()))
     emit_table(table)
     stderr.print(f"{len(rows)} tensors, {human_bytes(sum(r['nbytes'] for r in rows))}")
 

@@ -62,6 +62,9 @@ MAX_REASON_CHARS = 1000
 MAX_STEPS = 100_000
 MAX_TENSORS = 1000
 MAX_TENSOR_NAME_CHARS = 4096
+#: Latest time a record may carry (seconds since the epoch, ~year 5000):
+#: anything beyond (or NaN, which JSON readers accept) cannot be shown as a date.
+MAX_TIME_S = 1e11
 #: A record is small; anything bigger is not one.
 MAX_INCIDENT_BYTES = 1 << 20
 #: Records listed per branch at most (a hostile store cannot make a listing
@@ -109,7 +112,7 @@ def incident_document(incident: Incident) -> bytes:
     return encode_json({
         "format": INCIDENT_FORMAT, "format_version": INCIDENT_VERSION, "branch": incident.branch,
         "step": incident.step, "reason": _cut(incident.reason, MAX_REASON_CHARS), "source": incident.source,
-        "time": t if t == t and abs(t) != float("inf") else 0.0, "steps": steps, "tensors": tensors,
+        "time": t if 0 <= t <= MAX_TIME_S else 0.0, "steps": steps, "tensors": tensors,
     })
 
 
@@ -146,7 +149,8 @@ def parse_incident(data: bytes, where: str, branch: str | None = None) -> Incide
     source = doc.get("source")
     _need(source in SOURCES, where, f"unknown source {source!r}")
     t = doc.get("time")
-    _need(isinstance(t, (int, float)) and not isinstance(t, bool), where, "time must be a number")
+    _need(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t <= MAX_TIME_S, where,
+          f"time must be a number of seconds since the epoch (0..{MAX_TIME_S:g})")
     steps = doc.get("steps")
     _need(isinstance(steps, list) and len(steps) <= MAX_STEPS
           and all(_is_int(s) and 0 <= s <= L.MAX_STEP for s in steps), where,
@@ -205,7 +209,7 @@ def list_incidents(backend: Backend, branch: str | None = None) -> list[Incident
                     continue  # removed since the listing (or a directory stands there)
                 out.append(parse_incident(bytes(data), key, b))
             except (DsttError, OSError) as e:
-                log.warning("skipping incident record %s: %s", key, e)
+                log.warning("skipping incident record %r: %s", key, e)  # %r: a file name is store text
     out.sort(key=lambda i: (i.branch, i.step, i.time))
     return out
 
