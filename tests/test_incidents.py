@@ -395,6 +395,7 @@ def test_report_shows_incidents_and_memory_only_steps(store: Path, tmp_path: Pat
     assert "117-124" in page and "non-finite" in page
     assert "Captured and persisted steps" in page and "100-131" in page and "101-107, 109-115, 117-123, 125-130" in page
     assert "5: 100/108/116/124/131" in page and "update_jump" in page
+    assert "update ratio |θ<sub>k</sub>" in page  # the heatmap shows the recorded update ratios
 
 
 def test_history_plot_marks_incidents(store: Path) -> None:
@@ -404,3 +405,19 @@ def test_history_plot_marks_incidents(store: Path) -> None:
     marks = events_and_forks(dstt.open(store), ["model/w"], ["main"])
     assert [(m.step, m.kind) for m in marks if m.kind == "incident"] == [(124, "incident"), (131, "incident")]
     assert any(m.kind == "detection" and m.label == "update_jump" for m in marks)
+
+
+def test_update_jump_baseline_is_the_nan_median() -> None:
+    """find's baseline (the median of a tensor's previous finite ratios) equals numpy's nanmedian."""
+    import warnings
+
+    from dstt.analysis.anomaly import _nanmedian_rows
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a = rng.random((40, 8))
+        a[rng.random((40, 8)) < 0.4] = np.nan
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            want = np.nanmedian(a, axis=1)
+        assert np.allclose(_nanmedian_rows(a), want, equal_nan=True)

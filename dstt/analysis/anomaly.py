@@ -27,7 +27,6 @@ detections: ``dstt find`` lists them beside these.
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
@@ -166,11 +165,27 @@ class _UpdateWindows:
             nan_row = np.full(UPDATE_WINDOW, np.nan)
             self.buf = np.array([self.kept.get(n, nan_row) for n, _ in hits]).reshape(len(hits), UPDATE_WINDOW)
             self.hits = hits
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: a tensor with no history yet
-            base = np.nanmedian(self.buf, axis=1) if len(hits) else np.empty(0)
+        base = _nanmedian_rows(self.buf)
         # Shift in the finite ratios only: a step without one keeps the window.
         if have.any():
             shifted = np.concatenate([self.buf[:, 1:], ratios[:, None]], axis=1)
             self.buf = np.where(have[:, None], shifted, self.buf)
         return base
+
+
+def _nanmedian_rows(a: np.ndarray) -> np.ndarray:
+    """Median of each row's non-NaN values (NaN for a row without any): the
+    same as ``np.nanmedian(a, axis=1)`` at ~10x less cost for short rows
+    (sorting puts NaN last).
+
+    >>> _nanmedian_rows(np.array([[3.0, np.nan, 1.0, 2.0], [np.nan] * 4, [4.0, 1.0, np.nan, np.nan]])).tolist()
+    [2.0, nan, 2.5]
+    """
+    if a.shape[0] == 0:
+        return np.empty(0)
+    srt = np.sort(a, axis=1)
+    k = np.count_nonzero(~np.isnan(a), axis=1)
+    rows = np.arange(a.shape[0])
+    lo = srt[rows, np.maximum(k - 1, 0) // 2]
+    hi = srt[rows, np.maximum(k, 1) // 2 - (k == 0)]
+    return np.where(k > 0, (lo + hi) / 2, np.nan)

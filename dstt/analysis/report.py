@@ -7,8 +7,9 @@ What it holds, all from the step index (no tensor data is read):
 * the tensors at the latest step with their stats;
 * norm history plots, one per layer group (the same parameter across
   layers: ``model/layers.*.attn.wq.weight``), branches' own steps included;
-* an update-size heatmap, tensors x steps: the relative change of each
-  tensor's norm from one captured step to the next;
+* an update-size heatmap, tensors x steps: each tensor's update ratio
+  ‖θₖ − θₖ₋₁‖ / ‖θₖ‖ where the capture recorded it, else the relative
+  change of its norm from one captured step to the next;
 * the largest changes between the first and the last step (norm, mean);
 * which steps each branch captured and which it persisted (with
   ``Capture(memory_steps=K)`` some steps live in memory only);
@@ -56,6 +57,7 @@ TOP_CHANGES = 25
 
 _NORM = STATS_COLUMNS.index("norm")
 _MEAN = STATS_COLUMNS.index("mean")
+_URATIO = STATS_COLUMNS.index("update_ratio")
 
 
 def esc(value: Any) -> str:
@@ -79,6 +81,8 @@ class ReportData:
     events: list[dict[str, Any]]
     incidents: list[dict[str, Any]] = field(default_factory=list)
     elapsed_s: float = 0.0
+    #: (len(names), len(steps)) update ratios recorded at capture time; NaN where none.
+    updates: np.ndarray | None = None
 
 
 def collect(run: Any, branch: str | None = None) -> ReportData:
@@ -104,17 +108,19 @@ def collect(run: Any, branch: str | None = None) -> ReportData:
         cols.append((rows, np.asarray(stats, dtype=np.float64)))
     norms = np.full((len(index), len(steps)), np.nan)
     means = np.full((len(index), len(steps)), np.nan)
+    updates = np.full((len(index), len(steps)), np.nan)
     for j, (rows, stats) in enumerate(cols):
         if len(rows):
             norms[rows, j] = stats[:, _NORM]
             means[rows, j] = stats[:, _MEAN]
+            updates[rows, j] = stats[:, _URATIO]
     latest: list[dict[str, Any]] = []
     if steps:
         latest = [t.to_dict() for t in run.tensors(steps[-1], branch=where[-1])][:MAX_TABLE_ROWS]
     events = find(run, None, branch, first=False)[:MAX_EVENTS] if steps else []
     incidents = [i for b in branches for i in b.get("incidents", [])][:MAX_EVENTS]
     return ReportData(run.url, branch, branches, steps, where, list(index), norms, means, latest, events,
-                      incidents, elapsed_s=time.perf_counter() - t0)
+                      incidents, elapsed_s=time.perf_counter() - t0, updates=updates)
 
 
 _LAYER_RE = re.compile(r"(?<=[./_])\d+(?=[./_]|$)")
@@ -254,7 +260,8 @@ def heatmap_figure(data: ReportData) -> str | None:
     from dstt.analysis.plot import require_matplotlib, safe_text
 
     plt = require_matplotlib()
-    sizes = update_sizes(data.norms)
+    recorded = data.updates is not None and bool(np.isfinite(data.updates).any())
+    sizes = data.updates if recorded and data.updates is not None else update_sizes(data.norms)
     score = np.nan_to_num(np.nanmax(np.where(np.isfinite(sizes), sizes, np.nan), axis=1, initial=0.0), nan=0.0)
     rows = np.argsort(-score, kind="stable")[:MAX_HEATMAP_ROWS]
     rows = np.sort(rows)  # keep the store's order among the ones shown
@@ -277,7 +284,7 @@ def heatmap_figure(data: ReportData) -> str | None:
     ax.set_xlabel("step")
     from matplotlib.ticker import NullFormatter
 
-    bar = fig.colorbar(im, ax=ax, label="|Δ norm| / norm")
+    bar = fig.colorbar(im, ax=ax, label="update ratio |Δθ| / |θ|" if recorded else "|Δ norm| / norm")
     bar.ax.yaxis.set_minor_formatter(NullFormatter())
     return _svg(fig)
 
@@ -401,7 +408,9 @@ def render_html(data: ReportData) -> str:
         if latest_rows else "<p class=\"none\">no steps</p>",
         "<h2>Norm history by layer group</h2>",
         f"<div class=\"grid\">{figs}</div>" if figs else "<p class=\"none\">no steps</p>",
-        "<h2>Update size (relative change of norm between captured steps)</h2>",
+        ("<h2>Update size (update ratio |θ<sub>k</sub> − θ<sub>k−1</sub>| / |θ<sub>k</sub>|, recorded at capture)</h2>"
+         if data.updates is not None and np.isfinite(data.updates).any() else
+         "<h2>Update size (relative change of norm between captured steps)</h2>"),
         heat if heat else "<p class=\"none\">fewer than two steps</p>",
         "<h2>Largest changes between the first and last steps</h2>",
         _table(["tensor", "first step", "last step", "norm (first)", "norm (last)", "relative change",
