@@ -421,3 +421,66 @@ def test_update_jump_baseline_is_the_nan_median() -> None:
             warnings.simplefilter("ignore", RuntimeWarning)
             want = np.nanmedian(a, axis=1)
         assert np.allclose(_nanmedian_rows(a), want, equal_nan=True)
+
+
+def test_fuzzed_records_and_ranges_only_raise_corrupt_store_error() -> None:
+    """Whatever a hostile store holds, parsing an incident record or a
+    commit's memory_only ranges either succeeds or is a CorruptStoreError."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8))
+    values = st.recursive(leaves, lambda c: st.one_of(st.lists(c, max_size=4),
+                                                      st.dictionaries(st.text(max_size=8), c, max_size=4)),
+                          max_leaves=10)
+    good = json.loads(incident_document(Incident("main", 3, "r", "trainer", 1.0, (2, 3))))
+    fast = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+    @fast
+    @given(st.sampled_from(sorted(good)), values, st.binary(max_size=40))
+    def check(field: str, value: object, raw: bytes) -> None:
+        for data in (json.dumps({**good, field: value}).encode(), raw):
+            try:
+                parse_incident(data, "w", "main")
+            except CorruptStoreError:
+                pass
+        doc = {**json.loads(commit_document(
+            version=1, branch="main", step=50, seq=1, time=1.0, world_size=1, n_tensors=0, bytes_total=0,
+            bytes_written=0, bytes_referenced=0, has_pickle=False,
+            files={f: {"sha256": "0" * 64, "size": 1} for f in (L.INDEX_FILE, L.NAMES_FILE, L.STATS_FILE)})),
+            "memory_only": value}
+        try:
+            parse_commit(json.dumps(doc).encode(), "w")
+        except CorruptStoreError:
+            pass
+
+    check()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.complex64])
+def test_blocked_stats_equal_whole_tensor_stats(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values widened block by block (and update sums formed block by block)
+    give the stats of the whole tensor, NaN/Inf and LayerNorm-like values
+    (|mean| >> std, the two-pass path) included."""
+    from dstt.store import stats
+
+    monkeypatch.setattr(stats, "UPDATE_BLOCK", 1000)
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(10_007, generator=g, dtype=torch.float64)
+    for values, bad in ((base * 3, False), (1.0 + base * 1e-3, False), (base, True)):
+        x = values.to(dtype) if not dtype.is_complex else torch.complex(values, -values).to(dtype)
+        prev = (x.to(torch.complex128 if dtype.is_complex else torch.float64) * 0.9).to(dtype)
+        if bad and not (dtype.is_floating_point or dtype.is_complex):
+            continue  # integers hold no NaN/Inf
+        if bad:
+            x[5], x[4000] = float("nan"), float("inf")
+        row = dict(zip(L.STATS_COLUMNS, finalize(chunk_partial(x, prev))))
+        ref = x.abs().double() if dtype.is_complex else x.double()
+        assert row["numel"] == x.numel() and row["nonfinite"] == int((~torch.isfinite(ref)).sum())
+        d = (x.to(torch.complex128) - prev.to(torch.complex128)).abs() if dtype.is_complex else x.double() - prev.double()
+        if bad:
+            assert math.isnan(row["std"]) and math.isnan(row["min"]) and not math.isfinite(row["update_norm"])
+            continue
+        for k, want in (("norm", ref.norm()), ("mean", ref.mean()), ("std", ref.std()), ("min", ref.min()),
+                        ("max", ref.max()), ("update_norm", d.norm())):
+            assert row[k] == pytest.approx(float(want), rel=1e-5, abs=1e-9), k
