@@ -389,6 +389,7 @@ def test_report_shows_incidents_and_memory_only_steps(store: Path, tmp_path: Pat
     out = tmp_path / "r.html"
     r = runner.invoke(app, ["report", str(store), "-o", str(out)])
     assert r.exit_code == 0, r.output
+    assert "2 incident(s)" in r.stderr
     page = out.read_text()
     assert "No incident records" not in page
     assert html.escape(HOSTILE_REASON) in page and "<b>spike</b>" not in page

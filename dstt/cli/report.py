@@ -32,10 +32,11 @@ def cmd_report(target: str, out: Path, branch: Optional[str], json_out: bool) ->
     data = write_report(run, str(out), branch or ref.branch)
     if json_out:
         emit_json({"store": run.url, "branch": data.branch, "out": str(out), "steps": len(data.steps),
-                   "tensors": len(data.names), "branches": len(data.branches)})
+                   "tensors": len(data.names), "branches": len(data.branches), "incidents": len(data.incidents)})
     else:
         stderr.print(f"wrote {out} ({len(data.steps)} steps, {len(data.names)} tensors, "
-                     f"{len(data.branches)} branch(es))")
+                     f"{len(data.branches)} branch(es)"
+                     + (f", {len(data.incidents)} incident(s)" if data.incidents else "") + ")")
 
 
 def register(app: typer.Typer) -> None:
@@ -49,5 +50,5 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write one self-contained HTML page about a run (needs dstt[plot]).
 
-        Branches, the latest tensors, norm histories, an update heatmap, largest changes, detections."""
+        Branches, captured and persisted steps, the latest tensors, norm histories, an update heatmap, largest changes, incidents and detections."""
         cmd_report(target, out, branch, json_out)
