@@ -5,12 +5,35 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _packing_per_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Packs (issue 16, dstt/store/packs.py) are on by default. Most test
+    modules predate them and inspect, damage or read with plain zarr-python
+    the chunk files of small tensors: they run with packing off (the
+    environment variable reaches subprocesses and capture helpers too).
+    A module that sets ``DSTT_PACKING = True`` runs with the default."""
+    # Set by hand, not with monkeypatch: tests call monkeypatch.undo() themselves.
+    if getattr(request.module, "DSTT_PACKING", False):
+        yield
+        return
+    before = os.environ.get("DSTT_PACK_CHUNK_BYTES")
+    os.environ["DSTT_PACK_CHUNK_BYTES"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DSTT_PACK_CHUNK_BYTES", None)
+        else:
+            os.environ["DSTT_PACK_CHUNK_BYTES"] = before
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from dstt.errors import ChecksumMismatchError, CorruptStoreError
 from dstt.store import layout as L
 from dstt.store.codec import CodecSpec, crc32c, decode_chunk, max_stored_bytes
 from dstt.store.keyframes import read_delta
+from dstt.store.packs import pack_key, read_range
 
 if TYPE_CHECKING:
     from dstt.store.backends import Backend
@@ -151,9 +152,21 @@ def read_chunk_raw(backend: Backend, key: str, codec: CodecSpec, nbytes: int, wh
     return check_chunk(data, codec, nbytes, where, crc=crc, sha256=sha256)
 
 
+def packed_key_of(e: TensorEntry, i: int) -> str | None:
+    """The key of the pack holding chunk ``i`` of ``e``; None if it is a chunk file."""
+    p = e.pack(i)
+    return None if p is None else pack_key(e.slots[i], p.rank, p.n)
+
+
 def read_chunk(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False) -> memoryview:
     """The raw bytes of chunk ``i`` of ``e``, checked against its trailer and
     the step index (and its recorded sha256 with ``sha256=True``)."""
+    p = e.pack(i)
+    if p is not None:  # a range of a pack (docs/format.md "Packs"): exactly that range read
+        nbytes = e.chunk_grid.chunk_numel * e.dtype.itemsize
+        where = chunk_where(e, i)
+        data = read_range(backend, pack_key(e.slots[i], p.rank, p.n), p, max_stored_bytes(e.codec, nbytes), where)
+        return check_chunk(data, e.codec, nbytes, where, crc=e.crcs[i], sha256=e.sha256[i] if sha256 else None)
     if e.keyframe(i) is not None:  # stored as a difference to a keyframe (issue 13)
         return read_delta(backend, e, i, sha256=sha256)
     nbytes = e.chunk_grid.chunk_numel * e.dtype.itemsize
@@ -198,7 +211,9 @@ def read_whole_into(backend: Backend, e: TensorEntry, out: memoryview) -> None:
     nbytes = math.prod(e.shape) * e.dtype.itemsize
     if len(out) != nbytes:
         raise ValueError(f"{e.name}: buffer of {len(out)} bytes for a tensor of {nbytes}")
-    if (not backend.can_readinto or e.codec.compression != "none" or not e.shape
+    if nbytes == 0:
+        return  # an empty tensor (numpy cannot cast a zero-size view to bytes)
+    if (not backend.can_readinto or e.codec.compression != "none" or not e.shape or e.packs is not None
             or tuple(e.chunk_shape[1:]) != tuple(e.shape[1:]) or e.nchunks == 0):
         arr = read_box(backend, e, (0,) * len(e.shape), e.shape)
         out[:] = np.ascontiguousarray(arr).data.cast("B")

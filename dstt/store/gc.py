@@ -10,8 +10,9 @@ Rules (docs/timetravel.md):
 * ``gc`` removes chunk files that no committed step of any branch references
   (a step references chunk (array, slot, coords) through its index; dedup
   makes steps, and branches, share chunks), arrays left with no referenced
-  chunk, and step directories without ``commit.json`` (a crashed or pruned
-  step's leftovers).
+  chunk, packs none of whose ranges a committed step references (a pack is
+  live while any range in it is), and step directories without
+  ``commit.json`` (a crashed or pruned step's leftovers).
 
 Both take every branch's write lock (:func:`dstt.store.lock.acquire_all`) for
 their whole run, so they refuse to run beside a live writer, and gc only
@@ -31,6 +32,7 @@ from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.localio import pid_alive
 from dstt.store.lock import BRANCH_SET, acquire_all
+from dstt.store.packs import PACKS, pack_key, parse_pack_key
 from dstt.store.root import check_root, committed_steps, list_branches, load_branch
 
 
@@ -163,6 +165,8 @@ def entry_chunks(e: Any) -> Iterator[tuple[str, int, tuple[int, ...]]]:
     definition of "referenced" that gc (what it keeps) and verify (what it
     counts and what it calls an orphan) share."""
     for i, slot in enumerate(e.slots):
+        if e.pack(i) is not None:
+            continue  # in a pack: entry_packs
         key = e.keyframe(i)
         if key is None:
             yield e.array, slot, e.coords(i)
@@ -171,11 +175,22 @@ def entry_chunks(e: Any) -> Iterator[tuple[str, int, tuple[int, ...]]]:
             yield e.array, key, e.coords(i)
 
 
-def _step_refs(run: Any, branch: str, step: int) -> set[tuple[str, int, tuple[int, ...]]]:
-    """(array, slot, coords) of every chunk a committed step references."""
-    out: set[tuple[str, int, tuple[int, ...]]] = set()
+def entry_packs(e: Any) -> Iterator[str]:
+    """Keys of the packs holding packed chunks of a tensor entry (with
+    repeats): a pack is live while a committed step references any range in it."""
+    if e.packs is None:
+        return
+    for slot, p in zip(e.slots, e.packs):
+        if p is not None:
+            yield pack_key(slot, p.rank, p.n)
+
+
+def _step_refs(run: Any, branch: str, step: int) -> set[str]:
+    """Keys of every chunk file and pack a committed step references."""
+    out: set[str] = set()
     for e in run.record(step, branch=branch).entries:
-        out.update(entry_chunks(e))
+        out.update(L.chunk_key(a, slot, c) for a, slot, c in entry_chunks(e))
+        out.update(entry_packs(e))
     return out
 
 
@@ -186,18 +201,18 @@ def freed_bytes(backend: Backend, doomed: list[tuple[str, int]]) -> dict[tuple[s
 
     run = RunIndex(backend, cache_steps=1)
     gone = set(doomed)
-    kept: set[tuple[str, int, tuple[int, ...]]] = set()
+    kept: set[str] = set()
     for b in list_branches(backend):
         for s in committed_steps(backend, b):
             if (b, s) not in gone:
                 kept |= _step_refs(run, b, s)
-    counted: set[tuple[str, int, tuple[int, ...]]] = set()
+    counted: set[str] = set()
     out = {}
     for b, s in doomed:
         own = _step_refs(run, b, s) - kept - counted
         counted |= own
         docs = sum(backend.size(k) or 0 for k in backend.list_prefix(L.step_dir(b, s)))
-        out[(b, s)] = docs + sum(backend.size(L.chunk_key(a, slot, c)) or 0 for a, slot, c in own)
+        out[(b, s)] = docs + sum(backend.size(k) or 0 for k in own)
     return out
 
 
@@ -213,7 +228,8 @@ def remove_step(backend: Backend, branch: str, step: int) -> None:
 
 
 def referenced_chunks(backend: Backend, branches: list[str]) -> dict[str, set[tuple[int, tuple[int, ...]]]]:
-    """(slot, chunk coords) referenced per array by every committed step."""
+    """(slot, chunk coords) referenced per array by every committed step;
+    under the key ``PACKS``: (slot, (rank, n)) of every referenced pack."""
     from dstt.store.index import RunIndex
 
     run = RunIndex(backend, cache_steps=1)
@@ -221,8 +237,13 @@ def referenced_chunks(backend: Backend, branches: list[str]) -> dict[str, set[tu
     for b in branches:
         for s in committed_steps(backend, b):
             for e in run.record(s, branch=b).entries:
+                # An array is live while a step has an entry for it, even one
+                # with no chunk (an empty tensor): its zarr.json stays.
+                refs.setdefault(e.array, set())
                 for array, slot, coords in entry_chunks(e):
                     refs[array].add((slot, coords))
+                if e.packs is not None:
+                    refs[PACKS].update((slot, (p.rank, p.n)) for slot, p in zip(e.slots, e.packs) if p is not None)
     return refs
 
 
@@ -277,6 +298,7 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
         for lk in locks:
             lk.check()
         _collect_chunks(backend, refs, locked_ids, report, dry_run)
+        _collect_packs(backend, refs.get(PACKS, set()), locked_ids, report, dry_run)
         _collect_temp_files(backend, report, dry_run)
         if not dry_run and backend.directories:
             # still under the locks: a writer starting now could lose a directory it just made
@@ -322,7 +344,7 @@ def _collect_chunks(backend: Backend, refs: dict[str, set[tuple[int, tuple[int, 
         # Nothing references the array: its metadata goes too -- also when it
         # has no chunk at all (a writer killed between an array's zarr.json
         # and its first chunk leaves just the document).
-        whole = not live and not unlocked
+        whole = array not in refs and not unlocked
         if whole:
             doomed = [k for k in keys]
             report.arrays_removed += 1
@@ -335,6 +357,26 @@ def _collect_chunks(backend: Backend, refs: dict[str, set[tuple[int, tuple[int, 
         else:
             for k in doomed:
                 backend.delete(k)
+
+
+def _collect_packs(backend: Backend, live: set[tuple[int, tuple[int, ...]]], locked_ids: set[int],
+                   report: GcReport, dry_run: bool) -> None:
+    """Remove packs no committed step references a range of (counted as
+    chunks removed), in the slot ranges of the locked branches only."""
+    for key in backend.list_prefix(PACKS):
+        parsed = parse_pack_key(key)
+        if parsed is None:
+            continue
+        slot, rank, n = parsed
+        if (slot, (rank, n)) in live:
+            report.chunks_kept += 1
+        elif slot // L.SLOTS_PER_BRANCH not in locked_ids:
+            report.skipped_unlocked += 1
+        else:
+            report.chunks_removed += 1
+            report.bytes_freed += backend.size(key) or 0
+            if not dry_run:
+                backend.delete(key)
 
 
 #: A temporary file older than this is stale whoever made it (a writer on
@@ -384,4 +426,4 @@ def _collect_temp_files(backend: Backend, report: GcReport, dry_run: bool) -> No
                 backend.delete(key)
 
 
-__all__ = ["prune", "gc", "keep_set", "PruneReport", "GcReport", "remove_step", "branch_parents"]
+__all__ = ["prune", "gc", "keep_set", "entry_chunks", "entry_packs", "PruneReport", "GcReport", "remove_step", "branch_parents"]

@@ -41,6 +41,7 @@ from dstt.errors import DsttError
 from dstt.store import layout as L
 from dstt.store.codec import CodecSpec, decode_chunk, encode_chunk, max_stored_bytes
 from dstt.store.delta import undo_delta, zigzag_delta
+from dstt.store.packs import PackFile, PackRange, StepPacks, pack_key, read_range
 
 if TYPE_CHECKING:
     from dstt.store.backends import Backend
@@ -64,6 +65,10 @@ class ChunkRef:
     key_slot: int | None = None  # slot of the keyframe deltas use (itself for a keyframe)
     key_raw: np.ndarray | None = None  # that keyframe's raw bytes (in memory; delta mode)
     key_written: int = 0  # that keyframe's coded size in bytes
+    #: A packed chunk (packs.py): its range in pack ``pack_key(slot, *pack[:2])``,
+    #: and while that pack may still be unwritten (this writer's), the pack.
+    pack: PackRange | None = None
+    pack_file: PackFile | None = None
 
     @property
     def keyframe(self) -> int | None:
@@ -154,15 +159,27 @@ HASH_ON_WRITE_BYTES = 64 << 10
 
 
 def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, crc: int,
-               prev: ChunkRef | None, *, dedup: bool, keyframe_every: int, fast: bool = False) -> Coded:
+               prev: ChunkRef | None, *, dedup: bool, keyframe_every: int, fast: bool = False,
+               packs: StepPacks | None = None) -> Coded:
     """Store one chunk of the step at ``slot`` (or reference ``prev``); see
     the module doc. ``fast`` (the writer is behind, ``compression="auto"``):
-    no delta, the chunk stored whole without compression -- a keyframe."""
+    no delta, the chunk stored whole without compression -- a keyframe.
+    ``packs``: the chunk is appended to this step's packs (packs.py), never
+    delta coded."""
+    if prev is not None and prev.pack_file is not None and prev.pack_file.state == "failed":
+        prev = None  # its bytes were never stored: nothing to reference or compare with
     if dedup and prev is not None and prev.crc == crc:
         sha = hashlib.sha256(raw).digest()
         same = prev.sha256 == sha if prev.sha256 is not None else _equals_stored(backend, place, prev, raw)
         if same:
             return Coded(replace(prev, sha256=sha), 0, sha)
+    if packs is not None:
+        parts = encode_chunk(raw, place.codec, raw_crc=crc, itemsize=place.itemsize, fast=fast)
+        f, rng = packs.add(parts)
+        # Recorded for every packed chunk (they are small): a later step's
+        # dedup proves equality by hash, never by reading a range back.
+        packed_digest = hashlib.sha256(raw).digest()
+        return Coded(ChunkRef(crc, packed_digest, slot, pack=rng, pack_file=f), rng.length, packed_digest)
     if place.delta_array is not None:
         key = None if fast else _keyframe_for(backend, place, prev, slot, len(raw), keyframe_every)
         if key is not None:
@@ -216,6 +233,13 @@ def _size(parts: list[Any]) -> int:
 def _equals_stored(backend: Backend, place: ChunkPlace, prev: ChunkRef, raw: memoryview) -> bool:
     """Exact byte comparison with the chunk ``prev`` describes, as stored."""
     try:
+        if prev.pack is not None:
+            if prev.pack_file is not None and prev.pack_file.state != "written":
+                return False  # not on disk yet (and not worth waiting for): stored anew
+            key = pack_key(prev.slot, prev.pack.rank, prev.pack.n)
+            data = read_range(backend, key, prev.pack, max_stored_bytes(place.codec, len(raw)), place.name)
+            stored = decode_chunk(data, place.codec, len(raw), place.name)
+            return bool(np.array_equal(np.frombuffer(stored, np.uint8), np.frombuffer(raw, np.uint8)))
         stored = read_coded(backend, place, prev.slot, prev.keyframe, len(raw), place.name,
                             key_raw=prev.key_raw if prev.keyframe is not None else None)
     except DsttError:

@@ -29,7 +29,10 @@ FORMAT_VERSION = 1
 #: Steps (and stores) that use delta coding are format version 2; a store
 #: is raised to 2 when a delta writer first opens it. Readers read both.
 DELTA_FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+#: Steps (and stores) with packed chunks are format version 3
+#: (dstt.store.packs.PACK_FORMAT_VERSION): raised when the first is committed.
+PACK_FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 #: A delta-coded tensor's difference chunks live in the sibling array
 #: ``<array>`` + DELTA_SUFFIX (docs/format.md "Delta chunks").
 DELTA_SUFFIX = ".delta"

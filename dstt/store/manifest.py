@@ -37,6 +37,7 @@ from dstt.store.layout import (
     STATS_COLUMNS,
     TENSORS,
 )
+from dstt.store.packs import PackRange
 from dstt.store.valuetree import MAX_STATE_DEPTH, MAX_TREE_DEPTH, check_tree_depth  # noqa: F401 - re-exported
 
 #: What array paths written by dstt look like (layout.escape_component's
@@ -75,10 +76,19 @@ class TensorEntry:
     #: None for tensors that are not delta coded.
     keyframes: list[int | None] | None = None
     delta_array: str | None = None
+    #: Packs (format version 3; docs/format.md "Packs"): per chunk, None
+    #: where the chunk is a chunk file of ``array``, else the range of the
+    #: pack (written for the step at ``slots[i]``) that holds it. None when
+    #: no chunk of the tensor is packed.
+    packs: list[PackRange | None] | None = None
 
     def keyframe(self, index: int) -> int | None:
         """The keyframe slot chunk ``index`` is coded against, None if stored whole."""
         return None if self.keyframes is None else self.keyframes[index]
+
+    def pack(self, index: int) -> PackRange | None:
+        """Where packed chunk ``index`` lives, None if it is a chunk file."""
+        return None if self.packs is None else self.packs[index]
 
     @property
     def nbytes(self) -> int:
@@ -115,6 +125,7 @@ class TensorEntry:
             "written": self.written,
             **({} if self.keyframes is None else
                {"delta": {"array": self.delta_array, "keyframes": self.keyframes}}),
+            **({} if self.packs is None else {"pack": [None if p is None else list(p) for p in self.packs]}),
         }
 
 
@@ -359,7 +370,25 @@ def parse_entry(raw: Any, where: str) -> TensorEntry:
     entry.written = _int(raw.get("written"), w, "written")
     if "delta" in raw:
         _parse_delta(entry, raw["delta"], w)
+    if "pack" in raw:
+        _parse_packs(entry, raw["pack"], w)
     return entry
+
+
+def _parse_packs(entry: TensorEntry, raw: Any, w: str) -> None:
+    """The ``pack`` list of an entry with packed chunks (format version 3)."""
+    n = entry.nchunks
+    _need(isinstance(raw, list) and len(raw) == n, w, f"pack must list {n} entries")
+    packs: list[PackRange | None] = []
+    for i, p in enumerate(raw):
+        if p is None:
+            packs.append(None)
+            continue
+        _need(isinstance(p, list) and len(p) == 4, w, "a pack entry must be [rank, n, offset, length]")
+        _need(entry.keyframe(i) is None, w, "a packed chunk cannot be a delta")
+        packs.append(PackRange(_int(p[0], w, "pack rank", hi=1 << 24), _int(p[1], w, "pack number", hi=1 << 32),
+                               _int(p[2], w, "pack offset", hi=1 << 40), _int(p[3], w, "pack length", lo=4, hi=1 << 36)))
+    entry.packs = packs
 
 
 def _parse_delta(entry: TensorEntry, raw: Any, w: str) -> None:

@@ -25,6 +25,7 @@ from dstt.store.codec import CodecSpec
 from dstt.store.delta import DELTA_ITEMSIZES
 from dstt.store.dtypes import DtypeInfo, info_for_name
 from dstt.store.layout import DELTA_SUFFIX, array_path
+from dstt.store.packs import default_pack_chunk_bytes
 from dstt.store.shards import (
     Region,
     ShardedTensor,
@@ -73,6 +74,8 @@ class TensorLayout:
     chunk_shape: tuple[int, ...]
     codec: CodecSpec
     regions: list[Region]
+    #: Chunks of at most this many raw bytes are packed (packs.py); 0: none.
+    pack_chunk_bytes: int = field(default_factory=default_pack_chunk_bytes)
 
     # Cached: a layout is not changed once built, and these are asked for
     # several times per chunk (tens of thousands of tensors: issue 16).
@@ -86,10 +89,16 @@ class TensorLayout:
         chunk = "x".join(map(str, self.chunk_shape)) or "scalar"
         return f"{self.dtype.logical}_{shape}_c{chunk}_{self.codec.tag}"
 
-    @property
+    @functools.cached_property
+    def packed(self) -> bool:
+        """Chunks are appended to the step's packs, not chunk files (docs/format.md "Packs")."""
+        return self.nchunks > 0 and self.chunk_nbytes <= self.pack_chunk_bytes
+
+    @functools.cached_property
     def delta(self) -> bool:
-        """Chunks may be stored as differences to a keyframe (docs/format.md "Delta chunks")."""
-        return self.codec.delta and self.dtype.itemsize in DELTA_ITEMSIZES
+        """Chunks may be stored as differences to a keyframe (docs/format.md
+        "Delta chunks"); never packed ones (small: a delta would save little)."""
+        return self.codec.delta and self.dtype.itemsize in DELTA_ITEMSIZES and not self.packed
 
     @property
     def delta_array(self) -> str:
@@ -172,6 +181,9 @@ class StepPlan:
     #: compression="auto" only: planned while the writer was behind, so its
     #: chunks are stored without compression or deltas (set by Writer.plan).
     fast: bool = False
+    #: This rank's packs of the step (packs.StepPacks; set by the writer
+    #: that stores the step, in Writer._reserve).
+    packs: Any = None
 
     @property
     def local_bytes(self) -> int:
@@ -284,7 +296,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def build_layout(
-    name: str, desc: tuple[Any, ...], codec: CodecSpec, max_chunk_bytes: int
+    name: str, desc: tuple[Any, ...], codec: CodecSpec, max_chunk_bytes: int,
+    pack_chunk_bytes: int | None = None,
 ) -> TensorLayout:
     kind, dtype, shape, _mode, regions_raw = desc
     info = info_for_name(dtype)
@@ -292,7 +305,8 @@ def build_layout(
     check_tiling(tuple(shape), regions, name)
     bounds = interior_boundaries(tuple(shape), regions)
     chunk = choose_chunk_shape(tuple(shape), info.itemsize, bounds, max_chunk_bytes)
-    layout = TensorLayout(name, kind, info, tuple(shape), chunk, codec, regions)
+    packing = default_pack_chunk_bytes() if pack_chunk_bytes is None else pack_chunk_bytes
+    layout = TensorLayout(name, kind, info, tuple(shape), chunk, codec, regions, packing)
     array_path(name, layout.sig)  # InvalidNameError now, before anything is written
     if layout.delta:
         array_path(name, layout.sig + DELTA_SUFFIX)
@@ -327,13 +341,17 @@ def plan_step(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     allow_pickle: bool = False,
     layout_cache: dict[Any, TensorLayout] | None = None,
+    pack_chunk_bytes: int | None = None,
 ) -> StepPlan:
     """Plan one step. ``exchange(obj)`` all-gathers ``obj`` across ranks
     (None for a single process). ``layout_cache`` (kept by the caller across
     steps) reuses the layout of a tensor whose global description is
     unchanged: a layout is a pure function of it (and of codec and chunk
     size), and building one per tensor per step dominated planning of small
-    tensors (issue 16)."""
+    tensors (issue 16). Chunks of at most ``pack_chunk_bytes`` raw bytes
+    (default: :func:`dstt.store.packs.default_pack_chunk_bytes`) are packed."""
+    if pack_chunk_bytes is None:
+        pack_chunk_bytes = default_pack_chunk_bytes()
     tree, tensors, kinds = flatten(state, allow_pickle=allow_pickle)
     local = {name: describe_local(name, kinds[name], v, rank) for name, v in tensors.items()}
     desc = {name: lt.describe() for name, lt in local.items()}
@@ -341,7 +359,8 @@ def plan_step(
         gathered = exchange((desc, tree))
         desc = merge_descriptions([d for d, _ in gathered])
         tree = merge_trees([t for _, t in gathered])
-    layouts = [_cached_layout(n, desc[n], codec, max_chunk_bytes, layout_cache) for n in sorted(desc)]
+    layouts = [_cached_layout(n, desc[n], codec, max_chunk_bytes, pack_chunk_bytes, layout_cache)
+               for n in sorted(desc)]
     tasks: list[ChunkTask] = []
     meta: list[TensorLayout] = []
     for layout in layouts:
@@ -364,17 +383,18 @@ MAX_CACHED_LAYOUTS = 1 << 20
 
 
 def _cached_layout(name: str, desc: tuple[Any, ...], codec: CodecSpec, max_chunk_bytes: int,
-                   cache: dict[Any, TensorLayout] | None) -> TensorLayout:
+                   pack_chunk_bytes: int | None, cache: dict[Any, TensorLayout] | None) -> TensorLayout:
     if cache is None:
-        return build_layout(name, desc, codec, max_chunk_bytes)
+        return build_layout(name, desc, codec, max_chunk_bytes, pack_chunk_bytes)
     kind, dtype, shape, mode, regions = desc
     key = (name, kind, dtype, tuple(shape), mode,
-           tuple((tuple(o), tuple(s), tuple(h)) for o, s, h in regions), codec, max_chunk_bytes)
+           tuple((tuple(o), tuple(s), tuple(h)) for o, s, h in regions), codec, max_chunk_bytes,
+           pack_chunk_bytes)
     layout = cache.get(key)
     if layout is None:
         if len(cache) >= MAX_CACHED_LAYOUTS:
             cache.clear()
-        layout = cache[key] = build_layout(name, desc, codec, max_chunk_bytes)
+        layout = cache[key] = build_layout(name, desc, codec, max_chunk_bytes, pack_chunk_bytes)
     return layout
 
 

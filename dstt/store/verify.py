@@ -11,6 +11,8 @@ For each committed step :func:`verify` checks, and reports every failure
   (zarr's crc32c codec) matches, it decodes to the expected size, the
   CRC-32C of its raw bytes equals the one in the index, and so does its
   sha256 where the index records one;
+* a packed chunk's recorded range of its pack (docs/format.md "Packs") is
+  read and checked the same way;
 * each tensor's checksum equals the sha256 of its chunk CRC-32Cs.
 * each tensor's array ``zarr.json`` (what plain zarr-python reads) exists
   and has exactly the bytes its index entry determines.
@@ -36,9 +38,9 @@ from typing import Any, Callable, Iterator
 from dstt.errors import DsttError, StepNotFoundError
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
-from dstt.store.chunks import check_chunk
+from dstt.store.chunks import check_chunk, packed_key_of, read_chunk
 from dstt.store.codec import array_metadata, delta_array_metadata, max_stored_bytes
-from dstt.store.gc import entry_chunks
+from dstt.store.gc import entry_chunks, entry_packs
 from dstt.store.keyframes import read_delta
 from dstt.store.manifest import (
     TensorEntry,
@@ -49,6 +51,7 @@ from dstt.store.manifest import (
     sha256_hex,
     tensor_checksum,
 )
+from dstt.store.packs import PACKS, parse_pack_key
 from dstt.store.root import check_root, committed_steps, list_branches, load_branch
 from dstt.store.valuetree import tensor_refs as tree_refs
 
@@ -120,6 +123,10 @@ class _Verifier:
         #: Chunk files referenced by the steps checked (gc.entry_chunks: the
         #: same definition gc keeps by), so both count the same chunks.
         self.referenced: set[tuple[str, int, tuple[int, ...]]] = set()
+        #: Packs referenced by the steps checked (gc.entry_packs), and their ranges.
+        self.referenced_packs: set[str] = set()
+        self.arrays: set[str] = set()  # arrays of the entries checked (empty tensors' included)
+        self.ranges: set[tuple[str, int]] = set()
 
     def problem(self, branch: str, step: int | None, tensor: str | None, kind: str, msg: str) -> None:
         self.r.problems.append(Problem(branch, step, tensor, kind, msg))
@@ -189,11 +196,30 @@ class _Verifier:
     def chunk(self, e: TensorEntry, i: int) -> str | None:
         """The error of chunk i of a tensor, or None; cached by key and checksums."""
         coords = e.coords(i)
+        packed = packed_key_of(e, i)
+        if packed is not None:
+            rng = e.pack(i)
+            assert rng is not None  # packed_key_of says so
+            self.ranges.add((packed, rng.offset))
+            pkey = (packed, rng, e.crcs[i], e.sha256[i], e.codec, e.dtype.itemsize * _prod(e.chunk_shape))
+            if pkey not in self.seen:
+                self.seen[pkey] = self._read_packed(e, i)
+            return self.seen[pkey]
         key = L.chunk_key(e.array, e.slots[i], coords)
         cache_key = (key, e.keyframe(i), e.crcs[i], e.sha256[i])
         if cache_key not in self.seen:
             self.seen[cache_key] = self._read_chunk(e, i, key, coords)
         return self.seen[cache_key]
+
+    def _read_packed(self, e: TensorEntry, i: int) -> str | None:
+        """A packed chunk: its range read and checked (dstt.store.chunks.read_chunk)."""
+        try:
+            read_chunk(self.b, e, i, sha256=True)
+        except (OSError, DsttError) as exc:
+            return str(exc)
+        rng = e.pack(i)
+        self.r.bytes += 0 if rng is None else rng.length
+        return None
 
     def _read_chunk(self, e: TensorEntry, i: int, key: str, coords: tuple[int, ...]) -> str | None:
         if e.keyframe(i) is not None:  # a delta and its keyframe (docs/format.md "Delta chunks")
@@ -226,6 +252,8 @@ class _Verifier:
         """
         # The delta array's document matters only to entries with delta chunks
         # (gc removes a delta array no kept step has a chunk in).
+        if e.packs is not None and all(p is not None for p in e.packs):
+            return None  # every chunk in packs: no zarr array (docs/format.md "Packs")
         uses_delta = e.delta_array is not None and any(k is not None for k in e.keyframes or [])
         cache = f"{e.array}{L.DELTA_SUFFIX}" if uses_delta else e.array
         if cache not in self.seen_arrays:
@@ -250,6 +278,8 @@ class _Verifier:
     def tensor(self, branch: str, step: int, e: TensorEntry) -> None:
         self.r.tensors += 1
         self.referenced.update(entry_chunks(e))
+        self.referenced_packs.update(entry_packs(e))
+        self.arrays.add(e.array)
         err = self.array_doc(e)
         if err is not None:
             self.problem(branch, step, e.name, "array", err)
@@ -281,7 +311,7 @@ def _prefetched_groups(v: _Verifier, entries: list[TensorEntry]) -> Iterator[lis
         size += e.nbytes
     for group in groups:
         if prefetch is not None and group:
-            prefetch([key for x in group for i in range(x.nchunks) if x.keyframe(i) is None
+            prefetch([key for x in group for i in range(x.nchunks) if x.keyframe(i) is None and x.pack(i) is None
                       for key in (L.chunk_key(x.array, x.slots[i], x.coords(i)),)
                       if (key, None, x.crcs[i], x.sha256[i]) not in v.seen])
         yield group
@@ -350,17 +380,19 @@ def verify(store: Any, branch: str | None = None, step: int | str | None = None,
                 done += 1
                 if progress is not None:
                     progress(done, total, f"{b}:{s}")
-    report.chunks = len(v.referenced)
+    report.chunks = len(v.referenced) + len(v.ranges)
     if branch is None and step is None and len(loaded) == len(plan):
-        report.orphans = _orphans(backend, v.referenced)
+        report.orphans = _orphans(backend, v.referenced, v.referenced_packs, v.arrays)
     return report
 
 
-def _orphans(backend: Backend, referenced: set[tuple[str, int, tuple[int, ...]]]) -> dict[str, int]:
-    """Chunk files and arrays under tensors/ that no committed step references."""
+def _orphans(backend: Backend, referenced: set[tuple[str, int, tuple[int, ...]]],
+             packs: set[str] | None = None, entry_arrays: set[str] | None = None) -> dict[str, int]:
+    """Chunk files and arrays under tensors/, and packs, that no committed
+    step references (an unreferenced pack counts as a chunk)."""
     from dstt.store.gc import array_of, parse_chunk_key
 
-    live_arrays = {a for a, _, _ in referenced}
+    live_arrays = {a for a, _, _ in referenced} | (entry_arrays or set())
     out = {"chunks": 0, "arrays": 0, "bytes": 0}
     arrays: set[str] = set()
     for key in backend.list_prefix(L.TENSORS):
@@ -375,6 +407,10 @@ def _orphans(backend: Backend, referenced: set[tuple[str, int, tuple[int, ...]]]
             if array not in live_arrays:
                 arrays.add(array)
     out["arrays"] = len(arrays)
+    for key in backend.list_prefix(PACKS):
+        if parse_pack_key(key) is not None and key not in (packs or set()):
+            out["chunks"] += 1
+            out["bytes"] += backend.size(key) or 0
     return out
 
 

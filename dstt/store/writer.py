@@ -61,6 +61,7 @@ from dstt.store.manifest import (
     sha256_hex,
     tensor_checksum,
 )
+from dstt.store.packs import PACKS, PackRange, StepPacks, default_pack_chunk_bytes
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, ChunkTask, StepPlan, plan_step
 from dstt.store.root import (
     BranchInfo,
@@ -95,6 +96,7 @@ class ChunkResult:
     nbytes: int  # decoded chunk bytes
     partial: list[float]
     keyframe: int | None = None  # delta coded: the keyframe slot it is the difference to
+    pack: PackRange | None = None  # packed: its range in a pack of the step at ``slot`` (packs.py)
     #: Set while the chunk waits for the previous step's same chunk to be
     #: stored (its flush came first); ``Writer.commit`` waits for it.
     pending: Future[ChunkResult] | None = None
@@ -163,6 +165,7 @@ class Writer:
         lock: Any = None,
         keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
         storage_options: dict[str, Any] | None = None,
+        pack_chunk_bytes: int | None = None,
     ) -> None:
         L.validate_branch(branch)
         if not isinstance(keyframe_every, int) or isinstance(keyframe_every, bool) or keyframe_every < 1:
@@ -172,6 +175,14 @@ class Writer:
             raise ConfigError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
         if threads < 1:
             raise ConfigError(f"threads must be at least 1, got {threads}")
+        if pack_chunk_bytes is None:
+            pack_chunk_bytes = default_pack_chunk_bytes()
+        if not isinstance(pack_chunk_bytes, int) or isinstance(pack_chunk_bytes, bool) or pack_chunk_bytes < 0:
+            raise ConfigError(f"pack_chunk_bytes must be a non-negative integer, got {pack_chunk_bytes!r}")
+        #: Chunks of at most this many raw bytes go into packs (packs.py; 0:
+        #: none; default: $DSTT_PACK_CHUNK_BYTES, else 1 MiB).
+        self.pack_chunk_bytes = pack_chunk_bytes
+        self._packs_version_raised = False
         self.codec = CodecSpec(compression, zstd_level)
         self.max_chunk_bytes = max_chunk_bytes
         self.allow_pickle = allow_pickle
@@ -290,7 +301,8 @@ class Writer:
         self._tails = {
             (e.array, i): Link.resolved(ChunkRef(
                 c, None if h is None else bytes.fromhex(h), s,
-                None if e.keyframes is None else (s if e.keyframe(i) is None else e.keyframe(i))))
+                None if e.keyframes is None else (s if e.keyframe(i) is None else e.keyframe(i)),
+                pack=e.pack(i)))
             for e in entries
             for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots))
         }
@@ -340,6 +352,7 @@ class Writer:
             max_chunk_bytes=self.max_chunk_bytes,
             allow_pickle=self.allow_pickle,
             layout_cache=self._layout_cache,
+            pack_chunk_bytes=self.pack_chunk_bytes,
         )
         return self._reserve(plan, track=track)
 
@@ -356,6 +369,7 @@ class Writer:
     def _reserve(self, plan: StepPlan, track: bool = True) -> StepPlan:
         plan.seq = self.next_seq
         plan.slot = L.slot_for(self.branch.id, plan.seq)
+        plan.packs = StepPacks(self.backend, slot=plan.slot, rank=self.rank)
         self.next_seq += 1
         self.last_step = plan.step
         if track:
@@ -408,6 +422,8 @@ class Writer:
         if self.rank == 0:
             self._ensure_groups(plan)
         for layout in plan.meta_arrays:
+            if layout.packed:
+                continue  # its chunks live in packs: no zarr array (docs/format.md "Packs")
             if layout.array not in self._known_arrays:
                 self._ensure_doc(layout.array, array_metadata(
                     layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name))
@@ -439,7 +455,13 @@ class Writer:
         (zarr-python, xarray, zarrs) list every array. Written once, like
         array documents; checked once per writer."""
         doc = group_metadata()
+        if PACKS not in self._known_groups and any(layout.packed for layout in plan.layouts):
+            if self._differs(f"{PACKS}/zarr.json", doc):
+                self.backend.put(f"{PACKS}/zarr.json", doc)
+            self._known_groups.add(PACKS)
         for layout in plan.layouts:
+            if layout.packed:
+                continue
             parts = layout.array.split("/")[1:-1]  # below tensors/, above @<sig>
             for depth in range(1, len(parts) + 1):
                 group = "/".join([L.TENSORS, *parts[:depth]])
@@ -501,15 +523,18 @@ class Writer:
                            layout.codec, layout.dtype.itemsize, task.coords)
         cpu = time.thread_time()
         try:
+            packs = plan.packs if layout.packed else None
             coded = code_chunk(self.backend, place, plan.slot, raw, result.crc, prev,
-                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast)
+                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast, packs=packs)
+            if coded.written == 0 and coded.ref.pack_file is not None and plan.packs is not None:
+                plan.packs.refer(coded.ref.pack_file)  # commit checks it was written
         except BaseException:
             link.pass_through()
             raise
         with self._open_lock:
             self._encode_cpu_s += time.thread_time() - cpu
         link.resolve(coded.ref)
-        result.slot, result.keyframe = coded.ref.slot, coded.ref.keyframe
+        result.slot, result.keyframe, result.pack = coded.ref.slot, coded.ref.keyframe, coded.ref.pack
         result.written, result.sha256 = coded.written, coded.sha256
         return result
 
@@ -533,9 +558,25 @@ class Writer:
         self._settle_links(plan, earlier=True)
         try:
             results, error = self._settled(results, error)
+            error = self._close_packs(plan, error)
             return self._commit(plan, results, error)
         finally:
             self._settle_links(plan, earlier=False)
+
+    @staticmethod
+    def _close_packs(plan: StepPlan, error: BaseException | None) -> BaseException | None:
+        """Write this rank's last pack of the step (also when the step failed:
+        a later step may reference its ranges), and check that the earlier
+        packs the step references were written."""
+        packs: StepPacks | None = plan.packs
+        if packs is None:
+            return error
+        try:
+            packs.close()
+            StepPacks.check_referenced(packs.referenced_files())
+        except BaseException as e:
+            error = error or e
+        return error
 
     @staticmethod
     def _settled(results: list[ChunkResult],
@@ -611,6 +652,7 @@ class Writer:
                 sum(c.written for c in ordered),
                 keyframes=[c.keyframe for c in ordered] if layout.delta else None,
                 delta_array=layout.delta_array if layout.delta else None,
+                packs=[c.pack for c in ordered] if any(c.pack is not None for c in ordered) else None,
             ))
             names.append(layout.name)
             rows.append(stats)
@@ -618,6 +660,13 @@ class Writer:
         # Format 2 only where a step uses delta coding: other steps stay
         # readable by format-1 readers.
         version = L.DELTA_FORMAT_VERSION if any(l.delta for l in plan.layouts) else L.FORMAT_VERSION
+        if any(t.packs is not None for t in tensors):
+            # Format 3 where a step has packed chunks, and the store with it
+            # (once per writer): older readers refuse it, never misread it.
+            version = L.PACK_FORMAT_VERSION
+            if not self._packs_version_raised:
+                raise_root_version(self.backend, L.PACK_FORMAT_VERSION)
+                self._packs_version_raised = True
         index = index_document(version, self.branch.name, plan.step, tensors, plan.tree)
         names_b = encode_json(names)
         stats_b = encode_stats(rows)

@@ -1,0 +1,217 @@
+"""Packs: the small chunks of many tensors stored together in one object
+(torch-free format layer; docs/format.md "Packs").
+
+A step of tens of thousands of small tensors used to create a file (and an
+array document) per tensor. Chunks up to :data:`PACK_MAX_CHUNK_BYTES` are
+instead appended, each encoded exactly as its chunk file would be (codec
+body + CRC-32C trailer), to a *pack*: ``packs/p.<slot>.<rank>.<n>``, written
+once, whole, by the one rank (one writer) that filled it, sealed at
+:data:`PACK_TARGET_BYTES`. So files per step grow with bytes, not with
+tensor count (DataStates-LLM's coalescing of fragmented shards).
+
+The step index records, per packed chunk, where its range lives:
+:class:`PackRange` ``(rank, n, offset, length)`` beside the chunk's slot
+(the slot of the step that wrote the pack) and CRC-32C, as for any chunk. An
+unchanged chunk of a later step references the same range (nothing
+rewritten). Readers read exactly the recorded range (bounded by the codec's
+largest stored size) and check it like a chunk file (:mod:`dstt.store.chunks`).
+
+>>> pack_key(16777217, 0, 3)
+'packs/p.16777217.0.3'
+>>> parse_pack_key('packs/p.16777217.0.3')
+(16777217, 0, 3)
+>>> parse_pack_key('packs/zarr.json') is None
+True
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from dstt.errors import CaptureError, ConfigError, CorruptStoreError
+from dstt.store.layout import PACK_FORMAT_VERSION
+
+if TYPE_CHECKING:
+    from dstt.store.backends import Backend
+
+#: Top-level folder of pack objects (a zarr group, so plain zarr listings
+#: stay quiet; the packs themselves are not zarr nodes).
+PACKS = "packs"
+#: Chunks of at most this many raw bytes are packed by default (the
+#: environment variable DSTT_PACK_CHUNK_BYTES or Writer(pack_chunk_bytes=)
+#: override it; 0 packs nothing). Larger chunks stay chunk files of their
+#: zarr array, readable by plain zarr-python.
+PACK_MAX_CHUNK_BYTES = 1 << 20
+PACK_ENV = "DSTT_PACK_CHUNK_BYTES"
+
+
+def default_pack_chunk_bytes() -> int:
+    """The packing threshold in effect: ``$DSTT_PACK_CHUNK_BYTES`` if set
+    (read at each call: a capture helper process inherits it), else
+    :data:`PACK_MAX_CHUNK_BYTES`.
+
+    >>> default_pack_chunk_bytes() == int(os.environ.get(PACK_ENV) or PACK_MAX_CHUNK_BYTES)
+    True
+    """
+    text = os.environ.get(PACK_ENV, "").strip()
+    if not text:
+        return PACK_MAX_CHUNK_BYTES
+    if not text.isdigit():
+        raise ConfigError(f"{PACK_ENV} must be a non-negative number of bytes, got {text!r}")
+    return int(text)
+#: A pack is sealed (written) once it holds at least this many bytes.
+PACK_TARGET_BYTES = 8 << 20
+
+
+class PackRange(NamedTuple):
+    """Where a packed chunk lives: pack ``n`` of ``rank`` of the step whose
+    slot the index records for the chunk, bytes ``offset:offset+length``."""
+
+    rank: int
+    n: int
+    offset: int
+    length: int
+
+
+def pack_key(slot: int, rank: int, n: int) -> str:
+    """The key of pack ``n`` written by ``rank`` for the step at ``slot``."""
+    return f"{PACKS}/p.{slot}.{rank}.{n}"
+
+
+def parse_pack_key(key: str) -> tuple[int, int, int] | None:
+    """(slot, rank, n) of a pack key; None for anything else."""
+    prefix = f"{PACKS}/p."
+    if not key.startswith(prefix):
+        return None
+    fields = key[len(prefix):].split(".")
+    if len(fields) != 3 or not all(f.isdigit() for f in fields):
+        return None
+    return int(fields[0]), int(fields[1]), int(fields[2])
+
+
+def read_range(backend: Backend, key: str, rng: PackRange, max_bytes: int, where: str) -> bytes:
+    """Exactly the recorded range of a pack (CorruptStoreError if it is
+    missing, short, or longer than any chunk of its size can be)."""
+    if rng.length > max_bytes:
+        raise CorruptStoreError(f"{where}: packed range of {rng.length} bytes, at most {max_bytes} possible")
+    data = backend.get_range(key, rng.offset, rng.length)
+    if data is None:
+        raise CorruptStoreError(f"{where}: pack {key} is missing")
+    if len(data) != rng.length:
+        raise CorruptStoreError(f"{where}: pack {key} ends before the recorded range "
+                                f"{rng.offset}+{rng.length} (truncated)")
+    return data
+
+
+class PackFile:
+    """One pack being filled in memory, then written once.
+
+    ``state``: ``"open"`` (filling), ``"written"`` (durable once the step
+    syncs) or ``"failed"`` (never written: a later step must not reference
+    its ranges; see :meth:`StepPacks.check_referenced`)."""
+
+    __slots__ = ("key", "n", "buf", "state", "error")
+
+    def __init__(self, key: str, n: int) -> None:
+        self.key = key
+        self.n = n
+        self.buf = bytearray()
+        self.state = "open"
+        self.error: BaseException | None = None
+
+
+class StepPacks:
+    """The packs one writer (rank) fills for one step. Thread-safe: chunks
+    are added from several flush threads; a full pack is written by the
+    thread whose chunk filled it, outside the lock.
+
+    >>> from dstt.store.backends import open_backend
+    >>> import tempfile
+    >>> b = open_backend(tempfile.mkdtemp() + "/s", create=True)
+    >>> packs = StepPacks(b, slot=5, rank=0, target_bytes=4)
+    >>> f, r = packs.add([b"abc", b"d"]); r
+    PackRange(rank=0, n=0, offset=0, length=4)
+    >>> f.state, bytes(b.get("packs/p.5.0.0"))
+    ('written', b'abcd')
+    """
+
+    def __init__(self, backend: Backend, *, slot: int, rank: int, target_bytes: int | None = None) -> None:
+        self.backend = backend
+        self.slot = slot
+        self.rank = rank
+        self.target_bytes = PACK_TARGET_BYTES if target_bytes is None else target_bytes
+        self._lock = threading.Lock()
+        self._current: PackFile | None = None
+        self._count = 0
+        self._closed = False
+        self.files: list[PackFile] = []
+        self._referenced: dict[int, PackFile] = {}  # id -> an earlier step's pack a chunk references
+
+    def add(self, parts: list[Any]) -> tuple[PackFile, PackRange]:
+        """Append one encoded chunk (its buffers back to back, copied now:
+        they may be a staging block that goes back to the pool)."""
+        full = None
+        with self._lock:
+            if self._closed:
+                raise CaptureError(f"packs of slot {self.slot} are already closed")
+            f = self._current
+            if f is None:
+                f = self._current = PackFile(pack_key(self.slot, self.rank, self._count), self._count)
+                self._count += 1
+                self.files.append(f)
+            offset = len(f.buf)
+            for p in parts:
+                f.buf += memoryview(p).cast("B")
+            rng = PackRange(self.rank, f.n, offset, len(f.buf) - offset)
+            if len(f.buf) >= self.target_bytes:
+                full, self._current = f, None
+        if full is not None:
+            self._write(full)
+        return f, rng
+
+    def refer(self, f: PackFile) -> None:
+        """Note that an unchanged chunk of this step references a range of
+        ``f`` (an earlier step's pack, maybe not written yet)."""
+        if f.state != "written":
+            with self._lock:
+                self._referenced[id(f)] = f
+
+    def referenced_files(self) -> list[PackFile]:
+        with self._lock:
+            return list(self._referenced.values())
+
+    def _write(self, f: PackFile) -> None:
+        try:
+            self.backend.put(f.key, f.buf)
+        except BaseException as e:
+            f.state, f.error = "failed", e
+            raise
+        f.state = "written"
+        f.buf = bytearray()  # the bytes are on their way to disk: memory back now
+
+    def close(self) -> None:
+        """Write the last, partly filled pack (idempotent). Raises the error
+        of any pack of this step that could not be written."""
+        with self._lock:
+            f, self._current, self._closed = self._current, None, True
+        if f is not None:
+            self._write(f)
+        failed = next((x for x in self.files if x.state == "failed"), None)
+        if failed is not None and failed.error is not None:
+            raise CaptureError(f"pack {failed.key} could not be written: {failed.error}") from failed.error
+
+    @staticmethod
+    def check_referenced(files: list[PackFile]) -> None:
+        """CaptureError unless every pack in ``files`` (earlier steps' packs a
+        step references: an unchanged chunk) has been written: a step never
+        commits a reference to bytes that are not stored."""
+        for f in files:
+            if f.state != "written":
+                raise CaptureError(f"a chunk references pack {f.key} of an earlier step, which was "
+                                   f"{'not written' if f.state == 'failed' else 'never completed'}")
+
+
+__all__ = ["PACK_ENV", "default_pack_chunk_bytes", "PACKS", "PACK_FORMAT_VERSION", "PACK_MAX_CHUNK_BYTES", "PACK_TARGET_BYTES", "PackFile", "PackRange",
+           "StepPacks", "pack_key", "parse_pack_key", "read_range"]
