@@ -21,7 +21,6 @@ A new codec (delta encoding) plugs into :func:`decode_raw`.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -49,14 +48,18 @@ class ChunkGrid:
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
 
-    @functools.cached_property  # (works on a frozen dataclass: written to __dict__ directly)
-    def grid(self) -> tuple[int, ...]:
-        """Chunks along each dimension."""
-        return tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
+    # grid and nchunks are computed once, at construction: asked several
+    # times per chunk, and functools.cached_property takes a lock on first
+    # use of each instance (Python 3.11), which cost more than the value
+    # for tens of thousands of one-chunk tensors (issue 16).
+    def __post_init__(self) -> None:
+        grid = tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
+        object.__setattr__(self, "grid", grid)
+        object.__setattr__(self, "nchunks", math.prod(grid))
 
-    @functools.cached_property
-    def nchunks(self) -> int:
-        return math.prod(self.grid)
+    if TYPE_CHECKING:
+        grid: tuple[int, ...]  # chunks along each dimension
+        nchunks: int
 
     @property
     def chunk_numel(self) -> int:

@@ -96,7 +96,13 @@ class TensorEntry:
 
     @property
     def chunk_grid(self) -> ChunkGrid:
-        return ChunkGrid(self.shape, self.chunk_shape)
+        # Cached by hand (functools.cached_property locks on first use, per
+        # instance): asked several times per chunk read; shape and
+        # chunk_shape are never changed once an entry is built.
+        grid = self.__dict__.get("_chunk_grid")
+        if grid is None:
+            grid = self.__dict__["_chunk_grid"] = ChunkGrid(self.shape, self.chunk_shape)
+        return cast(ChunkGrid, grid)
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -116,7 +122,7 @@ class TensorEntry:
             "dtype": self.dtype.logical,
             "shape": list(self.shape),
             "chunk_shape": list(self.chunk_shape),
-            "codec": self.codec.codecs_json(self.dtype.itemsize),
+            "codec": _codecs_json(self.codec, self.dtype.itemsize),
             "array": self.array,
             "slots": self.slots,
             "crcs": self.crcs,
@@ -127,6 +133,13 @@ class TensorEntry:
                {"delta": {"array": self.delta_array, "keyframes": self.keyframes}}),
             **({} if self.packs is None else {"pack": [None if p is None else list(p) for p in self.packs]}),
         }
+
+
+@functools.lru_cache(maxsize=256)
+def _codecs_json(codec: CodecSpec, itemsize: int) -> list[dict[str, Any]]:
+    """codec.codecs_json, built once per (codec, itemsize): tens of thousands
+    of entries per index share a few (issue 16). Read only: encoded at once."""
+    return codec.codecs_json(itemsize)
 
 
 def index_document(version: int, branch: str, step: int, entries: list[TensorEntry], objects: Any) -> bytes:
@@ -287,18 +300,23 @@ def _need(cond: bool, where: str, what: str) -> None:
 
 
 def _int(v: Any, where: str, what: str, lo: int = 0, hi: int | None = None) -> int:
+    if type(v) is int and v >= lo and (hi is None or v <= hi):
+        return v  # the common case, no message built (a bool is not of type int)
     _need(isinstance(v, int) and not isinstance(v, bool), where, f"{what} must be an integer, got {type(v).__name__}")
     _need(v >= lo and (hi is None or v <= hi), where, f"{what} {v} out of range")
     return cast('int', v)  # validated above
 
 
 def _str(v: Any, where: str, what: str) -> str:
+    if type(v) is str:
+        return v
     _need(isinstance(v, str), where, f"{what} must be a string, got {type(v).__name__}")
     return cast('str', v)  # validated above
 
 
 def _shape(v: Any, where: str, what: str, positive: bool = False) -> tuple[int, ...]:
-    _need(isinstance(v, list) and len(v) <= 32, where, f"{what} must be a list of at most 32 sizes")
+    if not (isinstance(v, list) and len(v) <= 32):
+        _need(False, where, f"{what} must be a list of at most 32 sizes")
     out = tuple(_int(x, where, what, lo=1 if positive else 0, hi=MAX_ELEMENTS) for x in v)
     return out
 
@@ -333,12 +351,17 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
     return cast('dict[str, Any]', doc)  # validated above
 
 
-def parse_entry(raw: Any, where: str) -> TensorEntry:
+def parse_entry(raw: Any, where: str, codecs: list[tuple[Any, CodecSpec]] | None = None) -> TensorEntry:
+    """One tensor entry of an index, validated. ``codecs``: (codec JSON,
+    CodecSpec) pairs already parsed (parse_index shares them between entries)."""
+    # Messages are built only on failure: this runs once per tensor per step
+    # read (tens of thousands: issue 16).
     _need(isinstance(raw, dict), where, "tensor entry must be an object")
     name = _str(raw.get("name"), where, "name")
     w = f"{where}: tensor {name!r}"
     kind = _str(raw.get("kind"), w, "kind")
-    _need(kind in ("tensor", "ndarray"), w, f"unknown kind {kind!r}")
+    if kind not in ("tensor", "ndarray"):
+        _need(False, w, f"unknown kind {kind!r}")
     try:
         dtype = info_for_name(raw.get("dtype"))
     except Exception:
@@ -346,23 +369,29 @@ def parse_entry(raw: Any, where: str) -> TensorEntry:
     shape = _shape(raw.get("shape"), w, "shape")
     chunk = _shape(raw.get("chunk_shape"), w, "chunk_shape", positive=True)
     _need(len(chunk) == len(shape), w, "chunk_shape rank differs from shape")
-    _need(math.prod(shape) <= MAX_ELEMENTS, w, f"absurd shape {list(shape)}")
-    _need(math.prod(chunk) * dtype.itemsize <= 1 << 34, w, f"absurd chunk_shape {list(chunk)}")
-    codec = CodecSpec.from_codecs_json(raw.get("codec"))
+    if math.prod(shape) > MAX_ELEMENTS:
+        _need(False, w, f"absurd shape {list(shape)}")
+    if math.prod(chunk) * dtype.itemsize > 1 << 34:
+        _need(False, w, f"absurd chunk_shape {list(chunk)}")
+    codec = _parse_codec(raw.get("codec"), codecs)
     array = _str(raw.get("array"), w, "array")
     parts = array.split("/")
-    _need(parts[0] == TENSORS and len(parts) >= 3 and all(p not in ("", ".", "..") for p in parts)
-          and _ARRAY_PATH_RE.match(array) is not None and parts[-1].startswith("@"), w, f"unsafe array path {array!r}")
+    if not (parts[0] == TENSORS and len(parts) >= 3 and all(p not in ("", ".", "..") for p in parts)
+            and _ARRAY_PATH_RE.match(array) is not None and parts[-1].startswith("@")):
+        _need(False, w, f"unsafe array path {array!r}")
     entry = TensorEntry(name, kind, dtype, shape, chunk, codec, array, [], [], [], "", 0)
     n = entry.nchunks
     slots = raw.get("slots")
-    _need(isinstance(slots, list) and len(slots) == n, w, f"slots must list {n} chunk slots")
+    if not (isinstance(slots, list) and len(slots) == n):
+        _need(False, w, f"slots must list {n} chunk slots")
     entry.slots = [_int(s, w, "slot", hi=MAX_SLOTS - 1) for s in slots]
     crcs = raw.get("crcs")
-    _need(isinstance(crcs, list) and len(crcs) == n, w, f"crcs must list {n} chunk CRCs")
+    if not (isinstance(crcs, list) and len(crcs) == n):
+        _need(False, w, f"crcs must list {n} chunk CRCs")
     entry.crcs = [_int(c, w, "crc", hi=0xFFFFFFFF) for c in crcs]
     shas = raw.get("sha256")
-    _need(isinstance(shas, list) and len(shas) == n, w, f"sha256 must list {n} entries")
+    if not (isinstance(shas, list) and len(shas) == n):
+        _need(False, w, f"sha256 must list {n} entries")
     for d in shas:
         _need(d is None or (isinstance(d, str) and len(d) == 64), w, "sha256 must be null or 64 hex characters")
     entry.sha256 = shas
@@ -375,10 +404,23 @@ def parse_entry(raw: Any, where: str) -> TensorEntry:
     return entry
 
 
+def _parse_codec(raw: Any, seen: list[tuple[Any, CodecSpec]] | None) -> CodecSpec:
+    """CodecSpec.from_codecs_json, reusing an equal chain parsed before."""
+    if seen is not None:
+        for chain, spec in seen:
+            if chain == raw:
+                return spec
+    spec = CodecSpec.from_codecs_json(raw)
+    if seen is not None and len(seen) < 16:
+        seen.append((raw, spec))
+    return spec
+
+
 def _parse_packs(entry: TensorEntry, raw: Any, w: str) -> None:
     """The ``pack`` list of an entry with packed chunks (format version 3)."""
     n = entry.nchunks
-    _need(isinstance(raw, list) and len(raw) == n, w, f"pack must list {n} entries")
+    if not (isinstance(raw, list) and len(raw) == n):
+        _need(False, w, f"pack must list {n} entries")
     packs: list[PackRange | None] = []
     for i, p in enumerate(raw):
         if p is None:
@@ -410,7 +452,8 @@ def parse_index(data: bytes, where: str) -> tuple[list[TensorEntry], Any]:
     _need(isinstance(doc, dict), where, "index must be a JSON object")
     raw = doc.get("tensors")
     _need(isinstance(raw, list), where, "tensors must be a list")
-    entries = [parse_entry(r, where) for r in raw]
+    codecs: list[tuple[Any, CodecSpec]] = []
+    entries = [parse_entry(r, where, codecs) for r in raw]
     names = [e.name for e in entries]
     _need(len(set(names)) == len(names), where, "duplicate tensor names")
     objects = doc.get("objects")

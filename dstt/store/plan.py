@@ -380,6 +380,11 @@ def plan_step(
 #: Layouts a cache keeps at most (it is cleared when full: a run whose
 #: tensors keep changing shape never grows it without bound).
 MAX_CACHED_LAYOUTS = 1 << 20
+#: Layouts shared by every writer of this process (``dstt.save`` opens a
+#: writer per call: 100,000 tensors took ~3 s per call to lay out again).
+#: Cleared when it holds more than SHARED_LAYOUTS_MAX (~1-2 KiB each).
+_SHARED_LAYOUTS: dict[Any, TensorLayout] = {}
+SHARED_LAYOUTS_MAX = 1 << 17
 
 
 def _cached_layout(name: str, desc: tuple[Any, ...], codec: CodecSpec, max_chunk_bytes: int,
@@ -394,7 +399,13 @@ def _cached_layout(name: str, desc: tuple[Any, ...], codec: CodecSpec, max_chunk
     if layout is None:
         if len(cache) >= MAX_CACHED_LAYOUTS:
             cache.clear()
-        layout = cache[key] = build_layout(name, desc, codec, max_chunk_bytes, pack_chunk_bytes)
+        layout = _SHARED_LAYOUTS.get(key)
+        if layout is None:
+            layout = build_layout(name, desc, codec, max_chunk_bytes, pack_chunk_bytes)
+            if len(_SHARED_LAYOUTS) >= SHARED_LAYOUTS_MAX:
+                _SHARED_LAYOUTS.clear()
+            _SHARED_LAYOUTS[key] = layout
+        cache[key] = layout
     return layout
 
 
