@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from dstt.errors import CorruptStoreError, TensorNotFoundError
+from dstt.store.chunks import packed_key_of, read_packed
 from dstt.store.index import Index, RunIndex, StepRecord, TensorInfo
+from dstt.store.manifest import TensorEntry
 from dstt.store.torch_dtypes import from_storage
 from dstt.store.tree import unflatten
 
@@ -31,6 +33,13 @@ def _tensor(arr: np.ndarray) -> torch.Tensor:
     """A torch tensor over ``arr``, copied only if it is not C-contiguous
     (``np.ascontiguousarray`` would turn a 0-d array into a 1-d one)."""
     return torch.from_numpy(arr if arr.flags.c_contiguous else arr.copy(order="C"))
+
+
+def _from_raw(e: TensorEntry, raw: memoryview) -> torch.Tensor:
+    """A one-chunk tensor from its checked raw bytes (a copy: ``raw`` may
+    view a read buffer shared by many tensors, or be read-only)."""
+    arr = np.frombuffer(raw, dtype=e.dtype.numpy_storage).reshape(e.shape).copy()
+    return from_storage(torch.from_numpy(arr), e.dtype)
 
 
 class TensorReader(RunIndex):
@@ -87,16 +96,37 @@ class TensorReader(RunIndex):
         for n in wanted:
             if n not in rec.by_name:
                 raise CorruptStoreError(f"step {step}: value tree refers to missing tensor {n!r}")
-        # Names handed to the pool in groups: one pool task per tensor cost
-        # more than reading a small tensor (tens of thousands: issue 16).
-        per_task = max(1, min(256, len(wanted) // (4 * max(1, threads))))
-        groups = [wanted[i:i + per_task] for i in range(0, len(wanted), per_task)]
+        # One-chunk packed tensors are read pack by pack, adjacent ranges in
+        # one request (chunks.read_packed); the others by name, in groups:
+        # one pool task per tensor cost more than reading a small tensor
+        # (tens of thousands: issue 16).
+        packed: dict[str, list[str]] = {}
+        others: list[str] = []
+        for n in dict.fromkeys(wanted):
+            e = rec.by_name[n]
+            key = packed_key_of(e, 0) if e.nchunks == 1 and e.chunk_shape == e.shape else None
+            if key is None:
+                others.append(n)
+            else:
+                packed.setdefault(key, []).append(n)
+        per_task = max(1, min(256, len(others) // (4 * max(1, threads))))
+        groups = [others[i:i + per_task] for i in range(0, len(others), per_task)]
 
         def read_group(names: list[str]) -> list[torch.Tensor]:
             return [self.read(n, step, branch=branch, verify=verify) for n in names]
 
+        def read_pack(names: list[str]) -> list[torch.Tensor]:
+            entries = [rec.by_name[n] for n in names]
+            with self.removed_meanwhile(branch, step):
+                raws = read_packed(self.backend, [(e, 0) for e in entries], sha256=verify)
+            return [_from_raw(e, raw) for e, raw in zip(entries, raws)]
+
+        loaded: dict[str, torch.Tensor] = {}
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            loaded = dict(zip(wanted, (t for ts in pool.map(read_group, groups) for t in ts)))
+            for names, ts in zip(groups, pool.map(read_group, groups)):
+                loaded.update(zip(names, ts))
+            for names, ts in zip(packed.values(), pool.map(read_pack, packed.values())):
+                loaded.update(zip(names, ts))
 
         def load(name: str, kind: str) -> Any:
             t = loaded[name]
