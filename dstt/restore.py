@@ -109,6 +109,30 @@ def restore(
     """
     run = ref if isinstance(ref, TensorReader) else TensorReader(os.fspath(ref), storage_options=storage_options)
     rec = run.record()
+    return apply_step(rec, store_read(run, rec), f"step {rec.step} of branch {rec.branch!r} in {run.url}", model=model,
+                      optimizer=optimizer, scheduler=scheduler, rng=rng, strict=strict, threads=threads)
+
+
+#: Reads one tensor of a step (a box of it, or whole for None) into a tensor
+#: the caller may keep (an optimizer keeps what it is given).
+ReadTensor = Callable[[str, "tuple[slice, ...] | None"], torch.Tensor]
+
+
+def store_read(run: TensorReader, rec: StepRecord) -> ReadTensor:
+    """How :func:`apply_step` reads the tensors of a stored step."""
+    def read(name: str, box: tuple[slice, ...] | None) -> torch.Tensor:
+        return read_whole(run, rec, name) if box is None else run.read(name, rec.step, branch=rec.branch, index=box)
+
+    return read
+
+
+def apply_step(rec: Any, read: ReadTensor, where: str, *, model: torch.nn.Module | None = None,
+               optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, rng: bool = True,
+               strict: bool = True, threads: int = 4) -> dict[str, Any]:
+    """:func:`restore` from any source of a step: ``rec`` describes it
+    (``objects``, the value tree; ``by_name``, each tensor's ``shape`` and
+    ``dtype``; ``step``), ``read`` reads its tensors. Used by ``restore``
+    (the store) and ``Capture.rewind`` (the memory tier's host ring)."""
     tree = rec.objects if isinstance(rec.objects, dict) else {}
     plan = _Plan()
     if model is not None:
@@ -118,18 +142,17 @@ def restore(
     if scheduler is not None:
         _plan_scheduler(plan, tree.get("scheduler"), scheduler)
     if plan.problems:
-        where = f"step {rec.step} of branch {rec.branch!r} in {run.url}"
         if strict:
             raise mismatch_error(where, plan.problems)
         warnings.warn(f"partial restore of {where}: " + "; ".join(plan.problems[:MAX_LISTED]), stacklevel=2)
-    data = _read_all(run, rec, plan, threads)
+    data = _read_all(read, plan, threads)
     # Every value the live objects will get -- planned tensors, and tensors
     # nested in other values (a module's extra state, a tensor lr, LBFGS's
     # history lists) -- is read now: only then are the live objects touched.
     wanted = {"model": model is not None, "optim": optimizer is not None, "scheduler": scheduler is not None,
               "rng": rng, "extra": True}
-    read = _small_reader(run, rec)
-    got = {k: _materialize(tree[k], (k,), data, read, plan.skipped)
+    small = _small_reader(read)
+    got = {k: _materialize(tree[k], (k,), data, small, plan.skipped)
            for k, want in wanted.items() if want and k in tree and (k,) not in plan.skipped}
     if isinstance(got.get("model"), dict):
         _apply_model(model, got["model"], strict)
@@ -361,17 +384,13 @@ def read_whole(run: TensorReader, rec: StepRecord, name: str) -> torch.Tensor:
     return buf.view(torch_storage(e.dtype)).view(torch_dtype(e.dtype)).reshape(e.shape)
 
 
-def _read_all(run: TensorReader, rec: StepRecord, plan: _Plan, threads: int) -> dict[tuple[str, ...], Any]:
+def _read_all(read: ReadTensor, plan: _Plan, threads: int) -> dict[tuple[str, ...], Any]:
     """Read every planned tensor (only each rank's box) before anything is applied."""
     items = list(plan.loads.items())
 
     def one(item: tuple[tuple[str, ...], _Load]) -> tuple[tuple[str, ...], Any]:
         path, ld = item
-        if ld.box is None:
-            t = read_whole(run, rec, ld.name)
-        else:
-            t = run.read(ld.name, rec.step, branch=rec.branch, index=ld.box)
-        return path, ld.wrap(t)
+        return path, ld.wrap(read(ld.name, ld.box))
 
     if threads <= 1 or len(items) <= 1:
         return dict(map(one, items))
@@ -379,13 +398,13 @@ def _read_all(run: TensorReader, rec: StepRecord, plan: _Plan, threads: int) -> 
         return dict(pool.map(one, items))
 
 
-def _small_reader(run: TensorReader, rec: StepRecord) -> Callable[[Stored], Any]:
+def _small_reader(read: ReadTensor) -> Callable[[Stored], Any]:
     """Reads a small unplanned tensor (RNG state, extra) whole."""
-    def read(s: Stored) -> Any:
-        t = run.read(s.name, rec.step, branch=rec.branch)
+    def one(s: Stored) -> Any:
+        t = read(s.name, None)
         return t.numpy() if s.kind == "ndarray" else t
 
-    return read
+    return one
 
 
 def _materialize(tree: Any, path: tuple[str, ...], data: dict[tuple[str, ...], Any],
@@ -464,4 +483,4 @@ def _apply_rng(tree: Any) -> None:
     set_rng_state(tree)
 
 
-__all__ = ["restore", "branch", "mismatch_error", "Stored"]
+__all__ = ["restore", "apply_step", "store_read", "branch", "mismatch_error", "Stored"]

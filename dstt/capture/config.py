@@ -11,6 +11,9 @@ from dstt.store.layout import StepRef, validate_branch
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES
 
 ON_FULL = ("wait", "skip")
+PERSIST = ("all", "newest")
+#: The memory tier holds at most this many steps (a sanity bound, not a tuning).
+MAX_MEMORY_STEPS = 1024
 
 
 @dataclass
@@ -63,6 +66,26 @@ class CaptureConfig:
     #: Options for fsspec when the store is a URL such as ``s3://``
     #: (endpoint, credentials; docs/object-stores.md).
     storage_options: dict[str, Any] | None = None
+    #: The flight recorder's memory tier (capture/recorder.py): keep the last
+    #: this many captured steps in host memory (the /dev/shm ring where it
+    #: fits), persisted or not. Host memory used: (memory_steps + 4) x one
+    #: step (K kept, one being staged, one being written and the step before
+    #: it for the update statistics, one being checked for NaN/Inf), stated
+    #: at the first snapshot (log level INFO); with
+    #: ``host_buffer_bytes`` set, that is the cap (a CaptureError if K steps
+    #: do not fit). Writes run in this process's threads (no helper process).
+    memory_steps: int | None = None
+    #: Which captured steps go to the store: "all" (backpressure: the
+    #: trainer waits for the disk), "newest" (never wait: whenever the writer
+    #: is free it persists the newest staged step; the others live only in
+    #: memory until evicted) or N (every N-th captured step, waiting for
+    #: those). None: "newest" with ``memory_steps``, else "all". Anything
+    #: but "all" needs ``memory_steps``.
+    persist: str | int | None = None
+    #: With ``memory_steps``: check every captured floating-point tensor for
+    #: NaN/Inf in the background and raise an incident (persist the ring)
+    #: at the first step that has some (and again only after a clean step).
+    watch_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("every", self.every)
@@ -81,6 +104,7 @@ class CaptureConfig:
             raise ConfigError(f"helper must be True, False or None (auto), got {self.helper!r}")
         if self.on_full not in ON_FULL:
             raise ConfigError(f"on_full must be one of {ON_FULL}, got {self.on_full!r}")
+        self._check_memory_tier()
         if self.host_buffer_bytes is not None:
             _positive_int("host_buffer_bytes", self.host_buffer_bytes)
             if self.host_buffer_bytes < self.max_chunk_bytes:
@@ -99,6 +123,37 @@ class CaptureConfig:
             if not (isinstance(self.parent, (tuple, list)) and len(self.parent) == 2):
                 raise ConfigError(f"parent must be a (branch, step) pair, got {self.parent!r}")
             self.parent = StepRef(validate_branch(self.parent[0]), int(self.parent[1]))
+
+
+    def _check_memory_tier(self) -> None:
+        if self.memory_steps is not None:
+            _positive_int("memory_steps", self.memory_steps)
+            if self.memory_steps > MAX_MEMORY_STEPS:
+                raise ConfigError(f"memory_steps must be at most {MAX_MEMORY_STEPS}, got {self.memory_steps}")
+            if self.helper is True:
+                raise ConfigError("memory_steps: the memory tier writes in this process's threads; "
+                                  "helper=True cannot be combined with it")
+            if self.on_full != "wait":
+                raise ConfigError("memory_steps: the memory tier never skips a step; use persist='newest' "
+                                  "(never wait for the disk) instead of on_full='skip'")
+        if not isinstance(self.watch_nonfinite, bool):
+            raise ConfigError(f"watch_nonfinite must be True or False, got {self.watch_nonfinite!r}")
+        p = self.persist
+        if p is None:
+            return
+        if isinstance(p, bool) or not (p in PERSIST or (isinstance(p, int) and p >= 1)):
+            raise ConfigError(f"persist must be 'all', 'newest' or a positive integer N (every N-th captured "
+                              f"step), got {p!r}")
+        if p != "all" and self.memory_steps is None:
+            raise ConfigError(f"persist={p!r} keeps the other steps in memory only: it needs memory_steps=K "
+                              "(how many captured steps the memory tier holds)")
+
+    @property
+    def persist_policy(self) -> str | int:
+        """``persist`` with its default applied."""
+        if self.persist is not None:
+            return self.persist
+        return "newest" if self.memory_steps is not None else "all"
 
 
 def make_config(config: CaptureConfig | None, overrides: dict[str, Any]) -> CaptureConfig:

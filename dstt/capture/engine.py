@@ -49,7 +49,9 @@ from dstt.capture.pipeline import (
     lower_thread_priority,
     task_bytes,
 )
+from dstt.capture.recorder import FlightRecorder
 from dstt.capture.records import write_skip
+from dstt.capture.rewind import Rewinder
 from dstt.capture.staging import CudaCopier, HostPool
 from dstt.errors import CaptureError
 from dstt.state import state_of
@@ -66,7 +68,7 @@ log = logging.getLogger("dstt.capture")
 RECENT_COMMITS = 1024
 
 
-class Capture(CrashSafe):
+class Capture(CrashSafe, FlightRecorder, Rewinder):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -94,6 +96,7 @@ class Capture(CrashSafe):
     def __init__(self, store: Any, config: CaptureConfig | None = None, **overrides: Any) -> None:
         self.config = make_config(config, overrides)
         self._store_by_name = isinstance(store, (str, os.PathLike))
+        self._store_arg = store  # a rewind opens a writer of the new branch on it
         cfg = self.config
         # Two coordinators: planning runs on this thread, commits on the
         # committer thread; sharing one gloo group would interleave them.
@@ -112,7 +115,9 @@ class Capture(CrashSafe):
         self.recovered: list[int] = []  # steps sealed by a dead trainer, committed at construction
         self._ring = self._open_ring()  # before any thread: recovery commits on this thread
         try:
-            self._helper = self._start_helper()  # not waited for: its start-up overlaps training
+            # The memory tier (recorder.py) writes in this process: no helper.
+            self._helper = None if cfg.memory_steps is not None else self._start_helper()
+            self._tier_init()
         except BaseException:
             if self._ring is not None:
                 self._ring.close()
@@ -142,9 +147,12 @@ class Capture(CrashSafe):
         #: (on the stager thread for lazy copies); an exception fails the step.
         self.before_copy: Callable[[int, int, bool], Any] | None = None
         self._stager = threading.Thread(target=self._stage_loop, name="dstt-stager", daemon=True)
-        self._committer = threading.Thread(target=self._commit_loop, name="dstt-committer", daemon=True)
+        self._fork: Any = None  # a rewind's branch, opened at the next snapshot (rewind.py)
+        loop = self._tier_loop if self._tier else self._commit_loop
+        self._committer = threading.Thread(target=loop, name="dstt-committer", daemon=True)
         self._stager.start()
         self._committer.start()
+        self._tier_start()
         LIVE.add(self)
 
     # ================================================================ trainer API
@@ -170,13 +178,15 @@ class Capture(CrashSafe):
         if not policy.is_due(step, self.config.every):
             self.raise_pending()
             return False
+        if self._fork is not None:
+            self._switch_branch()
         state = state_of(model=model, optimizer=optimizer, scheduler=scheduler, rng=rng, extra=extra)
         plan = self.writer.plan(step, state)  # collective under torch.distributed
         # The step is planned on every rank. Whatever fails from here on, it
         # is queued, so that its (collective) commit runs and fails on every
         # rank instead of leaving a peer waiting. An interrupt (Ctrl-C) fails
         # the step the same way and is raised once the step is queued.
-        job = Job(plan, [])
+        job = Job(plan, [], writer=self.writer)
         eager: list[ChunkTask] = []
         try:
             eager = self._prepare(job, optimizer)
@@ -209,23 +219,30 @@ class Capture(CrashSafe):
             (job.lazy if protected and storage_key(t.source) in protected else eager).append(t)
         if job.lazy:
             job.guard = VersionGuard([t.source for t in job.lazy], [t.layout.name for t in job.lazy])
-        self._ensure_pool(job.plan)
-        assert self.pool is not None
-        job.pool = self.pool
-        job.hold = self._pool_in_ring and policy.step_need_bytes(
-            [self.pool.block_bytes(task_bytes(t)) for t in job.plan.tasks]) <= self.pool.capacity
+        if self._tier:
+            self._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
+        else:
+            self._ensure_pool(job.plan)
+            assert self.pool is not None
+            job.pool = self.pool
+            job.hold = self._pool_in_ring and policy.step_need_bytes(
+                [self.pool.block_bytes(task_bytes(t)) for t in job.plan.tasks]) <= self.pool.capacity
+        assert job.pool is not None
         if self._helper is not None and not job.hold:
             raise CaptureError(
                 f"step {job.plan.step} does not fit the {self.pool.capacity}-byte staging pool whole, and the "
                 "capture helper takes whole sealed steps only: raise host_buffer_bytes, or use helper=False "
                 "to stage larger steps in parts")
-        job.lazy_bytes = sum(self.pool.block_bytes(task_bytes(t)) for t in job.lazy)
+        job.lazy_bytes = sum(job.pool.block_bytes(task_bytes(t)) for t in job.lazy)
         devices = {t.source.device for t in job.plan.tasks if t.source.device.type == "cuda"}
         if devices:
             job.ready = self._cuda().after_compute(devices)
         return eager
 
     def _enqueue(self, job: Job) -> None:
+        if self._tier:
+            self._tier_enqueue(job, lazy=bool(job.lazy) and job.error is None)
+            return
         staged_later = (bool(job.lazy) or job.hold) and job.error is None  # held steps are sealed by the stager
         with self._cond:
             self._pending += 1
@@ -285,12 +302,18 @@ class Capture(CrashSafe):
         self._closed = True
         LIVE.discard(self)
         try:
+            if self._fork is not None:
+                self._switch_branch()  # a rewind with no snapshot after it still makes its branch
+            if self._tier:
+                self._tier_close_last()
             with self._cond:
                 self._cond.wait_for(lambda: self._pending == 0)
         finally:
             self._stage_q.put(None)
             self._commit_q.put(None)
             self._stager.join()
+            if self._tier:
+                self._tier_stop()
             self._committer.join()
             self._flush.shutdown(wait=True)
             self._fence.remove()
@@ -450,8 +473,9 @@ class Capture(CrashSafe):
         failure it is released (after the copy stream is done with it), so
         a failed step never shrinks the pool.
         """
-        pool = self.pool
+        pool = job.pool or self.pool
         assert pool is not None
+        flush_now = self._helper is None and not self._tier  # the memory tier writes later, if at all
         batch: list[tuple[ChunkTask, torch.Tensor]] = []  # CUDA copies issued, not handed over
         block: torch.Tensor | None = None
         guard = job.guard if lazy else None
@@ -479,7 +503,7 @@ class Capture(CrashSafe):
                     dst.copy_(t.source)
                     check_guard(job, guard, i)  # completed: a change before now is in the copy
                     job.views.append((t, dst))
-                    if self._helper is None:
+                    if flush_now:
                         job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
                     block = None
             if batch:
@@ -488,7 +512,7 @@ class Capture(CrashSafe):
             if block is not None:
                 pool.release(block)
             if batch:
-                self._release_after_copies(batch)
+                self._release_after_copies(pool, batch)
             raise
 
     def _hand_over_cuda(self, job: Job, batch: list[tuple[ChunkTask, torch.Tensor]], lazy: bool,
@@ -515,11 +539,11 @@ class Capture(CrashSafe):
             t, dst = batch[0]
             job.views.append((t, dst))
             ready = None if lazy else done[t.source.device.index]
-            if self._helper is None:
-                job.futures.append(self._flush.submit(self._flush_one, self.pool, job, t, dst, ready))
+            if self._helper is None and not self._tier:
+                job.futures.append(self._flush.submit(self._flush_one, job.pool, job, t, dst, ready))
             batch.pop(0)
 
-    def _release_after_copies(self, batch: list[tuple[ChunkTask, torch.Tensor]]) -> None:
+    def _release_after_copies(self, pool: HostPool, batch: list[tuple[ChunkTask, torch.Tensor]]) -> None:
         """Return the blocks of issued CUDA copies that will not be flushed,
         once the copy stream is done writing into them."""
         try:
@@ -529,7 +553,7 @@ class Capture(CrashSafe):
             log.exception("dstt: CUDA copies did not finish; %d staging blocks stay reserved", len(batch))
             return
         for _, dst in batch:
-            self.pool.release(dst)  # type: ignore[union-attr]
+            pool.release(dst)
 
     # ================================================================ background
 
@@ -555,11 +579,13 @@ class Capture(CrashSafe):
                     job.guard.release()
                 job.issued.set()
                 job.staged.set()  # copies landed: the optimizer may update the sources
-                if job.hold and job.error is None:
-                    self._seal(job)  # then wait_staged() returns (submitted, below)
                 with self._cond:
                     self._queued_bytes -= job.lazy_bytes
                     job.lazy_bytes = 0
+                if self._tier:
+                    self._tier_staged(job)  # into the ring, sealed; then wait_staged() returns
+                elif job.hold and job.error is None:
+                    self._seal(job)  # then wait_staged() returns (submitted, below)
                 job.finish_staging()
 
     def _flush_one(

@@ -52,6 +52,16 @@ class Job:
     sealed: bool = False
     cuda_eager: list[Any] = field(default_factory=list)  # events after eager CUDA copies
     reported: bool = False  # its failure was already queued for the trainer (under Capture._cond)
+    # The memory tier (capture/recorder.py); all under Capture._cond.
+    writer: Any = None  # the Writer that stores it (a rewind switches writers)
+    slot: Any = None  # its slot of the recorder's SlotPool
+    refs: int = 0  # holders of the slot: the ring, a pending persist, a pinned successor, the watcher
+    decision: str = ""  # "" undecided, "persist", "memory" (passed over), "done", "failed"
+    forced: bool = False  # an incident or rewind wants it stored
+    prev_job: Any = None  # the step captured just before it, pinned while this one is written
+    tier_staged: bool = False  # staged and in the ring
+    done: threading.Event = field(default_factory=threading.Event)  # stored, failed or passed over
+    info: Any = None  # its CommitInfo once stored
 
     def finish_staging(self) -> None:
         self.issued.set()

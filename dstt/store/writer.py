@@ -310,6 +310,10 @@ class Writer:
 
     # ------------------------------------------------------------------ phases
 
+    def is_stored(self, step: int) -> bool:
+        """Whether ``step`` is committed on this branch (its commit marker exists)."""
+        return self.backend.exists(f"{L.step_dir(self.branch.name, step)}/{L.COMMIT_FILE}")
+
     def check_step(self, step: int) -> None:
         L.validate_step(step)
         if self.last_step is not None and step <= self.last_step and (
@@ -360,17 +364,30 @@ class Writer:
         """Take a plan made by another writer of this branch, now gone (a
         step sealed in a staging ring by a trainer that died, replayed by
         capture/ring.py), as this writer's next step: checked and given the
-        next slot like a plan of its own."""
+        next slot like a plan of its own.
+
+        A step older than the branch's latest that is not stored (the memory
+        tier seals every step it holds: a crash is an incident) is a
+        backfill: stored without moving the branch's latest step."""
         self._check_open()
-        self.check_step(plan.step)
         self.check_lock()
+        if self.last_step is not None and plan.step < self.last_step:
+            fork = self.branch.parent
+            if self.is_stored(plan.step) or (fork is not None and plan.step <= fork[1]):
+                self.check_step(plan.step)  # raises: it exists, or is the parent's
+            return self._reserve(plan, backfill=True)
+        self.check_step(plan.step)
         return self._reserve(plan)
 
-    def _reserve(self, plan: StepPlan, track: bool = True) -> StepPlan:
+    def _reserve(self, plan: StepPlan, track: bool = True, backfill: bool = False) -> StepPlan:
         plan.seq = self.next_seq
         plan.slot = L.slot_for(self.branch.id, plan.seq)
         plan.packs = StepPacks(self.backend, slot=plan.slot, rank=self.rank)
         self.next_seq += 1
+        if backfill:  # compared with the latest chain; later steps do not compare with it
+            tails = self._tails
+            plan.links = {(t.layout.array, t.index): Link(tails.get((t.layout.array, t.index))) for t in plan.tasks}
+            return plan
         self.last_step = plan.step
         if track:
             self._link(plan)
@@ -472,8 +489,13 @@ class Writer:
                     self.backend.put(key, doc)
                 self._known_groups.add(group)
 
-    def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None) -> ChunkResult:
+    def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None,
+                    prev_staged: torch.Tensor | None = None) -> ChunkResult:
         """Stats, checksum, dedup and write of one chunk. Thread-safe.
+
+        ``prev_staged``: the same chunk of the previous captured step, still in host
+        memory (the capture's memory tier), for the update statistics
+        (``update_norm``/``update_ratio``; NaN without it).
 
         Dedup costs nothing for changed chunks: their CRC-32C (needed anyway
         for the chunk trailer) differs from the previous step's. Only on a CRC
@@ -485,7 +507,7 @@ class Writer:
         link.started = True
         try:
             src = staged if staged is not None else task.source
-            partial = chunk_partial(src if src.device.type == "cpu" else src.cpu()).to_list()
+            partial = chunk_partial(src if src.device.type == "cpu" else src.cpu(), prev_staged).to_list()
             raw = chunk_bytes(task, src)
             crc = crc32c(raw)
             result = ChunkResult(task.layout.name, task.index, crc, None, plan.slot, 0, len(raw), partial)
@@ -550,7 +572,24 @@ class Writer:
                 if not link.started:
                     link.pass_through()
 
-    def commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None = None) -> CommitInfo:
+    def settle_before(self, plan: StepPlan) -> None:
+        """Steps planned before ``plan`` and not flushed yet will not be
+        stored now (the capture's memory tier passed over them): later
+        chunks compare with what came before them, without waiting."""
+        self._settle_links(plan, earlier=True)
+
+    def relink(self, plan: StepPlan) -> None:
+        """Prepare a plan passed over earlier (its links settled) to be
+        stored after all -- a backfill after an incident: its chunks compare
+        with what the chain held at its place, and nothing planned after it
+        changes what it compared with."""
+        with self._open_lock:
+            if plan.seq in self._open_plans:
+                return  # still open: its links are live
+        plan.links = {k: Link(v) for k, v in plan.links.items()}
+
+    def commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None = None, *,
+               memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
         """Make this rank's chunks durable, then (rank 0) write the index and
         the commit marker. Collective under torch.distributed: every rank calls
         it for every planned step, passing its flush error if any, so no rank
@@ -559,7 +598,7 @@ class Writer:
         try:
             results, error = self._settled(results, error)
             error = self._close_packs(plan, error)
-            return self._commit(plan, results, error)
+            return self._commit(plan, results, error, memory_only)
         finally:
             self._settle_links(plan, earlier=False)
 
@@ -589,7 +628,8 @@ class Writer:
                 error = error or e
         return out, error
 
-    def _commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None) -> CommitInfo:
+    def _commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None,
+                memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
         if error is None:
             try:
                 self.backend.sync()
@@ -606,7 +646,7 @@ class Writer:
             else:
                 try:
                     all_results = [r for res, _ in gathered for r in (res or [])]
-                    outcome = ("ok", self._write_commit(plan, all_results))
+                    outcome = ("ok", self._write_commit(plan, all_results, memory_only))
                 except Exception as e:  # reported to every rank below
                     outcome = ("error", f"step {plan.step} on branch {self.branch.name!r} not committed: {_describe(e)}")
                     error = error or e
@@ -617,11 +657,13 @@ class Writer:
             if error is not None:
                 raise CaptureError(value) from error
             raise CaptureError(value)
-        self.last_commit = (plan.step, plan.seq)
+        if self.last_commit is None or plan.step > self.last_commit[0]:  # (a backfill leaves the head)
+            self.last_commit = (plan.step, plan.seq)
         return cast(CommitInfo, value)
 
 
-    def _write_commit(self, plan: StepPlan, results: list[ChunkResult]) -> CommitInfo:
+    def _write_commit(self, plan: StepPlan, results: list[ChunkResult],
+                      memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
         by_tensor: dict[str, dict[int, ChunkResult]] = {}
         for r in results:
             slot_map = by_tensor.setdefault(r.name, {})
@@ -677,13 +719,20 @@ class Writer:
         # The head names this step before its marker exists, made durable by
         # the sync below: a reader finding no marker for it falls back to
         # last_commit, recorded as its predecessor (dstt.store.heads).
-        write_head(self.backend, self.branch.name, plan.step, plan.seq, self.last_commit)
+        head = self.last_commit
+        if head is not None and plan.step < head[0]:
+            # A backfill (a step planned earlier, stored after a later one:
+            # the capture's memory tier after an incident): the head stays the
+            # later step; rewritten only to record the new step directory.
+            write_head(self.backend, self.branch.name, head[0], head[1], None)
+        else:
+            write_head(self.backend, self.branch.name, plan.step, plan.seq, head)
         self.backend.sync()
         commit = commit_document(
             version=version, branch=self.branch.name, step=plan.step, seq=plan.seq, time=time.time(),
             world_size=self.coord.world, n_tensors=len(tensors), bytes_total=sum(l.nbytes for l in plan.layouts),
             bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files,
-            coding="fast" if plan.fast else None)
+            coding="fast" if plan.fast else None, memory_only=memory_only or None)
         # The lock may have been broken while this step was written (dstt
         # unlock --force, a lease lost while paused): then another writer may
         # own the branch and this step must not become visible.

@@ -1,0 +1,670 @@
+"""The flight recorder (issue 14): every captured step kept in host memory,
+persisted at the pace the disk allows, the ring dumped on incidents.
+
+With ``Capture(memory_steps=K)`` the staging pool becomes a :class:`SlotPool`
+of ``K + 4`` step-sized slots (in the /dev/shm ring where it fits, so a
+crash is an incident too: the next Capture commits the sealed steps). A
+staged step enters *the ring* (the last K staged steps); the ``persist``
+policy decides which steps the writer stores:
+
+* ``"all"``: every step (the trainer waits for free slots: backpressure);
+* ``"newest"``: whenever the writer is free it takes the newest staged step;
+  a step passed over stays in memory only until it is evicted;
+* ``N``: every N-th captured step (waiting for those, like "all").
+
+An incident (:meth:`FlightRecorder.incident`, a non-finite value seen by the
+watcher thread, a rewind) stores every step still in the ring -- older ones
+after newer ones: the writer *backfills* them (``Writer.relink``) -- and
+records the incident in the store (``dstt.store.incidents``).
+
+Invariants (all state under ``Capture._cond``):
+
+* a slot is reused only once no one holds its step: ``job.refs`` counts the
+  ring, a decided-but-unwritten persist, the watcher, a successor being
+  written (which reads it for the update statistics) and a rewind;
+* the committer thread is the only one that writes: one step at a time,
+  forced (incident) steps first and oldest first, then decided ones in
+  order, then the newest candidate; so a rewind's fork step is stored
+  before anything captured after the rewind;
+* a step passed over (``decision == "memory"``) is recorded in the next
+  stored step's commit document (``memory_only`` ranges), so ``dstt ls``
+  can tell captured from persisted steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import warnings
+from collections import deque
+from typing import Any
+
+import torch
+
+from dstt.capture.pipeline import Job
+from dstt.capture.ring import seal_record
+from dstt.capture.staging import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
+from dstt.errors import CaptureError
+from dstt.store.incidents import Incident, record_incident
+from dstt.store.plan import ChunkTask, StepPlan
+from dstt.store.writer import ChunkResult, Writer
+
+log = logging.getLogger("dstt.capture")
+
+#: Slots beyond K: the step being staged, one being written after it left the
+#: ring, the step before that one (read for the update statistics), and one
+#: the watcher is checking as it leaves the ring.
+EXTRA_SLOTS = 4
+#: Non-finite tensors named in an automatic incident's reason.
+MAX_NAMED = 8
+#: Bytes of small chunks one flush task writes (one task per chunk costs more
+#: than a small chunk's own work).
+BATCH_BYTES = 4 << 20
+
+
+def _round(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def slot_bytes_for(plan: StepPlan) -> int:
+    """Bytes of one slot holding this rank's share of ``plan`` (blocks are
+    aligned like HostPool's, plus one page of slack)."""
+    total = 0
+    for t in plan.tasks:
+        n = math.prod(t.shape) * t.source.dtype.itemsize
+        total += _round(n, PAGE) + PAGE if n >= PAGE_BLOCK_BYTES else _round(max(n, 1), ALIGN)
+    return _round(total + PAGE, PAGE)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class SlotPool:
+    """``nslots`` slots of ``slot_bytes`` in one host buffer, handed out whole
+    and returned in any order (a ring allocator would wait for the oldest
+    step, and the oldest may be the one being written).
+
+    >>> master = HostPool(4 * 8192)
+    >>> pool = SlotPool(master, 8192)
+    >>> a = pool.acquire(); b = pool.acquire()
+    >>> pool.free_slots, a.capacity
+    (2, 8192)
+    >>> pool.release(a); pool.free_slots
+    3
+    """
+
+    def __init__(self, master: HostPool, slot_bytes: int) -> None:
+        if slot_bytes % PAGE or slot_bytes <= 0:
+            raise CaptureError(f"slot size {slot_bytes} is not a positive multiple of {PAGE}")
+        self.master = master
+        self.slot_bytes = slot_bytes
+        self.nslots = master.capacity // slot_bytes
+        self._free = list(range(self.nslots))[::-1]
+        self._cond = threading.Condition()
+        self._error: str | None = None
+
+    @property
+    def free_slots(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def acquire(self) -> HostPool:
+        """A free slot (a HostPool over it), waiting while none is free."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._free or self._error is not None)
+            if self._error is not None:
+                raise CaptureError(self._error)
+            i = self._free.pop()
+        buf = self.master.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+        slot = HostPool(self.slot_bytes, buffer=buf)
+        slot.pinned = self.master.pinned
+        slot.slot_index = i  # type: ignore[attr-defined]
+        return slot
+
+    def release(self, slot: HostPool) -> None:
+        with self._cond:
+            self._free.append(slot.slot_index)  # type: ignore[attr-defined]
+            self._cond.notify_all()
+
+    def wait_all_free(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._free) == self.nslots or self._error is not None)
+
+    def abort(self, why: str) -> None:
+        with self._cond:
+            self._error = why
+            self._cond.notify_all()
+
+
+class FlightRecorder:
+    """The memory tier's methods of :class:`~dstt.capture.engine.Capture`
+    (a mixin: the state lives on the Capture, under its ``_cond``)."""
+
+    config: Any
+    writer: Writer
+    _cond: threading.Condition
+    _ring: Any
+    _flush: Any
+    _pending: int
+    _queued_steps: set[int]
+
+    # ------------------------------------------------------------ set-up
+
+    def _tier_init(self) -> None:
+        cfg = self.config
+        self._tier = cfg.memory_steps is not None
+        self._policy = cfg.persist_policy
+        self._slots: SlotPool | None = None
+        self._held: deque[Job] = deque()  # the ring: the last K staged steps, oldest first
+        self._candidate: Job | None = None  # persist="newest": the newest staged, undecided step
+        self._decided: deque[Job] = deque()  # to be stored, in step order
+        self._forced: list[Job] = []  # incidents' steps, stored first (oldest first)
+        self._unstaged: list[Job] = []  # queued, not yet staged
+        self._memory_only: dict[int, list[int]] = {}  # id(writer) -> steps passed over, not yet recorded
+        self._captured = 0  # steps captured (persist=N counts them)
+        self._latest_job: Job | None = None
+        self._stopping = False
+        self._retired: list[Writer] = []  # writers of branches left by a rewind, closed once drained
+        self._watch_q: deque[Job] = deque()
+        self._nonfinite_seen = False
+        self._watcher: threading.Thread | None = None
+        self._ring_writer: Writer | None = None  # the writer whose branch the /dev/shm ring is of
+        if self._tier and cfg.host_buffer_bytes is not None:
+            avail = available_memory_bytes()
+            if avail is not None and cfg.host_buffer_bytes > avail:
+                raise CaptureError(
+                    f"memory_steps={cfg.memory_steps}: host_buffer_bytes={cfg.host_buffer_bytes} is more than "
+                    f"the {avail} bytes of memory available; lower memory_steps or host_buffer_bytes")
+
+    def _tier_start(self) -> None:
+        """Start the watcher thread (after everything else is set up)."""
+        self._ring_writer = self.writer
+        if self._tier and self.config.watch_nonfinite:
+            self._watcher = threading.Thread(target=self._watch_loop, name="dstt-watch", daemon=True)
+            self._watcher.start()
+
+    def _tier_stop(self) -> None:
+        """Stop the committer and watcher (everything stored), free the ring."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._watcher is not None:
+            self._watcher.join()
+        freed: list[Job] = []
+        with self._cond:
+            while self._held:
+                self._unref(self._held.popleft(), freed)
+        self._release(freed)
+
+    def _tier_close_last(self) -> None:
+        """close(): the last captured step is stored whatever the policy."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._unstaged)
+            job = self._latest_job
+            if job is not None and job.decision == "memory" and job.slot is not None:
+                self._force(job)
+                self._cond.notify_all()
+
+    def _tier_pool(self, plan: StepPlan, job: Job) -> None:
+        """Give ``job`` a slot (waiting for one: backpressure), making or
+        growing the slot pool first where the step does not fit."""
+        need = slot_bytes_for(plan)
+        pool = self._slots
+        if pool is None or need > pool.slot_bytes:
+            if pool is not None:
+                self._tier_drop_ring("the captured state grew")
+                pool.wait_all_free()
+            self._growing_plan = plan
+            self._slots = self._make_slots(need)
+        job.slot = self._slots.acquire()
+        job.pool = job.slot
+        job.hold = True
+
+    def _make_slots(self, need: int) -> SlotPool:
+        cfg = self.config
+        slot = _round(int(need * 1.25), PAGE) if self._slots is not None else need  # room to grow a little
+        nslots = cfg.memory_steps + EXTRA_SLOTS
+        total = slot * nslots
+        if cfg.host_buffer_bytes is not None and total > cfg.host_buffer_bytes:
+            raise CaptureError(
+                f"memory_steps={cfg.memory_steps} needs {nslots} slots x {slot} bytes = {total} bytes of host "
+                f"memory for this state, more than host_buffer_bytes={cfg.host_buffer_bytes}; lower memory_steps "
+                "or raise host_buffer_bytes")
+        avail = available_memory_bytes()
+        if avail is not None and total > avail:
+            raise CaptureError(
+                f"memory_steps={cfg.memory_steps} needs {nslots} slots x {slot} bytes = {total} bytes of host "
+                f"memory for this state; {avail} bytes are available: lower memory_steps")
+        pin = any(t.source.device.type == "cuda" for t in self._growing_plan.tasks)
+        master = self._new_pool(total, pin)  # type: ignore[attr-defined]
+        log.info("dstt: memory tier of %d steps: %d slots x %d bytes = %.1f MB (%s)", cfg.memory_steps, nslots,
+                 slot, total / 1e6, "/dev/shm ring" if self._pool_in_ring else "process memory")  # type: ignore[attr-defined]
+        self.pool = master  # type: ignore[assignment]
+        return SlotPool(master, slot)
+
+    # ------------------------------------------------------------ trainer side
+
+    def _tier_enqueue(self, job: Job, lazy: bool) -> None:
+        """Queue a planned, eagerly staged job (trainer thread)."""
+        with self._cond:
+            self._pending += 1
+            self._queued_steps.add(job.plan.step)
+            self._captured += 1
+            policy = self._policy
+            if policy == "all" or (isinstance(policy, int) and (self._captured - 1) % policy == 0):
+                job.decision = "persist"
+                job.refs += 1  # the persist's
+            if lazy:
+                self._unstaged.append(job)
+        if lazy:
+            self._last = job  # type: ignore[attr-defined]
+            self._stage_q.put(job)  # type: ignore[attr-defined]
+        else:
+            job.finish_staging()
+            self._tier_staged(job)
+
+    def _tier_staged(self, job: Job) -> None:
+        """Every copy of ``job`` landed (stager or trainer thread): into the
+        ring, evicting the oldest; decide what "newest" passes over."""
+        failed = job.error is not None
+        # Sealed only in the ring of its own branch: a ring is recovered onto
+        # the branch it was made for (after a rewind, the new branch's steps
+        # are not sealed in the old branch's ring).
+        if not failed and self._ring is not None and self._pool_in_ring and job.writer is self._ring_writer:  # type: ignore[attr-defined]
+            self._tier_seal(job)
+        freed: list[Job] = []
+        with self._cond:
+            if job in self._unstaged:
+                self._unstaged.remove(job)
+            if failed:
+                self._tier_fail(job, freed)
+            else:
+                job.tier_staged = True
+                job.refs += 1  # the ring's
+                prev = self._held[-1] if self._held else None
+                if prev is not None and prev.writer is job.writer and prev.refs > 0:
+                    job.prev_job = prev
+                    prev.refs += 1  # read by job's flush for the update statistics
+                self._held.append(job)
+                while len(self._held) > self.config.memory_steps:
+                    old = self._held.popleft()
+                    self._unref(old, freed)
+                self._latest_job = job
+                if job.forced and job.decision != "persist":
+                    self._force(job)
+                elif job.decision == "persist":
+                    self._decided.append(job)
+                elif self._policy == "newest":
+                    if self._candidate is not None:
+                        self._pass_over(self._candidate, freed)
+                    self._candidate = job
+                    job.refs += 1  # the candidate's
+                else:
+                    self._pass_over(job, freed)
+                if self._watcher is not None:
+                    job.refs += 1
+                    self._watch_q.append(job)
+                    while len(self._watch_q) > self.config.memory_steps:  # behind: skip the oldest
+                        self._unref(self._watch_q.popleft(), freed)
+            self._cond.notify_all()
+        self._release(freed)
+
+    def _tier_seal(self, job: Job) -> None:
+        try:
+            self._ring.seal(seal_record(job.plan, self._ring.pool_name, self._slots.master.buffer, job.views))
+            job.sealed = True
+        except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
+            log.warning("dstt: step %d not sealed in the staging ring (%s)", job.plan.step, e)
+
+    # ------------------------------------------------------------ bookkeeping (under _cond)
+
+    def _pass_over(self, job: Job, freed: list[Job]) -> None:
+        """``job`` stays in memory only (unless an incident forces it later)."""
+        job.decision = "memory"
+        self._memory_only.setdefault(id(job.writer), []).append(job.plan.step)
+        self._pending -= 1
+        self._queued_steps.discard(job.plan.step)
+        if self._candidate is job:
+            self._candidate = None
+            self._unref(job, freed)
+        if job.prev_job is not None:
+            prev, job.prev_job = job.prev_job, None
+            self._unref(prev, freed)
+        job.done.set()
+
+    def _force(self, job: Job) -> None:
+        """Store ``job`` after all (an incident); the caller holds _cond."""
+        job.forced = True
+        if job.decision in ("persist", "done", "failed") or job in self._forced or not job.tier_staged:
+            return  # stored, being stored, or failed: nothing to add
+        if self._candidate is job:
+            self._candidate = None  # its candidate ref becomes the persist's
+        else:
+            job.refs += 1
+            if job.decision == "memory":
+                self._pending += 1
+                self._queued_steps.add(job.plan.step)
+                job.done.clear()
+        job.decision = "persist"
+        self._forced.append(job)
+        self._forced.sort(key=lambda j: j.plan.step)
+
+    def _tier_fail(self, job: Job, freed: list[Job]) -> None:
+        """A step whose staging failed: reported, its slot freed (it holds at
+        most the persist's ref: it never entered the ring)."""
+        had_persist = job.decision == "persist"
+        job.decision = "failed"
+        if not job.reported:
+            job.reported = True
+            self._fail(job.plan.step, job.error)  # type: ignore[attr-defined,arg-type]
+        self._pending -= 1
+        self._queued_steps.discard(job.plan.step)
+        if had_persist:
+            job.refs -= 1
+        if job.refs <= 0 and job.slot is not None:
+            freed.append(job)
+        job.done.set()
+
+    def _unref(self, job: Job, freed: list[Job]) -> None:
+        job.refs -= 1
+        if job.refs <= 0 and job.slot is not None:
+            freed.append(job)
+
+    def _release(self, freed: list[Job]) -> None:
+        """Return the slots of jobs no one holds (outside _cond)."""
+        for job in freed:
+            slot, job.slot = job.slot, None
+            if slot is None:
+                continue
+            if job.sealed and self._ring is not None:
+                try:
+                    self._ring.unseal(job.plan.step)
+                except OSError as e:
+                    log.warning("dstt: could not remove the seal of step %d: %s", job.plan.step, e)
+            job.views = []
+            if self._slots is not None:
+                self._slots.release(slot)
+
+    def _tier_drop_ring(self, why: str) -> None:
+        """Drain what is to be stored, then forget the ring's memory-only steps."""
+        self._tier_wait()
+        freed: list[Job] = []
+        with self._cond:
+            dropped = [j.plan.step for j in self._held if j.decision == "memory"]
+            while self._held:
+                self._unref(self._held.popleft(), freed)
+        self._release(freed)
+        if dropped:
+            warnings.warn(f"dstt: {why}: the memory tier's steps {dropped[0]}..{dropped[-1]} (memory only) are "
+                          "dropped", RuntimeWarning, stacklevel=4)
+
+    def _tier_wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    # ------------------------------------------------------------ the committer
+
+    def _tier_next(self) -> Job | None:
+        with self._cond:
+            while True:
+                if self._forced:
+                    return self._forced.pop(0)
+                if self._decided and self._decided[0].tier_staged:
+                    return self._decided.popleft()
+                if self._candidate is not None:
+                    job, self._candidate = self._candidate, None
+                    job.decision = "persist"  # its candidate ref becomes the persist's
+                    return job
+                if self._stopping and not self._unstaged and not self._decided:
+                    return None
+                self._close_retired_locked()
+                self._cond.wait()
+
+    def _tier_loop(self) -> None:
+        self._lower_priority()  # type: ignore[attr-defined]
+        while True:
+            job = self._tier_next()
+            if job is None:
+                self._close_retired_locked(final=True)
+                return
+            freed: list[Job] = []
+            try:
+                info = self._tier_persist(job)
+                with self._cond:
+                    job.info = info
+                    self._recent.append(info)  # type: ignore[attr-defined]
+                    self.n_committed += 1  # type: ignore[attr-defined]
+                    self.bytes_written += info.bytes_written  # type: ignore[attr-defined]
+                    if self.last_commit is None or info.step >= self.last_commit.step:  # type: ignore[attr-defined]
+                        self.last_commit = info  # type: ignore[attr-defined]
+                    job.decision = "done"
+            except BaseException as e:
+                with self._cond:
+                    job.decision = "failed"
+                    reported, job.reported = job.reported, True
+                if not reported:
+                    self._fail(job.plan.step, e)  # type: ignore[attr-defined]
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._queued_steps.discard(job.plan.step)
+                    self._unref(job, freed)
+                    if job.prev_job is not None:
+                        prev, job.prev_job = job.prev_job, None
+                        self._unref(prev, freed)
+                    job.done.set()
+                    self._cond.notify_all()
+                self._release(freed)
+
+    def _tier_persist(self, job: Job) -> Any:
+        """Write and commit one staged step (committer thread)."""
+        w: Writer = job.writer
+        plan = job.plan
+        if job.error is not None:
+            raise job.error
+        w.relink(plan)  # a step passed over and stored after all (an incident)
+        w.settle_before(plan)  # steps passed over before it: compared with what came before them
+        prev: dict[tuple[str, int], torch.Tensor] = {}
+        if job.prev_job is not None:
+            prev = {(t.layout.array, t.index): v for t, v in job.prev_job.views}
+        error: BaseException | None = None
+        results: list[ChunkResult] = []
+        try:
+            w.ensure_arrays(plan)
+            futures = [self._flush.submit(self._flush_views, w, plan, batch, prev)
+                       for batch in _batches(job.views)]
+            for f in futures:
+                try:
+                    done, err = f.result()
+                    results.extend(done)
+                    error = error or err
+                except BaseException as e:  # drain every one: no flush outlives its step
+                    error = error or e
+        except BaseException as e:
+            error = error or e
+        backfill = w.last_commit is not None and plan.step < w.last_commit[0]
+        with self._cond:
+            ranges = None if backfill else self._take_memory_only(w, plan.step)
+        return w.commit(plan, results, error, memory_only=ranges)
+
+    @staticmethod
+    def _flush_views(w: Writer, plan: StepPlan, batch: list[tuple[ChunkTask, torch.Tensor]],
+                     prev: dict[tuple[str, int], torch.Tensor]) -> tuple[list[ChunkResult], BaseException | None]:
+        out: list[ChunkResult] = []
+        error: BaseException | None = None
+        for t, view in batch:
+            try:
+                p = prev.get((t.layout.array, t.index))
+                if p is not None and p.shape != view.shape:
+                    p = None
+                out.append(w.flush_chunk(plan, t, view, p))
+            except BaseException as e:  # every chunk flushed or failed: none left running
+                error = error or e
+        return out, error
+
+    def _take_memory_only(self, w: Writer, step: int) -> list[tuple[int, int]]:
+        steps = self._memory_only.get(id(w), [])
+        before = sorted(s for s in steps if s < step)
+        self._memory_only[id(w)] = [s for s in steps if s >= step]
+        ranges: list[tuple[int, int]] = []
+        for s in before:
+            if ranges and s == ranges[-1][1] + 1:
+                ranges[-1] = (ranges[-1][0], s)
+            else:
+                ranges.append((s, s))
+        return ranges
+
+    def _close_retired_locked(self, final: bool = False) -> None:
+        """Close writers of branches a rewind left, once nothing of theirs is
+        queued (called with or without _cond: only the committer calls it)."""
+        if not self._retired:
+            return
+        busy = {id(j.writer) for j in [*self._forced, *self._decided, *self._unstaged]
+                if j.decision not in ("done", "failed", "memory")}
+        for w in list(self._retired):
+            if final or id(w) not in busy:
+                self._retired.remove(w)
+                try:
+                    w.close()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("dstt: closing the writer of branch %r: %s", w.branch.name, e)
+
+    # ------------------------------------------------------------ incidents
+
+    def incident(self, reason: str, *, step: int | None = None) -> Incident:
+        """Something went wrong (a loss spike, a bad batch): store every step
+        still in the memory tier -- the steps that led up to it -- and record
+        the incident (``dstt ls``, ``dstt find`` and the report show it).
+
+        ``step``: the step it concerns (default: the latest captured one).
+        Returns the recorded :class:`~dstt.store.incidents.Incident`. Without
+        ``memory_steps`` only the record is written.
+
+        >>> import tempfile, torch, dstt
+        >>> m = torch.nn.Linear(2, 2)
+        >>> path = tempfile.mkdtemp() + "/run"
+        >>> with dstt.Capture(path, memory_steps=4, persist=2) as cap:
+        ...     for s in range(4):
+        ...         _ = cap.snapshot(s, model=m)
+        ...     cap.wait_staged()
+        ...     print(cap.incident("loss spike").steps)
+        (0, 1, 2, 3)
+        >>> dstt.open(path).steps()
+        [0, 1, 2, 3]
+        """
+        self._check_open()  # type: ignore[attr-defined]
+        if not isinstance(reason, str) or not reason.strip():
+            raise CaptureError(f"an incident needs a reason (non-empty text), got {reason!r}")
+        self.raise_pending()  # type: ignore[attr-defined]
+        return self._raise_incident(reason, step, "trainer")
+
+    def _raise_incident(self, reason: str, step: int | None, source: str,
+                        tensors: tuple[str, ...] = ()) -> Incident:
+        with self._cond:
+            steps = self._force_all()
+            latest = self._latest_job
+            at = step if step is not None else (latest.plan.step if latest is not None else None)
+            self._cond.notify_all()
+        if at is None:
+            last = self.writer.last_step
+            if last is None:
+                raise CaptureError("an incident needs a step: nothing was captured yet")
+            at = last
+        inc = Incident(branch=self.writer.branch.name, step=at, reason=reason[:1000], source=source,
+                       time=time.time(), steps=tuple(steps), tensors=tensors)
+        record_incident(self.writer.backend, inc)
+        log.warning("dstt: incident at step %d (%s): %s; storing steps %s", at, source, reason,
+                    ", ".join(map(str, steps)) or "none")
+        return inc
+
+    def _force_all(self) -> list[int]:
+        """Force every step in the ring, and every queued one (under _cond)."""
+        if not self._tier:
+            return []
+        steps = []
+        for job in [*self._held, *self._unstaged]:
+            if job.writer is not self.writer or job.decision == "failed":
+                continue
+            if job.tier_staged:
+                self._force(job)
+            else:
+                job.forced = True
+            steps.append(job.plan.step)
+        return sorted(set(steps))
+
+    # ------------------------------------------------------------ the watcher
+
+    def _watch_loop(self) -> None:
+        """Check staged steps for NaN/Inf in step order (a watcher that falls
+        more than K steps behind skips the oldest: only steps in the ring are
+        checked, and they are what an incident stores)."""
+        self._lower_priority()  # type: ignore[attr-defined]
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._watch_q or self._stopping)
+                if not self._watch_q:
+                    return
+                job = self._watch_q.popleft()
+            freed: list[Job] = []
+            try:
+                bad = _nonfinite(job.views) if job.error is None else []
+            except Exception as e:  # noqa: BLE001 - a watcher failure must not stop capture
+                log.warning("dstt: could not check step %d for non-finite values: %s", job.plan.step, e)
+                bad = []
+            with self._cond:
+                self._unref(job, freed)
+                fire = bool(bad) and not self._nonfinite_seen and not self._closed  # type: ignore[attr-defined]
+                self._nonfinite_seen = bool(bad)
+            self._release(freed)
+            if fire:
+                names = tuple(bad[:MAX_NAMED])
+                more = f" and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
+                try:
+                    self._raise_incident(f"non-finite values in {', '.join(names)}{more}", job.plan.step,
+                                         "non-finite", names)
+                except BaseException as e:  # noqa: BLE001 - reported to the trainer's next call
+                    self._fail(job.plan.step, e)  # type: ignore[attr-defined]
+
+
+def _nonfinite(views: list[tuple[ChunkTask, torch.Tensor]]) -> list[str]:
+    """Names of the floating-point tensors with a NaN or Inf in these chunks."""
+    bad: list[str] = []
+    for t, v in views:
+        if not (v.is_floating_point() or v.is_complex()) or t.layout.name in bad:
+            continue
+        if not bool(torch.isfinite(v).all()):
+            bad.append(t.layout.name)
+    return bad
+
+
+def _batches(views: list[tuple[ChunkTask, torch.Tensor]]) -> list[list[tuple[ChunkTask, torch.Tensor]]]:
+    out: list[list[tuple[ChunkTask, torch.Tensor]]] = []
+    batch: list[tuple[ChunkTask, torch.Tensor]] = []
+    size = 0
+    for item in views:
+        n = item[1].numel() * item[1].element_size()
+        if n >= BATCH_BYTES:
+            out.append([item])
+            continue
+        batch.append(item)
+        size += n
+        if size >= BATCH_BYTES:
+            out.append(batch)
+            batch, size = [], 0
+    if batch:
+        out.append(batch)
+    return out
+
+
+__all__ = ["FlightRecorder", "SlotPool"]

@@ -1,0 +1,235 @@
+"""``Capture.rewind``: put the live training objects back to a captured step
+-- from the memory tier's host ring when the step is still there, from the
+store otherwise -- and continue capturing on a new branch forked at it.
+
+A rewind is an incident too: the ring's steps (the spike that made the
+trainer rewind) are stored on the old branch, so the store shows the spike
+and the recovery side by side. The new branch needs its fork step stored:
+it is opened at the next ``snapshot()`` (or ``close()``), which waits for
+that step's commit if it was still in memory only -- the trainer's next
+forward and backward overlap that write.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from dstt.capture.pipeline import Job
+from dstt.errors import CaptureError, StepNotFoundError
+from dstt.restore import apply_step, store_read
+from dstt.store.layout import StepRef, validate_branch, validate_step
+from dstt.store.plan import ChunkTask, TensorLayout
+from dstt.store.reader import TensorReader
+from dstt.store.torch_dtypes import torch_dtype
+from dstt.store.writer import Writer
+
+log = logging.getLogger("dstt.capture")
+
+
+@dataclass
+class RingRecord:
+    """What :func:`dstt.restore.apply_step` needs to know of a step in the ring."""
+
+    step: int
+    branch: str
+    objects: Any
+    by_name: dict[str, TensorLayout]
+
+
+def ring_reader(job: Job) -> Any:
+    """Reads the tensors of a staged step out of its slot, into tensors the
+    caller owns (an optimizer keeps what it is given; the slot is reused)."""
+    chunks: dict[str, list[tuple[ChunkTask, torch.Tensor]]] = {}
+    for t, view in job.views:
+        chunks.setdefault(t.layout.name, []).append((t, view))
+
+    def read(name: str, box: tuple[slice, ...] | None) -> torch.Tensor:
+        parts = chunks.get(name)
+        if not parts:
+            raise StepNotFoundError(f"tensor {name!r} of step {job.plan.step} is not in the memory tier")
+        layout = parts[0][0].layout
+        if len(parts) == 1 and tuple(parts[0][1].shape) == tuple(layout.shape):
+            whole = parts[0][1].clone()
+        else:
+            whole = torch.empty(layout.shape, dtype=torch_dtype(layout.dtype))
+            for t, view in parts:
+                region = tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape))
+                whole[region].copy_(view.view(whole.dtype) if view.dtype != whole.dtype else view)
+        return whole if box is None else whole[box].clone()
+
+    return read
+
+
+class Rewinder:
+    """``rewind`` and the branch switch of :class:`~dstt.capture.engine.Capture` (a mixin)."""
+
+    config: Any
+    writer: Writer
+    _cond: threading.Condition
+    _fork: Any
+
+    def rewind(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        rng: bool = True,
+        branch: str | None = None,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Restore ``model``/``optimizer``/``scheduler``/RNG to captured
+        ``step`` and continue on a new branch forked there (``branch``, or
+        ``<branch>-rewind-<step>``); returns the step's ``extra`` (where the
+        trainer keeps its data position, to skip the batches that caused a
+        spike). Validated all or nothing like :func:`dstt.restore`.
+
+        From the memory tier when the step is still there (milliseconds),
+        else from the store. The ring's steps are stored on the old branch
+        (an incident, source "rewind").
+
+        >>> import tempfile, torch, dstt
+        >>> m = torch.nn.Linear(2, 1)
+        >>> path = tempfile.mkdtemp() + "/run"
+        >>> with dstt.Capture(path, memory_steps=4) as cap:
+        ...     for s in range(3):
+        ...         with torch.no_grad(): m.weight += 1
+        ...         _ = cap.snapshot(s, model=m, extra={"batch": s})
+        ...     cap.rewind(1, model=m, branch="retry")
+        ...     _ = cap.snapshot(2, model=m)
+        {'batch': 1}
+        >>> dstt.open(path).branch_info("retry").parent
+        StepRef(branch='main', step=1)
+        """
+        self._check_open()  # type: ignore[attr-defined]
+        validate_step(step)
+        if branch is not None:
+            validate_branch(branch)
+        self.raise_pending()  # type: ignore[attr-defined]
+        if self._fork is not None:
+            self._switch_branch()
+        cur = self.writer
+        with self._cond:
+            job = self._ring_job(step)
+            if job is not None:
+                job.refs += 1  # the rewind's: the slot stays while it is read
+        try:
+            if self._tier:  # type: ignore[attr-defined]
+                self._raise_incident(f"rewind to step {step}", step, "rewind")  # type: ignore[attr-defined]
+            if job is not None:
+                rec = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
+                extra = apply_step(rec, ring_reader(job), f"step {step} in the memory tier", model=model,
+                                   optimizer=optimizer, scheduler=scheduler, rng=rng, strict=strict)
+                parent = StepRef(cur.branch.name, step)
+            else:
+                extra, parent = self._rewind_from_store(step, model, optimizer, scheduler, rng, strict)
+        finally:
+            if job is not None:
+                freed: list[Job] = []
+                with self._cond:
+                    self._unref(job, freed)  # type: ignore[attr-defined]
+                self._release(freed)  # type: ignore[attr-defined]
+        name = branch or self._rewind_name(cur, step)
+        self._fork = (name, parent, job if job is not None and job.writer is cur else None)
+        if not self._tier:  # type: ignore[attr-defined]
+            self._switch_branch()
+        log.warning("dstt: rewound to step %d of branch %r; capturing continues on branch %r", step,
+                    parent.branch, name)
+        return extra
+
+    def _ring_job(self, step: int) -> Job | None:
+        """The staged job of ``step`` on the current branch still in memory (under _cond)."""
+        if not self._tier:  # type: ignore[attr-defined]
+            return None
+        for job in reversed(self._held):  # type: ignore[attr-defined]
+            if job.plan.step == step and job.writer is self.writer and job.slot is not None \
+                    and job.error is None and job.decision != "failed":
+                return job
+        return None
+
+    def _rewind_from_store(self, step: int, model: Any, optimizer: Any, scheduler: Any, rng: bool,
+                           strict: bool) -> tuple[dict[str, Any], StepRef]:
+        """Restore from the store: waits for the step if it is queued to be stored."""
+        self.wait()  # type: ignore[attr-defined]
+        cur = self.writer
+        run = TensorReader(cur.backend)
+        try:
+            ref = run.resolve(step, branch=cur.branch.name)
+        except StepNotFoundError as e:
+            raise StepNotFoundError(f"cannot rewind to step {step}: it is neither in the memory tier nor "
+                                    f"stored on branch {cur.branch.name!r} ({e})") from None
+        rec = run.record(ref.step, branch=ref.branch)
+        extra = apply_step(rec, store_read(run, rec), f"step {ref.step} of branch {ref.branch!r}", model=model,
+                           optimizer=optimizer, scheduler=scheduler, rng=rng, strict=strict)
+        return extra, StepRef(ref.branch, ref.step)
+
+    @staticmethod
+    def _rewind_name(cur: Writer, step: int) -> str:
+        from dstt.store.root import list_branches
+
+        taken = set(list_branches(cur.backend))
+        base = f"{cur.branch.name}-rewind-{step}"
+        name, n = base, 2
+        while name in taken:
+            name, n = f"{base}-{n}", n + 1
+        return name
+
+    def _switch_branch(self) -> None:
+        """Open the writer of a rewind's branch (its fork step stored first)."""
+        name, parent, job = self._fork
+        self._fork = None
+        if job is not None:
+            job.done.wait()
+            if job.decision != "done":
+                raise CaptureError(f"rewind: step {parent.step} of branch {parent.branch!r} could not be stored, "
+                                   f"so branch {name!r} cannot fork there (see the earlier error)")
+        old = self.writer
+        cfg = self.config
+        if not self._tier:  # type: ignore[attr-defined]
+            self.wait()  # type: ignore[attr-defined]
+            self._leave_branch()
+        new = Writer(self._store_arg, branch=name, parent=parent,  # type: ignore[attr-defined]
+                     compression=cfg.compression, zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every,
+                     max_chunk_bytes=cfg.max_chunk_bytes, allow_pickle=cfg.allow_pickle, dedup=cfg.dedup,
+                     threads=1, coordinator=self._plan_coord,  # type: ignore[attr-defined]
+                     commit_coordinator=self._commit_coord,  # type: ignore[attr-defined]
+                     storage_options=cfg.storage_options)
+        self.config = replace(cfg, branch=name, parent=None)
+        with self._cond:
+            self.writer = new
+            if self._tier:  # type: ignore[attr-defined]
+                self._retired.append(old)  # type: ignore[attr-defined]
+                self._cond.notify_all()
+        if not self._tier:  # type: ignore[attr-defined]
+            old.close()
+            self._rejoin_branch()
+
+    def _leave_branch(self) -> None:
+        """Without the memory tier: everything is stored; let go of the old
+        branch's ring and helper (both are per branch)."""
+        helper = self._helper  # type: ignore[attr-defined]
+        if helper is not None:
+            helper.close()
+            self._helper = None
+        pool = self.pool  # type: ignore[attr-defined]
+        if pool is not None and self._pool_in_ring:  # type: ignore[attr-defined]
+            pool.unregister()
+        self.pool = None
+        self._pool_in_ring = False
+        if self._ring is not None:  # type: ignore[attr-defined]
+            self._ring.close()  # type: ignore[attr-defined]
+            self._ring = None
+
+    def _rejoin_branch(self) -> None:
+        """A ring and helper for the new branch, as the constructor makes them."""
+        self._ring = self._open_ring()  # type: ignore[attr-defined]
+        self._helper = self._start_helper()  # type: ignore[attr-defined]
+
+
+__all__ = ["Rewinder", "RingRecord", "ring_reader"]
