@@ -485,3 +485,39 @@ def test_blocked_stats_equal_whole_tensor_stats(dtype: torch.dtype, monkeypatch:
         for k, want in (("norm", ref.norm()), ("mean", ref.mean()), ("std", ref.std()), ("min", ref.min()),
                         ("max", ref.max()), ("update_norm", d.norm())):
             assert row[k] == pytest.approx(float(want), rel=1e-5, abs=1e-9), k
+
+
+def test_cli_on_a_real_flight_recorder_capture(store: Path) -> None:
+    """A real Capture(memory_steps=K, persist=N) with an incident: ls, find
+    and history show what it recorded, through the CLI."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 4)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    with dstt.Capture(str(store), memory_steps=4, persist=4) as cap:
+        for s in range(12):
+            m(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            cap.snapshot(s, model=m, optimizer=opt)
+            if s == 9:
+                cap.incident("loss spike \x1b[1mat 9")
+    run = dstt.open(store)
+    spans, persisted = run.captured()
+    (inc,) = run.incidents()
+    assert spans == [(0, 11)] and persisted == run.steps() and len(persisted) < 12
+    assert inc.source == "trainer" and set(inc.steps) <= set(persisted) and inc.reason == "loss spike \x1b[1mat 9"
+    (branch,) = _cli_json("ls", str(store))["branches"]
+    memory = {s for a, b in branch["memory_only"] for s in range(a, b + 1)}
+    assert branch["captured"] == [[0, 11]] and memory == set(range(12)) - set(persisted)
+    assert [i["step"] for i in branch["incidents"]] == [inc.step]
+    human = runner.invoke(app, ["ls", str(store)])
+    assert human.exit_code == 0 and "steps 0-11 captured, " + "/".join(map(str, persisted)) + " persisted" in human.stdout
+    assert "\x1b" not in human.stdout
+    assert _cli_json("find", str(store))["incidents"] == branch["incidents"]
+    doc = _cli_json("history", str(store), "model/weight", "--stat", "update_ratio")
+    ratios = {p["step"]: p["value"] for p in doc["series"][0]["points"]}
+    assert ratios[0] is None  # NaN (no previous step), null in JSON
+    with_ratio = next(s for s, v in ratios.items() if v is not None and math.isfinite(v))
+    listing = runner.invoke(app, ["ls", f"{store}:{with_ratio}"])
+    assert listing.exit_code == 0 and "update_ratio" in listing.stdout  # shown where recorded
+    assert any(v is not None and math.isfinite(v) and v > 0 for v in ratios.values())
