@@ -53,7 +53,7 @@ from dstt.capture.recorder import FlightRecorder
 from dstt.capture.records import write_skip
 from dstt.capture.rewind import Rewinder
 from dstt.capture.staging import CudaCopier, HostPool
-from dstt.errors import CaptureError
+from dstt.errors import CaptureError, ConfigError
 from dstt.state import state_of
 from dstt.store.coord import new_coordinator
 from dstt.store.layout import validate_step
@@ -102,6 +102,13 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
         # committer thread; sharing one gloo group would interleave them.
         self._plan_coord = new_coordinator()
         self._commit_coord = new_coordinator()
+        if cfg.memory_steps is not None and self._plan_coord.distributed:
+            # Each rank would choose its own steps to store (persist="newest",
+            # its own NaN incidents) while commits are collective.
+            self._plan_coord.close()
+            self._commit_coord.close()
+            raise ConfigError("memory_steps: the flight recorder runs in a single process for now; under "
+                              "torch.distributed capture with persist='all' (no memory_steps)")
         self.writer = after_helpers(lambda: Writer(
             store, branch=cfg.branch, parent=cfg.parent, compression=cfg.compression,
             zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every, max_chunk_bytes=cfg.max_chunk_bytes,

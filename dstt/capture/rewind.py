@@ -41,9 +41,15 @@ class RingRecord:
     by_name: dict[str, TensorLayout]
 
 
+#: Tensors of the model state: Module.load_state_dict copies them (never keeps them).
+MODEL_PREFIX = "model/"
+
+
 def ring_reader(job: Job) -> Any:
     """Reads the tensors of a staged step out of its slot, into tensors the
-    caller owns (an optimizer keeps what it is given; the slot is reused)."""
+    caller owns (an optimizer keeps what it is given; the slot is reused) --
+    except the model's, which are handed out as views of the slot while the
+    rewind holds it: ``load_state_dict`` copies them."""
     chunks: dict[str, list[tuple[ChunkTask, torch.Tensor]]] = {}
     for t, view in job.views:
         chunks.setdefault(t.layout.name, []).append((t, view))
@@ -54,7 +60,10 @@ def ring_reader(job: Job) -> Any:
             raise StepNotFoundError(f"tensor {name!r} of step {job.plan.step} is not in the memory tier")
         layout = parts[0][0].layout
         if len(parts) == 1 and tuple(parts[0][1].shape) == tuple(layout.shape):
-            whole = parts[0][1].clone()
+            view = parts[0][1]
+            if box is None and name.startswith(MODEL_PREFIX):
+                return view  # load_state_dict copies it into the module: no copy of our own
+            whole = view.clone()
         else:
             whole = torch.empty(layout.shape, dtype=torch_dtype(layout.dtype))
             for t, view in parts:

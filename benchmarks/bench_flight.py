@@ -1,0 +1,174 @@
+"""Issue 14: the flight recorder -- a loop whose step is much shorter than
+one step's persist time, captured every iteration.
+
+    python benchmarks/bench_flight.py [--size-mb 200] [--iters 30] [--compute-ms 40] [--dir ...]
+
+One process, one run, every figure compared with others of the same run:
+
+* time per iteration with no capture, with ``memory_steps=4,
+  persist="newest"`` (never waits for the disk), with today's
+  ``on_full="wait"`` (every step stored: backpressure) and ``on_full="skip"``;
+  the time added over no capture, in % of the iteration;
+* the disk: bytes the capture stored per second of the loop vs one raw
+  fsync'ed sequential write of the same state (``raw_fsync_write``), and how
+  many of the captured steps each mode stored;
+* rewind latency: ``Capture.rewind`` from the memory tier vs ``dstt.restore``
+  from the store vs ``torch.load`` + ``load_state_dict`` of the same step, vs
+  one memcpy of the state (goal: ring rewind <= 2x one memcpy).
+
+An iteration is a stand-in compute of ``--compute-ms`` (not touching the
+state) followed by ``optimizer.step()`` (updates every parameter and Adam
+tensor in place).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import fresh_dir, fsync_file, machine, model_and_adam, raw_fsync_write  # noqa: E402
+
+import dstt  # noqa: E402
+
+
+def compute(ms: float, x: torch.Tensor) -> None:
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        x.mul_(1.0000001)
+
+
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.detach() for p in model.parameters()]
+    for st in opt.state.values():
+        out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return out
+
+
+def loop(model: Any, opt: Any, iters: int, compute_ms: float, cap: Any = None) -> list[float]:
+    x = torch.ones(4096)
+    times = []
+    for step in range(iters):
+        t0 = time.perf_counter()
+        compute(compute_ms, x)
+        for p in model.parameters():
+            p.grad = p.detach() * 1e-3  # cheap, deterministic gradients
+        opt.step()
+        if cap is not None:
+            cap.snapshot(step, model=model, optimizer=opt)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def phase(name: str, root: str, model: Any, opt: Any, args: Any, **options: Any) -> dict[str, Any]:
+    path = fresh_dir(os.path.join(root, name))
+    cap = dstt.Capture(path, **options)
+    t0 = time.perf_counter()
+    times = loop(model, opt, args.iters, args.compute_ms, cap)
+    loop_s = time.perf_counter() - t0
+    stored_in_loop = cap.bytes_written
+    cap.close()
+    steps = dstt.open(path).steps()
+    return {"iter_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3,
+            "loop_s": loop_s, "stored_steps": len(steps), "captured": args.iters - len(cap.skipped),
+            "disk_mb_s": stored_in_loop / loop_s / 1e6}
+
+
+def rewind_latency(root: str, model: Any, opt: Any, args: Any) -> dict[str, float]:
+    """Ring rewind vs dstt.restore vs torch.load + load_state_dict vs memcpy."""
+    path = fresh_dir(os.path.join(root, "rewind"))
+    tensors = state_tensors(model, opt)
+    bufs = [torch.empty_like(t) for t in tensors]
+    out: dict[str, float] = {}
+    best = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for b, t in zip(bufs, tensors):
+            b.copy_(t)
+        best.append(time.perf_counter() - t0)
+    out["memcpy_s"] = min(best)
+    with dstt.Capture(path, memory_steps=4, persist="all") as cap:
+        loop(model, opt, 3, 1, cap)
+        cap.wait()
+        ring = []
+        for i in range(3):
+            t0 = time.perf_counter()
+            cap.rewind(2 + i, model=model, optimizer=opt, branch=f"r{i}")  # the latest step: in the ring
+            ring.append(time.perf_counter() - t0)
+            cap.snapshot(3 + i, model=model, optimizer=opt)  # the next step: opens the branch
+            cap.wait()
+        out["ring_rewind_s"] = min(ring)
+    store = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dstt.restore(f"{path}:1", model=model, optimizer=opt)
+        store.append(time.perf_counter() - t0)
+    out["dstt_restore_s"] = min(store)
+    pt = os.path.join(root, "state.pt")
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, pt)
+    fsync_file(pt)
+    loads = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sd = torch.load(pt)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        loads.append(time.perf_counter() - t0)
+    out["torch_load_s"] = min(loads)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-mb", type=float, default=200)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--compute-ms", type=float, default=40)
+    ap.add_argument("--dir", default="/tmp/dstt-bench-flight")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    root = fresh_dir(args.dir)
+    model, opt = model_and_adam(int(args.size_mb * 1e6), n_params=50)
+    tensors = state_tensors(model, opt)
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    raw = []
+    for i in range(3):
+        t0 = time.perf_counter()
+        raw_fsync_write(os.path.join(root, f"raw{i}.bin"), tensors)
+        raw.append(state_bytes / (time.perf_counter() - t0) / 1e6)
+        os.unlink(os.path.join(root, f"raw{i}.bin"))
+    res: dict[str, Any] = {"machine": machine(), "state_mb": state_bytes / 1e6, "raw_fsync_mb_s": raw}
+    base = loop(model, opt, args.iters, args.compute_ms)
+    res["none"] = {"iter_ms": statistics.median(base) * 1e3, "mean_ms": statistics.mean(base) * 1e3}
+    res["newest"] = phase("newest", root, model, opt, args, memory_steps=4, persist="newest")
+    res["wait"] = phase("wait", root, model, opt, args, on_full="wait")
+    res["skip"] = phase("skip", root, model, opt, args, on_full="skip")
+    res["rewind"] = rewind_latency(root, model, opt, args)
+    raw_mb_s = statistics.median(raw)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return
+    print(f"# {res['machine']}")
+    print(f"state {res['state_mb']:.0f} MB; raw fsync'ed write {min(raw):.0f}-{max(raw):.0f} MB/s "
+          f"(one step persists in ~{state_bytes / 1e6 / raw_mb_s:.2f} s at best); iteration "
+          f"{res['none']['iter_ms']:.0f} ms with no capture (median of {args.iters})")
+    print("mode     iter ms  added   stored/captured  disk MB/s  vs raw")
+    for k in ("newest", "wait", "skip"):
+        r = res[k]
+        added = (r["mean_ms"] - res["none"]["mean_ms"]) / res["none"]["mean_ms"] * 100
+        print(f"{k:7s}  {r['mean_ms']:7.0f}  {added:+5.0f}%  {r['stored_steps']:6d}/{r['captured']:<8d}  "
+              f"{r['disk_mb_s']:9.0f}  {r['disk_mb_s'] / raw_mb_s:5.2f}x")
+    rw = res["rewind"]
+    print(f"rewind: ring {rw['ring_rewind_s'] * 1e3:.0f} ms ({rw['ring_rewind_s'] / rw['memcpy_s']:.2f}x one memcpy "
+          f"of {rw['memcpy_s'] * 1e3:.0f} ms), dstt.restore {rw['dstt_restore_s'] * 1e3:.0f} ms, torch.load + "
+          f"load_state_dict {rw['torch_load_s'] * 1e3:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
