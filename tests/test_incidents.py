@@ -122,7 +122,7 @@ def test_incident_document_bounds(store: Path) -> None:
     [], {"format": "dstt-skip"}, {"format": "dstt-incident", "format_version": 2},
     {"branch": "../x"}, {"branch": "other"}, {"step": -1}, {"step": True}, {"step": 10**21},
     {"reason": 5}, {"reason": "r" * (MAX_REASON_CHARS + 1)}, {"source": "me"}, {"time": "now"},
-    {"time": True}, {"time": 1e300}, {"time": -5}, {"steps": [3, 2]}, {"steps": [1, 1]}, {"steps": "1-3"}, {"steps": [-4]},
+    {"time": True}, {"time": 1e300}, {"time": -5}, {"time": float("nan")}, {"steps": [3, 2]}, {"steps": [1, 1]}, {"steps": "1-3"}, {"steps": [-4]},
     {"tensors": [1]}, {"tensors": "w"},
 ])
 def test_parse_incident_refuses_hostile_fields(doc: object) -> None:
