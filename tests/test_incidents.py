@@ -521,3 +521,16 @@ def test_cli_on_a_real_flight_recorder_capture(store: Path) -> None:
     listing = runner.invoke(app, ["ls", f"{store}:{with_ratio}"])
     assert listing.exit_code == 0 and "update_ratio" in listing.stdout  # shown where recorded
     assert any(v is not None and math.isfinite(v) and v > 0 for v in ratios.values())
+
+
+def test_cli_reads_old_seven_column_steps(store: Path) -> None:
+    """Steps written before the update columns: ls, history and find read
+    them as before (the update columns null in JSON), verify finds no problem."""
+    ws = _series(store, [0, 1, 2])
+    for s in (0, 1, 2):
+        make_legacy(store, s)
+    (t,) = _cli_json("ls", f"{store}:1", "model/w")["tensors"]
+    assert t["stats"]["norm"] == pytest.approx(float(ws[1].norm())) and t["stats"]["update_ratio"] is None
+    doc = _cli_json("history", str(store), "model/w", "--stat", "update_norm")
+    assert [p["value"] for p in doc["series"][0]["points"]] == [None, None, None]
+    assert _cli_json("find", str(store))["events"] == [] and _cli_json("verify", str(store))["ok"]
