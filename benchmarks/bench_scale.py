@@ -49,6 +49,7 @@ def case_save(n: int, work: str) -> dict[str, Any]:
     dstt.save(path, 0, state)
     out["first_s"] = time.perf_counter() - t
     out["files_first"] = count_files(path)
+    out["data_mib"] = round(n * 1024 / (1 << 20), 1)  # the goal: files per step <= data_mib / 4 + a constant
     t = time.perf_counter()
     dstt.save(path, 1, state)
     out["unchanged_s"] = time.perf_counter() - t

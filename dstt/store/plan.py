@@ -207,17 +207,20 @@ def describe_local(name: str, kind: str, value: Any, rank: int) -> LocalTensor:
     if isinstance(value, torch.Tensor):
         # Refused here, on the caller's thread, with the tensor's name: these
         # used to fail later with a raw RuntimeError or only in the background.
+        # (Cheapest checks first: this runs per tensor per step on the
+        # trainer's thread; .device builds an object per call.)
         if value.is_nested:
             raise UnsupportedValueError(f"{name}: nested (ragged) tensors cannot be stored; "
                                         "store their components (.unbind()) instead")
-        if value.is_sparse or value.layout != torch.strided:
+        if value.layout is not torch.strided:  # sparse layouts included
             raise UnsupportedValueError(f"{name}: only dense (strided) tensors can be stored, got {value.layout}")
-        if value.device.type == "meta":
+        if value.is_meta:
             raise UnsupportedValueError(f"{name}: a tensor on the meta device has no data to store")
         info = info_for_torch(value.dtype)
-        zero = (0,) * value.dim()
-        return LocalTensor(name, kind, info.logical, tuple(value.shape), "replicated",
-                           [Region(zero, tuple(value.shape), [rank])], {zero: value.detach()})
+        shape = tuple(value.shape)
+        zero = (0,) * len(shape)
+        return LocalTensor(name, kind, info.logical, shape, "replicated",
+                           [Region(zero, shape, [rank])], {zero: value.detach()})
     raise UnsupportedValueError(f"{name}: not a tensor: {type(value).__name__}")
 
 
