@@ -76,6 +76,9 @@ class ChunkRef:
         return None if self.key_slot is None or self.key_slot == self.slot else self.key_slot
 
 
+_LINK_LOCKS = [threading.Lock() for _ in range(64)]
+
+
 class Link:
     """One chunk of one planned step: resolves (once) to the ChunkRef later
     steps compare with, or to None (nothing to compare with).
@@ -87,15 +90,21 @@ class Link:
     7
     """
 
-    __slots__ = ("prev", "started", "_lock", "_done", "_value", "_waiters")
+    __slots__ = ("prev", "started", "_done", "_value", "_waiters")
 
     def __init__(self, prev: Link | None, value: Any = None, done: bool = False) -> None:
         self.prev = prev
         self.started = False  # its chunk's flush has begun (it will resolve the link)
-        self._lock = threading.Lock()
         self._done = done
         self._value: ChunkRef | None = value
-        self._waiters: list[Callable[[ChunkRef | None], None]] = []
+        self._waiters: list[Callable[[ChunkRef | None], None]] | None = None  # made on first wait
+
+    @property
+    def _lock(self) -> threading.Lock:
+        # One of a few shared locks, not one per link: a step plans one link
+        # per chunk (tens of thousands of tensors: a lock each cost ~20 us).
+        # Sound because no method holds a link's lock while taking another's.
+        return _LINK_LOCKS[(id(self) >> 4) % len(_LINK_LOCKS)]
 
     @classmethod
     def resolved(cls, value: ChunkRef | None) -> Link:
@@ -107,7 +116,7 @@ class Link:
             if self._done:
                 return
             self._done, self._value, self.prev = True, value, None  # drop the chain behind it
-            waiters, self._waiters = self._waiters, []
+            waiters, self._waiters = self._waiters or [], None
         for fn in waiters:
             fn(value)
 
@@ -123,6 +132,8 @@ class Link:
         """Call ``fn(value)`` once resolved (now, if it is)."""
         with self._lock:
             if not self._done:
+                if self._waiters is None:
+                    self._waiters = []
                 self._waiters.append(fn)
                 return
             value = self._value
