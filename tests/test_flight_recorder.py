@@ -375,3 +375,23 @@ def test_sigkill_after_an_incident_loses_no_sealed_ring_step(tmp_path):
     assert set(ring_steps).issubset(stored) and 10 in stored
     _check_bit_exact(path, ref)
     assert dstt.verify(path).ok
+
+
+def test_steps_stored_by_an_incident_get_update_statistics(tmp_path):
+    path = str(tmp_path / "run")
+    m, opt = _model()
+    with dstt.Capture(path, memory_steps=4, persist=4) as cap:
+        for s in range(8):
+            _train(m, opt)
+            cap.snapshot(s, model=m, optimizer=opt)
+        cap.wait_staged()
+        cap.incident("check")  # 5, 6, 7 were passed over; 4 was stored
+        for s in range(8, 10):
+            _train(m, opt)
+            cap.snapshot(s, model=m, optimizer=opt)  # 9 passed over, stored at close
+    run = dstt.open(path)
+    cols = list(dstt.store.layout.STATS_COLUMNS)
+    for step in (5, 6, 7, 9):
+        names, rows = run.step_stats(step, branch="main")
+        i = names.index(next(n for n in names if n.startswith("model/") and n.endswith("0.weight")))
+        assert not math.isnan(rows[i, cols.index("update_norm")]), step

@@ -348,6 +348,12 @@ class FlightRecorder:
         job.forced = True
         if job.decision in ("persist", "done", "failed") or job in self._forced or not job.tier_staged:
             return  # stored, being stored, or failed: nothing to add
+        if job.prev_job is None:  # passed over, it let its predecessor go: take it again if still held
+            held = list(self._held)
+            i = held.index(job) if job in held else -1
+            if i > 0 and held[i - 1].writer is job.writer and held[i - 1].slot is not None:
+                job.prev_job = held[i - 1]
+                held[i - 1].refs += 1
         if self._candidate is job:
             self._candidate = None  # its candidate ref becomes the persist's
         else:
@@ -584,7 +590,7 @@ class FlightRecorder:
         inc = Incident(branch=self.writer.branch.name, step=at, reason=reason[:1000], source=source,
                        time=time.time(), steps=tuple(steps), tensors=tensors)
         record_incident(self.writer.backend, inc)
-        log.warning("dstt: incident at step %d (%s): %s; storing steps %s", at, source, reason,
+        log.warning("dstt: incident at step %d (%s): %r; storing steps %s", at, source, reason,
                     ", ".join(map(str, steps)) or "none")
         return inc
 
