@@ -94,6 +94,8 @@ def _write_capture(store: str, branch: str, n_steps: int, pause: float, staged: 
                    compression: str = "none") -> int:
     # The Capture first: it commits what a killed predecessor sealed, and
     # the steps go on after that.
+    if compression == "delta":  # (a forked writer: this process only) chunks this small would be
+        os.environ["DSTT_PACK_CHUNK_BYTES"] = "0"  # packed, and packed chunks are never delta coded
     cap = dstt.Capture(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES, compression=compression)
     start = -1 if cap.writer.last_step is None else cap.writer.last_step
     start += 1

@@ -20,6 +20,7 @@ import pytest
 import dstt
 from dstt.store import layout as L
 from dstt.store.gc import gc
+from dstt.store.packs import pack_key
 from dstt.store.verify import partial_steps, verify
 from tests.conftest import bits_equal
 from tests.crash_worker import MAX_CHUNK_BYTES, expected_state
@@ -138,6 +139,10 @@ def referenced_keys(store: Path) -> set[str]:
         for s in run.steps(b):
             for e in run.record(s, branch=b).entries:
                 for i in range(e.nchunks):
+                    packed = e.pack(i)
+                    if packed is not None:  # small chunks live in packs (format 3)
+                        keys.add(pack_key(e.slots[i], packed.rank, packed.n))
+                        continue
                     key = e.keyframe(i)  # delta coded: the delta and its keyframe
                     keys.add(L.chunk_key(e.array if key is None else e.delta_array or "", e.slots[i], e.coords(i)))
                     if key is not None:
@@ -146,8 +151,10 @@ def referenced_keys(store: Path) -> set[str]:
 
 
 def chunk_files(store: Path) -> set[str]:
+    """Chunk files and packs of small chunks in ``store``."""
     return {str(p.relative_to(store)) for p in (store / "tensors").rglob("*")
-            if p.is_file() and p.name != "zarr.json" and "/c." in str(p.relative_to(store))}
+            if p.is_file() and p.name != "zarr.json" and "/c." in str(p.relative_to(store))} | \
+        {str(p.relative_to(store)) for p in (store / "packs").glob("p.*") if p.is_file()}
 
 
 def collect_orphans(store: Path) -> None:

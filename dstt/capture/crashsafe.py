@@ -15,11 +15,12 @@ import logging
 import socket
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dstt.capture import policy
+from dstt.capture import policy, ranks
 from dstt.capture.helper import HelperHandle
 from dstt.capture.helper import start as start_helper
 from dstt.capture.pipeline import Job
@@ -71,28 +72,58 @@ class CrashSafe:
     _plan_coord: Any
     _store_by_name: bool
     recovered: list[int]
+    _run_id: str = ""  # a distributed Capture's id in its ranks' records (ranks.py)
 
     def _commit_by_helper(self, job: Job) -> CommitInfo:
-        """Helper mode (single process): the helper writes and commits the
-        sealed step; a step that failed here, or could not be sealed, fails."""
+        """Helper mode: the helper writes and commits the sealed step (under
+        torch.distributed: records it; rank 0's helper commits); a step that
+        failed here, or could not be sealed, fails -- on every rank: this
+        rank records the failure for rank 0's helper."""
         assert self._helper is not None
-        if job.error is not None:
-            raise job.error
-        if not job.sealed:
-            raise CaptureError(
-                f"step {job.plan.step} not committed: it was not sealed in the staging ring (a step must fit "
-                "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
-                "to stage larger steps in parts)")
-        return CommitInfo(**self._helper.commit(job.plan.step))
+        step = job.plan.step
+        try:
+            if job.error is not None:
+                raise job.error
+            if not job.sealed:
+                raise CaptureError(
+                    f"step {step} not committed: it was not sealed in the staging ring (a step must fit "
+                    "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
+                    "to stage larger steps in parts)")
+            return CommitInfo(**self._helper.commit(step))
+        except BaseException as e:
+            if self._plan_coord.distributed and not (job.sealed and job.error is None and not self._helper.lost):
+                self._record_failure(job, e)
+            raise
+
+    def _record_failure(self, job: Job, e: BaseException) -> None:
+        """Tell rank 0's helper that this rank's part of a step failed (it
+        was never handed to this rank's helper, or that helper is gone)."""
+        coord, backend, branch = self._plan_coord, self.writer.backend, self.writer.branch.name
+        step, seq, why = job.plan.step, job.plan.seq, f"{type(e).__name__}: {e}"
+        try:
+            have = ranks.read_record(backend, branch, step, coord.rank)
+            if have is not None and have["run"] == self._run_id and have["seq"] == seq:
+                return  # the helper recorded it before it was lost
+            ranks.write_record(backend, branch, step, seq, self._run_id, coord.rank, coord.world, error=why)
+            if coord.rank == 0:  # rank 0's helper will not answer the others for this step
+                ranks.write_fail(backend, branch, step, seq, self._run_id, f"rank 0: {why}")
+        except Exception as err:  # noqa: BLE001 - rank 0's helper then times out on this step
+            log.error("dstt: could not record the failure of step %d: %s", job.plan.step, err)
 
     def _open_ring(self) -> Ring | None:
-        """This Capture's ring in /dev/shm (single process; see ring.py),
-        after committing what rings of dead trainers sealed."""
-        if self.config.shm is False or self._plan_coord.distributed or shm_free_bytes() is None:
+        """This Capture's ring in /dev/shm (see ring.py), after committing
+        what rings of dead trainers sealed. Under torch.distributed every
+        rank has one (or none does)."""
+        coord = self._plan_coord
+        able = self.config.shm is not False and shm_free_bytes() is not None
+        if coord.distributed:
+            able = all(coord.all_gather(able))  # every rank stages alike
+        if not able:
             if self.config.shm is True:
-                raise ConfigError("shm=True: staging in /dev/shm needs a single process with /dev/shm "
-                                  "(torch.distributed runs stage in process memory)")
+                raise ConfigError("shm=True: staging in /dev/shm needs /dev/shm on every rank")
             return None
+        if coord.distributed:
+            return self._open_rank_ring()
         info = self.writer.branch
         identity = {"store": str(self.writer.backend.url), "branch": info.name, "branch_id": info.id,
                     "branch_created": info.created}
@@ -106,30 +137,72 @@ class CrashSafe:
         self.recovered = recovered
         return ring
 
+    def _open_rank_ring(self) -> Ring:
+        """This rank's ring, after recovery (collective): each rank records
+        the sealed, unrecorded steps of its own dead rings; then rank 0
+        commits the steps every rank recorded (ranks.py)."""
+        coord = self._plan_coord
+        self._run_id = coord.broadcast(uuid.uuid4().hex if coord.rank == 0 else None)
+        identity = ranks.ring_identity(str(self.writer.backend.url), self.writer.branch, coord.rank, coord.world)
+        ring = Ring(identity, run=self._run_id)
+        error: str | None = None
+        try:
+            ranks.record_rings(self.writer, identity, exclude=ring.dir)
+        except Exception as e:  # noqa: BLE001 - agreed on below, so no rank waits for another
+            error = f"rank {coord.rank}: {type(e).__name__}: {e}"
+        errors = [x for x in coord.all_gather(error) if x is not None]
+        outcome: Any = None
+        if coord.rank == 0 and not errors:
+            try:
+                done = ranks.commit_recorded(self.writer)
+                outcome = (done, self.writer.last_step, self.writer.last_commit, self.writer.next_seq)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"rank 0: {type(e).__name__}: {e}")
+        if not errors:
+            outcome = coord.broadcast(outcome if coord.rank == 0 else None)
+            errors = [] if outcome is not None else ["rank 0: recovery failed"]
+        if errors:
+            ring.close()
+            self.writer.close()
+            raise CaptureError("recovering the steps sealed by an earlier run failed: " + "; ".join(errors))
+        done, last_step, last_commit, next_seq = outcome
+        # Every rank's writer continues after what rank 0 committed.
+        self.writer.last_step, self.writer.last_commit, self.writer.next_seq = last_step, last_commit, next_seq
+        self.recovered = list(done)
+        return ring
+
     def _start_helper(self) -> HelperHandle | None:
-        """The helper process (helper.py) where it can run: a ring, a single
-        process, a local store (a shared flock). Started, not waited for."""
+        """The helper process (helper.py) where it can run: a ring, a local
+        store (a shared flock), Linux. Started, not waited for. Under
+        torch.distributed one per rank, on every rank or on none."""
+        coord = self._plan_coord
         lock = getattr(self.writer, "_branch_lock", None)
         fd = lock.fileno() if lock is not None and hasattr(lock, "fileno") else None
-        able = self._ring is not None and fd is not None and sys.platform.startswith("linux")
+        local = type(self.writer.backend) is LocalBackend  # the helper opens the store by its path
+        able = self._ring is not None and (fd is not None or coord.rank != 0) and sys.platform.startswith("linux")
         # auto: only with an auto-sized pool (it always holds a whole step); an
         # explicit host_buffer_bytes may be meant to stage steps in parts.
         # A Backend object given by the caller stays in this process: the helper
         # would act on another instance of it, invisible to the caller.
         auto = self.config.helper is None and self.config.host_buffer_bytes is None and self._store_by_name
-        if not (self.config.helper or auto) or not able:
+        use = bool(self.config.helper or auto) and able and (local or not auto)
+        if coord.distributed:
+            use = all(coord.all_gather(use))
+        if not use:
             if self.config.helper is True:
-                raise ConfigError("helper=True needs a single process, /dev/shm and a local store")
+                raise ConfigError("helper=True needs /dev/shm and a local store (on every rank)")
             return None
-        if type(self.writer.backend) is not LocalBackend:  # the helper opens the store by its path
+        if not local:
             raise ConfigError(f"helper=True: the capture helper process opens the store by its path; a "
                               f"{type(self.writer.backend).__name__} object cannot move into it (pass the path, "
                               "or use helper=False)")
         cfg = self.config
         options = {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
-                   "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes, "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
-        assert self._ring is not None and fd is not None
-        return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice)
+                   "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes,
+                   "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
+        dist = {"rank": coord.rank, "world": coord.world, "run": self._run_id} if coord.distributed else None
+        assert self._ring is not None
+        return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice, dist)
 
     def _new_pool(self, capacity: int, pin: bool) -> HostPool:
         """A pool in the ring's /dev/shm file where it fits (policy.shm_decision),

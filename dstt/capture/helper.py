@@ -195,17 +195,21 @@ def _helper_env() -> dict[str, str]:
     return env
 
 
-def start(writer_options: dict[str, Any], store_path: str, ring_dir: Path, lock_fd: int, nice: int) -> HelperHandle:
+def start(writer_options: dict[str, Any], store_path: str, ring_dir: Path, lock_fd: int | None, nice: int,
+          dist: dict[str, Any] | None = None) -> HelperHandle:
     """Start the helper (see the module docstring); returns at once, without
-    waiting for its start-up."""
+    waiting for its start-up. ``dist`` (``rank``, ``world``, ``run``): the
+    helper of one rank of a distributed Capture (ranks.py); only rank 0's
+    shares the branch lock (``lock_fd``)."""
     cmd_r, cmd_w = os.pipe()
     ack_r, ack_w = os.pipe()
     args = {"store": store_path, "ring": str(ring_dir), "options": writer_options, "nice": nice,
-            "lock_fd": lock_fd, "cmd_fd": cmd_r, "ack_fd": ack_w}
+            "lock_fd": lock_fd, "cmd_fd": cmd_r, "ack_fd": ack_w, "dist": dist, "trainer": os.getpid()}
+    fds = (cmd_r, ack_w) if lock_fd is None else (lock_fd, cmd_r, ack_w)
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dstt.capture.helper", json.dumps(args)],
-            stdin=subprocess.DEVNULL, close_fds=True, pass_fds=(lock_fd, cmd_r, ack_w),
+            stdin=subprocess.DEVNULL, close_fds=True, pass_fds=fds,
             start_new_session=True, env=_helper_env())
     except BaseException:
         for fd in (cmd_r, cmd_w, ack_r, ack_w):
@@ -222,21 +226,32 @@ def main(argv: list[str]) -> int:
     if args["nice"] > 0:
         os.nice(args["nice"])
     return serve(args["options"], args["store"], Path(args["ring"]), args["lock_fd"], args["cmd_fd"],
-                 args["ack_fd"])
+                 args["ack_fd"], dist=args.get("dist"), trainer_pid=args.get("trainer"))
 
 
-def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: int, cmd_fd: int,
-          ack_fd: int) -> int:
+def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: int | None, cmd_fd: int,
+          ack_fd: int, dist: dict[str, Any] | None = None, trainer_pid: int | None = None) -> int:
     """The helper's loop; its exit code."""
     import torch
 
+    from dstt.capture import ranks
     from dstt.capture import ring as R
     from dstt.store.lock import BranchLock
     from dstt.store.writer import Writer
 
     torch.set_num_threads(1)
-    lock = BranchLock.inherited(store, writer_options["branch"], lock_fd)
-    writer = Writer(store, lock=lock, threads=1, **writer_options)
+    lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
+    records: ranks.RecordCoordinator | None = None
+    if dist is None:
+        writer = Writer(store, lock=lock, threads=1, **writer_options)
+    else:
+        # One rank of a distributed Capture: this rank's chunks, then a record
+        # in the store; rank 0's helper commits once every rank's is there.
+        rank, world = int(dist["rank"]), int(dist["world"])
+        writer = Writer(store, lock=lock, threads=1, coordinator=ranks.FixedRank(rank, world), **writer_options)
+        records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
+                                          alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
+        writer.commit_coord = records
     with contextlib.suppress(OSError):  # (the trainer may have died while this started: serve the ring)
         os.write(ack_fd, b"ready\n")  # the trainer's committer waits for this line first
     pools: dict[str, Any] = {}
@@ -250,10 +265,17 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         if name not in pools:
             pools.clear()  # an older pool file is not used by later steps
             pools[name] = R.map_pool(ring_dir, name)
+        if records is not None:
+            writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
         plan = writer.adopt(R.plan_of(record, pools[name], verify=verify))
         writer.ensure_arrays(plan)
         results = list(flush.map(lambda t: writer.flush_chunk(plan, t, t.source), plan.tasks))
-        info = writer.commit(plan, results)
+        if records is not None:
+            records.begin(step, plan.seq, ranks.plan_doc(record) if records.rank == 0 else None)
+        try:
+            info = writer.commit(plan, results)
+        except ranks.Recorded:  # (after the trainer died, ranks other than 0 only record)
+            info = None
         R.unseal_file(ring_dir, step)
         return info
 
@@ -278,6 +300,8 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
                 pass  # the trainer is gone: the step is committed or stays sealed
         if not closed_by_trainer:
             # The trainer died: finish what it sealed, then leave nothing behind.
+            if records is not None and records.rank != 0:
+                records.mode = "record"  # nobody waits for this rank's answers any more
             for step in R.sealed_steps(ring_dir):
                 if writer.last_step is None or step > writer.last_step:
                     try:
@@ -286,7 +310,9 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
                         print(f"dstt helper: step {step} not committed: {e}", file=sys.stderr, flush=True)
                     except Exception as e:  # noqa: BLE001 - the next Capture retries from the ring
                         print(f"dstt helper: step {step} not committed: {e}", file=sys.stderr, flush=True)
-                        return 1
+                        if records is None or records.recorded != step:
+                            return 1
+                        # (recorded: the next Capture or dstt gc commits it from the records)
             pools.clear()
             R.remove_ring(ring_dir)
         return 0

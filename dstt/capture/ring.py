@@ -70,9 +70,16 @@ def shm_free_bytes(base: Path | None = None) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def group_dir(store_url: str, branch: str, base: Path | None = None) -> Path:
-    digest = hashlib.sha256(f"{store_url}\0{branch}".encode()).hexdigest()[:24]
-    return ring_root(base) / digest
+def group_dir(store_url: str, branch: str, base: Path | None = None, rank: int | None = None) -> Path:
+    """The directory of the rings of a store's branch (of one rank of a
+    distributed Capture: each rank's rings apart, so one rank's recovery
+    never judges another rank's ring)."""
+    text = f"{store_url}\0{branch}" + ("" if rank is None else f"\0rank{rank}")
+    return ring_root(base) / hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def group_of(identity: dict[str, Any], base: Path | None = None) -> Path:
+    return group_dir(identity["store"], identity["branch"], base, identity.get("rank"))
 
 
 def _private_dir(path: Path) -> None:
@@ -96,15 +103,18 @@ class Ring:
     >>> r.close()
     """
 
-    def __init__(self, identity: dict[str, Any], base: Path | None = None) -> None:
+    def __init__(self, identity: dict[str, Any], base: Path | None = None, run: str | None = None) -> None:
         self.identity = dict(identity)
-        self.group = group_dir(identity["store"], identity["branch"], base)
+        self.group = group_of(identity, base)
         _private_dir(ring_root(base))
         sweep(base)
         _private_dir(self.group)
         self.dir = self.group / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         _private_dir(self.dir)
-        _write_atomic(self.dir / "owner.json", json.dumps({**self.identity, "pid": os.getpid()}).encode())
+        # ``run`` (a distributed Capture's id, ranks.py) is not identity: a
+        # ring of an earlier run of the same store and branch is recovered.
+        owner = {**self.identity, "pid": os.getpid(), **({"run": run} if run else {})}
+        _write_atomic(self.dir / "owner.json", json.dumps(owner).encode())
         self._gen = -1
         self.pool_name = ""
         self._maps: dict[str, mmap.mmap] = {}
@@ -227,7 +237,7 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
                       "offset": list(t.offset), "shape": list(t.shape), "dtype": str(t.source.dtype)[6:],
                       "start": view.data_ptr() - base, "nbytes": nbytes, "crc": crc32c(raw)})
     return {
-        "format": SEAL_FORMAT, "step": plan.step, "pool": pool_name, "tree": plan.tree,
+        "format": SEAL_FORMAT, "step": plan.step, "seq": plan.seq, "pool": pool_name, "tree": plan.tree,
         "layouts": [_layout_doc(l) for l in plan.layouts],
         "meta": [index[id(l)] for l in plan.meta_arrays],
         "tasks": tasks,
@@ -237,13 +247,16 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
 def _layout_doc(l: TensorLayout) -> dict[str, Any]:
     return {"name": l.name, "kind": l.kind, "dtype": l.dtype.logical, "shape": list(l.shape),
             "chunk_shape": list(l.chunk_shape), "compression": l.codec.compression, "level": l.codec.level,
-            "regions": [[list(r.offset), list(r.shape), list(r.holders)] for r in l.regions]}
+            "regions": [[list(r.offset), list(r.shape), list(r.holders)] for r in l.regions],
+            "pack_chunk_bytes": l.pack_chunk_bytes}
 
 
 def _layout_of(d: dict[str, Any]) -> TensorLayout:
+    packing = d.get("pack_chunk_bytes")  # packed as the trainer planned it (packs.py)
+    extra: dict[str, Any] = {"pack_chunk_bytes": packing} if isinstance(packing, int) else {}
     return TensorLayout(d["name"], d["kind"], info_for_name(d["dtype"]), tuple(d["shape"]),
                         tuple(d["chunk_shape"]), CodecSpec(d["compression"], d["level"]),
-                        [Region(tuple(o), tuple(s), list(h)) for o, s, h in d["regions"]])
+                        [Region(tuple(o), tuple(s), list(h)) for o, s, h in d["regions"]], **extra)
 
 
 def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True) -> StepPlan:
@@ -286,7 +299,7 @@ def abandoned(identity: dict[str, Any], base: Path | None = None, exclude: Path 
     seal records in step order. Rings of another store or of an earlier
     branch of the same name are removed. The caller holds the branch lock,
     so every other ring's owner is gone (or closed)."""
-    group = group_dir(identity["store"], identity["branch"], base)
+    group = group_of(identity, base)
     out = []
     try:
         entries = sorted(group.iterdir())
@@ -363,8 +376,9 @@ def recover(writer: Any, identity: dict[str, Any], *, exclude: Path | None = Non
         try:
             for record in seals:
                 step = record.get("step")
-                if not isinstance(step, int) or (writer.last_step is not None and step <= writer.last_step):
-                    continue  # committed before the trainer died
+                if not isinstance(step, int) or (writer.last_step is not None and step <= writer.last_step and (
+                        step == writer.last_step or writer.is_stored(step))):
+                    continue  # committed before the trainer died (an older one not stored is a backfill: Writer.adopt)
                 pool = maps.get(record["pool"])
                 if pool is None:
                     pool = maps[record["pool"]] = map_pool(ring, record["pool"])

@@ -12,6 +12,7 @@ every rank records the CaptureError it saw in OUT/error<rank>.txt.
 from __future__ import annotations
 
 import errno
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,13 @@ def run_mode(out: Path, mode: str) -> None:
         from dstt.store import keyframes
 
         keyframes.DELTA_MAX_RATIO = float("inf")
+        # ... in the capture helpers too (exec'ed interpreters: a sitecustomize).
+        hook = out / "hook"
+        hook.mkdir(exist_ok=True)
+        (hook / "sitecustomize.py").write_text(
+            "from dstt.store import keyframes\nkeyframes.DELTA_MAX_RATIO = float('inf')\n")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+        os.environ["DSTT_PACK_CHUNK_BYTES"] = "0"  # chunks this small would be packed: never delta coded
     cap = dstt.Capture(store, max_chunk_bytes=64, compression="delta" if mode == "delta" else "none")
     errors: list[str] = []
     try:

@@ -1,0 +1,460 @@
+"""Commits under torch.distributed without the trainers' process group:
+per-rank durable records in the store, gathered by one helper (issue 12).
+
+Each rank's capture helper (helper.py) writes its rank's chunks of a
+sealed step, makes them durable, then records them in the step's
+directory::
+
+    meta/steps/<branch>/<step:020d>/rank-<rank:05d>.json
+        {"format": "dstt-rank-record", "run": "<capture run id>", "branch": ..., "step": k,
+         "seq": s, "rank": r, "world": W, "error": null | "why",
+         "results": [[name, index, crc, sha256 hex | null, slot, written, nbytes, partial,
+                      keyframe, pack], ...],
+         "plan": {...}}          # rank 0 only: layouts and value tree (ring.py's seal form)
+
+Rank 0's helper (which shares the trainer's branch lock) waits until every
+rank's record of the step is there, builds the index and commit marker
+from them with the Writer's own commit code (``Writer.commit`` through a
+:class:`RecordCoordinator`: the coordinator's ``gather`` reads the records
+instead of calling gloo) and removes the records. The other helpers wait
+for the commit marker (or rank 0's ``rank-fail.json``) so a failure
+surfaces on every rank. Cost per step: one small file per rank, O(ranks)
+reads on rank 0 -- no collective between trainers (as DCP and Orbax do it).
+
+A record is written only after the rank's chunks are durable, and names
+the capture run (``run``) and the step's sequence number (``seq``), so a
+record left by another run of the same branch is never combined with this
+one's. Records of a step that is never committed lie in an uncommitted step
+directory: ``dstt gc`` removes them with it. If every helper died after
+recording, the next Capture (rank 0) or ``dstt gc`` commits the step from
+the records alone (:func:`commit_recorded`); steps sealed in a rank's ring
+but not recorded are recorded first by that rank (:func:`record_rings`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import typing
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from dstt.capture import ring as R
+from dstt.errors import CorruptStoreError
+from dstt.store import layout as L
+from dstt.store.coord import Coordinator
+from dstt.store.manifest import parse_commit
+from dstt.store.plan import StepPlan
+from dstt.store.writer import ChunkResult, CommitInfo, Writer
+
+RECORD_FORMAT = "dstt-rank-record"
+FAIL_FILE = "rank-fail.json"
+#: A record is ~200 bytes per chunk; anything bigger is not ours.
+RECORD_MAX_BYTES = 256 << 20
+#: How long rank 0's helper waits for another rank's record of a step (and
+#: another rank's helper for the commit) while the trainers live, and after
+#: they died (the helpers then finish what was sealed, bounded).
+RANK_WAIT_S = float(os.environ.get("DSTT_RANK_WAIT_S", "300"))
+RANK_WAIT_DEAD_S = float(os.environ.get("DSTT_RANK_WAIT_DEAD_S", "60"))
+
+
+def record_key(branch: str, step: int, rank: int) -> str:
+    """``meta/steps/<branch>/<step>/rank-<rank:05d>.json``."""
+    return f"{L.step_dir(branch, step)}/rank-{rank:05d}.json"
+
+
+def fail_key(branch: str, step: int) -> str:
+    return f"{L.step_dir(branch, step)}/{FAIL_FILE}"
+
+
+class FixedRank(Coordinator):
+    """The rank and world size of a process that talks to no other rank
+    (a capture helper, gc): planning-side collectives are never called.
+
+    >>> c = FixedRank(1, 4)
+    >>> c.rank, c.world, c.distributed
+    (1, 4, True)
+    """
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+
+# ----------------------------------------------------------------------------- (de)coding
+
+_FIELDS = [f.name for f in fields(ChunkResult) if f.name != "pending"]
+
+
+def encode_result(r: ChunkResult) -> list[Any]:
+    """A settled ChunkResult as a JSON list (field order of the dataclass)."""
+    out: list[Any] = []
+    for name in _FIELDS:
+        v = getattr(r, name)
+        if isinstance(v, bytes):
+            v = v.hex()
+        elif isinstance(v, tuple):  # a NamedTuple of ints (packs.PackRange)
+            v = list(v)
+        elif name == "partial":
+            v = [x if math.isfinite(x) else repr(x) for x in v]  # strict JSON: inf/nan as text
+        out.append(v)
+    return out
+
+
+def decode_result(row: Any, where: str) -> ChunkResult:
+    """The inverse of :func:`encode_result`, validated (a record is untrusted)."""
+    if not isinstance(row, list) or len(row) != len(_FIELDS):
+        raise CorruptStoreError(f"{where}: a chunk result must be a list of {len(_FIELDS)} values")
+    hints = typing.get_type_hints(ChunkResult)
+    kw: dict[str, Any] = {}
+    for name, v in zip(_FIELDS, row):
+        if name == "sha256":
+            kw[name] = None if v is None else bytes.fromhex(str(v))
+        elif name == "partial":
+            if not isinstance(v, list):
+                raise CorruptStoreError(f"{where}: bad partial stats")
+            kw[name] = [float(x) for x in v]
+        elif v is None or isinstance(v, (int, str)) and not isinstance(v, bool):
+            kw[name] = v
+        elif isinstance(v, list):  # a NamedTuple field: its class from the annotation
+            cls = next(a for a in typing.get_args(hints[name]) if a is not type(None))
+            kw[name] = cls(*(int(x) for x in v))
+        else:
+            raise CorruptStoreError(f"{where}: bad value for {name}")
+    for name in ("index", "crc", "slot", "written", "nbytes"):
+        if not isinstance(kw[name], int):
+            raise CorruptStoreError(f"{where}: {name} must be an integer")
+    return ChunkResult(**kw)
+
+
+def plan_doc(record: dict[str, Any]) -> dict[str, Any]:
+    """What rank 0's record keeps of its seal record to commit without it."""
+    return {k: record[k] for k in ("step", "seq", "tree", "layouts", "meta")} | {"tasks": [], "pool": ""}
+
+
+def plan_from_doc(doc: dict[str, Any]) -> StepPlan:
+    """A plan with the layouts and tree of ``doc`` (no tasks: commit only)."""
+    import torch
+
+    plan = R.plan_of(doc, torch.empty(0, dtype=torch.uint8), verify=False)
+    plan.seq = int(doc["seq"])
+    return plan
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def write_record(backend: Any, branch: str, step: int, seq: int, run: str, rank: int, world: int, *,
+                 results: list[ChunkResult] | None = None, error: str | None = None,
+                 plan: dict[str, Any] | None = None) -> None:
+    """Record this rank's part of ``step`` as durable (or failed: ``error``)."""
+    doc = {"format": RECORD_FORMAT, "run": run, "branch": branch, "step": step, "seq": seq, "rank": rank,
+           "world": world, "error": error,
+           "results": [encode_result(r) for r in results or []], "plan": plan}
+    backend.put_atomic(record_key(branch, step, rank), json.dumps(doc, allow_nan=False).encode())
+
+
+def write_fail(backend: Any, branch: str, step: int, seq: int, run: str, error: str) -> None:
+    """Rank 0: ``step`` of ``run`` will not be committed (the other ranks' helpers wait for this or the marker)."""
+    backend.put_atomic(fail_key(branch, step), json.dumps({"run": run, "seq": seq, "error": error[:4000]}).encode())
+
+
+def read_record(backend: Any, branch: str, step: int, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s record of ``step``, validated; None if absent."""
+    key = record_key(branch, step, rank)
+    data = backend.get(key, max_bytes=RECORD_MAX_BYTES)
+    if data is None:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise CorruptStoreError(f"{key}: not JSON ({e})") from None
+    ok = (isinstance(doc, dict) and doc.get("format") == RECORD_FORMAT and doc.get("step") == step
+          and doc.get("rank") == rank and doc.get("branch") == branch and isinstance(doc.get("seq"), int)
+          and isinstance(doc.get("world"), int) and isinstance(doc.get("run"), str)
+          and isinstance(doc.get("results"), list) and (doc.get("error") is None or isinstance(doc["error"], str)))
+    if not ok:
+        raise CorruptStoreError(f"{key}: not a rank record of step {step}, rank {rank}")
+    return doc
+
+
+def _payload(doc: dict[str, Any], where: str) -> tuple[list[ChunkResult] | None, str | None]:
+    """A record as the (results, error) pair Writer.commit gathers."""
+    if doc["error"] is not None:
+        return None, str(doc["error"])[:2000]
+    return [decode_result(row, where) for row in doc["results"]], None
+
+
+def remove_records(backend: Any, branch: str, step: int, world: int) -> None:
+    """Once the step is committed (its marker durable), its records are not needed."""
+    for rank in range(world):
+        backend.delete(record_key(branch, step, rank))
+    backend.delete(fail_key(branch, step))
+
+
+def _commit_info(backend: Any, branch: str, step: int) -> dict[str, Any] | None:
+    key = f"{L.step_dir(branch, step)}/{L.COMMIT_FILE}"
+    data = backend.get(key, max_bytes=L.MAX_DOC_BYTES)
+    return None if data is None else parse_commit(data, key)
+
+
+class Recorded(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by a ``record``-mode coordinator once the rank's record is durable."""
+
+
+class RecordCoordinator(Coordinator):
+    """A commit coordinator over the store (see the module docstring).
+
+    ``mode``: ``"live"`` (the helpers: write this rank's record; rank 0
+    waits for every rank's, the others for the outcome), ``"record"``
+    (recovery: write this rank's record, then raise :class:`Recorded`) or
+    ``"collect"`` (recovery, rank 0: the records already there, no waiting).
+    Call :meth:`begin` before each ``Writer.commit``.
+    """
+
+    def __init__(self, backend: Any, branch: str, rank: int, world: int, run: str, mode: str = "live",
+                 alive: Callable[[], bool] | None = None) -> None:
+        self.backend, self.branch, self.rank, self.world, self.run, self.mode = \
+            backend, branch, rank, world, run, mode
+        self._alive = alive or (lambda: True)  # the trainer still lives (bounds the waits)
+        self.step = self.seq = -1
+        self.plan: dict[str, Any] | None = None
+        self.recorded: int | None = None  # the last step this rank recorded
+
+    def begin(self, step: int, seq: int, plan: dict[str, Any] | None = None, run: str | None = None) -> None:
+        self.step, self.seq, self.plan = step, seq, plan
+        if run is not None:
+            self.run = run
+
+    def _deadline(self) -> Callable[[], bool]:
+        start = time.monotonic()
+        dead_since: list[float] = []
+
+        def passed() -> bool:
+            now = time.monotonic()
+            if not dead_since and not self._alive():
+                dead_since.append(now)
+            if dead_since:
+                return now - dead_since[0] > RANK_WAIT_DEAD_S
+            return now - start > RANK_WAIT_S
+        return passed
+
+    def _matching(self, rank: int) -> dict[str, Any] | None:
+        doc = read_record(self.backend, self.branch, self.step, rank)
+        if doc is None or doc["run"] != self.run or doc["seq"] != self.seq:
+            return None  # absent, or another run's (it is overwritten when this run records)
+        return doc
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        results, error = obj
+        if self.mode != "collect":
+            write_record(self.backend, self.branch, self.step, self.seq, self.run, self.rank, self.world,
+                         results=results, error=error, plan=self.plan if self.rank == 0 else None)
+            self.recorded = self.step
+        if self.mode == "record":
+            raise Recorded(f"step {self.step}: rank {self.rank} recorded")
+        if self.rank != 0:
+            return None
+        out: list[Any] = [None] * self.world
+        passed = self._deadline()
+        pause = 0.002
+        while True:
+            for r in range(self.world):
+                if out[r] is None:
+                    doc = self._matching(r)
+                    if doc is not None:
+                        out[r] = _payload(doc, record_key(self.branch, self.step, r))
+            missing = [r for r in range(self.world) if out[r] is None]
+            if not missing:
+                return out
+            if self.mode == "collect" or passed():
+                why = "no record" if self.mode == "collect" else "its record did not arrive in time"
+                for r in missing:
+                    out[r] = (None, f"{why} (its capture helper is gone or behind)")
+                return out
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.rank == 0:
+            kind, value = obj
+            if kind == "ok":
+                remove_records(self.backend, self.branch, self.step, self.world)
+            elif self.mode == "live":
+                write_fail(self.backend, self.branch, self.step, self.seq, self.run, str(value))
+            return obj
+        # Another rank (live): wait for rank 0's helper to commit or fail the step.
+        passed = self._deadline()
+        pause = 0.002
+        while True:
+            doc = _commit_info(self.backend, self.branch, self.step)
+            if doc is not None and doc.get("seq") == self.seq:
+                return ("ok", CommitInfo(self.branch, self.step, self.seq, int(doc["n_tensors"]),
+                                         int(doc["bytes_written"]), int(doc["bytes_referenced"])))
+            fail = self.backend.get(fail_key(self.branch, self.step), max_bytes=1 << 16)
+            if fail is not None:
+                try:
+                    note = json.loads(fail)
+                except ValueError:
+                    note = {}
+                if isinstance(note, dict) and note.get("run") == self.run and note.get("seq") == self.seq:
+                    return ("error", str(note.get("error")))
+            if passed():
+                return ("error", f"step {self.step} on branch {self.branch!r}: rank 0's capture helper did not "
+                                 "commit it in time (records stay: the next Capture or dstt gc commits it "
+                                 "once every rank's record is there)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+# ----------------------------------------------------------------------------- recovery
+
+
+def recorded_steps(backend: Any, branch: str, after: int | None) -> list[int]:
+    """Uncommitted steps after ``after`` with rank 0's record, ascending."""
+    prefix = L.steps_prefix(branch).rstrip("/")
+    out = []
+    for d in backend.list_dir(prefix):
+        if not (d.isdigit() and len(d) == L.STEP_DIGITS):
+            continue
+        step = int(d)
+        if (after is None or step > after) and not backend.exists(f"{prefix}/{d}/{L.COMMIT_FILE}") \
+                and backend.exists(record_key(branch, step, 0)):
+            out.append(step)
+    return sorted(out)
+
+
+def commit_recorded(writer: Writer, *, dry_run: bool = False) -> list[int]:
+    """Rank 0 (holding the branch lock): commit, in step order, the steps
+    after the branch's last commit that every rank recorded (same run, same
+    seq, no error); others stay uncommitted (gc removes them). The steps
+    committed (with ``dry_run``: that would be)."""
+    branch = writer.branch.name
+    done: list[int] = []
+    for step in recorded_steps(writer.backend, branch, writer.last_step):
+        zero = read_record(writer.backend, branch, step, 0)
+        if zero is None or zero["error"] is not None or not isinstance(zero.get("plan"), dict):
+            continue
+        world = zero["world"]
+        docs = [read_record(writer.backend, branch, step, r) for r in range(1, world)]
+        if any(d is None or d["run"] != zero["run"] or d["seq"] != zero["seq"] or d["error"] is not None
+               for d in docs):
+            continue
+        if dry_run:
+            done.append(step)
+            continue
+        plan = plan_from_doc(zero["plan"])
+        plan.slot = L.slot_for(writer.branch.id, plan.seq)
+        coord = RecordCoordinator(writer.backend, branch, 0, world, zero["run"], mode="collect")
+        coord.begin(step, plan.seq)
+        saved, saved_world = writer.commit_coord, writer.coord
+        writer.commit_coord = coord
+        writer.coord = FixedRank(0, world)  # the commit records the run's world size
+        try:
+            writer.commit(plan, [])
+        finally:
+            writer.commit_coord, writer.coord = saved, saved_world
+        writer.last_step = step
+        writer.next_seq = max(writer.next_seq, plan.seq + 1)
+        done.append(step)
+    return done
+
+
+def ring_identity(store_url: str, branch_info: Any, rank: int, world: int) -> dict[str, Any]:
+    """The identity of rank ``rank``'s ring of a distributed Capture (ring.py)."""
+    return {"store": store_url, "branch": branch_info.name, "branch_id": branch_info.id,
+            "branch_created": branch_info.created, "rank": rank, "world": world}
+
+
+def record_rings(writer: Writer, identity: dict[str, Any], *, exclude: Path | None = None,
+                 base: Path | None = None, dry_run: bool = False) -> list[int]:
+    """Record (rank ``identity["rank"]``) the sealed steps of this rank's
+    abandoned rings that are newer than the branch's last commit and not
+    recorded yet, then remove those rings. ``writer`` is of that rank (its
+    chunk writes are this rank's). The steps recorded."""
+    rank, world = identity["rank"], identity["world"]
+    branch = identity["branch"]
+    done: list[int] = []
+    for ring, seals in R.abandoned(identity, base, exclude):
+        try:
+            run = str(json.loads(R.read_bounded(ring / "owner.json")).get("run", ""))
+        except (OSError, ValueError, R.CorruptRing):
+            run = ""
+        maps: dict[str, Any] = {}
+        try:
+            for seal in seals:
+                step, seq = seal.get("step"), seal.get("seq")
+                if not isinstance(step, int) or not isinstance(seq, int) or not run:
+                    continue
+                if writer.last_step is not None and step <= writer.last_step:
+                    continue  # committed before the helpers died
+                have = read_record(writer.backend, branch, step, rank)
+                if have is not None and have["run"] == run and have["seq"] == seq and have["error"] is None:
+                    continue  # recorded before its helper died (an error recorded for a sealed
+                    # step means its helper was lost: the ring's bytes, CRC-checked, replace it)
+                if dry_run:
+                    done.append(step)
+                    continue
+                pool = maps.get(seal["pool"])
+                if pool is None:
+                    pool = maps[seal["pool"]] = R.map_pool(ring, seal["pool"])
+                try:
+                    plan = R.plan_of(seal, pool)
+                except R.StaleSeal as e:
+                    write_record(writer.backend, branch, step, seq, run, rank, world, error=str(e))
+                    continue
+                plan.seq, plan.slot = seq, L.slot_for(writer.branch.id, seq)
+                record_plan(writer, plan, run, world, plan_doc(seal) if rank == 0 else None)
+                done.append(step)
+        except (R.CorruptRing, KeyError, TypeError, ValueError) as e:
+            R.log.warning("dstt: discarding the rest of staging ring %s: %s", ring, e)
+        finally:
+            maps.clear()
+        if not dry_run:
+            R.remove_ring(ring)
+    return done
+
+
+def record_plan(writer: Writer, plan: StepPlan, run: str, world: int, doc: dict[str, Any] | None) -> None:
+    """Write ``plan``'s chunks (sources in a mapped ring) and record them."""
+    coord = RecordCoordinator(writer.backend, writer.branch.name, writer.rank, world, run, mode="record")
+    coord.begin(plan.step, plan.seq, doc)
+    writer.ensure_arrays(plan)
+    results = [writer.flush_chunk(plan, t, t.source) for t in plan.tasks]
+    saved = writer.commit_coord
+    writer.commit_coord = coord
+    try:
+        writer.commit(plan, results)
+    except Recorded:
+        pass
+    finally:
+        writer.commit_coord = saved
+
+
+def rings_of(store_url: str, branch: str, base: Path | None = None) -> list[dict[str, Any]]:
+    """Identities (with ``rank``/``world``) of the distributed rings of a
+    store's branch on this host whose owner is gone."""
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[int, int]] = set()
+    try:
+        groups = list(R.ring_root(base).iterdir())
+    except OSError:
+        return out
+    for group in groups:
+        for ring in list(group.iterdir()) if group.is_dir() and not group.is_symlink() else []:
+            try:
+                owner = json.loads(R.read_bounded(ring / "owner.json"))
+                rank, world = int(owner["rank"]), int(owner["world"])
+                pid = int(owner["pid"])
+            except (OSError, ValueError, KeyError, TypeError, R.CorruptRing):
+                continue
+            if owner.get("store") != store_url or owner.get("branch") != branch or R.pid_alive(pid):
+                continue
+            if (rank, world) not in seen:
+                seen.add((rank, world))
+                out.append({k: owner[k] for k in ("store", "branch", "branch_id", "branch_created", "rank",
+                                                  "world")})
+    return out

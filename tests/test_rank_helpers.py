@@ -1,0 +1,175 @@
+"""A capture helper per rank under torch.distributed (issue 12 item 2):
+real torchrun/gloo runs of 2 ranks (tests/dist/capture_helpers.py) whose
+helpers record each rank's chunks in the store and commit every step
+without the trainers' process group -- also after the trainers (and the
+helpers) were SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import bits_equal
+
+import dstt
+from dstt.capture import ranks
+from dstt.capture.ring import ring_root
+from dstt.store import layout as L
+from dstt.store.localio import pid_alive
+from dstt.store.verify import verify
+from dstt.store.writer import Writer
+
+WORKER = Path(__file__).parent / "dist" / "capture_helpers.py"
+ROOT = Path(__file__).parent.parent
+
+pytestmark = pytest.mark.distributed
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(out: Path, mode: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(WORKER), str(out), mode]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # Its own session: the trainers' whole process group is killed at once
+    # (what torchrun or a job scheduler does); the helpers have their own.
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[str], what: str) -> None:
+    try:
+        output, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{what} hung:\n{output[-3000:]}")
+    assert proc.returncode == 0, f"{what}:\n{output[-4000:]}"
+
+
+def kill_trainers(proc: subprocess.Popen[str], out: Path) -> None:
+    """SIGKILL torchrun and each rank's whole process group (torchrun starts
+    every worker in a session of its own; the helpers have theirs)."""
+    for r in range(2):
+        pid_file = out / f"trainer{r}.pid"
+        if pid_file.exists():
+            try:
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def kill_when_staged(proc: subprocess.Popen[str], out: Path) -> None:
+    """SIGKILL the trainers once every rank's step 3 is sealed."""
+    deadline = time.monotonic() + 150
+    while not (out / "staged").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_trainers(proc, out)
+            output, _ = proc.communicate()
+            pytest.fail(f"the trainers exited or hung before staging step 3:\n{output[-4000:]}")
+        time.sleep(0.05)
+    kill_trainers(proc, out)
+    proc.communicate()
+
+
+def helpers_gone(out: Path, timeout_s: float = 120.0) -> None:
+    pids = [int((out / f"helper{r}.pid").read_text()) for r in range(2)]
+    deadline = time.monotonic() + timeout_s
+    while any(pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"capture helpers {pids} still running"
+        time.sleep(0.05)
+
+
+def assert_state(run: dstt.Run, step: int, expected: dict[int, Any]) -> None:
+    got = run.state_dict(step)
+    for group in ("model", "optim"):
+        check(expected[step][group], got[group], f"step {step}: {group}")
+
+
+def check(want: Any, got: Any, where: str) -> None:
+    if isinstance(want, torch.Tensor):
+        assert bits_equal(want, got), f"{where} differs"
+    elif isinstance(want, dict):
+        for k, v in want.items():
+            check(v, got[k], f"{where}/{k}")
+
+
+def no_records(store: Path) -> None:
+    """Committed steps keep no per-rank records (removed after the commit)."""
+    assert not list((store / L.META / "steps").rglob("rank-*.json"))
+
+
+def test_per_rank_helpers_commit_every_step_bit_exact(tmp_path: Path) -> None:
+    finish(torchrun(tmp_path, "ok"), "torchrun ok")
+    run = dstt.open(tmp_path / "run")
+    assert run.steps() == [0, 1, 2, 3]
+    expected = torch.load(tmp_path / "expected-ok.pt")
+    for step in range(4):
+        assert_state(run, step, expected)
+    assert run.commit_info(3)["world_size"] == 2
+    report = verify(tmp_path / "run")
+    assert report.ok and not report.partial, report
+    no_records(tmp_path / "run")
+    helpers_gone(tmp_path, 5)  # close() waited for them
+
+
+def test_trainers_killed_after_staging_helpers_commit_the_step(tmp_path: Path) -> None:
+    kill_when_staged(torchrun(tmp_path, "kill"), tmp_path)
+    helpers_gone(tmp_path)  # they finish step 3 by themselves, then exit
+    run = dstt.open(tmp_path / "run")
+    assert run.steps() == [0, 1, 2, 3]
+    expected = torch.load(tmp_path / "expected.pt")
+    for step in range(4):
+        assert_state(run, step, expected)
+    assert verify(tmp_path / "run").ok
+    no_records(tmp_path / "run")
+    with Writer(tmp_path / "run") as w:  # the branch is writable again (the lock went with the helpers)
+        w.write(4, {"x": torch.ones(2)})
+
+
+def test_helpers_killed_too_the_next_capture_recovers(tmp_path: Path) -> None:
+    kill_when_staged(torchrun(tmp_path, "killall"), tmp_path)
+    store = tmp_path / "run"
+    assert dstt.open(store).steps() == [0, 1, 2]  # step 3 lives in the two rings only
+    finish(torchrun(tmp_path, "resume"), "torchrun resume")
+    assert (tmp_path / "recovered0.json").read_text() == "[3]"
+    assert (tmp_path / "recovered1.json").read_text() == "[3]"
+    run = dstt.open(store)
+    assert run.steps() == [0, 1, 2, 3, 4]
+    expected = torch.load(tmp_path / "expected.pt")
+    for step in range(4):
+        assert_state(run, step, expected)
+    report = verify(store)
+    assert report.ok and not report.partial, report
+    no_records(store)
+    assert not [g for g in ring_root().glob("*/*") if str(store) in g.joinpath("owner.json").read_text()]
+
+
+def test_recorded_on_one_rank_only_is_not_committed(tmp_path: Path) -> None:
+    """Records that are not complete (one rank's only, or another run's) commit nothing."""
+    store = tmp_path / "run"
+    with Writer(store) as w:
+        w.write(0, {"x": torch.ones(2)})
+        plan = {"step": 1, "seq": 1, "tree": {}, "layouts": [], "meta": []}
+        ranks.write_record(w.backend, "main", 1, 1, "run-a", 0, 2, results=[], plan=ranks.plan_doc(plan))
+        ranks.write_record(w.backend, "main", 1, 1, "run-b", 1, 2, results=[])  # another run's
+        assert ranks.commit_recorded(w) == []
+        ranks.write_record(w.backend, "main", 1, 1, "run-a", 1, 2, results=[])
+        assert ranks.commit_recorded(w, dry_run=True) == [1]
+        assert ranks.commit_recorded(w) == [1]
+    assert dstt.open(store).steps() == [0, 1]
+    no_records(store)
