@@ -388,3 +388,49 @@ def test_a_helper_that_never_comes_up_fails_its_steps_and_never_hangs(
         assert again.recovered == [0]
     assert bits_equal(dstt.open(store).state_dict(0)["extra"]["w"], torch.full((1024,), 7.0))
     assert verify(store).ok
+
+
+ABANDON = """
+import os, signal, sys, time, torch, dstt
+from dstt.store.localio import pid_alive
+cap = dstt.Capture(sys.argv[1], helper=True, max_chunk_bytes=1024)
+cap.snapshot(0, extra={"w": torch.full((1024,), 1.0)}, rng=False)
+cap.wait()
+os.kill(cap._helper.pid, signal.SIGKILL)  # the helper dies first: step 1 stays sealed in the ring
+while pid_alive(cap._helper.pid):
+    time.sleep(0.01)
+try:
+    cap.snapshot(1, extra={"w": torch.full((1024,), 2.0)}, rng=False)
+    cap.wait_staged()
+except dstt.CaptureError:
+    pass  # (its helper is gone: the step fails here, sealed all the same)
+assert cap._last.sealed
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_gc_commits_an_abandoned_ring_and_dry_run_only_says_so(tmp_path: Path) -> None:
+    """`dstt gc` first commits the sealed step a dead trainer and helper left
+    in /dev/shm (its chunks would otherwise never be stored); --dry-run names it."""
+    import json
+
+    from dstt.capture.ring import ring_root
+
+    store = tmp_path / "run"
+    proc = run_script(ABANDON, str(store))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert dstt.open(store).steps() == [0]
+    cli = [sys.executable, "-m", "dstt.cli.main", "gc", str(store)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    dry = subprocess.run([*cli, "--dry-run", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["committed"] == [{"branch": "main", "step": 1}]
+    assert dstt.open(store).steps() == [0]  # a dry run commits nothing
+    real = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    assert real.returncode == 0, real.stderr
+    assert "committed 1 step(s) of branch 'main'" in real.stdout and ": 1" in real.stdout, real.stdout
+    run = dstt.open(store)
+    assert run.steps() == [0, 1]
+    assert bits_equal(run.state_dict(1)["extra"]["w"], torch.full((1024,), 2.0))
+    assert verify(store).ok
+    assert not [o for o in ring_root().glob("*/*/owner.json") if str(store) in o.read_text()]

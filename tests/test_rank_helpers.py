@@ -173,3 +173,28 @@ def test_recorded_on_one_rank_only_is_not_committed(tmp_path: Path) -> None:
         assert ranks.commit_recorded(w) == [1]
     assert dstt.open(store).steps() == [0, 1]
     no_records(store)
+
+
+def test_gc_commits_what_dead_ranks_left_in_their_rings(tmp_path: Path) -> None:
+    """Trainers and helpers dead, no new Capture: `dstt gc` writes and
+    records each rank's sealed step from its ring, commits it, then collects."""
+    import json
+
+    kill_when_staged(torchrun(tmp_path, "killall"), tmp_path)
+    store = tmp_path / "run"
+    cli = [sys.executable, "-m", "dstt.cli.main", "gc", str(store), "--json"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    dry = subprocess.run([*cli, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["committed"] == [{"branch": "main", "step": 3}]
+    assert dstt.open(store).steps() == [0, 1, 2]
+    real = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    assert real.returncode == 0, real.stderr
+    assert json.loads(real.stdout)["committed"] == [{"branch": "main", "step": 3}]
+    run = dstt.open(store)
+    assert run.steps() == [0, 1, 2, 3] and run.commit_info(3)["world_size"] == 2
+    expected = torch.load(tmp_path / "expected.pt")
+    assert_state(run, 3, expected)
+    report = verify(store)
+    assert report.ok and not report.partial, report
+    no_records(store)

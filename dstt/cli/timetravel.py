@@ -157,13 +157,23 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Remove chunks and arrays no committed step references, and uncommitted leftovers.
 
+        First commits the steps that dead trainers sealed in staging rings on
+        this host, or that every rank recorded (a distributed capture whose
+        helpers died), so their data is not taken for leftovers.
         Refuses to run while any branch has a live writer."""
+        from dstt.capture.salvage import salvage
         from dstt.store.gc import gc as run_gc
 
-        report = run_gc(store_arg(store, "gc", " (gc works on the whole store)"), dry_run=dry_run)
+        path = store_arg(store, "gc", " (gc works on the whole store)")
+        saved = salvage(path, dry_run=dry_run)
+        report = run_gc(path, dry_run=dry_run)
         if json_out:
-            emit_json(report.to_dict())
+            emit_json(report.to_dict() | saved.to_dict())
             return
+        for branch, steps in saved.committed.items():
+            verb = "would commit" if dry_run else "committed"
+            stdout.print(f"{verb} {len(steps)} step(s) of branch {branch!r} sealed by a trainer that died: "
+                         + ", ".join(map(str, steps)))
         verb = "would free" if dry_run else "freed"
         stdout.print(f"{verb} {human_bytes(report.bytes_freed)}: {report.chunks_removed} chunk(s), "
                      f"{report.arrays_removed} array(s), {len(report.partial_steps_removed)} uncommitted step dir(s); "

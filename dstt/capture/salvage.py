@@ -1,0 +1,131 @@
+"""What ``dstt gc`` commits before collecting garbage: the steps that dead
+trainers (and their dead capture helpers) left sealed in staging rings on
+this host, or recorded by every rank in the store (ring.py, ranks.py).
+
+Without this, gc would take such a step's chunks for the leftovers of a
+crash and remove them, although the step was captured whole. Per branch,
+under its write lock (a live writer makes gc refuse, as it does anyway):
+
+* single-process rings: :func:`dstt.capture.ring.recover`;
+* rings of a distributed Capture (one per rank): each rank's sealed,
+  unrecorded steps are written and recorded (:func:`ranks.record_rings`),
+  then every step all ranks recorded is committed (:func:`ranks.commit_recorded`);
+* records left in committed step directories (a helper killed between
+  the commit marker and their removal) are removed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dstt.capture import ranks
+from dstt.capture import ring as R
+from dstt.store import layout as L
+from dstt.store.backends import open_backend
+from dstt.store.root import list_branches
+
+
+@dataclass
+class Salvage:
+    """Steps committed (or, dry run, that would be) per branch."""
+
+    committed: dict[str, list[int]] = field(default_factory=dict)
+    records_removed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"committed": [{"branch": b, "step": s} for b, steps in self.committed.items() for s in steps],
+                "records_removed": self.records_removed}
+
+
+def _ring_steps(store_url: str, branch_info: Any, base: Path | None) -> list[int]:
+    """Sealed steps of this branch's dead single-process rings (read only)."""
+    identity = {"store": store_url, "branch": branch_info.name, "branch_id": branch_info.id,
+                "branch_created": branch_info.created}
+    steps: set[int] = set()
+    try:
+        rings = list(R.group_of(identity, base).iterdir())
+    except OSError:
+        return []
+    for ring in rings:
+        try:
+            owner = json.loads(R.read_bounded(ring / "owner.json"))
+        except (OSError, ValueError, R.CorruptRing):
+            continue
+        if not isinstance(owner, dict) or R.pid_alive(int(owner.get("pid", 0))) or \
+                any(owner.get(k) != v for k, v in identity.items()):
+            continue
+        steps.update(R.sealed_steps(ring))
+    return sorted(steps)
+
+
+def salvage(store: Any, *, dry_run: bool = False, base: Path | None = None) -> Salvage:
+    """Commit what dead trainers sealed or recorded on ``store`` (see the
+    module docstring); with ``dry_run`` only say what would be committed.
+
+    >>> import tempfile, torch, dstt
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> _ = dstt.save(path, 0, {"w": torch.ones(2)})
+    >>> salvage(path).committed
+    {}
+    """
+    from dstt.store.writer import Writer
+
+    backend = open_backend(store, create=False)
+    out = Salvage()
+    url = str(backend.url)
+    for branch in list_branches(backend):
+        dist = ranks.rings_of(url, branch, base)
+        if not (_has_single_rings(url, branch, base) or dist or ranks.recorded_steps(backend, branch, None)):
+            out.records_removed += _leftover_records(backend, branch, dry_run)
+            continue
+        with Writer(store, branch=branch) as writer:
+            last = writer.last_step
+            if dry_run:
+                steps = set(_ring_steps(url, writer.branch, base))
+                for ident in dist:
+                    identity = ranks.ring_identity(url, writer.branch, ident["rank"], ident["world"])
+                    steps.update(ranks.record_rings(writer, identity, base=base, dry_run=True))
+                steps.update(ranks.commit_recorded(writer, dry_run=True))
+                done = sorted(s for s in steps if last is None or s > last)
+            else:
+                identity = {"store": url, "branch": branch, "branch_id": writer.branch.id,
+                            "branch_created": writer.branch.created}
+                done = R.recover(writer, identity, base=base)
+                for ident in dist:
+                    rank, world = ident["rank"], ident["world"]
+                    identity = ranks.ring_identity(url, writer.branch, rank, world)
+                    if rank == 0:
+                        ranks.record_rings(writer, identity, base=base)
+                        continue
+                    with Writer(store, branch=branch, coordinator=ranks.FixedRank(rank, world)) as other:
+                        ranks.record_rings(other, identity, base=base)  # this rank's chunk writes
+                done += ranks.commit_recorded(writer)
+            if done:
+                out.committed[branch] = done
+        out.records_removed += _leftover_records(backend, branch, dry_run)
+    return out
+
+
+def _has_single_rings(url: str, branch: str, base: Path | None) -> bool:
+    group = R.group_dir(url, branch, base)
+    return group.is_dir() and any(group.iterdir())
+
+
+def _leftover_records(backend: Any, branch: str, dry_run: bool) -> int:
+    """Remove per-rank records from committed step directories; how many."""
+    prefix = L.steps_prefix(branch).rstrip("/")
+    n = 0
+    for d in backend.list_dir(prefix):
+        where = f"{prefix}/{d}"
+        names = backend.list_dir(where)
+        if L.COMMIT_FILE not in names:
+            continue  # uncommitted: gc removes the directory whole
+        for name in names:
+            if name.startswith("rank-") and name.endswith(".json"):
+                n += 1
+                if not dry_run:
+                    backend.delete(f"{where}/{name}")
+    return n
