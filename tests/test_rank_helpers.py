@@ -171,8 +171,11 @@ def test_recorded_on_one_rank_only_is_not_committed(tmp_path: Path) -> None:
         ranks.write_record(w.backend, "main", 1, 1, "run-a", 1, 2, results=[])
         assert ranks.commit_recorded(w, dry_run=True) == [1]
         assert ranks.commit_recorded(w) == [1]
+        # A record is read from the store: one whose plan does not check out commits nothing, raises nothing.
+        ranks.write_record(w.backend, "main", 2, 2, "run-a", 0, 1, results=[], plan={"layouts": 7})
+        assert ranks.commit_recorded(w) == []
     assert dstt.open(store).steps() == [0, 1]
-    no_records(store)
+    assert not (store / L.step_dir("main", 1) / "rank-00000.json").exists()
 
 
 def test_gc_commits_what_dead_ranks_left_in_their_rings(tmp_path: Path) -> None:

@@ -44,9 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from dstt.capture import ring as R
-from dstt.errors import CorruptStoreError
+from dstt.errors import CorruptStoreError, DsttError
 from dstt.store import layout as L
 from dstt.store.coord import Coordinator
+from dstt.store.localio import pid_alive
 from dstt.store.manifest import parse_commit
 from dstt.store.plan import StepPlan
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
@@ -55,6 +56,8 @@ RECORD_FORMAT = "dstt-rank-record"
 FAIL_FILE = "rank-fail.json"
 #: A record is ~200 bytes per chunk; anything bigger is not ours.
 RECORD_MAX_BYTES = 256 << 20
+#: Ranks a record may name (a hostile record must not make rank 0 read forever).
+MAX_WORLD = 1 << 20
 #: How long rank 0's helper waits for another rank's record of a step (and
 #: another rank's helper for the commit) while the trainers live, and after
 #: they died (the helpers then finish what was sealed, bounded).
@@ -169,16 +172,18 @@ def read_record(backend: Any, branch: str, step: int, rank: int) -> dict[str, An
     if data is None:
         return None
     try:
-        doc = json.loads(data)
+        doc: Any = json.loads(data)
     except ValueError as e:
         raise CorruptStoreError(f"{key}: not JSON ({e})") from None
     ok = (isinstance(doc, dict) and doc.get("format") == RECORD_FORMAT and doc.get("step") == step
           and doc.get("rank") == rank and doc.get("branch") == branch and isinstance(doc.get("seq"), int)
-          and isinstance(doc.get("world"), int) and isinstance(doc.get("run"), str)
+          and isinstance(doc.get("world"), int) and rank < doc["world"] <= MAX_WORLD
+          and isinstance(doc.get("run"), str)
           and isinstance(doc.get("results"), list) and (doc.get("error") is None or isinstance(doc["error"], str)))
     if not ok:
         raise CorruptStoreError(f"{key}: not a rank record of step {step}, rank {rank}")
-    return doc
+    out: dict[str, Any] = doc
+    return out
 
 
 def _payload(doc: dict[str, Any], where: str) -> tuple[list[ChunkResult] | None, str | None]:
@@ -198,7 +203,10 @@ def remove_records(backend: Any, branch: str, step: int, world: int) -> None:
 def _commit_info(backend: Any, branch: str, step: int) -> dict[str, Any] | None:
     key = f"{L.step_dir(branch, step)}/{L.COMMIT_FILE}"
     data = backend.get(key, max_bytes=L.MAX_DOC_BYTES)
-    return None if data is None else parse_commit(data, key)
+    if data is None:
+        return None
+    doc: dict[str, Any] = parse_commit(data, key)
+    return doc
 
 
 class Recorded(Exception):  # noqa: N818 - a signal, not an error
@@ -343,11 +351,16 @@ def commit_recorded(writer: Writer, *, dry_run: bool = False) -> list[int]:
         if any(d is None or d["run"] != zero["run"] or d["seq"] != zero["seq"] or d["error"] is not None
                for d in docs):
             continue
+        try:
+            plan = plan_from_doc(zero["plan"])
+            plan.slot = L.slot_for(writer.branch.id, plan.seq)
+        except (KeyError, TypeError, ValueError, DsttError, R.CorruptRing) as e:
+            R.log.warning("dstt: not committing recorded step %d of branch %r: its plan does not check out (%s)",
+                          step, branch, e)
+            continue
         if dry_run:
             done.append(step)
             continue
-        plan = plan_from_doc(zero["plan"])
-        plan.slot = L.slot_for(writer.branch.id, plan.seq)
         coord = RecordCoordinator(writer.backend, branch, 0, world, zero["run"], mode="collect")
         coord.begin(step, plan.seq)
         saved, saved_world = writer.commit_coord, writer.coord
@@ -451,7 +464,7 @@ def rings_of(store_url: str, branch: str, base: Path | None = None) -> list[dict
                 pid = int(owner["pid"])
             except (OSError, ValueError, KeyError, TypeError, R.CorruptRing):
                 continue
-            if owner.get("store") != store_url or owner.get("branch") != branch or R.pid_alive(pid):
+            if owner.get("store") != store_url or owner.get("branch") != branch or pid_alive(pid):
                 continue
             if (rank, world) not in seen:
                 seen.add((rank, world))

@@ -25,6 +25,7 @@ from dstt.capture import ranks
 from dstt.capture import ring as R
 from dstt.store import layout as L
 from dstt.store.backends import open_backend
+from dstt.store.localio import pid_alive
 from dstt.store.root import list_branches
 
 
@@ -54,7 +55,7 @@ def _ring_steps(store_url: str, branch_info: Any, base: Path | None) -> list[int
             owner = json.loads(R.read_bounded(ring / "owner.json"))
         except (OSError, ValueError, R.CorruptRing):
             continue
-        if not isinstance(owner, dict) or R.pid_alive(int(owner.get("pid", 0))) or \
+        if not isinstance(owner, dict) or pid_alive(int(owner.get("pid", 0))) or \
                 any(owner.get(k) != v for k, v in identity.items()):
             continue
         steps.update(R.sealed_steps(ring))
