@@ -253,6 +253,16 @@ def slow_staging(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.3) -> None:
         original(self, job, tasks, lazy=lazy)
 
     monkeypatch.setattr(Capture, "_stage", slow)
+    copy_lazy = Capture._copy_lazy_cpu
+
+    def slow_stager(self: Capture, job: Any) -> None:
+        # Lazy CPU copies: the stager is slow; the trainer's optimizer hook
+        # may make the copies itself (work stealing) at its own pace.
+        if threading.current_thread().name.startswith("dstt-stager"):
+            time.sleep(seconds)
+        copy_lazy(self, job)
+
+    monkeypatch.setattr(Capture, "_copy_lazy_cpu", slow_stager)
 
 
 def test_in_place_updates_after_snapshot_are_not_captured(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -292,6 +302,31 @@ def test_without_the_fence_the_race_is_real_and_the_guard_catches_it(store: Path
         with pytest.raises(CaptureError, match=r"step 0 not captured: tensor '.*'.*wait_staged\(\)"):
             cap.wait_staged()
     assert dstt.open(store).steps() == []  # never committed with post-update values
+
+
+def test_a_starved_stager_does_not_hold_the_optimizer(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work stealing: a stager that does not get the CPU (here: blocked until
+    the trainer's next optimizer step is over) costs the trainer one memcpy,
+    not the wait -- and the step stored is still the state at snapshot()."""
+    released = threading.Event()
+    copy_lazy = Capture._copy_lazy_cpu
+
+    def starved(self: Capture, job: Any) -> None:
+        if threading.current_thread().name.startswith("dstt-stager"):
+            assert released.wait(30)
+        copy_lazy(self, job)
+
+    monkeypatch.setattr(Capture, "_copy_lazy_cpu", starved)
+    model, opt, _ = make()
+    train_step(model, opt)
+    with deadline(60), dstt.Capture(store) as cap:
+        cap.snapshot(0, model=model, optimizer=opt)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        train_step(model, opt)  # would wait forever for the stager without stealing
+        released.set()
+    got = dstt.open(store).state_dict(0)["model"]
+    assert all(bits_equal(got[k], v) for k, v in expected.items())
+    assert not all(torch.equal(got[k], v) for k, v in model.state_dict().items())
 
 
 def test_optimizer_step_waits_for_staging(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ from dstt.capture.recorder import EXTRA_SLOTS
 from dstt.errors import CaptureError, ConfigError, RestoreMismatchError, StepNotFoundError
 from dstt.store.backends import open_backend
 from dstt.store.incidents import list_incidents
+from dstt.store.layout import STATS_COLUMNS
 from tests.conftest import start_script
 
 #: Packs of small tensors (issue 16) on, as users get them.
@@ -222,7 +223,7 @@ def test_nonfinite_values_raise_an_incident(tmp_path):
     assert 6 in stored and len([s for s in stored if 4 <= s <= 7]) >= 3
     run = dstt.open(path)
     names, rows = run.step_stats(6, branch="main")
-    col = list(dstt.store.layout.STATS_COLUMNS).index("nonfinite")
+    col = list(STATS_COLUMNS).index("nonfinite")
     assert rows[names.index(next(n for n in names if n.endswith("0.weight") and "model" in n)), col] == 1
 
 
@@ -236,7 +237,7 @@ def test_update_statistics_from_the_previous_step_in_memory(tmp_path):
             cap.snapshot(s, model=m, optimizer=opt)
             ref[s] = _weights(m)
     run = dstt.open(path)
-    cols = list(dstt.store.layout.STATS_COLUMNS)
+    cols = list(STATS_COLUMNS)
     names, rows = run.step_stats(3, branch="main")
     i = names.index(next(n for n in names if n.startswith("model/") and n.endswith("2.weight")))
     want = float(torch.linalg.vector_norm((ref[3]["2.weight"] - ref[2]["2.weight"]).double()))
@@ -390,7 +391,7 @@ def test_steps_stored_by_an_incident_get_update_statistics(tmp_path):
             _train(m, opt)
             cap.snapshot(s, model=m, optimizer=opt)  # 9 passed over, stored at close
     run = dstt.open(path)
-    cols = list(dstt.store.layout.STATS_COLUMNS)
+    cols = list(STATS_COLUMNS)
     for step in (5, 6, 7, 9):
         names, rows = run.step_stats(step, branch="main")
         i = names.index(next(n for n in names if n.startswith("model/") and n.endswith("0.weight")))

@@ -141,6 +141,7 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
         self._queued_bytes = 0  # lazy bytes queued for staging, not yet allocated
         self._errors: list[CaptureError] = []
         self._last: Job | None = None  # the latest job with lazy copies
+        self._copying: collections.deque[Job] = collections.deque()  # lazy CPU jobs not yet copied, in order
         self._recent: collections.deque[CommitInfo] = collections.deque(maxlen=RECENT_COMMITS)
         self.n_committed = 0  # steps committed by this Capture
         self.bytes_written = 0  # encoded bytes those commits wrote
@@ -257,11 +258,21 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
             if staged_later:
                 self._queued_bytes += job.lazy_bytes
         if staged_later:
-            self._last = job
-            self._stage_q.put(job)
+            self._queue_lazy(job)
         else:
             job.finish_staging()
         self._commit_q.put(job)
+
+    def _queue_lazy(self, job: Job) -> None:
+        """Hand a job with lazy copies to the stager (in queue order)."""
+        self._last = job
+        if job.lazy and job.cpu_lazy:
+            job.copies_left = len(job.lazy)
+            with self._cond:
+                self._copying.append(job)
+        else:
+            job.copies_done.set()
+        self._stage_q.put(job)
 
     def _after_queueing(self, job: Job, *, queued: bool) -> bool:
         if job.error is not None and is_interrupt(job.error):
@@ -407,10 +418,24 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
 
     def _before_optimizer_step(self) -> None:
         """The optimizer step pre-hook: params and optimizer state may change
-        only once the previous snapshot's lazy copies have read them."""
+        only once the previous snapshot's lazy copies have read them.
+
+        Lazy CPU copies the stager has not made yet are made here, on the
+        trainer's thread (work stealing): the stager runs at low priority and
+        a loaded machine may not schedule it for a long time, while the copies
+        themselves take one memcpy."""
         job = self._last
         if job is None or job.staged.is_set() or self._pid != os.getpid():
             return  # (in a forked child the stager does not exist: never wait for it)
+        with self._cond:
+            copying = list(self._copying)
+        if copying and all(j.cpu_lazy for j in copying) and job in copying:
+            for j in copying:  # in queue order: an earlier step's sources change too
+                self._copy_lazy_cpu(j)
+                j.copies_done.wait()  # a copy the stager claimed may still be running
+                j.issued.set()
+                j.staged.set()  # the stager seals and hands it on when it runs
+            return
         job.issued.wait()
         if job.cuda_done and job.error is None:
             # GPU-side ordering: the update kernels queue behind the copies;
@@ -522,6 +547,62 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
                 self._release_after_copies(pool, batch)
             raise
 
+    def _copy_lazy_cpu(self, job: Job) -> None:
+        """Copy the lazy CPU tasks of ``job`` no one has claimed yet (the
+        stager, or the trainer in the optimizer pre-hook; both may run it at
+        once). Never raises: a failure is the step's (``job.error``), the
+        guard's is reported at once; ``copies_done`` is set once every
+        claimed copy finished."""
+        pool = job.pool or self.pool
+        assert pool is not None
+        flush_now = self._helper is None and not self._tier
+        n = len(job.lazy)
+        while True:
+            with job.claim:
+                i = job.next_copy
+                if i >= n:
+                    return
+                if job.error is not None:  # the step failed: drop the rest unclaimed
+                    job.copies_left -= n - i
+                    job.next_copy = n
+                    if job.copies_left == 0:
+                        job.copies_done.set()
+                    return
+                job.next_copy = i + 1
+            t, block = job.lazy[i], None
+            try:
+                if self.before_copy is not None:
+                    self.before_copy(job.plan.step, i, True)
+                nbytes = task_bytes(t)
+                block = pool.try_allocate(nbytes)
+                if block is None:
+                    block = pool.allocate(nbytes)  # backpressure: wait for earlier chunks' writes
+                with self._cond:
+                    self._queued_bytes -= pool.block_bytes(nbytes)
+                    job.lazy_bytes -= pool.block_bytes(nbytes)
+                dst = pool.view_as(block, t.source, t.shape)
+                dst.copy_(t.source)
+                check_guard(job, job.guard, i)  # completed: a change before now is in the copy
+                with job.claim:
+                    job.views.append((t, dst))
+                    if flush_now:
+                        job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
+                block = None
+            except GuardTripped as e:
+                with job.claim:
+                    job.error = job.error or e.error
+                self._report_once(job, e.error)  # the trainer's next call raises it
+            except BaseException as e:
+                with job.claim:
+                    job.error = job.error or e
+            finally:
+                if block is not None:
+                    pool.release(block)
+                with job.claim:
+                    job.copies_left -= 1
+                    if job.copies_left == 0:
+                        job.copies_done.set()
+
     def _hand_over_cuda(self, job: Job, batch: list[tuple[ChunkTask, torch.Tensor]], lazy: bool,
                         last: bool) -> None:
         """Flush a batch of issued CUDA copies once they land (emptying ``batch``).
@@ -575,13 +656,22 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
             if job is None:
                 return
             try:
-                self._stage(job, job.lazy, lazy=True)
+                if job.copies_left >= 0:  # lazy CPU copies: claimed, shared with the trainer
+                    self._copy_lazy_cpu(job)
+                    job.copies_done.wait()
+                    if job.error is not None and not isinstance(job.error, CaptureError):
+                        raise job.error
+                else:
+                    self._stage(job, job.lazy, lazy=True)
             except GuardTripped as e:
                 job.error = job.error or e.error
                 self._report_once(job, e.error)  # the trainer's next call raises it
             except BaseException as e:
                 job.error = job.error or e
             finally:
+                with self._cond:
+                    if job in self._copying:
+                        self._copying.remove(job)
                 if job.guard is not None:
                     job.guard.release()
                 job.issued.set()

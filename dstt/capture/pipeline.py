@@ -62,6 +62,18 @@ class Job:
     tier_staged: bool = False  # staged and in the ring
     done: threading.Event = field(default_factory=threading.Event)  # stored, failed or passed over
     info: Any = None  # its CommitInfo once stored
+    # Lazy CPU copies are claimed one by one, by the stager or -- when the
+    # optimizer would otherwise wait for a stager starved of CPU -- by the
+    # trainer in the optimizer pre-hook (Capture._copy_lazy_cpu).
+    claim: threading.Lock = field(default_factory=threading.Lock)
+    next_copy: int = 0  # the next lazy task no one claimed (under claim)
+    copies_left: int = -1  # lazy copies not finished (under claim; -1: not counted yet)
+    copies_done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def cpu_lazy(self) -> bool:
+        """Every lazy source is in host memory (its copies may be stolen)."""
+        return all(t.source.device.type == "cpu" for t in self.lazy)
 
     def finish_staging(self) -> None:
         self.issued.set()

@@ -268,8 +268,7 @@ class FlightRecorder:
             if lazy:
                 self._unstaged.append(job)
         if lazy:
-            self._last = job  # type: ignore[attr-defined]
-            self._stage_q.put(job)  # type: ignore[attr-defined]
+            self._queue_lazy(job)  # type: ignore[attr-defined]
         else:
             job.finish_staging()
             self._tier_staged(job)
