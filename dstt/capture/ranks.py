@@ -56,6 +56,9 @@ RECORD_FORMAT = "dstt-rank-record"
 FAIL_FILE = "rank-fail.json"
 #: A record is ~200 bytes per chunk; anything bigger is not ours.
 RECORD_MAX_BYTES = 256 << 20
+#: The longest pause between two looks for records or the commit marker
+#: (from 2 ms, doubling): a few stat() calls per step on a local store.
+POLL_MAX_S = 0.01
 #: Ranks a record may name (a hostile record must not make rank 0 read forever).
 MAX_WORLD = 1 << 20
 #: How long rank 0's helper waits for another rank's record of a step (and
@@ -284,7 +287,7 @@ class RecordCoordinator(Coordinator):
                     out[r] = (None, f"{why} (its capture helper is gone or behind)")
                 return out
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, POLL_MAX_S)
 
     def broadcast(self, obj: Any) -> Any:
         if self.rank == 0:
@@ -315,7 +318,7 @@ class RecordCoordinator(Coordinator):
                                  "commit it in time (records stay: the next Capture or dstt gc commits it "
                                  "once every rank's record is there)")
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, POLL_MAX_S)
 
 
 # ----------------------------------------------------------------------------- recovery
