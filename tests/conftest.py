@@ -14,25 +14,27 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+#: Packs (issue 16, dstt/store/packs.py) are on by default. Most test
+#: modules predate them and inspect, damage or read with plain zarr-python
+#: the chunk files of small tensors: the suite runs with packing off, set
+#: here at import (modules build subprocess environments at import time;
+#: the variable reaches subprocesses and capture helpers too).
+os.environ["DSTT_PACK_CHUNK_BYTES"] = "0"
+
+
 @pytest.fixture(autouse=True)
 def _packing_per_module(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Packs (issue 16, dstt/store/packs.py) are on by default. Most test
-    modules predate them and inspect, damage or read with plain zarr-python
-    the chunk files of small tensors: they run with packing off (the
-    environment variable reaches subprocesses and capture helpers too).
-    A module that sets ``DSTT_PACKING = True`` runs with the default."""
-    # Set by hand, not with monkeypatch: tests call monkeypatch.undo() themselves.
-    if getattr(request.module, "DSTT_PACKING", False):
+    """A module that sets ``DSTT_PACKING = True`` runs with the default
+    (packing on). Set by hand, not with monkeypatch: tests call
+    monkeypatch.undo() themselves."""
+    if not getattr(request.module, "DSTT_PACKING", False):
         yield
         return
-    before = os.environ.get("DSTT_PACK_CHUNK_BYTES")
-    os.environ["DSTT_PACK_CHUNK_BYTES"] = "0"
+    before = os.environ.pop("DSTT_PACK_CHUNK_BYTES", None)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("DSTT_PACK_CHUNK_BYTES", None)
-        else:
+        if before is not None:
             os.environ["DSTT_PACK_CHUNK_BYTES"] = before
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
@@ -57,9 +57,8 @@ class ChunkGrid:
         object.__setattr__(self, "grid", grid)
         object.__setattr__(self, "nchunks", math.prod(grid))
 
-    if TYPE_CHECKING:
-        grid: tuple[int, ...]  # chunks along each dimension
-        nchunks: int
+    grid: tuple[int, ...] = field(init=False, repr=False, compare=False)  # chunks along each dimension
+    nchunks: int = field(init=False, repr=False, compare=False)
 
     @property
     def chunk_numel(self) -> int:

@@ -47,7 +47,7 @@ from dstt.store.manifest import (
     decode_stats,
     memory_only_of,
     parse_commit,
-    parse_index,
+    parse_index_checked,
     parse_names,
     sha256_hex,
     stats_columns_of,
@@ -222,7 +222,9 @@ class RunIndex:
             b, s = self._inherited(step, branch)
             return self.record(s, branch=b)
         commit = parse_commit(raw, where)
-        entries, objects = parse_index(self._file(where, L.INDEX_FILE, commit), where)
+        # (_file checked the bytes against the commit's sha256)
+        entries, objects = parse_index_checked(self._file(where, L.INDEX_FILE, commit), where,
+                                               commit["files"][L.INDEX_FILE]["sha256"])
         names = parse_names(self._file(where, L.NAMES_FILE, commit), where)
         if names != [e.name for e in entries]:
             raise CorruptStoreError(f"{where}: names.json does not match index.json")

@@ -461,6 +461,34 @@ def parse_index(data: bytes, where: str) -> tuple[list[TensorEntry], Any]:
     return entries, objects
 
 
+#: The last index this process parsed or wrote: (sha256 of its bytes,
+#: entries, value tree). A writer's next step (dstt.save opens a new writer
+#: per call) and a reader right after it read back the index just written:
+#: 100,000 entries took ~4 s to decode and validate (issue 16).
+_LAST_INDEX: tuple[str, list[TensorEntry], Any] | None = None
+
+
+def remember_index(sha256: str, entries: list[TensorEntry], objects: Any) -> None:
+    """Record the index whose bytes have ``sha256`` as parsed (the writer
+    calls this with what it just wrote; ``objects`` as JSON would give it).
+    Callers treat entries and tree as read-only."""
+    global _LAST_INDEX
+    _LAST_INDEX = (sha256, entries, objects)
+
+
+def parse_index_checked(data: bytes, where: str, sha256: str) -> tuple[list[TensorEntry], Any]:
+    """:func:`parse_index` of bytes the caller has checked against the
+    ``sha256`` their commit records: the last index parsed or written in
+    this process with that digest is reused (content-addressed, so never
+    another document's entries)."""
+    last = _LAST_INDEX
+    if last is not None and last[0] == sha256:
+        return last[1], last[2]
+    entries, objects = parse_index(data, where)
+    remember_index(sha256, entries, objects)
+    return entries, objects
+
+
 def parse_names(data: bytes, where: str) -> list[str]:
     doc = decode_json(data, where)
     _need(isinstance(doc, list) and all(isinstance(x, str) for x in doc), where, "names must be a list of strings")

@@ -53,11 +53,13 @@ from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
     TensorEntry,
     commit_document,
+    decode_json,
     encode_json,
     encode_stats,
     index_document,
     parse_commit,
-    parse_index,
+    parse_index_checked,
+    remember_index,
     sha256_hex,
     tensor_checksum,
 )
@@ -295,7 +297,7 @@ class Writer:
             raise ChecksumMismatchError(
                 f"{where}/{L.INDEX_FILE}: does not match its commit record (damaged); this writer would "
                 f"reference its chunks: run dstt verify, and continue on a branch from an intact step")
-        entries, _ = parse_index(data, where)
+        entries, _ = parse_index_checked(data, where, rec["sha256"])
         # Keyframe bytes are not kept across writers: the first step delta
         # codes nothing (its chunks are keyframes), dedup still applies.
         self._tails = {
@@ -306,7 +308,9 @@ class Writer:
             for e in entries
             for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots))
         }
-        self._known_arrays.update(e.array for e in entries)
+        # (an array all of whose chunks are packed has no zarr.json: a writer
+        # packing less, DSTT_PACK_CHUNK_BYTES changed, must write it)
+        self._known_arrays.update(e.array for e in entries if e.packs is None or None in e.packs)
 
     # ------------------------------------------------------------------ phases
 
@@ -681,9 +685,12 @@ class Writer:
                 raise CaptureError(f"{layout.name}: {len(chunks)} of {n} chunks were written")
             ordered = [chunks[i] for i in range(n)]
             crcs = [c.crc for c in ordered]
+            whole = n == 1 and layout.chunk_shape == layout.shape  # one chunk, no padding
             for c in ordered:
                 written += c.written
-                if c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
+                if c.written == 0 and whole:
+                    referenced += layout.nbytes
+                elif c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
                     _, shape = layout.chunk_box(layout.coords(c.index))
                     referenced += math.prod(shape) * layout.dtype.itemsize
             stats = finalize(merge([Partial.from_list(c.partial) for c in ordered]))
@@ -716,6 +723,9 @@ class Writer:
         for fname, data in ((L.INDEX_FILE, index), (L.NAMES_FILE, names_b), (L.STATS_FILE, stats_b)):
             self.backend.put(f"{where}/{fname}", data)
             files[fname] = {"sha256": sha256_hex(data), "size": len(data)}
+        # The next writer's (dstt.save: a new one per call) and a reader's
+        # parse of this index reuse these entries (manifest.parse_index_checked).
+        remember_index(sha256_hex(index), tensors, decode_json(encode_json(plan.tree), where))
         # The head names this step before its marker exists, made durable by
         # the sync below: a reader finding no marker for it falls back to
         # last_commit, recorded as its predecessor (dstt.store.heads).
