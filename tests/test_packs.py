@@ -355,3 +355,17 @@ def test_empty_tensors_survive_gc_and_export(store: Path) -> None:
     dstt.export(f"{store}:1", store.parent / "out.pt")
     got = torch.load(store.parent / "out.pt")
     assert got["e"].shape == (0, 3) and bits_equal(got["a"], torch.ones(2) + 1)
+
+
+def test_a_writer_packing_less_writes_the_array_document(store: Path) -> None:
+    """Packed at step 0 (no zarr.json), stored as a chunk file at step 1 by
+    a writer with packing off: its array document must be written (the
+    writer took every array of the previous step for known)."""
+    dstt.save(store, 0, {"w": torch.zeros(8), "same": torch.ones(4)})
+    with Writer(store, pack_chunk_bytes=0) as w:
+        w.write(1, {"w": torch.full((8,), 3.0), "same": torch.ones(4)})
+    run = dstt.open(store)
+    assert run.entry("w", 1).packs is None and run.entry("same", 1).pack(0) is not None  # still referenced
+    assert (store / run.entry("w", 1).array / "zarr.json").exists()
+    assert bits_equal(run.read("w", 1), torch.full((8,), 3.0)) and bits_equal(run.read("same", 1), torch.ones(4))
+    assert dstt.verify(store).ok
