@@ -66,3 +66,16 @@ def test_trainer_examples(tmp_path: Path, name: str, extra: str) -> None:
                   f"{store}:3", "--branch", "again"], tmp_path))
     run = dstt.open(store)
     assert run.steps() == list(range(1, 7)) and run.steps("again") == [4, 5, 6]
+
+
+def test_flight_recorder_example(tmp_path: Path) -> None:
+    store = tmp_path / "flight"
+    out = finish(start([sys.executable, str(EX / "flight_recorder.py"), "--store", str(store)], tmp_path))
+    assert "loss spike" in out and "rewound to step" in out
+    run = dstt.open(store)
+    parent = run.branch_info("after-spike").parent
+    assert parent is not None and parent.branch == "main"
+    assert parent.step in run.steps("main") and run.steps("after-spike")
+    assert [i.source for i in run.incidents("main")].count("trainer") == 1
+    spans, persisted = run.captured("main")
+    assert spans[0][0] == 0 and set(persisted) <= set(range(spans[-1][1] + 1))

@@ -498,3 +498,17 @@ def test_history_delta_from_zero_keeps_the_sign(store: Path) -> None:
         dstt.save(store, s, {"w": torch.full((2,), m)})
     d = [r["value"] for r in dstt.open(store).history("w", stat="mean", delta=True)]
     assert math.isnan(d[0]) and d[1:] == [-math.inf, 1.0, math.inf, -1.0, 0.0]
+
+
+def test_find_does_not_flag_optimizer_step_counters(tmp_path) -> None:
+    """Adam's ``step`` grows by the gap between captured steps: 1 -> 11 is not a norm jump."""
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(m.parameters())
+    path = str(tmp_path / "run")
+    for s in range(21):
+        m(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if s in (0, 10, 20):
+            dstt.save(path, s, dstt.state_of(model=m, optimizer=opt))
+    assert not [e for e in dstt.open(path).find(first=False) if e["tensor"].endswith("/step")]

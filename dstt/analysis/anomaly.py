@@ -89,7 +89,8 @@ def find(run: "Run", patterns: Iterable[str] | None = None, branch: str | None =
         if jump is not None:
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = norms / prevs
-                flagged |= (prevs > 0) & np.isfinite(prevs) & np.isfinite(norms) & ((ratio > jump) | (ratio < 1.0 / jump))
+                flagged |= ((prevs > 0) & np.isfinite(prevs) & np.isfinite(norms) & ((ratio > jump) | (ratio < 1.0 / jump))
+                            & ~_counters(hits))
         if col is not None:
             v = rows[:, col]
             if gt is not None:
@@ -129,7 +130,8 @@ def _check(b: str, s: int, name: str, row: np.ndarray, prev_norm: float | None, 
     if nonfinite and row[_NONFINITE] > 0:
         ev("nonfinite", "nonfinite", float(row[_NONFINITE]))
     norm = float(row[_NORM])
-    if jump is not None and prev_norm is not None and prev_norm > 0 and np.isfinite(prev_norm) and np.isfinite(norm):
+    if (jump is not None and prev_norm is not None and prev_norm > 0 and np.isfinite(prev_norm) and np.isfinite(norm)
+            and not _is_counter(name)):
         ratio = norm / prev_norm
         if ratio > jump or ratio < 1.0 / jump:
             ev("norm_jump", "norm", norm, prev_norm)
@@ -138,6 +140,27 @@ def _check(b: str, s: int, name: str, row: np.ndarray, prev_norm: float | None, 
         if (gt is not None and v > gt) or (lt is not None and v < lt):
             ev("threshold", stat, v)
     return out
+
+
+def _is_counter(name: str) -> bool:
+    """An optimizer's step counter (``optim/<param>/step``): it grows with
+    every step by design, and by the gap between captured steps (a norm jump
+    of 11x from step 0 to 10 is not a training problem)."""
+    return name.startswith("optim/") and name.endswith("/step")
+
+
+_COUNTERS: dict[int, tuple[list[tuple[str, int]], np.ndarray]] = {}
+
+
+def _counters(hits: list[tuple[str, int]]) -> np.ndarray:
+    """Mask of the counters among ``hits`` (cached per hits list: it is the
+    same object from step to step while the tensor set does not change)."""
+    got = _COUNTERS.get(id(hits))
+    if got is None or got[0] is not hits:
+        _COUNTERS.clear()
+        got = _COUNTERS[id(hits)] = (hits, np.fromiter((_is_counter(n) for n, _ in hits), dtype=bool,
+                                                       count=len(hits)))
+    return got[1]
 
 
 class _UpdateWindows:

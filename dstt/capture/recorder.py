@@ -173,7 +173,8 @@ class FlightRecorder:
         self._unstaged: list[Job] = []  # queued, not yet staged
         self._memory_only: dict[int, list[int]] = {}  # id(writer) -> steps passed over, not yet recorded
         self._captured = 0  # steps captured (persist=N counts them)
-        self._latest_job: Job | None = None
+        self._latest_job: Job | None = None  # the latest staged job
+        self._latest_step: int | None = None  # the latest captured (queued) step
         self._stopping = False
         self._retired: list[Writer] = []  # writers of branches left by a rewind, closed once drained
         self._watch_q: deque[Job] = deque()
@@ -261,6 +262,7 @@ class FlightRecorder:
             self._pending += 1
             self._queued_steps.add(job.plan.step)
             self._captured += 1
+            self._latest_step = job.plan.step
             policy = self._policy
             if policy == "all" or (isinstance(policy, int) and (self._captured - 1) % policy == 0):
                 job.decision = "persist"
@@ -578,8 +580,7 @@ class FlightRecorder:
                         tensors: tuple[str, ...] = ()) -> Incident:
         with self._cond:
             steps = self._force_all()
-            latest = self._latest_job
-            at = step if step is not None else (latest.plan.step if latest is not None else None)
+            at = step if step is not None else self._latest_step
             self._cond.notify_all()
         if at is None:
             last = self.writer.last_step

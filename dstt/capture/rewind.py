@@ -124,7 +124,13 @@ class Rewinder:
         if self._fork is not None:
             self._switch_branch()
         cur = self.writer
+        # The live objects are about to change in place: every queued lazy
+        # copy must have read them first (what the optimizer hook ensures
+        # before an optimizer step), and every queued step be in the ring.
+        self._before_optimizer_step()  # type: ignore[attr-defined]
         with self._cond:
+            if self._tier:  # type: ignore[attr-defined]
+                self._cond.wait_for(lambda: not self._unstaged)  # type: ignore[attr-defined]
             job = self._ring_job(step)
             if job is not None:
                 job.refs += 1  # the rewind's: the slot stays while it is read
