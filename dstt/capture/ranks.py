@@ -396,9 +396,12 @@ def record_rings(writer: Writer, identity: dict[str, Any], *, exclude: Path | No
     done: list[int] = []
     for ring, seals in R.abandoned(identity, base, exclude):
         try:
-            run = str(json.loads(R.read_bounded(ring / "owner.json")).get("run", ""))
-        except (OSError, ValueError, R.CorruptRing):
-            run = ""
+            owner = json.loads(R.read_bounded(ring / "owner.json"))
+            run, pid = str(owner.get("run", "")), int(owner.get("pid", 0))
+        except (OSError, ValueError, TypeError, AttributeError, R.CorruptRing):
+            run, pid = "", 0
+        if pid and pid_alive(pid):
+            continue  # its trainer lives (another rank's branch lock is not its own): not ours to replay
         maps: dict[str, Any] = {}
         try:
             for seal in seals:
