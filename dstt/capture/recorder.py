@@ -188,6 +188,21 @@ class FlightRecorder:
                     f"memory_steps={cfg.memory_steps}: host_buffer_bytes={cfg.host_buffer_bytes} is more than "
                     f"the {avail} bytes of memory available; lower memory_steps or host_buffer_bytes")
 
+    @property
+    def memory_bytes(self) -> int | None:
+        """Host memory the memory tier holds: (memory_steps + 4) step slots,
+        sized at the first snapshot (None before it, and without
+        ``memory_steps``). With ``host_buffer_bytes`` it never exceeds that.
+
+        >>> import tempfile, torch, dstt
+        >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2) as cap:
+        ...     _ = cap.snapshot(0, model=torch.nn.Linear(4, 4))
+        ...     cap.memory_bytes == 6 * cap._slots.slot_bytes
+        True
+        """
+        slots = self._slots
+        return None if slots is None else slots.nslots * slots.slot_bytes
+
     def _tier_start(self) -> None:
         """Start the watcher thread (after everything else is set up)."""
         self._ring_writer = self.writer
