@@ -37,6 +37,16 @@ def _train(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
+def _steps(cap: dstt.Capture, m: torch.nn.Module, opt: torch.optim.Optimizer, steps: range,
+           ref: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
+    """Train and capture ``steps``, keeping each step's weights in ``ref``."""
+    for s in steps:
+        _train(m, opt)
+        cap.snapshot(s, model=m, optimizer=opt)
+        if ref is not None:
+            ref[s] = _weights(m)
+
+
 def _weights(m: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
@@ -100,10 +110,7 @@ def test_persist_all_keeps_every_step_bit_exact(tmp_path):
     m, opt = _model()
     ref = {}
     with dstt.Capture(path, memory_steps=3, persist="all") as cap:
-        for s in range(10):
-            _train(m, opt)
-            cap.snapshot(s, model=m, optimizer=opt)
-            ref[s] = _weights(m)
+        _steps(cap, m, opt, range(10), ref)
     assert _stored(path) == list(range(10))
     _check_bit_exact(path, ref)
     assert dstt.verify(path).ok
@@ -144,10 +151,7 @@ def test_persist_every_n_and_the_last_step_at_close(tmp_path):
     m, opt = _model()
     ref = {}
     with dstt.Capture(path, memory_steps=2, persist=3) as cap:
-        for s in range(10, 20):
-            _train(m, opt)
-            cap.snapshot(s, model=m, optimizer=opt)
-            ref[s] = _weights(m)
+        _steps(cap, m, opt, range(10, 20), ref)
     assert _stored(path) == [10, 13, 16, 19]
     _check_bit_exact(path, ref)
     commit = dstt.open(path).commit_info(13, branch="main")
@@ -161,10 +165,7 @@ def test_incident_persists_exactly_the_ring(tmp_path):
     cap = dstt.Capture(path, memory_steps=4, persist="newest")
     gate = Gate(cap)
     _close_on_failure(cap, gate)
-    for s in range(10):
-        _train(m, opt)
-        cap.snapshot(s, model=m, optimizer=opt)
-        ref[s] = _weights(m)
+    _steps(cap, m, opt, range(10), ref)
     cap.wait_staged()
     inc = cap.incident("loss spike 9.7 > 3x median")
     assert inc.steps == (6, 7, 8, 9) and inc.step == 9 and inc.source == "trainer"
@@ -185,10 +186,7 @@ def test_backfilled_steps_keep_the_branch_head(tmp_path):
     m, opt = _model()
     ref = {}
     with dstt.Capture(path, memory_steps=8, persist=4) as cap:
-        for s in range(8):
-            _train(m, opt)
-            cap.snapshot(s, model=m, optimizer=opt)
-            ref[s] = _weights(m)
+        _steps(cap, m, opt, range(8), ref)
         cap.wait()  # 0 and 4 stored, the rest in memory
         assert _stored(path) == [0, 4]
         cap.incident("bad batch")  # 1, 2, 3, 5, 6, 7: 1..3 are older than the head (4): backfilled
@@ -236,10 +234,7 @@ def test_update_statistics_from_the_previous_step_in_memory(tmp_path):
     m, opt = _model()
     ref = {}
     with dstt.Capture(path, memory_steps=2, persist="all") as cap:
-        for s in range(4):
-            _train(m, opt)
-            cap.snapshot(s, model=m, optimizer=opt)
-            ref[s] = _weights(m)
+        _steps(cap, m, opt, range(4), ref)
     run = dstt.open(path)
     cols = list(STATS_COLUMNS)
     names, rows = run.step_stats(3, branch="main")
@@ -270,10 +265,7 @@ def test_rewind_from_the_ring_is_bit_exact_and_forks_a_branch(tmp_path):
             for n, v in st.items():
                 assert torch.equal(v, opt_ref[7][k][n]), (k, n)
         new_ref = {}
-        for s in range(8, 11):
-            _train(m, opt)
-            cap.snapshot(s, model=m, optimizer=opt)
-            new_ref[s] = _weights(m)
+        _steps(cap, m, opt, range(8, 11), new_ref)
     run = dstt.open(path)
     assert run.branch_info("skip-bad-batch").parent == dstt.StepRef("main", 7)
     assert {6, 7, 8, 9}.issubset(run.steps("main"))  # the ring: the spike, stored by the rewind
@@ -290,10 +282,7 @@ def test_rewind_from_the_store_and_bad_rewinds_change_nothing(tmp_path):
     m, opt = _model()
     ref = {}
     with dstt.Capture(path, memory_steps=2, persist="all") as cap:
-        for s in range(6):
-            _train(m, opt)
-            cap.snapshot(s, model=m, optimizer=opt)
-            ref[s] = _weights(m)
+        _steps(cap, m, opt, range(6), ref)
         before = _weights(m)
         with pytest.raises(StepNotFoundError):
             cap.rewind(77, model=m, optimizer=opt)
@@ -347,8 +336,7 @@ def test_ring_holds_at_most_k_steps(tmp_path):
     m, opt = _model()
     with dstt.Capture(str(tmp_path / "run"), memory_steps=3, persist="newest") as cap:
         for s in range(15):
-            _train(m, opt)
-            cap.snapshot(s, model=m, optimizer=opt)
+            _steps(cap, m, opt, range(s, s + 1))
             cap.wait_staged()
             assert len(cap._held) <= 3
             assert cap._slots is not None and cap._slots.free_slots >= 0
@@ -386,9 +374,7 @@ def test_steps_stored_by_an_incident_get_update_statistics(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
     with dstt.Capture(path, memory_steps=4, persist=4) as cap:
-        for s in range(8):
-            _train(m, opt)
-            cap.snapshot(s, model=m, optimizer=opt)
+        _steps(cap, m, opt, range(8))
         cap.wait_staged()
         cap.incident("check")  # 5, 6, 7 were passed over; 4 was stored
         for s in range(8, 10):
@@ -420,10 +406,7 @@ def test_rewind_right_after_snapshot_waits_for_the_lazy_copies(tmp_path, monkeyp
     m, opt = _model()
     ref = {}
     with dstt.Capture(path, memory_steps=4, persist="all") as cap:
-        for s in range(4):
-            _train(m, opt)
-            cap.snapshot(s, model=m, optimizer=opt)
-            ref[s] = _weights(m)
+        _steps(cap, m, opt, range(4), ref)
         cap.rewind(1, model=m, optimizer=opt)  # step 3's copy is still queued behind a slow stager
     _check_bit_exact(path, ref)
     assert _stored(path) == [0, 1, 2, 3]

@@ -48,8 +48,9 @@ from dstt.capture.ring import seal_record
 from dstt.capture.staging import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
 from dstt.errors import CaptureError
 from dstt.store.incidents import Incident, record_incident
+from dstt.store.layout import step_ranges
 from dstt.store.plan import ChunkTask, StepPlan
-from dstt.store.writer import ChunkResult, Writer
+from dstt.store.writer import ChunkResult, Writer, batches
 
 log = logging.getLogger("dstt.capture")
 
@@ -59,9 +60,6 @@ log = logging.getLogger("dstt.capture")
 EXTRA_SLOTS = 4
 #: Non-finite tensors named in an automatic incident's reason.
 MAX_NAMED = 8
-#: Bytes of small chunks one flush task writes (one task per chunk costs more
-#: than a small chunk's own work).
-BATCH_BYTES = 4 << 20
 
 
 def _round(n: int, k: int) -> int:
@@ -505,7 +503,7 @@ class FlightRecorder:
         try:
             w.ensure_arrays(plan)
             futures = [self._flush.submit(self._flush_views, w, plan, batch, prev)
-                       for batch in _batches(job.views)]
+                       for batch in batches(job.views, lambda item: item[0].nbytes)]
             for f in futures:
                 try:
                     done, err = f.result()
@@ -537,15 +535,8 @@ class FlightRecorder:
 
     def _take_memory_only(self, w: Writer, step: int) -> list[tuple[int, int]]:
         steps = self._memory_only.get(id(w), [])
-        before = sorted(s for s in steps if s < step)
         self._memory_only[id(w)] = [s for s in steps if s >= step]
-        ranges: list[tuple[int, int]] = []
-        for s in before:
-            if ranges and s == ranges[-1][1] + 1:
-                ranges[-1] = (ranges[-1][0], s)
-            else:
-                ranges.append((s, s))
-        return ranges
+        return step_ranges(sorted(s for s in steps if s < step))
 
     def _close_retired_locked(self, final: bool = False) -> None:
         """Close writers of branches a rewind left, once nothing of theirs is
@@ -667,25 +658,6 @@ def _nonfinite(views: list[tuple[ChunkTask, torch.Tensor]]) -> list[str]:
         if not bool(torch.isfinite(v).all()):
             bad.append(t.layout.name)
     return bad
-
-
-def _batches(views: list[tuple[ChunkTask, torch.Tensor]]) -> list[list[tuple[ChunkTask, torch.Tensor]]]:
-    out: list[list[tuple[ChunkTask, torch.Tensor]]] = []
-    batch: list[tuple[ChunkTask, torch.Tensor]] = []
-    size = 0
-    for item in views:
-        n = item[1].numel() * item[1].element_size()
-        if n >= BATCH_BYTES:
-            out.append([item])
-            continue
-        batch.append(item)
-        size += n
-        if size >= BATCH_BYTES:
-            out.append(batch)
-            batch, size = [], 0
-    if batch:
-        out.append(batch)
-    return out
 
 
 __all__ = ["FlightRecorder", "SlotPool"]

@@ -14,6 +14,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from dstt.cli.output import fmt_float, human_bytes, printable, stderr, stdout
+from dstt.store.layout import step_ranges
 
 SPARK = "▁▂▃▄▅▆▇█"
 #: Diffs reading at least this many bytes get a progress bar (smaller ones would only flash it).
@@ -158,19 +159,9 @@ def incidents_table(title: str, incidents: list[dict[str, Any]]) -> None:
         tensors = i.get("tensors") or []
         shown = ", ".join(tensors[:3]) + (f", ... ({len(tensors)})" if len(tensors) > 3 else "")
         table.add_row(printable(i["branch"]), str(i["step"]), _time(i["time"]), printable(i["source"]),
-                      printable(i["reason"]), f"{ranges_text(_as_ranges(steps))} ({len(steps)} steps)" if steps else "-",
+                      printable(i["reason"]), f"{ranges_text(step_ranges(steps))} ({len(steps)} steps)" if steps else "-",
                       printable(shown) or "-")
     emit_table(table)
-
-
-def _as_ranges(steps: list[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s in steps:
-        if out and s == out[-1][1] + 1:
-            out[-1] = (out[-1][0], s)
-        else:
-            out.append((s, s))
-    return out
 
 
 def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:

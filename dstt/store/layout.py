@@ -239,3 +239,18 @@ def slot_for(branch_id: int, seq: int) -> int:
             f"step sequence {seq} is beyond the {SLOTS_PER_BRANCH} steps one branch can hold; "
             "continue on a new branch")
     return branch_id * SLOTS_PER_BRANCH + seq
+
+
+def step_ranges(steps: list[int]) -> list[tuple[int, int]]:
+    """Sorted steps as inclusive ``(first, last)`` runs of consecutive steps.
+
+    >>> step_ranges([1, 2, 3, 5, 8, 9])
+    [(1, 3), (5, 5), (8, 9)]
+    """
+    out: list[tuple[int, int]] = []
+    for s in steps:
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out

@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -759,7 +760,7 @@ class Writer:
         error: BaseException | None = None
         try:
             self.ensure_arrays(plan)
-            futures = [self._pool.submit(self._flush_batch, plan, batch) for batch in _batches(plan.tasks)]
+            futures = [self._pool.submit(self._flush_batch, plan, batch) for batch in batches(plan.tasks)]
             for f in futures:
                 try:
                     done, err = f.result()
@@ -810,20 +811,24 @@ class Writer:
         self.close()
 
 
+T = TypeVar("T")
+
 #: Chunks below this size are flushed in batches (see Writer._flush_batch).
 SMALL_CHUNK_BYTES = 1 << 20
 #: Bytes of small chunks handed to one pool task.
 BATCH_BYTES = 4 << 20
 
 
-def _batches(tasks: list[ChunkTask]) -> list[list[ChunkTask]]:
-    """Large chunks one per task (the pool writes them in parallel); small
-    ones grouped up to BATCH_BYTES, in plan order."""
-    out: list[list[ChunkTask]] = []
-    batch: list[ChunkTask] = []
+def batches(items: list[T], nbytes: Callable[[T], int] = lambda t: t.nbytes) -> list[list[T]]:  # type: ignore[attr-defined]
+    """Items (chunks, or chunks with their staged views) for flush tasks:
+    large ones one per task (the pool writes them in parallel), small ones
+    grouped up to BATCH_BYTES, in order (one task per chunk costs more than
+    a small chunk's own work)."""
+    out: list[list[T]] = []
+    batch: list[T] = []
     size = 0
-    for t in tasks:
-        n = t.nbytes
+    for t in items:
+        n = nbytes(t)
         if n >= SMALL_CHUNK_BYTES:
             out.append([t])
             continue
