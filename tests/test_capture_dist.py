@@ -16,6 +16,7 @@ import torch
 from conftest import bits_equal
 
 import dstt
+from dstt.store.verify import verify
 
 WORKER = Path(__file__).parent / "dist" / "capture_fsdp.py"
 
@@ -84,6 +85,12 @@ def test_fsdp2_capture_equals_unsharded_state(nproc: int, request: pytest.Fixtur
     # the optimizer state really is there (and sharded over every rank)
     assert expected[3]["optim"]["0.weight"]["exp_avg"].shape == (10, 6)
     assert run.commit_info(3)["world_size"] == nproc
+    # Committed by the capture helpers (one per rank) from per-rank records,
+    # which are gone once the step is committed; the store verifies clean.
+    assert [(out / f"helper{r}.txt").read_text() for r in range(nproc)] == ["True"] * nproc
+    assert not list((out / "run" / "meta").rglob("rank-*.json"))
+    report = verify(out / "run")
+    assert report.ok and not report.partial, report
 
 
 def test_fsdp2_capture_with_delta_coding_equals_unsharded_state(two_ranks: Path) -> None:

@@ -113,21 +113,8 @@ def no_records(store: Path) -> None:
     assert not list((store / L.META / "steps").rglob("rank-*.json"))
 
 
-def test_per_rank_helpers_commit_every_step_bit_exact(tmp_path: Path) -> None:
-    finish(torchrun(tmp_path, "ok"), "torchrun ok")
-    run = dstt.open(tmp_path / "run")
-    assert run.steps() == [0, 1, 2, 3]
-    expected = torch.load(tmp_path / "expected-ok.pt")
-    for step in range(4):
-        assert_state(run, step, expected)
-    assert run.commit_info(3)["world_size"] == 2
-    report = verify(tmp_path / "run")
-    assert report.ok and not report.partial, report
-    no_records(tmp_path / "run")
-    helpers_gone(tmp_path, 5)  # close() waited for them
-
-
 def test_trainers_killed_after_staging_helpers_commit_the_step(tmp_path: Path) -> None:
+    # (steps committed by live helpers, bit-exact: tests/test_capture_dist.py, FSDP2 over 2 and 3 ranks)
     kill_when_staged(torchrun(tmp_path, "kill"), tmp_path)
     helpers_gone(tmp_path)  # they finish step 3 by themselves, then exit
     run = dstt.open(tmp_path / "run")

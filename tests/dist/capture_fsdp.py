@@ -98,6 +98,8 @@ def run_mode(out: Path, mode: str) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
         os.environ["DSTT_PACK_CHUNK_BYTES"] = "0"  # chunks this small would be packed: never delta coded
     cap = dstt.Capture(store, max_chunk_bytes=64, compression="delta" if mode == "delta" else "none")
+    # A store given by path: a capture helper per rank (ranks.py); a Backend object (mode fail): none.
+    (out / f"helper{rank}.txt").write_text(str(cap._helper is not None))
     errors: list[str] = []
     try:
         cap.snapshot(0, model=model, optimizer=opt, extra=extra)
