@@ -188,3 +188,23 @@ def test_gc_commits_what_dead_ranks_left_in_their_rings(tmp_path: Path) -> None:
     report = verify(store)
     assert report.ok and not report.partial, report
     no_records(store)
+
+
+def test_a_chunk_result_survives_its_record() -> None:
+    """What rank 0 commits from a record is what the rank's writer returned:
+    every field, a sha256, a keyframe, a pack range and non-finite stats."""
+    import math
+
+    from dstt.store.packs import PackRange
+    from dstt.store.writer import ChunkResult
+
+    r = ChunkResult("model/w", 3, 0xDEADBEEF, bytes(range(32)), 5 << 24 | 7, 120, 256,
+                    [1.5, float("inf"), float("-inf"), float("nan"), -0.0], keyframe=(5 << 24) | 1,
+                    pack=PackRange(1, 0, 64, 120))
+    back = ranks.decode_result(ranks.encode_result(r), "test")
+    assert (back.name, back.index, back.crc, back.sha256, back.slot, back.written, back.nbytes, back.keyframe,
+            back.pack) == (r.name, r.index, r.crc, r.sha256, r.slot, r.written, r.nbytes, r.keyframe, r.pack)
+    assert back.partial[:3] == [1.5, float("inf"), float("-inf")] and math.isnan(back.partial[3])
+    assert math.copysign(1.0, back.partial[4]) == -1.0
+    with pytest.raises(dstt.errors.CorruptStoreError):
+        ranks.decode_result(["model/w", "3"], "test")
