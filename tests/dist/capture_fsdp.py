@@ -28,12 +28,12 @@ from dstt.store.backends import LocalBackend
 
 
 class FailingBackend(LocalBackend):
-    """Fails every chunk write once ``armed``."""
+    """Fails every chunk write once ``armed`` (chunk files and packs of small chunks)."""
 
     armed = False
 
     def put(self, key: str, data: Any) -> None:
-        if self.armed and key.startswith("tensors/") and "/c." in key:
+        if self.armed and (key.startswith("tensors/") and "/c." in key or key.startswith("packs/p.")):
             raise OSError(errno.ENOSPC, "No space left on device")
         super().put(key, data)
 
