@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from dstt.outpath import check_output_file, temp_path
 from dstt.restore import read_whole
 from dstt.store.index import StepRecord
 from dstt.store.reader import TensorReader as Run
+from dstt.store.reader import packed_groups
 from dstt.store.tree import unflatten
 
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
@@ -112,15 +114,23 @@ def _read_tensors(run: Run, rec: StepRecord, names: list[str], progress: Callabl
                   threads: int) -> dict[str, torch.Tensor]:
     total = sum(rec.by_name[n].nbytes for n in names if n in rec.by_name)
     done = 0
+    # One-chunk packed tensors pack by pack (adjacent ranges in one request),
+    # the others one by one (issue 16).
+    packed, others = packed_groups(rec, names)
 
-    def one(name: str) -> tuple[str, torch.Tensor]:
-        return name, read_whole(run, rec, name)
+    def one(name: str) -> list[tuple[str, torch.Tensor]]:
+        return [(name, read_whole(run, rec, name))]
+
+    def pack(group: list[str]) -> list[tuple[str, torch.Tensor]]:
+        return list(zip(group, run.read_packed_tensors(rec, group)))
 
     out: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dstt-export") as pool:
-        for name, t in pool.map(one, names):
-            out[name] = t
-            done += t.numel() * t.element_size()
+        results = itertools.chain(pool.map(one, others), pool.map(pack, packed.values()))
+        for got in results:
+            for name, t in got:
+                out[name] = t
+                done += t.numel() * t.element_size()
             if progress is not None:
                 progress(done, total)
     return out

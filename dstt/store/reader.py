@@ -35,6 +35,21 @@ def _tensor(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.c_contiguous else arr.copy(order="C"))
 
 
+def packed_groups(rec: StepRecord, names: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """``names`` (each once, order kept) split into one-chunk packed tensors
+    grouped by pack key, and the others."""
+    packed: dict[str, list[str]] = {}
+    others: list[str] = []
+    for n in dict.fromkeys(names):
+        e = rec.by_name.get(n)
+        key = packed_key_of(e, 0) if e is not None and e.nchunks == 1 and e.chunk_shape == e.shape else None
+        if key is None:
+            others.append(n)
+        else:
+            packed.setdefault(key, []).append(n)
+    return packed, others
+
+
 def _from_raw(e: TensorEntry, raw: memoryview) -> torch.Tensor:
     """A one-chunk tensor from its checked raw bytes (a copy: ``raw`` may
     view a read buffer shared by many tensors, or be read-only)."""
@@ -100,15 +115,7 @@ class TensorReader(RunIndex):
         # one request (chunks.read_packed); the others by name, in groups:
         # one pool task per tensor cost more than reading a small tensor
         # (tens of thousands: issue 16).
-        packed: dict[str, list[str]] = {}
-        others: list[str] = []
-        for n in dict.fromkeys(wanted):
-            e = rec.by_name[n]
-            key = packed_key_of(e, 0) if e.nchunks == 1 and e.chunk_shape == e.shape else None
-            if key is None:
-                others.append(n)
-            else:
-                packed.setdefault(key, []).append(n)
+        packed, others = packed_groups(rec, wanted)
         per_task = max(1, min(256, len(others) // (4 * max(1, threads))))
         groups = [others[i:i + per_task] for i in range(0, len(others), per_task)]
 
@@ -116,10 +123,7 @@ class TensorReader(RunIndex):
             return [self.read(n, step, branch=branch, verify=verify) for n in names]
 
         def read_pack(names: list[str]) -> list[torch.Tensor]:
-            entries = [rec.by_name[n] for n in names]
-            with self.removed_meanwhile(branch, step):
-                raws = read_packed(self.backend, [(e, 0) for e in entries], sha256=verify)
-            return [_from_raw(e, raw) for e, raw in zip(entries, raws)]
+            return self.read_packed_tensors(rec, names, verify=verify)
 
         loaded: dict[str, torch.Tensor] = {}
         with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
@@ -134,6 +138,16 @@ class TensorReader(RunIndex):
 
         return unflatten(tree, load, allow_pickle=allow_pickle)
 
+    def read_packed_tensors(self, rec: StepRecord, names: list[str], *, verify: bool = False) -> list[torch.Tensor]:
+        """Whole one-chunk packed tensors of step ``rec`` (names from one
+        group of :func:`packed_groups`), adjacent pack ranges read with one
+        request (:func:`dstt.store.chunks.read_packed`); each tensor owns
+        its bytes."""
+        entries = [rec.by_name[n] for n in names]
+        with self.removed_meanwhile(rec.branch, rec.step):
+            raws = read_packed(self.backend, [(e, 0) for e in entries], sha256=verify)
+        return [_from_raw(e, raw) for e, raw in zip(entries, raws)]
+
     def iter_chunks(self, name: str, step: Any = None, *,
                     branch: str | None = None) -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]:
         """(global region, values) of each chunk of a tensor, edge chunks trimmed:
@@ -143,4 +157,4 @@ class TensorReader(RunIndex):
             yield region, from_storage(_tensor(arr), e.dtype)
 
 
-__all__ = ["TensorReader", "TensorInfo", "StepRecord"]
+__all__ = ["TensorReader", "TensorInfo", "StepRecord", "packed_groups"]
