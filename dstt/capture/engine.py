@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import queue
 import threading
@@ -63,6 +64,11 @@ from dstt.store.writer import ChunkResult, CommitInfo, Writer
 __all__ = ["Capture", "lower_thread_priority"]
 
 log = logging.getLogger("dstt.capture")
+
+#: Small eager tensors of a held step are staged in groups of up to this many
+#: bytes, one placement and one copy call each (Capture._stage_grouped).
+GROUP_BYTES = 1 << 20
+GROUP_TASK_BYTES = 64 << 10
 
 #: Commits kept for :attr:`Capture.committed` (the counters count them all).
 RECENT_COMMITS = 1024
@@ -508,6 +514,8 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
         pool = job.pool or self.pool
         assert pool is not None
         flush_now = self._helper is None and not self._tier  # the memory tier writes later, if at all
+        if not lazy and job.hold and self.before_copy is None:
+            tasks = self._stage_grouped(job, pool, tasks, flush_now)  # small CPU tensors: copied in groups
         batch: list[tuple[ChunkTask, torch.Tensor]] = []  # CUDA copies issued, not handed over
         block: torch.Tensor | None = None
         guard = job.guard if lazy else None
@@ -546,6 +554,49 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
             if batch:
                 self._release_after_copies(pool, batch)
             raise
+
+    def _stage_grouped(self, job: Job, pool: HostPool, tasks: list[ChunkTask], flush_now: bool) -> list[ChunkTask]:
+        """Stage the small eager CPU tasks of a held step (its blocks go back
+        only once it is committed) in groups of one dtype: adjacent blocks
+        placed at once, one ``torch._foreach_copy_`` per group, instead of an
+        allocation and a copy call per tensor (tens of thousands of small
+        tensors: issue 16). Returns the tasks left for the general path
+        (large, CUDA, empty, or a group the pool has no room for now)."""
+        rest: list[ChunkTask] = []
+        group: list[ChunkTask] = []
+        size = 0
+
+        def copy_group() -> None:
+            numels = [math.prod(t.shape) for t in group]
+            parts = pool.try_allocate_parts(numels, group[0].source.dtype)
+            if parts is None:
+                rest.extend(group)  # staged one by one, waiting for room
+                return
+            dsts = [p if len(t.shape) == 1 else p.view(t.shape) for p, t in zip(parts, group)]
+            try:
+                torch._foreach_copy_(dsts, [t.source for t in group])
+            except BaseException:
+                for p in parts:
+                    pool.release(p)
+                raise
+            job.views.extend(zip(group, dsts))
+            if flush_now:  # (a held block is released at commit, not by its flush)
+                job.futures.extend(self._flush.submit(self._flush_one, pool, job, t, d, None)
+                                   for t, d in zip(group, dsts))
+
+        for t in tasks:
+            nbytes = task_bytes(t)
+            if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or t.source.device.type != "cpu":
+                rest.append(t)
+                continue
+            if group and (t.source.dtype != group[0].source.dtype or size + nbytes > GROUP_BYTES):
+                copy_group()
+                group, size = [], 0
+            group.append(t)
+            size += nbytes
+        if group:
+            copy_group()
+        return rest
 
     def _copy_lazy_cpu(self, job: Job) -> None:
         """Copy the lazy CPU tasks of ``job`` no one has claimed yet (the

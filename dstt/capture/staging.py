@@ -213,6 +213,40 @@ class HostPool:
         self._by_ptr[view.data_ptr()] = block
         return view
 
+    def try_allocate_parts(self, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """Adjacent blocks of ``numels`` elements of ``dtype`` (each > 0),
+        placed at once, as flat views; None if there is no room now (never
+        waits). Each is a block of its own (released on its own), so a
+        release can never free a later allocation at the same address.
+
+        >>> pool = HostPool(1 << 12)
+        >>> a, b = pool.try_allocate_parts([3, 5], torch.float32)
+        >>> b.data_ptr() - a.data_ptr(), pool.in_use >= 32
+        (12, True)
+        >>> pool.release(a); pool.release(b); pool.in_use
+        0
+        """
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        total = sum(numels) * itemsize
+        with self._cond:
+            if self._error is not None:
+                raise CaptureError(self._error)
+            placed = self._place(total)
+            if placed is None:
+                return None
+            start, taken = placed
+            parts = list(self.buffer[start:start + total].view(dtype).split(numels))
+            off = start
+            last = len(numels) - 1
+            for k, (n, part) in enumerate(zip(numels, parts)):
+                nbytes = n * itemsize
+                block = Block(off, nbytes if k < last else start + taken - off)  # the last takes the padding
+                self._blocks.append(block)
+                self._by_ptr[part.data_ptr()] = block
+                off += nbytes
+            self._in_use += taken
+            return parts
+
     def stage(self, src: torch.Tensor) -> torch.Tensor:
         """Synchronously copy a CPU tensor into a new block (returned as ``src``'s
         dtype and shape)."""

@@ -356,6 +356,9 @@ def plan_step(
     if pack_chunk_bytes is None:
         pack_chunk_bytes = default_pack_chunk_bytes()
     tree, tensors, kinds = flatten(state, allow_pickle=allow_pickle)
+    if exchange is None and layout_cache is not None:
+        return StepPlan(step, tree, *_plan_local(tensors, kinds, rank, codec, max_chunk_bytes, pack_chunk_bytes,
+                                                 layout_cache))
     local = {name: describe_local(name, kinds[name], v, rank) for name, v in tensors.items()}
     desc = {name: lt.describe() for name, lt in local.items()}
     if exchange is not None:
@@ -378,6 +381,57 @@ def plan_step(
             data = _local_data_for(lt, region)
             tasks.extend(region_tasks(layout, region, data, rank))
     return StepPlan(step, tree, layouts, tasks, meta)
+
+
+def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec: CodecSpec,
+                max_chunk_bytes: int, pack_chunk_bytes: int, cache: dict[Any, Any]
+                ) -> tuple[list[TensorLayout], list[ChunkTask], list[TensorLayout]]:
+    """A single process's plan, per tensor from the cache when the tensor is
+    laid out as at an earlier step (same name, kind, dtype, shape; strided,
+    not nested, not meta): the layout and the chunk boxes are a pure function
+    of those, so a step of tens of thousands of unchanged tensors costs a
+    dict lookup and a ``detach()`` each (issue 16: snapshot() of 20,000
+    tensors). Anything else (DTensors, ShardedTensors, a first sighting)
+    takes the general path, whose result is remembered."""
+    layouts: list[TensorLayout] = []
+    tasks: list[ChunkTask] = []
+    meta: list[TensorLayout] = []
+    for name in sorted(tensors):
+        v = tensors[name]
+        key = None
+        if isinstance(v, torch.Tensor) and not v.is_nested and v.layout is torch.strided and not is_dtensor(v):
+            key = ("$local", name, kinds[name], v.dtype, v.shape, v.is_meta, codec, max_chunk_bytes,
+                   pack_chunk_bytes, rank)
+            hit = cache.get(key)
+            if hit is not None:
+                layout, owner, boxes = hit
+                src = v.detach()
+                layouts.append(layout)
+                if owner:
+                    meta.append(layout)
+                tasks.extend(ChunkTask(layout, i, c, o, shp, src if box is None else src[box])
+                             for i, c, o, shp, box in boxes)
+                continue
+        lt = describe_local(name, kinds[name], v, rank)
+        layout = _cached_layout(name, lt.describe(), codec, max_chunk_bytes, pack_chunk_bytes, cache)
+        layouts.append(layout)
+        owner = layout.meta_owner_rank == rank
+        if owner:
+            meta.append(layout)
+        mine: list[ChunkTask] = []
+        for region in layout.regions:
+            if rank not in region.holders or math.prod(region.shape) == 0:
+                continue  # an empty shard has no chunks
+            mine.extend(region_tasks(layout, region, _local_data_for(lt, region), rank))
+        tasks.extend(mine)
+        if key is not None and lt.mode == "replicated":
+            base = (0,) * len(layout.shape)
+            cache[key] = (layout, owner, [
+                (t.index, t.coords, t.offset, t.shape,
+                 None if t.offset == base and t.shape == layout.shape else
+                 tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape)))
+                for t in mine])
+    return layouts, tasks, meta
 
 
 #: Layouts a cache keeps at most (it is cleared when full: a run whose
