@@ -369,3 +369,24 @@ def test_a_writer_packing_less_writes_the_array_document(store: Path) -> None:
     assert (store / run.entry("w", 1).array / "zarr.json").exists()
     assert bits_equal(run.read("w", 1), torch.full((8,), 3.0)) and bits_equal(run.read("same", 1), torch.ones(4))
     assert dstt.verify(store).ok
+
+
+def test_a_writer_that_lost_its_lock_writes_no_last_pack(store: Path) -> None:
+    """After dstt unlock --force another writer may own the slot: a writer
+    whose lock check fails at commit must not write its open pack."""
+    from dstt.errors import StoreLockedError
+
+    with Writer(store) as w:
+        w.write(0, {"a": torch.zeros(8)})
+        plan = w.plan(1, {"a": torch.ones(8)})
+        results = [w.flush_chunk(plan, t) for t in plan.tasks]
+
+        def lost() -> None:
+            raise StoreLockedError("lost the write lock (test)")
+
+        w._branch_lock.check = lost  # type: ignore[method-assign]
+        with pytest.raises(CaptureError, match="lost the write lock"):
+            w.commit(plan, results)
+        w._branch_lock.check = lambda: None  # type: ignore[method-assign]
+    assert packs_of(store) == ["packs/p.0.0.0"]
+    assert dstt.open(store).steps() == [0]

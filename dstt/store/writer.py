@@ -607,8 +607,7 @@ class Writer:
         finally:
             self._settle_links(plan, earlier=False)
 
-    @staticmethod
-    def _close_packs(plan: StepPlan, error: BaseException | None) -> BaseException | None:
+    def _close_packs(self, plan: StepPlan, error: BaseException | None) -> BaseException | None:
         """Write this rank's last pack of the step (also when the step failed:
         a later step may reference its ranges), and check that the earlier
         packs the step references were written."""
@@ -616,6 +615,10 @@ class Writer:
         if packs is None:
             return error
         try:
+            # A writer that lost its branch lock (dstt unlock --force) writes
+            # no more: its slot may be another writer's now, and a pack holds
+            # many tensors' chunks.
+            self.check_lock()
             packs.close()
             StepPacks.check_referenced(packs.referenced_files())
         except BaseException as e:
