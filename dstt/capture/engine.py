@@ -58,7 +58,7 @@ from dstt.errors import CaptureError, ConfigError
 from dstt.state import state_of
 from dstt.store.coord import new_coordinator
 from dstt.store.layout import validate_step
-from dstt.store.plan import ChunkTask, StepPlan
+from dstt.store.plan import ChunkTask
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
 __all__ = ["Capture", "lower_thread_priority"]
@@ -233,14 +233,17 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
             (job.lazy if protected and storage_key(t.source) in protected else eager).append(t)
         if job.lazy:
             job.guard = VersionGuard([t.source for t in job.lazy], [t.layout.name for t in job.lazy])
+        sizes = [task_bytes(t) for t in job.plan.tasks]  # (once: tens of thousands of tasks)
+        cuda = any(t.source.is_cuda for t in job.plan.tasks)
         if self._tier:
             self._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
         else:
-            self._ensure_pool(job.plan)
+            self._ensure_pool(sizes, cuda)
             assert self.pool is not None
             job.pool = self.pool
+            block_bytes = self.pool.block_bytes
             job.hold = self._pool_in_ring and policy.step_need_bytes(
-                [self.pool.block_bytes(task_bytes(t)) for t in job.plan.tasks]) <= self.pool.capacity
+                [block_bytes(n) for n in sizes]) <= self.pool.capacity
         assert job.pool is not None
         if self._helper is not None and not job.hold:
             raise CaptureError(
@@ -248,7 +251,7 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
                 "capture helper takes whole sealed steps only: raise host_buffer_bytes, or use helper=False "
                 "to stage larger steps in parts")
         job.lazy_bytes = sum(job.pool.block_bytes(task_bytes(t)) for t in job.lazy)
-        devices = {t.source.device for t in job.plan.tasks if t.source.device.type == "cuda"}
+        devices = {t.source.device for t in job.plan.tasks if t.source.is_cuda} if cuda else set()
         if devices:
             job.ready = self._cuda().after_compute(devices)
         return eager
@@ -451,13 +454,13 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
         else:
             job.staged.wait()
 
-    def _ensure_pool(self, plan: StepPlan) -> None:
-        """Allocate the pool on first use; grow it (once idle) if one step no
-        longer fits and the limit allows."""
-        need = sum(task_bytes(t) for t in plan.tasks)
+    def _ensure_pool(self, sizes: list[int], pin: bool) -> None:
+        """Allocate the pool on first use; grow it (once idle) if one step
+        (its tasks' ``sizes`` in bytes) no longer fits and the limit allows;
+        ``pin``: the step has CUDA sources."""
+        need = sum(sizes)
         limit = self.config.host_buffer_bytes
-        biggest = max((task_bytes(t) for t in plan.tasks), default=0)
-        pin = any(t.source.device.type == "cuda" for t in plan.tasks)
+        biggest = max(sizes, default=0)
         pool = self.pool
         if pool is not None:
             grow = policy.should_grow(need_bytes=need, capacity_bytes=pool.capacity, limit_bytes=limit)
