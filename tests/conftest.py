@@ -5,7 +5,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -87,3 +87,24 @@ def kill_when_committed(proc: subprocess.Popen, step: int) -> None:
         proc.kill()
         proc.communicate()
     assert proc.returncode == -signal.SIGKILL
+
+def small_state(n: int, seed: int | None = None, *, wide: bool = False) -> dict[str, Any]:
+    """``n`` small tensors of mixed dtypes in groups of ten (0-d and empty
+    included); ``wide``: also float64 matrices and one 1.2 MB tensor (a zarr
+    array, above the packing threshold). Seeded by ``seed`` (default ``n``)."""
+    g = torch.Generator().manual_seed(n if seed is None else seed)
+    makers = [
+        lambda: torch.randn(16, generator=g).to(torch.bfloat16),
+        lambda: torch.randn(8, generator=g).to(torch.float8_e4m3fn),
+        lambda: torch.rand(5, generator=g) > 0.5,
+        lambda: torch.randn((), generator=g),
+        lambda: torch.empty(0, 3),
+        lambda: torch.randint(-9, 9, (3, 2), generator=g, dtype=torch.int64),
+    ]
+    if wide:
+        makers.append(lambda: torch.randn(40, 7, generator=g, dtype=torch.float64))
+    out: dict[str, Any] = {f"layer{i0 // 10}": {f"p{i}": makers[i % len(makers)]() for i in range(i0, i0 + 10)}
+                           for i0 in range(0, n, 10)}
+    if wide:
+        out["big"] = torch.randn(600, 500, generator=g)
+    return out

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import bits_equal
+from conftest import small_state as _small_state
 
 import dstt
 from dstt.errors import CaptureError, ChecksumMismatchError, CorruptStoreError, FormatVersionError
@@ -26,22 +27,9 @@ DSTT_PACKING = True
 
 
 def small_state(n: int, seed: int = 0) -> dict[str, Any]:
-    """``n`` small tensors of mixed dtypes in nested groups (0-d and empty
-    included), and one tensor above the packing threshold."""
-    g = torch.Generator().manual_seed(seed)
-    makers = [
-        lambda: torch.randn(16, generator=g).to(torch.bfloat16),
-        lambda: torch.randn(8, generator=g).to(torch.float8_e4m3fn),
-        lambda: torch.rand(5, generator=g) > 0.5,
-        lambda: torch.randn((), generator=g),
-        lambda: torch.empty(0, 3),
-        lambda: torch.randint(-9, 9, (3, 2), generator=g, dtype=torch.int64),
-        lambda: torch.randn(40, 7, generator=g, dtype=torch.float64),
-    ]
-    out: dict[str, Any] = {f"layer{i0 // 10}": {f"p{i}": makers[i % len(makers)]() for i in range(i0, i0 + 10)}
-                           for i0 in range(0, n, 10)}
-    out["big"] = torch.randn(600, 500, generator=g)  # 1.2 MB: a zarr array, not packed
-    return out
+    """``n`` small tensors of mixed dtypes (0-d and empty included), and one
+    tensor above the packing threshold (conftest.small_state)."""
+    return _small_state(n, seed, wide=True)
 
 
 def assert_state(want: Any, got: Any, where: str = "") -> None:

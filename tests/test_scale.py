@@ -14,22 +14,7 @@ import dstt
 from dstt.errors import CaptureError
 from dstt.store.backends.local import LocalBackend
 from dstt.store.writer import Writer
-from tests.conftest import bits_equal
-
-
-def small_state(n: int) -> dict[str, Any]:
-    """``n`` small tensors of mixed dtypes in nested groups (0-d and empty included)."""
-    g = torch.Generator().manual_seed(n)
-    makers = [
-        lambda: torch.randn(16, generator=g).to(torch.bfloat16),
-        lambda: torch.randn(8, generator=g).to(torch.float8_e4m3fn),
-        lambda: torch.rand(5, generator=g) > 0.5,
-        lambda: torch.randn((), generator=g),
-        lambda: torch.empty(0, 3),
-        lambda: torch.randint(-9, 9, (3, 2), generator=g, dtype=torch.int64),
-    ]
-    return {f"layer{i // 10}": {f"p{i}": makers[i % len(makers)]() for i in range(i0, i0 + 10)}
-            for i0 in range(0, n, 10) for i in [i0]}
+from tests.conftest import bits_equal, small_state
 
 
 def files_under(path: Path) -> int:
