@@ -45,11 +45,35 @@ class RingRecord:
 MODEL_PREFIX = "model/"
 
 
-def ring_reader(job: Job) -> Any:
+def live_optimizer_state(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
+    """The live optimizer's state tensors by stored name (``optim/<param>/<key>``)."""
+    if optimizer is None:
+        return {}
+    from dstt.state import _param_names
+
+    try:
+        names = _param_names(optimizer, model)
+    except Exception:  # noqa: BLE001 - apply_step reports the mismatch; nothing to reuse
+        return {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out: dict[str, torch.Tensor] = {}
+    for name, p in zip(names, params):
+        for key, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                out[f"optim/{name}/{key}"] = v
+    return out
+
+
+def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None) -> Any:
     """Reads the tensors of a staged step out of its slot, into tensors the
     caller owns (an optimizer keeps what it is given; the slot is reused) --
     except the model's, which are handed out as views of the slot while the
-    rewind holds it: ``load_state_dict`` copies them."""
+    rewind holds it: ``load_state_dict`` copies them. ``reuse``: live
+    tensors (the optimizer's state, by name) to copy into where shape and
+    dtype match, instead of fresh memory -- read only after the step is
+    validated against the live objects, so they are overwritten only when
+    the rewind goes ahead; fresh memory would be page-faulted in (slower
+    than the copy itself on some machines)."""
     chunks: dict[str, list[tuple[ChunkTask, torch.Tensor]]] = {}
     for t, view in job.views:
         chunks.setdefault(t.layout.name, []).append((t, view))
@@ -63,6 +87,10 @@ def ring_reader(job: Job) -> Any:
             view = parts[0][1]
             if box is None and name.startswith(MODEL_PREFIX):
                 return view  # load_state_dict copies it into the module: no copy of our own
+            live = (reuse or {}).get(name)
+            if (box is None and live is not None and live.shape == view.shape and live.dtype == view.dtype
+                    and live.device == view.device and live.is_contiguous()):
+                return live.copy_(view)  # the optimizer gets its own tensor back, with the step's values
             whole = view.clone()
         else:
             whole = torch.empty(layout.shape, dtype=torch_dtype(layout.dtype))
@@ -139,7 +167,8 @@ class Rewinder:
                 self._raise_incident(f"rewind to step {step}", step, "rewind")  # type: ignore[attr-defined]
             if job is not None:
                 rec = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
-                extra = apply_step(rec, ring_reader(job), f"step {step} in the memory tier", model=model,
+                reuse = live_optimizer_state(optimizer, model)
+                extra = apply_step(rec, ring_reader(job, reuse), f"step {step} in the memory tier", model=model,
                                    optimizer=optimizer, scheduler=scheduler, rng=rng, strict=strict)
                 parent = StepRef(cur.branch.name, step)
             else:
