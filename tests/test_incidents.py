@@ -511,7 +511,9 @@ def test_cli_on_a_real_flight_recorder_capture(store: Path) -> None:
     assert branch["captured"] == [[0, 11]] and memory == set(range(12)) - set(persisted)
     assert [i["step"] for i in branch["incidents"]] == [inc.step]
     human = runner.invoke(app, ["ls", str(store)])
-    assert human.exit_code == 0 and "steps 0-11 captured, " + "/".join(map(str, persisted)) + " persisted" in human.stdout
+    from dstt.cli.render import steps_text  # (how many steps the incident stored depends on timing)
+
+    assert human.exit_code == 0 and f"steps 0-11 captured, {steps_text(persisted)} persisted" in human.stdout
     assert "\x1b" not in human.stdout
     assert _cli_json("find", str(store))["incidents"] == branch["incidents"]
     doc = _cli_json("history", str(store), "model/weight", "--stat", "update_ratio")
