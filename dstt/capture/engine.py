@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import queue
 import threading
@@ -41,11 +40,11 @@ from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.crashsafe import CrashSafe, after_helpers
 from dstt.capture.guard import VersionGuard
 from dstt.capture.hooks import StepFence, optimizer_storages, storage_key
+from dstt.capture.incidents import Incidents
 from dstt.capture.lifecycle import LIVE
 from dstt.capture.pipeline import (
     GuardTripped,
     Job,
-    check_guard,
     is_interrupt,
     lower_thread_priority,
     task_bytes,
@@ -53,6 +52,7 @@ from dstt.capture.pipeline import (
 from dstt.capture.recorder import FlightRecorder
 from dstt.capture.records import write_skip
 from dstt.capture.rewind import Rewinder
+from dstt.capture.stager import Stager
 from dstt.capture.staging import CudaCopier, HostPool
 from dstt.errors import CaptureError, ConfigError
 from dstt.state import state_of
@@ -65,16 +65,12 @@ __all__ = ["Capture", "lower_thread_priority"]
 
 log = logging.getLogger("dstt.capture")
 
-#: Small eager tensors of a held step are staged in groups of up to this many
-#: bytes, one placement and one copy call each (Capture._stage_grouped).
-GROUP_BYTES = 1 << 20
-GROUP_TASK_BYTES = 64 << 10
 
 #: Commits kept for :attr:`Capture.committed` (the counters count them all).
 RECENT_COMMITS = 1024
 
 
-class Capture(CrashSafe, FlightRecorder, Rewinder):
+class Capture(Stager, CrashSafe, FlightRecorder, Incidents, Rewinder):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -498,204 +494,6 @@ class Capture(CrashSafe, FlightRecorder, Rewinder):
         self.skipped.append(job.plan.step)
         job.finish_staging()
         self._commit_q.put(job)
-
-    def _stage(self, job: Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
-        """Copy ``tasks`` into pool blocks and hand each block to a flush thread.
-
-        Eager tasks (buffers, RNG, extras: no fence protects them) are staged
-        on the trainer's thread inside ``snapshot()``; lazy ones on the stager
-        thread. CPU copies are handed over one by one. CUDA copies go on the
-        copy stream and are handed over in batches: at the end, and whenever
-        the pool has no room for the next block -- the batch's copies must
-        land and be written to make room, and waiting for blocks only this
-        step can free would deadlock.
-
-        A block is this function's until a flush thread owns it: on any
-        failure it is released (after the copy stream is done with it), so
-        a failed step never shrinks the pool.
-        """
-        pool = job.pool or self.pool
-        assert pool is not None
-        flush_now = self._helper is None and not self._tier  # the memory tier writes later, if at all
-        if not lazy and job.hold and self.before_copy is None:
-            tasks = self._stage_grouped(job, pool, tasks, flush_now)  # small CPU tensors: copied in groups
-        batch: list[tuple[ChunkTask, torch.Tensor]] = []  # CUDA copies issued, not handed over
-        block: torch.Tensor | None = None
-        guard = job.guard if lazy else None
-        try:
-            for i, t in enumerate(tasks):
-                if self.before_copy is not None:
-                    self.before_copy(job.plan.step, i, lazy)
-                nbytes = task_bytes(t)
-                block = pool.try_allocate(nbytes)
-                if block is None:
-                    if batch:
-                        self._hand_over_cuda(job, batch, lazy, last=False)
-                    block = pool.allocate(nbytes)  # backpressure: wait for earlier chunks' writes
-                if lazy:
-                    with self._cond:
-                        self._queued_bytes -= pool.block_bytes(nbytes)
-                        job.lazy_bytes -= pool.block_bytes(nbytes)
-                dst = pool.view_as(block, t.source, t.shape)
-                if t.source.device.type == "cuda":
-                    self._cuda().copy(dst, t.source, job.ready[t.source.device.index], pool.pinned)
-                    batch.append((t, dst))
-                    block = None
-                    check_guard(job, guard, i)  # issued: the copy stream reads the state at snapshot()
-                else:
-                    dst.copy_(t.source)
-                    check_guard(job, guard, i)  # completed: a change before now is in the copy
-                    job.views.append((t, dst))
-                    if flush_now:
-                        job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
-                    block = None
-            if batch:
-                self._hand_over_cuda(job, batch, lazy, last=True)
-        except BaseException:
-            if block is not None:
-                pool.release(block)
-            if batch:
-                self._release_after_copies(pool, batch)
-            raise
-
-    def _stage_grouped(self, job: Job, pool: HostPool, tasks: list[ChunkTask], flush_now: bool) -> list[ChunkTask]:
-        """Stage the small eager CPU tasks of a held step (its blocks go back
-        only once it is committed) in groups of one dtype: adjacent blocks
-        placed at once, one ``torch._foreach_copy_`` per group, instead of an
-        allocation and a copy call per tensor (tens of thousands of small
-        tensors: issue 16). Returns the tasks left for the general path
-        (large, CUDA, empty, or a group the pool has no room for now)."""
-        rest: list[ChunkTask] = []
-        group: list[ChunkTask] = []
-        size = 0
-
-        def copy_group() -> None:
-            numels = [math.prod(t.shape) for t in group]
-            parts = pool.try_allocate_parts(numels, group[0].source.dtype)
-            if parts is None:
-                rest.extend(group)  # staged one by one, waiting for room
-                return
-            dsts = [p if len(t.shape) == 1 else p.view(t.shape) for p, t in zip(parts, group)]
-            try:
-                torch._foreach_copy_(dsts, [t.source for t in group])
-            except BaseException:
-                for p in parts:
-                    pool.release(p)
-                raise
-            job.views.extend(zip(group, dsts))
-            if flush_now:  # (a held block is released at commit, not by its flush)
-                job.futures.extend(self._flush.submit(self._flush_one, pool, job, t, d, None)
-                                   for t, d in zip(group, dsts))
-
-        for t in tasks:
-            nbytes = task_bytes(t)
-            if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or t.source.device.type != "cpu":
-                rest.append(t)
-                continue
-            if group and (t.source.dtype != group[0].source.dtype or size + nbytes > GROUP_BYTES):
-                copy_group()
-                group, size = [], 0
-            group.append(t)
-            size += nbytes
-        if group:
-            copy_group()
-        return rest
-
-    def _copy_lazy_cpu(self, job: Job) -> None:
-        """Copy the lazy CPU tasks of ``job`` no one has claimed yet (the
-        stager, or the trainer in the optimizer pre-hook; both may run it at
-        once). Never raises: a failure is the step's (``job.error``), the
-        guard's is reported at once; ``copies_done`` is set once every
-        claimed copy finished."""
-        pool = job.pool or self.pool
-        assert pool is not None
-        flush_now = self._helper is None and not self._tier
-        n = len(job.lazy)
-        while True:
-            with job.claim:
-                i = job.next_copy
-                if i >= n:
-                    return
-                if job.error is not None:  # the step failed: drop the rest unclaimed
-                    job.copies_left -= n - i
-                    job.next_copy = n
-                    if job.copies_left == 0:
-                        job.copies_done.set()
-                    return
-                job.next_copy = i + 1
-            t, block = job.lazy[i], None
-            try:
-                if self.before_copy is not None:
-                    self.before_copy(job.plan.step, i, True)
-                nbytes = task_bytes(t)
-                block = pool.try_allocate(nbytes)
-                if block is None:
-                    block = pool.allocate(nbytes)  # backpressure: wait for earlier chunks' writes
-                with self._cond:
-                    self._queued_bytes -= pool.block_bytes(nbytes)
-                    job.lazy_bytes -= pool.block_bytes(nbytes)
-                dst = pool.view_as(block, t.source, t.shape)
-                dst.copy_(t.source)
-                check_guard(job, job.guard, i)  # completed: a change before now is in the copy
-                with job.claim:
-                    job.views.append((t, dst))
-                    if flush_now:
-                        job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
-                block = None
-            except GuardTripped as e:
-                with job.claim:
-                    job.error = job.error or e.error
-                self._report_once(job, e.error)  # the trainer's next call raises it
-            except BaseException as e:
-                with job.claim:
-                    job.error = job.error or e
-            finally:
-                if block is not None:
-                    pool.release(block)
-                with job.claim:
-                    job.copies_left -= 1
-                    if job.copies_left == 0:
-                        job.copies_done.set()
-
-    def _hand_over_cuda(self, job: Job, batch: list[tuple[ChunkTask, torch.Tensor]], lazy: bool,
-                        last: bool) -> None:
-        """Flush a batch of issued CUDA copies once they land (emptying ``batch``).
-
-        Eager: the compute stream waits for them on the GPU (the next forward
-        may change BatchNorm buffers) and the flush threads wait for the
-        event. Lazy: the last batch's events tell the optimizer hook what
-        the update kernels must wait for; this (stager) thread waits for
-        the device, never the trainer's."""
-        done = self._cuda().done({t.source.device for t, _ in batch})
-        if lazy:
-            if last:
-                job.cuda_done = done
-                job.issued.set()
-            for ev in done.values():
-                ev.synchronize()
-        else:
-            for idx, ev in done.items():
-                torch.cuda.current_stream(idx).wait_event(ev)
-            job.cuda_eager.extend(done.values())
-        while batch:
-            t, dst = batch[0]
-            job.views.append((t, dst))
-            ready = None if lazy else done[t.source.device.index]
-            if self._helper is None and not self._tier:
-                job.futures.append(self._flush.submit(self._flush_one, job.pool, job, t, dst, ready))
-            batch.pop(0)
-
-    def _release_after_copies(self, pool: HostPool, batch: list[tuple[ChunkTask, torch.Tensor]]) -> None:
-        """Return the blocks of issued CUDA copies that will not be flushed,
-        once the copy stream is done writing into them."""
-        try:
-            for ev in self._cuda().done({t.source.device for t, _ in batch}).values():
-                ev.synchronize()
-        except BaseException:  # the device is gone: the blocks cannot be reused safely
-            log.exception("dstt: CUDA copies did not finish; %d staging blocks stay reserved", len(batch))
-            return
-        for _, dst in batch:
-            pool.release(dst)
 
     # ================================================================ background
 
