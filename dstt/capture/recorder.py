@@ -332,7 +332,11 @@ class FlightRecorder:
 
     def _tier_seal(self, job: Job) -> None:
         try:
-            self._ring.seal(seal_record(job.plan, self._ring.pool_name, self._slots.master.buffer, job.views))
+            # No CRC pass: a held step's seal is removed before its slot is
+            # reused (_release), and a slot whose seal cannot be removed is
+            # never reused -- so a seal never describes other bytes.
+            self._ring.seal(seal_record(job.plan, self._ring.pool_name, self._slots.master.buffer, job.views,
+                                        crc=False))
             job.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             log.warning("dstt: step %d not sealed in the staging ring (%s)", job.plan.step, e)
@@ -406,8 +410,10 @@ class FlightRecorder:
             if job.sealed and self._ring is not None:
                 try:
                     self._ring.unseal(job.plan.step)
-                except OSError as e:
-                    log.warning("dstt: could not remove the seal of step %d: %s", job.plan.step, e)
+                except OSError as e:  # the seal would describe the next step's bytes: keep the slot
+                    log.warning("dstt: could not remove the seal of step %d (%s): its slot is not reused",
+                                job.plan.step, e)
+                    continue
             job.views = []
             if self._slots is not None:
                 self._slots.release(slot)

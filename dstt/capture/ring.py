@@ -223,10 +223,13 @@ def _write_atomic(path: Path, data: bytes) -> None:
 # ----------------------------------------------------------------------------- records
 
 
-def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list[tuple[ChunkTask, torch.Tensor]]
-                ) -> dict[str, Any]:
+def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list[tuple[ChunkTask, torch.Tensor]],
+                crc: bool = True) -> dict[str, Any]:
     """The record of a step whose chunks are all in ``pool`` (``staged``:
-    each task with its pool view)."""
+    each task with its pool view). ``crc=False``: no CRC per chunk (a pass
+    over the step) -- for a writer that removes a step's seal before its
+    memory is reused (the flight recorder's slots), so a seal never
+    outlives its bytes; recovery then commits the chunks as they are."""
     index = {id(l): i for i, l in enumerate(plan.layouts)}
     base = pool.data_ptr()
     tasks = []
@@ -235,7 +238,7 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
         raw = np.frombuffer(pool[view.data_ptr() - base:view.data_ptr() - base + nbytes].numpy(), np.uint8)
         tasks.append({"layout": index[id(t.layout)], "index": t.index, "coords": list(t.coords),
                       "offset": list(t.offset), "shape": list(t.shape), "dtype": str(t.source.dtype)[6:],
-                      "start": view.data_ptr() - base, "nbytes": nbytes, "crc": crc32c(raw)})
+                      "start": view.data_ptr() - base, "nbytes": nbytes, "crc": crc32c(raw) if crc else None})
     return {
         "format": SEAL_FORMAT, "step": plan.step, "seq": plan.seq, "pool": pool_name, "tree": plan.tree,
         "layouts": [_layout_doc(l) for l in plan.layouts],
@@ -270,7 +273,7 @@ def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True) -> 
         if not 0 <= start <= start + nbytes <= pool.numel():
             raise CorruptRing(f"chunk at {start}+{nbytes} outside the pool")
         block = pool[start:start + nbytes]
-        if verify and crc32c(np.frombuffer(block.numpy(), np.uint8)) != d["crc"]:
+        if verify and d["crc"] is not None and crc32c(np.frombuffer(block.numpy(), np.uint8)) != d["crc"]:
             raise StaleSeal(f"step {record['step']}: a chunk of {layouts[d['layout']].name} does not match its CRC")
         dtype = getattr(torch, d["dtype"])
         if not isinstance(dtype, torch.dtype):
