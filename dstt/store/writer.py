@@ -21,13 +21,11 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -46,25 +44,18 @@ from dstt.errors import (
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.codec import CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
+from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase
 from dstt.store.coord import Coordinator, default_coordinator
-from dstt.store.heads import latest_committed, write_head
+from dstt.store.heads import latest_committed
 from dstt.store.index import resolve_parent
 from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, Link, code_chunk
 from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
-    TensorEntry,
-    commit_document,
-    decode_json,
-    encode_json,
-    encode_stats,
-    index_document,
     parse_commit,
     parse_index_checked,
-    remember_index,
     sha256_hex,
-    tensor_checksum,
 )
-from dstt.store.packs import PACKS, PackRange, StepPacks, default_pack_chunk_bytes
+from dstt.store.packs import PACKS, StepPacks, default_pack_chunk_bytes
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, ChunkTask, StepPlan, plan_step
 from dstt.store.root import (
     BranchInfo,
@@ -73,9 +64,8 @@ from dstt.store.root import (
     load_branch,
     raise_root_version,
 )
-from dstt.store.stats import Partial, chunk_partial, finalize, merge
+from dstt.store.stats import chunk_partial
 from dstt.store.torch_dtypes import as_storage_view
-from dstt.store.tree import tree_has_pickle
 
 #: Planned, uncommitted steps a writer tracks references for (see Writer._link).
 MAX_OPEN_PLANS = 64
@@ -86,39 +76,6 @@ AUTO_BEHIND = 2
 #: spent coding chunks per second of wall time between two planned steps).
 #: Above it the next step is stored fast.
 AUTO_CPU_CORES = 0.5
-
-
-@dataclass
-class ChunkResult:
-    name: str
-    index: int
-    crc: int  # CRC-32C of the raw chunk bytes
-    sha256: bytes | None  # computed only to confirm a dedup candidate
-    slot: int
-    written: int  # encoded bytes written by this step (0 when referenced)
-    nbytes: int  # decoded chunk bytes
-    partial: list[float]
-    keyframe: int | None = None  # delta coded: the keyframe slot it is the difference to
-    pack: PackRange | None = None  # packed: its range in a pack of the step at ``slot`` (packs.py)
-    #: Set while the chunk waits for the previous step's same chunk to be
-    #: stored (its flush came first); ``Writer.commit`` waits for it.
-    pending: Future[ChunkResult] | None = None
-
-    def settled(self) -> "ChunkResult":
-        """The finished result (waiting for a pending one)."""
-        return self if self.pending is None else self.pending.result()
-
-
-@dataclass
-class CommitInfo:
-    """What a committed step cost."""
-
-    branch: str
-    step: int
-    seq: int
-    n_tensors: int
-    bytes_written: int
-    bytes_referenced: int
 
 
 def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryview:
@@ -141,7 +98,7 @@ def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryvi
     return src.numpy().data.cast("B")
 
 
-class Writer:
+class Writer(CommitPhase):
     """Writes committed steps to one branch.
 
     >>> import tempfile, torch
@@ -593,167 +550,6 @@ class Writer:
                 return  # still open: its links are live
         plan.links = {k: Link(v) for k, v in plan.links.items()}
 
-    def commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None = None, *,
-               memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
-        """Make this rank's chunks durable, then (rank 0) write the index and
-        the commit marker. Collective under torch.distributed: every rank calls
-        it for every planned step, passing its flush error if any, so no rank
-        waits forever on a failed peer."""
-        self._settle_links(plan, earlier=True)
-        try:
-            results, error = self._settled(results, error)
-            error = self._close_packs(plan, error)
-            return self._commit(plan, results, error, memory_only)
-        finally:
-            self._settle_links(plan, earlier=False)
-
-    def _close_packs(self, plan: StepPlan, error: BaseException | None) -> BaseException | None:
-        """Write this rank's last pack of the step (also when the step failed:
-        a later step may reference its ranges), and check that the earlier
-        packs the step references were written."""
-        packs: StepPacks | None = plan.packs
-        if packs is None:
-            return error
-        try:
-            # A writer that lost its branch lock (dstt unlock --force) writes
-            # no more: its slot may be another writer's now, and a pack holds
-            # many tensors' chunks.
-            self.check_lock()
-            packs.close()
-            StepPacks.check_referenced(packs.referenced_files())
-        except BaseException as e:
-            error = error or e
-        return error
-
-    @staticmethod
-    def _settled(results: list[ChunkResult],
-                 error: BaseException | None) -> tuple[list[ChunkResult], BaseException | None]:
-        out = []
-        for r in results:
-            try:
-                out.append(r.settled())
-            except BaseException as e:  # wait for every one: none may outlive its step
-                error = error or e
-        return out, error
-
-    def _commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None,
-                memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
-        if error is None:
-            try:
-                self.backend.sync()
-            except OSError as e:
-                error = e
-        payload = (results if error is None else None, None if error is None else _describe(error))
-        gathered = self.commit_coord.gather(payload) if self.commit_coord.distributed else [payload]
-        outcome: Any = None
-        if self.rank == 0:
-            assert gathered is not None
-            failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err is not None]
-            if failures:
-                outcome = ("error", f"step {plan.step} on branch {self.branch.name!r} not committed: " + "; ".join(failures))
-            else:
-                try:
-                    all_results = [r for res, _ in gathered for r in (res or [])]
-                    outcome = ("ok", self._write_commit(plan, all_results, memory_only))
-                except Exception as e:  # reported to every rank below
-                    outcome = ("error", f"step {plan.step} on branch {self.branch.name!r} not committed: {_describe(e)}")
-                    error = error or e
-        if self.commit_coord.distributed:
-            outcome = self.commit_coord.broadcast(outcome)
-        kind, value = outcome
-        if kind != "ok":
-            if error is not None:
-                raise CaptureError(value) from error
-            raise CaptureError(value)
-        if self.last_commit is None or plan.step > self.last_commit[0]:  # (a backfill leaves the head)
-            self.last_commit = (plan.step, plan.seq)
-        return cast(CommitInfo, value)
-
-
-    def _write_commit(self, plan: StepPlan, results: list[ChunkResult],
-                      memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
-        by_tensor: dict[str, dict[int, ChunkResult]] = {}
-        for r in results:
-            slot_map = by_tensor.setdefault(r.name, {})
-            if r.index in slot_map:
-                raise CaptureError(f"chunk {r.index} of {r.name} was written twice")
-            slot_map[r.index] = r
-        tensors: list[TensorEntry] = []
-        names: list[str] = []
-        rows: list[list[float]] = []
-        written = referenced = 0
-        for layout in plan.layouts:
-            chunks = by_tensor.get(layout.name, {})
-            n = layout.nchunks
-            if len(chunks) != n:
-                raise CaptureError(f"{layout.name}: {len(chunks)} of {n} chunks were written")
-            ordered = [chunks[i] for i in range(n)]
-            crcs = [c.crc for c in ordered]
-            whole = n == 1 and layout.chunk_shape == layout.shape  # one chunk, no padding
-            for c in ordered:
-                written += c.written
-                if c.written == 0 and whole:
-                    referenced += layout.nbytes
-                elif c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
-                    _, shape = layout.chunk_box(layout.coords(c.index))
-                    referenced += math.prod(shape) * layout.dtype.itemsize
-            stats = finalize(merge([Partial.from_list(c.partial) for c in ordered]))
-            tensors.append(TensorEntry(
-                layout.name, layout.kind, layout.dtype, tuple(layout.shape), tuple(layout.chunk_shape),
-                layout.codec, layout.array, [c.slot for c in ordered], crcs,
-                [None if c.sha256 is None else c.sha256.hex() for c in ordered], tensor_checksum(crcs),
-                sum(c.written for c in ordered),
-                keyframes=[c.keyframe for c in ordered] if layout.delta else None,
-                delta_array=layout.delta_array if layout.delta else None,
-                packs=[c.pack for c in ordered] if any(c.pack is not None for c in ordered) else None,
-            ))
-            names.append(layout.name)
-            rows.append(stats)
-        where = L.step_dir(self.branch.name, plan.step)
-        # Format 2 only where a step uses delta coding: other steps stay
-        # readable by format-1 readers.
-        version = L.DELTA_FORMAT_VERSION if any(l.delta for l in plan.layouts) else L.FORMAT_VERSION
-        if any(t.packs is not None for t in tensors):
-            # Format 3 where a step has packed chunks, and the store with it
-            # (once per writer): older readers refuse it, never misread it.
-            version = L.PACK_FORMAT_VERSION
-            if not self._packs_version_raised:
-                raise_root_version(self.backend, L.PACK_FORMAT_VERSION)
-                self._packs_version_raised = True
-        index = index_document(version, self.branch.name, plan.step, tensors, plan.tree)
-        names_b = encode_json(names)
-        stats_b = encode_stats(rows)
-        files = {}
-        for fname, data in ((L.INDEX_FILE, index), (L.NAMES_FILE, names_b), (L.STATS_FILE, stats_b)):
-            self.backend.put(f"{where}/{fname}", data)
-            files[fname] = {"sha256": sha256_hex(data), "size": len(data)}
-        # The next writer's (dstt.save: a new one per call) and a reader's
-        # parse of this index reuse these entries (manifest.parse_index_checked).
-        remember_index(sha256_hex(index), tensors, decode_json(encode_json(plan.tree), where))
-        # The head names this step before its marker exists, made durable by
-        # the sync below: a reader finding no marker for it falls back to
-        # last_commit, recorded as its predecessor (dstt.store.heads).
-        head = self.last_commit
-        if head is not None and plan.step < head[0]:
-            # A backfill (a step planned earlier, stored after a later one:
-            # the capture's memory tier after an incident): the head stays the
-            # later step; rewritten only to record the new step directory.
-            write_head(self.backend, self.branch.name, head[0], head[1], None)
-        else:
-            write_head(self.backend, self.branch.name, plan.step, plan.seq, head)
-        self.backend.sync()
-        commit = commit_document(
-            version=version, branch=self.branch.name, step=plan.step, seq=plan.seq, time=time.time(),
-            world_size=self.coord.world, n_tensors=len(tensors), bytes_total=sum(l.nbytes for l in plan.layouts),
-            bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files,
-            coding="fast" if plan.fast else None, memory_only=memory_only or None)
-        # The lock may have been broken while this step was written (dstt
-        # unlock --force, a lease lost while paused): then another writer may
-        # own the branch and this step must not become visible.
-        self.check_lock()
-        self.backend.put_atomic(f"{where}/{L.COMMIT_FILE}", commit)
-        return CommitInfo(self.branch.name, plan.step, plan.seq, len(tensors), written, referenced)
-
     # ------------------------------------------------------------------ sync API
 
     def write(self, step: int, state: Any) -> CommitInfo:
@@ -843,9 +639,3 @@ def batches(items: list[T], nbytes: Callable[[T], int] = lambda t: t.nbytes) -> 
     if batch:
         out.append(batch)
     return out
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
