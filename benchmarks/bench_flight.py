@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import fresh_dir, fsync_file, machine, model_and_adam, raw_fsync_write  # noqa: E402
+from common import best_of, fresh_dir, fsync_file, machine, model_and_adam, raw_fsync_write  # noqa: E402
 
 import dstt  # noqa: E402
 
@@ -87,13 +87,7 @@ def rewind_latency(root: str, model: Any, opt: Any, args: Any) -> dict[str, floa
     tensors = state_tensors(model, opt)
     bufs = [torch.empty_like(t) for t in tensors]
     out: dict[str, float] = {}
-    best = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for b, t in zip(bufs, tensors):
-            b.copy_(t)
-        best.append(time.perf_counter() - t0)
-    out["memcpy_s"] = min(best)
+    out["memcpy_s"] = best_of(lambda: [b.copy_(t) for b, t in zip(bufs, tensors)])
     with dstt.Capture(path, memory_steps=4, persist="all") as cap:
         loop(model, opt, 3, 1, cap)
         cap.wait()
@@ -105,23 +99,17 @@ def rewind_latency(root: str, model: Any, opt: Any, args: Any) -> dict[str, floa
             cap.snapshot(3 + i, model=model, optimizer=opt)  # the next step: opens the branch
             cap.wait()
         out["ring_rewind_s"] = min(ring)
-    store = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dstt.restore(f"{path}:1", model=model, optimizer=opt)
-        store.append(time.perf_counter() - t0)
-    out["dstt_restore_s"] = min(store)
+    out["dstt_restore_s"] = best_of(lambda: dstt.restore(f"{path}:1", model=model, optimizer=opt))
     pt = os.path.join(root, "state.pt")
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, pt)
     fsync_file(pt)
-    loads = []
-    for _ in range(3):
-        t0 = time.perf_counter()
+
+    def torch_load() -> None:
         sd = torch.load(pt)
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optim"])
-        loads.append(time.perf_counter() - t0)
-    out["torch_load_s"] = min(loads)
+
+    out["torch_load_s"] = best_of(torch_load)
     return out
 
 
