@@ -274,7 +274,7 @@ def cmd_find(target: str, tensors: list[str], branch: Optional[str], nonfinite: 
             emit_json({"branch": None, "branches": firsts, "first_step": events[0]["step"] if events else None,
                        "events": events, "incidents": incidents})
         else:
-            render.events(f"any of {len(per)} branch(es)", events)
+            render.events(f"on any of {len(per)} branch(es)", events)
             _render_incidents(incidents)
         return
     b = branch or run.default_branch
@@ -284,7 +284,7 @@ def cmd_find(target: str, tensors: list[str], branch: Optional[str], nonfinite: 
     if json_out:
         emit_json({"branch": b, "first_step": first, "events": events, "incidents": incidents})
     else:
-        render.events(b, events)
+        render.events(f"on branch {b!r}", events)
         _render_incidents(incidents)
 
 

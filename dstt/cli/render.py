@@ -296,9 +296,10 @@ def history(label: str, series: list[dict[str, Any]], points: bool) -> None:
             emit_table(pt)
 
 
-def events(branch: str, evs: list[dict[str, Any]]) -> None:
+def events(where: str, evs: list[dict[str, Any]]) -> None:
+    """``find``'s detections; ``where`` says what was searched ("on branch 'main'")."""
     if not evs:
-        stderr.print(f"nothing found on branch {branch!r}")
+        stderr.print(f"nothing found {printable(where)}")
         return
     table = Table(title=f"first problem at step {evs[0]['step']} ({evs[0]['branch']})", title_justify="left")
     for c in ("branch", "step", "tensor", "reason", "stat", "value", "previous"):
