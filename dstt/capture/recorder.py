@@ -106,7 +106,6 @@ class SlotPool:
         self.nslots = master.capacity // slot_bytes
         self._free = list(range(self.nslots))[::-1]
         self._cond = threading.Condition()
-        self._error: str | None = None
 
     @property
     def free_slots(self) -> int:
@@ -116,9 +115,7 @@ class SlotPool:
     def acquire(self) -> HostPool:
         """A free slot (a HostPool over it), waiting while none is free."""
         with self._cond:
-            self._cond.wait_for(lambda: self._free or self._error is not None)
-            if self._error is not None:
-                raise CaptureError(self._error)
+            self._cond.wait_for(lambda: bool(self._free))
             i = self._free.pop()
         buf = self.master.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes]
         slot = HostPool(self.slot_bytes, buffer=buf)
@@ -133,12 +130,7 @@ class SlotPool:
 
     def wait_all_free(self) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: len(self._free) == self.nslots or self._error is not None)
-
-    def abort(self, why: str) -> None:
-        with self._cond:
-            self._error = why
-            self._cond.notify_all()
+            self._cond.wait_for(lambda: len(self._free) == self.nslots)
 
 
 class FlightRecorder:
@@ -235,13 +227,12 @@ class FlightRecorder:
             if pool is not None:
                 self._tier_drop_ring("the captured state grew")
                 pool.wait_all_free()
-            self._growing_plan = plan
-            self._slots = self._make_slots(need)
+            self._slots = self._make_slots(need, pin=any(t.source.is_cuda for t in plan.tasks))
         job.slot = self._slots.acquire()
         job.pool = job.slot
         job.hold = True
 
-    def _make_slots(self, need: int) -> SlotPool:
+    def _make_slots(self, need: int, pin: bool) -> SlotPool:
         cfg = self.config
         slot = _round(int(need * 1.25), PAGE) if self._slots is not None else need  # room to grow a little
         nslots = cfg.memory_steps + EXTRA_SLOTS
@@ -256,7 +247,6 @@ class FlightRecorder:
             raise CaptureError(
                 f"memory_steps={cfg.memory_steps} needs {nslots} slots x {slot} bytes = {total} bytes of host "
                 f"memory for this state; {avail} bytes are available: lower memory_steps")
-        pin = any(t.source.device.type == "cuda" for t in self._growing_plan.tasks)
         master = self._new_pool(total, pin)  # type: ignore[attr-defined]
         log.info("dstt: memory tier of %d steps: %d slots x %d bytes = %.1f MB (%s)", cfg.memory_steps, nslots,
                  slot, total / 1e6, "/dev/shm ring" if self._pool_in_ring else "process memory")  # type: ignore[attr-defined]
