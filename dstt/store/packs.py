@@ -154,13 +154,7 @@ class StepPacks:
         they may be a staging block that goes back to the pool)."""
         full = None
         with self._lock:
-            if self._closed:
-                raise CaptureError(f"packs of slot {self.slot} are already closed")
-            f = self._current
-            if f is None:
-                f = self._current = PackFile(pack_key(self.slot, self.rank, self._count), self._count)
-                self._count += 1
-                self.files.append(f)
+            f = self._open_file()
             offset = len(f.buf)
             for p in parts:
                 f.buf += memoryview(p).cast("B")
@@ -170,6 +164,59 @@ class StepPacks:
         if full is not None:
             self._write(full)
         return f, rng
+
+    def _open_file(self) -> PackFile:
+        """The pack being filled (a new one if none is); caller holds ``_lock``."""
+        if self._closed:
+            raise CaptureError(f"packs of slot {self.slot} are already closed")
+        f = self._current
+        if f is None:
+            f = self._current = PackFile(pack_key(self.slot, self.rank, self._count), self._count)
+            self._count += 1
+            self.files.append(f)
+        return f
+
+    def add_many(self, chunks: list[list[Any]]) -> tuple[list[tuple[PackFile, PackRange]], BaseException | None]:
+        """:meth:`add` for many encoded chunks under one lock (a batch of
+        small chunks: Writer.flush_chunks). Every chunk is appended (or, if
+        the packs are closed, none: CaptureError); the packs they fill are
+        written after, outside the lock. Returns each chunk's (pack, range)
+        and the first error writing a full pack (that pack's state is then
+        ``"failed"``: its chunks are not stored).
+
+        >>> from dstt.store.backends import open_backend
+        >>> import tempfile
+        >>> packs = StepPacks(open_backend(tempfile.mkdtemp() + "/s", create=True), slot=5, rank=0, target_bytes=4)
+        >>> placed, err = packs.add_many([[b"abc"], [b"de", b"f"], [b"g"]]); [r[1:] for _, r in placed], err
+        ([(0, 0, 3), (0, 3, 3), (1, 0, 1)], None)
+        >>> placed[0][0].state, placed[2][0].state
+        ('written', 'open')
+        """
+        out: list[tuple[PackFile, PackRange]] = []
+        full: list[PackFile] = []
+        rank, target = self.rank, self.target_bytes
+        with self._lock:
+            first = self._open_file()
+            f: PackFile | None = first
+            buf = first.buf
+            for parts in chunks:
+                if f is None:
+                    f = self._open_file()
+                    buf = f.buf
+                offset = len(buf)
+                for p in parts:
+                    buf += p if isinstance(p, (bytes, bytearray)) else memoryview(p).cast("B")
+                out.append((f, PackRange(rank, f.n, offset, len(buf) - offset)))
+                if len(buf) >= target:
+                    full.append(f)
+                    f = self._current = None
+        error: BaseException | None = None
+        for x in full:
+            try:
+                self._write(x)
+            except BaseException as e:  # every full pack is tried: none left unwritten silently
+                error = error or e
+        return out, error
 
     def refer(self, f: PackFile) -> None:
         """Note that an unchanged chunk of this step references a range of

@@ -43,6 +43,7 @@ from dstt.errors import (
 )
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
+from dstt.store.batchflush import BatchFlush
 from dstt.store.codec import CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
 from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase
 from dstt.store.coord import Coordinator, default_coordinator
@@ -98,7 +99,7 @@ def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryvi
     return src.numpy().data.cast("B")
 
 
-class Writer(CommitPhase):
+class Writer(BatchFlush, CommitPhase):
     """Writes committed steps to one branch.
 
     >>> import tempfile, torch
@@ -576,15 +577,9 @@ class Writer(CommitPhase):
 
     def _flush_batch(self, plan: StepPlan, tasks: list[ChunkTask]) -> tuple[list[ChunkResult], BaseException | None]:
         """Flush several chunks on one pool thread: one task per chunk cost
-        more than a small chunk's own work (tens of thousands of tensors)."""
-        results: list[ChunkResult] = []
-        error: BaseException | None = None
-        for t in tasks:
-            try:
-                results.append(self.flush_chunk(plan, t))
-            except BaseException as e:  # every chunk is flushed or failed: none left running
-                error = error or e
-        return results, error
+        more than a small chunk's own work (tens of thousands of tensors);
+        small ones are flushed in groups (batchflush.py)."""
+        return self.flush_chunks(plan, tasks)
 
     def check_lock(self) -> None:
         """StoreLockedError if this writer (rank 0) no longer holds its branch lock."""

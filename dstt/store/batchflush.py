@@ -1,0 +1,267 @@
+"""Batched flush of small chunks (issue 16: tens of thousands of tensors).
+
+``Writer.flush_chunk`` costs ~40 us of Python and torch calls per chunk
+whatever its size (~6 torch reductions for the stats, a numpy view for the
+bytes, a ChunkRef, a pack append under a lock): for 100,000 1-KiB tensors
+that is seconds, for a step whose data is 100 MB. :meth:`BatchFlush.flush_chunks`
+flushes a batch of chunks with the same result per chunk as ``flush_chunk``
+(same stats within float rounding, same bytes, same links, dedup and pack
+references), grouping the small CPU chunks of one dtype:
+
+* their values are concatenated into one private buffer (one ``torch.cat``);
+  the stats of every chunk come from a few vectorized passes over it
+  (:func:`dstt.store.stats.batch_partials`), and each chunk's raw bytes are a
+  slice of it (the buffer is this batch's own: a chunk waiting for the
+  previous step's same chunk keeps its slice, no copy);
+* CRC-32C, dedup against the link's previous ref, sha256 and encoding run in
+  one tight loop, and the packed chunks go into the step's packs under one
+  lock (:meth:`dstt.store.packs.StepPacks.add_many`).
+
+Anything else -- padded edge chunks, complex or float8 values, non-CPU
+tensors, large chunks -- takes ``flush_chunk`` itself; unpacked chunks of a
+group take ``Writer._store`` (delta coding, chunk files).
+
+Invariants kept from ``flush_chunk``: every chunk of the batch is flushed,
+waits for its predecessor (``ChunkResult.pending``), or failed -- a failed
+chunk's link passes its predecessor's value on, so no later step waits for
+it -- and the first error is returned, never swallowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import google_crc32c
+import numpy as np
+import torch
+
+from dstt.store.codec import encode_chunk
+from dstt.store.committer import ChunkResult
+from dstt.store.keyframes import ChunkPlace, ChunkRef, Link, _equals_stored
+from dstt.store.stats import BATCH_DTYPES, batch_partials
+from dstt.store.torch_dtypes import as_storage_view
+
+if TYPE_CHECKING:
+    from dstt.store.backends import Backend
+    from dstt.store.packs import StepPacks
+    from dstt.store.plan import ChunkTask, StepPlan
+
+#: Chunks of at most this many bytes are flushed in groups.
+BATCH_CHUNK_BYTES = 1 << 20
+#: Bytes of values concatenated at once (bounds the float64 temporaries of
+#: the stats: about 4x this).
+GROUP_BYTES = 8 << 20
+
+
+def batchable(task: ChunkTask, src: torch.Tensor) -> bool:
+    """Whether a chunk is flushed in a group (what flush_chunks tests
+    inline): small, not empty, of a dtype the vectorized stats take, on the
+    CPU, not padded, not a lazy negative view."""
+    layout = task.layout
+    return (0 < layout.chunk_nbytes <= BATCH_CHUNK_BYTES and src.dtype in BATCH_DTYPES and src.is_cpu
+            and task.shape == layout.chunk_shape and not src.is_neg())
+
+
+class BatchFlush:
+    """``flush_chunks`` (a mixin of Writer; its state lives there)."""
+
+    backend: Backend
+    dedup: bool
+    _open_lock: threading.Lock
+    _encode_cpu_s: float
+    _pool: ThreadPoolExecutor
+
+    def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None,
+                    prev_staged: torch.Tensor | None = None) -> ChunkResult:
+        raise NotImplementedError  # Writer's
+
+    def _store(self, plan: StepPlan, task: ChunkTask, raw: memoryview, result: ChunkResult, link: Link,
+               prev: ChunkRef | None) -> ChunkResult:
+        raise NotImplementedError  # Writer's
+
+    def flush_chunks(self, plan: StepPlan, tasks: list[ChunkTask], staged: list[torch.Tensor | None] | None = None,
+                     prev_staged: list[torch.Tensor | None] | None = None,
+                     ) -> tuple[list[ChunkResult], BaseException | None]:
+        """Flush ``tasks`` (``staged[i]``: task i's staged copy, else its
+        source; ``prev_staged[i]``: the same chunk at the previous captured
+        step, for the update stats). Returns the results of the chunks
+        flushed and the first error; a chunk that failed has no result.
+        Thread-safe like ``flush_chunk``; never raises for a chunk's error."""
+        results: list[ChunkResult] = []
+        error: BaseException | None = None
+        groups: dict[torch.dtype, list[tuple[int, int]]] = {}  # dtype -> (task index, chunk bytes)
+        srcs: list[torch.Tensor] = []
+        for i, t in enumerate(tasks):
+            s = staged[i] if staged is not None else None
+            src = t.source if s is None else s
+            srcs.append(src)
+            layout = t.layout
+            nbytes = layout.chunk_nbytes
+            # (inline: this loop runs per chunk, tens of thousands of times)
+            if (0 < nbytes <= BATCH_CHUNK_BYTES and src.dtype in BATCH_DTYPES and src.is_cpu
+                    and t.shape == layout.chunk_shape and not src.is_neg()):
+                groups.setdefault(src.dtype, []).append((i, nbytes))
+                continue
+            try:
+                results.append(self.flush_chunk(plan, t, s, None if prev_staged is None else prev_staged[i]))
+            except BaseException as e:  # every chunk flushed or failed: none left running
+                error = error or e
+        for members in groups.values():
+            for part in _split(members):
+                err = self._flush_group(plan, [tasks[i] for i in part], [srcs[i] for i in part],
+                                        None if prev_staged is None else [prev_staged[i] for i in part], results)
+                error = error or err
+        return results, error
+
+    def _flush_group(self, plan: StepPlan, tasks: list[ChunkTask], srcs: list[torch.Tensor],
+                     prevs: list[torch.Tensor | None] | None, out: list[ChunkResult]) -> BaseException | None:
+        """Flush small CPU chunks of one dtype (see the module doc), appending
+        their results to ``out``; returns the first error."""
+        links = [plan.links.get((t.layout.array, t.index)) or Link(None) for t in tasks]
+        for link in links:
+            link.started = True
+        settled = [False] * len(tasks)  # each link is resolved, waits, or passes through exactly once
+        error: BaseException | None = None
+        try:
+            with torch.no_grad():
+                flats = [s if s.dim() == 1 else s.reshape(-1) for s in srcs]
+                buf = torch.cat(flats)  # private: the bytes of every chunk, stats read it too
+            counts = [f.numel() for f in flats]
+            rows = batch_partials(buf, counts, prevs)
+            arr = as_storage_view(buf).numpy().view(np.uint8)
+            mv = arr.data
+            itemsize = buf.element_size()
+            offs = [0]
+            for c in counts:
+                offs.append(offs[-1] + c * itemsize)
+            later: list[tuple[int, ChunkResult, ChunkRef | None]] = []
+            packed: list[tuple[int, ChunkResult, list[Any]]] = []
+            cpu = time.thread_time()
+            packs = plan.packs
+            for j, t in enumerate(tasks):
+                a, b = offs[j], offs[j + 1]
+                raw = mv[a:b]
+                crc = int(google_crc32c.extend(0, arr[a:b]))
+                result = ChunkResult(t.layout.name, t.index, crc, None, plan.slot, 0, b - a, rows[j])
+                link = links[j]
+                prev: Link | None = link.prev
+                done, value = (True, None) if prev is None else prev.peek()
+                if prev is not None and not done:
+                    self._wait_for(plan, t, raw, result, link, prev)
+                    settled[j] = True
+                    out.append(result)
+                    continue
+                if not (t.layout.packed and packs is not None):
+                    later.append((j, result, value))  # a chunk file: Writer._store
+                    continue
+                ref, parts = self._code_packed(plan, t, raw, result, value)
+                if ref is not None:  # unchanged: references the previous step's bytes
+                    link.resolve(ref)
+                    settled[j] = True
+                    out.append(result)
+                else:
+                    packed.append((j, result, parts))
+            if packed:
+                error = self._add_packed(plan, packed, links, settled, out)
+            with self._open_lock:
+                self._encode_cpu_s += time.thread_time() - cpu
+            for j, result, value in later:
+                settled[j] = True  # _store resolves the link or passes it through
+                try:
+                    out.append(self._store(plan, tasks[j], mv[offs[j]:offs[j + 1]], result, links[j], value))
+                except BaseException as e:
+                    error = error or e
+        except BaseException as e:
+            error = error or e
+        finally:
+            for j, link in enumerate(links):
+                if not settled[j]:
+                    link.pass_through()  # later steps compare with what was there before
+        return error
+
+    def _code_packed(self, plan: StepPlan, t: ChunkTask, raw: memoryview, result: ChunkResult,
+                     value: ChunkRef | None) -> tuple[ChunkRef | None, list[Any]]:
+        """keyframes.code_chunk for a packed chunk, up to the pack append:
+        (the ref to resolve its link to, []) if it equals ``value`` (result
+        filled in, the pack referenced), else (None, its encoded parts). Sets
+        ``result.sha256`` either way (recorded for every packed chunk: a
+        later step proves equality by hash)."""
+        if value is not None and value.pack_file is not None and value.pack_file.state == "failed":
+            value = None  # its bytes were never stored: nothing to reference or compare with
+        sha = hashlib.sha256(raw).digest()
+        result.sha256 = sha
+        if self.dedup and value is not None and value.crc == result.crc:
+            if value.sha256 is not None:
+                same = value.sha256 == sha
+            else:
+                layout = t.layout
+                place = ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta else None,
+                                   layout.codec, layout.dtype.itemsize, t.coords)
+                same = _equals_stored(self.backend, place, value, raw)
+            if same:
+                if value.pack_file is not None:
+                    plan.packs.refer(value.pack_file)  # commit checks it was written
+                result.slot, result.keyframe, result.pack = value.slot, value.keyframe, value.pack
+                return (value if value.sha256 == sha else replace(value, sha256=sha)), []
+        layout = t.layout
+        return None, encode_chunk(raw, layout.codec, raw_crc=result.crc, itemsize=layout.dtype.itemsize, fast=plan.fast)
+
+    @staticmethod
+    def _add_packed(plan: StepPlan, packed: list[tuple[int, ChunkResult, list[Any]]], links: list[Link],
+                    settled: list[bool], out: list[ChunkResult]) -> BaseException | None:
+        """Append the encoded chunks to the step's packs at once; resolve
+        their links. A chunk in a pack that could not be written fails."""
+        packs: StepPacks = plan.packs
+        placed, error = packs.add_many([parts for _, _, parts in packed])
+        slot = plan.slot
+        for (j, result, _), (f, rng) in zip(packed, placed):
+            if f.state == "failed":
+                continue  # passed through by the caller; the error is returned
+            links[j].resolve(ChunkRef(result.crc, result.sha256, slot, pack=rng, pack_file=f))
+            settled[j] = True
+            result.pack, result.written = rng, rng.length
+            out.append(result)
+        return error
+
+    def _wait_for(self, plan: StepPlan, task: ChunkTask, raw: memoryview, result: ChunkResult, link: Link,
+                  prev: Link) -> None:
+        """The same chunk of the previous planned step is not stored yet (its
+        flush was queued after this one): finish when it is, on this writer's
+        pool, from ``raw`` (a slice of the batch's private buffer, kept alive
+        by it). commit() waits for ``result.pending``."""
+        pending: Future[ChunkResult] = Future()
+        result.pending = pending
+
+        def finish(value: ChunkRef | None) -> None:
+            def run() -> None:
+                try:
+                    pending.set_result(self._store(plan, task, raw, result, link, value))
+                except BaseException as e:
+                    pending.set_exception(e)
+            self._pool.submit(run)
+
+        prev.then(finish)
+
+
+def _split(members: list[tuple[int, int]]) -> list[list[int]]:
+    """Task indices of (index, chunk bytes) pairs in runs of at most GROUP_BYTES."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    size = 0
+    for i, n in members:
+        if run and size + n > GROUP_BYTES:
+            out.append(run)
+            run, size = [], 0
+        run.append(i)
+        size += n
+    if run:
+        out.append(run)
+    return out
+
+
+__all__ = ["BATCH_CHUNK_BYTES", "BatchFlush", "GROUP_BYTES", "batchable"]
