@@ -64,9 +64,10 @@ def test_round_trip_bit_exact_with_few_files_and_format_3(store: Path) -> None:
     assert all("/p" not in f or "0x3" in f or f.endswith("/zarr.json") and f.count("/") == 3
                for f in files(store, "tensors"))
     root = decode_json((store / "zarr.json").read_bytes(), "root")
-    assert root["attributes"]["dstt"]["format_version"] == L.PACK_FORMAT_VERSION
+    # (packed one-chunk tensors are index rows: format 4, docs/format.md "Index rows")
+    assert root["attributes"]["dstt"]["format_version"] == L.ROWS_FORMAT_VERSION
     run = dstt.open(store)
-    assert run.commit_info(0)["format_version"] == L.PACK_FORMAT_VERSION
+    assert run.commit_info(0)["format_version"] == L.ROWS_FORMAT_VERSION
     assert_state(state, run.state_dict(0))
     e = run.entry("layer3/p36", 0)
     assert e.packs is not None and e.pack(0) is not None and e.sha256[0] is not None
@@ -203,7 +204,9 @@ def test_hostile_pack_entries_are_refused(store: Path) -> None:
     import json
 
     doc = json.loads(index)
-    doc["tensors"][0]["pack"] = [[0, 0, 0, 1 << 35]]  # a range no 32-byte chunk can take
+    # "a" is an index row (format 4): [name, type, array, slot, crc, sha256, written, rank, n, offset, length]
+    assert doc["tensors"][0][0] == "a"
+    doc["tensors"][0][7:] = [0, 0, 0, 1 << 35]  # a range no 32-byte chunk can take
     data = json.dumps(doc).encode()
     (where / L.INDEX_FILE).write_bytes(data)
     commit = json.loads((where / L.COMMIT_FILE).read_bytes())
@@ -213,7 +216,7 @@ def test_hostile_pack_entries_are_refused(store: Path) -> None:
     (where / L.COMMIT_FILE).write_bytes(json.dumps(commit).encode())
     with pytest.raises(CorruptStoreError, match="at most"):
         dstt.open(store).read("a", 0)
-    doc["tensors"][0]["pack"] = [[0, 0, "x", 4]]
+    doc["tensors"][0][7:] = [0, 0, "x", 4]
     data = json.dumps(doc).encode()
     (where / L.INDEX_FILE).write_bytes(data)
     commit["files"][L.INDEX_FILE] = {"sha256": sha256_hex(data), "size": len(data)}

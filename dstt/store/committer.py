@@ -18,6 +18,7 @@ from dstt.errors import CaptureError
 from dstt.store import layout as L
 from dstt.store.backends import Backend
 from dstt.store.coord import Coordinator
+from dstt.store.gcpause import paused_gc
 from dstt.store.heads import write_head
 from dstt.store.manifest import (
     TensorEntry,
@@ -25,13 +26,14 @@ from dstt.store.manifest import (
     decode_json,
     encode_json,
     encode_stats,
+    has_rows,
     index_document,
     remember_index,
     sha256_hex,
     tensor_checksum,
 )
 from dstt.store.packs import PackRange, StepPacks
-from dstt.store.plan import StepPlan
+from dstt.store.plan import StepPlan, TensorLayout
 from dstt.store.root import BranchInfo, raise_root_version
 from dstt.store.stats import Partial, finalize, merge
 from dstt.store.tree import tree_has_pickle
@@ -150,7 +152,8 @@ class CommitPhase:
             else:
                 try:
                     all_results = [r for res, _ in gathered for r in (res or [])]
-                    outcome = ("ok", self._write_commit(plan, all_results, memory_only))
+                    with paused_gc():  # (a container or more per tensor, no cycles)
+                        outcome = ("ok", self._write_commit(plan, all_results, memory_only))
                 except Exception as e:  # reported to every rank below
                     outcome = ("error", f"step {plan.step} on branch {self.branch.name!r} not committed: {_describe(e)}")
                     error = error or e
@@ -183,16 +186,22 @@ class CommitPhase:
             n = layout.nchunks
             if len(chunks) != n:
                 raise CaptureError(f"{layout.name}: {len(chunks)} of {n} chunks were written")
+            if n == 1:  # the common case by far (tens of thousands of small tensors: issue 16)
+                tensors.append(_one_chunk_entry(layout, chunks[0]))
+                c = chunks[0]
+                written += c.written
+                if c.written == 0:
+                    referenced += layout.nbytes if layout.chunk_shape == layout.shape else _valid_bytes(layout, 0)
+                p = Partial.from_list(c.partial)
+                rows.append(finalize(p if p.n else merge([p])))  # (merge of one part: itself)
+                names.append(layout.name)
+                continue
             ordered = [chunks[i] for i in range(n)]
             crcs = [c.crc for c in ordered]
-            whole = n == 1 and layout.chunk_shape == layout.shape  # one chunk, no padding
             for c in ordered:
                 written += c.written
-                if c.written == 0 and whole:
-                    referenced += layout.nbytes
-                elif c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
-                    _, shape = layout.chunk_box(layout.coords(c.index))
-                    referenced += math.prod(shape) * layout.dtype.itemsize
+                if c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
+                    referenced += _valid_bytes(layout, c.index)
             stats = finalize(merge([Partial.from_list(c.partial) for c in ordered]))
             tensors.append(TensorEntry(
                 layout.name, layout.kind, layout.dtype, tuple(layout.shape), tuple(layout.chunk_shape),
@@ -210,11 +219,13 @@ class CommitPhase:
         # readable by format-1 readers.
         version = L.DELTA_FORMAT_VERSION if any(l.delta for l in plan.layouts) else L.FORMAT_VERSION
         if any(t.packs is not None for t in tensors):
-            # Format 3 where a step has packed chunks, and the store with it
-            # (once per writer): older readers refuse it, never misread it.
-            version = L.PACK_FORMAT_VERSION
+            # Format 3 where a step has packed chunks, 4 where it writes index
+            # rows (packed one-chunk tensors, manifest.has_rows), and the
+            # store raised to 4 with the first (once per writer): older
+            # readers refuse it, never misread it.
+            version = L.ROWS_FORMAT_VERSION if has_rows(tensors) else L.PACK_FORMAT_VERSION
             if not self._packs_version_raised:
-                raise_root_version(self.backend, L.PACK_FORMAT_VERSION)
+                raise_root_version(self.backend, L.ROWS_FORMAT_VERSION)
                 self._packs_version_raised = True
         index = index_document(version, self.branch.name, plan.step, tensors, plan.tree)
         names_b = encode_json(names)
@@ -249,6 +260,23 @@ class CommitPhase:
         self.check_lock()
         self.backend.put_atomic(f"{where}/{L.COMMIT_FILE}", commit)
         return CommitInfo(self.branch.name, plan.step, plan.seq, len(tensors), written, referenced)
+
+
+def _one_chunk_entry(layout: TensorLayout, c: ChunkResult) -> TensorEntry:
+    """The index entry of a one-chunk tensor (what the general path builds, cheaper)."""
+    delta = layout.delta
+    e = TensorEntry(layout.name, layout.kind, layout.dtype, tuple(layout.shape), tuple(layout.chunk_shape),
+                    layout.codec, layout.array, [c.slot], [c.crc], [None if c.sha256 is None else c.sha256.hex()],
+                    tensor_checksum([c.crc]), c.written, [c.keyframe] if delta else None,
+                    layout.delta_array if delta else None, None if c.pack is None else [c.pack])
+    e.__dict__["_chunk_grid"] = layout.chunk_grid  # (equal shapes: the same grid)
+    return e
+
+
+def _valid_bytes(layout: TensorLayout, index: int) -> int:
+    """Bytes of chunk ``index`` inside the tensor (edge padding excluded)."""
+    _, shape = layout.chunk_box(layout.coords(index))
+    return math.prod(shape) * layout.dtype.itemsize
 
 
 def _describe(e: BaseException) -> str:

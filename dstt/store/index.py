@@ -41,7 +41,6 @@ from dstt.refs import Ref, StepRef, resolve_step
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.chunks import chunk_array, read_box
-from dstt.store.layout import STATS_COLUMNS
 from dstt.store.manifest import (
     TensorEntry,
     decode_stats,
@@ -231,7 +230,7 @@ class RunIndex:
         stats = decode_stats(self._file(where, L.STATS_FILE, commit), len(entries), where,
                              stats_columns_of(commit))
         for e, row in zip(entries, stats):
-            e.stats = dict(zip(STATS_COLUMNS, (float(x) for x in row)))
+            e.set_stats_row(row)  # (the dict is built when asked for)
         rec = StepRecord(branch, step, commit, entries, {e.name: e for e in entries}, objects, stats, names)
         with self._lock:
             self._cache[key] = rec

@@ -32,7 +32,11 @@ DELTA_FORMAT_VERSION = 2
 #: Steps (and stores) with packed chunks are format version 3
 #: (dstt.store.packs.PACK_FORMAT_VERSION): raised when the first is committed.
 PACK_FORMAT_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+#: Steps (and stores) whose index.json holds compact rows for packed
+#: one-chunk tensors (docs/format.md "Index rows") are format version 4:
+#: raised when the first is committed.
+ROWS_FORMAT_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 #: A delta-coded tensor's difference chunks live in the sibling array
 #: ``<array>`` + DELTA_SUFFIX (docs/format.md "Delta chunks").
 DELTA_SUFFIX = ".delta"

@@ -14,138 +14,54 @@ import functools
 import hashlib
 import io
 import json
-import math
-import re
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
 from dstt.errors import CorruptStoreError, FormatVersionError
-from dstt.store.chunks import ChunkGrid
-from dstt.store.codec import CodecSpec
-from dstt.store.delta import DELTA_ITEMSIZES
-from dstt.store.dtypes import DtypeInfo, info_for_name
+from dstt.store.entries import MAX_ELEMENTS as MAX_ELEMENTS
+from dstt.store.entries import EntryParser, TypeTable, entry_row, is_row
+from dstt.store.entries import TensorEntry as TensorEntry
+from dstt.store.entries import check_int as _int
+from dstt.store.entries import check_str as _str
+from dstt.store.entries import need as _need
+from dstt.store.entries import parse_entry as parse_entry
+from dstt.store.entries import tensor_checksum as tensor_checksum
+from dstt.store.gcpause import paused_gc
 from dstt.store.layout import (
-    DELTA_SUFFIX,
     LEGACY_STATS_COLUMNS,
-    MAX_ARRAY_PATH,
     MAX_BRANCHES,
-    MAX_SLOTS,
     READ_VERSIONS,
+    ROWS_FORMAT_VERSION,
     SLOTS_PER_BRANCH,
     STATS_COLUMNS,
-    TENSORS,
 )
-from dstt.store.packs import PackRange
 from dstt.store.valuetree import MAX_STATE_DEPTH, MAX_TREE_DEPTH, check_tree_depth  # noqa: F401 - re-exported
 
-#: What array paths written by dstt look like (layout.escape_component's
-#: alphabet plus '@' and '/'); anything else in an index is hostile.
-_ARRAY_PATH_RE = re.compile(r"^[A-Za-z0-9._%@/-]{1," + str(MAX_ARRAY_PATH) + r"}$")
-
-#: Upper bound on any stored tensor (elements); hostile shapes fail early.
-MAX_ELEMENTS = 1 << 48
-
-@dataclass
-class TensorEntry:
-    """One logical tensor of a committed step, as recorded in index.json."""
-
-    name: str
-    kind: str
-    dtype: DtypeInfo
-    shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    codec: CodecSpec
-    array: str
-    #: Per chunk (C order over the chunk grid): the slot holding it, the
-    #: CRC-32C of its raw bytes (before compression), and its sha256 where the
-    #: writer computed one (only to confirm dedup; None otherwise). Equal CRCs
-    #: alone never prove equal bytes.
-    slots: list[int]
-    crcs: list[int]
-    sha256: list[str | None]
-    #: sha256 of the chunk CRCs (4-byte little endian, chunk order).
-    checksum: str
-    written: int
-    stats: dict[str, float] = field(default_factory=dict)
-    #: Delta coding (format version 2; docs/format.md "Delta chunks"): per
-    #: chunk, None where the chunk at ``slots[i]`` of ``array`` is stored
-    #: whole (a keyframe), else the slot of the keyframe in ``array`` that the
-    #: chunk at ``slots[i]`` of ``delta_array`` is the difference to. Both
-    #: None for tensors that are not delta coded.
-    keyframes: list[int | None] | None = None
-    delta_array: str | None = None
-    #: Packs (format version 3; docs/format.md "Packs"): per chunk, None
-    #: where the chunk is a chunk file of ``array``, else the range of the
-    #: pack (written for the step at ``slots[i]``) that holds it. None when
-    #: no chunk of the tensor is packed.
-    packs: list[PackRange | None] | None = None
-
-    def keyframe(self, index: int) -> int | None:
-        """The keyframe slot chunk ``index`` is coded against, None if stored whole."""
-        return None if self.keyframes is None else self.keyframes[index]
-
-    def pack(self, index: int) -> PackRange | None:
-        """Where packed chunk ``index`` lives, None if it is a chunk file."""
-        return None if self.packs is None else self.packs[index]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    @property
-    def chunk_grid(self) -> ChunkGrid:
-        # Cached by hand (functools.cached_property locks on first use, per
-        # instance): asked several times per chunk read; shape and
-        # chunk_shape are never changed once an entry is built.
-        grid = self.__dict__.get("_chunk_grid")
-        if grid is None:
-            grid = self.__dict__["_chunk_grid"] = ChunkGrid(self.shape, self.chunk_shape)
-        return cast(ChunkGrid, grid)
-
-    @property
-    def grid(self) -> tuple[int, ...]:
-        return self.chunk_grid.grid
-
-    @property
-    def nchunks(self) -> int:
-        return self.chunk_grid.nchunks
-
-    def coords(self, index: int) -> tuple[int, ...]:
-        return self.chunk_grid.coords(index)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "dtype": self.dtype.logical,
-            "shape": list(self.shape),
-            "chunk_shape": list(self.chunk_shape),
-            "codec": _codecs_json(self.codec, self.dtype.itemsize),
-            "array": self.array,
-            "slots": self.slots,
-            "crcs": self.crcs,
-            "sha256": self.sha256,
-            "checksum": self.checksum,
-            "written": self.written,
-            **({} if self.keyframes is None else
-               {"delta": {"array": self.delta_array, "keyframes": self.keyframes}}),
-            **({} if self.packs is None else {"pack": [None if p is None else list(p) for p in self.packs]}),
-        }
-
-
-@functools.lru_cache(maxsize=256)
-def _codecs_json(codec: CodecSpec, itemsize: int) -> list[dict[str, Any]]:
-    """codec.codecs_json, built once per (codec, itemsize): tens of thousands
-    of entries per index share a few (issue 16). Read only: encoded at once."""
-    return codec.codecs_json(itemsize)
+# (MAX_ELEMENTS, TensorEntry, parse_entry and tensor_checksum are
+# re-exported: they lived here before dstt.store.entries.)
 
 
 def index_document(version: int, branch: str, step: int, entries: list[TensorEntry], objects: Any) -> bytes:
-    """``index.json`` of a step: what :func:`parse_index` reads back."""
-    return encode_json({"format_version": version, "branch": branch, "step": step,
-                        "tensors": [e.to_json() for e in entries], "objects": objects})
+    """``index.json`` of a step: what :func:`parse_index` reads back. From
+    format version 4 (:func:`has_rows` entries), packed one-chunk tensors
+    are written as rows (dstt.store.entries)."""
+    types = TypeTable()
+    if version >= ROWS_FORMAT_VERSION:
+        tensors = [entry_row(e, types) if is_row(e) else e.to_json() for e in entries]
+    else:
+        tensors = [e.to_json() for e in entries]
+    doc: dict[str, Any] = {"format_version": version, "branch": branch, "step": step}
+    if types.to_json():
+        doc["types"] = types.to_json()
+    doc["tensors"] = tensors
+    doc["objects"] = objects
+    return encode_json(doc)
+
+
+def has_rows(entries: list[TensorEntry]) -> bool:
+    """Whether a step of ``entries`` is written with index rows (format version 4)."""
+    return any(is_row(e) for e in entries)
 
 
 def commit_document(*, version: int, branch: str, step: int, seq: int, time: float, world_size: int,
@@ -212,11 +128,6 @@ def memory_only_of(commit: dict[str, Any]) -> list[tuple[int, int]]:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def tensor_checksum(crcs: list[int]) -> str:
-    """A tensor's checksum: sha256 of its chunk CRC-32Cs (uint32 LE, chunk order)."""
-    return hashlib.sha256(b"".join(c.to_bytes(4, "little") for c in crcs)).hexdigest()
 
 
 def encode_json(doc: Any) -> bytes:
@@ -291,36 +202,6 @@ _STATS_POS = {c: i for i, c in enumerate(STATS_COLUMNS)}
 MAX_STATS_COLUMNS = 64
 
 
-# ----------------------------------------------------------------------------- validation helpers
-
-
-def _need(cond: bool, where: str, what: str) -> None:
-    if not cond:
-        raise CorruptStoreError(f"{where}: {what}")
-
-
-def _int(v: Any, where: str, what: str, lo: int = 0, hi: int | None = None) -> int:
-    if type(v) is int and v >= lo and (hi is None or v <= hi):
-        return v  # the common case, no message built (a bool is not of type int)
-    _need(isinstance(v, int) and not isinstance(v, bool), where, f"{what} must be an integer, got {type(v).__name__}")
-    _need(v >= lo and (hi is None or v <= hi), where, f"{what} {v} out of range")
-    return cast('int', v)  # validated above
-
-
-def _str(v: Any, where: str, what: str) -> str:
-    if type(v) is str:
-        return v
-    _need(isinstance(v, str), where, f"{what} must be a string, got {type(v).__name__}")
-    return cast('str', v)  # validated above
-
-
-def _shape(v: Any, where: str, what: str, positive: bool = False) -> tuple[int, ...]:
-    if not (isinstance(v, list) and len(v) <= 32):
-        _need(False, where, f"{what} must be a list of at most 32 sizes")
-    out = tuple(_int(x, where, what, lo=1 if positive else 0, hi=MAX_ELEMENTS) for x in v)
-    return out
-
-
 def parse_commit(data: bytes, where: str) -> dict[str, Any]:
     doc = decode_json(data, where)
     _need(isinstance(doc, dict), where, "commit must be a JSON object")
@@ -351,111 +232,19 @@ def parse_commit(data: bytes, where: str) -> dict[str, Any]:
     return cast('dict[str, Any]', doc)  # validated above
 
 
-def parse_entry(raw: Any, where: str, codecs: list[tuple[Any, CodecSpec]] | None = None) -> TensorEntry:
-    """One tensor entry of an index, validated. ``codecs``: (codec JSON,
-    CodecSpec) pairs already parsed (parse_index shares them between entries)."""
-    # Messages are built only on failure: this runs once per tensor per step
-    # read (tens of thousands: issue 16).
-    _need(isinstance(raw, dict), where, "tensor entry must be an object")
-    name = _str(raw.get("name"), where, "name")
-    w = f"{where}: tensor {name!r}"
-    kind = _str(raw.get("kind"), w, "kind")
-    if kind not in ("tensor", "ndarray"):
-        _need(False, w, f"unknown kind {kind!r}")
-    try:
-        dtype = info_for_name(raw.get("dtype"))
-    except Exception:
-        raise CorruptStoreError(f"{w}: unknown dtype {raw.get('dtype')!r}") from None
-    shape = _shape(raw.get("shape"), w, "shape")
-    chunk = _shape(raw.get("chunk_shape"), w, "chunk_shape", positive=True)
-    _need(len(chunk) == len(shape), w, "chunk_shape rank differs from shape")
-    if math.prod(shape) > MAX_ELEMENTS:
-        _need(False, w, f"absurd shape {list(shape)}")
-    if math.prod(chunk) * dtype.itemsize > 1 << 34:
-        _need(False, w, f"absurd chunk_shape {list(chunk)}")
-    codec = _parse_codec(raw.get("codec"), codecs)
-    array = _str(raw.get("array"), w, "array")
-    parts = array.split("/")
-    if not (parts[0] == TENSORS and len(parts) >= 3 and all(p not in ("", ".", "..") for p in parts)
-            and _ARRAY_PATH_RE.match(array) is not None and parts[-1].startswith("@")):
-        _need(False, w, f"unsafe array path {array!r}")
-    entry = TensorEntry(name, kind, dtype, shape, chunk, codec, array, [], [], [], "", 0)
-    n = entry.nchunks
-    slots = raw.get("slots")
-    if not (isinstance(slots, list) and len(slots) == n):
-        _need(False, w, f"slots must list {n} chunk slots")
-    entry.slots = [_int(s, w, "slot", hi=MAX_SLOTS - 1) for s in slots]
-    crcs = raw.get("crcs")
-    if not (isinstance(crcs, list) and len(crcs) == n):
-        _need(False, w, f"crcs must list {n} chunk CRCs")
-    entry.crcs = [_int(c, w, "crc", hi=0xFFFFFFFF) for c in crcs]
-    shas = raw.get("sha256")
-    if not (isinstance(shas, list) and len(shas) == n):
-        _need(False, w, f"sha256 must list {n} entries")
-    for d in shas:
-        _need(d is None or (isinstance(d, str) and len(d) == 64), w, "sha256 must be null or 64 hex characters")
-    entry.sha256 = shas
-    entry.checksum = _str(raw.get("checksum"), w, "checksum")
-    entry.written = _int(raw.get("written"), w, "written")
-    if "delta" in raw:
-        _parse_delta(entry, raw["delta"], w)
-    if "pack" in raw:
-        _parse_packs(entry, raw["pack"], w)
-    return entry
-
-
-def _parse_codec(raw: Any, seen: list[tuple[Any, CodecSpec]] | None) -> CodecSpec:
-    """CodecSpec.from_codecs_json, reusing an equal chain parsed before."""
-    if seen is not None:
-        for chain, spec in seen:
-            if chain == raw:
-                return spec
-    spec = CodecSpec.from_codecs_json(raw)
-    if seen is not None and len(seen) < 16:
-        seen.append((raw, spec))
-    return spec
-
-
-def _parse_packs(entry: TensorEntry, raw: Any, w: str) -> None:
-    """The ``pack`` list of an entry with packed chunks (format version 3)."""
-    n = entry.nchunks
-    if not (isinstance(raw, list) and len(raw) == n):
-        _need(False, w, f"pack must list {n} entries")
-    packs: list[PackRange | None] = []
-    for i, p in enumerate(raw):
-        if p is None:
-            packs.append(None)
-            continue
-        _need(isinstance(p, list) and len(p) == 4, w, "a pack entry must be [rank, n, offset, length]")
-        _need(entry.keyframe(i) is None, w, "a packed chunk cannot be a delta")
-        packs.append(PackRange(_int(p[0], w, "pack rank", hi=1 << 24), _int(p[1], w, "pack number", hi=1 << 32),
-                               _int(p[2], w, "pack offset", hi=1 << 40), _int(p[3], w, "pack length", lo=4, hi=1 << 36)))
-    entry.packs = packs
-
-
-def _parse_delta(entry: TensorEntry, raw: Any, w: str) -> None:
-    """The ``delta`` object of a delta-coded entry (format version 2)."""
-    _need(isinstance(raw, dict), w, "delta must be an object")
-    _need(entry.codec.blosc and entry.dtype.itemsize in DELTA_ITEMSIZES, w,
-          f"delta coding of a {entry.dtype.logical} tensor with codec {entry.codec.tag}")
-    _need(raw.get("array") == entry.array + DELTA_SUFFIX, w,
-          f"delta array must be {entry.array + DELTA_SUFFIX!r}, got {raw.get('array')!r}")
-    keys = raw.get("keyframes")
-    n = entry.nchunks
-    _need(isinstance(keys, list) and len(keys) == n, w, f"delta keyframes must list {n} entries")
-    entry.keyframes = [None if k is None else _int(k, w, "keyframe slot", hi=MAX_SLOTS - 1) for k in keys]
-    entry.delta_array = entry.array + DELTA_SUFFIX
-
-
 def parse_index(data: bytes, where: str) -> tuple[list[TensorEntry], Any]:
-    doc = decode_json(data, where)
-    _need(isinstance(doc, dict), where, "index must be a JSON object")
-    raw = doc.get("tensors")
-    _need(isinstance(raw, list), where, "tensors must be a list")
-    codecs: list[tuple[Any, CodecSpec]] = []
-    entries = [parse_entry(r, where, codecs) for r in raw]
-    names = [e.name for e in entries]
-    _need(len(set(names)) == len(names), where, "duplicate tensor names")
+    """The entries and value tree of an ``index.json``, validated."""
+    with paused_gc():  # (millions of containers, no cycles)
+        doc = decode_json(data, where)
+        _need(isinstance(doc, dict), where, "index must be a JSON object")
+        raw = doc.get("tensors")
+        _need(isinstance(raw, list), where, "tensors must be a list")
+        version = doc.get("format_version")
+        parser = EntryParser(doc.get("types"), where,
+                             rows=version in READ_VERSIONS and version >= ROWS_FORMAT_VERSION)
+        entries = [parser.entry(r) for r in raw]
+    names = {e.name for e in entries}
+    _need(len(names) == len(entries), where, "duplicate tensor names")
     objects = doc.get("objects")
     check_tree_depth(objects, where)
     return entries, objects

@@ -23,6 +23,7 @@ import torch
 
 from dstt.errors import CorruptStoreError, TensorNotFoundError
 from dstt.store.chunks import packed_key_of, read_packed
+from dstt.store.gcpause import paused_gc
 from dstt.store.index import Index, RunIndex, StepRecord, TensorInfo
 from dstt.store.manifest import TensorEntry
 from dstt.store.torch_dtypes import from_storage
@@ -94,6 +95,11 @@ class TensorReader(RunIndex):
 
         ``prefix`` (e.g. ``"model"``) returns only that subtree.
         """
+        with paused_gc():  # (objects per tensor, no cycles: issue 16)
+            return self._state_dict(step, branch, allow_pickle, prefix, verify, threads)
+
+    def _state_dict(self, step: Any, branch: str | None, allow_pickle: bool, prefix: str | None,
+                    verify: bool, threads: int) -> Any:
         rec = self.record(step, branch=branch)
         step, branch = rec.step, rec.branch
         tree = rec.objects
@@ -107,7 +113,8 @@ class TensorReader(RunIndex):
         def collect(name: str, kind: str) -> None:
             wanted.append(name)
 
-        unflatten(tree, lambda n, k: collect(n, k), allow_pickle=allow_pickle)
+        # (rec.objects: depth checked by parse_index, or written by this process)
+        unflatten(tree, collect, allow_pickle=allow_pickle, depth_checked=True)
         for n in wanted:
             if n not in rec.by_name:
                 raise CorruptStoreError(f"step {step}: value tree refers to missing tensor {n!r}")
@@ -136,7 +143,7 @@ class TensorReader(RunIndex):
             t = loaded[name]
             return t.numpy() if kind == "ndarray" else t
 
-        return unflatten(tree, load, allow_pickle=allow_pickle)
+        return unflatten(tree, load, allow_pickle=allow_pickle, depth_checked=True)
 
     def read_packed_tensors(self, rec: StepRecord, names: list[str], *, verify: bool = False) -> list[torch.Tensor]:
         """Whole one-chunk packed tensors of step ``rec`` (names from one

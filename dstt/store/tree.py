@@ -188,13 +188,23 @@ def _maybe_pickle(v: Any, path: list[str], allow_pickle: bool) -> Any:
     return {"$pickle": base64.b64encode(data).decode("ascii")}
 
 
-def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool = False) -> Any:
-    """Rebuild the state from a JSON tree; ``load(name, kind)`` supplies tensors."""
+def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool = False,
+              depth_checked: bool = False) -> Any:
+    """Rebuild the state from a JSON tree; ``load(name, kind)`` supplies tensors.
+    ``depth_checked``: the caller has checked the tree's depth already
+    (valuetree.check_tree_depth: parse_index does, for a step's tree)."""
 
     def bad(what: str) -> CorruptStoreError:
         return CorruptStoreError(f"malformed value tree: {what}")
 
     def dec(v: Any) -> Any:
+        t = type(v)  # exact types first: what JSON gives (the common case)
+        if t is dict and len(v) == 1:
+            (tag, arg), = v.items()
+            if type(tag) is str and tag.startswith("$"):
+                return dec_tag(tag, arg)
+        elif t is str or t is int or t is float:
+            return v
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, list):
@@ -277,7 +287,8 @@ def unflatten(tree: Any, load: Callable[[str, str], Any], *, allow_pickle: bool 
             return pickle.loads(base64.b64decode(arg))
         raise bad(f"unknown tag {tag!r}")
 
-    check_tree_depth(tree, "value tree")  # explicit: not Python's recursion limit
+    if not depth_checked:
+        check_tree_depth(tree, "value tree")  # explicit: not Python's recursion limit
     try:
         return dec(tree)
     except RecursionError:  # (not reached within MAX_TREE_DEPTH)

@@ -39,18 +39,24 @@ def check_tree_depth(tree: Any, where: str, limit: int = MAX_TREE_DEPTH) -> None
     Traceback (most recent call last):
     dstt.errors.CorruptStoreError: x: value tree nested more than 3 levels deep
     """
-    stack: list[tuple[Any, int]] = [(tree, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, dict):
-            children: Any = v.values()
-        elif isinstance(v, list):
-            children = v
-        else:
-            continue
-        if depth >= limit:
-            raise CorruptStoreError(f"{where}: value tree nested more than {limit} levels deep")
-        stack.extend((c, depth + 1) for c in children)
+    # Level by level: the nodes at depth d, then their children (one list
+    # per level, not a (node, depth) pair per node: trees of 100,000
+    # tensors, issue 16).
+    level: list[Any] = [tree]
+    depth = 0
+    while level:
+        nxt: list[Any] = []
+        for v in level:
+            if isinstance(v, dict):
+                nxt.extend(v.values())
+            elif isinstance(v, list):
+                nxt.extend(v)
+            else:
+                continue
+            if depth >= limit:
+                raise CorruptStoreError(f"{where}: value tree nested more than {limit} levels deep")
+        level = nxt
+        depth += 1
 
 #: Tags whose argument names a logical tensor of the step.
 TENSOR_TAGS = ("$tensor", "$ndarray")
