@@ -237,7 +237,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     from dstt.capture import ranks
     from dstt.capture import ring as R
     from dstt.store.lock import BranchLock
-    from dstt.store.writer import Writer
+    from dstt.store.writer import Writer, batches
 
     torch.set_num_threads(1)
     lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
@@ -269,7 +269,12 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
         plan = writer.adopt(R.plan_of(record, pools[name], verify=verify))
         writer.ensure_arrays(plan)
-        results = list(flush.map(lambda t: writer.flush_chunk(plan, t, t.source), plan.tasks))
+        # small chunks in groups (store/batchflush.py), large ones one per task
+        flushed = list(flush.map(lambda b: writer.flush_chunks(plan, b), batches(plan.tasks)))
+        results = [r for done, _ in flushed for r in done]
+        error = next((e for _, e in flushed if e is not None), None)
+        if error is not None:
+            raise error
         if records is not None:
             records.begin(step, plan.seq, ranks.plan_doc(record) if records.rank == 0 else None)
         try:

@@ -442,7 +442,9 @@ def record_plan(writer: Writer, plan: StepPlan, run: str, world: int, doc: dict[
     coord = RecordCoordinator(writer.backend, writer.branch.name, writer.rank, world, run, mode="record")
     coord.begin(plan.step, plan.seq, doc)
     writer.ensure_arrays(plan)
-    results = [writer.flush_chunk(plan, t, t.source) for t in plan.tasks]
+    results, error = writer.flush_chunks(plan, plan.tasks)  # small chunks in groups (store/batchflush.py)
+    if error is not None:
+        raise error
     saved = writer.commit_coord
     writer.commit_coord = coord
     try:

@@ -513,17 +513,12 @@ class FlightRecorder:
     @staticmethod
     def _flush_views(w: Writer, plan: StepPlan, batch: list[tuple[ChunkTask, torch.Tensor]],
                      prev: dict[tuple[str, int], torch.Tensor]) -> tuple[list[ChunkResult], BaseException | None]:
-        out: list[ChunkResult] = []
-        error: BaseException | None = None
+        # (small chunks in groups: store/batchflush.py; every chunk flushed or failed)
+        prevs: list[torch.Tensor | None] = []
         for t, view in batch:
-            try:
-                p = prev.get((t.layout.array, t.index))
-                if p is not None and p.shape != view.shape:
-                    p = None
-                out.append(w.flush_chunk(plan, t, view, p))
-            except BaseException as e:  # every chunk flushed or failed: none left running
-                error = error or e
-        return out, error
+            p = prev.get((t.layout.array, t.index))
+            prevs.append(None if p is None or p.shape != view.shape else p)
+        return w.flush_chunks(plan, [t for t, _ in batch], [v for _, v in batch], prevs)
 
     def _take_memory_only(self, w: Writer, step: int) -> list[tuple[int, int]]:
         steps = self._memory_only.get(id(w), [])

@@ -391,7 +391,9 @@ def recover(writer: Any, identity: dict[str, Any], *, exclude: Path | None = Non
                     log.warning("dstt: not committing a step of staging ring %s: %s", ring, e)
                     continue
                 writer.ensure_arrays(plan)
-                results = [writer.flush_chunk(plan, t, t.source) for t in plan.tasks]
+                results, error = writer.flush_chunks(plan, plan.tasks)  # (store/batchflush.py)
+                if error is not None:
+                    raise error
                 writer.commit(plan, results)
                 done.append(step)
                 log.warning("dstt: committed step %d of branch %r, sealed in the staging ring of a trainer that "
