@@ -45,8 +45,9 @@ from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.batchflush import BatchFlush
 from dstt.store.codec import CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
-from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase
+from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase, resolved_tails
 from dstt.store.coord import Coordinator, default_coordinator
+from dstt.store.gcpause import paused_gc
 from dstt.store.heads import latest_committed
 from dstt.store.index import resolve_parent
 from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, Link, code_chunk
@@ -259,14 +260,8 @@ class Writer(BatchFlush, CommitPhase):
         entries, _ = parse_index_checked(data, where, rec["sha256"])
         # Keyframe bytes are not kept across writers: the first step delta
         # codes nothing (its chunks are keyframes), dedup still applies.
-        self._tails = {
-            (e.array, i): Link.resolved(ChunkRef(
-                c, None if h is None else bytes.fromhex(h), s,
-                None if e.keyframes is None else (s if e.keyframe(i) is None else e.keyframe(i)),
-                pack=e.pack(i)))
-            for e in entries
-            for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots))
-        }
+        with paused_gc():  # (a link per chunk, no cycles: issue 16)
+            self._tails = resolved_tails(entries)
         # (an array all of whose chunks are packed has no zarr.json: a writer
         # packing less, DSTT_PACK_CHUNK_BYTES changed, must write it)
         self._known_arrays.update(e.array for e in entries if e.packs is None or None in e.packs)
