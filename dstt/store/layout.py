@@ -122,13 +122,40 @@ def validate_branch(name: object) -> str:
     return name
 
 
+#: Components that are their own escape (the common case): matched whole.
+_PLAIN_RE = re.compile(r"[A-Za-z0-9._-]+")
+#: Memo of escaped components and of escaped name prefixes (planning calls
+#: these per tensor per first sighting: tens of thousands of tensors share a
+#: few component strings). Cleared when full, so never unbounded.
+_ESCAPED: dict[str, str] = {}
+_PREFIXES: dict[str, tuple[str, str | None]] = {}
+_MEMO_MAX = 1 << 17
+
+
 def escape_component(part: str) -> str:
     """Percent-encode one tensor-name component into a safe path component.
 
     The result only uses ``[A-Za-z0-9._%-]``, is never ``.``/``..``/empty and
     never starts with ``__`` (reserved by Zarr), so no tensor name can escape
     its array directory or collide with an ``@<sig>`` array node.
+
+    >>> escape_component("layer.0"), escape_component("a b"), escape_component("__x")
+    ('layer.0', 'a%20b', '%5F_x')
     """
+    s = _ESCAPED.get(part)
+    if s is not None:
+        return s
+    if _PLAIN_RE.fullmatch(part) and part not in (".", "..") and not part.startswith("__"):
+        s = part
+    else:
+        s = _escape_slow(part)
+    if len(_ESCAPED) >= _MEMO_MAX:
+        _ESCAPED.clear()
+    _ESCAPED[part] = s
+    return s
+
+
+def _escape_slow(part: str) -> str:
     if part in ("", ".", ".."):
         return "".join(f"%{ord(c):02X}" for c in part) or "%00"
     out = []
@@ -146,19 +173,37 @@ def escape_component(part: str) -> str:
     return s
 
 
+def _name_prefix(name: str) -> tuple[str, str | None]:
+    """``tensors/<escaped components>`` and the first escaped component
+    longer than MAX_COMPONENT_BYTES, if any (memoized per name)."""
+    got = _PREFIXES.get(name)
+    if got is None:
+        parts = [escape_component(p) for p in name.split("/")]
+        got = ("/".join([TENSORS, *parts]), next((p for p in parts if len(p) > MAX_COMPONENT_BYTES), None))
+        if len(_PREFIXES) >= _MEMO_MAX:
+            _PREFIXES.clear()
+        _PREFIXES[name] = got
+    return got
+
+
 def array_path(name: str, sig: str) -> str:
     """The array node path of a logical tensor with a given array signature.
 
     Refuses (InvalidNameError) names whose path no store could hold or no
     reader would accept, so a writer never commits a step it cannot read.
+
+    >>> array_path("model/layer.0/w", "f32_4_c4_raw")
+    'tensors/model/layer.0/w/@f32_4_c4_raw'
     """
-    parts = [*(escape_component(p) for p in name.split("/")), "@" + sig]
-    long = next((p for p in parts if len(p) > MAX_COMPONENT_BYTES), None)
+    prefix, long = _name_prefix(name)
+    last = "@" + sig
+    if long is None and len(last) > MAX_COMPONENT_BYTES:
+        long = last
     if long is not None:
         raise InvalidNameError(
             f"tensor name {name[:80]!r}: path component {long[:40]}... is {len(long)} bytes, "
             f"at most {MAX_COMPONENT_BYTES} fit in a file name")
-    path = "/".join([TENSORS, *parts])
+    path = prefix + "/" + last
     if len(path) > MAX_ARRAY_PATH:
         raise InvalidNameError(
             f"tensor name {name[:80]!r}... is nested too deeply: its array path has {len(path)} "

@@ -11,11 +11,10 @@ computes the same layout without talking to the others.
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar, overload
 
 import torch
 
@@ -24,6 +23,7 @@ from dstt.store.chunks import ChunkGrid
 from dstt.store.codec import CodecSpec
 from dstt.store.delta import DELTA_ITEMSIZES
 from dstt.store.dtypes import DtypeInfo, info_for_name
+from dstt.store.gcpause import paused_gc
 from dstt.store.layout import DELTA_SUFFIX, array_path
 from dstt.store.packs import default_pack_chunk_bytes
 from dstt.store.shards import (
@@ -38,6 +38,30 @@ from dstt.store.torch_dtypes import info_for_torch
 from dstt.store.tree import flatten
 
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+
+_T = TypeVar("_T")
+
+
+class _cached(Generic[_T]):
+    """A computed-once attribute without functools.cached_property's lock
+    (Python 3.11 takes it on the first use per instance, which cost more
+    than the values for tens of thousands of one-chunk tensors: issue 16).
+    The value lands in the instance ``__dict__``, which wins from then on.
+    A race computes a pure value twice, harmlessly."""
+
+    def __init__(self, fn: Callable[[Any], _T]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+
+    @overload
+    def __get__(self, obj: None, cls: Any) -> _cached[_T]: ...
+    @overload
+    def __get__(self, obj: object, cls: Any) -> _T: ...
+    def __get__(self, obj: Any, cls: Any) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
 
 
 @dataclass
@@ -79,22 +103,22 @@ class TensorLayout:
 
     # Cached: a layout is not changed once built, and these are asked for
     # several times per chunk (tens of thousands of tensors: issue 16).
-    @functools.cached_property
+    @_cached
     def array(self) -> str:
         return array_path(self.name, self.sig)
 
-    @functools.cached_property
+    @_cached
     def sig(self) -> str:
         shape = "x".join(map(str, self.shape)) or "scalar"
         chunk = "x".join(map(str, self.chunk_shape)) or "scalar"
         return f"{self.dtype.logical}_{shape}_c{chunk}_{self.codec.tag}"
 
-    @functools.cached_property
+    @_cached
     def packed(self) -> bool:
         """Chunks are appended to the step's packs, not chunk files (docs/format.md "Packs")."""
         return self.nchunks > 0 and self.chunk_nbytes <= self.pack_chunk_bytes
 
-    @functools.cached_property
+    @_cached
     def delta(self) -> bool:
         """Chunks may be stored as differences to a keyframe (docs/format.md
         "Delta chunks"); never packed ones (small: a delta would save little)."""
@@ -104,15 +128,15 @@ class TensorLayout:
     def delta_array(self) -> str:
         return self.array + DELTA_SUFFIX
 
-    @functools.cached_property
+    @_cached
     def chunk_grid(self) -> ChunkGrid:
         return ChunkGrid(self.shape, self.chunk_shape)
 
-    @functools.cached_property
+    @_cached
     def grid(self) -> tuple[int, ...]:
         return self.chunk_grid.grid
 
-    @functools.cached_property
+    @_cached
     def nchunks(self) -> int:
         return self.chunk_grid.nchunks
 
@@ -137,12 +161,14 @@ class TensorLayout:
         h = zlib.crc32(self.name.encode()) + index
         return region.holders[h % len(region.holders)]
 
-    @functools.cached_property
+    @_cached
     def meta_owner_rank(self) -> int:
         return self.meta_owner()
 
     def meta_owner(self) -> int:
         """The rank that writes this array's zarr.json (the owner of chunk 0)."""
+        if len(self.regions) == 1 and len(self.regions[0].holders) == 1:
+            return self.regions[0].holders[0]  # (owner() of a single holder)
         region = next((r for r in self.regions if math.prod(r.shape) > 0), self.regions[0])
         first = tuple(o // c for o, c in zip(region.offset, self.chunk_shape))
         return self.owner(region, self.linear(first) if self.nchunks else 0)
@@ -304,13 +330,21 @@ def build_layout(
 ) -> TensorLayout:
     kind, dtype, shape, _mode, regions_raw = desc
     info = info_for_name(dtype)
-    regions = [Region(tuple(o), tuple(s), sorted(h)) for o, s, h in regions_raw]
-    check_tiling(tuple(shape), regions, name)
-    bounds = interior_boundaries(tuple(shape), regions)
-    chunk = choose_chunk_shape(tuple(shape), info.itemsize, bounds, max_chunk_bytes)
+    shape = tuple(shape)
+    if len(regions_raw) == 1 and not any(regions_raw[0][0]) and tuple(regions_raw[0][1]) == shape:
+        # One region covering the whole tensor (a single process's tensor, a
+        # replicated one): it tiles the tensor, and has no interior boundary.
+        o, _, h = regions_raw[0]
+        regions = [Region(tuple(o), shape, sorted(h))]
+        bounds: list[set[int]] = [set()] * len(shape)
+    else:
+        regions = [Region(tuple(o), tuple(s), sorted(h)) for o, s, h in regions_raw]
+        check_tiling(shape, regions, name)
+        bounds = interior_boundaries(shape, regions)
+    chunk = choose_chunk_shape(shape, info.itemsize, bounds, max_chunk_bytes)
     packing = default_pack_chunk_bytes() if pack_chunk_bytes is None else pack_chunk_bytes
-    layout = TensorLayout(name, kind, info, tuple(shape), chunk, codec, regions, packing)
-    array_path(name, layout.sig)  # InvalidNameError now, before anything is written
+    layout = TensorLayout(name, kind, info, shape, chunk, codec, regions, packing)
+    layout.__dict__["array"] = array_path(name, layout.sig)  # InvalidNameError now, before anything is written
     if layout.delta:
         array_path(name, layout.sig + DELTA_SUFFIX)
     return layout
@@ -320,6 +354,13 @@ def region_tasks(layout: TensorLayout, region: Region, data: torch.Tensor, rank:
     """Chunk tasks of one region that ``rank`` owns; ``data`` is the region's local data."""
     if math.prod(region.shape) == 0:
         return []
+    if layout.chunk_shape == region.shape == layout.shape and len(region.holders) == 1:
+        # One chunk, the whole tensor, one holder (most small tensors): no
+        # grid walk, and the data itself is the chunk.
+        if region.holders[0] != rank:
+            return []
+        zero = region.offset
+        return [ChunkTask(layout, 0, zero, zero, layout.shape, data)]
     tasks = []
     for coords in layout.chunk_grid.overlapping(region.offset, region.shape):
         index = layout.linear(coords)
@@ -353,6 +394,18 @@ def plan_step(
     size), and building one per tensor per step dominated planning of small
     tensors (issue 16). Chunks of at most ``pack_chunk_bytes`` raw bytes
     (default: :func:`dstt.store.packs.default_pack_chunk_bytes`) are packed."""
+    # Planning builds a few objects per tensor and keeps them: with the
+    # collector on, tens of thousands of them trigger full collections that
+    # walk every live object (most of an unchanged step's planning time at
+    # 20,000 tensors; issue 16). They hold no cycles.
+    with paused_gc():
+        return _plan_step(step, state, rank, exchange, codec, max_chunk_bytes, allow_pickle, layout_cache,
+                          pack_chunk_bytes)
+
+
+def _plan_step(step: int, state: Any, rank: int, exchange: Callable[[Any], list[Any]] | None, codec: CodecSpec,
+               max_chunk_bytes: int, allow_pickle: bool, layout_cache: dict[Any, TensorLayout] | None,
+               pack_chunk_bytes: int | None) -> StepPlan:
     if pack_chunk_bytes is None:
         pack_chunk_bytes = default_pack_chunk_bytes()
     tree, tensors, kinds = flatten(state, allow_pickle=allow_pickle)
@@ -396,22 +449,32 @@ def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec
     layouts: list[TensorLayout] = []
     tasks: list[ChunkTask] = []
     meta: list[TensorLayout] = []
+    # Per-tensor plans of this configuration, by name: (kind, dtype, shape,
+    # layout, meta owner?, [(index, coords, offset, shape, box or None)]).
+    known: dict[str, Any] = cache.setdefault(("$local", codec, max_chunk_bytes, pack_chunk_bytes, rank), {})
+    strided = torch.strided
     for name in sorted(tensors):
         v = tensors[name]
-        key = None
-        if isinstance(v, torch.Tensor) and not v.is_nested and v.layout is torch.strided and not is_dtensor(v):
-            key = ("$local", name, kinds[name], v.dtype, v.shape, v.is_meta, codec, max_chunk_bytes,
-                   pack_chunk_bytes, rank)
-            hit = cache.get(key)
-            if hit is not None:
-                layout, owner, boxes = hit
-                src = v.detach()
-                layouts.append(layout)
-                if owner:
-                    meta.append(layout)
-                tasks.extend(ChunkTask(layout, i, c, o, shp, src if box is None else src[box])
-                             for i, c, o, shp, box in boxes)
-                continue
+        plain = False
+        if isinstance(v, torch.Tensor):
+            # (exact torch.Tensor is never a DTensor: no is_dtensor call)
+            plain = not v.is_nested and v.layout is strided and not v.is_meta and (
+                type(v) is torch.Tensor or not is_dtensor(v))
+            if plain:
+                hit = known.get(name)
+                if hit is not None and hit[1] is v.dtype and hit[0] == kinds[name] and hit[2] == v.shape:
+                    layout, owner, boxes = hit[3], hit[4], hit[5]
+                    src = v.detach() if v.requires_grad else v  # (detach() builds a tensor object)
+                    layouts.append(layout)
+                    if owner:
+                        meta.append(layout)
+                    if len(boxes) == 1 and boxes[0][4] is None:
+                        i, c, o, shp, _ = boxes[0]
+                        tasks.append(ChunkTask(layout, i, c, o, shp, src))
+                    else:
+                        tasks.extend(ChunkTask(layout, i, c, o, shp, src if box is None else src[box])
+                                     for i, c, o, shp, box in boxes)
+                    continue
         lt = describe_local(name, kinds[name], v, rank)
         layout = _cached_layout(name, lt.describe(), codec, max_chunk_bytes, pack_chunk_bytes, cache)
         layouts.append(layout)
@@ -424,9 +487,12 @@ def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec
                 continue  # an empty shard has no chunks
             mine.extend(region_tasks(layout, region, _local_data_for(lt, region), rank))
         tasks.extend(mine)
-        if key is not None and lt.mode == "replicated":
+        if plain and lt.mode == "replicated":
+            assert isinstance(v, torch.Tensor)
             base = (0,) * len(layout.shape)
-            cache[key] = (layout, owner, [
+            if len(known) >= MAX_CACHED_LAYOUTS:
+                known.clear()
+            known[name] = (kinds[name], v.dtype, v.shape, layout, owner, [
                 (t.index, t.coords, t.offset, t.shape,
                  None if t.offset == base and t.shape == layout.shape else
                  tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape)))
