@@ -271,3 +271,33 @@ def test_capture_memory_tier_batches_with_update_stats(store: Path) -> None:
     for k in after:
         want = float((after[k] - before[k]).double().norm())
         assert st[f"model/{k}"]["update_norm"] == pytest.approx(want, rel=1e-6)
+
+
+def test_in_thread_capture_flushes_staged_groups_together(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capture(helper=False) with its staging ring: the small eager tensors
+    copied as a group are flushed by one flush_chunks call (engine._flush_many)."""
+    sizes: list[int] = []
+    real = Writer.flush_chunks
+
+    def spy(self: Writer, plan: Any, tasks: Any, *args: Any, **kw: Any) -> Any:
+        sizes.append(len(tasks))
+        return real(self, plan, tasks, *args, **kw)
+
+    monkeypatch.setattr(Writer, "flush_chunks", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(30)])
+    want = {}
+    with dstt.Capture(store, helper=False, shm=True) as cap:
+        for step in range(3):
+            with torch.no_grad():
+                model[step].weight.add_(1.0)  # one tensor changes per step
+            cap.snapshot(step, model=model, rng=False)
+            cap.wait()
+            want[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert max(sizes) == 60  # the 60 small tensors in one call
+    run = dstt.open(store)
+    for step in range(3):
+        assert_state({f"model/{k}": v for k, v in want[step].items()}, flat(run.state_dict(step)))
+        st = {e.name: e.stats for e in run.tensors(step)}
+        w = want[step]["5.weight"].double()
+        assert st["model/5.weight"]["norm"] == pytest.approx(float(w.norm()), rel=1e-9)

@@ -550,6 +550,20 @@ class Capture(Stager, CrashSafe, FlightRecorder, Incidents, Rewinder):
             if not job.hold:  # a held block is the ring's copy until the step is committed
                 pool.release(staged)
 
+    def _flush_many(self, pool: HostPool, job: Job, tasks: list[ChunkTask], staged: list[torch.Tensor],
+                    ) -> tuple[list[ChunkResult], BaseException | None]:
+        """:meth:`_flush_one` for a group of staged CPU chunks: one pool task,
+        small chunks flushed together (Writer.flush_chunks: every chunk
+        flushed or failed; its results and first error)."""
+        try:
+            if job.error is not None:  # the step already failed: do not spend I/O on it
+                raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
+            return self.writer.flush_chunks(job.plan, tasks, list(staged))
+        finally:
+            if not job.hold:  # a held block is the ring's copy until the step is committed
+                for s in staged:
+                    pool.release(s)
+
     def _commit_loop(self) -> None:
         self._lower_priority()
         while True:
@@ -595,7 +609,12 @@ class Capture(Stager, CrashSafe, FlightRecorder, Incidents, Rewinder):
             error = error or e
         for f in job.futures:
             try:
-                results.append(f.result())
+                got = f.result()  # a ChunkResult, or (results, error) of a group (_flush_many)
+                if isinstance(got, tuple):
+                    results.extend(got[0])
+                    error = error or got[1]
+                else:
+                    results.append(got)
             except BaseException as e:  # drain all: no flush may outlive its step
                 error = error or e
         # Collective: called for every planned step, with its error, so that

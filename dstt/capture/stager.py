@@ -122,8 +122,7 @@ class Stager:
                 raise
             job.views.extend(zip(group, dsts))
             if flush_now:  # (a held block is released at commit, not by its flush)
-                job.futures.extend(self._flush.submit(self._flush_one, pool, job, t, d, None)
-                                   for t, d in zip(group, dsts))
+                job.futures.append(self._flush.submit(self._flush_many, pool, job, list(group), dsts))
 
         for t in tasks:
             nbytes = task_bytes(t)
