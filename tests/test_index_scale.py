@@ -293,3 +293,23 @@ def test_paused_gc_restores_the_collector_state() -> None:
     with pytest.raises(ValueError), paused_gc():
         raise ValueError("boom")
     assert pygc.isenabled()
+
+
+def test_docs_row_recipe_gives_the_entries_dstt_parses(store: Path) -> None:
+    """docs/format.md "Index rows": its object form of a row, run as written,
+    parses (with the derived checksum) to exactly what dstt reads."""
+    import re
+
+    from dstt.store.manifest import parse_entry
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+    section = doc.split("### Index rows", 1)[1].split("\n## ", 1)[0]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[-1]
+    dstt.save(store, 0, many_state(60))
+    step_dir = L.step_dir("main", 0)
+    scope: dict[str, Any] = {"json": json, "store": str(store), "step_dir": step_dir}
+    exec(code, scope)  # noqa: S102 - the documented recipe itself
+    got = [parse_entry({**e, "checksum": e.get("checksum") or tensor_checksum(e["crcs"])}, "doc")
+           for e in scope["entries"]]
+    want, _ = parse_index((store / step_dir / L.INDEX_FILE).read_bytes(), "index")
+    assert got == want and "types" in scope["doc"]
