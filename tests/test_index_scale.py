@@ -313,3 +313,33 @@ def test_docs_row_recipe_gives_the_entries_dstt_parses(store: Path) -> None:
            for e in scope["entries"]]
     want, _ = parse_index((store / step_dir / L.INDEX_FILE).read_bytes(), "index")
     assert got == want and "types" in scope["doc"]
+
+
+def test_commit_refuses_missing_duplicate_and_extra_chunk_results(store: Path) -> None:
+    """The committer's chunk accounting (one dict keyed by (tensor, chunk)):
+    a missing, a repeated or an out-of-grid chunk result fails the step and
+    commits nothing; the results as flushed commit."""
+    import dataclasses
+
+    from dstt.errors import CaptureError
+    from dstt.store.writer import Writer
+
+    state = {"a": torch.ones(4), "b": torch.arange(3.0)}
+    with Writer(store) as w:
+        for step, (edit, message) in enumerate([
+            (lambda rs: rs[1:], "0 of 1 chunks were written"),
+            (lambda rs: rs + rs[:1], "was written twice"),
+            (lambda rs: rs + [dataclasses.replace(rs[0], index=1)], "2 of 1 chunks were written"),
+        ]):
+            plan = w.plan(step, state)
+            w.ensure_arrays(plan)
+            results, error = w.flush_chunks(plan, plan.tasks)
+            assert error is None and len(results) == 2
+            with pytest.raises(CaptureError, match=message):
+                w.commit(plan, edit(results))
+            assert not w.is_stored(step)
+        plan = w.plan(3, state)
+        w.ensure_arrays(plan)
+        results, _ = w.flush_chunks(plan, plan.tasks)
+        w.commit(plan, results)
+    same(state, dstt.open(store).state_dict(3))

@@ -24,7 +24,6 @@ from dstt.store.keyframes import ChunkRef, Link
 from dstt.store.manifest import (
     TensorEntry,
     commit_document,
-    decode_json,
     encode_json,
     encode_stats,
     has_rows,
@@ -172,49 +171,62 @@ class CommitPhase:
 
     def _write_commit(self, plan: StepPlan, results: list[ChunkResult],
                       memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
-        by_tensor: dict[str, dict[int, ChunkResult]] = {}
+        # One dict keyed by (tensor, chunk index): a dict per tensor cost
+        # more than the rest of a one-chunk tensor's entry (issue 16).
+        by_chunk: dict[tuple[str, int], ChunkResult] = {}
         for r in results:
-            slot_map = by_tensor.setdefault(r.name, {})
-            if r.index in slot_map:
+            key = (r.name, r.index)
+            if key in by_chunk:
                 raise CaptureError(f"chunk {r.index} of {r.name} was written twice")
-            slot_map[r.index] = r
+            by_chunk[key] = r
         tensors: list[TensorEntry] = []
         names: list[str] = []
         rows: list[list[float]] = []
-        written = referenced = 0
+        written = referenced = bytes_total = expected = 0
         for layout in plan.layouts:
-            chunks = by_tensor.get(layout.name, {})
             n = layout.nchunks
-            if len(chunks) != n:
-                raise CaptureError(f"{layout.name}: {len(chunks)} of {n} chunks were written")
+            expected += n
+            ordered = [by_chunk.get((layout.name, i)) for i in range(n)]
+            if None in ordered:
+                got = sum(1 for (name, _) in by_chunk if name == layout.name)
+                raise CaptureError(f"{layout.name}: {got} of {n} chunks were written")
+            nbytes = layout.nbytes
+            bytes_total += nbytes
             if n == 1:  # the common case by far (tens of thousands of small tensors: issue 16)
-                tensors.append(_one_chunk_entry(layout, chunks[0]))
-                c = chunks[0]
+                c = cast(ChunkResult, ordered[0])
+                tensors.append(_one_chunk_entry(layout, c))
                 written += c.written
                 if c.written == 0:
-                    referenced += layout.nbytes if layout.chunk_shape == layout.shape else _valid_bytes(layout, 0)
+                    referenced += nbytes if layout.chunk_shape == layout.shape else _valid_bytes(layout, 0)
                 p = Partial.from_list(c.partial)
                 rows.append(finalize(p if p.n else merge([p])))  # (merge of one part: itself)
                 names.append(layout.name)
                 continue
-            ordered = [chunks[i] for i in range(n)]
-            crcs = [c.crc for c in ordered]
-            for c in ordered:
+            chunks = cast("list[ChunkResult]", ordered)
+            crcs = [c.crc for c in chunks]
+            for c in chunks:
                 written += c.written
                 if c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
                     referenced += _valid_bytes(layout, c.index)
-            stats = finalize(merge([Partial.from_list(c.partial) for c in ordered]))
+            stats = finalize(merge([Partial.from_list(c.partial) for c in chunks]))
             tensors.append(TensorEntry(
                 layout.name, layout.kind, layout.dtype, tuple(layout.shape), tuple(layout.chunk_shape),
-                layout.codec, layout.array, [c.slot for c in ordered], crcs,
-                [None if c.sha256 is None else c.sha256.hex() for c in ordered], tensor_checksum(crcs),
-                sum(c.written for c in ordered),
-                keyframes=[c.keyframe for c in ordered] if layout.delta else None,
+                layout.codec, layout.array, [c.slot for c in chunks], crcs,
+                [None if c.sha256 is None else c.sha256.hex() for c in chunks], tensor_checksum(crcs),
+                sum(c.written for c in chunks),
+                keyframes=[c.keyframe for c in chunks] if layout.delta else None,
                 delta_array=layout.delta_array if layout.delta else None,
-                packs=[c.pack for c in ordered] if any(c.pack is not None for c in ordered) else None,
+                packs=[c.pack for c in chunks] if any(c.pack is not None for c in chunks) else None,
             ))
             names.append(layout.name)
             rows.append(stats)
+        if len(by_chunk) != expected:  # chunks past a planned tensor's grid (others' are ignored)
+            planned = {layout.name: layout.nchunks for layout in plan.layouts}
+            for name, i in by_chunk:
+                size = planned.get(name)
+                if size is not None and not 0 <= i < size:
+                    got = sum(1 for (nm, _) in by_chunk if nm == name)
+                    raise CaptureError(f"{name}: {got} of {size} chunks were written")
         where = L.step_dir(self.branch.name, plan.step)
         # Format 2 only where a step uses delta coding: other steps stay
         # readable by format-1 readers.
@@ -231,13 +243,16 @@ class CommitPhase:
         index = index_document(version, self.branch.name, plan.step, tensors, plan.tree)
         names_b = encode_json(names)
         stats_b = encode_stats(rows)
-        files = {}
+        files: dict[str, dict[str, Any]] = {}
         for fname, data in ((L.INDEX_FILE, index), (L.NAMES_FILE, names_b), (L.STATS_FILE, stats_b)):
             self.backend.put(f"{where}/{fname}", data)
             files[fname] = {"sha256": sha256_hex(data), "size": len(data)}
         # The next writer's (dstt.save: a new one per call) and a reader's
         # parse of this index reuse these entries (manifest.parse_index_checked).
-        remember_index(sha256_hex(index), tensors, decode_json(encode_json(plan.tree), where))
+        # (plan.tree is what JSON gives back: tree.flatten emits only dicts
+        # with str keys, lists, str, int, finite floats, bools and None, and
+        # no one changes a plan's tree.)
+        remember_index(files[L.INDEX_FILE]["sha256"], tensors, plan.tree)
         # The head names this step before its marker exists, made durable by
         # the sync below: a reader finding no marker for it falls back to
         # last_commit, recorded as its predecessor (dstt.store.heads).
@@ -252,7 +267,7 @@ class CommitPhase:
         self.backend.sync()
         commit = commit_document(
             version=version, branch=self.branch.name, step=plan.step, seq=plan.seq, time=time.time(),
-            world_size=self.coord.world, n_tensors=len(tensors), bytes_total=sum(l.nbytes for l in plan.layouts),
+            world_size=self.coord.world, n_tensors=len(tensors), bytes_total=bytes_total,
             bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files,
             coding="fast" if plan.fast else None, memory_only=memory_only or None)
         # The lock may have been broken while this step was written (dstt
