@@ -42,6 +42,7 @@ import torch
 
 from dstt.store.codec import encode_chunk
 from dstt.store.committer import ChunkResult
+from dstt.store.gcpause import paused_gc
 from dstt.store.keyframes import ChunkPlace, ChunkRef, Link, _equals_stored
 from dstt.store.stats import BATCH_DTYPES, batch_partials
 from dstt.store.torch_dtypes import as_storage_view
@@ -100,13 +101,13 @@ class BatchFlush:
             s = staged[i] if staged is not None else None
             src = t.source if s is None else s
             srcs.append(src)
-            layout = t.layout
-            nbytes = layout.chunk_nbytes
-            # (inline: this loop runs per chunk, tens of thousands of times)
-            if (0 < nbytes <= BATCH_CHUNK_BYTES and src.dtype in BATCH_DTYPES and src.is_cpu
-                    and t.shape == layout.chunk_shape and not src.is_neg()):
-                groups.setdefault(src.dtype, []).append((i, nbytes))
-                continue
+            # (batchable() inline: this loop runs per chunk, tens of thousands of
+            # times; not padded, so the chunk's bytes are the source's)
+            if t.shape == t.layout.chunk_shape and src.dtype in BATCH_DTYPES and src.is_cpu and not src.is_neg():
+                nbytes = src.nbytes
+                if 0 < nbytes <= BATCH_CHUNK_BYTES:
+                    groups.setdefault(src.dtype, []).append((i, nbytes))
+                    continue
             try:
                 results.append(self.flush_chunk(plan, t, s, None if prev_staged is None else prev_staged[i]))
             except BaseException as e:  # every chunk flushed or failed: none left running
@@ -126,62 +127,80 @@ class BatchFlush:
         for link in links:
             link.started = True
         settled = [False] * len(tasks)  # each link is resolved, waits, or passes through exactly once
-        error: BaseException | None = None
+        # Single-threaded torch for this batch's small operations: an OpenMP
+        # team per call costs more than it saves on 64K values, and its
+        # spinning workers preempt the trainer's (per calling thread with
+        # OpenMP; restored below: this may be the caller's own thread).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         try:
-            with torch.no_grad():
-                flats = [s if s.dim() == 1 else s.reshape(-1) for s in srcs]
-                buf = torch.cat(flats)  # private: the bytes of every chunk, stats read it too
-            counts = [f.numel() for f in flats]
-            rows = batch_partials(buf, counts, prevs)
-            arr = as_storage_view(buf).numpy().view(np.uint8)
-            mv = arr.data
-            itemsize = buf.element_size()
-            offs = [0]
-            for c in counts:
-                offs.append(offs[-1] + c * itemsize)
-            later: list[tuple[int, ChunkResult, ChunkRef | None]] = []
-            packed: list[tuple[int, ChunkResult, list[Any]]] = []
-            cpu = time.thread_time()
-            packs = plan.packs
-            for j, t in enumerate(tasks):
-                a, b = offs[j], offs[j + 1]
-                raw = mv[a:b]
-                crc = int(google_crc32c.extend(0, arr[a:b]))
-                result = ChunkResult(t.layout.name, t.index, crc, None, plan.slot, 0, b - a, rows[j])
-                link = links[j]
-                prev: Link | None = link.prev
-                done, value = (True, None) if prev is None else prev.peek()
-                if prev is not None and not done:
-                    self._wait_for(plan, t, raw, result, link, prev)
-                    settled[j] = True
-                    out.append(result)
-                    continue
-                if not (t.layout.packed and packs is not None):
-                    later.append((j, result, value))  # a chunk file: Writer._store
-                    continue
-                ref, parts = self._code_packed(plan, t, raw, result, value)
-                if ref is not None:  # unchanged: references the previous step's bytes
-                    link.resolve(ref)
-                    settled[j] = True
-                    out.append(result)
-                else:
-                    packed.append((j, result, parts))
-            if packed:
-                error = self._add_packed(plan, packed, links, settled, out)
-            with self._open_lock:
-                self._encode_cpu_s += time.thread_time() - cpu
-            for j, result, value in later:
-                settled[j] = True  # _store resolves the link or passes it through
-                try:
-                    out.append(self._store(plan, tasks[j], mv[offs[j]:offs[j + 1]], result, links[j], value))
-                except BaseException as e:
-                    error = error or e
+            # The collector paused: the few objects per chunk (results, refs,
+            # ranges) hold no cycles, and would trigger full collections that
+            # walk every live object -- ~1 s of a 100,000-tensor step.
+            with paused_gc():
+                return self._code_group(plan, tasks, srcs, prevs, links, settled, out)
         except BaseException as e:
-            error = error or e
+            return e
         finally:
+            torch.set_num_threads(threads)
             for j, link in enumerate(links):
                 if not settled[j]:
                     link.pass_through()  # later steps compare with what was there before
+
+    def _code_group(self, plan: StepPlan, tasks: list[ChunkTask], srcs: list[torch.Tensor],
+                    prevs: list[torch.Tensor | None] | None, links: list[Link], settled: list[bool],
+                    out: list[ChunkResult]) -> BaseException | None:
+        """The body of :meth:`_flush_group`: ``settled[j]`` set once chunk j's
+        link is resolved, waits for its predecessor, or was passed through."""
+        error: BaseException | None = None
+        with torch.no_grad():
+            flats = [s if s.dim() == 1 else s.reshape(-1) for s in srcs]
+            buf = torch.cat(flats)  # private: the bytes of every chunk, stats read it too
+        counts = [f.numel() for f in flats]
+        rows = batch_partials(buf, counts, prevs)
+        arr = as_storage_view(buf).numpy().view(np.uint8)
+        mv = arr.data
+        itemsize = buf.element_size()
+        offs = [0]
+        for c in counts:
+            offs.append(offs[-1] + c * itemsize)
+        later: list[tuple[int, ChunkResult, ChunkRef | None]] = []
+        packed: list[tuple[int, ChunkResult, list[Any]]] = []
+        cpu = time.thread_time()
+        packs, slot, extend = plan.packs, plan.slot, google_crc32c.extend
+        for j, t in enumerate(tasks):
+            a, b = offs[j], offs[j + 1]
+            raw = mv[a:b]
+            layout = t.layout
+            result = ChunkResult(layout.name, t.index, int(extend(0, arr[a:b])), None, slot, 0, b - a, rows[j])
+            link = links[j]
+            prev: Link | None = link.prev
+            done, value = (True, None) if prev is None else prev.peek()
+            if prev is not None and not done:
+                self._wait_for(plan, t, raw, result, link, prev)
+                settled[j] = True
+                out.append(result)
+                continue
+            if not (layout.packed and packs is not None):
+                later.append((j, result, value))  # a chunk file: Writer._store
+                continue
+            ref, parts = self._code_packed(plan, t, raw, result, value)
+            if ref is not None:  # unchanged: references the previous step's bytes
+                link.resolve(ref)
+                settled[j] = True
+                out.append(result)
+            else:
+                packed.append((j, result, parts))
+        if packed:
+            error = self._add_packed(plan, packed, links, settled, out)
+        with self._open_lock:
+            self._encode_cpu_s += time.thread_time() - cpu
+        for j, result, value in later:
+            settled[j] = True  # _store resolves the link or passes it through
+            try:
+                out.append(self._store(plan, tasks[j], mv[offs[j]:offs[j + 1]], result, links[j], value))
+            except BaseException as e:
+                error = error or e
         return error
 
     def _code_packed(self, plan: StepPlan, t: ChunkTask, raw: memoryview, result: ChunkResult,
