@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
+import google_crc32c
 import numpy as np
 
 from dstt.errors import ChecksumMismatchError, CorruptStoreError
@@ -188,7 +189,7 @@ def read_packed(backend: Backend, items: list[tuple[TensorEntry, int]], *,
     are read with one request: exactly those bytes, at most
     MAX_PACK_RUN_BYTES at a time, instead of a request per chunk (a
     state_dict of 100,000 small tensors: issue 16)."""
-    by_pack: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+    by_pack: dict[tuple[int, int, int], list[tuple[int, int, int, int]]] = {}
     for k, (e, i) in enumerate(items):
         p = e.pack(i)
         if p is None:
@@ -197,39 +198,40 @@ def read_packed(backend: Backend, items: list[tuple[TensorEntry, int]], *,
         if p.length > max_stored_bytes(e.codec, nbytes):
             raise CorruptStoreError(f"{chunk_where(e, i)}: packed range of {p.length} bytes, "
                                     f"at most {max_stored_bytes(e.codec, nbytes)} possible")
-        by_pack.setdefault((e.slots[i], p.rank, p.n), []).append((p.offset, p.length, k))
+        by_pack.setdefault((e.slots[i], p.rank, p.n), []).append((p.offset, p.length, k, nbytes))
     out: list[memoryview | None] = [None] * len(items)
 
-    def read_run(key: str, run: list[tuple[int, int, int]]) -> None:
+    def read_run(key: str, run: list[tuple[int, int, int, int]]) -> None:
         start, end = run[0][0], run[-1][0] + run[-1][1]
         data = backend.get_range(key, start, end - start)
         view = memoryview(b"" if data is None else data).cast("B")
-        for off, length, k in run:
+        # (numpy views of the buffer: google_crc32c takes them, not memoryviews)
+        arr = np.frombuffer(view, dtype=np.uint8)
+        for off, length, k, nbytes in run:
             e, i = items[k]
             lo = off - start
-            if (data is not None and not sha256 and e.codec.compression == "none"
-                    and len(view) >= lo + length and length == e.chunk_grid.chunk_numel * e.dtype.itemsize + 4):
+            hi = lo + length
+            if data is not None and not sha256 and length == nbytes + 4 and len(view) >= hi \
+                    and e.codec.compression == "none":
                 # Uncompressed (the common case): one CRC of the body, equal
                 # to its trailer and to the index's, is the whole check_chunk.
-                body = view[lo: lo + length - 4]
                 crc = e.crcs[i]
-                if crc32c(body) == crc and int.from_bytes(view[lo + length - 4: lo + length], "little") == crc:
-                    out[k] = body
+                if google_crc32c.extend(0, arr[lo: hi - 4]) == crc and int.from_bytes(view[hi - 4: hi], "little") == crc:
+                    out[k] = view[lo: hi - 4]
                     continue
             where = chunk_where(e, i)  # (the slow path says what is wrong)
             if data is None:
                 raise CorruptStoreError(f"{where}: pack {key} is missing")
-            if len(data) < lo + length:
+            if len(view) < hi:
                 raise CorruptStoreError(f"{where}: pack {key} ends before the recorded range "
                                         f"{off}+{length} (truncated)")
-            out[k] = check_chunk(view[lo: lo + length], e.codec,
-                                 e.chunk_grid.chunk_numel * e.dtype.itemsize, where,
+            out[k] = check_chunk(view[lo: hi], e.codec, nbytes, where,
                                  crc=e.crcs[i], sha256=e.sha256[i] if sha256 else None)
 
     for (slot, rank, n), ranges in by_pack.items():
         key = pack_key(slot, rank, n)
         ranges.sort()
-        run: list[tuple[int, int, int]] = []
+        run: list[tuple[int, int, int, int]] = []
         for r in ranges:
             if run and (r[0] != run[-1][0] + run[-1][1] or r[0] + r[1] - run[0][0] > MAX_PACK_RUN_BYTES):
                 read_run(key, run)

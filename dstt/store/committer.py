@@ -186,7 +186,7 @@ class CommitPhase:
         for layout in plan.layouts:
             n = layout.nchunks
             expected += n
-            ordered = [by_chunk.get((layout.name, i)) for i in range(n)]
+            ordered = [by_chunk.get((layout.name, 0))] if n == 1 else [by_chunk.get((layout.name, i)) for i in range(n)]
             if None in ordered:
                 got = sum(1 for (name, _) in by_chunk if name == layout.name)
                 raise CaptureError(f"{layout.name}: {got} of {n} chunks were written")
