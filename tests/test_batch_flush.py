@@ -301,3 +301,50 @@ def test_in_thread_capture_flushes_staged_groups_together(store: Path, monkeypat
         st = {e.name: e.stats for e in run.tensors(step)}
         w = want[step]["5.weight"].double()
         assert st["model/5.weight"]["norm"] == pytest.approx(float(w.norm()), rel=1e-9)
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd", "delta"])
+def test_unpacked_groups_store_chunk_files_with_every_codec(store: Path, compression: str) -> None:
+    """Packing off: a group's chunks go through Writer._store (chunk files,
+    delta coding against keyframes) -- the same bytes over several steps."""
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(64, generator=g) for i in range(40)}
+    want = {}
+    with Writer(store, compression=compression, pack_chunk_bytes=0) as w:
+        for step in range(4):
+            state = {k: (v + 0.01 * step if i % 3 else v) for i, (k, v) in enumerate(state.items())}
+            info = w.write(step, state)
+            want[step] = state
+            if step:
+                assert info.bytes_referenced > 0  # every third tensor unchanged: deduplicated
+    assert not (store / "packs").exists() or not any((store / "packs").glob("p.*"))
+    run = dstt.open(store)
+    for step in range(4):
+        assert_state(want[step], run.state_dict(step))
+
+
+def test_chunk_file_failure_mid_group_fails_the_step_only(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {f"t{i}": torch.randn(32) for i in range(30)}
+    with Writer(store, pack_chunk_bytes=0) as w:
+        w.write(0, state)
+        changed = {k: v + 1 for k, v in state.items()}
+        real_put = w.backend.put
+        n = {"puts": 0}
+
+        def put(key: str, data: Any) -> None:
+            if key.startswith("tensors/"):
+                n["puts"] += 1
+                if n["puts"] == 10:
+                    raise OSError("disk full")
+            real_put(key, data)
+
+        monkeypatch.setattr(w.backend, "put", put)
+        with pytest.raises(CaptureError, match="disk full"):
+            w.write(1, changed)
+        assert n["puts"] == 30  # every other chunk still written: none left running
+        monkeypatch.setattr(w.backend, "put", real_put)
+        w.write(2, changed)
+    run = dstt.open(store)
+    assert run.steps() == [0, 2]
+    assert_state(changed, run.state_dict(2))
+    assert_state(state, run.state_dict(0))

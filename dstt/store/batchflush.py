@@ -92,7 +92,18 @@ class BatchFlush:
         source; ``prev_staged[i]``: the same chunk at the previous captured
         step, for the update stats). Returns the results of the chunks
         flushed and the first error; a chunk that failed has no result.
-        Thread-safe like ``flush_chunk``; never raises for a chunk's error."""
+        Thread-safe like ``flush_chunk``; never raises for a chunk's error.
+
+        >>> import tempfile, torch
+        >>> from dstt.store.writer import Writer
+        >>> w = Writer(tempfile.mkdtemp() + "/run")
+        >>> plan = w.plan(0, {"a": torch.ones(3), "b": torch.arange(4)}); w.ensure_arrays(plan)
+        >>> results, error = w.flush_chunks(plan, plan.tasks); len(results), error
+        (2, None)
+        >>> w.commit(plan, results).n_tensors
+        2
+        >>> w.close()
+        """
         results: list[ChunkResult] = []
         error: BaseException | None = None
         groups: dict[torch.dtype, list[tuple[int, int]]] = {}  # dtype -> (task index, chunk bytes)
