@@ -89,7 +89,8 @@ class CrashSafe:
                     f"step {step} not committed: it was not sealed in the staging ring (a step must fit "
                     "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
                     "to stage larger steps in parts)")
-            return CommitInfo(**self._helper.commit(step))
+            # (pipelined: already handed over by the committer thread, committing.py)
+            return CommitInfo(**(self._helper.receive(step) if job.sent else self._helper.commit(step)))
         except BaseException as e:
             if self._plan_coord.distributed and not (job.sealed and job.error is None and not self._helper.lost):
                 self._record_failure(job, e)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from dstt.capture import policy
+from dstt.capture.committing import Committing
 from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.crashsafe import CrashSafe, after_helpers
 from dstt.capture.guard import VersionGuard
@@ -50,13 +51,13 @@ from dstt.capture.pipeline import (
     task_bytes,
 )
 from dstt.capture.recorder import FlightRecorder
-from dstt.capture.records import write_skip
 from dstt.capture.rewind import Rewinder
 from dstt.capture.stager import Stager
 from dstt.capture.staging import CudaCopier, HostPool
 from dstt.errors import CaptureError, ConfigError
 from dstt.state import state_of
 from dstt.store.coord import new_coordinator
+from dstt.store.gcpause import paused_gc
 from dstt.store.layout import validate_step
 from dstt.store.plan import ChunkTask
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
@@ -70,7 +71,7 @@ log = logging.getLogger("dstt.capture")
 RECENT_COMMITS = 1024
 
 
-class Capture(Stager, CrashSafe, FlightRecorder, Incidents, Rewinder):
+class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -191,7 +192,15 @@ class Capture(Stager, CrashSafe, FlightRecorder, Incidents, Rewinder):
         if self._fork is not None:
             self._switch_branch()
         state = state_of(model=model, optimizer=optimizer, scheduler=scheduler, rng=rng, extra=extra)
-        plan = self.writer.plan(step, state)  # collective under torch.distributed
+        # Planning, splitting and staging build objects per tensor, none in
+        # cycles: the cyclic GC, which walks every live object, waits (issue 16).
+        with paused_gc():
+            return self._snapshot_state(step, state, optimizer)
+
+    def _snapshot_state(self, step: int, state: Any, optimizer: torch.optim.Optimizer | None) -> bool:
+        # With the capture helper the step is stored by the helper's writer
+        # (it adopts the plan): this one keeps no reference chain for it.
+        plan = self.writer.plan(step, state, track=self._helper is None)  # collective under torch.distributed
         # The step is planned on every rank. Whatever fails from here on, it
         # is queued, so that its (collective) commit runs and fails on every
         # rank instead of leaving a peer waiting. An interrupt (Ctrl-C) fails
@@ -563,72 +572,3 @@ class Capture(Stager, CrashSafe, FlightRecorder, Incidents, Rewinder):
             if not job.hold:  # a held block is the ring's copy until the step is committed
                 for s in staged:
                     pool.release(s)
-
-    def _commit_loop(self) -> None:
-        self._lower_priority()
-        while True:
-            job = self._commit_q.get()
-            if job is None:
-                return
-            try:
-                if job.skip is not None:
-                    if self.rank == 0:
-                        write_skip(self.writer.backend, self.config.branch, job.plan.step, job.skip)
-                else:
-                    self._commit(job)
-            except BaseException as e:
-                with self._cond:
-                    reported, job.reported = job.reported, True
-                if not reported:
-                    self._fail(job.plan.step, e)
-            finally:
-                self._settle(job)
-                with self._cond:
-                    self._pending -= 1
-                    self._queued_steps.discard(job.plan.step)
-                    self._cond.notify_all()
-
-    def _commit(self, job: Job) -> None:
-        job.submitted.wait()
-        if self._helper is not None:
-            info = self._commit_by_helper(job)
-        else:
-            info = self._commit_here(job)
-        with self._cond:
-            self._recent.append(info)
-            self.n_committed += 1
-            self.bytes_written += info.bytes_written
-            self.last_commit = info
-
-    def _commit_here(self, job: Job) -> CommitInfo:
-        error = job.error
-        results: list[ChunkResult] = []
-        try:
-            self.writer.ensure_arrays(job.plan)
-        except BaseException as e:
-            error = error or e
-        for f in job.futures:
-            try:
-                got = f.result()  # a ChunkResult, or (results, error) of a group (_flush_many)
-                if isinstance(got, tuple):
-                    results.extend(got[0])
-                    error = error or got[1]
-                else:
-                    results.append(got)
-            except BaseException as e:  # drain all: no flush may outlive its step
-                error = error or e
-        # Collective: called for every planned step, with its error, so that
-        # no step is committed with missing data and no peer waits forever.
-        return self.writer.commit(job.plan, results, error)
-
-    def _fail(self, step: int, e: BaseException) -> None:
-        err = e if isinstance(e, CaptureError) and f"step {step}" in str(e) else None
-        if err is None:
-            err = CaptureError(f"capturing step {step} on branch {self.config.branch!r} failed: "
-                               f"{type(e).__name__}: {e}")
-            err.__cause__ = e
-        log.error("%s", err)
-        with self._cond:
-            self._errors.append(err)
-
-

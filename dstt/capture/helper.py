@@ -89,6 +89,13 @@ class HelperHandle:
     def commit(self, step: int) -> dict[str, Any]:
         """Hand over sealed ``step`` and wait for its commit; the commit's
         figures, or CaptureError with the helper's message."""
+        self.send(step)
+        return self.receive(step)
+
+    def send(self, step: int) -> None:
+        """Hand over sealed ``step`` without waiting: the helper commits the
+        steps handed to it in order, several at once when they queue up
+        (group commit); :meth:`receive` each answer in the same order."""
         if self.lost:
             raise self._gone(step, "is not serving")
         try:
@@ -98,6 +105,12 @@ class HelperHandle:
                 raise self._gone(step, f"exited while starting{self._exit_text()}") from None
             raise self._gone(step, f"is gone ({e})") from None
         self.sent = True
+
+    def receive(self, step: int) -> dict[str, Any]:
+        """The answer for ``step`` (handed over with :meth:`send`, answers
+        come in order): its commit's figures, or CaptureError."""
+        if self.lost:
+            raise self._gone(step, "is not serving")
         if not self.ready:
             self._await_ready(step)
         line = self._readline(None)
@@ -236,6 +249,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
 
     from dstt.capture import ranks
     from dstt.capture import ring as R
+    from dstt.store.groupcommit import commit_group
     from dstt.store.lock import BranchLock
     from dstt.store.writer import Writer, batches
 
@@ -256,10 +270,22 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         os.write(ack_fd, b"ready\n")  # the trainer's committer waits for this line first
     pools: dict[str, Any] = {}
     flush = ThreadPoolExecutor(2, thread_name_prefix="dstt-helper")
-    commands = os.fdopen(cmd_fd, "rb")
+    commands = _Commands(cmd_fd)
     closed_by_trainer = False
 
     def commit(step: int, verify: bool) -> Any:
+        plan, results, record = prepare(step, verify)
+        if records is not None:
+            records.begin(step, plan.seq, ranks.plan_doc(record) if records.rank == 0 else None)
+        try:
+            info = writer.commit(plan, results)
+        except ranks.Recorded:  # (after the trainer died, ranks other than 0 only record)
+            info = None
+        R.unseal_file(ring_dir, step)
+        return info
+
+    def prepare(step: int, verify: bool) -> tuple[Any, list[Any], dict[str, Any]]:
+        """Adopt sealed ``step`` and write its chunks: (plan, results, record)."""
         record = json.loads(R.read_bounded(ring_dir / f"seal-{step:020d}.json"))
         name = record["pool"]
         if name not in pools:
@@ -275,34 +301,55 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         error = next((e for _, e in flushed if e is not None), None)
         if error is not None:
             raise error
-        if records is not None:
-            records.begin(step, plan.seq, ranks.plan_doc(record) if records.rank == 0 else None)
-        try:
-            info = writer.commit(plan, results)
-        except ranks.Recorded:  # (after the trainer died, ranks other than 0 only record)
-            info = None
-        R.unseal_file(ring_dir, step)
-        return info
+        return plan, results, record
+
+    def reply_for(step: int, outcome: Any) -> str:
+        if not isinstance(outcome, BaseException):
+            return f"ok {step} {json.dumps(asdict(outcome))}"
+        msg = outcome if isinstance(outcome, CaptureError) and f"step {step}" in str(outcome) else \
+            f"step {step} on branch {writer.branch.name!r} not committed: {type(outcome).__name__}: {outcome}"
+        return f"err {step} {msg}".replace("\n", " ")
+
+    def commit_steps(steps: list[int]) -> list[Any]:
+        """Commit the steps handed over, in order: each step's CommitInfo or
+        its error. Several steps queued at once (the writer is behind) are
+        committed as a group, with one round of syncs (store/groupcommit.py);
+        a distributed Capture's steps one by one (their records)."""
+        if records is not None or len(steps) == 1:
+            out: list[Any] = []
+            for step in steps:
+                try:
+                    out.append(commit(step, verify=False))
+                except Exception as e:  # noqa: BLE001 - the trainer reports it, naming the step
+                    out.append(e)
+            return out
+        prepared: dict[int, Any] = {}
+        for step in steps:
+            try:
+                prepared[step] = prepare(step, verify=False)[:2]
+            except Exception as e:  # noqa: BLE001
+                prepared[step] = e
+        ready = [(step, p) for step, p in prepared.items() if not isinstance(p, BaseException)]
+        done = dict(zip([s for s, _ in ready], commit_group(writer, [p for _, p in ready])))
+        for step, outcome in done.items():
+            if not isinstance(outcome, BaseException):
+                R.unseal_file(ring_dir, step)
+        return [done.get(step, prepared[step]) for step in steps]
 
     try:
-        for raw in commands:
-            cmd = raw.decode().split()
-            if cmd == ["close"]:
-                closed_by_trainer = True
-                break
-            if len(cmd) != 2 or cmd[0] != "commit":
-                continue
-            step = int(cmd[1])
+        while True:
+            batch = commands.available()  # blocks for the first; takes what else is queued
+            if batch is None:
+                break  # end of file: the trainer died
+            steps = [int(c[1]) for c in batch if len(c) == 2 and c[0] == "commit" and c[1].isdigit()]
+            closed_by_trainer = ["close"] in batch
+            replies = [reply_for(step, outcome) for step, outcome in zip(steps, commit_steps(steps))]
             try:
-                reply = f"ok {step} {json.dumps(asdict(commit(step, verify=False)))}"
-            except Exception as e:  # noqa: BLE001 - the trainer reports it, naming the step
-                msg = e if isinstance(e, CaptureError) and f"step {step}" in str(e) else \
-                    f"step {step} on branch {writer.branch.name!r} not committed: {type(e).__name__}: {e}"
-                reply = f"err {step} {msg}".replace("\n", " ")
-            try:
-                os.write(ack_fd, (reply + "\n").encode())
+                os.write(ack_fd, "".join(r + "\n" for r in replies).encode())
             except OSError:
-                pass  # the trainer is gone: the step is committed or stays sealed
+                pass  # the trainer is gone: the steps are committed or stay sealed
+            if closed_by_trainer:
+                break
         if not closed_by_trainer:
             # The trainer died: finish what it sealed, then leave nothing behind.
             if records is not None and records.rank != 0:
@@ -324,6 +371,38 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     finally:
         flush.shutdown(wait=True)
         writer.close()
+
+
+class _Commands:
+    """The command pipe, read in batches: the first line waited for, then
+    every complete line already queued behind it (the steps to commit as a
+    group)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = b""
+        self.eof = False
+
+    def available(self) -> list[list[str]] | None:
+        """The commands queued now (each split into words), waiting for at
+        least one; None at end of file with none left."""
+        while b"\n" not in self.buf and not self.eof:
+            self._read()
+        while not self.eof and select.select([self.fd], [], [], 0)[0]:
+            self._read()
+        if b"\n" not in self.buf:
+            return None
+        head, _, self.buf = self.buf.rpartition(b"\n")
+        lines = [line.decode().split() for line in head.split(b"\n")]
+        if ["close"] in lines:  # nothing after close counts
+            lines = lines[:lines.index(["close"]) + 1]
+        return lines
+
+    def _read(self) -> None:
+        part = os.read(self.fd, 65536)
+        if not part:
+            self.eof = True
+        self.buf += part
 
 
 if __name__ == "__main__":

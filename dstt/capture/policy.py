@@ -3,8 +3,8 @@
 Nothing here touches threads, tensors or the store, so each rule is tested
 by itself (tests/test_capture_policy.py) and the engine only applies them.
 
->>> pool_bytes(need_bytes=3 << 20, biggest_bytes=1 << 20, limit_bytes=None)
-6291456
+>>> pool_bytes(need_bytes=30 << 20, biggest_bytes=1 << 20, limit_bytes=None)
+62914560
 >>> skip_reason(capacity_bytes=100, outstanding_bytes=60, need_bytes=50) is not None
 True
 """
@@ -25,19 +25,29 @@ def is_due(step: int, every: int) -> bool:
     return step % every == 0
 
 
+#: A pool for small steps holds up to this many steps, within SMALL_POOL_BYTES.
+SMALL_STEPS = 8
+SMALL_POOL_BYTES = 32 << 20
+
+
 def pool_bytes(*, need_bytes: int, biggest_bytes: int, limit_bytes: int | None) -> int:
     """Capacity of a new staging pool for steps of ``need_bytes``.
 
     Two steps (step k+1 is staged while step k is written and committed),
-    at least the largest chunk and 1 MiB, rounded up to a MiB, and never
-    above an explicit ``limit_bytes`` (a hard bound set by the user).
+    and for small steps up to SMALL_STEPS of them within SMALL_POOL_BYTES (a
+    fast loop's steps queue up while one is committed, and are then
+    committed as a group: capture/committing.py), at least the largest
+    chunk and 1 MiB, rounded up to a MiB, and never above an explicit
+    ``limit_bytes`` (a hard bound set by the user).
 
     >>> pool_bytes(need_bytes=10, biggest_bytes=10, limit_bytes=None)
     1048576
+    >>> pool_bytes(need_bytes=1 << 20, biggest_bytes=1 << 10, limit_bytes=None) >> 20
+    8
     >>> pool_bytes(need_bytes=100 << 20, biggest_bytes=1 << 20, limit_bytes=64 << 20)
     67108864
     """
-    want = max(2 * need_bytes, biggest_bytes, _MIB)
+    want = max(2 * need_bytes, min(SMALL_STEPS * need_bytes, SMALL_POOL_BYTES), biggest_bytes, _MIB)
     want = -(-want // _MIB) * _MIB
     return want if limit_bytes is None else min(want, limit_bytes)
 

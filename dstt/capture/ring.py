@@ -45,6 +45,7 @@ from dstt.errors import CaptureError
 from dstt.store.codec import CodecSpec, crc32c
 from dstt.store.dtypes import info_for_name
 from dstt.store.localio import pid_alive
+from dstt.store.packs import default_pack_chunk_bytes
 from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
 from dstt.store.shards import Region
 
@@ -247,7 +248,27 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
     }
 
 
+#: Layout documents and layouts rebuilt from them, memoized: a capture
+#: seals the same layouts step after step (tens of thousands of tensors:
+#: issue 16). Keyed by the layout object (kept alive with its document, so
+#: its id is not reused) and by the document's content; cleared when full.
+_DOCS: dict[int, tuple[TensorLayout, dict[str, Any]]] = {}
+_LAYOUTS: dict[Any, TensorLayout] = {}
+_MEMO_MAX = 1 << 17
+
+
 def _layout_doc(l: TensorLayout) -> dict[str, Any]:
+    got = _DOCS.get(id(l))
+    if got is not None and got[0] is l:
+        return got[1]
+    doc = _make_layout_doc(l)
+    if len(_DOCS) >= _MEMO_MAX:
+        _DOCS.clear()
+    _DOCS[id(l)] = (l, doc)
+    return doc
+
+
+def _make_layout_doc(l: TensorLayout) -> dict[str, Any]:
     return {"name": l.name, "kind": l.kind, "dtype": l.dtype.logical, "shape": list(l.shape),
             "chunk_shape": list(l.chunk_shape), "compression": l.codec.compression, "level": l.codec.level,
             "regions": [[list(r.offset), list(r.shape), list(r.holders)] for r in l.regions],
@@ -255,6 +276,22 @@ def _layout_doc(l: TensorLayout) -> dict[str, Any]:
 
 
 def _layout_of(d: dict[str, Any]) -> TensorLayout:
+    """The layout a document describes; the same object for the same
+    content (a layout is never changed once built)."""
+    packing = d.get("pack_chunk_bytes")
+    key = (d["name"], d["kind"], d["dtype"], tuple(d["shape"]), tuple(d["chunk_shape"]), d["compression"],
+           d["level"], packing if isinstance(packing, int) else ("env", default_pack_chunk_bytes()),
+           tuple((tuple(o), tuple(s), tuple(h)) for o, s, h in d["regions"]))
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _make_layout(d)
+        if len(_LAYOUTS) >= _MEMO_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return layout
+
+
+def _make_layout(d: dict[str, Any]) -> TensorLayout:
     packing = d.get("pack_chunk_bytes")  # packed as the trainer planned it (packs.py)
     extra: dict[str, Any] = {"pack_chunk_bytes": packing} if isinstance(packing, int) else {}
     return TensorLayout(d["name"], d["kind"], info_for_name(d["dtype"]), tuple(d["shape"]),

@@ -214,6 +214,14 @@ class LocalBackend(Backend):
         os.replace(tmp, path)
         self._fsync_dir(os.path.dirname(path))
 
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst`` atomically (replacing it); durable at the
+        next :meth:`sync` (store/groupcommit.py publishes commit markers so)."""
+        os.replace(self._path(src), self._path(dst))
+        if _SYNCFS is None:
+            with self._lock:
+                self._dirty_dirs.add(os.path.dirname(self._path(dst)))
+
     def put_if_absent(self, key: str, data: Bytes) -> bool:
         path = self._path(key)
         tmp = self._write_temp(path, data)

@@ -1,0 +1,160 @@
+"""The committer side of :class:`dstt.Capture`: every planned step, in
+order, committed (in this process, or by the capture helper) or failed, and
+the trainer's counters and pending count settled. A mixin: the state lives
+on the Capture (``writer``, ``_commit_q``, ``_cond``, ``_helper``...).
+
+With the capture helper (single process), commits are pipelined: the
+committer thread hands each step to the helper as soon as it is sealed,
+without waiting for the previous step's answer, and a second thread
+(``dstt-acks``) takes the answers in order. So while the helper commits one
+step, the next ones queue up in its pipe, and it commits those as a group,
+with one round of syncs (store/groupcommit.py): a loop faster than one
+commit's syncs no longer runs at the commit rate. A step is counted as
+committed only once the helper answered that it is durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dstt.capture.pipeline import Job
+from dstt.capture.records import write_skip
+from dstt.errors import CaptureError
+from dstt.store.writer import ChunkResult, CommitInfo
+
+log = logging.getLogger("dstt.capture")
+
+
+class Committing:
+    """The commit loop of :class:`~dstt.capture.engine.Capture` (a mixin)."""
+
+    config: Any
+    writer: Any
+    rank: int
+    _helper: Any
+    _plan_coord: Any
+    _commit_q: queue.Queue[Job | None]
+    _cond: threading.Condition
+    _errors: list[CaptureError]
+    _recent: Any
+    _pending: int
+    _queued_steps: set[int]
+    n_committed: int
+    bytes_written: int
+    last_commit: CommitInfo | None
+
+    # (also used: _lower_priority (engine.py), _settle and _commit_by_helper
+    # (crashsafe.py); not declared here, so no stub shadows them in the MRO)
+    _lower_priority: Callable[[], None]
+    _settle: Callable[[Job], None]
+    _commit_by_helper: Callable[[Job], CommitInfo]
+
+    def _commit_loop(self) -> None:
+        self._lower_priority()
+        if self._helper is not None and not self._plan_coord.distributed:
+            self._pipelined_loop()
+            return
+        while True:
+            job = self._commit_q.get()
+            if job is None:
+                return
+            self._finish(job, self._commit)
+
+    def _pipelined_loop(self) -> None:
+        """Hand steps to the helper as they are sealed; ``dstt-acks`` takes
+        the answers (and settles every job, in order)."""
+        acks: queue.Queue[Job | None] = queue.Queue()
+        reader = threading.Thread(target=self._ack_loop, args=(acks,), name="dstt-acks", daemon=True)
+        reader.start()
+        try:
+            while True:
+                job = self._commit_q.get()
+                if job is None:
+                    return
+                if job.skip is None:
+                    job.submitted.wait()  # copied and sealed (or failed)
+                    if job.error is None and job.sealed and not self._helper.lost:
+                        try:
+                            self._helper.send(job.plan.step)
+                            job.sent = True
+                        except BaseException as e:  # the helper is gone: the step fails (_ack_loop)
+                            job.error = job.error or e
+                acks.put(job)
+        finally:
+            acks.put(None)
+            reader.join()
+
+    def _ack_loop(self, acks: queue.Queue[Job | None]) -> None:
+        self._lower_priority()
+        while True:
+            job = acks.get()
+            if job is None:
+                return
+            self._finish(job, self._commit)
+
+    def _finish(self, job: Job, commit: Callable[[Job], None]) -> None:
+        """Commit (or skip, or fail) ``job`` and settle it."""
+        try:
+            if job.skip is not None:
+                if self.rank == 0:
+                    write_skip(self.writer.backend, self.config.branch, job.plan.step, job.skip)
+            else:
+                commit(job)
+        except BaseException as e:
+            with self._cond:
+                reported, job.reported = job.reported, True
+            if not reported:
+                self._fail(job.plan.step, e)
+        finally:
+            self._settle(job)
+            with self._cond:
+                self._pending -= 1
+                self._queued_steps.discard(job.plan.step)
+                self._cond.notify_all()
+
+    def _commit(self, job: Job) -> None:
+        job.submitted.wait()
+        if self._helper is not None:
+            info = self._commit_by_helper(job)
+        else:
+            info = self._commit_here(job)
+        with self._cond:
+            self._recent.append(info)
+            self.n_committed += 1
+            self.bytes_written += info.bytes_written
+            self.last_commit = info
+
+    def _commit_here(self, job: Job) -> CommitInfo:
+        error = job.error
+        results: list[ChunkResult] = []
+        try:
+            self.writer.ensure_arrays(job.plan)
+        except BaseException as e:
+            error = error or e
+        for f in job.futures:
+            try:
+                got = f.result()  # a ChunkResult, or (results, error) of a group (_flush_many)
+                if isinstance(got, tuple):
+                    results.extend(got[0])
+                    error = error or got[1]
+                else:
+                    results.append(got)
+            except BaseException as e:  # drain all: no flush may outlive its step
+                error = error or e
+        # Collective: called for every planned step, with its error, so that
+        # no step is committed with missing data and no peer waits forever.
+        return self.writer.commit(job.plan, results, error)
+
+    def _fail(self, step: int, e: BaseException) -> None:
+        err = e if isinstance(e, CaptureError) and f"step {step}" in str(e) else None
+        if err is None:
+            err = CaptureError(f"capturing step {step} on branch {self.config.branch!r} failed: "
+                               f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+        log.error("%s", err)
+        with self._cond:
+            self._errors.append(err)
