@@ -115,10 +115,13 @@ class Link:
         with self._lock:
             if self._done:
                 return
-            self._done, self._value, self.prev = True, value, None  # drop the chain behind it
-            waiters, self._waiters = self._waiters or [], None
-        for fn in waiters:
-            fn(value)
+            # _value before _done: peek() reads them without the lock
+            self._value, self.prev = value, None  # (drop the chain behind it)
+            self._done = True
+            waiters, self._waiters = self._waiters, None
+        if waiters:
+            for fn in waiters:
+                fn(value)
 
     def pass_through(self) -> None:
         """Resolve to the predecessor's value (this step stored nothing here)."""
@@ -140,8 +143,13 @@ class Link:
         fn(value)
 
     def peek(self) -> tuple[bool, ChunkRef | None]:
-        with self._lock:
-            return self._done, self._value
+        """(resolved, value) now. Without the lock (once per chunk per step):
+        ``_done`` is set last, once, after ``_value``, and attribute stores
+        are atomic and ordered under the GIL, so ``_done`` read True means
+        ``_value`` is final."""
+        if self._done:
+            return True, self._value
+        return False, None
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,7 @@ class StepPacks:
                     buf = f.buf
                 offset = len(buf)
                 for p in parts:
-                    buf += p if isinstance(p, (bytes, bytearray)) else memoryview(p).cast("B")
+                    buf += p  # (any C-contiguous buffer: encode_chunk's parts are)
                 out.append((f, PackRange(rank, f.n, offset, len(buf) - offset)))
                 if len(buf) >= target:
                     full.append(f)
