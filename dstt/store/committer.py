@@ -171,62 +171,7 @@ class CommitPhase:
 
     def _write_commit(self, plan: StepPlan, results: list[ChunkResult],
                       memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
-        # One dict keyed by (tensor, chunk index): a dict per tensor cost
-        # more than the rest of a one-chunk tensor's entry (issue 16).
-        by_chunk: dict[tuple[str, int], ChunkResult] = {}
-        for r in results:
-            key = (r.name, r.index)
-            if key in by_chunk:
-                raise CaptureError(f"chunk {r.index} of {r.name} was written twice")
-            by_chunk[key] = r
-        tensors: list[TensorEntry] = []
-        names: list[str] = []
-        rows: list[list[float]] = []
-        written = referenced = bytes_total = expected = 0
-        for layout in plan.layouts:
-            n = layout.nchunks
-            expected += n
-            ordered = [by_chunk.get((layout.name, 0))] if n == 1 else [by_chunk.get((layout.name, i)) for i in range(n)]
-            if None in ordered:
-                got = sum(1 for (name, _) in by_chunk if name == layout.name)
-                raise CaptureError(f"{layout.name}: {got} of {n} chunks were written")
-            nbytes = layout.nbytes
-            bytes_total += nbytes
-            if n == 1:  # the common case by far (tens of thousands of small tensors: issue 16)
-                c = cast(ChunkResult, ordered[0])
-                tensors.append(_one_chunk_entry(layout, c))
-                written += c.written
-                if c.written == 0:
-                    referenced += nbytes if layout.chunk_shape == layout.shape else _valid_bytes(layout, 0)
-                p = Partial.from_list(c.partial)
-                rows.append(finalize(p if p.n else merge([p])))  # (merge of one part: itself)
-                names.append(layout.name)
-                continue
-            chunks = cast("list[ChunkResult]", ordered)
-            crcs = [c.crc for c in chunks]
-            for c in chunks:
-                written += c.written
-                if c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
-                    referenced += _valid_bytes(layout, c.index)
-            stats = finalize(merge([Partial.from_list(c.partial) for c in chunks]))
-            tensors.append(TensorEntry(
-                layout.name, layout.kind, layout.dtype, tuple(layout.shape), tuple(layout.chunk_shape),
-                layout.codec, layout.array, [c.slot for c in chunks], crcs,
-                [None if c.sha256 is None else c.sha256.hex() for c in chunks], tensor_checksum(crcs),
-                sum(c.written for c in chunks),
-                keyframes=[c.keyframe for c in chunks] if layout.delta else None,
-                delta_array=layout.delta_array if layout.delta else None,
-                packs=[c.pack for c in chunks] if any(c.pack is not None for c in chunks) else None,
-            ))
-            names.append(layout.name)
-            rows.append(stats)
-        if len(by_chunk) != expected:  # chunks past a planned tensor's grid (others' are ignored)
-            planned = {layout.name: layout.nchunks for layout in plan.layouts}
-            for name, i in by_chunk:
-                size = planned.get(name)
-                if size is not None and not 0 <= i < size:
-                    got = sum(1 for (nm, _) in by_chunk if nm == name)
-                    raise CaptureError(f"{name}: {got} of {size} chunks were written")
+        tensors, names, rows, (written, referenced, bytes_total) = _entries(plan, results)
         where = L.step_dir(self.branch.name, plan.step)
         # Format 2 only where a step uses delta coding: other steps stay
         # readable by format-1 readers.
@@ -295,6 +240,75 @@ def resolved_tails(entries: list[TensorEntry]) -> dict[tuple[str, int], Link]:
                 c, None if h is None else bytes.fromhex(h), s,
                 None if kf is None else (s if kf[i] is None else kf[i]), pack=None if packs is None else packs[i]))
     return out
+
+
+def _entries(plan: StepPlan, results: list[ChunkResult]
+             ) -> tuple[list[TensorEntry], list[str], list[list[float]], tuple[int, int, int]]:
+    """The index entries, names and stats rows of a step from its chunk
+    results (CaptureError for a missing, repeated or out-of-grid chunk),
+    and its (bytes written, bytes referenced, bytes total)."""
+    # One dict keyed by (tensor, chunk index): a dict per tensor cost
+    # more than the rest of a one-chunk tensor's entry (issue 16).
+    by_chunk = {(r.name, r.index): r for r in results}
+    if len(by_chunk) != len(results):
+        seen: set[tuple[str, int]] = set()
+        for r in results:
+            if (r.name, r.index) in seen:
+                raise CaptureError(f"chunk {r.index} of {r.name} was written twice")
+            seen.add((r.name, r.index))
+    tensors: list[TensorEntry] = []
+    names: list[str] = []
+    rows: list[list[float]] = []
+    written = referenced = bytes_total = expected = 0
+    get = by_chunk.get
+    for layout in plan.layouts:
+        n = layout.nchunks
+        name = layout.name
+        expected += n
+        if n == 1:  # the common case by far (tens of thousands of small tensors: issue 16)
+            c = get((name, 0))
+            if c is None:
+                raise CaptureError(f"{name}: 0 of 1 chunks were written")
+            nbytes = layout.nbytes
+            bytes_total += nbytes
+            tensors.append(_one_chunk_entry(layout, c))
+            written += c.written
+            if c.written == 0:
+                referenced += nbytes if layout.chunk_shape == layout.shape else _valid_bytes(layout, 0)
+            p = Partial.from_list(c.partial)
+            rows.append(finalize(p if p.n else merge([p])))  # (merge of one part: itself)
+            names.append(name)
+            continue
+        ordered = [get((name, i)) for i in range(n)]
+        if None in ordered:
+            got = sum(1 for (nm, _) in by_chunk if nm == name)
+            raise CaptureError(f"{name}: {got} of {n} chunks were written")
+        bytes_total += layout.nbytes
+        chunks = cast("list[ChunkResult]", ordered)
+        crcs = [c.crc for c in chunks]
+        for c in chunks:
+            written += c.written
+            if c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
+                referenced += _valid_bytes(layout, c.index)
+        rows.append(finalize(merge([Partial.from_list(c.partial) for c in chunks])))
+        tensors.append(TensorEntry(
+            name, layout.kind, layout.dtype, tuple(layout.shape), tuple(layout.chunk_shape),
+            layout.codec, layout.array, [c.slot for c in chunks], crcs,
+            [None if c.sha256 is None else c.sha256.hex() for c in chunks], tensor_checksum(crcs),
+            sum(c.written for c in chunks),
+            keyframes=[c.keyframe for c in chunks] if layout.delta else None,
+            delta_array=layout.delta_array if layout.delta else None,
+            packs=[c.pack for c in chunks] if any(c.pack is not None for c in chunks) else None,
+        ))
+        names.append(name)
+    if len(by_chunk) != expected:  # chunks past a planned tensor's grid (others' are ignored)
+        planned = {layout.name: layout.nchunks for layout in plan.layouts}
+        for nm, i in by_chunk:
+            size = planned.get(nm)
+            if size is not None and not 0 <= i < size:
+                got = sum(1 for (other, _) in by_chunk if other == nm)
+                raise CaptureError(f"{nm}: {got} of {size} chunks were written")
+    return tensors, names, rows, (written, referenced, bytes_total)
 
 
 def _one_chunk_entry(layout: TensorLayout, c: ChunkResult) -> TensorEntry:
