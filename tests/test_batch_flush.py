@@ -232,6 +232,13 @@ def test_update_sum_of_boolean_values() -> None:
     assert batch_partials(x, [3], [prev])[0][7] == 1.0
 
 
+def test_batch_partials_of_values_that_require_grad() -> None:
+    x = torch.randn(10, requires_grad=True)
+    prevs: list[torch.Tensor | None] = [x[:4] + 1, x[4:] * 2]
+    values = [x[:4], x[4:]]
+    _assert_rows(batch_partials(x, [4, 6], prevs), _want_rows(values, prevs))
+
+
 def test_batch_partials_non_finite_and_cancellation() -> None:
     inf, nan = math.inf, math.nan
     values = [torch.tensor([1.0, nan, 2.0]), torch.tensor([inf, 1.0]), torch.tensor([-inf, inf]),

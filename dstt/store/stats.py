@@ -86,7 +86,7 @@ def update_sumsq(x: torch.Tensor, prev: torch.Tensor | None) -> float:
     n = x.numel()
     if n == 0:
         return 0.0
-    a, b = x.reshape(-1), prev.reshape(-1).to(x.device)
+    a, b = x.detach().reshape(-1), prev.detach().reshape(-1).to(x.device)
     # (torch refuses to subtract booleans: as 0/1 integers, widened below)
     a, b = (a.to(torch.uint8) if a.dtype == torch.bool else a), (b.to(torch.uint8) if b.dtype == torch.bool else b)
     if a.is_complex() or b.is_complex():
@@ -124,7 +124,7 @@ def chunk_partial(x: torch.Tensor, prev: torch.Tensor | None = None) -> Partial:
     ``torch.var`` is used instead.
     """
     usq = update_sumsq(x, prev)
-    flat = x.reshape(-1)
+    flat = x.detach().reshape(-1)
     if flat.dtype in (torch.float32, torch.float64) or flat.numel() <= UPDATE_BLOCK:
         out = _partial(flat)
     else:
@@ -184,6 +184,7 @@ def batch_partials(flat: torch.Tensor, counts: list[int],
     >>> [r[:6] for r in batch_partials(x, [3, 1])]
     [[3, 2.0, 2.0, 14.0, 1.0, 3.0], [1, 10.0, 0.0, 100.0, 10.0, 10.0]]
     """
+    flat = flat.detach()
     k = len(counts)
     n = np.asarray(counts, dtype=np.int64)
     ends = np.cumsum(n)
@@ -196,7 +197,7 @@ def batch_partials(flat: torch.Tensor, counts: list[int],
         have = [i for i, p in enumerate(prev) if p is not None]
         if len(have) == k and all(p is not None and p.numel() == c and p.device.type == "cpu" and p.dtype == flat.dtype
                                   for p, c in zip(prev, counts)):
-            pflat = torch.cat([p.reshape(-1) for p in prev if p is not None])
+            pflat = torch.cat([p.detach().reshape(-1) for p in prev if p is not None])
         else:
             slow = have
     # Block by block (whole segments, ~BATCH_BLOCK values) in two reused
