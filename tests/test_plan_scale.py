@@ -147,3 +147,91 @@ def test_capture_bit_exact_while_layouts_change(tmp_path: Path) -> None:
         assert set(got) == set(want)
         for k, v in want.items():
             assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), (step, k)
+
+
+def _mixed_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Linear(10, 6).to(torch.bfloat16))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.randn(4, 12)
+    y = model[1](model[0](x).to(torch.bfloat16)).float().square().mean()
+    opt.zero_grad()
+    y.backward()
+    opt.step()
+
+
+def test_lazy_copies_in_runs_store_every_step_bit_exact(tmp_path: Path) -> None:
+    """Parameters and Adam state of two dtypes, copied lazily in runs of one
+    dtype (by the stager or the optimizer hook): every step stored is the
+    state at its snapshot(), bit for bit."""
+    model, opt = _mixed_model()
+    path = tmp_path / "run"
+    expected = {}
+    with dstt.Capture(path) as cap:
+        for step in range(12):
+            _train_step(model, opt)
+            cap.snapshot(step, model=model, optimizer=opt, rng=False)
+            expected[step] = _tensors(dstt.state_of(model=model, optimizer=opt, rng=False))
+    run = dstt.open(path)
+    assert run.steps() == list(range(12))
+    for step, want in expected.items():
+        got = _tensors(run.state_dict(step))
+        assert got.keys() == want.keys()
+        dtypes = {v.dtype for v in want.values()}
+        assert {torch.float32, torch.bfloat16} <= dtypes
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k].reshape(-1).view(torch.uint8),
+                                                           v.reshape(-1).view(torch.uint8)), (step, k)
+
+
+def _tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a state, by path, cloned."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(tree, torch.Tensor):
+        out[prefix] = tree.detach().clone()
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(_tensors(v, f"{prefix}/{i}"))
+    return out
+
+
+def test_in_place_change_before_a_run_is_copied_never_stores_a_wrong_step(tmp_path: Path) -> None:
+    """A parameter changed in place right after snapshot() (against the
+    rule, no wait_staged()): each step is either stored with the values of
+    its snapshot() (the run was copied first) or fails naming the change --
+    never stored with the changed values."""
+    model, opt = _mixed_model()
+    path = tmp_path / "run"
+    expected, failed = {}, 0
+    cap = dstt.Capture(path)
+    try:
+        for step in range(15):
+            _train_step(model, opt)
+            try:
+                cap.snapshot(step, model=model, optimizer=opt, rng=False)
+            except dstt.CaptureError as e:
+                assert "changed in place" in str(e)
+                failed += 1
+            expected[step] = model[0].weight.detach().clone()
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # outside optimizer.step(): breaks the rule
+        try:
+            cap.wait()
+        except dstt.CaptureError as e:
+            assert "changed in place" in str(e)
+            failed += 1
+    finally:
+        try:
+            cap.close()
+        except dstt.CaptureError:
+            failed += 1
+    run = dstt.open(path)
+    for step in run.steps():
+        assert torch.equal(run.read("model/0.weight", step), expected[step]), step
+    assert len(run.steps()) + failed >= 1

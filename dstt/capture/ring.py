@@ -142,7 +142,7 @@ class Ring:
             os.unlink(self.dir / name)
 
     def seal(self, record: dict[str, Any]) -> None:
-        _write_atomic(self.dir / f"seal-{record['step']:020d}.json", json.dumps(record, allow_nan=False).encode())
+        _write_atomic(self.dir / f"seal-{record['step']:020d}.json", encode_record(record))
 
     def unseal(self, step: int) -> None:
         unseal_file(self.dir, step)
@@ -233,13 +233,14 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
     outlives its bytes; recovery then commits the chunks as they are."""
     index = {id(l): i for i, l in enumerate(plan.layouts)}
     base = pool.data_ptr()
+    whole = pool.numpy()  # (one array of the pool: a slice of it per chunk, no tensor per chunk)
     tasks = []
     for t, view in staged:
         nbytes = view.numel() * view.element_size()
-        raw = np.frombuffer(pool[view.data_ptr() - base:view.data_ptr() - base + nbytes].numpy(), np.uint8)
-        tasks.append({"layout": index[id(t.layout)], "index": t.index, "coords": list(t.coords),
-                      "offset": list(t.offset), "shape": list(t.shape), "dtype": str(t.source.dtype)[6:],
-                      "start": view.data_ptr() - base, "nbytes": nbytes, "crc": crc32c(raw) if crc else None})
+        start = view.data_ptr() - base
+        tasks.append({"layout": index[id(t.layout)], "index": t.index, "coords": t.coords,
+                      "offset": t.offset, "shape": t.shape, "dtype": _dtype_name(t.source.dtype),
+                      "start": start, "nbytes": nbytes, "crc": crc32c(whole[start:start + nbytes]) if crc else None})
     return {
         "format": SEAL_FORMAT, "step": plan.step, "seq": plan.seq, "pool": pool_name, "tree": plan.tree,
         "layouts": [_layout_doc(l) for l in plan.layouts],
@@ -255,6 +256,35 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
 _DOCS: dict[int, tuple[TensorLayout, dict[str, Any]]] = {}
 _LAYOUTS: dict[Any, TensorLayout] = {}
 _MEMO_MAX = 1 << 17
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+#: The JSON of the last sealed step's layouts, with their documents (kept
+#: alive, so their ids are not reused): consecutive steps of a capture have
+#: the same layout documents (memoized below), encoded once.
+_LAST_LAYOUTS: tuple[list[dict[str, Any]], str] = ([], "[]")
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    """``record`` as JSON (what json.loads reads back as ``record``), its
+    layouts' part reused from the previous record when they are the same."""
+    global _LAST_LAYOUTS
+    docs = record["layouts"]
+    last, text = _LAST_LAYOUTS
+    if len(docs) != len(last) or any(a is not b for a, b in zip(docs, last)):
+        text = json.dumps(docs, allow_nan=False)
+        _LAST_LAYOUTS = (list(docs), text)
+    body = json.dumps({k: v for k, v in record.items() if k != "layouts"}, allow_nan=False)
+    return (body[:-1] + (', "layouts": ' if len(body) > 2 else '"layouts": ') + text + "}").encode()
 
 
 def _layout_doc(l: TensorLayout) -> dict[str, Any]:

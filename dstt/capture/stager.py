@@ -143,10 +143,13 @@ class Stager:
         stager, or the trainer in the optimizer pre-hook; both may run it at
         once). Never raises: a failure is the step's (``job.error``), the
         guard's is reported at once; ``copies_done`` is set once every
-        claimed copy finished."""
+        claimed copy finished. Small tasks of one dtype of a held step are
+        claimed and copied in runs (one placement, one copy call; issue 16:
+        the optimizer hook made ~66 copies of a small model one by one)."""
         pool = job.pool or self.pool
         assert pool is not None
         flush_now = self._helper is None and not self._tier
+        grouped = job.hold and self.before_copy is None
         n = len(job.lazy)
         while True:
             with job.claim:
@@ -159,26 +162,12 @@ class Stager:
                     if job.copies_left == 0:
                         job.copies_done.set()
                     return
-                job.next_copy = i + 1
-            t, block = job.lazy[i], None
+                j = _run_end(job.lazy, i) if grouped else i + 1
+                job.next_copy = j
             try:
-                if self.before_copy is not None:
-                    self.before_copy(job.plan.step, i, True)
-                nbytes = task_bytes(t)
-                block = pool.try_allocate(nbytes)
-                if block is None:
-                    block = pool.allocate(nbytes)  # backpressure: wait for earlier chunks' writes
-                with self._cond:
-                    self._queued_bytes -= pool.block_bytes(nbytes)
-                    job.lazy_bytes -= pool.block_bytes(nbytes)
-                dst = pool.view_as(block, t.source, t.shape)
-                dst.copy_(t.source)
-                check_guard(job, job.guard, i)  # completed: a change before now is in the copy
-                with job.claim:
-                    job.views.append((t, dst))
-                    if flush_now:
-                        job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
-                block = None
+                if j - i == 1 or not self._copy_lazy_run(job, pool, i, j, flush_now):
+                    for k in range(i, j):
+                        self._copy_lazy_one(job, pool, k, flush_now)
             except GuardTripped as e:
                 with job.claim:
                     job.error = job.error or e.error
@@ -187,12 +176,65 @@ class Stager:
                 with job.claim:
                     job.error = job.error or e
             finally:
-                if block is not None:
-                    pool.release(block)
                 with job.claim:
-                    job.copies_left -= 1
+                    job.copies_left -= j - i
                     if job.copies_left == 0:
                         job.copies_done.set()
+
+    def _copy_lazy_one(self, job: Job, pool: HostPool, i: int, flush_now: bool) -> None:
+        """Copy lazy task ``i`` into a block of its own (waiting for room)."""
+        t, block = job.lazy[i], None
+        try:
+            if self.before_copy is not None:
+                self.before_copy(job.plan.step, i, True)
+            nbytes = task_bytes(t)
+            block = pool.try_allocate(nbytes)
+            if block is None:
+                block = pool.allocate(nbytes)  # backpressure: wait for earlier chunks' writes
+            with self._cond:
+                self._queued_bytes -= pool.block_bytes(nbytes)
+                job.lazy_bytes -= pool.block_bytes(nbytes)
+            dst = pool.view_as(block, t.source, t.shape)
+            dst.copy_(t.source)
+            check_guard(job, job.guard, i)  # completed: a change before now is in the copy
+            with job.claim:
+                job.views.append((t, dst))
+                if flush_now:
+                    job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
+            block = None
+        finally:
+            if block is not None:
+                pool.release(block)
+
+    def _copy_lazy_run(self, job: Job, pool: HostPool, i: int, j: int, flush_now: bool) -> bool:
+        """Copy lazy tasks ``i..j-1`` (small, CPU, one dtype) into adjacent
+        blocks with one copy call; False (nothing done) if the pool has no
+        room for them at once now."""
+        group = job.lazy[i:j]
+        numels = [math.prod(t.shape) for t in group]
+        parts = pool.try_allocate_parts(numels, group[0].source.dtype)
+        if parts is None:
+            return False
+        handed = False
+        try:
+            reserved = sum(pool.block_bytes(task_bytes(t)) for t in group)
+            with self._cond:
+                self._queued_bytes -= reserved
+                job.lazy_bytes -= reserved
+            dsts = [p if len(t.shape) == 1 else p.view(t.shape) for p, t in zip(parts, group)]
+            torch._foreach_copy_(dsts, [t.source for t in group])
+            for k in range(i, j):
+                check_guard(job, job.guard, k)  # completed: a change before now is in the copy
+            with job.claim:
+                job.views.extend(zip(group, dsts))
+                if flush_now:
+                    job.futures.append(self._flush.submit(self._flush_many, pool, job, group, dsts))
+            handed = True
+        finally:
+            if not handed:
+                for p in parts:
+                    pool.release(p)
+        return True
 
     def _hand_over_cuda(self, job: Job, batch: list[tuple[ChunkTask, torch.Tensor]], lazy: bool,
                         last: bool) -> None:
@@ -234,3 +276,21 @@ class Stager:
         for _, dst in batch:
             pool.release(dst)
 
+
+def _run_end(tasks: list[ChunkTask], i: int) -> int:
+    """The end of the run of small CPU tasks of one dtype starting at ``i``
+    (at most GROUP_BYTES), copied together; ``i + 1`` when task ``i`` is not small."""
+    first = tasks[i].source
+    nbytes = task_bytes(tasks[i])
+    if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or not first.is_cpu:
+        return i + 1
+    size, j, dtype = nbytes, i + 1, first.dtype
+    while j < len(tasks):
+        src = tasks[j].source
+        nbytes = task_bytes(tasks[j])
+        if (nbytes == 0 or nbytes >= GROUP_TASK_BYTES or src.dtype != dtype or size + nbytes > GROUP_BYTES
+                or not src.is_cpu):
+            break
+        size += nbytes
+        j += 1
+    return j
