@@ -6,7 +6,7 @@ Each version runs in a subprocess with its own checkout on PYTHONPATH
 (``--before DIR``, e.g. ``git worktree add --detach /tmp/before-index
 5aa2e60``) and builds its own store, so each parses the index format it
 writes; both run in the same invocation, so the ratios compare like with
-like. Times are the best of a few repetitions, per tensor.
+like. Times are CPU time (all threads), the best of a few repetitions, per tensor.
 
     python benchmarks/bench_index.py --before /tmp/before-index --tensors 100000
 """
@@ -27,12 +27,14 @@ ROOT = os.path.dirname(HERE)
 
 
 def best_us(fn: Callable[[], Any], n: int, reps: int = 3) -> float:
-    """Best wall time of ``fn`` over ``reps`` runs, in microseconds per tensor."""
+    """Best CPU time (this process, all threads) of ``fn`` over ``reps``
+    runs, in microseconds per tensor: on a machine shared with other jobs,
+    CPU time varies far less than wall time."""
     best = float("inf")
     for _ in range(reps):
-        t = time.perf_counter()
+        t = time.process_time()
         fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, time.process_time() - t)
     return best / n * 1e6
 
 

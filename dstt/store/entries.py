@@ -20,7 +20,7 @@ it fails.
 >>> from dstt.store.packs import PackRange
 >>> e = TensorEntry("w", "tensor", info_for_name("float32"), (4,), (4,), CodecSpec(), "tensors/w/@f",
 ...                 [3], [7], [None], tensor_checksum([7]), 20, packs=[PackRange(0, 0, 0, 20)])
->>> rows, types = [], TypeTable()
+>>> types = TypeTable()
 >>> row = entry_row(e, types)
 >>> row
 ['w', 0, 'tensors/w/@f', 3, 7, None, 20, 0, 0, 0, 20]
