@@ -10,7 +10,6 @@ exists and, with a ring, the step is sealed).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import threading
@@ -124,4 +123,4 @@ def is_interrupt(e: BaseException) -> bool:
 
 
 def task_bytes(task: ChunkTask) -> int:
-    return math.prod(task.shape) * task.source.dtype.itemsize
+    return task.data_nbytes

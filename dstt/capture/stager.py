@@ -126,7 +126,7 @@ class Stager:
 
         for t in tasks:
             nbytes = task_bytes(t)
-            if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or t.source.device.type != "cpu":
+            if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or not t.source.is_cpu:
                 rest.append(t)
                 continue
             if group and (t.source.dtype != group[0].source.dtype or size + nbytes > GROUP_BYTES):

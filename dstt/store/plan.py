@@ -182,6 +182,15 @@ class ChunkTask:
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     source: torch.Tensor  # the chunk's box of local data, logical dtype, any device
+    #: Bytes of ``source`` (its box, no padding) when the planner knew them
+    #: (the single-process plan cache); -1: not given (see ``data_nbytes``).
+    data_bytes: int = -1
+
+    @property
+    def data_nbytes(self) -> int:
+        """Bytes of the chunk's data (its box: edge padding excluded)."""
+        n = self.data_bytes
+        return n if n >= 0 else math.prod(self.shape) * self.source.element_size()
 
     @property
     def padded(self) -> bool:
@@ -469,11 +478,11 @@ def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec
                     if owner:
                         meta.append(layout)
                     if len(boxes) == 1 and boxes[0][4] is None:
-                        i, c, o, shp, _ = boxes[0]
-                        tasks.append(ChunkTask(layout, i, c, o, shp, src))
+                        i, c, o, shp, _, nb = boxes[0]
+                        tasks.append(ChunkTask(layout, i, c, o, shp, src, nb))
                     else:
-                        tasks.extend(ChunkTask(layout, i, c, o, shp, src if box is None else src[box])
-                                     for i, c, o, shp, box in boxes)
+                        tasks.extend(ChunkTask(layout, i, c, o, shp, src if box is None else src[box], nb)
+                                     for i, c, o, shp, box, nb in boxes)
                     continue
         lt = describe_local(name, kinds[name], v, rank)
         layout = _cached_layout(name, lt.describe(), codec, max_chunk_bytes, pack_chunk_bytes, cache)
@@ -492,10 +501,12 @@ def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec
             base = (0,) * len(layout.shape)
             if len(known) >= MAX_CACHED_LAYOUTS:
                 known.clear()
+            itemsize = v.element_size()
             known[name] = (kinds[name], v.dtype, v.shape, layout, owner, [
                 (t.index, t.coords, t.offset, t.shape,
                  None if t.offset == base and t.shape == layout.shape else
-                 tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape)))
+                 tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape)),
+                 math.prod(t.shape) * itemsize)
                 for t in mine])
     return layouts, tasks, meta
 
