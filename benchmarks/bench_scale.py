@@ -11,9 +11,11 @@ in the same invocation, so the ratios compare like with like.
 Cases: ``save`` (dstt.save of N x 1 KiB fp32 tensors in a flat dict: first
 step, a fully unchanged second step, run.state_dict of step 0, files created
 per step); ``stall`` (Capture.snapshot() time for N tensors: the median of
-the steps after the first); ``loop`` (66 tensors, ~1.3 MB of state, a
+the steps after the first); ``loop`` (88 tensors, ~1.2 MB of state, a
 ~12 ms iteration incl. Adam's step: median iteration with Capture.snapshot
-every iteration vs none).
+every iteration vs none; also the CPU per step of the trainer's process
+and of the capture helper); ``plan`` (Writer.plan of N x 1 KiB tensors: the
+first sighting and an unchanged step, per tensor).
 """
 
 from __future__ import annotations
@@ -80,6 +82,28 @@ def case_stall(n: int, work: str) -> dict[str, Any]:
     return {"stall_first_s": stalls[0], "stall_median_s": statistics.median(stalls[1:])}
 
 
+def case_plan(n: int, work: str) -> dict[str, Any]:
+    import torch
+
+    from dstt.store.writer import Writer
+
+    state = {f"t{i:06d}": torch.full((256,), float(i)) for i in range(n)}
+    w = Writer(os.path.join(work, "plan"))
+    import gc
+
+    gc.collect()  # the process's first full collection (torch's import: ~0.1-0.2 s) is not planning's
+    t = time.perf_counter()
+    w.plan(0, state)
+    first = time.perf_counter() - t
+    again = []
+    for step in range(1, 4):
+        t = time.perf_counter()
+        w.plan(step, state)
+        again.append(time.perf_counter() - t)
+    w.close()
+    return {"first_us_per_tensor": first / n * 1e6, "unchanged_us_per_tensor": statistics.median(again) / n * 1e6}
+
+
 def nanogpt_sized(torch: Any) -> tuple[Any, Any]:
     """66 tensors, ~1.3 MB of state with Adam (22 parameters x 3)."""
     torch.manual_seed(0)
@@ -123,24 +147,45 @@ def case_loop(iters: int, work: str) -> dict[str, Any]:
                        if isinstance(v, torch.Tensor))
     n_tensors = len(model.state_dict()) + sum(len(s) for s in opt.state.values())
 
-    def median_iter(cap: Any) -> float:
+    cpu_marks: dict[str, float] = {}
+
+    def helper_cpu_s(cap: Any) -> float:
+        helper = getattr(cap, "_helper", None)
+        if helper is None:
+            return 0.0
+        with open(f"/proc/{helper.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def median_iter(cap: Any, start: int = 0) -> float:
         times = []
         for i in range(iters):
+            if i == 5:  # CPU from here on (not the helper's start-up, nor the first steps')
+                cpu_marks.update(cpu=time.process_time(), helper=helper_cpu_s(cap) if cap else 0.0)
             t = time.perf_counter()
             iteration()
             if cap is not None:
-                cap.snapshot(i, model=model, optimizer=opt, rng=False)
+                cap.snapshot(start + i, model=model, optimizer=opt, rng=False)
             times.append(time.perf_counter() - t)
+        cpu_marks.update(cpu=(time.process_time() - cpu_marks["cpu"]) / (iters - 5),
+                         helper=((helper_cpu_s(cap) if cap else 0.0) - cpu_marks["helper"]) / (iters - 5))
         return statistics.median(times[5:])
 
     plain = [median_iter(None)]
+    plain_cpu = cpu_marks["cpu"]
     with dstt.Capture(os.path.join(work, "loop")) as cap:
-        captured = median_iter(cap)
+        for i in range(3):  # the capture helper started (its start-up is off the loop, not measured)
+            iteration()
+            cap.snapshot(i, model=model, optimizer=opt, rng=False)
+        cap.wait()
+        captured = median_iter(cap, start=3)
+        cpu, helper = cpu_marks["cpu"], cpu_marks["helper"]
         cap.wait()
     plain.append(median_iter(None))  # before and after: the machine's drift
     base = statistics.mean(plain)
     return {"tensors": n_tensors, "state_bytes": state_bytes, "iter_plain_s": base,
-            "iter_captured_s": captured, "added": captured / base - 1}
+            "iter_captured_s": captured, "added": captured / base - 1,
+            "trainer_cpu_added_ms_per_step": (cpu - plain_cpu) * 1e3, "helper_cpu_ms_per_step": helper * 1e3}
 
 
 def run_case(pythonpath: str, case: str, n: int) -> dict[str, Any]:
@@ -168,7 +213,7 @@ def main() -> None:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
-        fn = {"save": case_save, "stall": case_stall, "loop": case_loop}[args.case]
+        fn = {"save": case_save, "stall": case_stall, "loop": case_loop, "plan": case_plan}[args.case]
         print(json.dumps(fn(args.n, args.work)))
         return
     sys.path.insert(0, HERE)
@@ -176,7 +221,7 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     versions = [("after", ROOT)] + ([("before", os.path.abspath(args.before))] if args.before else [])
-    sizes = {"save": args.tensors, "stall": args.stall_tensors, "loop": args.loop_iters}
+    sizes = {"save": args.tensors, "stall": args.stall_tensors, "loop": args.loop_iters, "plan": args.stall_tensors}
     results: dict[str, dict[str, Any]] = {}
     for case in args.cases.split(","):
         for label, path in versions:
