@@ -245,7 +245,6 @@ class CrashSafe:
         if job.sealed and self._ring is not None and self._helper is None:
             self._ring.unseal(job.plan.step)
         if job.hold and job.pool is not None:
-            for _, view in job.views:
-                job.pool.release(view)
+            job.pool.release_many([view for _, view in job.views])
         job.views = []
 
