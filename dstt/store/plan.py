@@ -174,7 +174,7 @@ class TensorLayout:
         return self.owner(region, self.linear(first) if self.nchunks else 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkTask:
     layout: TensorLayout
     index: int

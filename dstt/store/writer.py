@@ -305,18 +305,19 @@ class Writer(BatchFlush, CommitPhase):
         self._check_open()
         self.check_step(step)
         self.check_lock()
-        plan = plan_step(
-            step,
-            state,
-            rank=self.rank,
-            exchange=self.coord.all_gather if self.coord.distributed else None,
-            codec=self.codec,
-            max_chunk_bytes=self.max_chunk_bytes,
-            allow_pickle=self.allow_pickle,
-            layout_cache=self._layout_cache,
-            pack_chunk_bytes=self.pack_chunk_bytes,
-        )
-        return self._reserve(plan, track=track)
+        with paused_gc():  # (objects per tensor and per chunk, no cycles: issue 16)
+            plan = plan_step(
+                step,
+                state,
+                rank=self.rank,
+                exchange=self.coord.all_gather if self.coord.distributed else None,
+                codec=self.codec,
+                max_chunk_bytes=self.max_chunk_bytes,
+                allow_pickle=self.allow_pickle,
+                layout_cache=self._layout_cache,
+                pack_chunk_bytes=self.pack_chunk_bytes,
+            )
+            return self._reserve(plan, track=track)
 
     def adopt(self, plan: StepPlan) -> StepPlan:
         """Take a plan made by another writer of this branch, now gone (a
