@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 from dstt.errors import CorruptStoreError, TensorNotFoundError
-from dstt.store.chunks import packed_key_of, read_packed
+from dstt.store.chunks import read_packed
 from dstt.store.gcpause import paused_gc
 from dstt.store.index import Index, RunIndex, StepRecord, TensorInfo
 from dstt.store.manifest import TensorEntry
+from dstt.store.packs import pack_key
 from dstt.store.torch_dtypes import from_storage
-from dstt.store.tree import unflatten
+from dstt.store.tree import tensor_names, unflatten
 
 
 def _tensor(arr: np.ndarray) -> torch.Tensor:
@@ -41,13 +42,16 @@ def packed_groups(rec: StepRecord, names: list[str]) -> tuple[dict[str, list[str
     grouped by pack key, and the others."""
     packed: dict[str, list[str]] = {}
     others: list[str] = []
+    get = rec.by_name.get
     for n in dict.fromkeys(names):
-        e = rec.by_name.get(n)
-        key = packed_key_of(e, 0) if e is not None and e.nchunks == 1 and e.chunk_shape == e.shape else None
-        if key is None:
-            others.append(n)
-        else:
-            packed.setdefault(key, []).append(n)
+        e = get(n)
+        # (one pack item per chunk: one item, one chunk)
+        if e is not None and e.packs is not None and len(e.packs) == 1 and e.chunk_shape == e.shape:
+            p = e.packs[0]
+            if p is not None:
+                packed.setdefault(pack_key(e.slots[0], p.rank, p.n), []).append(n)
+                continue
+        others.append(n)
     return packed, others
 
 
@@ -108,13 +112,7 @@ class TensorReader(RunIndex):
                 if not isinstance(tree, dict) or part not in tree:
                     raise TensorNotFoundError(f"no subtree {prefix!r} at step {step} of branch {branch!r}")
                 tree = tree[part]
-        wanted: list[str] = []
-
-        def collect(name: str, kind: str) -> None:
-            wanted.append(name)
-
-        # (rec.objects: depth checked by parse_index, or written by this process)
-        unflatten(tree, collect, allow_pickle=allow_pickle, depth_checked=True)
+        wanted = tensor_names(tree, allow_pickle=allow_pickle)
         for n in wanted:
             if n not in rec.by_name:
                 raise CorruptStoreError(f"step {step}: value tree refers to missing tensor {n!r}")
@@ -143,6 +141,7 @@ class TensorReader(RunIndex):
             t = loaded[name]
             return t.numpy() if kind == "ndarray" else t
 
+        # (rec.objects: depth checked by parse_index, or written by this process)
         return unflatten(tree, load, allow_pickle=allow_pickle, depth_checked=True)
 
     def read_packed_tensors(self, rec: StepRecord, names: list[str], *, verify: bool = False) -> list[torch.Tensor]:
