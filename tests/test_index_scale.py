@@ -343,3 +343,19 @@ def test_commit_refuses_missing_duplicate_and_extra_chunk_results(store: Path) -
         results, _ = w.flush_chunks(plan, plan.tasks)
         w.commit(plan, results)
     same(state, dstt.open(store).state_dict(3))
+
+
+def test_tensor_names_lists_what_unflatten_loads_in_order() -> None:
+    """state_dict reads the tensors tree.tensor_names lists (not a first
+    unflatten): the same names in the same order, pickles refused up front."""
+    from dstt.errors import PickleNotAllowedError
+    from dstt.store.tree import flatten, tensor_names, unflatten
+
+    state = {"m": {"w": torch.ones(2), 3: torch.zeros(1), "$x": [torch.ones(1), (np.ones(2), {"k": torch.ones(3)})]},
+             "opt": [{"step": 1, "t": torch.ones(1)}], "obj": {1, 2}, "b": b"x", "dt": torch.float16}
+    tree, _, _ = flatten(state, allow_pickle=True)
+    loaded: list[str] = []
+    unflatten(tree, lambda n, k: loaded.append(n), allow_pickle=True)
+    assert tensor_names(tree, allow_pickle=True) == loaded and len(loaded) == 6
+    with pytest.raises(PickleNotAllowedError):
+        tensor_names(tree)
