@@ -355,3 +355,35 @@ def test_chunk_file_failure_mid_group_fails_the_step_only(store: Path, monkeypat
     assert run.steps() == [0, 2]
     assert_state(changed, run.state_dict(2))
     assert_state(state, run.state_dict(0))
+
+
+def test_a_store_error_before_the_write_still_settles_the_link(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grouped chunk whose store fails before anything is written (here:
+    Writer._store raising at once) passes its link through: the next step's
+    same chunk does not wait for it forever."""
+    import threading
+
+    state = {f"t{i}": torch.randn(16) for i in range(50)}
+    real_store = Writer._store
+
+    def failing_store(self: Writer, plan: Any, task: Any, *args: Any) -> Any:
+        if plan.step == 1 and task.layout.name == "t20":
+            raise OSError("no")
+        return real_store(self, plan, task, *args)
+
+    monkeypatch.setattr(Writer, "_store", failing_store)
+    with Writer(store, pack_chunk_bytes=0) as w:
+        w.write(0, state)
+        changed = {k: v + 1 for k, v in state.items()}
+        with pytest.raises(CaptureError, match="no"):
+            w.write(1, changed)
+        p2 = w.plan(2, changed)
+        p3 = w.plan(3, changed)  # (planned after step 2: its chain waits on step 2's links)
+        w.ensure_arrays(p2)
+        out: list[Any] = []
+        t = threading.Thread(target=lambda: out.append(w.commit(p2, *w.flush_chunks(p2, p2.tasks))), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive() and out[0].step == 2
+        w.commit(p3, *w.flush_chunks(p3, p3.tasks))
+    assert_state(changed, dstt.open(store).state_dict(3))

@@ -70,17 +70,19 @@ def test_flush_error_inside_a_batch_is_raised_and_nothing_committed(
     a batch fails the step, naming it, and later chunks are still settled."""
     path = tmp_path / "run"
     state = {f"t{i:03d}": torch.full((8,), float(i)) for i in range(300)}
-    real_flush = Writer.flush_chunk
+    # (the chunk-file write of one chunk: flush_chunk and the grouped path,
+    # Writer.flush_chunks, both store through Writer._store; packing is off here)
+    real_store = Writer._store
 
-    def failing_flush(self: Writer, plan: Any, task: Any, staged: Any = None) -> Any:
+    def failing_store(self: Writer, plan: Any, task: Any, *args: Any) -> Any:
         if task.layout.name == "t150":
             raise OSError("disk on fire")
-        return real_flush(self, plan, task, staged)
+        return real_store(self, plan, task, *args)
 
-    monkeypatch.setattr(Writer, "flush_chunk", failing_flush)
+    monkeypatch.setattr(Writer, "_store", failing_store)
     with pytest.raises(CaptureError, match="step 3.*disk on fire"):
         dstt.save(path, 3, state)
-    monkeypatch.setattr(Writer, "flush_chunk", real_flush)
+    monkeypatch.setattr(Writer, "_store", real_store)
     assert dstt.open(path).steps() == []
     dstt.save(path, 3, state)  # the failed step left nothing in the way
     assert bits_equal(dstt.open(path).read("t150", 3), state["t150"])

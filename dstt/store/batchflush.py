@@ -207,10 +207,11 @@ class BatchFlush:
         with self._open_lock:
             self._encode_cpu_s += time.thread_time() - cpu
         for j, result, value in later:
-            settled[j] = True  # _store resolves the link or passes it through
+            settled[j] = True  # _store resolves the link or passes it through (or we do, below)
             try:
                 out.append(self._store(plan, tasks[j], mv[offs[j]:offs[j + 1]], result, links[j], value))
             except BaseException as e:
+                links[j].pass_through()  # (a no-op if _store resolved it)
                 error = error or e
         return error
 
