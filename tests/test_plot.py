@@ -21,10 +21,11 @@ runner = CliRunner()
 
 
 def _run_with_branch(path: Path) -> None:
-    """main: steps 0..5 with a norm that grows 10x per step from step 3 (a
-    jump find reports); alt forks at 2 and stays flat."""
+    """main: steps 0..5 with a norm that grows 20x per step from step 3 (a
+    jump find reports: more than its default 10x, whatever the rounding of
+    the stats); alt forks at 2 and stays flat."""
     for s in range(6):
-        scale = 1.0 if s < 3 else 10.0 ** (s - 2)
+        scale = 1.0 if s < 3 else 20.0 ** (s - 2)
         dstt.save(path, s, {"model": {"w": torch.full((8,), scale), "b": torch.full((3,), 0.5 + s)}})
     dstt.branch(f"{path}:2", "alt")
     for s in (3, 4):
@@ -54,7 +55,7 @@ def test_png_svg_pdf_written_and_sane(tmp_path: Path) -> None:
     assert root.tag.endswith("svg")
     text = svg.read_text()
     assert "model/w@main" in text and "model/w@alt" in text  # both branches overlaid, labelled
-    assert "fork point" in text and "find: detection" in text  # alt's fork and the 10x jump marked
+    assert "fork point" in text and "find: detection" in text  # alt's fork and the 20x jump marked
     _plot([str(store), "model/w", "--plot", str(pdf)])
     assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 1000
 
