@@ -235,3 +235,20 @@ def test_in_place_change_before_a_run_is_copied_never_stores_a_wrong_step(tmp_pa
     for step in run.steps():
         assert torch.equal(run.read("model/0.weight", step), expected[step]), step
     assert len(run.steps()) + failed >= 1
+
+
+def test_flatten_names_plain_tensors_like_every_other_value() -> None:
+    """flatten names a plain tensor of a dict on a short path (no path list
+    per key): the same names, escaping and kinds as the general path gives
+    a Parameter or an ndarray beside it."""
+    from dstt.store.tree import flatten
+
+    t, p = torch.zeros(2), torch.nn.Parameter(torch.ones(1))
+    state = {"a/b": t, "x%y": {"q": t, "r": [t, {"s/t": p}]}, "top": p, "n": __import__("numpy").zeros(3)}
+    tree, tensors, kinds = flatten(state)
+    assert list(tensors) == ["a%2Fb", "x%25y/q", "x%25y/r/0", "x%25y/r/1/s%2Ft", "top", "n"]
+    assert kinds == {**{k: "tensor" for k in list(tensors)[:5]}, "n": "ndarray"}
+    assert tree["x%y"]["r"][1] == {"s/t": {"$tensor": "x%25y/r/1/s%2Ft"}}
+    assert tensors["x%25y/q"] is t and tensors["top"] is p
+    with pytest.raises(InvalidNameError, match="two tensors map to the name"):
+        flatten({1: {"a": t}, "1": {"a": t}})

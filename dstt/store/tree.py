@@ -88,7 +88,9 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, T
     def add(path: list[str], value: Any, kind: str) -> str:
         if not path:
             raise InvalidNameError("the state itself must be a dict or list, not a bare tensor")
-        name = "/".join(path)
+        return add_named("/".join(path), value, kind)
+
+    def add_named(name: str, value: Any, kind: str) -> str:
         if name in tensors:
             raise InvalidNameError(
                 f"two tensors map to the name {name!r}; rename one of the keys"
@@ -141,7 +143,18 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[Any, dict[str, T
             if isinstance(v, dict):
                 str_keys = all(isinstance(k, str) and not k.startswith("$") for k in v)
                 if str_keys:
-                    return {k: enc(x, path + [escape_name_part(k)]) for k, x in v.items()}
+                    # A plain tensor value (exact torch.Tensor: never a DTensor)
+                    # is named here, without a path list per key (issue 16:
+                    # tens of thousands of tensors per step).
+                    prefix = "/".join(path) + "/" if path else ""
+                    out: dict[str, Any] = {}
+                    for k, x in v.items():
+                        part = escape_name_part(k) if "%" in k or "/" in k else k
+                        if type(x) is torch.Tensor:
+                            out[k] = {"$tensor": add_named(prefix + part, x, "tensor")}
+                        else:
+                            out[k] = enc(x, path + [part])
+                    return out
                 return {"$dict": [[enc_key(k, path), enc(x, path + [escape_name_part(str(k))])]
                                   for k, x in v.items()]}
             if isinstance(v, list):
