@@ -104,6 +104,15 @@ class BatchFlush:
         2
         >>> w.close()
         """
+        # The collector paused: the few objects per chunk (results, refs,
+        # ranges, rows) hold no cycles, and their burst would trigger full
+        # collections that walk every live object -- ~1 s of a 100,000-tensor step.
+        with paused_gc():
+            return self._flush_chunks(plan, tasks, staged, prev_staged)
+
+    def _flush_chunks(self, plan: StepPlan, tasks: list[ChunkTask], staged: list[torch.Tensor | None] | None,
+                      prev_staged: list[torch.Tensor | None] | None,
+                      ) -> tuple[list[ChunkResult], BaseException | None]:
         results: list[ChunkResult] = []
         error: BaseException | None = None
         groups: dict[torch.dtype, list[tuple[int, int]]] = {}  # dtype -> (task index, chunk bytes)
@@ -145,11 +154,7 @@ class BatchFlush:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            # The collector paused: the few objects per chunk (results, refs,
-            # ranges) hold no cycles, and would trigger full collections that
-            # walk every live object -- ~1 s of a 100,000-tensor step.
-            with paused_gc():
-                return self._code_group(plan, tasks, srcs, prevs, links, settled, out)
+            return self._code_group(plan, tasks, srcs, prevs, links, settled, out)
         except BaseException as e:
             return e
         finally:
