@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -72,18 +73,24 @@ def finish(proc: subprocess.Popen) -> None:
     assert proc.returncode == 0, (err or "")[-3000:]
 
 
-def kill_when_committed(proc: subprocess.Popen, step: int) -> None:
-    """SIGKILL ``proc`` once it prints ``committed STEP``; fail if it exits first."""
+def kill_when_committed(proc: subprocess.Popen, step: int, timeout_s: float = 300.0) -> None:
+    """SIGKILL ``proc`` once it prints ``committed S`` for S >= ``step``
+    (steps commit in order); fail if it exits first or has not within
+    ``timeout_s`` (a watchdog kills it: a test never hangs on a trainer)."""
+    watchdog = threading.Timer(timeout_s, proc.kill)
+    watchdog.start()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if line.strip() == f"committed {step}":
+            word, _, num = line.strip().partition(" ")
+            if word == "committed" and num.isdigit() and int(num) >= step:
                 os.kill(proc.pid, signal.SIGKILL)
                 break
         else:
             err = proc.stderr.read()[-2000:] if proc.stderr is not None else ""
             pytest.fail(f"training exited ({proc.wait()}) before committing step {step}: {err}")
     finally:
+        watchdog.cancel()
         proc.kill()
         proc.communicate()
     assert proc.returncode == -signal.SIGKILL

@@ -47,10 +47,15 @@ def setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, object, torch.Tenso
 
 
 def report(cap: dstt.Capture, done: int) -> int:
-    """Print ``committed <step>`` for steps made durable since the last call."""
-    for info in cap.committed[done:]:
-        print(f"committed {info.step}", flush=True)
-    return len(cap.committed)
+    """Print ``committed <step>`` for steps made durable since the last call
+    (``done``: the newest step printed so far). One read of ``cap.committed``:
+    commits land on a background thread (several at once with group commit),
+    and it holds only the latest ones, so positions in it are not stable."""
+    for info in cap.committed:
+        if info.step > done:
+            print(f"committed {info.step}", flush=True)
+            done = info.step
+    return done
 
 
 def main(argv: list[str]) -> None:
@@ -72,7 +77,7 @@ def main(argv: list[str]) -> None:
         pos = dstt.restore(run, model=model, optimizer=opt, scheduler=sched, rng=not args.no_rng)
         start = parent[1]
     batches = N_SAMPLES // BATCH
-    reported = 0
+    reported = start
     with dstt.Capture(args.store, branch=args.branch, parent=parent) as cap:
         for step in range(start + 1, args.steps + 1):
             idx = pos["order"][pos["batch"] * BATCH:(pos["batch"] + 1) * BATCH]
