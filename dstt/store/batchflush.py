@@ -268,8 +268,8 @@ class BatchFlush:
                   prev: Link) -> None:
         """The same chunk of the previous planned step is not stored yet (its
         flush was queued after this one): finish when it is, on this writer's
-        pool, from ``raw`` (a slice of the batch's private buffer, kept alive
-        by it). commit() waits for ``result.pending``."""
+        pool, from ``raw`` (private bytes: a slice of the batch's own buffer,
+        or flush_chunk's copy of a staging block). commit() waits for ``result.pending``."""
         pending: Future[ChunkResult] = Future()
         result.pending = pending
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -478,19 +478,7 @@ class Writer(BatchFlush, CommitPhase):
             # (its flush was queued after this one): finish when it is, on
             # this writer's own thread, from a private copy of the bytes --
             # the staging block goes back to the pool now. commit() waits.
-            owned = np.frombuffer(raw, dtype=np.uint8).copy().data
-            pending: Future[ChunkResult] = Future()
-            result.pending = pending
-
-            def finish(value: ChunkRef | None) -> None:
-                def run() -> None:
-                    try:
-                        pending.set_result(self._store(plan, task, owned, result, link, value))
-                    except BaseException as e:
-                        pending.set_exception(e)
-                self._pool.submit(run)
-
-            prev.then(finish)
+            self._wait_for(plan, task, np.frombuffer(raw, dtype=np.uint8).copy().data, result, link, prev)
             return result
         except BaseException:
             link.pass_through()  # later steps compare with what was there before
