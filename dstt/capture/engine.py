@@ -238,7 +238,8 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
             (job.lazy if protected and storage_key(t.source) in protected else eager).append(t)
         if job.lazy:
             job.guard = VersionGuard([t.source for t in job.lazy], [t.layout.name for t in job.lazy])
-        sizes = [task_bytes(t) for t in job.plan.tasks]  # (once: tens of thousands of tasks)
+        # One pass each over the tasks (tens of thousands of them: issue 16).
+        sizes = [t.data_nbytes for t in job.plan.tasks]
         cuda = any(t.source.is_cuda for t in job.plan.tasks)
         if self._tier:
             self._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
@@ -246,9 +247,8 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
             self._ensure_pool(sizes, cuda)
             assert self.pool is not None
             job.pool = self.pool
-            block_bytes = self.pool.block_bytes
             job.hold = self._pool_in_ring and policy.step_need_bytes(
-                [block_bytes(n) for n in sizes]) <= self.pool.capacity
+                self.pool.blocks_bytes(sizes)) <= self.pool.capacity
         assert job.pool is not None
         if self._helper is not None and not job.hold:
             raise CaptureError(

@@ -124,14 +124,18 @@ class Stager:
             if flush_now:  # (a held block is released at commit, not by its flush)
                 job.futures.append(self._flush.submit(self._flush_many, pool, job, list(group), dsts))
 
+        dtype = None  # the group's
         for t in tasks:
-            nbytes = task_bytes(t)
-            if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or not t.source.is_cpu:
+            nbytes = t.data_nbytes
+            src = t.source
+            if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or not src.is_cpu:
                 rest.append(t)
                 continue
-            if group and (t.source.dtype != group[0].source.dtype or size + nbytes > GROUP_BYTES):
+            if group and (src.dtype is not dtype or size + nbytes > GROUP_BYTES):
                 copy_group()
                 group, size = [], 0
+            if not group:
+                dtype = src.dtype
             group.append(t)
             size += nbytes
         if group:
