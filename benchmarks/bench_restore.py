@@ -23,12 +23,15 @@ import json
 import os
 import platform
 import shutil
-import time
-from typing import Any, Callable
+import sys
+from typing import Any
 
 import torch
 
 import dstt
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import best_of  # noqa: E402
 
 
 def build(gb: float, width: int = 4096) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -41,15 +44,6 @@ def build(gb: float, width: int = 4096) -> tuple[torch.nn.Module, torch.optim.Op
     for p in model.parameters():
         p.grad = None
     return model, opt
-
-
-def timed(fn: Callable[[], Any], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:
@@ -87,11 +81,11 @@ def main() -> None:
     run = dstt.open(store)
     res: dict[str, Any] = {"state_gb": nbytes / 1e9, "repeat": args.repeat, "torch": torch.__version__,
                            "cpus": os.cpu_count(), "machine": platform.machine()}
-    res["dstt.restore"] = timed(with_dstt, args.repeat)
-    res["torch.load+load_state_dict"] = timed(with_torch, args.repeat)
-    res["dcp.load"] = timed(with_dcp, args.repeat)
-    res["run.state_dict"] = timed(lambda: dstt.open(store).state_dict(1), args.repeat)
-    res["export.safetensors"] = timed(lambda: dstt.export(f"{store}:1", sf), args.repeat)
+    res["dstt.restore"] = best_of(with_dstt, args.repeat)
+    res["torch.load+load_state_dict"] = best_of(with_torch, args.repeat)
+    res["dcp.load"] = best_of(with_dcp, args.repeat)
+    res["run.state_dict"] = best_of(lambda: dstt.open(store).state_dict(1), args.repeat)
+    res["export.safetensors"] = best_of(lambda: dstt.export(f"{store}:1", sf), args.repeat)
     del run
     for k in ("dstt.restore", "torch.load+load_state_dict", "dcp.load", "run.state_dict", "export.safetensors"):
         res[k + " GB/s"] = nbytes / 1e9 / res[k]
