@@ -43,7 +43,7 @@ import torch
 from dstt.store.codec import encode_chunk
 from dstt.store.committer import ChunkResult
 from dstt.store.gcpause import paused_gc
-from dstt.store.keyframes import ChunkPlace, ChunkRef, Link, _equals_stored
+from dstt.store.keyframes import ChunkPlace, ChunkRef, Link, live_ref, proven_equal
 from dstt.store.stats import BATCH_DTYPES, batch_partials
 from dstt.store.torch_dtypes import as_storage_view
 
@@ -60,12 +60,18 @@ GROUP_BYTES = 8 << 20
 
 
 def batchable(task: ChunkTask, src: torch.Tensor) -> bool:
-    """Whether a chunk is flushed in a group (what flush_chunks tests
-    inline): small, not empty, of a dtype the vectorized stats take, on the
-    CPU, not padded, not a lazy negative view."""
+    """Whether a chunk is flushed in a group: not padded (so its bytes are
+    ``src``'s), of a dtype the vectorized stats take, on the CPU, not a lazy
+    negative view, small and not empty."""
+    return (task.shape == task.layout.chunk_shape and src.dtype in BATCH_DTYPES and src.is_cpu
+            and not src.is_neg() and 0 < src.nbytes <= BATCH_CHUNK_BYTES)
+
+
+def chunk_place(task: ChunkTask) -> ChunkPlace:
+    """Where ``task``'s chunk is stored (keyframes.ChunkPlace)."""
     layout = task.layout
-    return (0 < layout.chunk_nbytes <= BATCH_CHUNK_BYTES and src.dtype in BATCH_DTYPES and src.is_cpu
-            and task.shape == layout.chunk_shape and not src.is_neg())
+    return ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta else None,
+                      layout.codec, layout.dtype.itemsize, task.coords)
 
 
 class BatchFlush:
@@ -121,13 +127,9 @@ class BatchFlush:
             s = staged[i] if staged is not None else None
             src = t.source if s is None else s
             srcs.append(src)
-            # (batchable() inline: this loop runs per chunk, tens of thousands of
-            # times; not padded, so the chunk's bytes are the source's)
-            if t.shape == t.layout.chunk_shape and src.dtype in BATCH_DTYPES and src.is_cpu and not src.is_neg():
-                nbytes = src.nbytes
-                if 0 < nbytes <= BATCH_CHUNK_BYTES:
-                    groups.setdefault(src.dtype, []).append((i, nbytes))
-                    continue
+            if batchable(t, src):
+                groups.setdefault(src.dtype, []).append((i, src.nbytes))
+                continue
             try:
                 results.append(self.flush_chunk(plan, t, s, None if prev_staged is None else prev_staged[i]))
             except BaseException as e:  # every chunk flushed or failed: none left running
@@ -227,23 +229,15 @@ class BatchFlush:
         filled in, the pack referenced), else (None, its encoded parts). Sets
         ``result.sha256`` either way (recorded for every packed chunk: a
         later step proves equality by hash)."""
-        if value is not None and value.pack_file is not None and value.pack_file.state == "failed":
-            value = None  # its bytes were never stored: nothing to reference or compare with
+        value = live_ref(value)
         sha = hashlib.sha256(raw).digest()
         result.sha256 = sha
-        if self.dedup and value is not None and value.crc == result.crc:
-            if value.sha256 is not None:
-                same = value.sha256 == sha
-            else:
-                layout = t.layout
-                place = ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta else None,
-                                   layout.codec, layout.dtype.itemsize, t.coords)
-                same = _equals_stored(self.backend, place, value, raw)
-            if same:
-                if value.pack_file is not None:
-                    plan.packs.refer(value.pack_file)  # commit checks it was written
-                result.slot, result.keyframe, result.pack = value.slot, value.keyframe, value.pack
-                return (value if value.sha256 == sha else replace(value, sha256=sha)), []
+        if (self.dedup and value is not None and value.crc == result.crc
+                and proven_equal(self.backend, value, raw, sha, lambda: chunk_place(t))):
+            if value.pack_file is not None:
+                plan.packs.refer(value.pack_file)  # commit checks it was written
+            result.slot, result.keyframe, result.pack = value.slot, value.keyframe, value.pack
+            return (value if value.sha256 == sha else replace(value, sha256=sha)), []
         layout = t.layout
         return None, encode_chunk(raw, layout.codec, raw_crc=result.crc, itemsize=layout.dtype.itemsize, fast=plan.fast)
 
@@ -300,4 +294,4 @@ def _split(members: list[tuple[int, int]]) -> list[list[int]]:
     return out
 
 
-__all__ = ["BATCH_CHUNK_BYTES", "BatchFlush", "GROUP_BYTES", "batchable"]
+__all__ = ["BATCH_CHUNK_BYTES", "BatchFlush", "GROUP_BYTES", "batchable", "chunk_place"]

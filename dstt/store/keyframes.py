@@ -185,12 +185,10 @@ def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, 
     no delta, the chunk stored whole without compression -- a keyframe.
     ``packs``: the chunk is appended to this step's packs (packs.py), never
     delta coded."""
-    if prev is not None and prev.pack_file is not None and prev.pack_file.state == "failed":
-        prev = None  # its bytes were never stored: nothing to reference or compare with
+    prev = live_ref(prev)
     if dedup and prev is not None and prev.crc == crc:
         sha = hashlib.sha256(raw).digest()
-        same = prev.sha256 == sha if prev.sha256 is not None else _equals_stored(backend, place, prev, raw)
-        if same:
+        if proven_equal(backend, prev, raw, sha, lambda: place):
             return Coded(replace(prev, sha256=sha), 0, sha)
     if packs is not None:
         parts = encode_chunk(raw, place.codec, raw_crc=crc, itemsize=place.itemsize, fast=fast)
@@ -247,6 +245,25 @@ def _keyframe_for(backend: Backend, place: ChunkPlace, prev: ChunkRef | None, sl
 
 def _size(parts: list[Any]) -> int:
     return sum(len(memoryview(p).cast("B")) for p in parts)
+
+
+def live_ref(prev: ChunkRef | None) -> ChunkRef | None:
+    """``prev``, or None if it lies in a pack that failed: its bytes were
+    never stored, so there is nothing to reference or compare with."""
+    if prev is not None and prev.pack_file is not None and prev.pack_file.state == "failed":
+        return None
+    return prev
+
+
+def proven_equal(backend: Backend, prev: ChunkRef, raw: memoryview, sha: bytes,
+                 place: Callable[[], ChunkPlace]) -> bool:
+    """Whether ``raw`` (whose CRC equals ``prev.crc``, its sha256 ``sha``)
+    holds exactly ``prev``'s bytes: by sha256 when ``prev`` has one, else by
+    reading the stored chunk back (``place()`` says where). Equal CRCs alone
+    never prove equal bytes."""
+    if prev.sha256 is not None:
+        return prev.sha256 == sha
+    return _equals_stored(backend, place(), prev, raw)
 
 
 def _equals_stored(backend: Backend, place: ChunkPlace, prev: ChunkRef, raw: memoryview) -> bool:

@@ -43,14 +43,14 @@ from dstt.errors import (
 )
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
-from dstt.store.batchflush import BatchFlush
+from dstt.store.batchflush import BatchFlush, chunk_place
 from dstt.store.codec import CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
 from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase, resolved_tails
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.gcpause import paused_gc
 from dstt.store.heads import latest_committed
 from dstt.store.index import resolve_parent
-from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkPlace, ChunkRef, Link, code_chunk
+from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkRef, Link, code_chunk
 from dstt.store.lock import acquire as acquire_lock
 from dstt.store.manifest import (
     parse_commit,
@@ -487,13 +487,10 @@ class Writer(BatchFlush, CommitPhase):
     def _store(self, plan: StepPlan, task: ChunkTask, raw: memoryview, result: ChunkResult, link: Link,
                prev: ChunkRef | None) -> ChunkResult:
         """Dedup, delta code or write one chunk against ``prev``; resolves ``link``."""
-        layout = task.layout
-        place = ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta else None,
-                           layout.codec, layout.dtype.itemsize, task.coords)
         cpu = time.thread_time()
         try:
-            packs = plan.packs if layout.packed else None
-            coded = code_chunk(self.backend, place, plan.slot, raw, result.crc, prev,
+            packs = plan.packs if task.layout.packed else None
+            coded = code_chunk(self.backend, chunk_place(task), plan.slot, raw, result.crc, prev,
                                dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast, packs=packs)
             if coded.written == 0 and coded.ref.pack_file is not None and plan.packs is not None:
                 plan.packs.refer(coded.ref.pack_file)  # commit checks it was written
