@@ -387,3 +387,21 @@ def test_a_store_error_before_the_write_still_settles_the_link(store: Path, monk
         assert not t.is_alive() and out[0].step == 2
         w.commit(p3, *w.flush_chunks(p3, p3.tasks))
     assert_state(changed, dstt.open(store).state_dict(3))
+
+
+def test_a_result_that_waited_for_its_predecessor_settles_picklable() -> None:
+    """Under torch.distributed each rank's results are pickled to rank 0: a
+    settled result must not carry its Future (it holds a lock), or the step
+    fails with "cannot pickle '_thread.RLock'" whenever a chunk had waited."""
+    import pickle
+    from concurrent.futures import Future
+
+    from dstt.store.committer import ChunkResult
+
+    r = ChunkResult("a", 0, 1, None, 0, 4, 4, [1.0] * 8)
+    f: Future[ChunkResult] = Future()
+    r.pending = f
+    f.set_result(r)  # what _wait_for's run() does: _store returns the same result
+    done = r.settled()
+    assert done.pending is None and (done.name, done.crc, done.written) == ("a", 1, 4)
+    assert pickle.loads(pickle.dumps(done)).crc == 1

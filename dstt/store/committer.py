@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from dstt.errors import CaptureError
@@ -56,8 +56,13 @@ class ChunkResult:
     pending: Future[ChunkResult] | None = None
 
     def settled(self) -> "ChunkResult":
-        """The finished result (waiting for a pending one)."""
-        return self if self.pending is None else self.pending.result()
+        """The finished result (waiting for a pending one), without its
+        Future: results are pickled to rank 0 under torch.distributed, and
+        a Future (it holds a lock) cannot be -- a chunk that had waited for
+        its predecessor failed the step with "cannot pickle '_thread.RLock'"."""
+        if self.pending is None:
+            return self
+        return replace(self.pending.result(), pending=None)
 
 
 @dataclass
