@@ -11,7 +11,9 @@ computes the same layout without talking to the others.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar, overload
@@ -417,7 +419,11 @@ def _plan_step(step: int, state: Any, rank: int, exchange: Callable[[Any], list[
                pack_chunk_bytes: int | None) -> StepPlan:
     if pack_chunk_bytes is None:
         pack_chunk_bytes = default_pack_chunk_bytes()
-    tree, tensors, kinds = flatten(state, allow_pickle=allow_pickle)
+    # (the layout cache also keeps, under "$"-tuples and strings, what the
+    # next step of the same writer compares with: _plan_local, flatten)
+    memos: dict[Any, Any] | None = layout_cache
+    memo = None if memos is None else memos.setdefault("$flatten", {})
+    tree, tensors, kinds = flatten(state, allow_pickle=allow_pickle, memo=memo)
     if exchange is None and layout_cache is not None:
         return StepPlan(step, tree, *_plan_local(tensors, kinds, rank, codec, max_chunk_bytes, pack_chunk_bytes,
                                                  layout_cache))
@@ -448,19 +454,33 @@ def _plan_step(step: int, state: Any, rank: int, exchange: Callable[[Any], list[
 def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec: CodecSpec,
                 max_chunk_bytes: int, pack_chunk_bytes: int, cache: dict[Any, Any]
                 ) -> tuple[list[TensorLayout], list[ChunkTask], list[TensorLayout]]:
-    """A single process's plan, per tensor from the cache when the tensor is
-    laid out as at an earlier step (same name, kind, dtype, shape; strided,
-    not nested, not meta): the layout and the chunk boxes are a pure function
-    of those, so a step of tens of thousands of unchanged tensors costs a
-    dict lookup and a ``detach()`` each (issue 16: snapshot() of 20,000
-    tensors). Anything else (DTensors, ShardedTensors, a first sighting)
-    takes the general path, whose result is remembered."""
+    """A single process's plan. A step whose tensors all view what they
+    viewed at the previous step gets that step's layouts and tasks back
+    (:class:`_StepMemo`). Otherwise tensor by tensor: one laid out as at an
+    earlier step (same name, kind, dtype, shape; strided, not nested, not
+    meta) takes the layout and chunk boxes from the cache (a pure function
+    of those), and its previous step's tasks when it is :func:`same_view`
+    as then; anything else (DTensors, ShardedTensors, a first sighting)
+    takes the general path, whose result is remembered (issue 16: snapshot()
+    of 20,000 tensors)."""
+    config = (codec, max_chunk_bytes, pack_chunk_bytes, rank)
+    memo: _StepMemo | None = cache.get(("$step",) + config)
+    if memo is not None:
+        same = memo.reuse(tensors, kinds)
+        if same is not None:
+            return same
     layouts: list[TensorLayout] = []
     tasks: list[ChunkTask] = []
     meta: list[TensorLayout] = []
     # Per-tensor plans of this configuration, by name: (kind, dtype, shape,
-    # layout, meta owner?, [(index, coords, offset, shape, box or None)]).
-    known: dict[str, Any] = cache.setdefault(("$local", codec, max_chunk_bytes, pack_chunk_bytes, rank), {})
+    # layout, meta owner?, [(index, coords, offset, shape, box or None, bytes)]).
+    known: dict[str, Any] = cache.setdefault(("$local",) + config, {})
+    # Plain tensors of the previous step and of this one, by name: (the
+    # tensor detached when its tasks were made, the tasks). Only the last
+    # step's: what they keep alive is what the trainer holds anyway.
+    before: dict[str, tuple[torch.Tensor, list[ChunkTask]]] = cache.get(("$views",) + config, {})
+    views: dict[str, tuple[torch.Tensor, list[ChunkTask]]] = {}
+    all_plain = True
     strided = torch.strided
     for name in sorted(tensors):
         v = tensors[name]
@@ -473,16 +493,23 @@ def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec
                 hit = known.get(name)
                 if hit is not None and hit[1] is v.dtype and hit[0] == kinds[name] and hit[2] == v.shape:
                     layout, owner, boxes = hit[3], hit[4], hit[5]
-                    src = v.detach() if v.requires_grad else v  # (detach() builds a tensor object)
                     layouts.append(layout)
                     if owner:
                         meta.append(layout)
+                    last = before.get(name)
+                    if last is not None and last[1] and last[1][0].layout is layout and same_view(v, last[0]):
+                        tasks.extend(last[1])  # the same memory, viewed alike: its tasks copy what v holds
+                        views[name] = last
+                        continue
+                    src = v.detach()  # (a tensor object; also what the next step compares with)
                     if len(boxes) == 1 and boxes[0][4] is None:
                         i, c, o, shp, _, nb = boxes[0]
-                        tasks.append(ChunkTask(layout, i, c, o, shp, src, nb))
+                        mine = [ChunkTask(layout, i, c, o, shp, src, nb)]
                     else:
-                        tasks.extend(ChunkTask(layout, i, c, o, shp, src if box is None else src[box], nb)
-                                     for i, c, o, shp, box, nb in boxes)
+                        mine = [ChunkTask(layout, i, c, o, shp, src if box is None else src[box], nb)
+                                for i, c, o, shp, box, nb in boxes]
+                    tasks.extend(mine)
+                    views[name] = (src, mine)
                     continue
         lt = describe_local(name, kinds[name], v, rank)
         layout = _cached_layout(name, lt.describe(), codec, max_chunk_bytes, pack_chunk_bytes, cache)
@@ -490,7 +517,7 @@ def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec
         owner = layout.meta_owner_rank == rank
         if owner:
             meta.append(layout)
-        mine: list[ChunkTask] = []
+        mine = []
         for region in layout.regions:
             if rank not in region.holders or math.prod(region.shape) == 0:
                 continue  # an empty shard has no chunks
@@ -508,7 +535,85 @@ def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec
                  tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape)),
                  math.prod(t.shape) * itemsize)
                 for t in mine])
+            views[name] = (_local_data_for(lt, layout.regions[0]), mine)  # (v detached)
+        else:
+            all_plain = False  # (a DTensor or a sharded tensor: planned afresh every step)
+    cache[("$views",) + config] = views
+    if all_plain and len(views) == len(tensors):
+        cache[("$step",) + config] = _StepMemo(list(tensors), list(kinds.values()),
+                                               [views[n][0] for n in tensors], (layouts, tasks, meta))
+    else:
+        cache.pop(("$step",) + config, None)
     return layouts, tasks, meta
+
+
+_IS_SET_TO = torch.Tensor.is_set_to
+_IS_NEG = torch.Tensor.is_neg
+_DTYPE = operator.attrgetter("dtype")
+
+
+def same_view(v: torch.Tensor, alias: torch.Tensor) -> bool:
+    """``v`` views exactly the memory ``alias`` (a detached tensor kept from
+    an earlier step) views, in the same way: the same storage, offset,
+    sizes, strides, dtype, and conjugate/negative bits. Then chunk tasks
+    made from ``alias`` copy what ``v`` holds now, bit for bit. (A tensor
+    changed in place -- ``.data =``, ``set_``, ``resize_``, ``t_`` -- or
+    replaced by another one fails it.)
+
+    >>> x = torch.zeros(2, 3); a = x.detach()
+    >>> same_view(x, a), same_view(x.t_(), a)
+    (True, False)
+    """
+    return (v.dtype is alias.dtype and v.is_set_to(alias) and v.is_neg() == alias.is_neg()
+            and v.is_conj() == alias.is_conj())
+
+
+@dataclass
+class _StepMemo:
+    """The last single-process plan of a writer, and what it was made from:
+    a step whose tensors are all laid out as then gets its layouts and
+    tasks back (issue 16: a step of 20,000 unchanged tensors cost ~30 ms to
+    plan tensor by tensor; this is a few C-level passes over them).
+
+    ``aliases``: each tensor detached at planning time, in the order of the
+    flattened state; the tasks' sources are these (or views of them), so
+    they read what the live tensors hold as long as each live tensor is
+    :func:`same_view` as its alias."""
+
+    names: list[str]
+    kinds: list[str]
+    aliases: list[torch.Tensor]
+    result: tuple[list[TensorLayout], list[ChunkTask], list[TensorLayout]]
+    dtypes: list[torch.dtype] = field(default_factory=list)
+    complex_at: list[int] = field(default_factory=list)  # (only a complex tensor has a conjugate bit)
+    #: Some alias has its negative or conjugate bit set: compared tensor by
+    #: tensor (same_view), not here.
+    odd: bool = False
+
+    def __post_init__(self) -> None:
+        self.dtypes = list(map(_DTYPE, self.aliases))
+        self.complex_at = [i for i, a in enumerate(self.aliases) if a.is_complex()]
+        self.odd = any(map(_IS_NEG, self.aliases)) or any(self.aliases[i].is_conj() for i in self.complex_at)
+
+    def reuse(self, tensors: dict[str, Any], kinds: dict[str, str],
+              ) -> tuple[list[TensorLayout], list[ChunkTask], list[TensorLayout]] | None:
+        """The remembered (layouts, tasks, meta arrays) if every tensor of
+        ``tensors`` is :func:`same_view` as its alias, else None. The same
+        list and task objects: read-only for everyone."""
+        if self.odd or list(tensors) != self.names or list(kinds.values()) != self.kinds:
+            return None
+        values = list(tensors.values())
+        try:
+            # (dtypes first: a complex value then fails before is_conj matters)
+            if not (all(map(operator.is_, map(type, values), itertools.repeat(torch.Tensor)))
+                    and list(map(_DTYPE, values)) == self.dtypes
+                    and all(map(_IS_SET_TO, values, self.aliases))
+                    and not any(map(_IS_NEG, values))
+                    and not any(values[i].is_conj() for i in self.complex_at)):
+                return None
+        except Exception:  # noqa: BLE001 - anything odd is planned the long way (which says what is wrong)
+            return None
+        return self.result
 
 
 #: Layouts a cache keeps at most (it is cleared when full: a run whose
