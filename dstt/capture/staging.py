@@ -38,6 +38,8 @@ ALIGN = 64
 #: can hand them to the disk with O_DIRECT, straight from the pool.
 PAGE = 4096
 PAGE_BLOCK_BYTES = 64 << 10
+#: A /dev/shm pool is registered with CUDA in pieces of this size (HostPool._register).
+REGISTER_PIECE_BYTES = 64 << 20
 
 
 def _round_up(n: int, k: int = ALIGN) -> int:
@@ -80,6 +82,8 @@ class HostPool:
         self.pinned = pin and buffer is None
         self.wants_pin = pin  # pinned, or being registered in the background
         self.registered = threading.Event()
+        self._pieces: list[int] = []  # offsets of the pieces registered with CUDA (_register)
+        self._stop_registering = False  # unregister() before _register finished: stop between pieces
         if buffer is not None:
             if buffer.numel() < self.capacity or buffer.data_ptr() % PAGE:
                 raise CaptureError(f"a staging buffer of {buffer.numel()} bytes cannot hold a {self.capacity}-byte pool")
@@ -104,30 +108,57 @@ class HostPool:
         self._error: str | None = None
 
     def _register(self) -> None:
-        """Page-lock the mapping for CUDA off the trainer's thread (~0.6 s
+        """Page-lock the mapping for CUDA off the trainer's thread (~0.55 s
         per GiB measured on an H100); copies issued before it finishes are
-        correct, only slower."""
+        correct, only slower.
+
+        In pieces of :data:`REGISTER_PIECE_BYTES`: ``cudaHostRegister``
+        holds the CUDA driver's lock for its whole call, so every CUDA call
+        of the trainer (a kernel launch, an event record) waits behind it.
+        Measured on an H100: one call for a 4.8 GiB pool blocked the first
+        ``snapshot()`` 2.7 s. Between pieces the trainer's calls get in."""
+        import time
+
+        cudart = torch.cuda.cudart()
+        base = self.buffer.data_ptr()
         try:
-            rc = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.capacity, 0)
-            code = getattr(rc, "value", rc)
-            if code == 0:
-                self.pinned = True
-            else:
-                log.warning("dstt: cudaHostRegister of the staging pool failed (error %s): copies stay pageable", code)
+            for start in range(0, self.capacity, REGISTER_PIECE_BYTES):
+                if self._stop_registering:
+                    self._unregister_pieces()
+                    return
+                size = min(REGISTER_PIECE_BYTES, self.capacity - start)
+                rc = cudart.cudaHostRegister(base + start, size, 0)
+                code = getattr(rc, "value", rc)
+                if code != 0:
+                    log.warning("dstt: cudaHostRegister of the staging pool failed (error %s): copies stay pageable",
+                                code)
+                    self._unregister_pieces()
+                    return
+                self._pieces.append(start)
+                time.sleep(0)  # let a waiting trainer thread take the GIL and the driver's lock
+            self.pinned = True
         except Exception as e:  # noqa: BLE001 - pinning is an optimization
             log.warning("dstt: could not register the staging pool with CUDA: %s", e)
+            self._unregister_pieces()
         finally:
             self.registered.set()
 
+    def _unregister_pieces(self) -> None:
+        base = self.buffer.data_ptr()
+        for start in self._pieces:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(base + start)
+            except Exception:  # noqa: BLE001 - the mapping is going away; nothing to keep consistent
+                pass
+        self._pieces = []
+
     def unregister(self) -> None:
         """Undo :meth:`_register` (before the mapping goes away)."""
+        self._stop_registering = True
         self.registered.wait()
-        if self.pinned and self.buffer.data_ptr():
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            except Exception:  # noqa: BLE001
-                pass
-            self.pinned = False
+        self.pinned = False
+        if self.buffer.data_ptr():
+            self._unregister_pieces()
 
     # -------------------------------------------------------------- accounting
 
