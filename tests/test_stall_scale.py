@@ -208,3 +208,81 @@ def test_bad_name_refused_at_every_step_after_reused_steps(tmp_path: Path) -> No
     run = dstt.open(path)
     assert run.steps() == [0, 1, 2, 5]
     assert torch.equal(run.read("extra/t7", 5), state["t7"])
+
+
+def _mixed_state() -> dict[str, Any]:
+    """Small tensors of several dtypes and shapes (1-D, 2-D, 0-d, strided,
+    bool, bfloat16, complex), a large one, and one requiring grad."""
+    torch.manual_seed(2)
+    state: dict[str, Any] = {f"f{i:03d}": torch.randn(16) for i in range(60)}
+    state.update({f"m{i:02d}": torch.randn(3, 5) for i in range(10)})
+    state.update({f"s{i}": torch.tensor(float(i)) for i in range(5)})
+    state.update({f"h{i:02d}": torch.randn(8).to(torch.bfloat16) for i in range(10)})
+    state["strided"] = torch.randn(6, 4).t()
+    state["mask"] = torch.rand(33) > 0.5
+    state["z"] = torch.randn(7, dtype=torch.complex64)
+    state["big"] = torch.randn(300, 300)
+    state["p"] = torch.nn.Parameter(torch.randn(4))
+    return state
+
+
+@pytest.mark.parametrize("helper", [None, False], ids=["helper", "in-process"])
+def test_grouped_staging_stores_every_step_bit_exact(tmp_path: Path, helper: bool | None) -> None:
+    """Steps staged in groups (one block and one copy per group; the views
+    made by the stager with the helper), the plan reused between layout
+    changes: every step holds what the state held at its snapshot()."""
+    state = _mixed_state()
+    path = tmp_path / "run"
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    with dstt.Capture(path, helper=helper) as cap:
+        for step in range(6):
+            if step == 3:
+                state["f010"] = torch.randn(2, 2)  # a layout change: planned and grouped afresh
+            with torch.no_grad():
+                for v in list(state.values())[::4]:
+                    if v.dtype != torch.bool:
+                        v.add_(1)
+            cap.snapshot(step, extra=state, rng=False)
+            expected[step] = {k: _bits(v.detach()) for k, v in state.items()}
+            cap.wait()
+        assert cap.pool is not None and cap.pool.in_use == 0
+    run = dstt.open(path)
+    for step, want in expected.items():
+        got = run.state_dict(step)["extra"]
+        assert got.keys() == want.keys()
+        for k, bits in want.items():
+            assert got[k].dtype == state[k].dtype and torch.equal(_bits(got[k]), bits), (step, k)
+
+
+def test_a_failed_group_copy_fails_the_step_and_returns_its_blocks(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy into a group's block that raises (after other groups were
+    staged): the step fails, every block of it goes back to the pool, and
+    the next step is stored."""
+    state: dict[str, Any] = {f"t{i:04d}": torch.full((1024,), float(i)) for i in range(600)}  # 2.4 MB: 3 groups
+    path = tmp_path / "run"
+    real_cat, calls = torch.cat, [0]
+
+    def cat_failing_third(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected copy failure")
+        return real_cat(*args, **kwargs)
+
+    with dstt.Capture(path) as cap:
+        cap.snapshot(0, extra=state, rng=False)
+        cap.wait()
+        monkeypatch.setattr(torch, "cat", cat_failing_third)
+        cap.snapshot(1, extra=state, rng=False)
+        monkeypatch.setattr(torch, "cat", real_cat)
+        assert calls[0] == 3
+        with pytest.raises(dstt.CaptureError, match="injected copy failure"):
+            cap.wait()
+        assert cap.pool is not None and cap.pool.in_use == 0
+        state["t0005"].add_(1)
+        cap.snapshot(2, extra=state, rng=False)
+        cap.wait()
+        assert cap.pool.in_use == 0
+    run = dstt.open(path)
+    assert run.steps() == [0, 2]
+    assert torch.equal(run.read("extra/t0005", 2), state["t0005"])

@@ -233,22 +233,23 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
         if optimizer is not None:
             self._fence.watch(optimizer)
             protected = optimizer_storages(optimizer)
-        eager: list[ChunkTask] = []
-        for t in job.plan.tasks:
-            (job.lazy if protected and storage_key(t.source) in protected else eager).append(t)
+        eager: list[ChunkTask] = job.plan.tasks  # (read-only: a later step's plan may be this list)
+        if protected:
+            eager = []
+            for t in job.plan.tasks:
+                (job.lazy if storage_key(t.source) in protected else eager).append(t)
         if job.lazy:
             job.guard = VersionGuard([t.source for t in job.lazy], [t.layout.name for t in job.lazy])
-        # One pass each over the tasks (tens of thousands of them: issue 16).
-        sizes = [t.data_nbytes for t in job.plan.tasks]
-        cuda = any(t.source.is_cuda for t in job.plan.tasks)
+        # One pass each over the tasks (tens of thousands of them: issue 16),
+        # none for the task list of an earlier step (Stager._task_sizes).
+        sizes, cuda, held_bytes = self._task_sizes(job.plan.tasks)
         if self._tier:
             self._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
         else:
             self._ensure_pool(sizes, cuda)
             assert self.pool is not None
             job.pool = self.pool
-            job.hold = self._pool_in_ring and policy.step_need_bytes(
-                self.pool.blocks_bytes(sizes)) <= self.pool.capacity
+            job.hold = self._pool_in_ring and held_bytes <= self.pool.capacity
         assert job.pool is not None
         if self._helper is not None and not job.hold:
             raise CaptureError(
@@ -517,6 +518,7 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
             if job is None:
                 return
             try:
+                self._expand_groups(job)  # (views of the eager groups: before the seal reads them)
                 if job.copies_left >= 0:  # lazy CPU copies: claimed, shared with the trainer
                     self._copy_lazy_cpu(job)
                     job.copies_done.wait()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture import policy
 from dstt.capture.pipeline import GuardTripped, Job, check_guard, task_bytes
 from dstt.capture.staging import HostPool
 from dstt.store.plan import ChunkTask
@@ -36,8 +37,34 @@ class Stager:
     _cond: Any
     _flush: Any
     _queued_bytes: int
+    _grouping: tuple[list[ChunkTask], list[StagedGroup], list[ChunkTask]]  # (see _stage_grouped)
+    _sizes: tuple[list[ChunkTask], list[int], bool, int]  # (see _task_sizes)
+
+    def _task_sizes(self, tasks: list[ChunkTask]) -> tuple[list[int], bool, int]:
+        """The data bytes of each task, whether any source is on a CUDA
+        device, and the pool bytes the step takes held whole
+        (policy.step_need_bytes); kept for the next step that brings the
+        same task list (plan.py hands a step laid out as the previous one
+        the same tasks, whose sources keep their device and size)."""
+        cached: tuple[list[ChunkTask], list[int], bool, int] | None = getattr(self, "_sizes", None)
+        if cached is not None and cached[0] is tasks:
+            return cached[1], cached[2], cached[3]
+        sizes = [t.data_nbytes for t in tasks]
+        cuda = any(t.source.is_cuda for t in tasks)
+        held_bytes = policy.step_need_bytes(HostPool.blocks_bytes(sizes))
+        self._sizes = (tasks, sizes, cuda, held_bytes)
+        return sizes, cuda, held_bytes
 
     def _stage(self, job: Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
+        """:meth:`_stage_tasks`; on failure the groups it staged get their
+        views (``job.views``) at once, so the step's blocks go back with it."""
+        try:
+            self._stage_tasks(job, tasks, lazy=lazy)
+        except BaseException:
+            self._expand_groups(job)
+            raise
+
+    def _stage_tasks(self, job: Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
         """Copy ``tasks`` into pool blocks and hand each block to a flush thread.
 
         Eager tasks (buffers, RNG, extras: no fence protects them) are staged
@@ -98,49 +125,66 @@ class Stager:
 
     def _stage_grouped(self, job: Job, pool: HostPool, tasks: list[ChunkTask], flush_now: bool) -> list[ChunkTask]:
         """Stage the small eager CPU tasks of a held step (its blocks go back
-        only once it is committed) in groups of one dtype: adjacent blocks
-        placed at once, one ``torch._foreach_copy_`` per group, instead of an
-        allocation and a copy call per tensor (tens of thousands of small
-        tensors: issue 16). Returns the tasks left for the general path
-        (large, CUDA, empty, or a group the pool has no room for now)."""
-        rest: list[ChunkTask] = []
-        group: list[ChunkTask] = []
-        size = 0
+        only once it is committed) in groups of one dtype: one pool block
+        and one copy call per group (``torch.cat`` into the block), instead
+        of an allocation and a copy call per tensor (tens of thousands of
+        small tensors: issue 16). Returns the tasks left for the general
+        path (large, CUDA, empty, or a group the pool has no room for now).
 
-        def copy_group() -> None:
-            numels = [math.prod(t.shape) for t in group]
-            parts = pool.try_allocate_parts(numels, group[0].source.dtype)
-            if parts is None:
-                rest.extend(group)  # staged one by one, waiting for room
-                return
-            dsts = [p if len(t.shape) == 1 else p.view(t.shape) for p, t in zip(parts, group)]
-            try:
-                torch._foreach_copy_(dsts, [t.source for t in group])
-            except BaseException:
-                for p in parts:
-                    pool.release(p)
-                raise
-            job.views.extend(zip(group, dsts))
-            if flush_now:  # (a held block is released at commit, not by its flush)
-                job.futures.append(self._flush.submit(self._flush_many, pool, job, list(group), dsts))
-
-        dtype = None  # the group's
-        for t in tasks:
-            nbytes = t.data_nbytes
-            src = t.source
-            if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or not src.is_cpu:
-                rest.append(t)
+        The grouping of a task list is kept for the next step that brings
+        the same list (plan.py reuses a step's plan when its tensors are laid
+        out as before). With the capture helper, the per-task views into a
+        group (``job.views``: what the seal record, the flush and the memory
+        tier read) are made by the stager thread (:meth:`_expand_groups`),
+        not in ``snapshot()``."""
+        cached: tuple[list[ChunkTask], list[StagedGroup], list[ChunkTask]] | None = getattr(
+            self, "_grouping", None)
+        if cached is not None and cached[0] is tasks:
+            groups, rest = cached[1], list(cached[2])
+        else:
+            groups, rest = group_tasks(tasks)
+            self._grouping = (tasks, groups, list(rest))
+        later = self._helper is not None and not self._tier  # the stager makes the views
+        for g in groups:
+            block = pool.try_allocate(g.nbytes)
+            if block is None:
+                rest.extend(g.tasks)  # staged one by one, waiting for room
                 continue
-            if group and (src.dtype is not dtype or size + nbytes > GROUP_BYTES):
-                copy_group()
-                group, size = [], 0
-            if not group:
-                dtype = src.dtype
-            group.append(t)
-            size += nbytes
-        if group:
-            copy_group()
+            dst = block.view(g.dtype)
+            try:
+                if g.flat is not None:
+                    torch.cat(g.flat, out=dst)
+                else:
+                    torch._foreach_copy_(g.views(dst), [t.source for t in g.tasks])
+            except BaseException:
+                pool.release(block)
+                raise
+            if later:
+                job.groups.append((g, dst))
+                continue
+            dsts = g.views(dst)
+            job.views.extend(zip(g.tasks, dsts))
+            if flush_now:  # (a held block is released at commit, not by its flush)
+                job.futures.append(self._flush.submit(self._flush_many, pool, job, g.tasks, dsts))
         return rest
+
+    def _expand_groups(self, job: Job) -> None:
+        """Give each task of the groups :meth:`_stage_grouped` staged for
+        ``job`` its view in ``job.views`` (the stager thread, before the
+        step is sealed; or at once when staging failed). Never raises: a
+        group whose views cannot be made has its block returned (the step
+        has failed or fails then)."""
+        groups, job.groups = job.groups, []
+        for i, (g, dst) in enumerate(groups):
+            try:
+                job.views.extend(zip(g.tasks, g.views(dst)))
+            except BaseException as e:
+                job.error = job.error or e
+                pool = job.pool or self.pool
+                if pool is not None:
+                    for _, left in groups[i:]:
+                        pool.release(left)
+                return
 
     def _copy_lazy_cpu(self, job: Job) -> None:
         """Copy the lazy CPU tasks of ``job`` no one has claimed yet (the
@@ -279,6 +323,61 @@ class Stager:
             return
         for _, dst in batch:
             pool.release(dst)
+
+
+class StagedGroup:
+    """Small CPU tasks of one dtype staged in one pool block, back to back
+    (the block holds ``nbytes``; task ``k`` its ``numels[k]`` elements)."""
+
+    __slots__ = ("tasks", "dtype", "nbytes", "numels", "flat", "flat_views")
+
+    def __init__(self, tasks: list[ChunkTask]) -> None:
+        self.tasks = tasks
+        self.dtype = tasks[0].source.dtype
+        self.numels = [math.prod(t.shape) for t in tasks]
+        self.nbytes = sum(self.numels) * tasks[0].source.element_size()
+        #: Each task's view is its part of the block as is (1-D parts).
+        self.flat_views = all(len(t.shape) == 1 for t in tasks)
+        #: The sources as 1-D tensors for one torch.cat into the block, or
+        #: None (some source is not contiguous or needs autograd: copied
+        #: with _foreach_copy_ into per-task views). The sources are the
+        #: plan's detached aliases: their layout never changes.
+        self.flat: list[torch.Tensor] | None = None
+        if all(t.source.is_contiguous() and not t.source.requires_grad for t in tasks):
+            self.flat = [s if s.dim() == 1 else s.view(-1) for s in (t.source for t in tasks)]
+
+    def views(self, dst: torch.Tensor) -> list[torch.Tensor]:
+        """Each task's view into ``dst`` (the group's block, as its dtype)."""
+        parts = list(dst.split(self.numels))
+        if self.flat_views:
+            return parts
+        return [p if len(t.shape) == 1 else p.view(t.shape) for p, t in zip(parts, self.tasks)]
+
+
+def group_tasks(tasks: list[ChunkTask]) -> tuple[list[StagedGroup], list[ChunkTask]]:
+    """Runs of small CPU tasks of one dtype (at most GROUP_BYTES each), and
+    the tasks staged one by one (empty, large or not on the CPU)."""
+    rest: list[ChunkTask] = []
+    groups: list[StagedGroup] = []
+    group: list[ChunkTask] = []
+    size = 0
+    dtype = None  # the group's
+    for t in tasks:
+        nbytes = t.data_nbytes
+        src = t.source
+        if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or not src.is_cpu:
+            rest.append(t)
+            continue
+        if group and (src.dtype is not dtype or size + nbytes > GROUP_BYTES):
+            groups.append(StagedGroup(group))
+            group, size = [], 0
+        if not group:
+            dtype = src.dtype
+        group.append(t)
+        size += nbytes
+    if group:
+        groups.append(StagedGroup(group))
+    return groups, rest
 
 
 def _run_end(tasks: list[ChunkTask], i: int) -> int:
