@@ -103,7 +103,7 @@ class Stager:
                         job.lazy_bytes -= pool.block_bytes(nbytes)
                 dst = pool.view_as(block, t.source, t.shape)
                 if t.source.device.type == "cuda":
-                    self._cuda().copy(dst, t.source, job.ready[t.source.device.index], pool.pinned)
+                    self._cuda().copy(dst, t.source, job.ready[t.source.device.index], pool.copy_mode(dst))
                     batch.append((t, dst))
                     block = None
                     check_guard(job, guard, i)  # issued: the copy stream reads the state at snapshot()

@@ -84,6 +84,8 @@ class HostPool:
         self.registered = threading.Event()
         self._pieces: list[int] = []  # offsets of the pieces registered with CUDA (_register)
         self._stop_registering = False  # unregister() before _register finished: stop between pieces
+        #: Non-zero for a pool registered with CUDA in pieces of this size (see copy_mode).
+        self._piece_bytes = REGISTER_PIECE_BYTES if (pin and buffer is not None) else 0
         if buffer is not None:
             if buffer.numel() < self.capacity or buffer.data_ptr() % PAGE:
                 raise CaptureError(f"a staging buffer of {buffer.numel()} bytes cannot hold a {self.capacity}-byte pool")
@@ -122,11 +124,11 @@ class HostPool:
         cudart = torch.cuda.cudart()
         base = self.buffer.data_ptr()
         try:
-            for start in range(0, self.capacity, REGISTER_PIECE_BYTES):
+            for start in range(0, self.capacity, self._piece_bytes):
                 if self._stop_registering:
                     self._unregister_pieces()
                     return
-                size = min(REGISTER_PIECE_BYTES, self.capacity - start)
+                size = min(self._piece_bytes, self.capacity - start)
                 rc = cudart.cudaHostRegister(base + start, size, 0)
                 code = getattr(rc, "value", rc)
                 if code != 0:
@@ -159,6 +161,19 @@ class HostPool:
         self.pinned = False
         if self.buffer.data_ptr():
             self._unregister_pieces()
+
+    def copy_mode(self, view: torch.Tensor) -> str:
+        """How a device-to-host copy into ``view`` (a block of this pool)
+        runs: ``"pinned"`` (asynchronous), ``"pageable"`` (synchronous), or
+        ``"bounce"``: the block straddles two pieces registered with CUDA
+        separately, which one copy cannot target (measured on an H100:
+        ``cudaErrorInvalidValue``), so it goes through a pinned buffer."""
+        nbytes = view.numel() * view.element_size()
+        if self._piece_bytes and nbytes:
+            start = view.data_ptr() - self.buffer.data_ptr()
+            if start // self._piece_bytes != (start + nbytes - 1) // self._piece_bytes:
+                return "bounce"
+        return "pinned" if self.pinned else "pageable"
 
     # -------------------------------------------------------------- accounting
 
@@ -364,16 +379,26 @@ class CudaCopier:
             events[d.index] = ev
         return events
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, ready: Any, pinned: bool = True) -> None:
-        """Enqueue ``dst.copy_(src)`` on the copy stream after ``ready``
-        (synchronous while ``dst`` is not page-locked yet)."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, ready: Any, mode: str = "pinned") -> None:
+        """Enqueue ``dst.copy_(src)`` on the copy stream after ``ready``;
+        ``mode`` from :meth:`HostPool.copy_mode` (synchronous unless
+        ``"pinned"``)."""
         s = self.stream(src.device)
         s.wait_event(ready)
         with torch.cuda.stream(s):
-            dst.copy_(src, non_blocking=pinned)
+            if mode == "bounce":
+                bounce = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+                bounce.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src, non_blocking=mode == "pinned")
         # The caching allocator must not hand src's memory to someone else
         # before this copy ran, even if the trainer drops its last reference.
         src.record_stream(s)
+        if mode == "bounce":
+            done = torch.cuda.Event()
+            done.record(s)
+            done.synchronize()
+            dst.copy_(bounce)
 
     def done(self, devices: set[torch.device]) -> dict[int, Any]:
         """An event after every copy enqueued so far on each device."""
