@@ -92,8 +92,8 @@ class CrashSafe:
             # (pipelined: already handed over by the committer thread, committing.py)
             return CommitInfo(**(self._helper.receive(step) if job.sent else self._helper.commit(step)))
         except BaseException as e:
-            if self._plan_coord.distributed and not (job.sealed and job.error is None and not self._helper.lost):
-                self._record_failure(job, e)
+            if self._plan_coord.distributed:  # (also when the helper answered: a record it could not write
+                self._record_failure(job, e)  # left rank 0's helper waiting RANK_WAIT_S; a no-op if it did)
             raise
 
     def _record_failure(self, job: Job, e: BaseException) -> None:

@@ -274,7 +274,12 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     closed_by_trainer = False
 
     def commit(step: int, verify: bool) -> Any:
-        plan, results, record = prepare(step, verify)
+        try:
+            plan, results, record = prepare(step, verify)
+        except Exception as e:
+            if records is not None:  # no record would come: rank 0's helper would wait RANK_WAIT_S for it
+                records.fail_unrecorded(step, _seal_seq(ring_dir, step), e)
+            raise
         if records is not None:
             records.begin(step, plan.seq, ranks.plan_doc(record) if records.rank == 0 else None)
         try:
@@ -371,6 +376,17 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     finally:
         flush.shutdown(wait=True)
         writer.close()
+
+
+def _seal_seq(ring_dir: Path, step: int) -> int | None:
+    """The sequence number in ``step``'s seal record; None if unreadable."""
+    from dstt.capture import ring as R
+
+    try:
+        seq = json.loads(R.read_bounded(ring_dir / f"seal-{step:020d}.json"))["seq"]
+    except Exception:  # noqa: BLE001 - the trainer records the failure then (crashsafe.py)
+        return None
+    return seq if isinstance(seq, int) else None
 
 
 class _Commands:

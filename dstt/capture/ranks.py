@@ -212,8 +212,11 @@ def _commit_info(backend: Any, branch: str, step: int) -> dict[str, Any] | None:
     return doc
 
 
-class Recorded(Exception):  # noqa: N818 - a signal, not an error
-    """Raised by a ``record``-mode coordinator once the rank's record is durable."""
+class Recorded(BaseException):  # noqa: N818 - a signal, not an error
+    """Raised by a ``record``-mode coordinator once the rank's record is
+    durable. A BaseException, like other control-flow signals: a handler of
+    errors on its way out (``Writer.commit`` sends a rank's failure on to
+    rank 0) must not take it for one and record a failure over the record."""
 
 
 class RecordCoordinator(Coordinator):
@@ -239,6 +242,23 @@ class RecordCoordinator(Coordinator):
         self.step, self.seq, self.plan = step, seq, plan
         if run is not None:
             self.run = run
+
+    def fail_unrecorded(self, step: int, seq: int | None, error: BaseException) -> None:
+        """This rank's part of ``step`` failed before its commit (its seal
+        unreadable, its chunks not written): record the failure, so rank 0's
+        helper fails the step now instead of waiting RANK_WAIT_S for a record
+        that never comes; rank 0 also tells the other ranks' helpers. Best
+        effort (a store that refuses the record too: the waits stay bounded)."""
+        if seq is None or self.mode == "collect":
+            return
+        why = f"{type(error).__name__}: {error}"
+        try:
+            write_record(self.backend, self.branch, step, seq, self.run, self.rank, self.world, error=why)
+            if self.rank == 0:
+                write_fail(self.backend, self.branch, step, seq, self.run,
+                           f"step {step} on branch {self.branch!r} not committed: rank 0: {why}")
+        except Exception as e:  # noqa: BLE001
+            R.log.error("dstt: could not record the failure of step %d: %s", step, e)
 
     def _deadline(self) -> Callable[[], bool]:
         start = time.monotonic()
@@ -275,9 +295,14 @@ class RecordCoordinator(Coordinator):
         while True:
             for r in range(self.world):
                 if out[r] is None:
-                    doc = self._matching(r)
-                    if doc is not None:
-                        out[r] = _payload(doc, record_key(self.branch, self.step, r))
+                    try:
+                        doc = self._matching(r)
+                        if doc is not None:
+                            out[r] = _payload(doc, record_key(self.branch, self.step, r))
+                    except (OSError, DsttError, ValueError, TypeError) as e:
+                        # An unreadable record fails the step; raised here, it
+                        # left the other ranks' helpers waiting for the outcome.
+                        out[r] = (None, f"its record cannot be read ({type(e).__name__}: {e})")
             missing = [r for r in range(self.world) if out[r] is None]
             if not missing:
                 return out
@@ -292,10 +317,16 @@ class RecordCoordinator(Coordinator):
     def broadcast(self, obj: Any) -> Any:
         if self.rank == 0:
             kind, value = obj
-            if kind == "ok":
-                remove_records(self.backend, self.branch, self.step, self.world)
-            elif self.mode == "live":
-                write_fail(self.backend, self.branch, self.step, self.seq, self.run, str(value))
+            try:
+                if kind == "ok":
+                    remove_records(self.backend, self.branch, self.step, self.world)
+                elif self.mode == "live":
+                    write_fail(self.backend, self.branch, self.step, self.seq, self.run, str(value))
+            except Exception as e:  # noqa: BLE001 - the outcome stands: a committed step stays committed
+                # (records left in a committed step's directory: dstt gc removes them; a fail
+                # note not written: the other ranks' helpers wait for it until RANK_WAIT_S)
+                R.log.error("dstt: step %d: could not %s: %s", self.step,
+                            "remove its rank records" if kind == "ok" else "tell the other ranks it failed", e)
             return obj
         # Another rank (live): wait for rank 0's helper to commit or fail the step.
         passed = self._deadline()

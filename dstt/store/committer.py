@@ -144,10 +144,10 @@ class CommitPhase:
         if error is None:
             try:
                 self.backend.sync()
-            except OSError as e:
+            except Exception as e:  # any: raised before the exchange, it left rank 0 waiting forever
                 error = e
         payload = (results if error is None else None, None if error is None else _describe(error))
-        gathered = self.commit_coord.gather(payload) if self.commit_coord.distributed else [payload]
+        gathered = self._gather(payload) if self.commit_coord.distributed else [payload]
         outcome: Any = None
         if self.rank == 0:
             assert gathered is not None
@@ -173,6 +173,19 @@ class CommitPhase:
             self.last_commit = (plan.step, plan.seq)
         return cast(CommitInfo, value)
 
+
+    def _gather(self, payload: tuple[list[ChunkResult] | None, str | None]) -> list[Any] | None:
+        """``commit_coord.gather(payload)``, reached by this rank whatever
+        happens: a payload that cannot be sent (it does not pickle, its rank
+        record cannot be written) is replaced by the reason, so the step
+        fails on every rank instead of leaving rank 0 waiting for this one
+        (and pairing this rank's next step with the failed one)."""
+        try:
+            return self.commit_coord.gather(payload)
+        except Exception as e:  # noqa: BLE001 - sent on as this rank's failure
+            # (gather_object pickles before it communicates; a rank record is
+            # encoded before it is written: nothing was sent yet)
+            return self.commit_coord.gather((None, f"this rank's part could not be sent: {_describe(e)}"))
 
     def _write_commit(self, plan: StepPlan, results: list[ChunkResult],
                       memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
