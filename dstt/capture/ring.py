@@ -38,6 +38,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import torch
 
@@ -230,23 +231,73 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
     each task with its pool view). ``crc=False``: no CRC per chunk (a pass
     over the step) -- for a writer that removes a step's seal before its
     memory is reused (the flight recorder's slots), so a seal never
-    outlives its bytes; recovery then commits the chunks as they are."""
-    index = {id(l): i for i, l in enumerate(plan.layouts)}
+    outlives its bytes; recovery then commits the chunks as they are.
+
+    Format 2 (what :func:`encode_record` writes and :func:`read_record`
+    reads): what changes from step to step -- each chunk's place in the pool
+    and CRC, in the order of ``static["tasks"]`` -- apart from what stays
+    the same while the state's layout does (the layouts, the meta arrays and
+    each task's chunk; ``static``, one object reused step after step) and
+    the value tree. A fast loop seals a step every few milliseconds: the
+    unchanged parts are encoded once by the trainer and decoded once by the
+    capture helper (issue 16)."""
+    static = _static_of(plan)
     base = pool.data_ptr()
     whole = pool.numpy()  # (one array of the pool: a slice of it per chunk, no tensor per chunk)
-    tasks = []
-    for t, view in staged:
-        nbytes = view.numel() * view.element_size()
-        start = view.data_ptr() - base
-        tasks.append({"layout": index[id(t.layout)], "index": t.index, "coords": t.coords,
-                      "offset": t.offset, "shape": t.shape, "dtype": _dtype_name(t.source.dtype),
-                      "start": start, "nbytes": nbytes, "crc": crc32c(whole[start:start + nbytes]) if crc else None})
-    return {
-        "format": SEAL_FORMAT, "step": plan.step, "seq": plan.seq, "pool": pool_name, "tree": plan.tree,
+    views = {id(t): v for t, v in staged}
+    if len(views) != len(plan.tasks):
+        raise CaptureError(f"step {plan.step}: {len(views)} chunks staged for {len(plan.tasks)} planned")
+    starts, sizes, crcs = [], [], []
+    extend = google_crc32c.extend
+    for t in plan.tasks:
+        v = views[id(t)]
+        start, nbytes = v.data_ptr() - base, v.nbytes
+        starts.append(start)
+        sizes.append(nbytes)
+        if crc:
+            crcs.append(extend(0, whole[start:start + nbytes]))
+    return {"format": SEAL_FORMAT, "version": 2, "step": plan.step, "seq": plan.seq, "pool": pool_name,
+            "tree": plan.tree, "layouts": static["layouts"], "meta": static["meta"],
+            "tasks": {"static": static["tasks"], "start": starts, "nbytes": sizes, "crc": crcs if crc else None},
+            "_static": static}
+
+
+#: The static part of the last sealed plans (see seal_record), keyed by the
+#: identity of their layouts (a layout is never changed once built, and
+#: the key's layouts are kept alive here, so their ids are not reused).
+_STATIC: dict[tuple[int, ...], tuple[list[TensorLayout], list[tuple[TensorLayout, int]], dict[str, Any]]] = {}
+_STATIC_MAX = 8
+#: (tasks, layouts, meta_arrays, static) of the last plan sealed: its lists
+#: are kept alive, so a later plan holding the very same lists is that plan's layout.
+_LAST_STATIC: tuple[list[ChunkTask], list[TensorLayout], list[TensorLayout], dict[str, Any]] | None = None
+
+
+def _static_of(plan: StepPlan) -> dict[str, Any]:
+    """The unchanging part of ``plan``'s seal record: the same object for
+    plans with the same layouts and tasks (a capture's steps, as long as its
+    state keeps its layout)."""
+    global _LAST_STATIC
+    last = _LAST_STATIC
+    if last is not None and last[0] is plan.tasks and last[1] is plan.layouts and last[2] is plan.meta_arrays:
+        return last[3]  # a plan reused whole (plan._StepMemo): the same lists, never changed
+    key = tuple(map(id, plan.layouts)) + (-1,) + tuple(map(id, plan.meta_arrays))
+    got = _STATIC.get(key)
+    if got is not None and len(got[1]) == len(plan.tasks) and all(
+            t.layout is l and t.index == i for t, (l, i) in zip(plan.tasks, got[1])):
+        _LAST_STATIC = (plan.tasks, plan.layouts, plan.meta_arrays, got[2])
+        return got[2]
+    index = {id(l): i for i, l in enumerate(plan.layouts)}
+    static = {
         "layouts": [_layout_doc(l) for l in plan.layouts],
         "meta": [index[id(l)] for l in plan.meta_arrays],
-        "tasks": tasks,
+        "tasks": [[index[id(t.layout)], t.index, list(t.coords), list(t.offset), list(t.shape),
+                   _dtype_name(t.source.dtype)] for t in plan.tasks],
     }
+    if len(_STATIC) >= _STATIC_MAX:
+        _STATIC.clear()
+    _STATIC[key] = (list(plan.layouts) + list(plan.meta_arrays), [(t.layout, t.index) for t in plan.tasks], static)
+    _LAST_STATIC = (plan.tasks, plan.layouts, plan.meta_arrays, static)
+    return static
 
 
 #: Layout documents and layouts rebuilt from them, memoized: a capture
@@ -268,23 +319,110 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-#: The JSON of the last sealed step's layouts, with their documents (kept
-#: alive, so their ids are not reused): consecutive steps of a capture have
-#: the same layout documents (memoized below), encoded once.
-_LAST_LAYOUTS: tuple[list[dict[str, Any]], str] = ([], "[]")
+class _TextCache:
+    """The JSON text of the last few objects encoded (by identity, kept
+    alive: equality would not do, ``1 == 1.0 == True`` encode differently)
+    and the objects the last few texts decoded to: what repeats from one
+    seal record to the next is encoded and decoded once."""
+
+    def __init__(self) -> None:
+        self.texts: list[tuple[Any, str]] = []  # (object, its JSON), newest last
+        self.parsed: list[tuple[bytes, Any]] = []  # (JSON bytes, the object), newest last
+
+    def encode(self, obj: Any) -> str:
+        for o, text in self.texts:
+            if o is obj:
+                return text
+        text = json.dumps(obj, allow_nan=False)
+        self.texts = [*self.texts[-3:], (obj, text)]
+        return text
+
+    def decode(self, data: bytes) -> Any:
+        for raw, obj in self.parsed:
+            if raw == data:
+                return obj
+        obj = json.loads(data)
+        self.parsed = [*self.parsed[-3:], (bytes(data), obj)]
+        return obj
+
+
+_TREES = _TextCache()
+_STATICS = _TextCache()
+_SEP_TREE = b', "tree": '
+_SEP_STATIC = b', "static": '
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
-    """``record`` as JSON (what json.loads reads back as ``record``), its
-    layouts' part reused from the previous record when they are the same."""
-    global _LAST_LAYOUTS
-    docs = record["layouts"]
-    last, text = _LAST_LAYOUTS
-    if len(docs) != len(last) or any(a is not b for a, b in zip(docs, last)):
-        text = json.dumps(docs, allow_nan=False)
-        _LAST_LAYOUTS = (list(docs), text)
-    body = json.dumps({k: v for k, v in record.items() if k != "layouts"}, allow_nan=False)
-    return (body[:-1] + (', "layouts": ' if len(body) > 2 else '"layouts": ') + text + "}").encode()
+    """``record`` (from :func:`seal_record`) as one JSON document: first what
+    changes every step, then the tree and the static part, whose texts are
+    reused from earlier records while they are unchanged. :func:`read_record`
+    reads it back (any JSON parser reads it too)."""
+    if record.get("version") != 2:  # (a record of the first format: written as it is)
+        return json.dumps({k: v for k, v in record.items() if not k.startswith("_")}, allow_nan=False).encode()
+    static = record.get("_static")
+    if static is None:
+        static = {"layouts": record["layouts"], "meta": record["meta"], "tasks": record["tasks"]["static"]}
+    tasks = record["tasks"]
+    tree_text = _TREES.encode(record["tree"])
+    static_text = _STATICS.encode(static)
+    head = {"format": SEAL_FORMAT, "version": 2, "step": record["step"], "seq": record["seq"],
+            "pool": record["pool"], "start": tasks["start"], "nbytes": tasks["nbytes"], "crc": tasks["crc"],
+            "tree_bytes": len(tree_text.encode()), "static_bytes": len(static_text.encode())}
+    return b"".join([json.dumps(head, allow_nan=False)[:-1].encode(), _SEP_TREE, tree_text.encode(),
+                     _SEP_STATIC, static_text.encode(), b"}"])
+
+
+def read_record(data: bytes) -> dict[str, Any]:
+    """A seal record (any format) from its bytes, as :func:`seal_record`
+    made it: ``step``, ``seq``, ``pool``, ``tree``, ``layouts``, ``meta``
+    and ``tasks`` (a list of dicts in the first format). Parts unchanged
+    since the last records read are not decoded again (read-only objects,
+    shared). ValueError (or CorruptRing) if it is not one."""
+    fast = _read_v2(data)
+    if fast is not None:
+        return fast
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or doc.get("format") != SEAL_FORMAT:
+        raise CorruptRing("not a seal record")
+    if doc.get("version") == 2:
+        static = doc["static"]
+        if not isinstance(static, dict):
+            raise CorruptRing("bad static part")
+        doc = {**doc, "layouts": static["layouts"], "meta": static["meta"],
+               "tasks": {"static": static["tasks"], "start": doc["start"], "nbytes": doc["nbytes"],
+                         "crc": doc["crc"]}}
+    return doc
+
+
+def _read_v2(data: bytes) -> dict[str, Any] | None:
+    """The fast path of :func:`read_record` for a record encode_record wrote;
+    None for anything else (read the slow way)."""
+    i = data.find(_SEP_TREE)
+    if i < 0:
+        return None
+    try:
+        head = json.loads(data[:i] + b"}")
+    except ValueError:
+        return None
+    if not isinstance(head, dict) or head.get("format") != SEAL_FORMAT or head.get("version") != 2:
+        return None
+    nt, ns = head.get("tree_bytes"), head.get("static_bytes")
+    if not isinstance(nt, int) or not isinstance(ns, int) or nt < 0 or ns < 0:
+        return None
+    a = i + len(_SEP_TREE)
+    b = a + nt
+    c = b + len(_SEP_STATIC)
+    if data[b:c] != _SEP_STATIC or c + ns + 1 != len(data) or data[-1:] != b"}":
+        return None
+    tree = _TREES.decode(data[a:b])
+    static = _STATICS.decode(data[c:c + ns])
+    if not isinstance(static, dict):
+        raise CorruptRing("bad static part")
+    head["tree"] = tree
+    head["layouts"], head["meta"] = static["layouts"], static["meta"]
+    head["tasks"] = {"static": static["tasks"], "start": head.pop("start"), "nbytes": head.pop("nbytes"),
+                     "crc": head.pop("crc")}
+    return head
 
 
 def _layout_doc(l: TensorLayout) -> dict[str, Any]:
@@ -329,10 +467,59 @@ def _make_layout(d: dict[str, Any]) -> TensorLayout:
                         [Region(tuple(o), tuple(s), list(h)) for o, s, h in d["regions"]], **extra)
 
 
+#: Layouts and task templates of the last static parts replayed (plan_of),
+#: by the identity of the static part's task list (kept alive here).
+_REPLAYED: list[tuple[list[Any], list[TensorLayout], list[tuple[TensorLayout, int, tuple[int, ...], tuple[int, ...],
+                                                               tuple[int, ...], torch.dtype]]]] = []
+
+
+def _templates(layout_docs: list[dict[str, Any]], static_tasks: list[Any]
+               ) -> tuple[list[TensorLayout], list[tuple[TensorLayout, int, tuple[int, ...], tuple[int, ...],
+                                                         tuple[int, ...], torch.dtype]]]:
+    global _REPLAYED
+    for tasks, layouts, templates in _REPLAYED:
+        if tasks is static_tasks:
+            return layouts, templates
+    layouts = [_layout_of(d) for d in layout_docs]
+    templates = []
+    for li, index, coords, offset, shape, dtype_name in static_tasks:
+        dtype = getattr(torch, dtype_name)
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptRing(f"unknown dtype {dtype_name!r}")
+        templates.append((layouts[li], int(index), tuple(coords), tuple(offset), tuple(shape), dtype))
+    _REPLAYED = [*_REPLAYED[-3:], (static_tasks, layouts, templates)]
+    return layouts, templates
+
+
 def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True) -> StepPlan:
     """Rebuild a sealed step's plan, its tasks' sources viewing ``pool``;
     with ``verify``, CorruptRing if a chunk's bytes no longer match their CRC
     (a ring left by a dead trainer; the live trainer's helper trusts it)."""
+    tasks_doc = record["tasks"]
+    if isinstance(tasks_doc, list):  # the first format: one dict per task
+        return _plan_of_v1(record, pool, verify)
+    layouts, templates = _templates(record["layouts"], tasks_doc["static"])
+    starts, sizes, crcs = tasks_doc["start"], tasks_doc["nbytes"], tasks_doc["crc"]
+    if not len(starts) == len(sizes) == len(templates) or (crcs is not None and len(crcs) != len(starts)):
+        raise CorruptRing("chunk table lengths differ")
+    size = pool.numel()
+    tasks = []
+    narrow = pool.narrow
+    for j, (layout, index, coords, offset, shape, dtype) in enumerate(templates):
+        start, nbytes = starts[j], sizes[j]
+        if not (isinstance(start, int) and isinstance(nbytes, int) and 0 <= start <= start + nbytes <= size):
+            raise CorruptRing(f"chunk at {start}+{nbytes} outside the pool")
+        block = narrow(0, start, nbytes)
+        if verify and crcs is not None and crc32c(np.frombuffer(block.numpy(), np.uint8)) != crcs[j]:
+            raise StaleSeal(f"step {record['step']}: a chunk of {layout.name} does not match its CRC")
+        source = block.view(dtype)
+        if len(shape) != 1:
+            source = source.view(shape)
+        tasks.append(ChunkTask(layout, index, coords, offset, shape, source))
+    return StepPlan(int(record["step"]), record["tree"], layouts, tasks, [layouts[i] for i in record["meta"]])
+
+
+def _plan_of_v1(record: dict[str, Any], pool: torch.Tensor, verify: bool) -> StepPlan:
     layouts = [_layout_of(d) for d in record["layouts"]]
     tasks = []
     for d in record["tasks"]:
@@ -386,9 +573,10 @@ def abandoned(identity: dict[str, Any], base: Path | None = None, exclude: Path 
                 raise CorruptRing("another store or branch")
             seals = []
             for p in sorted(ring.glob("seal-*.json")):
-                doc = json.loads(read_bounded(p))
-                if not isinstance(doc, dict) or doc.get("format") != SEAL_FORMAT:
-                    raise CorruptRing(f"{p.name}: not a seal record")
+                try:
+                    doc = read_record(read_bounded(p))
+                except CorruptRing as e:
+                    raise CorruptRing(f"{p.name}: {e}") from None
                 seals.append(doc)
         except (OSError, ValueError, CorruptRing) as e:
             log.warning("dstt: discarding staging ring %s: %s", ring, e)
