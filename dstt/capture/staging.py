@@ -121,9 +121,9 @@ class HostPool:
         ``snapshot()`` 2.7 s. Between pieces the trainer's calls get in."""
         import time
 
-        cudart = torch.cuda.cudart()
-        base = self.buffer.data_ptr()
         try:
+            cudart = torch.cuda.cudart()
+            base = self.buffer.data_ptr()
             for start in range(0, self.capacity, self._piece_bytes):
                 if self._stop_registering:
                     self._unregister_pieces()
