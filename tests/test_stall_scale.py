@@ -286,3 +286,30 @@ def test_a_failed_group_copy_fails_the_step_and_returns_its_blocks(tmp_path: Pat
     run = dstt.open(path)
     assert run.steps() == [0, 2]
     assert torch.equal(run.read("extra/t0005", 2), state["t0005"])
+
+
+def test_lazy_split_follows_the_optimizer_and_stays_bit_exact(tmp_path: Path) -> None:
+    """The eager/lazy split kept between steps of one layout is made again
+    when the optimizer's parameters change (a group added): the added
+    parameters are copied lazily from then on, every step bit-exact."""
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+    path = tmp_path / "run"
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    with dstt.Capture(path) as cap:
+        for step in range(6):
+            if step == 3:
+                opt.add_param_group({"params": model[1].parameters()})
+            opt.zero_grad()
+            model(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+            cap.snapshot(step, model=model, optimizer=opt, rng=False)
+            expected[step] = {k: _bits(v) for k, v in model.state_dict().items()}
+            lazy = set(cap._split[3].names)
+            assert ("model/1.weight" in lazy) == (step >= 3), step
+        cap.wait()
+    run = dstt.open(path)
+    for step, want in expected.items():
+        got = run.state_dict(step)["model"]
+        assert all(torch.equal(_bits(got[k]), bits) for k, bits in want.items()), step

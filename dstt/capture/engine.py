@@ -40,7 +40,7 @@ from dstt.capture.committing import Committing
 from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.crashsafe import CrashSafe, after_helpers
 from dstt.capture.guard import VersionGuard
-from dstt.capture.hooks import StepFence, optimizer_storages, storage_key
+from dstt.capture.hooks import StepFence
 from dstt.capture.incidents import Incidents
 from dstt.capture.lifecycle import LIVE
 from dstt.capture.pipeline import (
@@ -229,17 +229,15 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
     def _prepare(self, job: Job, optimizer: torch.optim.Optimizer | None) -> list[ChunkTask]:
         """Split the step into lazy and eager tasks, make sure the pool holds
         it, and mark the state's point in each CUDA stream; the eager tasks."""
-        protected: set[tuple[str, int]] = set()
         if optimizer is not None:
             self._fence.watch(optimizer)
-            protected = optimizer_storages(optimizer)
-        eager: list[ChunkTask] = job.plan.tasks  # (read-only: a later step's plan may be this list)
-        if protected:
-            eager = []
-            for t in job.plan.tasks:
-                (job.lazy if storage_key(t.source) in protected else eager).append(t)
-        if job.lazy:
-            job.guard = VersionGuard([t.source for t in job.lazy], [t.layout.name for t in job.lazy])
+        # (eager: read-only, a later step's plan and split may bring this list again)
+        split = self._split_lazy(job.plan.tasks, optimizer)
+        eager = split.eager
+        if split.lazy:
+            job.lazy = list(split.lazy)
+            job.lazy_on_cpu = split.on_cpu
+            job.guard = VersionGuard(split.sources, split.names)
         # One pass each over the tasks (tens of thousands of them: issue 16),
         # none for the task list of an earlier step (Stager._task_sizes).
         sizes, cuda, held_bytes = self._task_sizes(job.plan.tasks)
@@ -256,7 +254,7 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
                 f"step {job.plan.step} does not fit the {self.pool.capacity}-byte staging pool whole, and the "
                 "capture helper takes whole sealed steps only: raise host_buffer_bytes, or use helper=False "
                 "to stage larger steps in parts")
-        job.lazy_bytes = sum(job.pool.block_bytes(task_bytes(t)) for t in job.lazy)
+        job.lazy_bytes = split.lazy_bytes
         devices = {t.source.device for t in job.plan.tasks if t.source.is_cuda} if cuda else set()
         if devices:
             job.ready = self._cuda().after_compute(devices)

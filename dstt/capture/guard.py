@@ -34,6 +34,7 @@ True
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any
 
@@ -50,6 +51,9 @@ def version_of(t: Any) -> int | None:
         return None
 
 
+_VERSION = operator.attrgetter("_version")
+
+
 class VersionGuard:
     """Versions of one step's lazy sources, checked as their copies land.
 
@@ -60,7 +64,10 @@ class VersionGuard:
     def __init__(self, sources: list[Any], names: list[str] | None = None) -> None:
         self._sources = list(sources)
         self._names = names or [f"#{i}" for i in range(len(sources))]
-        self._versions = [version_of(t) for t in self._sources]
+        try:  # (one C-level pass: tens of thousands of sources per step, issue 16)
+            self._versions: list[int | None] = list(map(_VERSION, self._sources))
+        except (RuntimeError, AttributeError):  # an inference tensor: no version counter
+            self._versions = [version_of(t) for t in self._sources]
         self._done = [False] * len(self._sources)
         self._lock = threading.Lock()
         self.violation: str | None = None

@@ -72,11 +72,14 @@ class Job:
     next_copy: int = 0  # the next lazy task no one claimed (under claim)
     copies_left: int = -1  # lazy copies not finished (under claim; -1: not counted yet)
     copies_done: threading.Event = field(default_factory=threading.Event)
+    lazy_on_cpu: bool | None = None  # cpu_lazy, once known (the lazy tasks do not change)
 
     @property
     def cpu_lazy(self) -> bool:
         """Every lazy source is in host memory (its copies may be stolen)."""
-        return all(t.source.device.type == "cpu" for t in self.lazy)
+        if self.lazy_on_cpu is None:
+            self.lazy_on_cpu = all(t.source.is_cpu for t in self.lazy)
+        return self.lazy_on_cpu
 
     def finish_staging(self) -> None:
         self.issued.set()

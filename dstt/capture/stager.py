@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from typing import Any
 
 import torch
 
 from dstt.capture import policy
+from dstt.capture.hooks import optimizer_storages, storage_key
 from dstt.capture.pipeline import GuardTripped, Job, check_guard, task_bytes
 from dstt.capture.staging import HostPool
 from dstt.store.plan import ChunkTask
@@ -39,6 +41,34 @@ class Stager:
     _queued_bytes: int
     _grouping: tuple[list[ChunkTask], list[StagedGroup], list[ChunkTask]]  # (see _stage_grouped)
     _sizes: tuple[list[ChunkTask], list[int], bool, int]  # (see _task_sizes)
+    _split: tuple[list[ChunkTask], Any, list[Any], LazySplit]  # (see _split_lazy)
+
+    def _split_lazy(self, tasks: list[ChunkTask], optimizer: Any) -> LazySplit:
+        """The step's tasks split into eager ones and lazy ones (those whose
+        storage ``optimizer.step()`` alone mutates: hooks.optimizer_storages),
+        kept for the next step that brings the same task list, optimizer and
+        parameters (tens of thousands of tensors: ~3 us each per step).
+
+        (A task's source is a plan alias of the storage it had when planned,
+        and a reused task list means every one still views it. Should the
+        optimizer's state change without the task list changing, the split
+        stays safe: a lazy copy is still checked by the mutation guard, and
+        an eager one is always right.)"""
+        if optimizer is None:
+            return LazySplit(tasks, [], [])
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        cached: tuple[list[ChunkTask], Any, list[Any], LazySplit] | None = getattr(self, "_split", None)
+        if (cached is not None and cached[0] is tasks and cached[1] is optimizer and len(cached[2]) == len(params)
+                and all(map(operator.is_, params, cached[2]))):
+            return cached[3]
+        protected = optimizer_storages(optimizer)
+        eager: list[ChunkTask] = []
+        lazy: list[ChunkTask] = []
+        for t in tasks:
+            (lazy if storage_key(t.source) in protected else eager).append(t)
+        split = LazySplit(eager if lazy else tasks, lazy, HostPool.blocks_bytes([t.data_nbytes for t in lazy]))
+        self._split = (tasks, optimizer, params, split)
+        return split
 
     def _task_sizes(self, tasks: list[ChunkTask]) -> tuple[list[int], bool, int]:
         """The data bytes of each task, whether any source is on a CUDA
@@ -323,6 +353,22 @@ class Stager:
             return
         for _, dst in batch:
             pool.release(dst)
+
+
+class LazySplit:
+    """A step's tasks copied in ``snapshot()`` (eager) and after it (lazy),
+    the lazy sources and names for the mutation guard, and the pool bytes
+    the lazy blocks take. Read-only (shared by the steps of one layout)."""
+
+    __slots__ = ("eager", "lazy", "sources", "names", "lazy_bytes", "on_cpu")
+
+    def __init__(self, eager: list[ChunkTask], lazy: list[ChunkTask], lazy_blocks: list[int]) -> None:
+        self.eager = eager
+        self.lazy = lazy
+        self.sources = [t.source for t in lazy]
+        self.names = [t.layout.name for t in lazy]
+        self.lazy_bytes = sum(lazy_blocks)
+        self.on_cpu = all(s.is_cpu for s in self.sources)  # (Job.cpu_lazy)
 
 
 class StagedGroup:

@@ -174,10 +174,18 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
                     out: dict[str, Any] = {}
                     for k, x in v.items():
                         part = escape_name_part(k) if "%" in k or "/" in k else k
-                        if type(x) is torch.Tensor:
+                        tx = type(x)
+                        if tx is torch.Tensor:
                             out[k] = {"$tensor": add_named(prefix + part, x, "tensor")}
-                        else:
-                            out[k] = enc(x, path + [part])
+                            continue
+                        if tx is dict and seen is not None and len(active) < MAX_STATE_DEPTH:
+                            # (a dict of plain tensors, e.g. an optimizer's state of
+                            # one parameter, holds no container: no cycle, one level)
+                            known = enc_tensor_dict(x, prefix + part + "/")
+                            if known is not None:
+                                out[k] = known
+                                continue
+                        out[k] = enc(x, path + [part])
                     return out
                 return {"$dict": [[enc_key(k, path), enc(x, path + [escape_name_part(str(k))])]
                                   for k, x in v.items()]}
@@ -202,25 +210,37 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
             return None
         keys = list(v)
         hit = prev.get(prefix)
-        if hit is not None and hit[0] == keys:
+        if hit is not None and hit[0] == keys:  # (keys checked when remembered)
             names, out = hit[1], hit[2]
         else:
+            if not all(isinstance(k, str) and not k.startswith("$") for k in keys):
+                return None
             names = [prefix + (escape_name_part(k) if "%" in k or "/" in k else k) for k in keys]
             out = {k: {"$tensor": n} for k, n in zip(keys, names)}
         # Distinct keys give distinct names here (escaping is one-to-one);
-        # another container may have given one already (its error, as above).
-        if tensors and not tensors.keys().isdisjoint(names):
-            add_named(next(n for n in names if n in tensors), None, "tensor")  # raises InvalidNameError
+        # another container may have given one already: then the whole state
+        # is flattened again without the memo, which names the clash.
+        before = len(tensors)
         tensors.update(zip(names, values))
+        if len(tensors) != before + len(names):
+            raise _NameClash
         kinds.update(zip(names, itertools.repeat("tensor")))
         assert seen is not None
         seen[prefix] = (keys, names, out)
         return out
 
-    tree = enc(state, [])
+    try:
+        tree = enc(state, [])
+    except _NameClash:
+        return flatten(state, allow_pickle=allow_pickle)  # (raises InvalidNameError naming the clash)
     if memo is not None and seen is not None:
         memo["dicts"] = seen
     return tree, tensors, kinds
+
+
+class _NameClash(Exception):
+    """Two tensors of a memoized dict got one name (flatten raises the
+    InvalidNameError of the memo-free walk instead)."""
 
 
 def _where(path: list[str]) -> str:
