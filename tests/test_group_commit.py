@@ -85,6 +85,25 @@ def test_group_of_steps_committed_with_one_round_of_syncs(tmp_path: Path, monkey
     assert dstt.open(path).latest() == 4
 
 
+def test_a_group_writes_the_branch_head_once_naming_its_last_step(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from dstt.store.heads import head_key, head_record
+
+    path = tmp_path / "run"
+    w = Writer(path)
+    items = _prepared(w, range(3))
+    keys: list[str] = []
+    real_put = LocalBackend.put
+    monkeypatch.setattr(LocalBackend, "put", lambda self, key, data: (keys.append(key), real_put(self, key, data))[1])
+    commit_group(w, items)
+    assert keys.count(head_key("main")) == 1  # each step rewrote it: only the last is ever durable
+    assert keys.index(head_key("main")) < min(i for i, k in enumerate(keys) if ".tmp-" in k)  # before the sync
+    head = head_record(LocalBackend(str(path)), "main")
+    assert head is not None and head.step == 2 and head.seq == items[-1][0].seq
+    w.close()
+    _assert_steps_exact(path, [0, 1, 2])
+
+
 def test_a_failed_step_does_not_take_its_group_down(tmp_path: Path) -> None:
     path = tmp_path / "run"
     w = Writer(path)

@@ -6,7 +6,9 @@ Each step is committed as :meth:`Writer.commit` commits it -- its own index
 files, head and commit marker, written in step order -- but the syncs inside
 are deferred and the commit markers held back; then, for the whole group:
 
-1. every marker is written under a temporary name, and the store is synced
+1. the branch head the last step wrote is written (each step rewrites it:
+   the earlier ones are never durable, so they are not written at all),
+   every marker is written under a temporary name, and the store is synced
    once: every step's chunks, packs, index files and head, and the
    temporaries, are durable;
 2. the markers are renamed into place, in step order, and the store is
@@ -44,7 +46,10 @@ from dstt.store import layout as L
 from dstt.store.backends import Backend, LocalBackend
 from dstt.store.backends.local import _SYNCFS
 from dstt.store.committer import ChunkResult, CommitInfo
+from dstt.store.heads import HEADS
 from dstt.store.plan import StepPlan
+
+_HEADS = HEADS + "/"
 
 
 class _Deferred:
@@ -54,12 +59,21 @@ class _Deferred:
     def __init__(self, real: Backend) -> None:
         self.real = real
         self.markers: list[tuple[str, bytes]] = []
+        self.head: tuple[str, Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
     def sync(self) -> None:
         return None  # (the group syncs once, in publish())
+
+    def put(self, key: str, data: Any) -> None:
+        if key.startswith(_HEADS):
+            # Each step rewrites the branch head; none is durable before the
+            # group's first sync, so only the last one is written (before it).
+            self.head = (key, data)
+        else:
+            self.real.put(key, data)
 
     def put_atomic(self, key: str, data: Any) -> None:
         if key.endswith("/" + L.COMMIT_FILE):
@@ -96,6 +110,8 @@ def commit_group(writer: Any, items: list[tuple[StepPlan, list[ChunkResult]]]) -
         writer.last_commit = last_commit
         return [error if i in published else o for i, o in enumerate(out)]
     try:
+        if deferred.head is not None:
+            real.put(*deferred.head)
         publish(real, deferred.markers)
     except BaseException as e:  # noqa: BLE001 - reported per step; none is acknowledged
         writer.last_commit = last_commit
