@@ -313,3 +313,21 @@ def test_lazy_split_follows_the_optimizer_and_stays_bit_exact(tmp_path: Path) ->
     for step, want in expected.items():
         got = run.state_dict(step)["model"]
         assert all(torch.equal(_bits(got[k]), bits) for k, bits in want.items()), step
+
+
+def test_guard_range_check_names_the_changed_tensor() -> None:
+    """VersionGuard.copied_range (one check per run of lazy copies) finds a
+    change anywhere in the run, names that tensor, and skips inference
+    tensors (no version counter) as copied() does."""
+    from dstt.capture.guard import VersionGuard
+
+    with torch.inference_mode():
+        frozen = torch.zeros(2)
+    sources = [torch.zeros(2) for _ in range(5)] + [frozen]
+    guard = VersionGuard(sources, [f"t{i}" for i in range(6)])
+    assert guard.copied_range(0, 6) is None
+    again = VersionGuard(sources, [f"t{i}" for i in range(6)])
+    sources[3].add_(1)
+    assert again.copied_range(0, 2) is None
+    violation = again.copied_range(2, 6)
+    assert violation is not None and "'t3'" in violation

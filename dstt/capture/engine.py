@@ -237,6 +237,7 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
         if split.lazy:
             job.lazy = list(split.lazy)
             job.lazy_on_cpu = split.on_cpu
+            job.lazy_runs = split.runs()
             job.guard = VersionGuard(split.sources, split.names)
         # One pass each over the tasks (tens of thousands of them: issue 16),
         # none for the task list of an earlier step (Stager._task_sizes).
@@ -516,7 +517,6 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
             if job is None:
                 return
             try:
-                self._expand_groups(job)  # (views of the eager groups: before the seal reads them)
                 if job.copies_left >= 0:  # lazy CPU copies: claimed, shared with the trainer
                     self._copy_lazy_cpu(job)
                     job.copies_done.wait()
@@ -530,6 +530,7 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
             except BaseException as e:
                 job.error = job.error or e
             finally:
+                self._expand_groups(job)  # (views of the groups, eager and lazy: before the seal reads them)
                 with self._cond:
                     if job in self._copying:
                         self._copying.remove(job)

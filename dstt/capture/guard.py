@@ -90,6 +90,21 @@ class VersionGuard:
                 return self._trip(i)
             return None
 
+    def copied_range(self, i: int, j: int) -> str | None:
+        """:meth:`copied` for sources ``i..j-1`` (one copy call), under one
+        lock and with one pass over their versions."""
+        with self._lock:
+            self._done[i:j] = [True] * (j - i)
+            try:
+                if list(map(_VERSION, self._sources[i:j])) == self._versions[i:j]:
+                    return None
+            except (RuntimeError, AttributeError):  # an inference tensor: compared one by one
+                pass
+            for k in range(i, j):
+                if self._changed(k):
+                    return self._trip(k)
+            return None
+
     def scan(self) -> str | None:
         """Check every source not copied yet (the trainer's next call)."""
         with self._lock:

@@ -73,6 +73,9 @@ class Job:
     copies_left: int = -1  # lazy copies not finished (under claim; -1: not counted yet)
     copies_done: threading.Event = field(default_factory=threading.Event)
     lazy_on_cpu: bool | None = None  # cpu_lazy, once known (the lazy tasks do not change)
+    #: Runs of small lazy tasks copied together, by first index: (end, StagedGroup or None)
+    #: (stager.LazySplit.runs; None: found while copying, stager._run_end).
+    lazy_runs: dict[int, tuple[int, Any]] | None = None
 
     @property
     def cpu_lazy(self) -> bool:

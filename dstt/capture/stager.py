@@ -19,6 +19,7 @@ from dstt.capture import policy
 from dstt.capture.hooks import optimizer_storages, storage_key
 from dstt.capture.pipeline import GuardTripped, Job, check_guard, task_bytes
 from dstt.capture.staging import HostPool
+from dstt.errors import CaptureError
 from dstt.store.plan import ChunkTask
 
 log = logging.getLogger("dstt.capture")
@@ -240,10 +241,16 @@ class Stager:
                     if job.copies_left == 0:
                         job.copies_done.set()
                     return
-                j = _run_end(job.lazy, i) if grouped else i + 1
+                group = None
+                if not grouped:
+                    j = i + 1
+                elif job.lazy_runs is not None:  # (the runs of the step's LazySplit, made once)
+                    j, group = job.lazy_runs[i]
+                else:
+                    j = _run_end(job.lazy, i)
                 job.next_copy = j
             try:
-                if j - i == 1 or not self._copy_lazy_run(job, pool, i, j, flush_now):
+                if j - i == 1 or not self._copy_lazy_run(job, pool, i, j, flush_now, group):
                     for k in range(i, j):
                         self._copy_lazy_one(job, pool, k, flush_now)
             except GuardTripped as e:
@@ -284,34 +291,45 @@ class Stager:
             if block is not None:
                 pool.release(block)
 
-    def _copy_lazy_run(self, job: Job, pool: HostPool, i: int, j: int, flush_now: bool) -> bool:
-        """Copy lazy tasks ``i..j-1`` (small, CPU, one dtype) into adjacent
-        blocks with one copy call; False (nothing done) if the pool has no
-        room for them at once now."""
-        group = job.lazy[i:j]
-        numels = [math.prod(t.shape) for t in group]
-        parts = pool.try_allocate_parts(numels, group[0].source.dtype)
-        if parts is None:
+    def _copy_lazy_run(self, job: Job, pool: HostPool, i: int, j: int, flush_now: bool,
+                       group: StagedGroup | None = None) -> bool:
+        """Copy lazy tasks ``i..j-1`` (small, CPU, one dtype; ``group``: them
+        as a StagedGroup, None: made here) into one pool block with one copy
+        call; False (nothing done) if the pool has no room for them at once
+        now. With the capture helper their views are made by the stager
+        (_expand_groups), not here (this may be the trainer's optimizer hook)."""
+        if group is None:
+            group = StagedGroup(job.lazy[i:j])
+        block = pool.try_allocate(group.nbytes)
+        if block is None:
             return False
         handed = False
         try:
-            reserved = sum(pool.block_bytes(task_bytes(t)) for t in group)
             with self._cond:
-                self._queued_bytes -= reserved
-                job.lazy_bytes -= reserved
-            dsts = [p if len(t.shape) == 1 else p.view(t.shape) for p, t in zip(parts, group)]
-            torch._foreach_copy_(dsts, [t.source for t in group])
-            for k in range(i, j):
-                check_guard(job, job.guard, k)  # completed: a change before now is in the copy
+                self._queued_bytes -= group.block_bytes
+                job.lazy_bytes -= group.block_bytes
+            dst = block.view(group.dtype)
+            if group.flat is not None:
+                torch.cat(group.flat, out=dst)
+            else:
+                torch._foreach_copy_(group.views(dst), [t.source for t in group.tasks])
+            if job.guard is not None:  # completed: a change before now is in the copy
+                violation = job.guard.copied_range(i, j)
+                if violation is not None:
+                    raise GuardTripped(CaptureError(f"step {job.plan.step} not captured: {violation}"))
+            later = self._helper is not None and not self._tier
+            dsts = None if later else group.views(dst)
             with job.claim:
-                job.views.extend(zip(group, dsts))
-                if flush_now:
-                    job.futures.append(self._flush.submit(self._flush_many, pool, job, group, dsts))
+                if dsts is None:
+                    job.groups.append((group, dst))
+                else:
+                    job.views.extend(zip(group.tasks, dsts))
+                    if flush_now:
+                        job.futures.append(self._flush.submit(self._flush_many, pool, job, group.tasks, dsts))
             handed = True
         finally:
             if not handed:
-                for p in parts:
-                    pool.release(p)
+                pool.release(block)
         return True
 
     def _hand_over_cuda(self, job: Job, batch: list[tuple[ChunkTask, torch.Tensor]], lazy: bool,
@@ -360,7 +378,7 @@ class LazySplit:
     the lazy sources and names for the mutation guard, and the pool bytes
     the lazy blocks take. Read-only (shared by the steps of one layout)."""
 
-    __slots__ = ("eager", "lazy", "sources", "names", "lazy_bytes", "on_cpu")
+    __slots__ = ("eager", "lazy", "sources", "names", "lazy_bytes", "on_cpu", "_runs")
 
     def __init__(self, eager: list[ChunkTask], lazy: list[ChunkTask], lazy_blocks: list[int]) -> None:
         self.eager = eager
@@ -369,19 +387,36 @@ class LazySplit:
         self.names = [t.layout.name for t in lazy]
         self.lazy_bytes = sum(lazy_blocks)
         self.on_cpu = all(s.is_cpu for s in self.sources)  # (Job.cpu_lazy)
+        self._runs: dict[int, tuple[int, StagedGroup | None]] | None = None
+
+    def runs(self) -> dict[int, tuple[int, StagedGroup | None]]:
+        """For the first lazy task of each run (_run_end): the run's end,
+        and the run as a StagedGroup when it has more than one task. Made
+        on first use, then shared by the steps of this split."""
+        if self._runs is None:
+            runs: dict[int, tuple[int, StagedGroup | None]] = {}
+            i = 0
+            while i < len(self.lazy):
+                j = _run_end(self.lazy, i)
+                runs[i] = (j, StagedGroup(self.lazy[i:j]) if j - i > 1 else None)
+                i = j
+            self._runs = runs
+        return self._runs
 
 
 class StagedGroup:
     """Small CPU tasks of one dtype staged in one pool block, back to back
     (the block holds ``nbytes``; task ``k`` its ``numels[k]`` elements)."""
 
-    __slots__ = ("tasks", "dtype", "nbytes", "numels", "flat", "flat_views")
+    __slots__ = ("tasks", "dtype", "nbytes", "numels", "flat", "flat_views", "block_bytes")
 
     def __init__(self, tasks: list[ChunkTask]) -> None:
         self.tasks = tasks
         self.dtype = tasks[0].source.dtype
         self.numels = [math.prod(t.shape) for t in tasks]
         self.nbytes = sum(self.numels) * tasks[0].source.element_size()
+        #: The pool bytes these tasks count for one by one (Capture._queued_bytes, Job.lazy_bytes).
+        self.block_bytes = sum(HostPool.blocks_bytes([t.data_nbytes for t in tasks]))
         #: Each task's view is its part of the block as is (1-D parts).
         self.flat_views = all(len(t.shape) == 1 for t in tasks)
         #: The sources as 1-D tensors for one torch.cat into the block, or
