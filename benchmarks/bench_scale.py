@@ -15,7 +15,9 @@ the steps after the first); ``loop`` (88 tensors, ~1.2 MB of state, a
 ~12 ms iteration incl. Adam's step: median iteration with Capture.snapshot
 every iteration vs none; also the CPU per step of the trainer's process
 and of the capture helper); ``plan`` (Writer.plan of N x 1 KiB tensors: the
-first sighting and an unchanged step, per tensor).
+first sighting and an unchanged step, per tensor); ``stall_model``
+(snapshot(model=, optimizer=) of N tensors: N/4 parameters of 64 floats
+with Adam; the stall and the optimizer step with and without capture).
 """
 
 from __future__ import annotations
@@ -80,6 +82,39 @@ def case_stall(n: int, work: str) -> dict[str, Any]:
             stalls.append(time.perf_counter() - t)
             cap.wait()  # the stall alone, not the pipeline's backlog
     return {"stall_first_s": stalls[0], "stall_median_s": statistics.median(stalls[1:])}
+
+
+def case_stall_model(n: int, work: str) -> dict[str, Any]:
+    """snapshot(model=, optimizer=) of a model with n/4 small parameters and
+    Adam (n tensors in all: the parameters, Adam's step, exp_avg and
+    exp_avg_sq): the stall, and the optimizer step (its pre-hook may copy
+    the previous snapshot's lazy tensors) against the same step uncaptured."""
+    import torch
+
+    import dstt
+
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(64)) for _ in range(n // 4)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    for p in model:
+        p.grad = torch.full_like(p, 1e-3)
+
+    def timed_step() -> float:
+        t = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - t
+
+    plain = [timed_step() for _ in range(4)]
+    stalls, steps = [], []
+    with dstt.Capture(os.path.join(work, "model")) as cap:
+        for step in range(6):
+            steps.append(timed_step())
+            t = time.perf_counter()
+            cap.snapshot(step, model=model, optimizer=opt, rng=False)
+            stalls.append(time.perf_counter() - t)
+            cap.wait_staged() if step % 2 else cap.wait()  # (half the steps: the hook may copy)
+    return {"tensors": len(model) * 4, "stall_first_s": stalls[0], "stall_median_s": statistics.median(stalls[1:]),
+            "opt_step_plain_s": statistics.median(plain[1:]), "opt_step_captured_s": statistics.median(steps[2:])}
 
 
 def case_plan(n: int, work: str) -> dict[str, Any]:
@@ -213,7 +248,8 @@ def main() -> None:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
-        fn = {"save": case_save, "stall": case_stall, "loop": case_loop, "plan": case_plan}[args.case]
+        fn = {"save": case_save, "stall": case_stall, "loop": case_loop, "plan": case_plan,
+              "stall_model": case_stall_model}[args.case]
         print(json.dumps(fn(args.n, args.work)))
         return
     sys.path.insert(0, HERE)
@@ -221,7 +257,8 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     versions = [("after", ROOT)] + ([("before", os.path.abspath(args.before))] if args.before else [])
-    sizes = {"save": args.tensors, "stall": args.stall_tensors, "loop": args.loop_iters, "plan": args.stall_tensors}
+    sizes = {"save": args.tensors, "stall": args.stall_tensors, "loop": args.loop_iters, "plan": args.stall_tensors,
+             "stall_model": args.stall_tensors}
     results: dict[str, dict[str, Any]] = {}
     for case in args.cases.split(","):
         for label, path in versions:
