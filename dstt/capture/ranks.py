@@ -280,7 +280,9 @@ class RecordCoordinator(Coordinator):
         return doc
 
     def gather(self, obj: Any) -> list[Any] | None:
-        results, error = obj
+        """``obj``: ``(step, (results, error))`` (Writer.commit); every rank's
+        in that form on rank 0, from the records of this step."""
+        _, (results, error) = obj
         if self.mode != "collect":
             write_record(self.backend, self.branch, self.step, self.seq, self.run, self.rank, self.world,
                          results=results, error=error, plan=self.plan if self.rank == 0 else None)
@@ -305,12 +307,12 @@ class RecordCoordinator(Coordinator):
                         out[r] = (None, f"its record cannot be read ({type(e).__name__}: {e})")
             missing = [r for r in range(self.world) if out[r] is None]
             if not missing:
-                return out
+                return [(self.step, got) for got in out]  # (a record is of this step: read_record checks)
             if self.mode == "collect" or passed():
                 why = "no record" if self.mode == "collect" else "its record did not arrive in time"
                 for r in missing:
                     out[r] = (None, f"{why} (its capture helper is gone or behind)")
-                return out
+                return [(self.step, got) for got in out]
             time.sleep(pause)
             pause = min(pause * 2, POLL_MAX_S)
 

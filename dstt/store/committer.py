@@ -147,7 +147,7 @@ class CommitPhase:
             except Exception as e:  # any: raised before the exchange, it left rank 0 waiting forever
                 error = e
         payload = (results if error is None else None, None if error is None else _describe(error))
-        gathered = self._gather(payload) if self.commit_coord.distributed else [payload]
+        gathered = self._gather(plan.step, payload) if self.commit_coord.distributed else [payload]
         outcome: Any = None
         if self.rank == 0:
             assert gathered is not None
@@ -174,18 +174,25 @@ class CommitPhase:
         return cast(CommitInfo, value)
 
 
-    def _gather(self, payload: tuple[list[ChunkResult] | None, str | None]) -> list[Any] | None:
-        """``commit_coord.gather(payload)``, reached by this rank whatever
-        happens: a payload that cannot be sent (it does not pickle, its rank
-        record cannot be written) is replaced by the reason, so the step
-        fails on every rank instead of leaving rank 0 waiting for this one
-        (and pairing this rank's next step with the failed one)."""
+    def _gather(self, step: int, payload: tuple[list[ChunkResult] | None, str | None]) -> list[Any] | None:
+        """Every rank's ``payload`` on rank 0 (None elsewhere), reached by
+        this rank whatever happens: a payload that cannot be sent (it does
+        not pickle, its rank record cannot be written) is replaced by the
+        reason, so the step fails on every rank instead of leaving rank 0
+        waiting for this one. Each payload names its step: a rank that
+        commits another step at the same time (the ranks out of step) fails
+        the step instead of mixing two steps' chunks in one index."""
         try:
-            return self.commit_coord.gather(payload)
+            gathered = self.commit_coord.gather((step, payload))
         except Exception as e:  # noqa: BLE001 - sent on as this rank's failure
             # (gather_object pickles before it communicates; a rank record is
             # encoded before it is written: nothing was sent yet)
-            return self.commit_coord.gather((None, f"this rank's part could not be sent: {_describe(e)}"))
+            why = f"this rank's part could not be sent: {_describe(e)}"
+            gathered = self.commit_coord.gather((step, (None, why)))
+        if gathered is None:
+            return None
+        return [got if at == step else (None, f"it committed step {at} meanwhile (the ranks are out of step)")
+                for at, got in gathered]
 
     def _write_commit(self, plan: StepPlan, results: list[ChunkResult],
                       memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:

@@ -409,9 +409,52 @@ def plan_step(
     # collector on, tens of thousands of them trigger full collections that
     # walk every live object (most of an unchanged step's planning time at
     # 20,000 tensors; issue 16). They hold no cycles.
+    agreed = None if exchange is None else AgreedExchange(step, exchange)
     with paused_gc():
-        return _plan_step(step, state, rank, exchange, codec, max_chunk_bytes, allow_pickle, layout_cache,
-                          pack_chunk_bytes)
+        try:
+            return _plan_step(step, state, rank, agreed, codec, max_chunk_bytes, allow_pickle, layout_cache,
+                              pack_chunk_bytes)
+        except Exception as e:
+            if agreed is not None and not agreed.reached:
+                agreed.fail(e)  # the other ranks raise too, instead of waiting for this one
+            raise
+
+
+class AgreedExchange:
+    """``exchange`` for planning one step under torch.distributed: every
+    rank reaches it, with its description or with the error that stopped it
+    (:meth:`fail`), and every rank checks that all of them plan the same
+    step. A rank that failed alone used to leave the others waiting in the
+    all-gather; had its script gone on, its next step was planned (and then
+    committed) together with their current one.
+
+    >>> a = AgreedExchange(3, lambda obj: [obj, (3, None, "desc of rank 1")])
+    >>> a("desc of rank 0")
+    ['desc of rank 0', 'desc of rank 1']
+    >>> AgreedExchange(3, lambda obj: [obj, (4, None, "")])("")
+    Traceback (most recent call last):
+    dstt.errors.ShardingError: step 3 not planned: the ranks plan different steps ([3, 4])
+    """
+
+    def __init__(self, step: int, exchange: Callable[[Any], list[Any]]) -> None:
+        self.step, self._exchange = step, exchange
+        self.reached = False  # this rank took part in the exchange
+
+    def __call__(self, obj: Any) -> list[Any]:
+        self.reached = True
+        gathered = self._exchange((self.step, None, obj))
+        failures = [f"rank {r}: {err}" for r, (_, err, _) in enumerate(gathered) if err is not None]
+        steps = sorted({s for s, _, _ in gathered})
+        if len(steps) > 1:
+            failures.append(f"the ranks plan different steps ({steps})")
+        if failures:
+            raise ShardingError(f"step {self.step} not planned: " + "; ".join(failures))
+        return [o for _, _, o in gathered]
+
+    def fail(self, error: BaseException) -> None:
+        """This rank cannot plan the step: tell the others (they raise)."""
+        self.reached = True
+        self._exchange((self.step, f"{type(error).__name__}: {error}"[:2000], None))
 
 
 def _plan_step(step: int, state: Any, rank: int, exchange: Callable[[Any], list[Any]] | None, codec: CodecSpec,

@@ -58,7 +58,7 @@ from dstt.store.manifest import (
     sha256_hex,
 )
 from dstt.store.packs import PACKS, StepPacks, default_pack_chunk_bytes
-from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, ChunkTask, StepPlan, plan_step
+from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, plan_step
 from dstt.store.root import (
     BranchInfo,
     create_branch,
@@ -303,8 +303,13 @@ class Writer(BatchFlush, CommitPhase):
         ``track=False``: this writer will not store the plan's chunks (another
         process adopts it, capture/helper.py), so it keeps no reference chain."""
         self._check_open()
-        self.check_step(step)
-        self.check_lock()
+        try:
+            self.check_step(step)
+            self.check_lock()
+        except DsttError as e:
+            if self.coord.distributed:  # (a rank refusing alone left the others in the plan exchange)
+                AgreedExchange(step, self.coord.all_gather).fail(e)
+            raise
         with paused_gc():  # (objects per tensor and per chunk, no cycles: issue 16)
             plan = plan_step(
                 step,

@@ -12,7 +12,8 @@ Kinds: ``chunk-put`` (chunk and pack writes fail with ENOSPC),
 ``record-put`` (a rank record's write fails with ENOSPC), ``sync`` (the
 store's sync raises RuntimeError), ``unpicklable`` (a settled chunk result
 carries a lock: what 87d87fd fixed, the class of "a payload that cannot be
-sent to rank 0").
+sent to rank 0"), ``plan`` (read by fail_steps.py: the rank's state holds an
+object it may not pickle, so its snapshot() fails while planning).
 """
 
 from __future__ import annotations
