@@ -313,8 +313,11 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
         plan = writer.adopt(R.plan_of(record, pools[name], verify=verify))
         writer.ensure_arrays(plan)
-        # small chunks in groups (store/batchflush.py), large ones one per task
-        flushed = list(flush.map(lambda b: writer.flush_chunks(plan, b), batches(plan.tasks)))
+        # small chunks in groups (store/batchflush.py), large ones one per task;
+        # a step of one batch (a small model) on this thread: no hand-over
+        parts = batches(plan.tasks)
+        flushed = ([writer.flush_chunks(plan, parts[0])] if len(parts) == 1
+                   else list(flush.map(lambda b: writer.flush_chunks(plan, b), parts)))
         results = [r for done, _ in flushed for r in done]
         error = next((e for _, e in flushed if e is not None), None)
         if error is not None:
