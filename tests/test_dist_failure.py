@@ -54,6 +54,7 @@ CAUSES = {
 #: The ones that hung before the fix (rank 0 waited for rank 1 forever, or
 #: for RANK_WAIT_S): in the quick suite. The others held already: slow.
 QUICK = ["gloo-unpicklable", "gloo-sync", "helper-flush1", "helper-record1", "gloo-plan1"]
+INIT = ["init-ring1", "init-recover0"]
 
 
 def free_port() -> int:
@@ -131,10 +132,18 @@ def test_a_step_failing_on_one_rank_fails_everywhere_and_capture_goes_on(tmp_pat
     rank 1's snapshot() refuses its state while planning (rank 0 waited in
     the plan exchange for good; a script going on after the error would
     have had rank 1's next step planned with rank 0's current one)."""
-    code, output = torchrun(tmp_path, QUICK)
+    code, output = torchrun(tmp_path, QUICK + INIT)
     assert code == 0, output[-4000:]
     for mode in QUICK:
         check_mode(tmp_path, mode)
+    # Capture() failing on one rank (its staging ring, rank 0's recovery
+    # commit): raised on every rank (rank 0's failure left rank 1 waiting in
+    # a broadcast rank 0 skipped; rank 1's escaped as a raw OSError there alone).
+    for mode in INIT:
+        bad = 1 if mode.endswith("1") else 0
+        for rank in range(2):
+            msg = json.loads((tmp_path / mode / f"result{rank}.json").read_text())["init"]
+            assert msg is not None and "recovering" in msg and f"rank {bad}: OSError" in msg, (mode, rank, msg)
 
 
 @pytest.mark.slow

@@ -145,25 +145,30 @@ class CrashSafe:
         coord = self._plan_coord
         self._run_id = coord.broadcast(uuid.uuid4().hex if coord.rank == 0 else None)
         identity = ranks.ring_identity(str(self.writer.backend.url), self.writer.branch, coord.rank, coord.world)
-        ring = Ring(identity, run=self._run_id)
+        ring: Ring | None = None
         error: str | None = None
         try:
+            ring = Ring(identity, run=self._run_id)
             ranks.record_rings(self.writer, identity, exclude=ring.dir)
         except Exception as e:  # noqa: BLE001 - agreed on below, so no rank waits for another
             error = f"rank {coord.rank}: {type(e).__name__}: {e}"
         errors = [x for x in coord.all_gather(error) if x is not None]
         outcome: Any = None
-        if coord.rank == 0 and not errors:
-            try:
-                done = ranks.commit_recorded(self.writer)
-                outcome = (done, self.writer.last_step, self.writer.last_commit, self.writer.next_seq)
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"rank 0: {type(e).__name__}: {e}")
         if not errors:
+            # Rank 0 broadcasts its outcome or its error: every rank takes part
+            # (rank 0 failing alone used to skip it, leaving the others waiting).
+            if coord.rank == 0:
+                try:
+                    done = ranks.commit_recorded(self.writer)
+                    outcome = (done, self.writer.last_step, self.writer.last_commit, self.writer.next_seq)
+                except Exception as e:  # noqa: BLE001
+                    outcome = f"rank 0: {type(e).__name__}: {e}"
             outcome = coord.broadcast(outcome if coord.rank == 0 else None)
-            errors = [] if outcome is not None else ["rank 0: recovery failed"]
-        if errors:
-            ring.close()
+            if not isinstance(outcome, tuple):
+                errors = [str(outcome or "rank 0: recovery failed")]
+        if errors or ring is None:
+            if ring is not None:
+                ring.close()
             self.writer.close()
             raise CaptureError("recovering the steps sealed by an earlier run failed: " + "; ".join(errors))
         done, last_step, last_commit, next_seq = outcome

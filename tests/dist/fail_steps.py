@@ -53,7 +53,36 @@ MODES: dict[str, tuple[bool, str, int, str, bool]] = {
     # object it may not pickle; the script goes on after snapshot() raised
     "gloo-plan1": (False, "plan", 1, "trainer", True),
     "helper-plan1": (True, "plan", 1, "trainer", True),
+    # Capture() itself (collective recovery at construction) failing on one rank
+    "init-ring1": (True, "init-ring", 1, "trainer", True),
+    "init-recover0": (True, "init-recover", 0, "trainer", True),
 }
+
+
+def init_fails(where: Path, kind: str, bad_rank: int) -> None:
+    """Capture() fails on ``bad_rank`` alone (its staging ring cannot be
+    made / rank 0's recovery commit raises): every rank must raise."""
+    from dstt.capture import crashsafe, ranks
+
+    rank = dist.get_rank()
+    saved = crashsafe.Ring, ranks.commit_recorded
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, f"No space left on device (injected, rank {rank})")
+
+    if rank == bad_rank:
+        if kind == "init-ring":
+            crashsafe.Ring = refuse  # type: ignore[assignment,misc]
+        else:
+            ranks.commit_recorded = refuse
+    result: dict[str, Any] = {"init": None}
+    try:
+        dstt.Capture(where / "run", max_chunk_bytes=64, helper=True).close()
+    except CaptureError as e:
+        result["init"] = str(e)
+    finally:
+        crashsafe.Ring, ranks.commit_recorded = saved
+    (where / f"result{rank}.json").write_text(json.dumps(result))
 
 
 def setup_hook(out: Path) -> None:
@@ -103,6 +132,9 @@ def step(cap: Any, k: int, model: Any, opt: Any, lazy: bool) -> None:
 def run_mode(out: Path, where: Path, mode: str) -> None:
     helper, kind, bad_rank, proc, lazy = MODES[mode]
     rank = dist.get_rank()
+    if kind.startswith("init-"):
+        init_fails(where, kind, bad_rank)
+        return
     torch.manual_seed(0)
     model, _ = build()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
