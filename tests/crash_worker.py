@@ -15,7 +15,7 @@ helper (0: none) to ``STORE.staged`` and stops
 itself with SIGSTOP, so a test can SIGKILL it right after ``wait_staged()``. ``zygote`` imports torch once, then forks one
 writer per ``fork`` command on stdin, so a test can SIGKILL many real writer
 processes without paying the torch import each time. Protocol, one line
-each way: ``fork STORE BRANCH N MODE`` → ``pid P``; ``wait P`` → ``status S``;
+each way: ``fork STORE BRANCH N MODE [PAUSE_S]`` → ``pid P``; ``wait P`` → ``status S``;
 ``quit``.
 """
 
@@ -129,7 +129,7 @@ def zygote() -> None:
                 code = 0
                 try:
                     sys.stdin.close()
-                    write(cmd[1], cmd[2], int(cmd[3]), cmd[4])
+                    write(cmd[1], cmd[2], int(cmd[3]), cmd[4], float(cmd[5]) if len(cmd) > 5 else 0.0)
                 except BaseException as e:  # noqa: BLE001 - reported through the exit code
                     print(f"writer failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                     code = 3

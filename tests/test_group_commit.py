@@ -223,7 +223,9 @@ def test_sigkill_of_trainer_and_helper_loses_no_acknowledged_step(tmp_path: Path
                 pass
         proc.wait(30)
         told = [int(x) for x in acked.read_text().split()]
-        with dstt.Capture(path):  # waits for the branch, recovers the sealed steps
+        # Waits for the branch, recovers the sealed steps (in this process, before
+        # a helper would start: none is, it would only be closed again).
+        with dstt.Capture(path, helper=False):
             pass
         run = dstt.open(path)
         steps = run.steps()
