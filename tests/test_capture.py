@@ -221,7 +221,8 @@ def test_config_is_validated(store: Path) -> None:
 
 def test_step_order_errors_are_immediate(store: Path) -> None:
     model, opt, _ = make()
-    with deadline(30), dstt.Capture(store) as cap:
+    # (checked on the trainer's thread, before staging: no capture helper needed)
+    with deadline(30), dstt.Capture(store, helper=False) as cap:
         cap.snapshot(5, model=model, optimizer=opt)
         with pytest.raises(StepOrderError):
             cap.snapshot(5, model=model, optimizer=opt)
