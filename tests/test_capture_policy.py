@@ -19,7 +19,7 @@ def test_pool_is_two_steps_rounded_and_bounded() -> None:
     assert policy.pool_bytes(need_bytes=16 * mib + 1, biggest_bytes=1, limit_bytes=None) == 33 * mib
     assert policy.pool_bytes(need_bytes=mib // 8, biggest_bytes=5 * mib, limit_bytes=None) == 5 * mib
     # small steps: up to SMALL_STEPS of them (group commit), within SMALL_POOL_BYTES
-    assert policy.pool_bytes(need_bytes=mib + 1, biggest_bytes=1, limit_bytes=None) == 9 * mib
+    assert policy.pool_bytes(need_bytes=mib + 1, biggest_bytes=1, limit_bytes=None) == 17 * mib
     assert policy.pool_bytes(need_bytes=8 * mib, biggest_bytes=1, limit_bytes=None) == 32 * mib
     assert policy.pool_bytes(need_bytes=10 * mib, biggest_bytes=mib, limit_bytes=7 * mib + 3) == 7 * mib + 3
 

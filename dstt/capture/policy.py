@@ -25,8 +25,10 @@ def is_due(step: int, every: int) -> bool:
     return step % every == 0
 
 
-#: A pool for small steps holds up to this many steps, within SMALL_POOL_BYTES.
-SMALL_STEPS = 8
+#: A pool for small steps holds up to this many steps, within SMALL_POOL_BYTES
+#: (8 left a 1.2 MB, 12 ms loop waiting for pool space during the helper's
+#: group syncs: docs/benchmarks.md, issue 16 session 4).
+SMALL_STEPS = 16
 SMALL_POOL_BYTES = 32 << 20
 
 
@@ -43,7 +45,7 @@ def pool_bytes(*, need_bytes: int, biggest_bytes: int, limit_bytes: int | None) 
     >>> pool_bytes(need_bytes=10, biggest_bytes=10, limit_bytes=None)
     1048576
     >>> pool_bytes(need_bytes=1 << 20, biggest_bytes=1 << 10, limit_bytes=None) >> 20
-    8
+    16
     >>> pool_bytes(need_bytes=100 << 20, biggest_bytes=1 << 20, limit_bytes=64 << 20)
     67108864
     """
