@@ -175,18 +175,14 @@ class Stager:
         else:
             groups, rest = group_tasks(tasks)
             self._grouping = (tasks, groups, list(rest))
-        later = self._helper is not None and not self._tier  # the stager makes the views
+        later = self._views_later()
         for g in groups:
             block = pool.try_allocate(g.nbytes)
             if block is None:
                 rest.extend(g.tasks)  # staged one by one, waiting for room
                 continue
-            dst = block.view(g.dtype)
             try:
-                if g.flat is not None:
-                    torch.cat(g.flat, out=dst)
-                else:
-                    torch._foreach_copy_(g.views(dst), [t.source for t in g.tasks])
+                dst = g.fill(block)
             except BaseException:
                 pool.release(block)
                 raise
@@ -198,6 +194,12 @@ class Stager:
             if flush_now:  # (a held block is released at commit, not by its flush)
                 job.futures.append(self._flush.submit(self._flush_many, pool, job, g.tasks, dsts))
         return rest
+
+    def _views_later(self) -> bool:
+        """Whether the per-task views of a staged group are made by the
+        stager thread (:meth:`_expand_groups`) rather than where the group
+        was copied: with the capture helper and no memory tier."""
+        return self._helper is not None and not self._tier
 
     def _expand_groups(self, job: Job) -> None:
         """Give each task of the groups :meth:`_stage_grouped` staged for
@@ -308,17 +310,12 @@ class Stager:
             with self._cond:
                 self._queued_bytes -= group.block_bytes
                 job.lazy_bytes -= group.block_bytes
-            dst = block.view(group.dtype)
-            if group.flat is not None:
-                torch.cat(group.flat, out=dst)
-            else:
-                torch._foreach_copy_(group.views(dst), [t.source for t in group.tasks])
+            dst = group.fill(block)
             if job.guard is not None:  # completed: a change before now is in the copy
                 violation = job.guard.copied_range(i, j)
                 if violation is not None:
                     raise GuardTripped(CaptureError(f"step {job.plan.step} not captured: {violation}"))
-            later = self._helper is not None and not self._tier
-            dsts = None if later else group.views(dst)
+            dsts = None if self._views_later() else group.views(dst)
             with job.claim:
                 if dsts is None:
                     job.groups.append((group, dst))
@@ -427,6 +424,16 @@ class StagedGroup:
         if all(t.source.is_contiguous() and not t.source.requires_grad for t in tasks):
             self.flat = [s if s.dim() == 1 else s.view(-1) for s in (t.source for t in tasks)]
 
+    def fill(self, block: torch.Tensor) -> torch.Tensor:
+        """Copy the tasks' sources into ``block`` (a pool block of
+        ``nbytes``) with one call; the block as the group's dtype."""
+        dst = block.view(self.dtype)
+        if self.flat is not None:
+            torch.cat(self.flat, out=dst)
+        else:
+            torch._foreach_copy_(self.views(dst), [t.source for t in self.tasks])
+        return dst
+
     def views(self, dst: torch.Tensor) -> list[torch.Tensor]:
         """Each task's view into ``dst`` (the group's block, as its dtype)."""
         parts = list(dst.split(self.numels))
@@ -446,7 +453,7 @@ def group_tasks(tasks: list[ChunkTask]) -> tuple[list[StagedGroup], list[ChunkTa
     for t in tasks:
         nbytes = t.data_nbytes
         src = t.source
-        if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or not src.is_cpu:
+        if not _groupable(nbytes, src):
             rest.append(t)
             continue
         if group and (src.dtype is not dtype or size + nbytes > GROUP_BYTES):
@@ -461,19 +468,24 @@ def group_tasks(tasks: list[ChunkTask]) -> tuple[list[StagedGroup], list[ChunkTa
     return groups, rest
 
 
+def _groupable(nbytes: int, src: torch.Tensor) -> bool:
+    """A task of ``nbytes`` from ``src`` may be copied in a group of small
+    CPU tasks (group_tasks, _run_end): not empty, small, in host memory."""
+    return 0 < nbytes < GROUP_TASK_BYTES and src.is_cpu
+
+
 def _run_end(tasks: list[ChunkTask], i: int) -> int:
     """The end of the run of small CPU tasks of one dtype starting at ``i``
     (at most GROUP_BYTES), copied together; ``i + 1`` when task ``i`` is not small."""
     first = tasks[i].source
     nbytes = task_bytes(tasks[i])
-    if nbytes == 0 or nbytes >= GROUP_TASK_BYTES or not first.is_cpu:
+    if not _groupable(nbytes, first):
         return i + 1
     size, j, dtype = nbytes, i + 1, first.dtype
     while j < len(tasks):
         src = tasks[j].source
         nbytes = task_bytes(tasks[j])
-        if (nbytes == 0 or nbytes >= GROUP_TASK_BYTES or src.dtype != dtype or size + nbytes > GROUP_BYTES
-                or not src.is_cpu):
+        if not _groupable(nbytes, src) or src.dtype != dtype or size + nbytes > GROUP_BYTES:
             break
         size += nbytes
         j += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,30 +120,27 @@ class HostPool:
         of the trainer (a kernel launch, an event record) waits behind it.
         Measured on an H100: one call for a 4.8 GiB pool blocked the first
         ``snapshot()`` 2.7 s. Between pieces the trainer's calls get in."""
-        import time
-
         try:
             cudart = torch.cuda.cudart()
             base = self.buffer.data_ptr()
             for start in range(0, self.capacity, self._piece_bytes):
                 if self._stop_registering:
-                    self._unregister_pieces()
-                    return
-                size = min(self._piece_bytes, self.capacity - start)
-                rc = cudart.cudaHostRegister(base + start, size, 0)
+                    break
+                rc = cudart.cudaHostRegister(base + start, min(self._piece_bytes, self.capacity - start), 0)
                 code = getattr(rc, "value", rc)
                 if code != 0:
                     log.warning("dstt: cudaHostRegister of the staging pool failed (error %s): copies stay pageable",
                                 code)
-                    self._unregister_pieces()
-                    return
+                    break
                 self._pieces.append(start)
                 time.sleep(0)  # let a waiting trainer thread take the GIL and the driver's lock
-            self.pinned = True
+            else:
+                self.pinned = True
         except Exception as e:  # noqa: BLE001 - pinning is an optimization
             log.warning("dstt: could not register the staging pool with CUDA: %s", e)
-            self._unregister_pieces()
         finally:
+            if not self.pinned:  # stopped, failed or raised: no piece stays registered
+                self._unregister_pieces()
             self.registered.set()
 
     def _unregister_pieces(self) -> None:
