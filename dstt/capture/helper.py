@@ -399,7 +399,7 @@ def _seal_seq(ring_dir: Path, step: int) -> int | None:
     from dstt.capture import ring as R
 
     try:
-        seq = json.loads(R.read_bounded(ring_dir / f"seal-{step:020d}.json"))["seq"]
+        seq = R.read_record(R.read_bounded(ring_dir / f"seal-{step:020d}.json"))["seq"]
     except Exception:  # noqa: BLE001 - the trainer records the failure then (crashsafe.py)
         return None
     return seq if isinstance(seq, int) else None
