@@ -58,13 +58,16 @@ def test_seal_records_round_trip_exactly_while_parts_repeat(tmp_path: Path) -> N
 
 
 def test_a_changed_chunk_is_a_stale_seal_and_a_first_format_record_replays(tmp_path: Path) -> None:
+    import google_crc32c
+
     w = Writer(tmp_path / "plans", threads=1)
     pool = HostPool(1 << 20)
     try:
         plan = w.plan(0, {"a": torch.arange(6.0), "b": torch.ones(2, 2)}, track=False)
         staged = _staged(plan, pool)
         record = R.read_record(R.encode_record(R.seal_record(plan, "pool-0.bin", pool.buffer, staged)))
-        # The first format (one dict per task), as a ring of an older dstt holds it.
+        # The first format (one dict per task, each with the CRC-32C of its
+        # bytes), as a ring of an older dstt holds it.
         first = {k: record[k] for k in ("format", "step", "seq", "pool", "tree", "layouts", "meta")}
         base = pool.buffer.data_ptr()
         t_of = dict((id(t), v) for t, v in staged)
@@ -72,7 +75,7 @@ def test_a_changed_chunk_is_a_stale_seal_and_a_first_format_record_replays(tmp_p
             {"layout": record["tasks"]["static"][j][0], "index": t.index, "coords": list(t.coords),
              "offset": list(t.offset), "shape": list(t.shape), "dtype": "float32",
              "start": t_of[id(t)].data_ptr() - base, "nbytes": t_of[id(t)].nbytes,
-             "crc": record["tasks"]["crc"][j]} for j, t in enumerate(plan.tasks)]
+             "crc": google_crc32c.value(t_of[id(t)].numpy().tobytes())} for j, t in enumerate(plan.tasks)]
         old = R.plan_of(R.read_record(json.dumps(first).encode()), pool.buffer, verify=True)
         assert all(torch.equal(a.source, b.source) for a, b in zip(old.tasks, plan.tasks))
         t_of[id(plan.tasks[0])].view(-1)[0] += 1  # the bytes changed after the seal

@@ -237,7 +237,8 @@ class CrashSafe:
             for ev in job.cuda_eager:
                 ev.synchronize()
             assert self._ring is not None and job.pool is not None
-            self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views))
+            self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views,
+                                        groups=job.groups))
             job.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             log.warning("dstt: step %d not sealed in the staging ring (%s): it is lost if the trainer dies "
@@ -250,6 +251,7 @@ class CrashSafe:
         if job.sealed and self._ring is not None and self._helper is None:
             self._ring.unseal(job.plan.step)
         if job.hold and job.pool is not None:
-            job.pool.release_many([view for _, view in job.views])
+            job.pool.release_many([block for _, block in job.groups] + [view for _, view in job.views])
         job.views = []
+        job.groups = []
 

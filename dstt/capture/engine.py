@@ -530,7 +530,6 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
             except BaseException as e:
                 job.error = job.error or e
             finally:
-                self._expand_groups(job)  # (views of the groups, eager and lazy: before the seal reads them)
                 with self._cond:
                     if job in self._copying:
                         self._copying.remove(job)

@@ -46,8 +46,9 @@ class Job:
     # Ring (crash survival): blocks handed to flush threads, and whether they
     # are held until the step is committed (then it is sealed in the ring).
     views: list[tuple[ChunkTask, torch.Tensor]] = field(default_factory=list)
-    # Groups of small tasks staged in one block each whose views are not in
-    # ``views`` yet: (stager.StagedGroup, the block); Stager._expand_groups.
+    # With the capture helper and no memory tier: groups of small tasks
+    # staged in one block each, (stager.StagedGroup, the block), whose tasks
+    # have no view in ``views`` (Stager._keep_groups); sealed and released whole.
     groups: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     pool: HostPool | None = None
     hold: bool = False

@@ -12,9 +12,9 @@ the branch id and its creation time, so a ring is never applied to another
 store or to a branch recreated under the same name.
 
 A step is *sealed* once every copy of it has landed in the pool: its record
-(step, the plan's layouts and value tree, and per chunk its place in the
-pool file and the CRC-32C of the bytes there) is written with an atomic
-rename. The pool blocks of a sealed step are not reused until the step is
+(step, the plan's layouts and value tree, each chunk's place in the pool
+file and CRC-32Cs covering every chunk's bytes there: seals.py) is written
+with an atomic rename. The pool blocks of a sealed step are not reused until the step is
 committed; then the record is removed. So if the trainer dies, each record
 left names bytes that are still in the pool file, and the next Capture on
 that store and branch (which holds the branch lock, so no other writer
@@ -38,22 +38,21 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
-import numpy as np
 import torch
 
+from dstt.capture.seals import SEAL_FORMAT as SEAL_FORMAT  # the ring's records (seals.py), used as ring.X too
+from dstt.capture.seals import CorruptRing as CorruptRing
+from dstt.capture.seals import StaleSeal as StaleSeal
+from dstt.capture.seals import encode_record as encode_record
+from dstt.capture.seals import plan_of as plan_of
+from dstt.capture.seals import read_record as read_record
+from dstt.capture.seals import seal_record as seal_record
 from dstt.errors import CaptureError
-from dstt.store.codec import CodecSpec, crc32c
-from dstt.store.dtypes import info_for_name
 from dstt.store.localio import pid_alive
-from dstt.store.packs import default_pack_chunk_bytes
-from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
-from dstt.store.shards import Region
 
 log = logging.getLogger("dstt.capture")
 
 SHM_ROOT = Path("/dev/shm")
-SEAL_FORMAT = "dstt-ring-seal"
 #: A seal record is a few KB per hundred tensors; anything bigger is not ours.
 SEAL_MAX_BYTES = 256 << 20
 
@@ -113,6 +112,7 @@ class Ring:
         _private_dir(self.group)
         self.dir = self.group / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         _private_dir(self.dir)
+        self._dir_text = os.fspath(self.dir)
         # ``run`` (a distributed Capture's id, ranks.py) is not identity: a
         # ring of an earlier run of the same store and branch is recovered.
         owner = {**self.identity, "pid": os.getpid(), **({"run": run} if run else {})}
@@ -143,7 +143,8 @@ class Ring:
             os.unlink(self.dir / name)
 
     def seal(self, record: dict[str, Any]) -> None:
-        _write_atomic(self.dir / f"seal-{record['step']:020d}.json", encode_record(record))
+        path = f"{self._dir_text}/seal-{record['step']:020d}.json"  # (no pathlib: a seal per step of a fast loop)
+        _write_atomic(path, encode_record(record))
 
     def unseal(self, step: int) -> None:
         unseal_file(self.dir, step)
@@ -212,339 +213,14 @@ class _suppress:
         return exc[0] is not None and issubclass(exc[0], OSError)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def _write_atomic(path: Path | str, data: bytes) -> None:
+    tmp = f"{os.fspath(path)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, data)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- records
-
-
-def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list[tuple[ChunkTask, torch.Tensor]],
-                crc: bool = True) -> dict[str, Any]:
-    """The record of a step whose chunks are all in ``pool`` (``staged``:
-    each task with its pool view). ``crc=False``: no CRC per chunk (a pass
-    over the step) -- for a writer that removes a step's seal before its
-    memory is reused (the flight recorder's slots), so a seal never
-    outlives its bytes; recovery then commits the chunks as they are.
-
-    Format 2 (what :func:`encode_record` writes and :func:`read_record`
-    reads): what changes from step to step -- each chunk's place in the pool
-    and CRC, in the order of ``static["tasks"]`` -- apart from what stays
-    the same while the state's layout does (the layouts, the meta arrays and
-    each task's chunk; ``static``, one object reused step after step) and
-    the value tree. A fast loop seals a step every few milliseconds: the
-    unchanged parts are encoded once by the trainer and decoded once by the
-    capture helper (issue 16)."""
-    static = _static_of(plan)
-    base = pool.data_ptr()
-    whole = pool.numpy()  # (one array of the pool: a slice of it per chunk, no tensor per chunk)
-    views = {id(t): v for t, v in staged}
-    if len(views) != len(plan.tasks):
-        raise CaptureError(f"step {plan.step}: {len(views)} chunks staged for {len(plan.tasks)} planned")
-    starts, sizes, crcs = [], [], []
-    extend = google_crc32c.extend
-    for t in plan.tasks:
-        v = views[id(t)]
-        start, nbytes = v.data_ptr() - base, v.nbytes
-        starts.append(start)
-        sizes.append(nbytes)
-        if crc:
-            crcs.append(extend(0, whole[start:start + nbytes]))
-    return {"format": SEAL_FORMAT, "version": 2, "step": plan.step, "seq": plan.seq, "pool": pool_name,
-            "tree": plan.tree, "layouts": static["layouts"], "meta": static["meta"],
-            "tasks": {"static": static["tasks"], "start": starts, "nbytes": sizes, "crc": crcs if crc else None},
-            "_static": static}
-
-
-#: The static part of the last sealed plans (see seal_record), keyed by the
-#: identity of their layouts (a layout is never changed once built, and
-#: the key's layouts are kept alive here, so their ids are not reused).
-_STATIC: dict[tuple[int, ...], tuple[list[TensorLayout], list[tuple[TensorLayout, int]], dict[str, Any]]] = {}
-_STATIC_MAX = 8
-#: (tasks, layouts, meta_arrays, static) of the last plan sealed: its lists
-#: are kept alive, so a later plan holding the very same lists is that plan's layout.
-_LAST_STATIC: tuple[list[ChunkTask], list[TensorLayout], list[TensorLayout], dict[str, Any]] | None = None
-
-
-def _static_of(plan: StepPlan) -> dict[str, Any]:
-    """The unchanging part of ``plan``'s seal record: the same object for
-    plans with the same layouts and tasks (a capture's steps, as long as its
-    state keeps its layout)."""
-    global _LAST_STATIC
-    last = _LAST_STATIC
-    if last is not None and last[0] is plan.tasks and last[1] is plan.layouts and last[2] is plan.meta_arrays:
-        return last[3]  # a plan reused whole (plan._StepMemo): the same lists, never changed
-    key = tuple(map(id, plan.layouts)) + (-1,) + tuple(map(id, plan.meta_arrays))
-    got = _STATIC.get(key)
-    if got is not None and len(got[1]) == len(plan.tasks) and all(
-            t.layout is l and t.index == i for t, (l, i) in zip(plan.tasks, got[1])):
-        _LAST_STATIC = (plan.tasks, plan.layouts, plan.meta_arrays, got[2])
-        return got[2]
-    index = {id(l): i for i, l in enumerate(plan.layouts)}
-    static = {
-        "layouts": [_layout_doc(l) for l in plan.layouts],
-        "meta": [index[id(l)] for l in plan.meta_arrays],
-        "tasks": [[index[id(t.layout)], t.index, list(t.coords), list(t.offset), list(t.shape),
-                   _dtype_name(t.source.dtype)] for t in plan.tasks],
-    }
-    if len(_STATIC) >= _STATIC_MAX:
-        _STATIC.clear()
-    _STATIC[key] = (list(plan.layouts) + list(plan.meta_arrays), [(t.layout, t.index) for t in plan.tasks], static)
-    _LAST_STATIC = (plan.tasks, plan.layouts, plan.meta_arrays, static)
-    return static
-
-
-#: Layout documents and layouts rebuilt from them, memoized: a capture
-#: seals the same layouts step after step (tens of thousands of tensors:
-#: issue 16). Keyed by the layout object (kept alive with its document, so
-#: its id is not reused) and by the document's content; cleared when full.
-_DOCS: dict[int, tuple[TensorLayout, dict[str, Any]]] = {}
-_LAYOUTS: dict[Any, TensorLayout] = {}
-_MEMO_MAX = 1 << 17
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
-class _TextCache:
-    """The JSON text of the last few objects encoded (by identity, kept
-    alive: equality would not do, ``1 == 1.0 == True`` encode differently)
-    and the objects the last few texts decoded to: what repeats from one
-    seal record to the next is encoded and decoded once."""
-
-    def __init__(self) -> None:
-        self.texts: list[tuple[Any, str]] = []  # (object, its JSON), newest last
-        self.parsed: list[tuple[bytes, Any]] = []  # (JSON bytes, the object), newest last
-
-    def encode(self, obj: Any) -> str:
-        for o, text in self.texts:
-            if o is obj:
-                return text
-        text = json.dumps(obj, allow_nan=False)
-        self.texts = [*self.texts[-3:], (obj, text)]
-        return text
-
-    def decode(self, data: bytes) -> Any:
-        for raw, obj in self.parsed:
-            if raw == data:
-                return obj
-        obj = json.loads(data)
-        self.parsed = [*self.parsed[-3:], (bytes(data), obj)]
-        return obj
-
-
-_TREES = _TextCache()
-_STATICS = _TextCache()
-_SEP_TREE = b', "tree": '
-_SEP_STATIC = b', "static": '
-
-
-def encode_record(record: dict[str, Any]) -> bytes:
-    """``record`` (from :func:`seal_record`) as one JSON document: first what
-    changes every step, then the tree and the static part, whose texts are
-    reused from earlier records while they are unchanged. :func:`read_record`
-    reads it back (any JSON parser reads it too)."""
-    if record.get("version") != 2:  # (a record of the first format: written as it is)
-        return json.dumps({k: v for k, v in record.items() if not k.startswith("_")}, allow_nan=False).encode()
-    static = record.get("_static")
-    if static is None:
-        static = {"layouts": record["layouts"], "meta": record["meta"], "tasks": record["tasks"]["static"]}
-    tasks = record["tasks"]
-    tree_text = _TREES.encode(record["tree"])
-    static_text = _STATICS.encode(static)
-    head = {"format": SEAL_FORMAT, "version": 2, "step": record["step"], "seq": record["seq"],
-            "pool": record["pool"], "start": tasks["start"], "nbytes": tasks["nbytes"], "crc": tasks["crc"],
-            "tree_bytes": len(tree_text.encode()), "static_bytes": len(static_text.encode())}
-    return b"".join([json.dumps(head, allow_nan=False)[:-1].encode(), _SEP_TREE, tree_text.encode(),
-                     _SEP_STATIC, static_text.encode(), b"}"])
-
-
-def read_record(data: bytes) -> dict[str, Any]:
-    """A seal record (any format) from its bytes, as :func:`seal_record`
-    made it: ``step``, ``seq``, ``pool``, ``tree``, ``layouts``, ``meta``
-    and ``tasks`` (a list of dicts in the first format). Parts unchanged
-    since the last records read are not decoded again (read-only objects,
-    shared). ValueError (or CorruptRing) if it is not one."""
-    fast = _read_v2(data)
-    if fast is not None:
-        return fast
-    doc = json.loads(data)
-    if not isinstance(doc, dict) or doc.get("format") != SEAL_FORMAT:
-        raise CorruptRing("not a seal record")
-    if doc.get("version") == 2:
-        static = doc["static"]
-        if not isinstance(static, dict):
-            raise CorruptRing("bad static part")
-        doc = {**doc, "layouts": static["layouts"], "meta": static["meta"],
-               "tasks": {"static": static["tasks"], "start": doc["start"], "nbytes": doc["nbytes"],
-                         "crc": doc["crc"]}}
-    return doc
-
-
-def _read_v2(data: bytes) -> dict[str, Any] | None:
-    """The fast path of :func:`read_record` for a record encode_record wrote;
-    None for anything else (read the slow way)."""
-    i = data.find(_SEP_TREE)
-    if i < 0:
-        return None
-    try:
-        head = json.loads(data[:i] + b"}")
-    except ValueError:
-        return None
-    if not isinstance(head, dict) or head.get("format") != SEAL_FORMAT or head.get("version") != 2:
-        return None
-    nt, ns = head.get("tree_bytes"), head.get("static_bytes")
-    if not isinstance(nt, int) or not isinstance(ns, int) or nt < 0 or ns < 0:
-        return None
-    a = i + len(_SEP_TREE)
-    b = a + nt
-    c = b + len(_SEP_STATIC)
-    if data[b:c] != _SEP_STATIC or c + ns + 1 != len(data) or data[-1:] != b"}":
-        return None
-    tree = _TREES.decode(data[a:b])
-    static = _STATICS.decode(data[c:c + ns])
-    if not isinstance(static, dict):
-        raise CorruptRing("bad static part")
-    head["tree"] = tree
-    head["layouts"], head["meta"] = static["layouts"], static["meta"]
-    head["tasks"] = {"static": static["tasks"], "start": head.pop("start"), "nbytes": head.pop("nbytes"),
-                     "crc": head.pop("crc")}
-    return head
-
-
-def _layout_doc(l: TensorLayout) -> dict[str, Any]:
-    got = _DOCS.get(id(l))
-    if got is not None and got[0] is l:
-        return got[1]
-    doc = _make_layout_doc(l)
-    if len(_DOCS) >= _MEMO_MAX:
-        _DOCS.clear()
-    _DOCS[id(l)] = (l, doc)
-    return doc
-
-
-def _make_layout_doc(l: TensorLayout) -> dict[str, Any]:
-    return {"name": l.name, "kind": l.kind, "dtype": l.dtype.logical, "shape": list(l.shape),
-            "chunk_shape": list(l.chunk_shape), "compression": l.codec.compression, "level": l.codec.level,
-            "regions": [[list(r.offset), list(r.shape), list(r.holders)] for r in l.regions],
-            "pack_chunk_bytes": l.pack_chunk_bytes}
-
-
-def _layout_of(d: dict[str, Any]) -> TensorLayout:
-    """The layout a document describes; the same object for the same
-    content (a layout is never changed once built)."""
-    packing = d.get("pack_chunk_bytes")
-    key = (d["name"], d["kind"], d["dtype"], tuple(d["shape"]), tuple(d["chunk_shape"]), d["compression"],
-           d["level"], packing if isinstance(packing, int) else ("env", default_pack_chunk_bytes()),
-           tuple((tuple(o), tuple(s), tuple(h)) for o, s, h in d["regions"]))
-    layout = _LAYOUTS.get(key)
-    if layout is None:
-        layout = _make_layout(d)
-        if len(_LAYOUTS) >= _MEMO_MAX:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = layout
-    return layout
-
-
-def _make_layout(d: dict[str, Any]) -> TensorLayout:
-    packing = d.get("pack_chunk_bytes")  # packed as the trainer planned it (packs.py)
-    extra: dict[str, Any] = {"pack_chunk_bytes": packing} if isinstance(packing, int) else {}
-    return TensorLayout(d["name"], d["kind"], info_for_name(d["dtype"]), tuple(d["shape"]),
-                        tuple(d["chunk_shape"]), CodecSpec(d["compression"], d["level"]),
-                        [Region(tuple(o), tuple(s), list(h)) for o, s, h in d["regions"]], **extra)
-
-
-#: Layouts and task templates of the last static parts replayed (plan_of),
-#: by the identity of the static part's task list (kept alive here).
-_REPLAYED: list[tuple[list[Any], list[TensorLayout], list[tuple[TensorLayout, int, tuple[int, ...], tuple[int, ...],
-                                                               tuple[int, ...], torch.dtype]]]] = []
-
-
-def _templates(layout_docs: list[dict[str, Any]], static_tasks: list[Any]
-               ) -> tuple[list[TensorLayout], list[tuple[TensorLayout, int, tuple[int, ...], tuple[int, ...],
-                                                         tuple[int, ...], torch.dtype]]]:
-    global _REPLAYED
-    for tasks, layouts, templates in _REPLAYED:
-        if tasks is static_tasks:
-            return layouts, templates
-    layouts = [_layout_of(d) for d in layout_docs]
-    templates = []
-    for li, index, coords, offset, shape, dtype_name in static_tasks:
-        dtype = getattr(torch, dtype_name)
-        if not isinstance(dtype, torch.dtype):
-            raise CorruptRing(f"unknown dtype {dtype_name!r}")
-        templates.append((layouts[li], int(index), tuple(coords), tuple(offset), tuple(shape), dtype))
-    _REPLAYED = [*_REPLAYED[-3:], (static_tasks, layouts, templates)]
-    return layouts, templates
-
-
-def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True) -> StepPlan:
-    """Rebuild a sealed step's plan, its tasks' sources viewing ``pool``;
-    with ``verify``, CorruptRing if a chunk's bytes no longer match their CRC
-    (a ring left by a dead trainer; the live trainer's helper trusts it)."""
-    tasks_doc = record["tasks"]
-    if isinstance(tasks_doc, list):  # the first format: one dict per task
-        return _plan_of_v1(record, pool, verify)
-    layouts, templates = _templates(record["layouts"], tasks_doc["static"])
-    starts, sizes, crcs = tasks_doc["start"], tasks_doc["nbytes"], tasks_doc["crc"]
-    if not len(starts) == len(sizes) == len(templates) or (crcs is not None and len(crcs) != len(starts)):
-        raise CorruptRing("chunk table lengths differ")
-    size = pool.numel()
-    tasks = []
-    narrow = pool.narrow
-    for j, (layout, index, coords, offset, shape, dtype) in enumerate(templates):
-        start, nbytes = starts[j], sizes[j]
-        if not (isinstance(start, int) and isinstance(nbytes, int) and 0 <= start <= start + nbytes <= size):
-            raise CorruptRing(f"chunk at {start}+{nbytes} outside the pool")
-        block = narrow(0, start, nbytes)
-        if verify and crcs is not None and crc32c(np.frombuffer(block.numpy(), np.uint8)) != crcs[j]:
-            raise StaleSeal(f"step {record['step']}: a chunk of {layout.name} does not match its CRC")
-        source = block.view(dtype)
-        if len(shape) != 1:
-            source = source.view(shape)
-        tasks.append(ChunkTask(layout, index, coords, offset, shape, source))
-    return StepPlan(int(record["step"]), record["tree"], layouts, tasks, [layouts[i] for i in record["meta"]])
-
-
-def _plan_of_v1(record: dict[str, Any], pool: torch.Tensor, verify: bool) -> StepPlan:
-    layouts = [_layout_of(d) for d in record["layouts"]]
-    tasks = []
-    for d in record["tasks"]:
-        start, nbytes = int(d["start"]), int(d["nbytes"])
-        if not 0 <= start <= start + nbytes <= pool.numel():
-            raise CorruptRing(f"chunk at {start}+{nbytes} outside the pool")
-        block = pool[start:start + nbytes]
-        if verify and d["crc"] is not None and crc32c(np.frombuffer(block.numpy(), np.uint8)) != d["crc"]:
-            raise StaleSeal(f"step {record['step']}: a chunk of {layouts[d['layout']].name} does not match its CRC")
-        dtype = getattr(torch, d["dtype"])
-        if not isinstance(dtype, torch.dtype):
-            raise CorruptRing(f"unknown dtype {d['dtype']!r}")
-        source = block.view(dtype).view(tuple(d["shape"]))
-        tasks.append(ChunkTask(layouts[d["layout"]], int(d["index"]), tuple(d["coords"]), tuple(d["offset"]),
-                               tuple(d["shape"]), source))
-    return StepPlan(int(record["step"]), record["tree"], layouts, tasks, [layouts[i] for i in record["meta"]])
-
-
-class CorruptRing(Exception):
-    """A ring left behind does not check out: it is discarded, never committed."""
-
-
-class StaleSeal(CorruptRing):
-    """One sealed step's bytes changed since it was sealed (its blocks were
-    reused after its commit failed): that step is skipped, never committed."""
 
 
 # ----------------------------------------------------------------------------- recovery

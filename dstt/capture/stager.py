@@ -87,15 +87,6 @@ class Stager:
         return sizes, cuda, held_bytes
 
     def _stage(self, job: Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
-        """:meth:`_stage_tasks`; on failure the groups it staged get their
-        views (``job.views``) at once, so the step's blocks go back with it."""
-        try:
-            self._stage_tasks(job, tasks, lazy=lazy)
-        except BaseException:
-            self._expand_groups(job)
-            raise
-
-    def _stage_tasks(self, job: Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
         """Copy ``tasks`` into pool blocks and hand each block to a flush thread.
 
         Eager tasks (buffers, RNG, extras: no fence protects them) are staged
@@ -108,7 +99,9 @@ class Stager:
 
         A block is this function's until a flush thread owns it: on any
         failure it is released (after the copy stream is done with it), so
-        a failed step never shrinks the pool.
+        a failed step never shrinks the pool. (The blocks of a held step --
+        ``job.views`` and ``job.groups`` -- go back when it is settled,
+        committed or failed: CrashSafe._settle.)
         """
         pool = job.pool or self.pool
         assert pool is not None
@@ -164,10 +157,11 @@ class Stager:
 
         The grouping of a task list is kept for the next step that brings
         the same list (plan.py reuses a step's plan when its tensors are laid
-        out as before). With the capture helper, the per-task views into a
-        group (``job.views``: what the seal record, the flush and the memory
-        tier read) are made by the stager thread (:meth:`_expand_groups`),
-        not in ``snapshot()``."""
+        out as before). With the capture helper and no memory tier, no
+        per-task view into a group is ever made (``job.groups``: the seal
+        record takes each group's tasks as back to back from its block's
+        start, and the step's settling releases whole blocks); otherwise the
+        views go to ``job.views`` (what the flush and the memory tier read)."""
         cached: tuple[list[ChunkTask], list[StagedGroup], list[ChunkTask]] | None = getattr(
             self, "_grouping", None)
         if cached is not None and cached[0] is tasks:
@@ -175,7 +169,7 @@ class Stager:
         else:
             groups, rest = group_tasks(tasks)
             self._grouping = (tasks, groups, list(rest))
-        later = self._views_later()
+        keep = self._keep_groups()
         for g in groups:
             block = pool.try_allocate(g.nbytes)
             if block is None:
@@ -186,7 +180,7 @@ class Stager:
             except BaseException:
                 pool.release(block)
                 raise
-            if later:
+            if keep:
                 job.groups.append((g, dst))
                 continue
             dsts = g.views(dst)
@@ -195,29 +189,14 @@ class Stager:
                 job.futures.append(self._flush.submit(self._flush_many, pool, job, g.tasks, dsts))
         return rest
 
-    def _views_later(self) -> bool:
-        """Whether the per-task views of a staged group are made by the
-        stager thread (:meth:`_expand_groups`) rather than where the group
-        was copied: with the capture helper and no memory tier."""
+    def _keep_groups(self) -> bool:
+        """Whether a staged group stays whole (``job.groups``), its tasks
+        never given views of their own: with the capture helper and no
+        memory tier, where only the seal record (ring.seal_record reads
+        groups) and the release of the step's blocks need them (issue 16:
+        88 views per step of a small loop were ~0.2 ms of the stager's
+        Python, which the trainer's own Python waits for)."""
         return self._helper is not None and not self._tier
-
-    def _expand_groups(self, job: Job) -> None:
-        """Give each task of the groups :meth:`_stage_grouped` staged for
-        ``job`` its view in ``job.views`` (the stager thread, before the
-        step is sealed; or at once when staging failed). Never raises: a
-        group whose views cannot be made has its block returned (the step
-        has failed or fails then)."""
-        groups, job.groups = job.groups, []
-        for i, (g, dst) in enumerate(groups):
-            try:
-                job.views.extend(zip(g.tasks, g.views(dst)))
-            except BaseException as e:
-                job.error = job.error or e
-                pool = job.pool or self.pool
-                if pool is not None:
-                    for _, left in groups[i:]:
-                        pool.release(left)
-                return
 
     def _copy_lazy_cpu(self, job: Job) -> None:
         """Copy the lazy CPU tasks of ``job`` no one has claimed yet (the
@@ -298,8 +277,8 @@ class Stager:
         """Copy lazy tasks ``i..j-1`` (small, CPU, one dtype; ``group``: them
         as a StagedGroup, None: made here) into one pool block with one copy
         call; False (nothing done) if the pool has no room for them at once
-        now. With the capture helper their views are made by the stager
-        (_expand_groups), not here (this may be the trainer's optimizer hook)."""
+        now. With the capture helper (and no memory tier) no view per task
+        is made (:meth:`_keep_groups`)."""
         if group is None:
             group = StagedGroup(job.lazy[i:j])
         block = pool.try_allocate(group.nbytes)
@@ -315,7 +294,7 @@ class Stager:
                 violation = job.guard.copied_range(i, j)
                 if violation is not None:
                     raise GuardTripped(CaptureError(f"step {job.plan.step} not captured: {violation}"))
-            dsts = None if self._views_later() else group.views(dst)
+            dsts = None if self._keep_groups() else group.views(dst)
             with job.claim:
                 if dsts is None:
                     job.groups.append((group, dst))

@@ -1,0 +1,446 @@
+"""Seal records of the staging ring (ring.py): what a sealed step's record
+holds, how it is encoded by the trainer and read back -- by the capture
+helper at every step, by recovery after a crash.
+
+A record names the step, its plan (layouts, value tree, meta arrays, each
+task's chunk) and where each chunk's bytes are in the pool file. Three
+formats are read; the third is written:
+
+1. one JSON object per task (``tasks``: a list of dicts with start, nbytes
+   and CRC-32C of its bytes);
+2. what stays the same while the state keeps its layout (``static``: the
+   layouts, meta arrays and each task's chunk) apart from what changes each
+   step (per task: start, nbytes, CRC), each part's JSON encoded and decoded
+   once while unchanged;
+3. as 2, but the pool bytes are described by *extents*: runs of tasks
+   staged back to back (a group copied into one pool block, or one task),
+   each with its start, the CRC-32C of its bytes and the positions of its
+   tasks in the plan (each task's bytes follow the previous one's, its size
+   from its static shape and dtype). The trainer seals a grouped step with
+   one CRC per group block instead of one per task and without a view per
+   task (issue 16: a 12 ms loop of 88 tensors spent ~0.4 ms of the
+   trainer's background Python per step sealing). Every byte of every task
+   is covered by exactly one CRC'd extent, so a step whose bytes changed
+   after its seal is detected as before (:class:`StaleSeal`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import torch
+
+from dstt.errors import CaptureError
+from dstt.store.codec import CodecSpec, crc32c
+from dstt.store.dtypes import info_for_name
+from dstt.store.packs import default_pack_chunk_bytes
+from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
+from dstt.store.shards import Region
+
+SEAL_FORMAT = "dstt-ring-seal"
+#: The format :func:`seal_record` writes (see the module docstring).
+SEAL_VERSION = 3
+
+
+class CorruptRing(Exception):
+    """A ring left behind does not check out: it is discarded, never committed."""
+
+
+class StaleSeal(CorruptRing):
+    """One sealed step's bytes changed since it was sealed (its blocks were
+    reused after its commit failed): that step is skipped, never committed."""
+
+
+def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list[tuple[ChunkTask, torch.Tensor]],
+                crc: bool = True, groups: list[tuple[Any, torch.Tensor]] | tuple[()] = ()) -> dict[str, Any]:
+    """The record of a step whose chunks are all in ``pool``: ``staged``,
+    tasks each with its own pool view, and ``groups``, ``(group, block)``
+    pairs whose ``group.tasks`` lie back to back from the block's start
+    (stager.StagedGroup: no view per task). ``crc=False``: no CRC (a pass
+    over the step) -- for a writer that removes a step's seal before its
+    memory is reused (the flight recorder's slots), so a seal never
+    outlives its bytes; recovery then commits the chunks as they are.
+
+    Format 3 (see the module docstring); :func:`encode_record` writes it
+    and :func:`read_record` reads it. ``static``, the part unchanged while
+    the state keeps its layout, is one object reused step after step."""
+    static = _static_of(plan)
+    where = _positions(plan.tasks)
+    base = pool.data_ptr()
+    whole = pool.numpy()  # (one array of the pool: a slice of it per extent, no tensor per chunk)
+    extend = google_crc32c.extend
+    extents: list[list[Any]] = []
+    try:
+        for g, block in groups:
+            start = block.data_ptr() - base
+            extents.append([start, extend(0, whole[start:start + g.nbytes]) if crc else None,
+                            [where[id(t)] for t in g.tasks]])
+        for t, v in staged:
+            start = v.data_ptr() - base
+            extents.append([start, extend(0, whole[start:start + v.nbytes]) if crc else None, [where[id(t)]]])
+    except KeyError:
+        raise CaptureError(f"step {plan.step}: a staged chunk is not in its plan") from None
+    n = len(plan.tasks)
+    covered = set().union(*(e[2] for e in extents))
+    if len(covered) != n or sum(len(e[2]) for e in extents) != n:
+        raise CaptureError(f"step {plan.step}: {len(covered)} chunks staged for {n} planned")
+    return {"format": SEAL_FORMAT, "version": SEAL_VERSION, "step": plan.step, "seq": plan.seq, "pool": pool_name,
+            "tree": plan.tree, "layouts": static["layouts"], "meta": static["meta"],
+            "tasks": {"static": static["tasks"], "extents": extents}, "_static": static}
+
+
+#: (task list, {id(task): its position}) of the last plan sealed (the list
+#: kept alive: a later plan holding the very same list is laid out alike).
+_POSITIONS: tuple[list[ChunkTask], dict[int, int]] | None = None
+
+
+def _positions(tasks: list[ChunkTask]) -> dict[int, int]:
+    global _POSITIONS
+    last = _POSITIONS
+    if last is not None and last[0] is tasks:
+        return last[1]
+    where = {id(t): i for i, t in enumerate(tasks)}
+    _POSITIONS = (tasks, where)
+    return where
+
+
+#: The static part of the last sealed plans (see seal_record), keyed by the
+#: identity of their layouts (a layout is never changed once built, and
+#: the key's layouts are kept alive here, so their ids are not reused).
+_STATIC: dict[tuple[int, ...], tuple[list[TensorLayout], list[tuple[TensorLayout, int]], dict[str, Any]]] = {}
+_STATIC_MAX = 8
+#: (tasks, layouts, meta_arrays, static) of the last plan sealed: its lists
+#: are kept alive, so a later plan holding the very same lists is that plan's layout.
+_LAST_STATIC: tuple[list[ChunkTask], list[TensorLayout], list[TensorLayout], dict[str, Any]] | None = None
+
+
+def _static_of(plan: StepPlan) -> dict[str, Any]:
+    """The unchanging part of ``plan``'s seal record: the same object for
+    plans with the same layouts and tasks (a capture's steps, as long as its
+    state keeps its layout)."""
+    global _LAST_STATIC
+    last = _LAST_STATIC
+    if last is not None and last[0] is plan.tasks and last[1] is plan.layouts and last[2] is plan.meta_arrays:
+        return last[3]  # a plan reused whole (plan._StepMemo): the same lists, never changed
+    key = tuple(map(id, plan.layouts)) + (-1,) + tuple(map(id, plan.meta_arrays))
+    got = _STATIC.get(key)
+    if got is not None and len(got[1]) == len(plan.tasks) and all(
+            t.layout is l and t.index == i for t, (l, i) in zip(plan.tasks, got[1])):
+        _LAST_STATIC = (plan.tasks, plan.layouts, plan.meta_arrays, got[2])
+        return got[2]
+    index = {id(l): i for i, l in enumerate(plan.layouts)}
+    static = {
+        "layouts": [_layout_doc(l) for l in plan.layouts],
+        "meta": [index[id(l)] for l in plan.meta_arrays],
+        "tasks": [[index[id(t.layout)], t.index, list(t.coords), list(t.offset), list(t.shape),
+                   _dtype_name(t.source.dtype)] for t in plan.tasks],
+    }
+    if len(_STATIC) >= _STATIC_MAX:
+        _STATIC.clear()
+    _STATIC[key] = (list(plan.layouts) + list(plan.meta_arrays), [(t.layout, t.index) for t in plan.tasks], static)
+    _LAST_STATIC = (plan.tasks, plan.layouts, plan.meta_arrays, static)
+    return static
+
+
+#: Layout documents and layouts rebuilt from them, memoized: a capture
+#: seals the same layouts step after step (tens of thousands of tensors:
+#: issue 16). Keyed by the layout object (kept alive with its document, so
+#: its id is not reused) and by the document's content; cleared when full.
+_DOCS: dict[int, tuple[TensorLayout, dict[str, Any]]] = {}
+_LAYOUTS: dict[Any, TensorLayout] = {}
+_MEMO_MAX = 1 << 17
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+class _TextCache:
+    """The JSON text of the last few objects encoded (by identity, kept
+    alive: equality would not do, ``1 == 1.0 == True`` encode differently)
+    and the objects the last few texts decoded to: what repeats from one
+    seal record to the next is encoded and decoded once."""
+
+    def __init__(self) -> None:
+        self.texts: list[tuple[Any, bytes]] = []  # (object, its JSON), newest last
+        self.parsed: list[tuple[bytes, Any]] = []  # (JSON bytes, the object), newest last
+
+    def encode(self, obj: Any) -> bytes:
+        for o, text in self.texts:
+            if o is obj:
+                return text
+        text = json.dumps(obj, allow_nan=False).encode()
+        self.texts = [*self.texts[-3:], (obj, text)]
+        return text
+
+    def decode(self, data: bytes) -> Any:
+        for raw, obj in self.parsed:
+            if raw == data:
+                return obj
+        obj = json.loads(data)
+        self.parsed = [*self.parsed[-3:], (bytes(data), obj)]
+        return obj
+
+
+_TREES = _TextCache()
+_STATICS = _TextCache()
+_SEP_TREE = b', "tree": '
+_SEP_STATIC = b', "static": '
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    """``record`` (from :func:`seal_record`) as one JSON document: first what
+    changes every step, then the tree and the static part, whose texts are
+    reused from earlier records while they are unchanged. :func:`read_record`
+    reads it back (any JSON parser reads it too)."""
+    version = record.get("version")
+    if version not in (2, 3):  # (a record of the first format: written as it is)
+        return json.dumps({k: v for k, v in record.items() if not k.startswith("_")}, allow_nan=False).encode()
+    static = record.get("_static")
+    if static is None:
+        static = {"layouts": record["layouts"], "meta": record["meta"], "tasks": record["tasks"]["static"]}
+    tasks = record["tasks"]
+    tree_text = _TREES.encode(record["tree"])
+    static_text = _STATICS.encode(static)
+    head: dict[str, Any] = {"format": SEAL_FORMAT, "version": version, "step": record["step"],
+                            "seq": record["seq"], "pool": record["pool"]}
+    if version == 3:
+        head["extents"] = tasks["extents"]
+    else:
+        head["start"], head["nbytes"], head["crc"] = tasks["start"], tasks["nbytes"], tasks["crc"]
+    head["tree_bytes"], head["static_bytes"] = len(tree_text), len(static_text)
+    return b"".join([json.dumps(head, allow_nan=False)[:-1].encode(), _SEP_TREE, tree_text,
+                     _SEP_STATIC, static_text, b"}"])
+
+
+#: The per-step fields of a record's head, by format: moved under ``tasks``.
+_STEP_FIELDS = {2: ("start", "nbytes", "crc"), 3: ("extents",)}
+
+
+def read_record(data: bytes) -> dict[str, Any]:
+    """A seal record (any format) from its bytes, as :func:`seal_record`
+    made it: ``step``, ``seq``, ``pool``, ``tree``, ``layouts``, ``meta``
+    and ``tasks`` (a list of dicts in the first format). Parts unchanged
+    since the last records read are not decoded again (read-only objects,
+    shared). ValueError (or CorruptRing) if it is not one."""
+    fast = _read_fast(data)
+    if fast is not None:
+        return fast
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or doc.get("format") != SEAL_FORMAT:
+        raise CorruptRing("not a seal record")
+    fields = _STEP_FIELDS.get(doc.get("version"))  # type: ignore[arg-type]
+    if fields is not None:
+        static = doc["static"]
+        if not isinstance(static, dict):
+            raise CorruptRing("bad static part")
+        doc = {**doc, "layouts": static["layouts"], "meta": static["meta"],
+               "tasks": {"static": static["tasks"], **{k: doc[k] for k in fields}}}
+    return doc
+
+
+def _read_fast(data: bytes) -> dict[str, Any] | None:
+    """The fast path of :func:`read_record` for a record encode_record wrote
+    (format 2 or 3); None for anything else (read the slow way)."""
+    i = data.find(_SEP_TREE)
+    if i < 0:
+        return None
+    try:
+        head = json.loads(data[:i] + b"}")
+    except ValueError:
+        return None
+    if not isinstance(head, dict) or head.get("format") != SEAL_FORMAT:
+        return None
+    fields = _STEP_FIELDS.get(head.get("version"))  # type: ignore[arg-type]
+    if fields is None:
+        return None
+    nt, ns = head.get("tree_bytes"), head.get("static_bytes")
+    if not isinstance(nt, int) or not isinstance(ns, int) or nt < 0 or ns < 0:
+        return None
+    a = i + len(_SEP_TREE)
+    b = a + nt
+    c = b + len(_SEP_STATIC)
+    if data[b:c] != _SEP_STATIC or c + ns + 1 != len(data) or data[-1:] != b"}":
+        return None
+    tree = _TREES.decode(data[a:b])
+    static = _STATICS.decode(data[c:c + ns])
+    if not isinstance(static, dict):
+        raise CorruptRing("bad static part")
+    head["tree"] = tree
+    head["layouts"], head["meta"] = static["layouts"], static["meta"]
+    head["tasks"] = {"static": static["tasks"], **{k: head.pop(k, None) for k in fields}}
+    return head
+
+
+def _layout_doc(l: TensorLayout) -> dict[str, Any]:
+    got = _DOCS.get(id(l))
+    if got is not None and got[0] is l:
+        return got[1]
+    doc = _make_layout_doc(l)
+    if len(_DOCS) >= _MEMO_MAX:
+        _DOCS.clear()
+    _DOCS[id(l)] = (l, doc)
+    return doc
+
+
+def _make_layout_doc(l: TensorLayout) -> dict[str, Any]:
+    return {"name": l.name, "kind": l.kind, "dtype": l.dtype.logical, "shape": list(l.shape),
+            "chunk_shape": list(l.chunk_shape), "compression": l.codec.compression, "level": l.codec.level,
+            "regions": [[list(r.offset), list(r.shape), list(r.holders)] for r in l.regions],
+            "pack_chunk_bytes": l.pack_chunk_bytes}
+
+
+def _layout_of(d: dict[str, Any]) -> TensorLayout:
+    """The layout a document describes; the same object for the same
+    content (a layout is never changed once built)."""
+    packing = d.get("pack_chunk_bytes")
+    key = (d["name"], d["kind"], d["dtype"], tuple(d["shape"]), tuple(d["chunk_shape"]), d["compression"],
+           d["level"], packing if isinstance(packing, int) else ("env", default_pack_chunk_bytes()),
+           tuple((tuple(o), tuple(s), tuple(h)) for o, s, h in d["regions"]))
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _make_layout(d)
+        if len(_LAYOUTS) >= _MEMO_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return layout
+
+
+def _make_layout(d: dict[str, Any]) -> TensorLayout:
+    packing = d.get("pack_chunk_bytes")  # packed as the trainer planned it (packs.py)
+    extra: dict[str, Any] = {"pack_chunk_bytes": packing} if isinstance(packing, int) else {}
+    return TensorLayout(d["name"], d["kind"], info_for_name(d["dtype"]), tuple(d["shape"]),
+                        tuple(d["chunk_shape"]), CodecSpec(d["compression"], d["level"]),
+                        [Region(tuple(o), tuple(s), list(h)) for o, s, h in d["regions"]], **extra)
+
+
+#: A task template: (layout, index, coords, offset, shape, dtype, data bytes).
+_Template = tuple[TensorLayout, int, tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.dtype, int]
+#: Layouts and task templates of the last static parts replayed (plan_of),
+#: by the identity of the static part's task list (kept alive here).
+_REPLAYED: list[tuple[list[Any], list[TensorLayout], list[_Template]]] = []
+
+
+def _templates(layout_docs: list[dict[str, Any]], static_tasks: list[Any]
+               ) -> tuple[list[TensorLayout], list[_Template]]:
+    global _REPLAYED
+    for tasks, layouts, templates in _REPLAYED:
+        if tasks is static_tasks:
+            return layouts, templates
+    layouts = [_layout_of(d) for d in layout_docs]
+    templates = []
+    for li, index, coords, offset, shape, dtype_name in static_tasks:
+        dtype = getattr(torch, dtype_name)
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptRing(f"unknown dtype {dtype_name!r}")
+        shape = tuple(shape)
+        numel = 1
+        for n in shape:
+            if not isinstance(n, int) or n < 0:
+                raise CorruptRing(f"bad chunk shape {shape!r}")
+            numel *= n
+        templates.append((layouts[li], int(index), tuple(coords), tuple(offset), shape, dtype,
+                          numel * dtype.itemsize))
+    _REPLAYED = [*_REPLAYED[-3:], (static_tasks, layouts, templates)]
+    return layouts, templates
+
+
+def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True) -> StepPlan:
+    """Rebuild a sealed step's plan, its tasks' sources viewing ``pool``;
+    with ``verify``, StaleSeal if a chunk's bytes no longer match their CRC
+    (a ring left by a dead trainer; the live trainer's helper trusts it),
+    CorruptRing if the record does not describe the pool."""
+    tasks_doc = record["tasks"]
+    if isinstance(tasks_doc, list):  # the first format: one dict per task
+        return _plan_of_v1(record, pool, verify)
+    layouts, templates = _templates(record["layouts"], tasks_doc["static"])
+    if "extents" in tasks_doc:
+        starts = _starts_of_extents(record, templates, tasks_doc["extents"], pool, verify)
+    else:
+        starts = _starts_of_v2(record, templates, tasks_doc, pool, verify)
+    tasks = []
+    narrow = pool.narrow
+    for (layout, index, coords, offset, shape, dtype, nbytes), start in zip(templates, starts):
+        source = narrow(0, start, nbytes).view(dtype)
+        if len(shape) != 1:
+            source = source.view(shape)
+        tasks.append(ChunkTask(layout, index, coords, offset, shape, source))
+    return StepPlan(int(record["step"]), record["tree"], layouts, tasks, [layouts[i] for i in record["meta"]])
+
+
+def _starts_of_extents(record: dict[str, Any], templates: list[_Template], extents: Any, pool: torch.Tensor,
+                       verify: bool) -> list[int]:
+    """Each task's start in the pool from a third-format record's extents
+    (checking each extent's CRC with ``verify``): every task in exactly one
+    extent, every extent inside the pool."""
+    n, size = len(templates), pool.numel()
+    starts: list[int] = [-1] * n
+    if not isinstance(extents, list):
+        raise CorruptRing("bad extents")
+    for ext in extents:
+        if not (isinstance(ext, list) and len(ext) == 3 and isinstance(ext[0], int) and isinstance(ext[2], list)
+                and (ext[1] is None or isinstance(ext[1], int))):
+            raise CorruptRing("bad extent")
+        first, crc, positions = ext
+        at = first
+        for p in positions:
+            if not isinstance(p, int) or not 0 <= p < n or starts[p] != -1:
+                raise CorruptRing("an extent names a chunk twice or one the plan lacks")
+            starts[p] = at
+            at += templates[p][6]
+        if not 0 <= first <= at <= size:
+            raise CorruptRing(f"an extent at {first}+{at - first} is outside the pool")
+        if verify and crc is not None and crc32c(np.frombuffer(pool[first:at].numpy(), np.uint8)) != crc:
+            name = templates[positions[0]][0].name if positions else "?"
+            raise StaleSeal(f"step {record['step']}: the chunks from {name} on do not match their CRC")
+    if -1 in starts:
+        raise CorruptRing("a chunk of the plan is in no extent")
+    return starts
+
+
+def _starts_of_v2(record: dict[str, Any], templates: list[_Template], tasks_doc: dict[str, Any],
+                  pool: torch.Tensor, verify: bool) -> list[int]:
+    """Each task's start in the pool from a second-format record (checking
+    each chunk's CRC with ``verify``)."""
+    starts, sizes, crcs = tasks_doc["start"], tasks_doc["nbytes"], tasks_doc["crc"]
+    if not len(starts) == len(sizes) == len(templates) or (crcs is not None and len(crcs) != len(starts)):
+        raise CorruptRing("chunk table lengths differ")
+    size = pool.numel()
+    for j, template in enumerate(templates):
+        start, nbytes = starts[j], sizes[j]
+        if not (isinstance(start, int) and isinstance(nbytes, int) and 0 <= start <= start + nbytes <= size):
+            raise CorruptRing(f"chunk at {start}+{nbytes} outside the pool")
+        if nbytes != template[6]:
+            raise CorruptRing(f"chunk at {start}: {nbytes} bytes for a {template[6]}-byte chunk")
+        if verify and crcs is not None and crc32c(np.frombuffer(pool[start:start + nbytes].numpy(),
+                                                                np.uint8)) != crcs[j]:
+            raise StaleSeal(f"step {record['step']}: a chunk of {template[0].name} does not match its CRC")
+    return list(starts)
+
+
+def _plan_of_v1(record: dict[str, Any], pool: torch.Tensor, verify: bool) -> StepPlan:
+    layouts = [_layout_of(d) for d in record["layouts"]]
+    tasks = []
+    for d in record["tasks"]:
+        start, nbytes = int(d["start"]), int(d["nbytes"])
+        if not 0 <= start <= start + nbytes <= pool.numel():
+            raise CorruptRing(f"chunk at {start}+{nbytes} outside the pool")
+        block = pool[start:start + nbytes]
+        if verify and d["crc"] is not None and crc32c(np.frombuffer(block.numpy(), np.uint8)) != d["crc"]:
+            raise StaleSeal(f"step {record['step']}: a chunk of {layouts[d['layout']].name} does not match its CRC")
+        dtype = getattr(torch, d["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptRing(f"unknown dtype {d['dtype']!r}")
+        source = block.view(dtype).view(tuple(d["shape"]))
+        tasks.append(ChunkTask(layouts[d["layout"]], int(d["index"]), tuple(d["coords"]), tuple(d["offset"]),
+                               tuple(d["shape"]), source))
+    return StepPlan(int(record["step"]), record["tree"], layouts, tasks, [layouts[i] for i in record["meta"]])

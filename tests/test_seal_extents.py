@@ -1,0 +1,286 @@
+"""Issue 16, session 5: seal records of format 3 describe a step's pool
+bytes by extents (a group block copied in one call, or one task), with one
+CRC-32C per extent, so the trainer makes no view per grouped task. What
+must hold: every chunk round-trips bit-exact, a byte changed anywhere in a
+sealed step's chunks is a stale seal (never committed), a malformed record
+is refused, records of formats 1 and 2 (rings of an older dstt) still
+replay, and a SIGKILLed trainer's sealed steps are recovered bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import google_crc32c
+import pytest
+import torch
+
+import dstt
+from dstt.capture import ring as R
+from dstt.capture.stager import group_tasks
+from dstt.capture.staging import HostPool
+from dstt.store.writer import Writer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"a": torch.randn(7, 3, generator=g), "b": torch.arange(5.0), "c": torch.randn(2, 2, 2, generator=g),
+            "i": torch.arange(9, dtype=torch.int16), "big": torch.randn(20_000, generator=g),  # > 64 KiB: alone
+            "s": torch.tensor(3.5), "e": torch.empty(0)}
+
+
+def _stage(plan, pool: HostPool) -> tuple[list, list]:
+    """Stage ``plan`` as the capture helper's stager does: small CPU tasks
+    in groups (one block each, no view per task), the rest one by one."""
+    groups, rest = group_tasks(plan.tasks)
+    staged_groups = [(g, g.fill(pool.allocate(g.nbytes))) for g in groups]
+    views = []
+    for t in rest:
+        v = pool.view_as(pool.allocate(t.data_nbytes), t.source, t.shape)
+        v.copy_(t.source)
+        views.append((t, v))
+    return staged_groups, views
+
+
+def _same(plan, got) -> None:
+    assert len(got.tasks) == len(plan.tasks)
+    for a, b in zip(got.tasks, plan.tasks):
+        assert (a.layout.name, a.index, a.coords, a.offset, a.shape) == \
+            (b.layout.name, b.index, b.coords, b.offset, b.shape)
+        assert a.source.dtype == b.source.dtype and a.source.shape == b.source.shape
+        assert torch.equal(a.source.reshape(-1).view(torch.uint8), b.source.reshape(-1).view(torch.uint8))
+
+
+def test_grouped_steps_seal_one_crc_per_block_and_round_trip_bit_exact(tmp_path: Path) -> None:
+    w = Writer(tmp_path / "plans", threads=1)
+    pool = HostPool(1 << 22)
+    state = _state()
+    try:
+        for step in range(3):
+            state["a"].add_(1)
+            plan = w.plan(step, state, track=False)
+            groups, views = _stage(plan, pool)
+            assert len(groups) >= 2 and max(len(g.tasks) for g, _ in groups) >= 3  # (float32, int16)
+            data = R.encode_record(R.seal_record(plan, "pool-0.bin", pool.buffer, views, groups=groups))
+            doc = json.loads(data)
+            assert doc["version"] == 3 and len(doc["extents"]) == len(groups) + len(views) < len(plan.tasks)
+            record = R.read_record(data)
+            _same(plan, R.plan_of(record, pool.buffer, verify=True))
+            pool.release_many([b for _, b in groups] + [v for _, v in views])
+    finally:
+        w.close()
+
+
+def test_one_changed_byte_of_a_sealed_block_is_a_stale_seal(tmp_path: Path) -> None:
+    w = Writer(tmp_path / "plans", threads=1)
+    pool = HostPool(1 << 22)
+    try:
+        plan = w.plan(0, _state(), track=False)
+        groups, views = _stage(plan, pool)
+        record = R.read_record(R.encode_record(R.seal_record(plan, "pool-0.bin", pool.buffer, views,
+                                                             groups=groups)))
+        raw = pool.buffer
+        base = raw.data_ptr()
+        # one byte in the middle of each group block, then in the last byte of
+        # the large task staged alone: each is seen, and undone is fine again
+        places = [b.data_ptr() - base + g.nbytes // 2 for g, b in groups]
+        places.append(views[0][1].data_ptr() - base + views[0][1].nbytes - 1)
+        for at in places:
+            raw[at] ^= 0x10
+            with pytest.raises(R.StaleSeal, match="step 0"):
+                R.plan_of(record, pool.buffer, verify=True)
+            R.plan_of(record, pool.buffer, verify=False)  # (the live helper trusts its trainer's ring)
+            raw[at] ^= 0x10
+            _same(plan, R.plan_of(record, pool.buffer, verify=True))
+    finally:
+        w.close()
+
+
+def test_a_record_that_misses_or_repeats_a_chunk_is_refused(tmp_path: Path) -> None:
+    w = Writer(tmp_path / "plans", threads=1)
+    pool = HostPool(1 << 22)
+    try:
+        plan = w.plan(0, _state(), track=False)
+        groups, views = _stage(plan, pool)
+        with pytest.raises(dstt.CaptureError, match="chunks staged for"):
+            R.seal_record(plan, "pool-0.bin", pool.buffer, views[1:], groups=groups)
+        with pytest.raises(dstt.CaptureError, match="chunks staged for"):
+            R.seal_record(plan, "pool-0.bin", pool.buffer, views + views[:1], groups=groups)
+        good = R.read_record(R.encode_record(R.seal_record(plan, "pool-0.bin", pool.buffer, views,
+                                                           groups=groups)))
+        extents = good["tasks"]["extents"]
+        first, crc, positions = extents[0]
+        bad = [
+            extents[1:],  # a group's chunks in no extent
+            [*extents, [first, crc, positions[:1]]],  # a chunk twice
+            [[first, crc, [*positions, len(plan.tasks)]], *extents[1:]],  # a chunk the plan lacks
+            [[pool.buffer.numel() - 4, crc, positions], *extents[1:]],  # past the pool's end
+            [[first, "x", positions], *extents[1:]],
+            {"not": "a list"},
+        ]
+        for extents_doc in bad:
+            doc = {**good, "tasks": {**good["tasks"], "extents": extents_doc}}
+            with pytest.raises(R.CorruptRing):
+                R.plan_of(doc, pool.buffer, verify=False)
+    finally:
+        w.close()
+
+
+def _old_records(plan, pool: HostPool, staged: list) -> tuple[dict, bytes]:
+    """A first-format record (a dict per task) and the bytes of a second-format
+    one (per task start, nbytes, CRC; the static part apart), as earlier
+    dstt versions wrote them into their rings."""
+    record = R.read_record(R.encode_record(R.seal_record(plan, "pool-0.bin", pool.buffer, staged)))
+    static = record["tasks"]["static"]
+    base = pool.buffer.data_ptr()
+    of = {id(t): v for t, v in staged}
+    starts = [of[id(t)].data_ptr() - base for t in plan.tasks]
+    sizes = [of[id(t)].nbytes for t in plan.tasks]
+    crcs = [google_crc32c.value(of[id(t)].reshape(-1).view(torch.uint8).numpy().tobytes()) for t in plan.tasks]
+    first = {k: record[k] for k in ("format", "step", "seq", "pool", "tree", "layouts", "meta")}
+    first["tasks"] = [{"layout": s[0], "index": s[1], "coords": s[2], "offset": s[3], "shape": s[4], "dtype": s[5],
+                       "start": a, "nbytes": n, "crc": c} for s, a, n, c in zip(static, starts, sizes, crcs)]
+    tree = json.dumps(plan.tree).encode()
+    stat = json.dumps({"layouts": record["layouts"], "meta": record["meta"], "tasks": static}).encode()
+    head = {"format": R.SEAL_FORMAT, "version": 2, "step": plan.step, "seq": plan.seq, "pool": "pool-0.bin",
+            "start": starts, "nbytes": sizes, "crc": crcs, "tree_bytes": len(tree), "static_bytes": len(stat)}
+    second = json.dumps(head)[:-1].encode() + b', "tree": ' + tree + b', "static": ' + stat + b"}"
+    return first, second
+
+
+def test_records_of_formats_1_and_2_still_replay_and_catch_a_stale_chunk(tmp_path: Path) -> None:
+    w = Writer(tmp_path / "plans", threads=1)
+    pool = HostPool(1 << 22)
+    try:
+        plan = w.plan(4, _state(), track=False)
+        staged = []
+        for t in plan.tasks:
+            v = pool.view_as(pool.allocate(t.data_nbytes), t.source, t.shape)
+            v.copy_(t.source)
+            staged.append((t, v))
+        first, second = _old_records(plan, pool, staged)
+        docs = [R.read_record(json.dumps(first).encode()), R.read_record(second),
+                R.read_record(second.replace(b', "tree"', b' , "tree"'))]  # (the slow reader)
+        assert isinstance(docs[1]["tasks"], dict) and "crc" in docs[1]["tasks"] and "crc" in docs[2]["tasks"]
+        for doc in docs:
+            _same(plan, R.plan_of(doc, pool.buffer, verify=True))
+        staged[0][1].reshape(-1).view(torch.uint8)[-1] ^= 1
+        for doc in docs:
+            with pytest.raises(R.StaleSeal):
+                R.plan_of(doc, pool.buffer, verify=True)
+    finally:
+        w.close()
+
+
+def test_the_capture_helper_path_seals_groups_without_per_task_views(tmp_path: Path) -> None:
+    """The live path: a Capture with its helper (no memory tier) keeps
+    groups whole to the seal and the release; every step stored bit-exact."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen: list[tuple[int, int]] = []
+    expect = {}
+    with dstt.Capture(tmp_path / "run", helper=True) as cap:
+        seal = cap._seal
+
+        def spy(job):
+            seen.append((len(job.groups), len(job.views)))
+            seal(job)
+
+        cap._seal = spy  # type: ignore[method-assign]
+        for step in range(6):
+            model(torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            cap.snapshot(step, model=model, optimizer=opt, rng=False)
+            expect[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        cap.wait()
+        assert cap.pool is not None and cap.pool.in_use == 0  # every held block went back
+    assert seen and all(g >= 1 and v == 0 for g, v in seen), seen
+    run = dstt.open(tmp_path / "run")
+    assert run.steps() == list(range(6))
+    for step, want in expect.items():
+        got = run.state_dict(step)["model"]
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+KILLED = """
+import os, signal, sys, time, torch, dstt
+from dstt.store.localio import pid_alive
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+model.register_buffer("big", torch.randn(20_000))  # > 64 KiB: staged alone, eagerly
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+def train():
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step(); opt.zero_grad()
+cap = dstt.Capture(sys.argv[1], helper=True)
+train(); cap.snapshot(0, model=model, optimizer=opt, rng=False); cap.wait()
+os.kill(cap._helper.pid, signal.SIGKILL)  # the helper dies first: step 1 stays sealed in the ring
+while pid_alive(cap._helper.pid):
+    time.sleep(0.01)
+train()
+try:
+    cap.snapshot(1, model=model, optimizer=opt, rng=False)
+    cap.wait_staged()
+except dstt.CaptureError:
+    pass  # (its helper is gone: the step fails here, sealed all the same)
+assert cap._last.sealed and cap._last.groups
+torch.save({k: v.clone() for k, v in model.state_dict().items()}, sys.argv[2])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_trainer(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    store, want = tmp_path / "run", tmp_path / "want.pt"
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED), str(store), str(want)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    return store, torch.load(want)
+
+
+def _sealed(store: Path) -> tuple[Path, dict]:
+    (ring,) = R.group_dir(str(store), "main").iterdir()
+    (seal,) = ring.glob("seal-*.json")
+    record = R.read_record(R.read_bounded(seal))
+    assert record["version"] == 3 and record["step"] == 1
+    return ring, record
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+def test_a_sigkilled_trainers_sealed_step_is_recovered_bit_exact(tmp_path: Path) -> None:
+    store, want = _killed_trainer(tmp_path)
+    _, record = _sealed(store)
+    assert len(record["tasks"]["extents"]) < len(record["tasks"]["static"])  # grouped: fewer CRCs than chunks
+    with dstt.Capture(store, helper=False) as cap:
+        assert cap.recovered == [1]
+    run = dstt.open(store)
+    assert run.steps() == [0, 1]
+    got = run.state_dict(1)["model"]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+    assert dstt.verify(store).ok
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+def test_a_sigkilled_trainers_step_with_one_damaged_byte_is_skipped_as_stale(tmp_path: Path) -> None:
+    store, _ = _killed_trainer(tmp_path)
+    ring, record = _sealed(store)
+    first, _, positions = max(record["tasks"]["extents"], key=lambda e: len(e[2]))
+    assert len(positions) > 1  # a group block
+    with open(ring / record["pool"], "r+b") as f:  # one byte of the block, as a reuse after a failure would
+        f.seek(first + 5)
+        byte = f.read(1)
+        f.seek(first + 5)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with dstt.Capture(store, helper=False) as cap:
+        assert cap.recovered == []
+    assert dstt.open(store).steps() == [0]
+    assert not R.group_dir(str(store), "main").exists() or not list(R.group_dir(str(store), "main").iterdir())
+    assert dstt.verify(store).ok
