@@ -37,7 +37,7 @@ class Committing:
     rank: int
     _helper: Any
     _plan_coord: Any
-    _commit_q: queue.Queue[Job | None]
+    _commit_q: queue.SimpleQueue[Job | None]
     _cond: threading.Condition
     _errors: list[CaptureError]
     _recent: Any

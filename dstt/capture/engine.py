@@ -137,8 +137,10 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
         self._fence = StepFence(self._before_optimizer_step)
         self._flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush",
                                          initializer=self._lower_priority)
-        self._stage_q: queue.Queue[Job | None] = queue.Queue()
-        self._commit_q: queue.Queue[Job | None] = queue.Queue()
+        # (SimpleQueue: put and get in C; queue.Queue's Python condition
+        # variables cost the trainer tens of microseconds per step: issue 16)
+        self._stage_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._commit_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0  # jobs queued and not yet committed (or failed)
         self._queued_bytes = 0  # lazy bytes queued for staging, not yet allocated

@@ -159,6 +159,7 @@ class BranchLock:
         self.key = L.lock_key(branch)
         self.token = uuid.uuid4().hex
         self._fd: int | None = None
+        self._held_file: tuple[int, int, int, str] | None = None  # (fd, st_dev, st_ino, path): _check_local
         self._stop: threading.Event | None = None
         self._held = False
 
@@ -219,11 +220,21 @@ class BranchLock:
         fd = self._fd
         if fd is None:
             return "its lock file is closed"
+        # The open file's identity and the lock file's path cannot change
+        # while ``fd`` is ours: taken once (a capture checks before every
+        # step, every few milliseconds in a fast loop: issue 16); the path's
+        # file is looked up each time (a broken lock replaces or removes it).
+        held = self._held_file
+        if held is None or held[0] != fd:
+            st = os.fstat(fd)
+            held = self._held_file = (fd, st.st_dev, st.st_ino,
+                                      self.backend._path(self.key))  # type: ignore[attr-defined]
         try:
-            if not _same_inode(fd, self.backend._path(self.key)):  # type: ignore[attr-defined]
-                return "its lock file was replaced (the lock was broken)"
+            now = os.stat(held[3])
         except FileNotFoundError:
             return "its lock file was removed (the lock was broken)"
+        if (now.st_dev, now.st_ino) != (held[1], held[2]):
+            return "its lock file was replaced (the lock was broken)"
         return None
 
     def _release_local(self) -> None:

@@ -99,7 +99,9 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
     (True, True)
     """
     tensors: dict[str, TensorLike] = {}
-    kinds: dict[str, str] = {}
+    # Kinds other than "tensor", by name (the kinds are made in one pass at
+    # the end: most tensors are plain ones, named a container at a time).
+    odd_kinds: dict[str, str] = {}
     # Subtrees of all-tensor dicts by their name prefix: the previous call's
     # (read) and this call's (kept for the next one, once this call succeeds).
     seen: dict[str, tuple[list[str], list[str], dict[str, Any]]] | None = None if memo is None else {}
@@ -116,7 +118,8 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
                 f"two tensors map to the name {name!r}; rename one of the keys"
             )
         tensors[name] = value
-        kinds[name] = kind
+        if kind != "tensor":
+            odd_kinds[name] = kind
         return name
 
     def enc(v: Any, path: list[str]) -> Any:
@@ -224,7 +227,6 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
         tensors.update(zip(names, values))
         if len(tensors) != before + len(names):
             raise _NameClash
-        kinds.update(zip(names, itertools.repeat("tensor")))
         assert seen is not None
         seen[prefix] = (keys, names, out)
         return out
@@ -235,6 +237,9 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
         return flatten(state, allow_pickle=allow_pickle)  # (raises InvalidNameError naming the clash)
     if memo is not None and seen is not None:
         memo["dicts"] = seen
+    kinds = dict.fromkeys(tensors, "tensor")
+    if odd_kinds:
+        kinds.update(odd_kinds)
     return tree, tensors, kinds
 
 
