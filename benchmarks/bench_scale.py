@@ -14,7 +14,9 @@ per step); ``stall`` (Capture.snapshot() time for N tensors: the median of
 the steps after the first); ``loop`` (88 tensors, ~1.2 MB of state, a
 ~12 ms iteration incl. Adam's step: median iteration with Capture.snapshot
 every iteration vs none; also the CPU per step of the trainer's process
-and of the capture helper); ``plan`` (Writer.plan of N x 1 KiB tensors: the
+and of the capture helper; torch on one thread); ``loop_threads`` (the
+same with torch's default thread count: all cores, as nanoGPT runs on this
+CPU); ``plan`` (Writer.plan of N x 1 KiB tensors: the
 first sighting and an unchanged step, per tensor); ``stall_model``
 (snapshot(model=, optimizer=) of N tensors: N/4 parameters of 64 floats
 with Adam; the stall and the optimizer step with and without capture).
@@ -150,12 +152,20 @@ def nanogpt_sized(torch: Any) -> tuple[Any, Any]:
     return model, opt
 
 
-def case_loop(iters: int, work: str) -> dict[str, Any]:
+def case_loop_threads(iters: int, work: str) -> dict[str, Any]:
+    """``loop`` with torch's default thread count (all cores: what a
+    nanoGPT run on this CPU uses; OpenMP workers then compete with dstt's
+    threads and the capture helper for every core)."""
+    return case_loop(iters, work, threads=None)
+
+
+def case_loop(iters: int, work: str, threads: int | None = 1) -> dict[str, Any]:
     import torch
 
     import dstt
 
-    torch.set_num_threads(1)
+    if threads is not None:
+        torch.set_num_threads(threads)
     model, opt = nanogpt_sized(torch)
     x = torch.randn(64, 96)
     work_m = torch.randn(256, 256)
@@ -172,11 +182,13 @@ def case_loop(iters: int, work: str) -> dict[str, Any]:
         model(x).square().mean().backward()
         opt.step()
 
-    for _ in range(5):  # calibrate to ~12 ms per iteration
-        t = time.perf_counter()
-        iteration()
-        took = time.perf_counter() - t
-        reps[0] = max(1, round(reps[0] * 0.012 / max(took, 1e-5)))
+    for _ in range(4):  # calibrate to ~12 ms per iteration (the median of a few: one may be a warm-up)
+        took = []
+        for _ in range(5):
+            t = time.perf_counter()
+            iteration()
+            took.append(time.perf_counter() - t)
+        reps[0] = max(1, round(reps[0] * 0.012 / max(statistics.median(took), 1e-5)))
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor))
@@ -218,7 +230,8 @@ def case_loop(iters: int, work: str) -> dict[str, Any]:
         cap.wait()
     plain.append(median_iter(None))  # before and after: the machine's drift
     base = statistics.mean(plain)
-    return {"tensors": n_tensors, "state_bytes": state_bytes, "iter_plain_s": base,
+    return {"torch_threads": torch.get_num_threads(), "tensors": n_tensors, "state_bytes": state_bytes,
+            "iter_plain_s": base,
             "iter_captured_s": captured, "added": captured / base - 1,
             "trainer_cpu_added_ms_per_step": (cpu - plain_cpu) * 1e3, "helper_cpu_ms_per_step": helper * 1e3}
 
@@ -248,8 +261,8 @@ def main() -> None:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
-        fn = {"save": case_save, "stall": case_stall, "loop": case_loop, "plan": case_plan,
-              "stall_model": case_stall_model}[args.case]
+        fn = {"save": case_save, "stall": case_stall, "loop": case_loop, "loop_threads": case_loop_threads,
+              "plan": case_plan, "stall_model": case_stall_model}[args.case]
         print(json.dumps(fn(args.n, args.work)))
         return
     sys.path.insert(0, HERE)
@@ -257,8 +270,8 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     versions = [("after", ROOT)] + ([("before", os.path.abspath(args.before))] if args.before else [])
-    sizes = {"save": args.tensors, "stall": args.stall_tensors, "loop": args.loop_iters, "plan": args.stall_tensors,
-             "stall_model": args.stall_tensors}
+    sizes = {"save": args.tensors, "stall": args.stall_tensors, "loop": args.loop_iters,
+             "loop_threads": args.loop_iters, "plan": args.stall_tensors, "stall_model": args.stall_tensors}
     results: dict[str, dict[str, Any]] = {}
     for case in args.cases.split(","):
         for label, path in versions:
