@@ -67,7 +67,7 @@ class Committing:
     def _pipelined_loop(self) -> None:
         """Hand steps to the helper as they are sealed; ``dstt-acks`` takes
         the answers (and settles every job, in order)."""
-        acks: queue.Queue[Job | None] = queue.Queue()
+        acks: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # (C put/get: no Python condition)
         reader = threading.Thread(target=self._ack_loop, args=(acks,), name="dstt-acks", daemon=True)
         reader.start()
         try:
@@ -88,7 +88,7 @@ class Committing:
             acks.put(None)
             reader.join()
 
-    def _ack_loop(self, acks: queue.Queue[Job | None]) -> None:
+    def _ack_loop(self, acks: queue.SimpleQueue[Job | None]) -> None:
         self._lower_priority()
         while True:
             job = acks.get()

@@ -90,7 +90,9 @@ class CrashSafe:
                     "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
                     "to stage larger steps in parts)")
             # (pipelined: already handed over by the committer thread, committing.py)
-            return CommitInfo(**(self._helper.receive(step) if job.sent else self._helper.commit(step)))
+            info = CommitInfo(**(self._helper.receive(step) if job.sent else self._helper.commit(step)))
+            job.info = info  # committed: the helper removed its seal before answering (_settle)
+            return info
         except BaseException as e:
             if self._plan_coord.distributed:  # (also when the helper answered: a record it could not write
                 self._record_failure(job, e)  # left rank 0's helper waiting RANK_WAIT_S; a no-op if it did)
@@ -232,13 +234,22 @@ class CrashSafe:
 
     def _seal(self, job: Job) -> None:
         """Every copy of a held step has landed: record it in the ring, so
-        the step is committed even if this process dies now (ring.py)."""
+        the step is committed even if this process dies now (ring.py).
+
+        Without CRCs (a pass over the step's bytes, ~0.1 ms of the stager's
+        GIL per 1.2 MB step: issue 16): a seal written here never outlives
+        its bytes -- the step's blocks go back only in :meth:`_settle`, once
+        the seal is removed (committed by the helper, or by this process)
+        or rewritten with the CRC of every byte (a step the helper did not
+        commit: recovery then skips it if its blocks were reused). So
+        recovery commits a seal without CRCs as it is, and checks every
+        seal whose blocks may have been reused."""
         try:
             for ev in job.cuda_eager:
                 ev.synchronize()
             assert self._ring is not None and job.pool is not None
             self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views,
-                                        groups=job.groups))
+                                        crc=False, groups=job.groups))
             job.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             log.warning("dstt: step %d not sealed in the staging ring (%s): it is lost if the trainer dies "
@@ -246,12 +257,45 @@ class CrashSafe:
 
     def _settle(self, job: Job) -> None:
         """After a step's commit (or failure): forget its seal, free its held blocks."""
-        # With the helper, it removes a seal once committed; a seal it could not
-        # commit stays (its blocks are reused now: recovery's CRC check skips it).
-        if job.sealed and self._ring is not None and self._helper is None:
-            self._ring.unseal(job.plan.step)
-        if job.hold and job.pool is not None:
+        release = job.hold and job.pool is not None
+        if job.sealed and self._ring is not None:
+            if self._helper is None:
+                release = release and self._unseal(job.plan.step)
+            elif job.info is None:
+                # The helper did not commit it (it failed, or the helper is gone):
+                # the seal stays for the next Capture, checked by CRC, since its
+                # blocks are reused from now on (_seal says why it had none).
+                release = release and self._seal_checked(job)
+            # (committed by the helper: it removed the seal before answering)
+        if release:
+            assert job.pool is not None
             job.pool.release_many([block for _, block in job.groups] + [view for _, view in job.views])
         job.views = []
         job.groups = []
+
+    def _seal_checked(self, job: Job) -> bool:
+        """Rewrite ``job``'s seal with the CRC-32C of every chunk's bytes
+        (or else remove it); False if neither could be done: then its
+        blocks must never be reused (a seal without CRCs must not outlive
+        its bytes), and they stay reserved."""
+        assert self._ring is not None and job.pool is not None
+        try:
+            self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views,
+                                        groups=job.groups))
+            return True
+        except Exception as e:  # noqa: BLE001 - then the seal goes
+            log.warning("dstt: step %d not committed and its seal could not be checksummed (%s): removing it",
+                        job.plan.step, e)
+        return self._unseal(job.plan.step)
+
+    def _unseal(self, step: int) -> bool:
+        """Remove ``step``'s seal; False (logged) if it could not be."""
+        assert self._ring is not None
+        try:
+            self._ring.unseal(step, strict=True)
+            return True
+        except OSError as e:
+            log.error("dstt: could not remove the seal of step %d (%s): its staging blocks stay reserved",
+                      step, e)
+            return False
 

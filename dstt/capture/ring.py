@@ -13,13 +13,15 @@ store or to a branch recreated under the same name.
 
 A step is *sealed* once every copy of it has landed in the pool: its record
 (step, the plan's layouts and value tree, each chunk's place in the pool
-file and CRC-32Cs covering every chunk's bytes there: seals.py) is written
-with an atomic rename. The pool blocks of a sealed step are not reused until the step is
-committed; then the record is removed. So if the trainer dies, each record
-left names bytes that are still in the pool file, and the next Capture on
-that store and branch (which holds the branch lock, so no other writer
-owns those rings) commits them in step order (:func:`recover`), checking
-every CRC first; a ring that does not check out is discarded whole.
+file: seals.py) is written with an atomic rename. The pool blocks of a
+sealed step are not reused until its record is removed (the step is
+committed) or rewritten with CRC-32Cs covering every chunk's bytes (it was
+not: capture/crashsafe.py). So if the trainer dies, each record left names
+bytes that are still in the pool file, or CRCs that tell whether they
+are, and the next Capture on that store and branch (which holds the
+branch lock, so no other writer owns those rings) commits them in step
+order (:func:`recover`), checking every CRC first and skipping a step
+whose bytes changed; a ring that does not check out is discarded whole.
 
 Why files and not ``multiprocessing.shared_memory``: its resource tracker
 unlinks segments when the process that made them exits, which is exactly
@@ -146,8 +148,16 @@ class Ring:
         path = f"{self._dir_text}/seal-{record['step']:020d}.json"  # (no pathlib: a seal per step of a fast loop)
         _write_atomic(path, encode_record(record))
 
-    def unseal(self, step: int) -> None:
-        unseal_file(self.dir, step)
+    def unseal(self, step: int, strict: bool = False) -> None:
+        """Remove ``step``'s seal; ``strict``: an OSError other than its
+        absence is raised (the caller must know it is gone)."""
+        if not strict:
+            unseal_file(self.dir, step)
+            return
+        try:
+            os.unlink(f"{self._dir_text}/seal-{step:020d}.json")
+        except FileNotFoundError:
+            pass
 
     def close(self) -> None:
         """Remove the ring (everything in it is committed or given up)."""
