@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import google_crc32c
@@ -78,7 +79,7 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
         for g, block in groups:
             start = block.data_ptr() - base
             extents.append([start, extend(0, whole[start:start + g.nbytes]) if crc else None,
-                            [where[id(t)] for t in g.tasks]])
+                            _group_positions(g, plan.tasks, where)])
         for t, v in staged:
             start = v.data_ptr() - base
             extents.append([start, extend(0, whole[start:start + v.nbytes]) if crc else None, [where[id(t)]]])
@@ -96,6 +97,39 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
 #: (task list, {id(task): its position}) of the last plan sealed (the list
 #: kept alive: a later plan holding the very same list is laid out alike).
 _POSITIONS: tuple[list[ChunkTask], dict[int, int]] | None = None
+#: By id of a group: (the group, the plan's task list, its tasks' positions
+#: in that list, their JSON text) -- a group staged step after step while
+#: the plan is reused (both kept alive, so their ids are not reused).
+_GROUP_POSITIONS: dict[int, tuple[Any, list[ChunkTask], list[int], str]] = {}
+#: The JSON text of the positions lists in _GROUP_POSITIONS, by their id.
+_POSITIONS_TEXT: dict[int, tuple[list[int], str]] = {}
+
+
+def _group_positions(g: Any, tasks: list[ChunkTask], where: dict[int, int]) -> list[int]:
+    """The positions in ``tasks`` of ``g.tasks`` (read-only: shared by the
+    records of the steps that stage this group for this task list)."""
+    got = _GROUP_POSITIONS.get(id(g))
+    if got is not None and got[0] is g and got[1] is tasks:
+        return got[2]
+    positions = [where[id(t)] for t in g.tasks]
+    if len(_GROUP_POSITIONS) >= 256:
+        _GROUP_POSITIONS.clear()
+        _POSITIONS_TEXT.clear()
+    text = json.dumps(positions)
+    _GROUP_POSITIONS[id(g)] = (g, tasks, positions, text)
+    _POSITIONS_TEXT[id(positions)] = (positions, text)
+    return positions
+
+
+def _extents_text(extents: list[list[Any]]) -> str:
+    """``json.dumps(extents)``, the positions of groups staged before not
+    encoded again."""
+    parts = []
+    for start, crc, positions in extents:
+        got = _POSITIONS_TEXT.get(id(positions))
+        text = got[1] if got is not None and got[0] is positions else json.dumps(positions)
+        parts.append(f"[{int(start)}, {'null' if crc is None else int(crc)}, {text}]")
+    return "[" + ", ".join(parts) + "]"
 
 
 def _positions(tasks: list[ChunkTask]) -> dict[int, int]:
@@ -238,7 +272,9 @@ class _TreeText:
         return json.dumps(node, allow_nan=False)  # (NaN and infinities refused) anything else json takes
 
 
-_quote: Any = getattr(json.encoder, "c_encode_basestring_ascii", None) or json.encoder.encode_basestring_ascii
+#: What json.dumps quotes strings with (its C function where there is one).
+_quote: Callable[[str], str] = (getattr(json.encoder, "c_encode_basestring_ascii", None)
+                                or json.encoder.encode_basestring_ascii)
 _TREE_TEXT = _TreeText()
 _TREES = _TextCache()
 _STATICS = _TextCache()
@@ -262,13 +298,13 @@ def encode_record(record: dict[str, Any]) -> bytes:
     static_text = _STATICS.encode(static)
     head: dict[str, Any] = {"format": SEAL_FORMAT, "version": version, "step": record["step"],
                             "seq": record["seq"], "pool": record["pool"]}
-    if version == 3:
-        head["extents"] = tasks["extents"]
-    else:
+    if version == 2:
         head["start"], head["nbytes"], head["crc"] = tasks["start"], tasks["nbytes"], tasks["crc"]
     head["tree_bytes"], head["static_bytes"] = len(tree_text), len(static_text)
-    return b"".join([json.dumps(head, allow_nan=False)[:-1].encode(), _SEP_TREE, tree_text,
-                     _SEP_STATIC, static_text, b"}"])
+    head_text = json.dumps(head, allow_nan=False)[:-1]
+    if version == 3:  # (the extents last: most of the head, mostly texts kept from earlier records)
+        head_text += ', "extents": ' + _extents_text(tasks["extents"])
+    return b"".join([head_text.encode(), _SEP_TREE, tree_text, _SEP_STATIC, static_text, b"}"])
 
 
 #: The per-step fields of a record's head, by format: moved under ``tasks``.
