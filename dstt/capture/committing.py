@@ -4,13 +4,15 @@ the trainer's counters and pending count settled. A mixin: the state lives
 on the Capture (``writer``, ``_commit_q``, ``_cond``, ``_helper``...).
 
 With the capture helper (single process), commits are pipelined: the
-committer thread hands each step to the helper as soon as it is sealed,
-without waiting for the previous step's answer, and a second thread
-(``dstt-acks``) takes the answers in order. So while the helper commits one
-step, the next ones queue up in its pipe, and it commits those as a group,
-with one round of syncs (store/groupcommit.py): a loop faster than one
-commit's syncs no longer runs at the commit rate. A step is counted as
-committed only once the helper answered that it is durable.
+stager hands each step to the helper as soon as it has sealed it
+(CrashSafe._seal), without waiting for the previous step's answer, and the
+committer thread takes the answers in order. So while the helper commits
+one step, the next ones queue up in its pipe, and it commits those as a
+group, with one round of syncs (store/groupcommit.py): a loop faster than
+one commit's syncs no longer runs at the commit rate. A step is counted as
+committed only once the helper answered that it is durable. (The stager,
+not a thread of its own, hands steps over: every thread of the trainer's
+process that wakes up per step takes the GIL from the training loop.)
 """
 
 from __future__ import annotations
@@ -54,44 +56,11 @@ class Committing:
     _commit_by_helper: Callable[[Job], CommitInfo]
 
     def _commit_loop(self) -> None:
+        """Every job in order: committed (with the helper: its answer read,
+        the step handed over when sealed), skipped or failed; then settled."""
         self._lower_priority()
-        if self._helper is not None and not self._plan_coord.distributed:
-            self._pipelined_loop()
-            return
         while True:
             job = self._commit_q.get()
-            if job is None:
-                return
-            self._finish(job, self._commit)
-
-    def _pipelined_loop(self) -> None:
-        """Hand steps to the helper as they are sealed; ``dstt-acks`` takes
-        the answers (and settles every job, in order)."""
-        acks: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # (C put/get: no Python condition)
-        reader = threading.Thread(target=self._ack_loop, args=(acks,), name="dstt-acks", daemon=True)
-        reader.start()
-        try:
-            while True:
-                job = self._commit_q.get()
-                if job is None:
-                    return
-                if job.skip is None:
-                    job.submitted.wait()  # copied and sealed (or failed)
-                    if job.error is None and job.sealed and not self._helper.lost:
-                        try:
-                            self._helper.send(job.plan.step)
-                            job.sent = True
-                        except BaseException as e:  # the helper is gone: the step fails (_ack_loop)
-                            job.error = job.error or e
-                acks.put(job)
-        finally:
-            acks.put(None)
-            reader.join()
-
-    def _ack_loop(self, acks: queue.SimpleQueue[Job | None]) -> None:
-        self._lower_priority()
-        while True:
-            job = acks.get()
             if job is None:
                 return
             self._finish(job, self._commit)

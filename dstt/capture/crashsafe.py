@@ -89,7 +89,7 @@ class CrashSafe:
                     f"step {step} not committed: it was not sealed in the staging ring (a step must fit "
                     "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
                     "to stage larger steps in parts)")
-            # (pipelined: already handed over by the committer thread, committing.py)
+            # (pipelined: handed over by the stager once sealed, _seal)
             info = CommitInfo(**(self._helper.receive(step) if job.sent else self._helper.commit(step)))
             job.info = info  # committed: the helper removed its seal before answering (_settle)
             return info
@@ -254,6 +254,15 @@ class CrashSafe:
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             log.warning("dstt: step %d not sealed in the staging ring (%s): it is lost if the trainer dies "
                         "before it is committed", job.plan.step, e)
+        helper = self._helper
+        if job.sealed and helper is not None and not self._plan_coord.distributed and not helper.lost:
+            # Pipelined (committing.py): handed over now, in stage order -- the
+            # order of the commit queue -- and its answer read by the committer.
+            try:
+                helper.send(job.plan.step)
+                job.sent = True
+            except BaseException as e:  # the helper is gone: the step fails (_commit_by_helper)
+                job.error = job.error or e
 
     def _settle(self, job: Job) -> None:
         """After a step's commit (or failure): forget its seal, free its held blocks."""
