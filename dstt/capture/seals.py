@@ -296,14 +296,16 @@ def encode_record(record: dict[str, Any]) -> bytes:
     tasks = record["tasks"]
     tree_text = _TREE_TEXT.encode(record["tree"])
     static_text = _STATICS.encode(static)
-    head: dict[str, Any] = {"format": SEAL_FORMAT, "version": version, "step": record["step"],
-                            "seq": record["seq"], "pool": record["pool"]}
-    if version == 2:
-        head["start"], head["nbytes"], head["crc"] = tasks["start"], tasks["nbytes"], tasks["crc"]
-    head["tree_bytes"], head["static_bytes"] = len(tree_text), len(static_text)
-    head_text = json.dumps(head, allow_nan=False)[:-1]
-    if version == 3:  # (the extents last: most of the head, mostly texts kept from earlier records)
-        head_text += ', "extents": ' + _extents_text(tasks["extents"])
+    if version == 3:  # (written as json.dumps would, without its encoder's set-up per call)
+        head_text = (f'{{"format": "{SEAL_FORMAT}", "version": 3, "step": {record["step"]:d}, '
+                     f'"seq": {record["seq"]:d}, "pool": {_quote(record["pool"])}, '
+                     f'"tree_bytes": {len(tree_text):d}, "static_bytes": {len(static_text):d}, '
+                     f'"extents": {_extents_text(tasks["extents"])}')
+    else:
+        head = {"format": SEAL_FORMAT, "version": version, "step": record["step"], "seq": record["seq"],
+                "pool": record["pool"], "start": tasks["start"], "nbytes": tasks["nbytes"], "crc": tasks["crc"],
+                "tree_bytes": len(tree_text), "static_bytes": len(static_text)}
+        head_text = json.dumps(head, allow_nan=False)[:-1]
     return b"".join([head_text.encode(), _SEP_TREE, tree_text, _SEP_STATIC, static_text, b"}"])
 
 
