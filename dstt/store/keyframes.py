@@ -186,6 +186,7 @@ def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, 
     ``packs``: the chunk is appended to this step's packs (packs.py), never
     delta coded."""
     prev = live_ref(prev)
+    sha = None
     if dedup and prev is not None and prev.crc == crc:
         sha = hashlib.sha256(raw).digest()
         if proven_equal(backend, prev, raw, sha, lambda: place):
@@ -193,9 +194,11 @@ def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, 
     if packs is not None:
         parts = encode_chunk(raw, place.codec, raw_crc=crc, itemsize=place.itemsize, fast=fast)
         f, rng = packs.add(parts)
-        # Recorded for every packed chunk (they are small): a later step's
-        # dedup proves equality by hash, never by reading a range back.
-        packed_digest = hashlib.sha256(raw).digest()
+        # Recorded for a dedup candidate and a chunk with no predecessor (a
+        # first step: frozen weights are then deduplicated by hash); a
+        # changed chunk costs no hash (as in batchflush._code_packed).
+        packed_digest = sha if sha is not None or (prev is not None and prev.crc != crc) else \
+            hashlib.sha256(raw).digest()
         return Coded(ChunkRef(crc, packed_digest, slot, pack=rng, pack_file=f), rng.length, packed_digest)
     if place.delta_array is not None:
         key = None if fast else _keyframe_for(backend, place, prev, slot, len(raw), keyframe_every)

@@ -1,0 +1,146 @@
+"""The capture helper's write path made cheaper (issue 16, session 5): packs
+filled in reused page-aligned buffers (written with O_DIRECT where the
+filesystem allows), and sha256 only for dedup candidates and first-seen
+packed chunks. Every shortcut must keep round trips bit-exact, dedup exact
+(never aliasing different bytes) and verify clean."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_store_format import forge_crc_collision
+
+import dstt
+from dstt.store import packs as P
+from dstt.store.backends import open_backend
+from dstt.store.localio import DIRECT_ALIGN, address
+from dstt.store.writer import Writer
+
+DSTT_PACKING = True  # (tests/conftest.py: packing is off elsewhere)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _flip_one_bit(t: torch.Tensor, byte: int = 5) -> torch.Tensor:
+    raw = bytearray(_bits(t))
+    raw[byte] ^= 0x01
+    return torch.frombuffer(raw, dtype=t.dtype).clone()
+
+
+def _check_steps(path: Path, steps: dict[int, dict[str, torch.Tensor]]) -> None:
+    run = dstt.open(path)
+    assert run.steps() == sorted(steps)
+    for step, state in steps.items():
+        for name, t in state.items():
+            assert _bits(run.read(name, step)) == _bits(t), (step, name)
+    report = dstt.verify(path)
+    assert report.ok, report
+
+
+def test_pack_buffers_are_page_aligned_reused_and_grow_bit_exact(tmp_path: Path) -> None:
+    backend = open_backend(str(tmp_path / "s"), create=True)
+    chunks = [bytes(range(7)) * 3, b"x" * 5000, bytes(range(256)) * 40]
+    first = P.StepPacks(backend, slot=1, rank=0, target_bytes=64 << 10)
+    placed, err = first.add_many([[c] for c in chunks])
+    assert err is None
+    f = placed[0][0]
+    assert f.buf is not None and address(f.data()) % DIRECT_ALIGN == 0
+    buf = f.buf
+    first.close()
+    assert f.state == "written" and f.buf is None
+    # the pack's bytes are the chunks back to back, exactly
+    assert bytes(backend.get("packs/p.1.0.0") or b"") == b"".join(chunks)
+    # the next step's pack fills the same buffer (pages already backed)
+    second = P.StepPacks(backend, slot=2, rank=0, target_bytes=64 << 10)
+    g, _ = second.add([b"new"])
+    assert g.buf is buf
+    # a chunk larger than the room left: the buffer grows, bytes kept
+    big = bytes(range(251)) * (len(buf) // 251 + 10)
+    _, rng = second.add([big])
+    second.close()
+    data = bytes(backend.get("packs/p.2.0.0") or b"")
+    assert data == b"new" + big and (rng.offset, rng.length) == (3, len(big))
+    assert bytes(backend.get("packs/p.1.0.0") or b"") == b"".join(chunks)  # the earlier pack untouched
+
+
+def test_a_failed_pack_write_gives_its_buffer_back_and_raises(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = open_backend(str(tmp_path / "s"), create=True)
+    packs = P.StepPacks(backend, slot=1, rank=0, target_bytes=1 << 30)
+    f, _ = packs.add([b"abc"])
+
+    def refuse(key: str, data: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(backend, "put", refuse)
+    with pytest.raises(OSError, match="No space"):  # (the commit fails the step with it)
+        packs.close()
+    assert f.state == "failed" and f.buf is None and isinstance(f.error, OSError)
+
+
+def test_changed_chunks_skip_the_hash_and_dedup_stays_exact(tmp_path: Path) -> None:
+    """One writer across steps (as the capture helper): a first step's chunks
+    are hashed, a changed chunk is not, an unchanged one after a change is
+    proven equal by reading its range back (then hashed), a one-bit change
+    and a forged CRC collision are stored, never aliased."""
+    path = tmp_path / "run"
+    g = torch.Generator().manual_seed(0)
+    a0, frozen = torch.randn(1000, generator=g), torch.randn(64, generator=g)
+    steps: dict[int, dict[str, torch.Tensor]] = {}
+    w = Writer(str(path))
+    try:
+        steps[0] = {"a": a0, "frozen": frozen}
+        w.write(0, steps[0])
+        steps[1] = {"a": a0 + 1, "frozen": frozen}
+        info1 = w.write(1, steps[1])
+        assert info1.bytes_written > 0
+        steps[2] = {"a": (a0 + 1).clone(), "frozen": frozen}
+        info2 = w.write(2, steps[2])
+        assert info2.bytes_written == 0  # unchanged: every chunk referenced
+        steps[3] = {"a": _flip_one_bit(steps[2]["a"]), "frozen": frozen}
+        assert w.write(3, steps[3]).bytes_written > 0
+        forged = forge_crc_collision(_bits(steps[3]["a"]))
+        steps[4] = {"a": torch.frombuffer(bytearray(forged), dtype=torch.float32).clone(), "frozen": frozen}
+        assert w.write(4, steps[4]).bytes_written > 0  # same CRC as step 3, other bytes: stored
+    finally:
+        w.close()
+    run = dstt.open(path)
+    assert all(run.entry("a", s).packs is not None for s in steps)  # (the packed path is under test)
+    sha = {s: run.entry("a", s).sha256[0] for s in steps}
+    assert sha[0] is not None  # first step: hashed
+    assert sha[1] is None and sha[3] is None  # changed: no hash
+    assert sha[2] is not None  # proven equal to step 1 and referenced: hashed from then on
+    assert run.entry("a", 2).slots == run.entry("a", 1).slots
+    assert run.entry("frozen", 4).slots == run.entry("frozen", 0).slots  # deduplicated by hash
+    assert run.entry("a", 4).slots != run.entry("a", 3).slots
+    _check_steps(path, steps)
+
+
+def test_unchanged_after_a_change_while_the_pack_is_unwritten_is_stored_anew(tmp_path: Path) -> None:
+    """The helper flushes queued steps before committing them (group
+    commit): step 2's chunk equals step 1's changed one, whose pack is not
+    written yet and which has no hash -- stored again, exactly, not aliased."""
+    path = tmp_path / "run"
+    a0 = torch.randn(500, generator=torch.Generator().manual_seed(1))
+    steps = {0: {"a": a0}, 1: {"a": a0 * 2}, 2: {"a": a0 * 2}}
+    w = Writer(str(path))
+    try:
+        w.write(0, steps[0])
+        plans = []
+        for step in (1, 2):
+            plan = w.plan(step, steps[step])
+            w.ensure_arrays(plan)
+            results, error = w.flush_chunks(plan, plan.tasks)
+            assert error is None
+            plans.append((plan, results))
+        infos = [w.commit(plan, results) for plan, results in plans]
+    finally:
+        w.close()
+    assert infos[1].bytes_written > 0  # not proven equal (nothing to compare with yet): written
+    run = dstt.open(path)
+    assert run.entry("a", 2).sha256[0] is not None  # a candidate: hashed, the next step dedups by hash
+    _check_steps(path, steps)
