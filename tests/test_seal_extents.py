@@ -316,10 +316,22 @@ def test_tree_text_is_json_dumps_exactly_while_subtrees_are_shared() -> None:
             return (make(depth - 1), make(depth - 1))
         return {rnd.choice(["a", "b", "$tensor", "ü", "k\t"]) + str(i): make(depth - 1) for i in range(rnd.randrange(5))}
 
-    prev = make(5)
-    for _ in range(300):
-        tree = {"kept": prev, "new": make(4), "lr": rnd.choice([1, 1.0, True])} if rnd.random() < 0.8 else make(5)
+    import copy
+
+    prev: object = make(5)
+    older: list[object] = []
+    for _ in range(400):
+        r = rnd.random()
+        if r < 0.4:  # the last tree shared whole, beside new parts
+            tree: object = {"kept": prev, "new": make(4), "lr": rnd.choice([1, 1.0, True])}
+        elif r < 0.6:  # only parts of earlier trees shared, one level down or more
+            tree = [{"w": rnd.choice(older or [None])}, make(3), [rnd.choice(older or [0])]]
+        elif r < 0.8:  # equal to the last one, nothing shared
+            tree = copy.deepcopy(prev)
+        else:
+            tree = make(5)
         assert S._TREE_TEXT.encode(tree) == json.dumps(tree, allow_nan=False).encode()
+        older = [*older[-5:], tree]
         prev = tree
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError):

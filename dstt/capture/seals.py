@@ -234,33 +234,49 @@ class _TreeText:
     loop re-encoded ~5 KB of JSON per step, ~40 us of the trainer's
     background Python). Sound because a plan's tree is read-only once built
     (plan.py reuses those subtrees on the same grounds); the memo keeps the
-    objects it names alive, so an id is never another object's."""
+    objects it names alive, so an id is never another object's.
+
+    A container none of whose children the last tree had is encoded by
+    json.dumps whole (in C: a tree that shares nothing costs what
+    json.dumps costs); its child containers are remembered without text,
+    and one met again gets its text then, kept from then on."""
 
     def __init__(self) -> None:
-        self.memo: dict[int, tuple[Any, str]] = {}
+        #: id -> (container, its text or None: seen once, as the child of one encoded whole)
+        self.memo: dict[int, tuple[Any, str | None]] = {}
 
     def encode(self, tree: Any) -> bytes:
-        fresh: dict[int, tuple[Any, str]] = {}
+        fresh: dict[int, tuple[Any, str | None]] = {}
         text = self._text(tree, fresh)
         self.memo = fresh  # (the containers of this tree only: earlier trees' are let go)
         return text.encode()
 
-    def _text(self, node: Any, fresh: dict[int, tuple[Any, str]]) -> str:
+    def _text(self, node: Any, fresh: dict[int, tuple[Any, str | None]]) -> str:
+        """``node``'s JSON text; the containers it is made of go to ``fresh``."""
         kind = type(node)
         if kind is str:
             return _quote(node)
         if kind is dict or kind is list:
-            got = self.memo.get(id(node))
-            if got is None or got[0] is not node:
+            memo = self.memo
+            got = memo.get(id(node))  # (an id in the memo is its object's: the memo keeps them alive)
+            if got is not None and got[1] is not None:
+                fresh[id(node)] = got
+                return got[1]
+            children = node if kind is list else node.values()
+            if got is None and any([id(x) in memo for x in children]) and (
+                    kind is list or all(type(k) is str for k in node)):
                 if kind is list:
                     text = "[" + ", ".join([self._text(x, fresh) for x in node]) + "]"
-                elif all(type(k) is str for k in node):
-                    text = "{" + ", ".join([f"{_quote(k)}: {self._text(v, fresh)}" for k, v in node.items()]) + "}"
                 else:
-                    text = json.dumps(node, allow_nan=False)  # (keys json turns into strings)
-                got = (node, text)
-            fresh[id(node)] = got
-            return got[1]
+                    text = "{" + ", ".join([f"{_quote(k)}: {self._text(v, fresh)}" for k, v in node.items()]) + "}"
+            else:
+                text = json.dumps(node, allow_nan=False)  # (in C; keys json turns into strings too)
+                if got is None:
+                    for x in children:
+                        if type(x) is dict or type(x) is list:
+                            fresh[id(x)] = (x, None)
+            fresh[id(node)] = (node, text)
+            return text
         if kind is int:
             return int.__repr__(node)
         if node is None:
