@@ -41,7 +41,9 @@ def _check_steps(path: Path, steps: dict[int, dict[str, torch.Tensor]]) -> None:
     assert report.ok, report
 
 
-def test_pack_buffers_are_page_aligned_reused_and_grow_bit_exact(tmp_path: Path) -> None:
+def test_pack_buffers_are_page_aligned_reused_and_grow_bit_exact(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(P, "_BUFFERS", P._Buffers(P.PACK_BUFFERS_KEEP_BYTES, P.PACK_BUFFERS_KEPT))
     backend = open_backend(str(tmp_path / "s"), create=True)
     chunks = [bytes(range(7)) * 3, b"x" * 5000, bytes(range(256)) * 40]
     first = P.StepPacks(backend, slot=1, rank=0, target_bytes=64 << 10)
@@ -143,4 +145,40 @@ def test_unchanged_after_a_change_while_the_pack_is_unwritten_is_stored_anew(tmp
     assert infos[1].bytes_written > 0  # not proven equal (nothing to compare with yet): written
     run = dstt.open(path)
     assert run.entry("a", 2).sha256[0] is not None  # a candidate: hashed, the next step dedups by hash
+    _check_steps(path, steps)
+
+
+def test_a_group_block_is_reused_but_never_under_a_waiting_chunk(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group blocks (batchflush: the values a group concatenates) are reused
+    from group to group; a chunk waiting for its predecessor keeps a slice of
+    its block, which then is not reused: step 2 flushed before step 1 (its
+    chunks wait), step 1's group must not overwrite step 2's bytes."""
+    from dstt.store import batchflush as B
+
+    blocks = B._Blocks(2 * B.GROUP_BYTES)
+    monkeypatch.setattr(B, "_GROUP_BUFFERS", blocks)
+    path = tmp_path / "run"
+    g = torch.Generator().manual_seed(2)
+    steps = {s: {"a": torch.randn(300, generator=g), "b": torch.randn(40, generator=g)} for s in range(4)}
+    w = Writer(str(path))
+    try:
+        w.write(0, steps[0])
+        given = blocks._free[0]
+        w.write(1, steps[1])
+        assert blocks._free[0] is given  # taken for step 1's group and given back
+        p2, p3 = w.plan(2, steps[2]), w.plan(3, steps[3])
+        for p in (p2, p3):
+            w.ensure_arrays(p)
+        r3, e3 = w.flush_chunks(p3, p3.tasks)  # waits for step 2's chunks: keeps its block
+        assert e3 is None and blocks._free == []
+        want3 = steps[3]["a"].clone()
+        steps[3]["a"].fill_(7.0)  # (the sources may change: the block holds step 3's bytes)
+        r2, e2 = w.flush_chunks(p2, p2.tasks)  # a new block: step 3's is still sliced
+        assert e2 is None
+        w.commit(p2, r2)
+        w.commit(p3, r3)
+    finally:
+        w.close()
+    steps[3]["a"] = want3  # what was captured: the values before the fill
     _check_steps(path, steps)

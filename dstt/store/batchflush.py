@@ -170,11 +170,25 @@ class BatchFlush:
                     out: list[ChunkResult]) -> BaseException | None:
         """The body of :meth:`_flush_group`: ``settled[j]`` set once chunk j's
         link is resolved, waits for its predecessor, or was passed through."""
-        error: BaseException | None = None
         with torch.no_grad():
             flats = [s if s.dim() == 1 else s.reshape(-1) for s in srcs]
-            buf = torch.cat(flats)  # private: the bytes of every chunk, stats read it too
-        counts = [f.numel() for f in flats]
+            counts = [f.numel() for f in flats]
+            block = _GROUP_BUFFERS.take(flats[0].dtype, sum(counts))
+            buf = torch.cat(flats, out=block[:sum(counts)])  # private: the bytes of every chunk, stats read it too
+        waits = [False]
+        try:
+            return self._code_buffer(plan, tasks, buf, counts, prevs, links, settled, out, waits)
+        finally:
+            if not waits[0]:  # no chunk keeps a slice of it (_wait_for): the next group's
+                _GROUP_BUFFERS.give(block)
+
+    def _code_buffer(self, plan: StepPlan, tasks: list[ChunkTask], buf: torch.Tensor, counts: list[int],
+                     prevs: list[torch.Tensor | None] | None, links: list[Link], settled: list[bool],
+                     out: list[ChunkResult], waits: list[bool]) -> BaseException | None:
+        """:meth:`_code_group` once the chunks' values are in ``buf``
+        (``counts[j]`` values each); ``waits[0]`` set if a chunk keeps a
+        slice of ``buf`` past the call."""
+        error: BaseException | None = None
         rows = batch_partials(buf, counts, prevs)
         arr = as_storage_view(buf).numpy().view(np.uint8)
         mv = arr.data
@@ -195,6 +209,7 @@ class BatchFlush:
             prev: Link | None = link.prev
             done, value = (True, None) if prev is None else prev.peek()
             if prev is not None and not done:
+                waits[0] = True
                 self._wait_for(plan, t, raw, result, link, prev)
                 settled[j] = True
                 out.append(result)
@@ -286,6 +301,40 @@ class BatchFlush:
             self._pool.submit(run)
 
         prev.then(finish)
+
+
+class _Blocks:
+    """1-d tensors a group's values are concatenated into, reused from group
+    to group (by dtype): a new 1.2 MB block per step cost the capture helper
+    its page faults every step (issue 16). At most ``keep_bytes`` are kept
+    idle; a block a waiting chunk still slices is never given back."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self._keep_bytes = keep_bytes
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        with self._lock:
+            for i, t in enumerate(self._free):
+                if t.dtype == dtype and t.numel() >= numel:
+                    return self._free.pop(i)
+        return torch.empty(numel, dtype=dtype)
+
+    def give(self, block: torch.Tensor) -> None:
+        with self._lock:
+            self._free.insert(0, block)  # the most recent first: its pages are warm
+            total = 0
+            for i, t in enumerate(self._free):
+                total += t.nbytes
+                if total > self._keep_bytes:
+                    del self._free[i:]
+                    break
+
+
+#: Blocks kept idle: two groups' worth (the capture helper flushes a step's
+#: batches on two threads).
+_GROUP_BUFFERS = _Blocks(2 * GROUP_BYTES)
 
 
 def _split(members: list[tuple[int, int]]) -> list[list[int]]:

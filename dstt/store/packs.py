@@ -108,9 +108,13 @@ def read_range(backend: Backend, key: str, rng: PackRange, max_bytes: int, where
 
 #: Page size: pack buffers start on a page and grow by whole pages.
 _PAGE = mmap.PAGESIZE
-#: Idle pack buffers a process keeps for its next packs (each as large as a
-#: pack grew: about PACK_TARGET_BYTES plus a chunk).
-PACK_BUFFERS_KEPT = 2
+#: Bytes of idle pack buffers a process keeps for its next packs (counted
+#: as the bytes each buffer ever held: its pages in memory). A capture helper
+#: committing a group of queued steps fills a pack per step before writing
+#: any: a 1.2 MB step, up to 16 queued, stays well inside.
+PACK_BUFFERS_KEEP_BYTES = 32 << 20
+#: ... and at most this many buffers.
+PACK_BUFFERS_KEPT = 16
 
 
 class _Buffers:
@@ -126,31 +130,39 @@ class _Buffers:
     returned: every backend's ``put`` has copied or written the bytes by then
     (local files synchronously, object stores and zarr stores via ``bytes``)."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep_bytes: int, keep: int) -> None:
+        self._keep_bytes = keep_bytes
         self._keep = keep
         self._lock = threading.Lock()
-        self._free: list[mmap.mmap] = []
+        self._free: list[tuple[mmap.mmap, int]] = []  # (buffer, bytes it ever held)
 
-    def take(self, min_bytes: int) -> mmap.mmap:
-        """An idle buffer of at least ``min_bytes`` (a new one if none is)."""
+    def take(self, min_bytes: int) -> tuple[mmap.mmap, int]:
+        """An idle buffer of at least ``min_bytes`` and the bytes it ever
+        held (a new one, 0, if none is idle)."""
         with self._lock:
-            for i, buf in enumerate(self._free):
+            for i, (buf, used) in enumerate(self._free):
                 if len(buf) >= min_bytes:
-                    return self._free.pop(i)
+                    del self._free[i]
+                    return buf, used
         # Anonymous mappings are page-aligned; untouched pages cost nothing.
-        return mmap.mmap(-1, max(_PAGE, -(-min_bytes // _PAGE) * _PAGE))
+        return mmap.mmap(-1, max(_PAGE, -(-min_bytes // _PAGE) * _PAGE)), 0
 
-    def give(self, buf: mmap.mmap) -> None:
-        """Keep ``buf`` for a later pack (the largest few are kept; the rest
-        are dropped -- unmapped once no view of them is left, never closed
-        under a view)."""
+    def give(self, buf: mmap.mmap, used: int) -> None:
+        """Keep ``buf`` for a later pack, within the bounds (the rest are
+        dropped: unmapped once no view of them is left, never closed under
+        a view)."""
         with self._lock:
-            self._free.append(buf)
-            self._free.sort(key=len, reverse=True)
-            del self._free[self._keep:]
+            self._free.append((buf, used))
+            self._free.sort(key=lambda x: x[1])  # the least memory first
+            kept, total = [], 0
+            for item in self._free[:self._keep]:
+                if total + item[1] <= self._keep_bytes:
+                    kept.append(item)
+                    total += item[1]
+            self._free = kept
 
 
-_BUFFERS = _Buffers(PACK_BUFFERS_KEPT)
+_BUFFERS = _Buffers(PACK_BUFFERS_KEEP_BYTES, PACK_BUFFERS_KEPT)
 
 
 class PackFile:
@@ -162,12 +174,13 @@ class PackFile:
     first ``size`` bytes of ``buf``, a page-aligned buffer taken from (and,
     once the pack is written or failed, given back to) a small pool."""
 
-    __slots__ = ("key", "n", "buf", "size", "state", "error")
+    __slots__ = ("key", "n", "buf", "size", "used", "state", "error")
 
     def __init__(self, key: str, n: int, capacity: int) -> None:
         self.key = key
         self.n = n
-        self.buf: mmap.mmap | None = _BUFFERS.take(capacity)
+        buf, self.used = _BUFFERS.take(capacity)  # (used: bytes the buffer ever held)
+        self.buf: mmap.mmap | None = buf
         self.size = 0
         self.state = "open"
         self.error: BaseException | None = None
@@ -178,10 +191,10 @@ class PackFile:
         buf, end = self.buf, self.size + len(view)
         assert buf is not None, "a pack is appended to only while open"  # (StepPacks holds its lock)
         if end > len(buf):  # (a chunk larger than the room left: a bigger buffer, the bytes moved)
-            bigger = _BUFFERS.take(max(end, 2 * len(buf)))
+            bigger, used = _BUFFERS.take(max(end, 2 * len(buf)))
             bigger[:self.size] = buf[:self.size]
-            _BUFFERS.give(buf)
-            self.buf = buf = bigger
+            _BUFFERS.give(buf, max(self.used, self.size))
+            self.buf, self.used, buf = bigger, used, bigger
         buf[self.size:end] = view
         self.size = end
 
@@ -194,7 +207,7 @@ class PackFile:
         """Give the buffer back (the pack was written or failed)."""
         buf, self.buf = self.buf, None
         if buf is not None:
-            _BUFFERS.give(buf)
+            _BUFFERS.give(buf, max(self.used, self.size))
 
 
 class StepPacks:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -204,7 +205,7 @@ def batch_partials(flat: torch.Tensor, counts: list[int],
     # float64 scratch buffers: whole-batch float64 temporaries cost more in
     # page faults than the arithmetic.
     size = min(int(ends[-1]), BATCH_BLOCK)
-    scratch = (torch.empty(size, dtype=torch.float64), torch.empty(size, dtype=torch.float64))
+    scratch = _scratch()
     with np.errstate(all="ignore"):  # NaN/inf values: those chunks are redone below
         i = 0
         while i < k:
@@ -244,6 +245,21 @@ def batch_partials(flat: torch.Tensor, counts: list[int],
         else:
             rows[i][7] = update_sumsq(seg, p)
     return rows
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch() -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's two float64 scratch buffers of BATCH_BLOCK values, kept
+    from call to call: new ones each call cost their page faults again (a
+    capture helper calls this for every step; issue 16). Only the calling
+    thread uses them, only during one call."""
+    bufs: tuple[torch.Tensor, torch.Tensor] | None = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = (torch.empty(BATCH_BLOCK, dtype=torch.float64),
+                                torch.empty(BATCH_BLOCK, dtype=torch.float64))
+    return bufs
 
 
 def merge(parts: list[Partial]) -> Partial:
