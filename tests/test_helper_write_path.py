@@ -182,3 +182,26 @@ def test_a_group_block_is_reused_but_never_under_a_waiting_chunk(tmp_path: Path,
         w.close()
     steps[3]["a"] = want3  # what was captured: the values before the fill
     _check_steps(path, steps)
+
+
+@pytest.mark.parametrize("cancelling", [1, 3, 12])
+def test_batch_m2_is_exact_where_the_shortcut_would_cancel(cancelling: int) -> None:
+    """stats.batch_partials takes M2 = sumsq - total * mean where that is
+    safe and the two-pass formula where it cancels (|mean| >> std: one
+    segment at a time for a few, the whole block for many); both match an
+    exactly rounded reference, one-value segments have M2 0."""
+    import math
+
+    from dstt.store.stats import batch_partials
+
+    g = torch.Generator().manual_seed(cancelling)
+    segs = [torch.randn(int(n), generator=g, dtype=torch.float64) for n in torch.randint(2, 400, (40,), generator=g)]
+    for k in range(cancelling):  # 1e6 + tiny noise: sumsq - n*mean^2 loses every digit
+        segs[3 * k] = 1e6 + 1e-4 * segs[3 * k]
+    segs[-1] = torch.tensor([5.0], dtype=torch.float64)
+    rows = batch_partials(torch.cat(segs), [s.numel() for s in segs])
+    for s, row in zip(segs, rows):
+        vals = s.tolist()
+        mean = math.fsum(vals) / len(vals)
+        want = math.fsum((x - mean) ** 2 for x in vals)
+        assert row[2] == pytest.approx(want, rel=1e-9, abs=1e-300), (len(vals), row[1])

@@ -34,6 +34,13 @@ DIRECT_ALIGN = 4096
 #: synchronous device round trip does not pay for itself on small writes).
 DIRECT_MIN_BYTES = 1 << 20
 
+#: Buffered files of at least this many bytes get their writeback started at
+#: once (:func:`start_writeback`); smaller ones (a step's index, names and
+#: stats) are left to the commit's ``sync()``, which follows within
+#: milliseconds: starting each one's I/O cost the capture helper a device
+#: round of its own per file (issue 16).
+WRITEBACK_MIN_BYTES = 256 << 10
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: A chunk path that is a symlink is never followed (see LocalBackend).
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -95,11 +102,14 @@ def address(buf: Any) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0])
 
 
-def write_all(fd: int, data: Any) -> None:
+def write_all(fd: int, data: Any) -> int:
+    """Write all of ``data``; its length."""
     view = memoryview(data).cast("B")
+    size = len(view)
     while view:
         n = os.write(fd, view)
         view = view[n:]
+    return size
 
 
 def direct_prefix(parts: Sequence[Any]) -> int:
@@ -139,9 +149,11 @@ def write_file(path: str, parts: Sequence[Any], direct: DirectState) -> None:
                 os.close(fd)
     fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
+        written = 0
         for part in parts:
-            write_all(fd, part)
-        start_writeback(fd)
+            written += write_all(fd, part)
+        if written >= WRITEBACK_MIN_BYTES:
+            start_writeback(fd)
     finally:
         os.close(fd)
 

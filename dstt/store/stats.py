@@ -174,8 +174,9 @@ def batch_partials(flat: torch.Tensor, counts: list[int],
     :data:`BATCH_DTYPES`), ``counts[i]`` values each (all > 0); ``prev[i]``:
     chunk i at the previous captured step, or None. Per-segment sums, sums of
     squares, minima and maxima in float64 (``np.*.reduceat``: a few array
-    passes for the whole batch instead of ~6 torch calls per chunk); M2 by
-    the exact two-pass formula (no cancellation when |mean| >> std). A chunk
+    passes for the whole batch instead of ~6 torch calls per chunk); M2 as
+    :func:`chunk_partial` computes it, the exact two-pass formula wherever
+    ``sumsq - n * mean**2`` would cancel (:func:`_block_m2`). A chunk
     with a non-finite sum or sum of squares (NaN/inf values, overflow) is
     done by :func:`chunk_partial` itself, as are update sums whose previous
     values do not batch (another dtype's widening, a size mismatch).
@@ -223,9 +224,7 @@ def batch_partials(flat: torch.Tensor, counts: list[int],
             hi[i:j] = np.maximum.reduceat(v, at)
             np.multiply(v, v, out=w)
             sumsq[i:j] = np.add.reduceat(w, at)
-            np.subtract(v, np.repeat(total[i:j] / n[i:j], n[i:j]), out=w)  # two-pass M2: exact
-            np.multiply(w, w, out=w)
-            m2[i:j] = np.add.reduceat(w, at)
+            m2[i:j] = _block_m2(v, w, at, n[i:j], total[i:j], sumsq[i:j])
             if pflat is not None:
                 wt.copy_(pflat[a:b])
                 np.subtract(v, w, out=w)
@@ -245,6 +244,36 @@ def batch_partials(flat: torch.Tensor, counts: list[int],
         else:
             rows[i][7] = update_sumsq(seg, p)
     return rows
+
+
+#: Segments of a block whose M2 is redone one by one (two-pass) before the
+#: whole block is (a few per block: a LayerNorm weight beside other tensors).
+TWO_PASS_SEGMENTS = 4
+
+
+def _block_m2(v: np.ndarray, w: np.ndarray, at: np.ndarray, n: np.ndarray, total: np.ndarray,
+              sumsq: np.ndarray) -> np.ndarray:
+    """M2 (sum of squared deviations) of the segments of one block: ``v``
+    its float64 values, ``w`` scratch of the same size, ``at`` segment
+    starts, ``n`` their sizes and ``total``/``sumsq`` their sums. As
+    :func:`chunk_partial`: ``sumsq - total * mean`` where that is safe, the
+    exact two-pass formula where it would cancel (``M2 < 1e-2 * n * mean**2``,
+    ``|mean| >> std``) -- one segment at a time for a few, the whole block in
+    two passes for more. A one-value segment's M2 is 0."""
+    mean = total / n
+    m2 = sumsq - total * mean
+    cancels = ((m2 < 1e-2 * n * mean * mean) | (m2 <= 0)) & (n > 1)
+    m2[n == 1] = 0.0
+    redo = np.flatnonzero(cancels)
+    if len(redo) > TWO_PASS_SEGMENTS:
+        np.subtract(v, np.repeat(mean, n), out=w)
+        np.multiply(w, w, out=w)
+        return np.add.reduceat(w, at)
+    for q in redo.tolist():
+        a = int(at[q])
+        d = v[a:a + int(n[q])] - mean[q]
+        m2[q] = float(np.dot(d, d))
+    return m2
 
 
 _SCRATCH = threading.local()
