@@ -261,14 +261,15 @@ def _block_m2(v: np.ndarray, w: np.ndarray, at: np.ndarray, n: np.ndarray, total
     ``|mean| >> std``) -- one segment at a time for a few, the whole block in
     two passes for more. A one-value segment's M2 is 0."""
     mean = total / n
-    m2 = sumsq - total * mean
+    m2: np.ndarray = sumsq - total * mean
     cancels = ((m2 < 1e-2 * n * mean * mean) | (m2 <= 0)) & (n > 1)
     m2[n == 1] = 0.0
     redo = np.flatnonzero(cancels)
     if len(redo) > TWO_PASS_SEGMENTS:
         np.subtract(v, np.repeat(mean, n), out=w)
         np.multiply(w, w, out=w)
-        return np.add.reduceat(w, at)
+        whole: np.ndarray = np.add.reduceat(w, at)
+        return whole
     for q in redo.tolist():
         a = int(at[q])
         d = v[a:a + int(n[q])] - mean[q]
