@@ -336,3 +336,53 @@ def test_tree_text_is_json_dumps_exactly_while_subtrees_are_shared() -> None:
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError):
             S._TREE_TEXT.encode({"x": [bad]})
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+def test_a_step_the_helper_failed_is_resealed_with_crcs_before_its_blocks_go_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seal without CRCs must never outlive its bytes: when the helper
+    fails a step, its seal is rewritten with CRCs before its blocks are
+    reused -- or removed if that fails -- or else the blocks stay reserved."""
+    from test_capture_process import FULL_DISK
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_DISK)  # the helper's chunk writes fail
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    cap = dstt.Capture(tmp_path / "run", helper=True)
+    try:
+        assert cap._ring is not None
+        seals = cap._ring.dir
+        state = {f"t{i}": torch.full((8,), float(i)) for i in range(6)}
+        outcomes = {}
+        import dstt.capture.crashsafe as crashsafe
+
+        def refused(*args: object, **kwargs: object) -> None:
+            raise OSError("refused")
+
+        def no_crc_seal(*args: object, **kwargs: object) -> dict:
+            if kwargs.get("crc", True):
+                raise OSError("refused")  # (the rewrite with CRCs; the first seal has none)
+            return R.seal_record(*args, **kwargs)  # type: ignore[arg-type]
+
+        for step, breaks in enumerate([(), ("seal",), ("seal", "unseal")]):
+            if "seal" in breaks:
+                monkeypatch.setattr(crashsafe, "seal_record", no_crc_seal)
+            if "unseal" in breaks:
+                monkeypatch.setattr(cap._ring, "unseal", refused)
+            cap.snapshot(step, extra=state, rng=False)
+            with pytest.raises(dstt.CaptureError, match=rf"step {step} .*No space left"):
+                cap.wait()
+            path = seals / f"seal-{step:020d}.json"
+            record = R.read_record(R.read_bounded(path)) if path.exists() else None
+            assert cap.pool is not None
+            outcomes[step] = (record is not None and all(isinstance(c, int) for _, c, _ in
+                                                         record["tasks"]["extents"]), cap.pool.in_use)
+            monkeypatch.setattr(crashsafe, "seal_record", R.seal_record)
+            monkeypatch.setattr(cap._ring, "unseal", type(cap._ring).unseal.__get__(cap._ring))
+        assert outcomes[0] == (True, 0)  # rewritten with CRCs, then freed
+        assert outcomes[1][1] == 0 and not (seals / f"seal-{1:020d}.json").exists()  # removed, then freed
+        assert outcomes[2][1] > 0  # neither: its blocks stay reserved
+    finally:
+        cap.close()
