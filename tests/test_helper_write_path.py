@@ -205,3 +205,41 @@ def test_batch_m2_is_exact_where_the_shortcut_would_cancel(cancelling: int) -> N
         mean = math.fsum(vals) / len(vals)
         want = math.fsum((x - mean) ** 2 for x in vals)
         assert row[2] == pytest.approx(want, rel=1e-9, abs=1e-300), (len(vals), row[1])
+
+
+def test_a_single_writer_commits_a_step_with_one_store_sync_after_all_its_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """committer: a single writer's step syncs the store once -- after its
+    packs, chunk files and index files, before its commit marker (the sync
+    before the index files only mattered for other ranks' chunks)."""
+    from dstt.store.backends.local import LocalBackend
+
+    ops: list[str] = []
+    real_sync, real_put, real_atomic = LocalBackend.sync, LocalBackend.put, LocalBackend.put_atomic
+
+    def sync(self: LocalBackend) -> None:
+        ops.append("sync")
+        real_sync(self)
+
+    def put(self: LocalBackend, key: str, data: object) -> None:
+        ops.append("put " + key)
+        real_put(self, key, data)  # type: ignore[arg-type]
+
+    def put_atomic(self: LocalBackend, key: str, data: object) -> None:
+        ops.append("put_atomic " + key)
+        real_atomic(self, key, data)  # type: ignore[arg-type]
+
+    path = tmp_path / "run"
+    states = {s: {"a": torch.full((100,), float(s)), "big": torch.full((300_000,), float(s))} for s in range(2)}
+    dstt.save(path, 0, states[0])
+    monkeypatch.setattr(LocalBackend, "sync", sync)
+    monkeypatch.setattr(LocalBackend, "put", put)
+    monkeypatch.setattr(LocalBackend, "put_atomic", put_atomic)
+    dstt.save(path, 1, states[1])
+    assert ops.count("sync") == 1
+    at = ops.index("sync")
+    assert any(o.startswith("put packs/") for o in ops[:at]) and any("/c." in o for o in ops[:at])
+    assert any(o.endswith("/index.json") for o in ops[:at]) and not any(o.startswith("put ") for o in ops[at + 1:])
+    assert ops[-1].startswith("put_atomic ") and ops[-1].endswith("/commit.json")
+    monkeypatch.undo()
+    _check_steps(path, states)
