@@ -510,6 +510,32 @@ def test_background_threads_yield_the_cpu_to_the_trainer(tmp_path: Path) -> None
         dstt.Capture(tmp_path / "other", background_nice=20)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is a Linux scheduling policy")
+def test_background_threads_and_helper_run_under_sched_idle(tmp_path: Path) -> None:
+    """By default dstt's threads and its capture helper's threads take
+    SCHED_IDLE (an OpenMP worker of the trainer preempts them at once);
+    background_idle=False leaves them under the trainer's policy; the
+    trainer's thread never changes, and the steps round-trip either way."""
+    mine = os.sched_getscheduler(0)
+    model, opt, _ = make()
+    policies = {}
+    for idle in (True, False):
+        with deadline(60), dstt.Capture(tmp_path / f"run{idle}", background_idle=idle) as cap:
+            train_step(model, opt)
+            cap.snapshot(0, model=model, optimizer=opt)
+            cap.wait()
+            ours = {t.name: os.sched_getscheduler(t.native_id) for t in (cap._stager, cap._committer)}
+            helper = [os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{cap._helper.pid}/task")]
+            policies[idle] = (ours, helper)
+        assert_same(dstt.state_of(model=model, optimizer=opt, rng=False), stored(tmp_path / f"run{idle}", 0), "")
+    (ours, helper), (ours_off, helper_off) = policies[True], policies[False]
+    assert set(ours.values()) == {os.SCHED_IDLE} and set(helper) == {os.SCHED_IDLE}, policies
+    assert set(ours_off.values()) == {mine} and set(helper_off) == {mine}, policies
+    assert os.sched_getscheduler(0) == mine
+    with pytest.raises(ConfigError, match="background_idle"):
+        dstt.Capture(tmp_path / "other", background_idle="yes")
+
+
 # ----------------------------------------------------------------------------- failures while staging
 
 

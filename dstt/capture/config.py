@@ -52,6 +52,11 @@ class CaptureConfig:
     #: Nice value of dstt's background threads (Linux): the trainer's threads
     #: win the CPU when both want it; 0 leaves them at the trainer's priority.
     background_nice: int = 10
+    #: Linux: dstt's background threads and its capture helper also run
+    #: under the SCHED_IDLE policy, so a trainer's thread that wakes up (an
+    #: OpenMP worker of a CPU run) takes its core at once instead of waiting
+    #: out a time slice. False: the nice value alone.
+    background_idle: bool = True
     #: At interpreter exit, a Capture never closed waits up to this many
     #: seconds for its queued steps to commit, then says on stderr what it lost.
     exit_drain_s: float = 60.0
@@ -95,6 +100,8 @@ class CaptureConfig:
         validate_branch(self.branch)
         if not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 19:
             raise ConfigError(f"background_nice must be an integer in 0..19, got {self.background_nice!r}")
+        if not isinstance(self.background_idle, bool):
+            raise ConfigError(f"background_idle must be True or False, got {self.background_idle!r}")
         if not isinstance(self.exit_drain_s, (int, float)) or isinstance(self.exit_drain_s, bool) \
                 or not 0 <= self.exit_drain_s < float("inf"):
             raise ConfigError(f"exit_drain_s must be a finite number of seconds >= 0, got {self.exit_drain_s!r}")

@@ -210,7 +210,8 @@ class CrashSafe:
                    "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
         dist = {"rank": coord.rank, "world": coord.world, "run": self._run_id} if coord.distributed else None
         assert self._ring is not None
-        return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice, dist)
+        return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice, dist,
+                            idle=cfg.background_idle)
 
     def _new_pool(self, capacity: int, pin: bool) -> HostPool:
         """A pool in the ring's /dev/shm file where it fits (policy.shm_decision),

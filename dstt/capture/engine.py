@@ -510,7 +510,7 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
 
     def _lower_priority(self) -> None:
         """Run on each background thread: let the trainer's threads win the CPU."""
-        lower_thread_priority(self.config.background_nice)
+        lower_thread_priority(self.config.background_nice, self.config.background_idle)
 
     def _stage_loop(self) -> None:
         self._lower_priority()

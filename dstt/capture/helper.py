@@ -214,14 +214,15 @@ def _helper_env() -> dict[str, str]:
 
 
 def start(writer_options: dict[str, Any], store_path: str, ring_dir: Path, lock_fd: int | None, nice: int,
-          dist: dict[str, Any] | None = None) -> HelperHandle:
+          dist: dict[str, Any] | None = None, *, idle: bool = False) -> HelperHandle:
     """Start the helper (see the module docstring); returns at once, without
     waiting for its start-up. ``dist`` (``rank``, ``world``, ``run``): the
     helper of one rank of a distributed Capture (ranks.py); only rank 0's
-    shares the branch lock (``lock_fd``)."""
+    shares the branch lock (``lock_fd``). ``idle``: once started, it runs
+    under SCHED_IDLE (pipeline.lower_thread_priority says why)."""
     cmd_r, cmd_w = os.pipe()
     ack_r, ack_w = os.pipe()
-    args = {"store": store_path, "ring": str(ring_dir), "options": writer_options, "nice": nice,
+    args = {"store": store_path, "ring": str(ring_dir), "options": writer_options, "nice": nice, "idle": idle,
             "lock_fd": lock_fd, "cmd_fd": cmd_r, "ack_fd": ack_w, "dist": dist, "trainer": os.getpid()}
     fds = (cmd_r, ack_w) if lock_fd is None else (lock_fd, cmd_r, ack_w)
     try:
@@ -244,11 +245,11 @@ def main(argv: list[str]) -> int:
     if args["nice"] > 0:
         os.nice(args["nice"])
     return serve(args["options"], args["store"], Path(args["ring"]), args["lock_fd"], args["cmd_fd"],
-                 args["ack_fd"], dist=args.get("dist"), trainer_pid=args.get("trainer"))
+                 args["ack_fd"], dist=args.get("dist"), trainer_pid=args.get("trainer"), idle=bool(args.get("idle")))
 
 
 def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: int | None, cmd_fd: int,
-          ack_fd: int, dist: dict[str, Any] | None = None, trainer_pid: int | None = None) -> int:
+          ack_fd: int, dist: dict[str, Any] | None = None, trainer_pid: int | None = None, idle: bool = False) -> int:
     """The helper's loop; its exit code."""
     import torch
 
@@ -279,6 +280,12 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     # cycles) are freed by reference counting: the collector runs rarely.
     gc.freeze()
     gc.set_threshold(HELPER_GC_THRESHOLDS[0], HELPER_GC_THRESHOLDS[1], HELPER_GC_THRESHOLDS[2])
+    if idle:  # (after start-up, which ran at its nice value only; threads started later inherit it)
+        from dstt.capture.pipeline import set_idle_policy
+
+        with contextlib.suppress(OSError):
+            for tid in os.listdir("/proc/self/task"):  # (torch's own threads too)
+                set_idle_policy(int(tid))
     with contextlib.suppress(OSError):  # (the trainer may have died while this started: serve the ring)
         os.write(ack_fd, b"ready\n")  # the trainer's committer waits for this line first
     pools: dict[str, Any] = {}

@@ -91,25 +91,47 @@ class Job:
         self.submitted.set()
 
 
-def lower_thread_priority(nice: int) -> None:
+def lower_thread_priority(nice: int, idle: bool = False) -> None:
     """Make the calling (background) thread yield to the trainer: its torch
-    operations single-threaded, and its nice value raised to ``nice`` (Linux,
-    where nice is per thread; elsewhere it would apply to the whole process).
+    operations single-threaded, its nice value raised to ``nice``, and with
+    ``idle`` Linux's SCHED_IDLE policy (Linux, where both are per thread;
+    elsewhere they would apply to the whole process).
 
     Single-threaded because with the OpenMP backend every thread calling
     into torch runs its own team of ``get_num_threads()`` workers: stats
     and checksums of a background thread then preempt the trainer's own
     team, whose workers spin at each barrier for the one descheduled (an
     optimizer step measured 4x slower beside a background writer on 2
-    cores). ``torch.set_num_threads`` is per calling thread there."""
+    cores). ``torch.set_num_threads`` is per calling thread there.
+
+    SCHED_IDLE because a nice value only shares the CPU: a thread at nice
+    10 keeps a core for the rest of its time slice when one of the
+    trainer's OpenMP workers wakes up on it, and the whole parallel region
+    waits for that worker. A SCHED_IDLE thread is preempted at once."""
     torch.set_num_threads(1)
-    if nice <= 0 or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    if nice > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+        except OSError as e:  # a sandbox may refuse; capture works the same, only less politely
+            log.debug("could not lower dstt thread priority: %s", e)
+    if idle:
+        set_idle_policy(tid)
+
+
+def set_idle_policy(tid: int = 0) -> None:
+    """Put thread ``tid`` (0: the caller) under SCHED_IDLE where Linux
+    allows it (lowering one's own policy needs no privilege; a sandbox may
+    still refuse: then only its nice value applies)."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
         return
     try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-    except OSError as e:  # a sandbox may refuse; capture works the same, only less politely
-        log.debug("could not lower dstt thread priority: %s", e)
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+    except OSError as e:
+        log.debug("could not put a dstt thread under SCHED_IDLE: %s", e)
 
 
 class GuardTripped(Exception):
