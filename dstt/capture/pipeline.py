@@ -142,10 +142,12 @@ class GuardTripped(Exception):
         self.error = error
 
 
-def check_guard(job: Job, guard: VersionGuard | None, i: int) -> None:
+def check_guard(job: Job, guard: VersionGuard | None, i: int, j: int | None = None) -> None:
+    """GuardTripped if lazy source ``i`` (or sources ``i..j-1``, copied by
+    one call) changed before its copy completed."""
     if guard is None:
         return
-    violation = guard.copied(i)
+    violation = guard.copied(i) if j is None else guard.copied_range(i, j)
     if violation is not None:
         raise GuardTripped(CaptureError(f"step {job.plan.step} not captured: {violation}"))
 

@@ -19,7 +19,6 @@ from dstt.capture import policy
 from dstt.capture.hooks import optimizer_storages, storage_key
 from dstt.capture.pipeline import GuardTripped, Job, check_guard, task_bytes
 from dstt.capture.staging import HostPool
-from dstt.errors import CaptureError
 from dstt.store.plan import ChunkTask
 
 log = logging.getLogger("dstt.capture")
@@ -290,10 +289,7 @@ class Stager:
                 self._queued_bytes -= group.block_bytes
                 job.lazy_bytes -= group.block_bytes
             dst = group.fill(block)
-            if job.guard is not None:  # completed: a change before now is in the copy
-                violation = job.guard.copied_range(i, j)
-                if violation is not None:
-                    raise GuardTripped(CaptureError(f"step {job.plan.step} not captured: {violation}"))
+            check_guard(job, job.guard, i, j)  # completed: a change before now is in the copy
             dsts = None if self._keep_groups() else group.views(dst)
             with job.claim:
                 if dsts is None:
