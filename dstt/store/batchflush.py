@@ -29,7 +29,6 @@ it -- and the first error is returned, never swallowed.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,7 +42,7 @@ import torch
 from dstt.store.codec import encode_chunk
 from dstt.store.committer import ChunkResult
 from dstt.store.gcpause import paused_gc
-from dstt.store.keyframes import ChunkPlace, ChunkRef, Link, live_ref, proven_equal
+from dstt.store.keyframes import ChunkPlace, ChunkRef, Link, live_ref, packed_sha256, proven_equal
 from dstt.store.stats import BATCH_DTYPES, batch_partials
 from dstt.store.torch_dtypes import as_storage_view
 
@@ -243,19 +242,14 @@ class BatchFlush:
         (the ref to resolve its link to, []) if it equals ``value`` (result
         filled in, the pack referenced), else (None, its encoded parts).
 
-        ``result.sha256`` is set for a dedup candidate (its CRC equals the
-        previous step's: proven equal by hash, recorded so the next step's
-        proof is by hash too) and for a chunk with no previous value (a
-        first step: frozen weights are deduplicated by hash from the next
-        step on); a changed chunk -- every chunk of a training loop's step --
-        costs its CRC and no hash (sha256 was ~0.6 ms per 1.2 MB step of the
-        capture helper's CPU, issue 16). A chunk equal to a changed
-        predecessor (no sha256) is proven equal by reading that range back
-        (keyframes.proven_equal) or, its pack not written yet, stored anew
-        with its hash: never aliased unproven."""
+        ``result.sha256`` is keyframes.packed_sha256's (a changed chunk gets
+        none: sha256 was ~0.6 ms per 1.2 MB step of the capture helper's
+        CPU, issue 16). A chunk equal to a changed predecessor (no sha256)
+        is proven equal by reading that range back (keyframes.proven_equal)
+        or, its pack not written yet, stored anew with its hash."""
         value = live_ref(value)
         candidate = value is not None and value.crc == result.crc
-        sha = hashlib.sha256(raw).digest() if candidate or value is None else None
+        sha = packed_sha256(raw, value, result.crc)
         result.sha256 = sha
         if (self.dedup and candidate and value is not None and sha is not None
                 and proven_equal(self.backend, value, raw, sha, lambda: chunk_place(t))):

@@ -194,11 +194,7 @@ def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, 
     if packs is not None:
         parts = encode_chunk(raw, place.codec, raw_crc=crc, itemsize=place.itemsize, fast=fast)
         f, rng = packs.add(parts)
-        # Recorded for a dedup candidate and a chunk with no predecessor (a
-        # first step: frozen weights are then deduplicated by hash); a
-        # changed chunk costs no hash (as in batchflush._code_packed).
-        packed_digest = sha if sha is not None or (prev is not None and prev.crc != crc) else \
-            hashlib.sha256(raw).digest()
+        packed_digest = sha if sha is not None else packed_sha256(raw, prev, crc)
         return Coded(ChunkRef(crc, packed_digest, slot, pack=rng, pack_file=f), rng.length, packed_digest)
     if place.delta_array is not None:
         key = None if fast else _keyframe_for(backend, place, prev, slot, len(raw), keyframe_every)
@@ -248,6 +244,19 @@ def _keyframe_for(backend: Backend, place: ChunkPlace, prev: ChunkRef | None, sl
 
 def _size(parts: list[Any]) -> int:
     return sum(len(memoryview(p).cast("B")) for p in parts)
+
+
+def packed_sha256(raw: memoryview, prev: ChunkRef | None, crc: int) -> bytes | None:
+    """The sha256 recorded for a packed chunk of CRC ``crc`` whose previous
+    step's chunk is ``prev`` (live): that of a dedup candidate (the same
+    CRC) and of a chunk with no predecessor (a first step: frozen weights
+    are then deduplicated by hash from the next step on); None for a changed
+    chunk -- every chunk of a training loop's step -- which costs no hash
+    (issue 16). A later chunk equal to an unhashed one is proven equal by
+    reading its range back (proven_equal), never aliased unproven."""
+    if prev is None or prev.crc == crc:
+        return hashlib.sha256(raw).digest()
+    return None
 
 
 def live_ref(prev: ChunkRef | None) -> ChunkRef | None:
