@@ -23,6 +23,7 @@ from dstt.capture.guard import VersionGuard
 from dstt.capture.staging import HostPool
 from dstt.errors import CaptureError
 from dstt.store.plan import ChunkTask, StepPlan
+from dstt.torchthreads import limit_this_thread
 
 log = logging.getLogger("dstt.capture")
 
@@ -95,20 +96,25 @@ def lower_thread_priority(nice: int, idle: bool = False) -> None:
     """Make the calling (background) thread yield to the trainer: its torch
     operations single-threaded, its nice value raised to ``nice``, and with
     ``idle`` Linux's SCHED_IDLE policy (Linux, where both are per thread;
-    elsewhere they would apply to the whole process).
+    elsewhere they would apply to the whole process). Nothing of the
+    process changes: no torch setting, no other thread (issue 23).
 
     Single-threaded because with the OpenMP backend every thread calling
     into torch runs its own team of ``get_num_threads()`` workers: stats
     and checksums of a background thread then preempt the trainer's own
     team, whose workers spin at each barrier for the one descheduled (an
     optimizer step measured 4x slower beside a background writer on 2
-    cores). ``torch.set_num_threads`` is per calling thread there.
+    cores). Only this thread's OpenMP team size is set
+    (:func:`dstt.torchthreads.limit_this_thread`): ``torch.set_num_threads``
+    would also set the count every thread of the trainer adopts at its
+    first operation.
 
     SCHED_IDLE because a nice value only shares the CPU: a thread at nice
     10 keeps a core for the rest of its time slice when one of the
     trainer's OpenMP workers wakes up on it, and the whole parallel region
     waits for that worker. A SCHED_IDLE thread is preempted at once."""
-    torch.set_num_threads(1)
+    if not limit_this_thread():
+        log.debug("dstt: no OpenMP runtime found: background torch operations use torch's thread count")
     if not sys.platform.startswith("linux"):
         return
     tid = threading.get_native_id()
