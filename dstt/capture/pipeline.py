@@ -65,6 +65,13 @@ class Job:
     forced: bool = False  # an incident or rewind wants it stored
     prev_job: Any = None  # the step captured just before it, pinned while this one is written
     tier_staged: bool = False  # staged and in the ring
+    # Each copy's destination in the slot (a group's block, or one task's),
+    # what the NaN/Inf watcher reads: a few reductions per step, not one per
+    # tensor (incidents.py). Appended by whoever copies (under ``claim``).
+    spans: list[torch.Tensor] = field(default_factory=list)
+    checking: bool = False  # the NaN/Inf watcher (or the trainer) is checking it (under Capture._cond)
+    nonfinite: tuple[str, ...] | None = None  # the check's result: the non-finite tensors (under Capture._cond)
+    watched: bool = False  # checked and settled, in step order (under Capture._cond)
     done: threading.Event = field(default_factory=threading.Event)  # stored, failed or passed over
     info: Any = None  # its CommitInfo once stored
     # Lazy CPU copies are claimed one by one, by the stager or -- when the
