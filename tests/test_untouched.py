@@ -83,12 +83,16 @@ def _check(reports: dict[str, dict[str, Any]], ref: str, modes: list[str]) -> No
 
 def test_plain_training_untouched_by_capture_save_and_flight_recorder(tmp_path: Path) -> None:
     modes = ["capture", "nohelper", "flight", "save"]
-    reports = _run_all(tmp_path, ["none", *modes])
+    reports = _run_all(tmp_path, ["none", *modes, "none-t3", "capture-t3"])
     _check(reports, "none", modes)
+    # a trainer that sets its thread count before creating the Capture keeps it too
+    _check(reports, "none-t3", ["capture-t3"])
+    assert reports["none-t3"]["points"]["end"]["new_thread_threads"] == 3
     # every mode really captured (or saved) its steps
     import dstt
 
     assert dstt.open(tmp_path / "store-capture").steps() == list(range(24))
+    assert dstt.open(tmp_path / "store-capture-t3").steps() == list(range(24))
     assert dstt.open(tmp_path / "store-nohelper").steps() == list(range(24))
     assert 23 in dstt.open(tmp_path / "store-flight").steps()  # persist="newest": the last one at least
     assert dstt.open(tmp_path / "store-save").steps() == [0, 6, 12, 18]

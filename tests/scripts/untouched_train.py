@@ -6,7 +6,9 @@ process's global settings along the way (tests/test_untouched.py, issue 23).
 MODE: ``none`` (no dstt: the reference), ``capture`` (``dstt.Capture()``
 with its defaults), ``nohelper`` (``helper=False``), ``flight``
 (``memory_steps=4, persist="newest"``), ``save`` (``dstt.save`` in the
-loop); ``hf-none``/``hf`` (a tiny GPT-2 under transformers.Trainer without /
+loop) -- each with ``-t3``: the trainer calls ``torch.set_num_threads(3)``
+first (which did not protect it either: a thread adopts the process-wide
+count at its first operation); ``hf-none``/``hf`` (a tiny GPT-2 under transformers.Trainer without /
 with ``dstt.integrations.transformers.DsttCallback``), ``pl-none``/``pl``
 (Lightning, without / with its DsttCallback).
 
@@ -150,6 +152,9 @@ def flat_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
 
 
 def plain(mode: str, store: str, report: dict[str, Any]) -> None:
+    mode, _, threads = mode.partition("-t")
+    if threads:
+        torch.set_num_threads(int(threads))
     report["points"]["start"] = settings(False, None)
     cap = None
     if mode != "none":
