@@ -104,3 +104,34 @@ def test_nonfinite_incident_at_the_planted_step_with_the_trainer_on_every_core(t
     for seed, nan_at in runs.items():
         ref = torch.load(tmp_path / f"ref{seed}.pt", weights_only=True)
         _check_incident(tmp_path / f"run{seed}", ref, nan_at, k, "2.weight")
+
+
+@pytest.mark.parametrize("where", ["big weight", "small bias", "buffer", "float16 extra", "bfloat16 extra"])
+def test_every_kind_of_staged_copy_is_checked(tmp_path: Path, where: str) -> None:
+    """A NaN/Inf is found wherever it lands: a large parameter (a copy of its
+    own, lazy), a small one (a group of small tensors copied together), a
+    buffer (eager), an extra tensor of a 16-bit dtype -- and named."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    extra = {"h": torch.ones(64, dtype=torch.float16), "b": torch.ones(64, dtype=torch.bfloat16)}
+    target = {"big weight": "0.weight", "small bias": "2.bias", "buffer": "1.running_var",
+              "float16 extra": "extra/h", "bfloat16 extra": "extra/b"}[where]
+    with dstt.Capture(tmp_path / "run", memory_steps=2, persist="newest") as cap:
+        for step in range(6):
+            model(torch.randn(8, 256)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 4:
+                with torch.no_grad():
+                    if where == "big weight":
+                        model[0].weight[7, 7] = float("nan")
+                    elif where == "small bias":
+                        model[2].bias[1] = float("inf")
+                    elif where == "buffer":
+                        model[1].running_var[3] = float("inf")
+                    else:
+                        extra["h" if where.startswith("float16") else "b"][5] = float("nan")
+            cap.snapshot(step, model=model, optimizer=opt, extra={k: v.clone() for k, v in extra.items()})
+    (inc,) = list_incidents(open_backend(str(tmp_path / "run")), "main")
+    assert inc.step == 4 and any(t.endswith(target) for t in inc.tensors), inc.tensors
