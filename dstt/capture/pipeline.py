@@ -23,7 +23,7 @@ from dstt.capture.guard import VersionGuard
 from dstt.capture.staging import HostPool
 from dstt.errors import CaptureError
 from dstt.store.plan import ChunkTask, StepPlan
-from dstt.torchthreads import limit_this_thread
+from dstt.store.torchthreads import limit_this_thread
 
 log = logging.getLogger("dstt.capture")
 
@@ -112,7 +112,7 @@ def lower_thread_priority(nice: int, idle: bool = False) -> None:
     team, whose workers spin at each barrier for the one descheduled (an
     optimizer step measured 4x slower beside a background writer on 2
     cores). Only this thread's OpenMP team size is set
-    (:func:`dstt.torchthreads.limit_this_thread`): ``torch.set_num_threads``
+    (:func:`dstt.store.torchthreads.limit_this_thread`): ``torch.set_num_threads``
     would also set the count every thread of the trainer adopts at its
     first operation.
 

@@ -45,7 +45,7 @@ from dstt.store.gcpause import paused_gc
 from dstt.store.keyframes import ChunkPlace, ChunkRef, Link, live_ref, packed_sha256, proven_equal
 from dstt.store.stats import BATCH_DTYPES, batch_partials
 from dstt.store.torch_dtypes import as_storage_view
-from dstt.torchthreads import single_threaded
+from dstt.store.torchthreads import single_threaded
 
 if TYPE_CHECKING:
     from dstt.store.backends import Backend
