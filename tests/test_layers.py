@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                 "dstt.store"]),
     # Torch adapters: planning, shards, write-time stats, tensor assembly, the writer.
     ("torch", ["dstt.store.torch_dtypes", "dstt.store.stats", "dstt.store.shards", "dstt.store.tree",
-               "dstt.store.coord", "dstt.store.plan", "dstt.store.committer", "dstt.store.groupcommit", "dstt.store.batchflush", "dstt.store.writer", "dstt.store.reader", "dstt.state"]),
+               "dstt.store.coord", "dstt.store.plan", "dstt.store.committer", "dstt.store.groupcommit", "dstt.store.batchflush", "dstt.store.torchthreads", "dstt.store.writer", "dstt.store.reader", "dstt.state"]),
     ("features", ["dstt.restore", "dstt.export", "dstt.capture", "dstt.analysis"]),
     ("api", ["dstt.api", "dstt.integrations", "dstt"]),
     ("cli", ["dstt.cli"]),

@@ -35,6 +35,7 @@ class Incidents:
     _cond: threading.Condition
     _tier: bool
     _held: deque[Job]
+    _watch_tail: deque[Job]
     _unstaged: list[Job]
     _watch_q: deque[Job]
     _nonfinite_seen: bool
@@ -86,12 +87,18 @@ class Incidents:
                     ", ".join(map(str, steps)) or "none")
         return inc
 
-    def _force_all(self) -> list[int]:
-        """Force every step in the ring, and every queued one (under _cond)."""
+    def _force_all(self, at: Job | None = None) -> list[int]:
+        """Force every step in the ring (the last K staged) -- with ``at``,
+        the watcher's non-finite step, the K before it and every later one,
+        from the steps kept for the watcher (FlightRecorder._tier_evict) --
+        and every queued one (under _cond)."""
         if not self._tier:
             return []
+        kept = [*self._watch_tail, *self._held]  # (in step order)
+        i = next((n for n, job in enumerate(kept) if job is at), None)
+        ring = list(self._held) if i is None else kept[max(0, i - self.config.memory_steps):]
         steps = []
-        for job in [*self._held, *self._unstaged]:
+        for job in [*ring, *self._unstaged]:
             if job.writer is not self.writer or job.decision == "failed":
                 continue
             if job.tier_staged:
@@ -104,46 +111,131 @@ class Incidents:
     # ------------------------------------------------------------ the watcher
 
     def _watch_loop(self) -> None:
-        """Check staged steps for NaN/Inf in step order (a watcher that falls
-        more than K steps behind skips the oldest: only steps in the ring are
-        checked, and they are what an incident stores)."""
+        """Check every staged step for NaN/Inf, never skipping one: a step
+        keeps its slot until it is checked, and the K checked steps before the
+        oldest unchecked one are kept too (FlightRecorder._tier_evict), so an
+        incident at the first non-finite step stores the K steps that led up
+        to it however far behind the watcher fell. A trainer that would wait
+        for a slot checks the oldest steps itself (FlightRecorder._tier_pool),
+        even one this thread is still on: it never waits for a low-priority
+        thread a busy machine may not schedule."""
         self._lower_priority()  # type: ignore[attr-defined]
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._watch_q or self._stopping)
-                if not self._watch_q:
+                self._cond.wait_for(lambda: self._stopping or _to_check(self._watch_q, False) is not None)
+                if _to_check(self._watch_q, False) is None:
                     return
-                job = self._watch_q.popleft()
-            freed: list[Job] = []
-            try:
-                bad = _nonfinite(job.views) if job.error is None else []
-            except Exception as e:  # noqa: BLE001 - a watcher failure must not stop capture
-                log.warning("dstt: could not check step %d for non-finite values: %s", job.plan.step, e)
-                bad = []
-            with self._cond:
-                self._unref(job, freed)
-                fire = bool(bad) and not self._nonfinite_seen and not self._closed  # type: ignore[attr-defined]
-                self._nonfinite_seen = bool(bad)
-            self._release(freed)
-            if fire:
-                names = tuple(bad[:MAX_NAMED])
-                more = f" and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
-                try:
-                    self._raise_incident(f"non-finite values in {', '.join(names)}{more}", job.plan.step,
-                                         "non-finite", names)
-                except BaseException as e:  # noqa: BLE001 - reported to the trainer's next call
-                    self._fail(job.plan.step, e)  # type: ignore[attr-defined]
+            self._watch_next(steal=False)
+
+    def _watch_next(self, steal: bool = True) -> bool:
+        """Check the oldest staged step nobody checks yet -- with ``steal``
+        (the trainer), else the oldest one not checked yet even if the
+        watcher is on it -- then settle the checked steps in step order.
+        False if there was none to check."""
+        with self._cond:
+            job = _to_check(self._watch_q, steal)
+            if job is None:
+                return False
+            job.checking = True
+        try:
+            bad = tuple(_nonfinite_tensors(job))
+        except Exception as e:  # noqa: BLE001 - a watcher failure must not stop capture
+            log.warning("dstt: could not check step %d for non-finite values: %s", job.plan.step, e)
+            bad = ()
+        freed: list[Job] = []
+        with self._cond:
+            if job.nonfinite is None:  # (the first of two checkers to finish)
+                job.nonfinite = bad
+            fired = self._watch_settle(freed)
+            self._cond.notify_all()
+        self._release(freed)  # type: ignore[attr-defined]
+        for at, names, steps in fired:
+            self._record_nonfinite(at, names, steps)
+        return True
+
+    def _watch_settle(self, freed: list[Job]) -> list[tuple[Job, tuple[str, ...], list[int]]]:
+        """Settle the checked steps at the head of the queue, in step order
+        (under _cond): the first non-finite step after a clean one forces
+        the K steps before it and every later one -- before the ring lets go
+        of anything -- and is returned to be recorded."""
+        fired = []
+        while self._watch_q and self._watch_q[0].nonfinite is not None:
+            job = self._watch_q.popleft()
+            bad = job.nonfinite or ()
+            job.watched = True
+            job.spans = []
+            if bad and not self._nonfinite_seen and not self._stopping:
+                fired.append((job, bad, self._force_all(job)))
+            self._nonfinite_seen = bool(bad)
+            self._unref(job, freed)  # type: ignore[attr-defined]
+        self._tier_evict(freed)  # type: ignore[attr-defined]
+        return fired
+
+    def _record_nonfinite(self, job: Job, bad: tuple[str, ...], steps: list[int]) -> None:
+        """Record the incident of a non-finite step (its steps already forced)."""
+        names = bad[:MAX_NAMED]
+        more = f" and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else ""
+        reason = f"non-finite values in {', '.join(names)}{more}"
+        try:
+            inc = Incident(branch=job.writer.branch.name, step=job.plan.step, reason=reason, source="non-finite",
+                           time=time.time(), steps=tuple(steps), tensors=names)
+            record_incident(job.writer.backend, inc)
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer's next call
+            self._fail(job.plan.step, e)  # type: ignore[attr-defined]
+            return
+        log.warning("dstt: incident at step %d (non-finite): %r; storing steps %s", job.plan.step, reason,
+                    ", ".join(map(str, steps)) or "none")
+
+    def _watch_all(self) -> None:
+        """Check every staged step not settled yet, on this thread."""
+        while self._watch_next():
+            pass
+
+
+def _to_check(queue: deque[Job], steal: bool) -> Job | None:
+    """The oldest step of ``queue`` nobody checks yet, or (``steal``) the
+    oldest one not checked yet."""
+    for job in queue:
+        if job.nonfinite is None and not job.checking:
+            return job
+    if steal:
+        for job in queue:
+            if job.nonfinite is None:
+                return job
+    return None
+
+
+def _nonfinite_tensors(job: Job) -> list[str]:
+    """Names of the floating-point tensors of a staged ``job`` that hold a
+    NaN or Inf: one reduction per staged copy (``job.spans``: a group of
+    small tensors is one), the tensors named only when one is not finite.
+    Read-only: two checkers may read one step at once."""
+    for ev in job.cuda_eager:  # (eager CUDA copies: the host copy may still be landing)
+        ev.synchronize()
+    if not any(map(_span_nonfinite, job.spans)):
+        return []
+    return _nonfinite(job.views)
+
+
+def _span_nonfinite(v: torch.Tensor) -> bool:
+    """Whether the values of ``v`` include a NaN or Inf. One sum, no
+    temporary: a NaN or Inf makes it non-finite (16-bit values summed in
+    float32); a finite tensor whose sum overflows is then checked exactly."""
+    if not (v.is_floating_point() or v.is_complex()) or v.numel() == 0:
+        return False
+    try:
+        total = v.sum(dtype=torch.float32) if v.element_size() <= 2 and not v.is_complex() else v.sum()
+        return not bool(torch.isfinite(total)) and not bool(torch.isfinite(v).all())
+    except (RuntimeError, TypeError, NotImplementedError):  # a dtype without these kernels (float8, complex32)
+        wide = v.to(torch.complex64 if v.is_complex() else torch.float32)
+        return not bool(torch.isfinite(wide).all())
 
 
 def _nonfinite(views: list[tuple[ChunkTask, torch.Tensor]]) -> list[str]:
     """Names of the floating-point tensors with a NaN or Inf in these chunks."""
     bad: list[str] = []
     for t, v in views:
-        if not (v.is_floating_point() or v.is_complex()) or t.layout.name in bad:
-            continue
-        # One reduction, no temporary: a NaN or Inf makes the sum non-finite;
-        # a finite tensor whose sum overflows is then checked exactly.
-        if not bool(torch.isfinite(v.sum())) and not bool(torch.isfinite(v).all()):
+        if t.layout.name not in bad and _span_nonfinite(v):
             bad.append(t.layout.name)
     return bad
 

@@ -23,6 +23,7 @@ from dstt.capture.guard import VersionGuard
 from dstt.capture.staging import HostPool
 from dstt.errors import CaptureError
 from dstt.store.plan import ChunkTask, StepPlan
+from dstt.store.torchthreads import limit_this_thread
 
 log = logging.getLogger("dstt.capture")
 
@@ -64,6 +65,13 @@ class Job:
     forced: bool = False  # an incident or rewind wants it stored
     prev_job: Any = None  # the step captured just before it, pinned while this one is written
     tier_staged: bool = False  # staged and in the ring
+    # Each copy's destination in the slot (a group's block, or one task's),
+    # what the NaN/Inf watcher reads: a few reductions per step, not one per
+    # tensor (incidents.py). Appended by whoever copies (under ``claim``).
+    spans: list[torch.Tensor] = field(default_factory=list)
+    checking: bool = False  # the NaN/Inf watcher (or the trainer) is checking it (under Capture._cond)
+    nonfinite: tuple[str, ...] | None = None  # the check's result: the non-finite tensors (under Capture._cond)
+    watched: bool = False  # checked and settled, in step order (under Capture._cond)
     done: threading.Event = field(default_factory=threading.Event)  # stored, failed or passed over
     info: Any = None  # its CommitInfo once stored
     # Lazy CPU copies are claimed one by one, by the stager or -- when the
@@ -95,20 +103,25 @@ def lower_thread_priority(nice: int, idle: bool = False) -> None:
     """Make the calling (background) thread yield to the trainer: its torch
     operations single-threaded, its nice value raised to ``nice``, and with
     ``idle`` Linux's SCHED_IDLE policy (Linux, where both are per thread;
-    elsewhere they would apply to the whole process).
+    elsewhere they would apply to the whole process). Nothing of the
+    process changes: no torch setting, no other thread (issue 23).
 
     Single-threaded because with the OpenMP backend every thread calling
     into torch runs its own team of ``get_num_threads()`` workers: stats
     and checksums of a background thread then preempt the trainer's own
     team, whose workers spin at each barrier for the one descheduled (an
     optimizer step measured 4x slower beside a background writer on 2
-    cores). ``torch.set_num_threads`` is per calling thread there.
+    cores). Only this thread's OpenMP team size is set
+    (:func:`dstt.store.torchthreads.limit_this_thread`): ``torch.set_num_threads``
+    would also set the count every thread of the trainer adopts at its
+    first operation.
 
     SCHED_IDLE because a nice value only shares the CPU: a thread at nice
     10 keeps a core for the rest of its time slice when one of the
     trainer's OpenMP workers wakes up on it, and the whole parallel region
     waits for that worker. A SCHED_IDLE thread is preempted at once."""
-    torch.set_num_threads(1)
+    if not limit_this_thread():
+        log.debug("dstt: no OpenMP runtime found: background torch operations use torch's thread count")
     if not sys.platform.startswith("linux"):
         return
     tid = threading.get_native_id()

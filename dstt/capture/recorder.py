@@ -53,9 +53,14 @@ from dstt.store.writer import ChunkResult, Writer, batches
 log = logging.getLogger("dstt.capture")
 
 #: Slots beyond K: the step being staged, one being written after it left the
-#: ring, the step before that one (read for the update statistics), and one
-#: the watcher is checking as it leaves the ring.
+#: ring, the step before that one (read for the update statistics), and the
+#: one the NaN/Inf watcher is checking (with the K checked steps before it
+#: kept: FlightRecorder._tier_evict; a watcher further behind makes the
+#: trainer wait for a slot, or check steps itself: _tier_pool).
 EXTRA_SLOTS = 4
+#: How often a trainer waiting for a slot looks for a staged step the
+#: watcher has not checked yet (FlightRecorder._tier_pool).
+WATCH_POLL_S = 0.02
 
 
 def _round(n: int, k: int) -> int:
@@ -128,6 +133,11 @@ class SlotPool:
             self._free.append(slot.slot_index)  # type: ignore[attr-defined]
             self._cond.notify_all()
 
+    def wait_free(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for a free slot; whether one is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._free), timeout)
+
     def wait_all_free(self) -> None:
         with self._cond:
             self._cond.wait_for(lambda: len(self._free) == self.nslots)
@@ -153,6 +163,10 @@ class FlightRecorder:
         self._policy = cfg.persist_policy
         self._slots: SlotPool | None = None
         self._held: deque[Job] = deque()  # the ring: the last K staged steps, oldest first
+        # Steps that left the ring and are kept for the NaN/Inf watcher: not
+        # checked yet, or among the K checked before the oldest unchecked one
+        # (_tier_evict); each keeps the ring's ref. Older than the ring, oldest first.
+        self._watch_tail: deque[Job] = deque()
         self._candidate: Job | None = None  # persist="newest": the newest staged, undecided step
         self._decided: deque[Job] = deque()  # to be stored, in step order
         self._forced: list[Job] = []  # incidents' steps, stored first (oldest first)
@@ -163,7 +177,7 @@ class FlightRecorder:
         self._latest_step: int | None = None  # the latest captured (queued) step
         self._stopping = False
         self._retired: list[Writer] = []  # writers of branches left by a rewind, closed once drained
-        self._watch_q: deque[Job] = deque()
+        self._watch_q: deque[Job] = deque()  # staged steps the watcher has not checked yet, oldest first
         self._nonfinite_seen = False
         self._watcher: threading.Thread | None = None
         self._ring_writer: Writer | None = None  # the writer whose branch the /dev/shm ring is of
@@ -205,14 +219,19 @@ class FlightRecorder:
             self._watcher.join()
         freed: list[Job] = []
         with self._cond:
-            while self._held:
-                self._unref(self._held.popleft(), freed)
+            for ring in (self._watch_tail, self._held):
+                while ring:
+                    self._unref(ring.popleft(), freed)
         self._release(freed)
 
     def _tier_close_last(self) -> None:
-        """close(): the last captured step is stored whatever the policy."""
+        """close(): every step is checked for NaN/Inf (here, not waiting for
+        the watcher: an incident may still store the ring), and the last
+        captured step is stored whatever the policy."""
         with self._cond:
             self._cond.wait_for(lambda: not self._unstaged)
+        self._watch_all()  # type: ignore[attr-defined]
+        with self._cond:
             job = self._latest_job
             if job is not None and job.decision == "memory" and job.slot is not None:
                 self._force(job)
@@ -225,10 +244,21 @@ class FlightRecorder:
         pool = self._slots
         if pool is None or need > pool.slot_bytes:
             if pool is not None:
+                self._watch_all()  # type: ignore[attr-defined]
                 self._tier_drop_ring("the captured state grew")
+                self._watch_all()  # type: ignore[attr-defined]  # (steps staged while it drained)
                 pool.wait_all_free()
             self._slots = self._make_slots(need, pin=any(t.source.is_cuda for t in plan.tasks))
-        job.slot = self._slots.acquire()
+        slots = self._slots
+        while slots.free_slots == 0:
+            # The watcher behind (a low-priority thread on a busy machine):
+            # the trainer checks the oldest steps itself, which lets the
+            # ring's oldest go, rather than wait for the watcher to run. A
+            # slot freed by the writer ends the wait at once; a step staged
+            # meanwhile is seen within WATCH_POLL_S.
+            if not self._watch_next():  # type: ignore[attr-defined]
+                slots.wait_free(WATCH_POLL_S)
+        job.slot = slots.acquire()
         job.pool = job.slot
         job.hold = True
 
@@ -297,9 +327,10 @@ class FlightRecorder:
                     job.prev_job = prev
                     prev.refs += 1  # read by job's flush for the update statistics
                 self._held.append(job)
-                while len(self._held) > self.config.memory_steps:
-                    old = self._held.popleft()
-                    self._unref(old, freed)
+                if self._watcher is not None:  # checked in step order, never skipped
+                    job.refs += 1
+                    self._watch_q.append(job)
+                self._tier_evict(freed)
                 self._latest_job = job
                 if job.forced and job.decision != "persist":
                     self._force(job)
@@ -312,11 +343,6 @@ class FlightRecorder:
                     job.refs += 1  # the candidate's
                 else:
                     self._pass_over(job, freed)
-                if self._watcher is not None:
-                    job.refs += 1
-                    self._watch_q.append(job)
-                    while len(self._watch_q) > self.config.memory_steps:  # behind: skip the oldest
-                        self._unref(self._watch_q.popleft(), freed)
             self._cond.notify_all()
         self._release(freed)
 
@@ -332,6 +358,31 @@ class FlightRecorder:
             log.warning("dstt: step %d not sealed in the staging ring (%s)", job.plan.step, e)
 
     # ------------------------------------------------------------ bookkeeping (under _cond)
+
+    def _tier_evict(self, freed: list[Job]) -> None:
+        """Let the oldest steps leave the ring (the last K staged steps).
+        With the NaN/Inf watcher they stay in memory, in ``_watch_tail``,
+        until it has checked K steps after them: every step it has not
+        checked is kept, and the K checked ones before the oldest of those,
+        so a non-finite step's incident stores the K steps before it however
+        far behind the watcher is (Incidents._force_all)."""
+        held, tail, k = self._held, self._watch_tail, self.config.memory_steps
+        while len(held) > k:
+            old = held.popleft()
+            if self._watcher is None:
+                self._unref(old, freed)
+            else:
+                tail.append(old)
+        if not tail:
+            return
+        checked = 0  # (checked in step order: the checked steps are the oldest ones)
+        for job in (*tail, *held):
+            if not job.watched:
+                break
+            checked += 1
+        while checked > k and tail:
+            self._unref(tail.popleft(), freed)
+            checked -= 1
 
     def _pass_over(self, job: Job, freed: list[Job]) -> None:
         """``job`` stays in memory only (unless an incident forces it later)."""
@@ -353,7 +404,7 @@ class FlightRecorder:
         if job.decision in ("persist", "done", "failed") or job in self._forced or not job.tier_staged:
             return  # stored, being stored, or failed: nothing to add
         if job.prev_job is None:  # passed over, it let its predecessor go: take it again if still held
-            held = list(self._held)
+            held = [*self._watch_tail, *self._held]
             i = held.index(job) if job in held else -1
             if i > 0 and held[i - 1].writer is job.writer and held[i - 1].slot is not None:
                 job.prev_job = held[i - 1]
@@ -413,9 +464,10 @@ class FlightRecorder:
         self._tier_wait()
         freed: list[Job] = []
         with self._cond:
-            dropped = [j.plan.step for j in self._held if j.decision == "memory"]
-            while self._held:
-                self._unref(self._held.popleft(), freed)
+            dropped = [j.plan.step for j in (*self._watch_tail, *self._held) if j.decision == "memory"]
+            for ring in (self._watch_tail, self._held):
+                while ring:
+                    self._unref(ring.popleft(), freed)
         self._release(freed)
         if dropped:
             warnings.warn(f"dstt: {why}: the memory tier's steps {dropped[0]}..{dropped[-1]} (memory only) are "

@@ -134,6 +134,8 @@ class Stager:
                     dst.copy_(t.source)
                     check_guard(job, guard, i)  # completed: a change before now is in the copy
                     job.views.append((t, dst))
+                    if self._tier:
+                        job.spans.append(dst)
                     if flush_now:
                         job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
                     block = None
@@ -182,6 +184,8 @@ class Stager:
             if keep:
                 job.groups.append((g, dst))
                 continue
+            if self._tier:
+                job.spans.append(dst)
             dsts = g.views(dst)
             job.views.extend(zip(g.tasks, dsts))
             if flush_now:  # (a held block is released at commit, not by its flush)
@@ -264,6 +268,8 @@ class Stager:
             check_guard(job, job.guard, i)  # completed: a change before now is in the copy
             with job.claim:
                 job.views.append((t, dst))
+                if self._tier:
+                    job.spans.append(dst)
                 if flush_now:
                     job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
             block = None
@@ -296,6 +302,8 @@ class Stager:
                     job.groups.append((group, dst))
                 else:
                     job.views.extend(zip(group.tasks, dsts))
+                    if self._tier:
+                        job.spans.append(dst)
                     if flush_now:
                         job.futures.append(self._flush.submit(self._flush_many, pool, job, group.tasks, dsts))
             handed = True
@@ -327,6 +335,8 @@ class Stager:
         while batch:
             t, dst = batch[0]
             job.views.append((t, dst))
+            if self._tier:
+                job.spans.append(dst)
             ready = None if lazy else done[t.source.device.index]
             if self._helper is None and not self._tier:
                 job.futures.append(self._flush.submit(self._flush_one, job.pool, job, t, dst, ready))

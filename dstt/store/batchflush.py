@@ -45,6 +45,7 @@ from dstt.store.gcpause import paused_gc
 from dstt.store.keyframes import ChunkPlace, ChunkRef, Link, live_ref, packed_sha256, proven_equal
 from dstt.store.stats import BATCH_DTYPES, batch_partials
 from dstt.store.torch_dtypes import as_storage_view
+from dstt.store.torchthreads import single_threaded
 
 if TYPE_CHECKING:
     from dstt.store.backends import Backend
@@ -150,16 +151,16 @@ class BatchFlush:
         settled = [False] * len(tasks)  # each link is resolved, waits, or passes through exactly once
         # Single-threaded torch for this batch's small operations: an OpenMP
         # team per call costs more than it saves on 64K values, and its
-        # spinning workers preempt the trainer's (per calling thread with
-        # OpenMP; restored below: this may be the caller's own thread).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        # spinning workers preempt the trainer's. Only this thread's team
+        # size, put back after (this may be the trainer's own thread, in
+        # dstt.save): never torch.set_num_threads, which every thread of
+        # the process adopts (issue 23).
         try:
-            return self._code_group(plan, tasks, srcs, prevs, links, settled, out)
+            with single_threaded():
+                return self._code_group(plan, tasks, srcs, prevs, links, settled, out)
         except BaseException as e:
             return e
         finally:
-            torch.set_num_threads(threads)
             for j, link in enumerate(links):
                 if not settled[j]:
                     link.pass_through()  # later steps compare with what was there before
