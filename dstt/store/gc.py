@@ -7,7 +7,10 @@ Rules (docs/timetravel.md):
   that is some branch's parent (fork point). A step is removed by deleting its
   ``commit.json`` first -- from then on it is invisible -- and then its
   directory. It never deletes tensor data: that is gc's job.
-* ``gc`` removes chunk files that no committed step of any branch references
+* ``gc`` first commits what dead trainers left sealed in staging rings on
+  this host or recorded by every rank in the store (capture/salvage.py:
+  without it their chunks look like a crash's leftovers), then removes
+  chunk files that no committed step of any branch references
   (a step references chunk (array, slot, coords) through its index; dedup
   makes steps, and branches, share chunks), arrays left with no referenced
   chunk, packs none of whose ranges a committed step references (a pack is
@@ -74,10 +77,16 @@ class GcReport:
     #: ``dstt branch`` in meta/branch_ids, a commit marker's temp file, ...).
     temp_files_removed: int = 0
     dry_run: bool = False
+    #: Steps committed first (dry run: that would be), per branch: sealed by
+    #: dead trainers in staging rings, or recorded by every rank (salvage.py).
+    committed: dict[str, list[int]] = field(default_factory=dict)
+    #: Per-rank records removed from committed step directories.
+    records_removed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["partial_steps_removed"] = [{"branch": b, "dir": s} for b, s in self.partial_steps_removed]
+        d["committed"] = [{"branch": b, "step": s} for b, steps in self.committed.items() for s in steps]
         return d
 
 
@@ -269,7 +278,10 @@ def array_of(key: str) -> str | None:
 
 
 def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | None = None) -> GcReport:
-    """Remove unreferenced chunks and arrays and uncommitted step directories.
+    """Commit what dead trainers left sealed or recorded (``committed`` in
+    the report: capture/salvage.py), then remove unreferenced chunks and
+    arrays and uncommitted step directories. The one gc path: ``dstt gc``
+    runs this too, so the API is never less safe than the command.
 
     >>> import tempfile, torch, dstt
     >>> path = tempfile.mkdtemp() + "/run"
@@ -279,6 +291,21 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
     >>> gc(path).chunks_removed
     2
     """
+    from dstt.capture.salvage import salvage  # (capture's rings and records; imported here: store stays below it)
+
+    check_root(open_backend(store, create=False))
+    if progress:
+        progress("committing steps dead trainers sealed")
+    saved = salvage(store, dry_run=dry_run)
+    report = collect_garbage(store, dry_run=dry_run, progress=progress)
+    report.committed, report.records_removed = saved.committed, saved.records_removed
+    return report
+
+
+def collect_garbage(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | None = None
+                    ) -> GcReport:
+    """gc's second half, alone: only after salvage (:func:`gc` runs both),
+    or a step sealed by every rank would be taken for leftovers."""
     backend = open_backend(store, create=False)
     check_root(backend)
     report = GcReport(dry_run=dry_run)
