@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -393,3 +394,90 @@ def test_a_ring_root_made_by_another_user_is_never_read(tmp_path: Path, monkeypa
     assert sorted(p.name for p in ring.iterdir()) == ["owner.json", "owner.lock"]
     assert sorted(os.listdir(root)) == [group.name]
 
+
+
+# ----------------------------------------------------------------------------- the slow campaign
+
+#: A trainer that resumes its store: each step's tensor is a function of the
+#: step; "sealed K" once K is sealed in the ring (wait_staged): from then on
+#: K must be committed, whatever is killed.
+CAMPAIGN_TRAINER = """
+import os, sys, time, torch, dstt
+store = sys.argv[1]
+cap = dstt.Capture(store)
+start = max(dstt.open(store).steps(), default=-1) + 1
+print("start", start, flush=True)
+step = start
+while True:
+    cap.snapshot(step, extra={"w": torch.full((4096,), float(step + 1))}, rng=False)
+    cap.wait_staged()
+    print("sealed", step, flush=True)
+    step += 1
+    time.sleep(0.005)
+"""
+
+
+def _namespace_init(unshare_pid: int) -> int | None:
+    """The pid (here) of pid 1 of the namespace ``unshare --fork`` made."""
+    try:
+        kids = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(kids[0]) if kids else None
+
+
+@pytest.mark.slow
+@needs_pidns
+def test_sigkill_rounds_in_pid_namespaces_lose_no_sealed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """Rounds of: a trainer (with its helper) in a new PID namespace, at a
+    pid free out here, SIGKILLed whole (pid 1 of the namespace: every process in it) after a
+    random delay, while Captures and gc of another store sweep out here;
+    the next round's trainer recovers. Every step reported sealed is
+    committed, steps are 0..n without a gap, each bit-exact; verify clean."""
+    import random
+
+    shm, store = tmp_path / "shm", tmp_path / "run"
+    shm.mkdir()
+    monkeypatch.setenv(O.SHM_ENV, str(shm))
+    rnd = random.Random(23)
+    sealed: set[int] = set()
+    rounds = 16
+    for r in range(rounds):
+        target = str(free_outside_pid())  # (judged by pid from out here, the trainer is dead)
+        proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", NSINIT, target,
+                                 sys.executable, "-c", CAMPAIGN_TRAINER, str(store)], env=env_for(shm),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines: list[str] = []
+
+        def read(p: subprocess.Popen[str] = proc, out: list[str] = lines) -> None:
+            assert p.stdout is not None
+            out.extend(p.stdout)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 120
+        while not any(x.startswith("sealed") for x in lines):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"round {r}: no step sealed: {proc.stderr.read()[-3000:] if proc.stderr else ''}")
+            time.sleep(0.02)
+        beside(tmp_path / f"other{r}", store, 1)  # sweeps out here while it runs
+        time.sleep(rnd.uniform(0.0, 0.6))
+        init = _namespace_init(proc.pid)
+        assert init is not None
+        os.kill(init, signal.SIGKILL)  # the namespace ends: trainer and helper die at once
+        proc.wait(timeout=60)
+        reader.join(timeout=30)
+        sealed.update(int(x.split()[1]) for x in lines if x.startswith("sealed"))
+    with dstt.Capture(store, helper=False):  # the last round's sealed steps
+        pass
+    steps = dstt.open(store).steps()
+    assert sealed <= set(steps), sorted(sealed - set(steps))  # 0 steps lost that were reported sealed
+    assert steps == list(range(len(steps)))
+    run = dstt.open(store)
+    for step in steps:
+        assert bits_equal(run.read("extra/w", step), torch.full((4096,), float(step + 1))), step
+    assert dstt.verify(store).ok
+    assert not [x for g in O.groups(shm) for x in O.rings_in(g)]
+    print(f"{rounds} rounds, {len(steps)} steps compared bit-exact, {len(sealed)} reported sealed")

@@ -45,6 +45,7 @@ from typing import Any
 
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
+from dstt.capture.sealcheck import check_record
 from dstt.errors import CorruptStoreError, DsttError
 from dstt.store import layout as L
 from dstt.store.coord import Coordinator
@@ -141,10 +142,13 @@ def plan_doc(record: dict[str, Any]) -> dict[str, Any]:
     return {k: record[k] for k in ("step", "seq", "tree", "layouts", "meta")} | {"tasks": [], "pool": ""}
 
 
-def plan_from_doc(doc: dict[str, Any]) -> StepPlan:
-    """A plan with the layouts and tree of ``doc`` (no tasks: commit only)."""
+def plan_from_doc(doc: dict[str, Any], step: int | None = None) -> StepPlan:
+    """A plan with the layouts and tree of ``doc`` (no tasks: commit only);
+    CorruptRing if any field of it does not check out (it is read from the
+    store: untrusted, as a seal record is)."""
     import torch
 
+    check_record(doc, step=step)
     plan = R.plan_of(doc, torch.empty(0, dtype=torch.uint8), verify=False)
     plan.seq = int(doc["seq"])
     return plan
@@ -388,7 +392,7 @@ def commit_recorded(writer: Writer, *, dry_run: bool = False) -> list[int]:
                for d in docs):
             continue
         try:
-            plan = plan_from_doc(zero["plan"])
+            plan = plan_from_doc(zero["plan"], step)
             plan.slot = L.slot_for(writer.branch.id, plan.seq)
         except (KeyError, TypeError, ValueError, DsttError, R.CorruptRing) as e:
             R.log.warning("dstt: not committing recorded step %d of branch %r: its plan does not check out (%s)",

@@ -308,7 +308,7 @@ def abandoned(identity: dict[str, Any], base: Path | None = None, exclude: Path 
     for ring in O.rings_in(group_of(identity, base)):
         if ring == exclude:
             continue
-        c = O.claim(ring)
+        c = O.claim(ring, tries=3)
         if c is None:
             log.info("dstt: staging ring %s is not recovered: its owner may be alive", ring)
             continue

@@ -331,21 +331,27 @@ class Claim:
         self.close()
 
 
-def claim(ring: Path) -> Claim | None:
+def claim(ring: Path, tries: int = 1) -> Claim | None:
     """Hold ``ring`` exclusively if its owner is proven gone; None while it
     may live (its lock is held, or by its identity it still runs here), or
     when it cannot be proven (no lock file: being created, or left by an
-    older dstt), or the ring is not a private directory of this user."""
+    older dstt), or the ring is not a private directory of this user.
+    ``tries``: looks, 20 ms apart, while its lock is held (another process
+    sweeping holds it a moment; an owner, all along)."""
     if not private(ring):
         return None
     fd = _open_lock(ring)
     if fd is None:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held: its owner (or its helper) lives -- or flock does not work here
-        os.close(fd)
-        return None
+    for attempt in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:  # held: its owner (or its helper) lives -- or flock does not work here
+            if attempt + 1 == tries:
+                os.close(fd)
+                return None
+            time.sleep(0.02)
     _HELD.add(fd)
     released = not os.path.exists(ring / LOCK_FILE) and os.path.exists(ring / RELEASED_FILE)
     owner, why = _read_owner(ring)

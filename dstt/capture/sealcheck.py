@@ -77,10 +77,11 @@ def check_record(record: Any, *, step: int | None = None, pool_sizes: dict[str, 
 
 def _check(record: Any, step: int | None, pool_sizes: dict[str, int] | None, complete: bool) -> None:
     need(isinstance(record, dict), "not an object")
-    need(record.get("format") == SEAL_FORMAT, "not a seal record")
+    # (a plan kept in a rank record, pool_sizes None, is a record without its format)
+    need(record.get("format", None if pool_sizes is not None else SEAL_FORMAT) == SEAL_FORMAT, "not a seal record")
     version = record.get("version", 1)
     need(type(version) is int and 1 <= version <= 4, f"unknown version {version!r}")
-    s = integer(record.get("step"), "step", 0, L.MAX_STEP)
+    s = integer(record.get("step"), "step", 0, L.MAX_STEP)  # (step=None: whatever the record says)
     need(step is None or s == step, f"step {s} in the record of step {step}")
     integer(record.get("seq"), "seq", 0, L.SLOTS_PER_BRANCH - 1)
     pool = record.get("pool")
