@@ -207,8 +207,8 @@ def corrupt(d: dict[str, Any], path: tuple[Any, ...], kind: str) -> dict[str, An
 
 def trial(store: Path, template_ring: Path, record: bytes, shm: Path) -> dict[str, Any]:
     """Put a copy of the template ring with ``record`` as its seal under
-    ``shm`` for ``store``, recover it as a Capture does (under an alarm),
-    then check the branch stays usable. What happened."""
+    ``shm`` for ``store`` and recover it as a Capture does (under an
+    alarm), twice. What happened."""
     identity = ring_of(store, template_ring, record, shm)
     out: dict[str, Any] = {"error": None, "recovered": None, "warnings": []}
     try:
@@ -217,9 +217,9 @@ def trial(store: Path, template_ring: Path, record: bytes, shm: Path) -> dict[st
             with Writer(store) as w:
                 identity.update(branch_id=w.branch.id, branch_created=w.branch.created)
                 out["recovered"] = R.recover(w, identity, base=shm)
-                # usable: nothing left to recover or warn about, and the next step commits
+                # nothing left to recover or warn about (the next Capture and gc working, through
+                # the public paths: test_a_corrupt_ring_never_bricks_capture_or_gc)
                 out["again"] = R.recover(w, identity, base=shm)
-                w.write(2, {"w": torch.ones(3)})
         out["warnings"] = [str(x.message) for x in seen if issubclass(x.category, O.StagingRingWarning)]
     except BaseException as e:  # noqa: BLE001 - reported, the test fails on it
         out["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -259,10 +259,10 @@ def judge(tpl: Template, store: Path, out: dict[str, Any], version: int, what: s
     run = dstt.open(store)
     if out["recovered"] == [1]:
         assert not out["warnings"] and not out["set_aside"], (what, out)
-        assert run.steps() == [0, 1, 2], (what, out)
+        assert run.steps() == [0, 1], (what, out)
         same(tpl.reference, run.state_dict(1), what)
         return "recovered"
-    assert out["recovered"] == [] and run.steps() == [0, 2], (what, out)  # never a wrong step
+    assert out["recovered"] == [] and run.steps() == [0], (what, out)  # never a wrong step
     if out["warnings"]:
         assert len(out["warnings"]) == 1 and len(out["set_aside"]) == 1, (what, out)
         return "set aside"
@@ -294,13 +294,17 @@ def as_written(d: dict[str, Any]) -> dict[str, Any]:
     return {**head, "tree": d["tree"], "static": d["static"]}
 
 
-def run_trials(tpl: Template, tmp: Path, version: int) -> dict[str, int]:
+def run_trials(tpl: Template, tmp: Path, version: int, every: bool = True) -> dict[str, int]:
+    """Each single-field corruption of the template's record in ``version``
+    (``every``: every kind for every field; else one kind per field, in
+    turn, for the fields of the record's top two levels), recovered."""
     base = as_written(in_format(tpl.doc, tpl.pool, version))
     assert encode(base) == encode(in_format(tpl.doc, tpl.pool, version))
     tally: dict[str, int] = {}
     n = 0
-    for path in paths(base):
-        for kind in KINDS:
+    fields = list(paths(base)) if every else list(paths(base, depth=2))
+    for i, path in enumerate(fields):
+        for kind in KINDS if every else [KINDS[i % len(KINDS)]]:
             doc = corrupt(base, path, kind)
             if doc is None:
                 continue
@@ -324,9 +328,18 @@ def test_the_encoder_here_writes_what_the_trainer_writes(template: Template) -> 
     assert encode(in_format(template.doc, template.pool, 4)) == seal.read_bytes()
 
 
+def test_the_fields_of_a_format_4_record_corrupted_alone(template: Template, tmp_path: Path) -> None:
+    """Recovery of a ring whose record (the format written now) was
+    damaged in one field -- one kind of damage per field of its top two
+    levels here; every kind for every field: the slow test below."""
+    tally = run_trials(template, tmp_path, 4, every=False)
+    # every field of the format written now is covered by its record CRCs: each corruption is set aside
+    assert tally.get("set aside", 0) > 15 and set(tally) == {"set aside"}, tally
+
+
+@pytest.mark.slow
 def test_every_field_of_a_format_4_record_corrupted_alone(template: Template, tmp_path: Path) -> None:
     tally = run_trials(template, tmp_path, 4)
-    # every field of the format written now is covered by its record CRCs: each corruption is set aside
     assert tally.get("set aside", 0) > 150 and set(tally) == {"set aside"}, tally
 
 
@@ -437,7 +450,7 @@ def _flip_trial(template: Template, tmp_path: Path, flips: list[tuple[int, int]]
         shutil.rmtree(work)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(flips=FLIPS)
 def test_random_byte_flips_of_a_format_4_record(template: Template, tmp_path: Path,
                                                  flips: list[tuple[int, int]]) -> None:
