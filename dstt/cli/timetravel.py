@@ -161,7 +161,7 @@ def register(app: typer.Typer) -> None:
         this host, or that every rank recorded (a distributed capture whose
         helpers died), so their data is not taken for leftovers.
         Refuses to run while any branch has a live writer."""
-        from dstt.store.gc import gc as run_gc
+        from dstt.api import gc as run_gc
 
         path = store_arg(store, "gc", " (gc works on the whole store)")
         report = run_gc(path, dry_run=dry_run)  # (salvage first, then collect: the API's one path)

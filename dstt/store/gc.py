@@ -7,10 +7,11 @@ Rules (docs/timetravel.md):
   that is some branch's parent (fork point). A step is removed by deleting its
   ``commit.json`` first -- from then on it is invisible -- and then its
   directory. It never deletes tensor data: that is gc's job.
-* ``gc`` first commits what dead trainers left sealed in staging rings on
-  this host or recorded by every rank in the store (capture/salvage.py:
-  without it their chunks look like a crash's leftovers), then removes
-  chunk files that no committed step of any branch references
+* ``gc`` (:func:`dstt.gc`, in api.py: it first commits what dead trainers
+  left sealed in staging rings on this host or recorded by every rank in
+  the store, capture/salvage.py -- without it their chunks look like a
+  crash's leftovers -- then runs :func:`collect_garbage`) removes chunk
+  files that no committed step of any branch references
   (a step references chunk (array, slot, coords) through its index; dedup
   makes steps, and branches, share chunks), arrays left with no referenced
   chunk, packs none of whose ranges a committed step references (a pack is
@@ -277,35 +278,22 @@ def array_of(key: str) -> str | None:
     return None
 
 
-def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | None = None) -> GcReport:
-    """Commit what dead trainers left sealed or recorded (``committed`` in
-    the report: capture/salvage.py), then remove unreferenced chunks and
-    arrays and uncommitted step directories. The one gc path: ``dstt gc``
-    runs this too, so the API is never less safe than the command.
+def collect_garbage(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | None = None
+                    ) -> GcReport:
+    """Remove unreferenced chunks and arrays and uncommitted step
+    directories: gc's second half, alone. Call :func:`dstt.gc` (what ``dstt
+    gc`` runs), which first commits what dead trainers left sealed or
+    recorded (capture/salvage.py): alone, this takes a step every rank
+    recorded, not yet committed, for a crash's leftovers and deletes it.
 
     >>> import tempfile, torch, dstt
     >>> path = tempfile.mkdtemp() + "/run"
     >>> for s in range(3):
     ...     _ = dstt.save(path, s, {"w": torch.full((4,), float(s))})
     >>> _ = prune(path, keep_last=1)
-    >>> gc(path).chunks_removed
+    >>> collect_garbage(path).chunks_removed
     2
     """
-    from dstt.capture.salvage import salvage  # (capture's rings and records; imported here: store stays below it)
-
-    check_root(open_backend(store, create=False))
-    if progress:
-        progress("committing steps dead trainers sealed")
-    saved = salvage(store, dry_run=dry_run)
-    report = collect_garbage(store, dry_run=dry_run, progress=progress)
-    report.committed, report.records_removed = saved.committed, saved.records_removed
-    return report
-
-
-def collect_garbage(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | None = None
-                    ) -> GcReport:
-    """gc's second half, alone: only after salvage (:func:`gc` runs both),
-    or a step sealed by every rank would be taken for leftovers."""
     backend = open_backend(store, create=False)
     check_root(backend)
     report = GcReport(dry_run=dry_run)
@@ -453,4 +441,4 @@ def _collect_temp_files(backend: Backend, report: GcReport, dry_run: bool) -> No
                 backend.delete(key)
 
 
-__all__ = ["prune", "gc", "keep_set", "entry_chunks", "entry_packs", "PruneReport", "GcReport", "remove_step", "branch_parents"]
+__all__ = ["prune", "collect_garbage", "keep_set", "entry_chunks", "entry_packs", "PruneReport", "GcReport", "remove_step", "branch_parents"]
