@@ -45,7 +45,7 @@ _LAZY: dict[str, str] = {
     "export": "dstt.export",
     "verify": "dstt.store.verify",
     "prune": "dstt.store.gc",
-    "gc": "dstt.store.gc",
+    "gc": "dstt.api",
 }
 
 _EXCEPTIONS = [n for n, v in vars(_errors).items()
@@ -88,13 +88,13 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from dstt.api import Run, open, save  # noqa: F401
+    from dstt.api import Run, gc, open, save  # noqa: F401
     from dstt.capture import Capture, CaptureConfig  # noqa: F401
     from dstt.export import export  # noqa: F401
     from dstt.refs import Ref, StepRef  # noqa: F401
     from dstt.restore import branch, restore  # noqa: F401
     from dstt.state import optimizer_state, rng_state, state_of  # noqa: F401
-    from dstt.store.gc import gc, prune  # noqa: F401
+    from dstt.store.gc import prune  # noqa: F401
     from dstt.store.index import TensorInfo  # noqa: F401
     from dstt.store.shards import ShardedTensor  # noqa: F401
     from dstt.store.verify import verify  # noqa: F401

@@ -1,11 +1,14 @@
 """The synchronous top-level API: ``dstt.save``, ``dstt.open`` and
-:class:`Run`, what ``dstt.open`` returns."""
+:class:`Run`, what ``dstt.open`` returns, and ``dstt.gc``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dstt.refs import StepRef
+from dstt.store.backends import open_backend
+from dstt.store.gc import GcReport
 from dstt.store.incidents import Incident
 from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY
 from dstt.store.reader import TensorReader
@@ -107,6 +110,37 @@ def save(
     with Writer(store, branch=branch, parent=parent, allow_pickle=allow_pickle, compression=compression,
                 storage_options=storage_options, keyframe_every=keyframe_every) as w:
         return w.write(step, state)
+
+
+def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | None = None) -> GcReport:
+    """Commit what dead trainers left sealed in staging rings on this host,
+    or recorded by every rank in the store (``committed`` in the report:
+    capture/salvage.py), then remove the chunks and arrays no committed
+    step references and uncommitted step directories
+    (:func:`dstt.store.gc.collect_garbage`; docs/timetravel.md). The one gc
+    path: ``dstt gc`` runs this, so the API is never less safe than the
+    command. Refuses to run beside a live writer (StoreLockedError).
+
+    >>> import tempfile, torch, dstt
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> for s in range(3):
+    ...     _ = dstt.save(path, s, {"w": torch.full((4,), float(s))})
+    >>> _ = dstt.prune(path, keep_last=1)
+    >>> report = dstt.gc(path)
+    >>> report.chunks_removed, report.committed
+    (2, {})
+    """
+    from dstt.capture.salvage import salvage
+    from dstt.store.gc import collect_garbage
+    from dstt.store.root import check_root
+
+    check_root(open_backend(store, create=False))
+    if progress:
+        progress("committing the steps dead trainers sealed")
+    saved = salvage(store, dry_run=dry_run)
+    report = collect_garbage(store, dry_run=dry_run, progress=progress)
+    report.committed, report.records_removed = saved.committed, saved.records_removed
+    return report
 
 
 def open(store: Any, *, storage_options: dict[str, Any] | None = None) -> Run:  # noqa: A001 - mirrors zarr.open

@@ -100,30 +100,45 @@ def test_gpu_benchmark_parses_and_skips_cleanly_without_a_gpu(capsys: pytest.Cap
 
 
 def test_ring_sweep_removes_only_rings_nobody_can_commit(tmp_path: Path) -> None:
+    """Rings whose owner is proven gone (a process that exited without
+    closing them: its lock went with it) are removed when they hold no seal
+    or their local store is gone; a sealed one waits for its branch's next
+    Capture; a live owner's, a released one's owner aside, and one whose
+    owner cannot be proven gone (no lock file: an older dstt's) stay."""
     import json
     import subprocess
+    import sys
 
     from dstt.capture.ring import Ring, sweep
 
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    dead = proc.pid  # exited and reaped
     store = tmp_path / "store"
     store.mkdir()
     base = tmp_path / "shm"
-
-    def ring(name: str, store_path: Path, seals: bool, pid: int) -> Path:
-        r = Ring({"store": str(store_path), "branch": name, "branch_id": 0, "branch_created": 0.0}, base=base)
-        (r.dir / "owner.json").write_text(json.dumps({"store": str(store_path), "pid": pid}))
-        if seals:
-            (r.dir / "seal-00000000000000000003.json").write_text("{}")
-        return r.dir
-
-    empty_dead = ring("a", store, False, dead)
-    sealed_dead = ring("b", store, True, dead)
-    store_gone = ring("c", tmp_path / "gone", True, dead)
-    alive = ring("d", store, False, os.getpid())  # (building a Ring sweeps too)
-    sweep(base)
-    assert not empty_dead.exists() and not store_gone.exists()
-    assert sealed_dead.exists() and alive.exists()  # the next Capture on that branch commits it / its owner lives
-    assert sweep(base) == 0
+    script = (
+        "import json, os, sys\n"
+        "from pathlib import Path\n"
+        "from dstt.capture.ring import Ring\n"
+        "out = []\n"
+        "for name, store, seals in json.loads(sys.argv[2]):\n"
+        "    r = Ring({'store': store, 'branch': name, 'branch_id': 0, 'branch_created': 0.0}, base=Path(sys.argv[1]))\n"
+        "    if seals:\n"
+        "        (r.dir / 'seal-00000000000000000003.json').write_text('{}')\n"
+        "    out.append(str(r.dir))\n"
+        "print(json.dumps(out))\n"
+        "os._exit(0)  # dead, its rings not closed\n")
+    specs = [("a", str(store), False), ("b", str(store), True), ("c", str(tmp_path / "gone"), True),
+             ("e", str(store), False)]
+    proc = subprocess.run([sys.executable, "-c", script, str(base), json.dumps(specs)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 0, proc.stderr
+    empty_dead, sealed_dead, store_gone, legacy = map(Path, json.loads(proc.stdout))
+    (legacy / "owner.lock").unlink()  # as an older dstt left it: pid only, nothing proves its owner gone
+    released = Ring({"store": str(store), "branch": "f", "branch_id": 0, "branch_created": 0.0}, base=base)
+    released.release()  # (its helper died: left for the next Capture, although this process lives)
+    alive = Ring({"store": str(store), "branch": "d", "branch_id": 0, "branch_created": 0.0}, base=base)
+    try:  # (building a Ring sweeps too)
+        assert not empty_dead.exists() and not store_gone.exists() and not released.dir.exists()
+        assert sealed_dead.exists() and alive.dir.exists() and legacy.exists()
+        assert sweep(base) == 0
+    finally:
+        alive.close()

@@ -19,10 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dstt
+from dstt.api import gc
 from dstt.errors import ChecksumMismatchError, ConfigError, CorruptStoreError
 from dstt.store import keyframes
 from dstt.store.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta
-from dstt.store.gc import gc, prune
+from dstt.store.gc import prune
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.verify import verify
 from dstt.store.writer import Writer

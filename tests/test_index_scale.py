@@ -270,7 +270,8 @@ def test_verify_gc_diff_history_export_read_a_store_with_rows(store: Path) -> No
     assert [h["value"] for h in hist] == [3.0, 0.0]
     dstt.export(f"{store}:1", store.parent / "out.pt")
     same(s1, torch.load(store.parent / "out.pt", weights_only=True))
-    from dstt.store.gc import gc, prune
+    from dstt.api import gc
+    from dstt.store.gc import prune
 
     prune(store, keep_last=1)
     gc(store)

@@ -15,10 +15,11 @@ from conftest import bits_equal
 from conftest import small_state as _small_state
 
 import dstt
+from dstt.api import gc
 from dstt.errors import CaptureError, ChecksumMismatchError, CorruptStoreError, FormatVersionError
 from dstt.store import layout as L
 from dstt.store import packs as P
-from dstt.store.gc import gc, prune
+from dstt.store.gc import prune
 from dstt.store.manifest import decode_json
 from dstt.store.writer import Writer
 

@@ -40,10 +40,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(out: Path, mode: str) -> subprocess.Popen[str]:
+def torchrun(out: Path, mode: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(WORKER), str(out), mode]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env_extra or {})}
     # Its own session: the trainers' whole process group is killed at once
     # (what torchrun or a job scheduler does); the helpers have their own.
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -187,6 +187,39 @@ def test_gc_commits_what_dead_ranks_left_in_their_rings(tmp_path: Path) -> None:
     assert_state(run, 3, expected)
     report = verify(store)
     assert report.ok and not report.partial, report
+    no_records(store)
+
+
+def test_the_gc_api_commits_a_step_every_rank_recorded_as_the_command_does(tmp_path: Path) -> None:
+    """Issue 23 item 7: ``dstt.gc()`` from Python did not salvage as ``dstt
+    gc`` does, and deleted a step sealed on every rank and recorded in the
+    store (rank 0's helper could not commit it: its index write failed,
+    injected), taking its uncommitted directory for a crash's leftovers.
+    Now both run one path (salvage, then collect): the step is committed,
+    bit-exact."""
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(  # (the capture helpers get the faults through PYTHONPATH)
+        f"import sys\nsys.path.insert(0, {str(WORKER.parent)!r})\nimport faults\nfaults.install()\n")
+    env = {"DSTT_TEST_FAULTS": str(faults), "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+    kill_when_staged(torchrun(tmp_path, "recorded", env), tmp_path)
+    helpers_gone(tmp_path)  # they recorded step 3 (rank 0's failed to commit it), then exited
+    (faults / "index-put").unlink()
+    store = tmp_path / "run"
+    step3 = store / L.step_dir("main", 3)
+    assert dstt.open(store).steps() == [0, 1, 2]
+    assert (step3 / "rank-00000.json").exists() and (step3 / "rank-00001.json").exists()
+    assert not [r for r in ring_root().glob("*/*") if r.joinpath("owner.json").exists()
+                and str(store) in r.joinpath("owner.json").read_text()]  # the step is in the records only
+    report = dstt.gc(store)
+    run = dstt.open(store)
+    assert run.steps() == [0, 1, 2, 3] and run.commit_info(3)["world_size"] == 2
+    assert report.committed == {"main": [3]} and report.to_dict()["committed"] == [{"branch": "main", "step": 3}]
+    assert_state(run, 3, torch.load(tmp_path / "expected.pt"))
+    check = verify(store)
+    assert check.ok and not check.partial, check
     no_records(store)
 
 

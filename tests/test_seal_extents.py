@@ -70,7 +70,7 @@ def test_grouped_steps_seal_one_crc_per_block_and_round_trip_bit_exact(tmp_path:
             assert len(groups) >= 2 and max(len(g.tasks) for g, _ in groups) >= 3  # (float32, int16)
             data = R.encode_record(R.seal_record(plan, "pool-0.bin", pool.buffer, views, groups=groups))
             doc = json.loads(data)
-            assert doc["version"] == 3 and len(doc["extents"]) == len(groups) + len(views) < len(plan.tasks)
+            assert doc["version"] == R.SEAL_VERSION and len(doc["extents"]) == len(groups) + len(views) < len(plan.tasks)
             record = R.read_record(data)
             _same(plan, R.plan_of(record, pool.buffer, verify=True))
             pool.release_many([b for _, b in groups] + [v for _, v in views])
@@ -255,7 +255,7 @@ def _sealed(store: Path) -> tuple[Path, dict]:
     (ring,) = R.group_dir(str(store), "main").iterdir()
     (seal,) = ring.glob("seal-*.json")
     record = R.read_record(R.read_bounded(seal))
-    assert record["version"] == 3 and record["step"] == 1
+    assert record["version"] == R.SEAL_VERSION and record["step"] == 1
     # sealed without CRCs, rewritten with them when the step failed (before its blocks were freed)
     assert all(isinstance(crc, int) for _, crc, _ in record["tasks"]["extents"])
     return ring, record

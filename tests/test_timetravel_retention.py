@@ -11,8 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 import dstt
+from dstt.api import gc
 from dstt.cli.main import app
-from dstt.store.gc import gc, prune
+from dstt.store.gc import prune
 from tests.conftest import bits_equal
 
 cli = CliRunner()

@@ -24,7 +24,8 @@ from dstt.capture import policy, ranks
 from dstt.capture.helper import HelperHandle
 from dstt.capture.helper import start as start_helper
 from dstt.capture.pipeline import Job
-from dstt.capture.ring import Ring, recover, seal_record, shm_free_bytes
+from dstt.capture.ring import Ring, RingUnavailable, recover, seal_record, shm_free_bytes
+from dstt.capture.ringowner import StagingRingWarning, root_problem
 from dstt.capture.staging import HostPool
 from dstt.errors import CaptureError, ConfigError, StoreLockedError
 from dstt.store.backends import LocalBackend
@@ -58,6 +59,16 @@ def after_helpers(make: Callable[[], Writer], store: Any, branch: str) -> Writer
                 raise
             time.sleep(0.05)
 
+
+
+def _why(problem: str | None) -> str:
+    return "" if problem is None else f" ({problem})"
+
+
+def _not_staging_in_shm(problem: str) -> None:
+    """Say once why this Capture stages in process memory, not in /dev/shm."""
+    warnings.warn(f"dstt: not staging in /dev/shm: {problem}; staging in process memory instead (steps not yet "
+                  "committed are lost if the trainer dies)", StagingRingWarning, stacklevel=5)
 
 
 class CrashSafe:
@@ -119,18 +130,28 @@ class CrashSafe:
         rank has one (or none does)."""
         coord = self._plan_coord
         able = self.config.shm is not False and shm_free_bytes() is not None
+        problem = root_problem() if able else None  # (another user's root: never used, never fatal)
+        able = able and problem is None
         if coord.distributed:
             able = all(coord.all_gather(able))  # every rank stages alike
         if not able:
             if self.config.shm is True:
-                raise ConfigError("shm=True: staging in /dev/shm needs /dev/shm on every rank")
+                raise ConfigError(f"shm=True: staging in /dev/shm needs /dev/shm on every rank{_why(problem)}")
+            if problem is not None:
+                _not_staging_in_shm(problem)
             return None
         if coord.distributed:
             return self._open_rank_ring()
         info = self.writer.branch
         identity = {"store": str(self.writer.backend.url), "branch": info.name, "branch_id": info.id,
                     "branch_created": info.created}
-        ring = Ring(identity)
+        try:
+            ring = Ring(identity)
+        except RingUnavailable as e:
+            if self.config.shm is True:
+                raise ConfigError(f"shm=True: {e}") from None
+            _not_staging_in_shm(str(e))
+            return None
         try:
             recovered = recover(self.writer, identity, exclude=ring.dir)
         except BaseException:

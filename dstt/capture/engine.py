@@ -358,6 +358,7 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
             if self._ring is not None and not (self._helper is not None and self._helper.lost):
                 self._ring.close()  # everything queued is committed or failed
             elif self._ring is not None:
+                self._ring.release()  # (its lock: the next Capture, in this process too, may adopt it)
                 log.warning("dstt: the capture helper died; steps sealed in %s stay there for the next "
                             "Capture on branch %r", self._ring.dir, self.config.branch)
             self.writer.close()

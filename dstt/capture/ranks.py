@@ -44,10 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from dstt.capture import ring as R
+from dstt.capture import ringowner as O
+from dstt.capture.sealcheck import check_record
 from dstt.errors import CorruptStoreError, DsttError
 from dstt.store import layout as L
 from dstt.store.coord import Coordinator
-from dstt.store.localio import pid_alive
 from dstt.store.manifest import parse_commit
 from dstt.store.plan import StepPlan
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
@@ -141,10 +142,13 @@ def plan_doc(record: dict[str, Any]) -> dict[str, Any]:
     return {k: record[k] for k in ("step", "seq", "tree", "layouts", "meta")} | {"tasks": [], "pool": ""}
 
 
-def plan_from_doc(doc: dict[str, Any]) -> StepPlan:
-    """A plan with the layouts and tree of ``doc`` (no tasks: commit only)."""
+def plan_from_doc(doc: dict[str, Any], step: int | None = None) -> StepPlan:
+    """A plan with the layouts and tree of ``doc`` (no tasks: commit only);
+    CorruptRing if any field of it does not check out (it is read from the
+    store: untrusted, as a seal record is)."""
     import torch
 
+    check_record(doc, step=step)
     plan = R.plan_of(doc, torch.empty(0, dtype=torch.uint8), verify=False)
     plan.seq = int(doc["seq"])
     return plan
@@ -388,7 +392,7 @@ def commit_recorded(writer: Writer, *, dry_run: bool = False) -> list[int]:
                for d in docs):
             continue
         try:
-            plan = plan_from_doc(zero["plan"])
+            plan = plan_from_doc(zero["plan"], step)
             plan.slot = L.slot_for(writer.branch.id, plan.seq)
         except (KeyError, TypeError, ValueError, DsttError, R.CorruptRing) as e:
             R.log.warning("dstt: not committing recorded step %d of branch %r: its plan does not check out (%s)",
@@ -421,53 +425,62 @@ def ring_identity(store_url: str, branch_info: Any, rank: int, world: int) -> di
 def record_rings(writer: Writer, identity: dict[str, Any], *, exclude: Path | None = None,
                  base: Path | None = None, dry_run: bool = False) -> list[int]:
     """Record (rank ``identity["rank"]``) the sealed steps of this rank's
-    abandoned rings that are newer than the branch's last commit and not
-    recorded yet, then remove those rings. ``writer`` is of that rank (its
-    chunk writes are this rank's). The steps recorded."""
-    rank, world = identity["rank"], identity["world"]
-    branch = identity["branch"]
+    abandoned rings (their owners proven gone: ring.abandoned) that are
+    newer than the branch's last commit and not recorded yet, then remove
+    those rings (set aside: one that does not check out). ``writer`` is of
+    that rank (its chunk writes are this rank's). The steps recorded."""
     done: list[int] = []
-    for ring, seals in R.abandoned(identity, base, exclude):
+    for ring in R.abandoned(identity, base, exclude, dry_run=dry_run):
         try:
-            owner = json.loads(R.read_bounded(ring / "owner.json"))
-            run, pid = str(owner.get("run", "")), int(owner.get("pid", 0))
-        except (OSError, ValueError, TypeError, AttributeError, R.CorruptRing):
-            run, pid = "", 0
-        if pid and pid_alive(pid):
-            continue  # its trainer lives (another rank's branch lock is not its own): not ours to replay
-        maps: dict[str, Any] = {}
-        try:
-            for seal in seals:
-                step, seq = seal.get("step"), seal.get("seq")
-                if not isinstance(step, int) or not isinstance(seq, int) or not run:
-                    continue
-                if writer.last_step is not None and step <= writer.last_step:
-                    continue  # committed before the helpers died
-                have = read_record(writer.backend, branch, step, rank)
-                if have is not None and have["run"] == run and have["seq"] == seq and have["error"] is None:
-                    continue  # recorded before its helper died (an error recorded for a sealed
-                    # step means its helper was lost: the ring's bytes, CRC-checked, replace it)
-                if dry_run:
-                    done.append(step)
-                    continue
-                pool = maps.get(seal["pool"])
-                if pool is None:
-                    pool = maps[seal["pool"]] = R.map_pool(ring, seal["pool"])
-                try:
-                    plan = R.plan_of(seal, pool)
-                except R.StaleSeal as e:
-                    write_record(writer.backend, branch, step, seq, run, rank, world, error=str(e))
-                    continue
-                plan.seq, plan.slot = seq, L.slot_for(writer.branch.id, seq)
-                record_plan(writer, plan, run, world, plan_doc(seal) if rank == 0 else None)
-                done.append(step)
-        except (R.CorruptRing, KeyError, TypeError, ValueError) as e:
-            R.log.warning("dstt: discarding the rest of staging ring %s: %s", ring, e)
-        finally:
-            maps.clear()
-        if not dry_run:
-            R.remove_ring(ring)
+            _record_ring(writer, identity, ring, done, dry_run)
+        except R.CorruptRing as e:
+            if dry_run:
+                ring.keep()
+            else:
+                ring.set_aside(str(e))
+            continue
+        except BaseException:
+            ring.keep()
+            raise
+        if dry_run:
+            ring.keep()
+        else:
+            ring.remove()
     return done
+
+
+def _record_ring(writer: Writer, identity: dict[str, Any], ring: R.Abandoned, done: list[int],
+                 dry_run: bool) -> None:
+    rank, world, branch = identity["rank"], identity["world"], identity["branch"]
+    run = ring.owner.get("run")
+    if not isinstance(run, str) or not run:
+        raise R.CorruptRing("its owner.json names no run")
+    maps: dict[str, Any] = {}
+    try:
+        for seal in ring.seals:
+            step, seq = seal["step"], seal["seq"]
+            if writer.last_step is not None and step <= writer.last_step:
+                continue  # committed before the helpers died
+            have = read_record(writer.backend, branch, step, rank)
+            if have is not None and have["run"] == run and have["seq"] == seq and have["error"] is None:
+                continue  # recorded before its helper died (an error recorded for a sealed
+                # step means its helper was lost: the ring's bytes, CRC-checked, replace it)
+            if dry_run:
+                done.append(step)
+                continue
+            pool = maps.get(seal["pool"])
+            if pool is None:
+                pool = maps[seal["pool"]] = R.map_pool(ring.dir, seal["pool"])
+            try:
+                plan = R._replay(seal, pool)
+            except R.StaleSeal as e:
+                write_record(writer.backend, branch, step, seq, run, rank, world, error=str(e))
+                continue
+            plan.seq, plan.slot = seq, L.slot_for(writer.branch.id, seq)
+            record_plan(writer, plan, run, world, plan_doc(seal) if rank == 0 else None)
+            done.append(step)
+    finally:
+        maps.clear()
 
 
 def record_plan(writer: Writer, plan: StepPlan, run: str, world: int, doc: dict[str, Any] | None) -> None:
@@ -490,24 +503,18 @@ def record_plan(writer: Writer, plan: StepPlan, run: str, world: int, doc: dict[
 
 def rings_of(store_url: str, branch: str, base: Path | None = None) -> list[dict[str, Any]]:
     """Identities (with ``rank``/``world``) of the distributed rings of a
-    store's branch on this host whose owner is gone."""
+    store's branch on this host whose owner is proven gone (ringowner.py)."""
     out: list[dict[str, Any]] = []
     seen: set[tuple[int, int]] = set()
-    try:
-        groups = list(R.ring_root(base).iterdir())
-    except OSError:
-        return out
-    for group in groups:
-        for ring in list(group.iterdir()) if group.is_dir() and not group.is_symlink() else []:
-            try:
-                owner = json.loads(R.read_bounded(ring / "owner.json"))
-                rank, world = int(owner["rank"]), int(owner["world"])
-                pid = int(owner["pid"])
-            except (OSError, ValueError, KeyError, TypeError, R.CorruptRing):
+    for group in O.groups(base):
+        for ring in O.rings_in(group):
+            owner = O.probe(ring)
+            if owner is None or owner.get("store") != store_url or owner.get("branch") != branch:
                 continue
-            if owner.get("store") != store_url or owner.get("branch") != branch or pid_alive(pid):
+            rank, world = owner.get("rank"), owner.get("world")
+            if type(rank) is not int or type(world) is not int or not 0 <= rank < world <= MAX_WORLD:
                 continue
-            if (rank, world) not in seen:
+            if (rank, world) not in seen and all(k in owner for k in ("branch_id", "branch_created")):
                 seen.add((rank, world))
                 out.append({k: owner[k] for k in ("store", "branch", "branch_id", "branch_created", "rank",
                                                   "world")})

@@ -9,7 +9,12 @@ Layout (one directory per Capture, mode 0700, under the user's own root)::
 
 ``<group>`` hashes the store's URL and the branch; ``owner.json`` also names
 the branch id and its creation time, so a ring is never applied to another
-store or to a branch recreated under the same name.
+store or to a branch recreated under the same name. Its owner holds a lock
+on ``owner.lock`` for its life: a ring is deleted, adopted or set aside
+only once that lock proves its owner gone, whatever PID namespace it ran
+in, and a root or ring directory that is not this user's own is never used
+(ringowner.py). A ring whose records do not check out (sealcheck.py) is set
+aside whole, renamed, never deleted, with a warning.
 
 A step is *sealed* once every copy of it has landed in the pool: its record
 (step, the plan's layouts and value tree, each chunk's place in the pool
@@ -31,41 +36,48 @@ the moment they are needed.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dstt.capture import ringowner as O
+from dstt.capture.ringowner import SHM_ROOT as SHM_ROOT
+from dstt.capture.ringowner import ring_root as ring_root
+from dstt.capture.sealcheck import check_record
 from dstt.capture.seals import SEAL_FORMAT as SEAL_FORMAT  # the ring's records (seals.py), used as ring.X too
+from dstt.capture.seals import SEAL_VERSION as SEAL_VERSION
 from dstt.capture.seals import CorruptRing as CorruptRing
 from dstt.capture.seals import StaleSeal as StaleSeal
 from dstt.capture.seals import encode_record as encode_record
 from dstt.capture.seals import plan_of as plan_of
 from dstt.capture.seals import read_record as read_record
 from dstt.capture.seals import seal_record as seal_record
-from dstt.errors import CaptureError
-from dstt.store.localio import pid_alive
+from dstt.errors import CaptureError, DsttError, StepExistsError, StepOrderError
 
 log = logging.getLogger("dstt.capture")
 
-SHM_ROOT = Path("/dev/shm")
 #: A seal record is a few KB per hundred tensors; anything bigger is not ours.
 SEAL_MAX_BYTES = 256 << 20
+_SEAL_RE = re.compile(r"seal-([0-9]{20})\.json")
+_POOL_RE = re.compile(r"pool-[0-9]{1,9}\.bin")
 
 
-def ring_root(base: Path | None = None) -> Path:
-    return (base or SHM_ROOT) / f"dstt-{os.getuid()}"
+class RingUnavailable(CaptureError):
+    """This user's ring root (or a ring directory) cannot be used: the
+    Capture stages in process memory instead (crashsafe.py)."""
 
 
 def shm_free_bytes(base: Path | None = None) -> int | None:
     """Free bytes of /dev/shm, or None where there is none."""
-    base = base or SHM_ROOT
+    base = O.shm_base(base)
     try:
         st = os.statvfs(base)
     except OSError:
@@ -86,12 +98,15 @@ def group_of(identity: dict[str, Any], base: Path | None = None) -> Path:
 
 
 def _private_dir(path: Path) -> None:
-    """Create ``path`` (and parents) as 0700 and check it is ours: a ring
-    read back is trusted only if nobody else could have written it."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if not path.is_dir() or path.is_symlink() or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise CaptureError(f"{path}: not a private directory of this user; refusing to stage there")
+    """Create ``path`` as 0700 unless it exists, and check it is ours: a
+    ring read back is trusted only if nobody else could have written it.
+    RingUnavailable if it is not (it is never used then)."""
+    try:
+        if path.parent != path and not path.parent.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)  # (a base of the caller's that is not there yet)
+        O.make_private(path)
+    except OSError as e:
+        raise RingUnavailable(f"{e}; refusing to stage there") from None
 
 
 class Ring:
@@ -109,6 +124,9 @@ class Ring:
     def __init__(self, identity: dict[str, Any], base: Path | None = None, run: str | None = None) -> None:
         self.identity = dict(identity)
         self.group = group_of(identity, base)
+        problem = O.root_problem(base)
+        if problem is not None:
+            raise RingUnavailable(problem)
         _private_dir(ring_root(base))
         sweep(base)
         _private_dir(self.group)
@@ -117,8 +135,11 @@ class Ring:
         self._dir_text = os.fspath(self.dir)
         # ``run`` (a distributed Capture's id, ranks.py) is not identity: a
         # ring of an earlier run of the same store and branch is recovered.
-        owner = {**self.identity, "pid": os.getpid(), **({"run": run} if run else {})}
-        _write_atomic(self.dir / "owner.json", json.dumps(owner).encode())
+        try:
+            self._lock: int | None = O.take_ownership(self.dir, {**self.identity, **({"run": run} if run else {})})
+        except OSError as e:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise RingUnavailable(f"{self.dir}: {e}") from None
         self._gen = -1
         self.pool_name = ""
         self._maps: dict[str, mmap.mmap] = {}
@@ -163,31 +184,42 @@ class Ring:
         """Remove the ring (everything in it is committed or given up)."""
         self._maps.clear()
         remove_ring(self.dir)
+        O.drop(self._lock)  # (after: nobody may take it for a dead trainer's while it goes)
+        self._lock = None
+
+    def release(self) -> None:
+        """Leave the ring for the next Capture, this process living on (its
+        sealed steps could not be committed: the helper died)."""
+        self._maps.clear()
+        O.release(self.dir, self._lock)
+        self._lock = None
 
 
 def sweep(base: Path | None = None) -> int:
     """Remove rings that can never be committed, of any store: their owner
-    is dead and they hold no seal record, or the local store they belong to
-    is gone. (A ring with seals of a live store waits for the next Capture
-    on its branch.) The number removed."""
+    is proven gone (ringowner.claim) and they hold no seal record, or the
+    local store they belong to is gone (judged only where the owner saw the
+    same mounts). A ring with seals of a live store waits for the next
+    Capture on its branch; one whose owner.json is unreadable is set aside.
+    The number removed."""
     removed = 0
-    try:
-        groups = list(ring_root(base).iterdir())
-    except OSError:
-        return 0
-    for group in groups:
-        for ring in list(group.iterdir()) if group.is_dir() and not group.is_symlink() else []:
-            try:
-                owner = json.loads(read_bounded(ring / "owner.json"))
-                pid, store = int(owner["pid"]), str(owner["store"])
-            except (OSError, ValueError, KeyError, TypeError, CorruptRing):
-                continue  # being created, or not ours to judge
-            if pid_alive(pid):
+    for group in O.groups(base):
+        for ring in O.rings_in(group):
+            c = O.claim(ring)
+            if c is None:
+                continue  # its owner lives, or that cannot be proven: not ours to judge
+            owner = c.owner
+            if owner is None or not isinstance(owner.get("store"), str):
+                O.set_aside(c, c.why or "its owner.json names no store")
                 continue
-            local_gone = store.startswith("/") and not os.path.exists(store)
-            if local_gone or not any(ring.glob("seal-*.json")):
-                remove_ring(ring)
+            store = owner["store"]
+            local_gone = (store.startswith("/") and O.same_namespace(owner.get("process"), "mntns")
+                          and not os.path.exists(store))
+            if local_gone or not sealed_steps(ring):
+                c.remove()
                 removed += 1
+            else:
+                c.close()
         with _suppress():
             group.rmdir()  # empty: every ring of that store and branch is gone
     return removed
@@ -201,12 +233,11 @@ def unseal_file(ring: Path, step: int) -> None:
 
 def sealed_steps(ring: Path) -> list[int]:
     """Steps with a seal record in ``ring``, in order."""
-    out = []
-    for p in ring.glob("seal-*.json"):
-        digits = p.name[5:-5]
-        if digits.isdigit():
-            out.append(int(digits))
-    return sorted(out)
+    try:
+        names = os.listdir(ring)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_SEAL_RE.fullmatch, names) if m)
 
 
 def remove_ring(ring: Path) -> None:
@@ -236,40 +267,124 @@ def _write_atomic(path: Path | str, data: bytes) -> None:
 # ----------------------------------------------------------------------------- recovery
 
 
-def abandoned(identity: dict[str, Any], base: Path | None = None, exclude: Path | None = None
-              ) -> list[tuple[Path, list[dict[str, Any]]]]:
-    """Rings of this store and branch other than ``exclude``, each with its
-    seal records in step order. Rings of another store or of an earlier
-    branch of the same name are removed. The caller holds the branch lock,
-    so every other ring's owner is gone (or closed)."""
-    group = group_of(identity, base)
+@dataclass
+class Abandoned:
+    """A ring of this store and branch whose owner is proven gone, held
+    exclusively (``claim``) until :meth:`remove` or :meth:`set_aside`; its
+    seal records in step order, every field checked."""
+
+    claim: O.Claim
+    seals: list[dict[str, Any]]
+
+    @property
+    def dir(self) -> Path:
+        return self.claim.ring
+
+    @property
+    def owner(self) -> dict[str, Any]:
+        return self.claim.owner or {}
+
+    def remove(self) -> None:
+        self.claim.remove()
+
+    def set_aside(self, why: str) -> None:
+        O.set_aside(self.claim, why)
+
+    def keep(self) -> None:
+        """Let go, leaving the ring as it is (a store error: the next try)."""
+        self.claim.close()
+
+
+def abandoned(identity: dict[str, Any], base: Path | None = None, exclude: Path | None = None, *,
+              dry_run: bool = False) -> list[Abandoned]:
+    """Rings of this store and branch other than ``exclude`` whose owner is
+    proven gone, each held until the caller removes it, with its checked
+    seal records. Rings of an earlier branch of the same name are removed;
+    rings whose owner may live, of another world size or of another store
+    are left alone; a ring whose owner.json or any record does not check
+    out is set aside whole (one warning). ``dry_run``: nothing removed or
+    set aside (only left out)."""
     out = []
-    try:
-        entries = sorted(group.iterdir())
-    except OSError:
-        return []
-    for ring in entries:
-        if ring == exclude or not ring.is_dir() or ring.is_symlink():
+    for ring in O.rings_in(group_of(identity, base)):
+        if ring == exclude:
+            continue
+        c = O.claim(ring, tries=3)
+        if c is None:
+            log.info("dstt: staging ring %s is not recovered: its owner may be alive", ring)
             continue
         try:
-            if os.lstat(ring).st_uid != os.getuid():
+            verdict = _judge_owner(c.owner, identity)
+            if verdict != "ours":
+                if verdict == "other" or dry_run:
+                    c.close()
+                elif verdict == "earlier":
+                    log.warning("dstt: removing staging ring %s of an earlier branch named %r", ring,
+                                identity["branch"])
+                    c.remove()
+                else:
+                    O.set_aside(c, verdict or c.why)
                 continue
-            owner = json.loads(read_bounded(ring / "owner.json"))
-            if not isinstance(owner, dict) or any(owner.get(k) != v for k, v in identity.items()):
-                raise CorruptRing("another store or branch")
-            seals = []
-            for p in sorted(ring.glob("seal-*.json")):
-                try:
-                    doc = read_record(read_bounded(p))
-                except CorruptRing as e:
-                    raise CorruptRing(f"{p.name}: {e}") from None
-                seals.append(doc)
-        except (OSError, ValueError, CorruptRing) as e:
-            log.warning("dstt: discarding staging ring %s: %s", ring, e)
-            shutil.rmtree(ring, ignore_errors=True)
+            seals = read_seals(ring, complete="rank" not in identity)
+        except CorruptRing as e:
+            if dry_run:
+                c.close()
+            else:
+                O.set_aside(c, str(e))
             continue
-        out.append((ring, sorted(seals, key=lambda d: d["step"])))
+        except BaseException:
+            c.close()
+            raise
+        out.append(Abandoned(c, seals))
     return out
+
+
+def _judge_owner(owner: dict[str, Any] | None, identity: dict[str, Any]) -> str:
+    """"ours", "other" (another store, another world size: not ours to
+    judge), "earlier" (a branch of the same name deleted since), or why
+    the owner.json does not check out."""
+    if owner is None:
+        return ""
+    if owner.get("store") != identity["store"] or owner.get("branch") != identity["branch"]:
+        return "other"  # (another store and branch hashed alike)
+    if "world" in identity and owner.get("world") != identity["world"] and owner.get("rank") == identity["rank"]:
+        return "other"  # a run of another size: for a Capture of that size, or dstt gc
+    mismatch = [k for k, v in identity.items() if owner.get(k) != v]
+    if not mismatch:
+        return "ours"
+    created = owner.get("branch_created")
+    if set(mismatch) <= {"branch_id", "branch_created"} and type(created) in (int, float) \
+            and created < identity["branch_created"]:
+        return "earlier"
+    return f"owner.json names another {', '.join(mismatch)}"
+
+
+def read_seals(ring: Path, complete: bool = True) -> list[dict[str, Any]]:
+    """The seal records of ``ring`` in step order, every field checked
+    against the ring's pool files (sealcheck.py) and each of the format
+    written now, proven by its record CRCs; CorruptRing if any is not.
+    ``complete``: a single process's ring (each record holds every chunk
+    of its step)."""
+    names = os.listdir(ring)
+    pools = {}
+    for n in names:
+        if _POOL_RE.fullmatch(n):
+            st = os.lstat(ring / n)
+            if not (st.st_mode & 0o170000 == 0o100000 and st.st_uid == os.getuid()):
+                raise CorruptRing(f"{n}: not a regular file of this user")
+            pools[n] = st.st_size
+    seals = []
+    for step in sealed_steps(ring):
+        name = f"seal-{step:020d}.json"
+        try:
+            record = read_record(read_bounded(ring / name))
+            check_record(record, step=step, pool_sizes=pools, complete=complete)
+            if record.get("version") != SEAL_VERSION:  # (only an older dstt wrote them, into rings with no lock)
+                raise CorruptRing(f"a record of format {record.get('version', 1)}, without a record CRC: "
+                                  "what it says cannot be proven")
+        except (CorruptRing, OSError) as e:
+            raise CorruptRing(f"{name}: {e}") from None
+        seals.append(record)
+    return seals
 
 
 def map_pool(ring: Path, name: str) -> torch.Tensor:
@@ -287,61 +402,79 @@ def map_pool(ring: Path, name: str) -> torch.Tensor:
 
 
 def read_bounded(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    """The bytes of a file of a ring: a regular file of this user (no
+    symlink followed), at most SEAL_MAX_BYTES; CorruptRing if it is not one."""
     try:
-        import stat
-
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptRing(f"{path.name}: not a regular file")
-        chunks, size = [], 0
-        while size <= SEAL_MAX_BYTES:
-            part = os.read(fd, SEAL_MAX_BYTES + 1 - size)
-            if not part:
-                break
-            chunks.append(part)
-            size += len(part)
-        data = b"".join(chunks)
-    finally:
-        os.close(fd)
-    if len(data) > SEAL_MAX_BYTES:
-        raise CorruptRing(f"{path.name}: larger than {SEAL_MAX_BYTES} bytes")
-    return data
+        return O.read_regular(path, SEAL_MAX_BYTES)
+    except ValueError as e:
+        raise CorruptRing(str(e)) from None
 
 
 def recover(writer: Any, identity: dict[str, Any], *, exclude: Path | None = None, base: Path | None = None
             ) -> list[int]:
     """Commit, in step order, the sealed steps of this branch's abandoned
-    rings that are newer than its last commit; remove those rings. The
-    steps committed. ``writer`` (a :class:`~dstt.store.writer.Writer` of a
-    single process) holds the branch lock."""
+    rings that are newer than its last commit; remove those rings (a ring
+    that does not check out is set aside instead, nothing of it
+    committed). The steps committed. ``writer`` (a
+    :class:`~dstt.store.writer.Writer` of a single process) holds the
+    branch lock. A store error propagates and keeps the ring for the next
+    try."""
     done: list[int] = []
-    for ring, seals in abandoned(identity, base, exclude):
-        maps: dict[str, torch.Tensor] = {}
+    for ring in abandoned(identity, base, exclude):
         try:
-            for record in seals:
-                step = record.get("step")
-                if not isinstance(step, int) or (writer.last_step is not None and step <= writer.last_step and (
-                        step == writer.last_step or writer.is_stored(step))):
-                    continue  # committed before the trainer died (an older one not stored is a backfill: Writer.adopt)
-                pool = maps.get(record["pool"])
-                if pool is None:
-                    pool = maps[record["pool"]] = map_pool(ring, record["pool"])
-                try:
-                    plan = writer.adopt(plan_of(record, pool))
-                except StaleSeal as e:
-                    log.warning("dstt: not committing a step of staging ring %s: %s", ring, e)
-                    continue
+            _recover_ring(writer, identity, ring, done)
+        except CorruptRing as e:
+            ring.set_aside(str(e))
+            continue
+        except BaseException:
+            ring.keep()
+            raise
+        ring.remove()
+    return done
+
+
+def _recover_ring(writer: Any, identity: dict[str, Any], ring: Abandoned, done: list[int]) -> None:
+    maps: dict[str, torch.Tensor] = {}
+    try:
+        for record in ring.seals:
+            step = record["step"]
+            if writer.last_step is not None and step <= writer.last_step and (
+                    step == writer.last_step or writer.is_stored(step)):
+                continue  # committed before the trainer died (an older one not stored is a backfill: Writer.adopt)
+            pool = maps.get(record["pool"])
+            if pool is None:
+                pool = maps[record["pool"]] = map_pool(ring.dir, record["pool"])
+            try:
+                plan = writer.adopt(_replay(record, pool))
+            except StaleSeal as e:
+                log.warning("dstt: not committing a step of staging ring %s: %s", ring.dir, e)
+                continue
+            except (StepExistsError, StepOrderError) as e:
+                log.warning("dstt: not committing step %d of staging ring %s: %s", step, ring.dir, e)
+                continue
+            try:
                 writer.ensure_arrays(plan)
                 results, error = writer.flush_chunks(plan, plan.tasks)  # (store/batchflush.py)
                 if error is not None:
                     raise error
                 writer.commit(plan, results)
-                done.append(step)
-                log.warning("dstt: committed step %d of branch %r, sealed in the staging ring of a trainer that "
-                            "died (%s)", step, identity["branch"], ring.name)
-        except (CorruptRing, KeyError, TypeError, ValueError) as e:
-            log.warning("dstt: discarding the rest of staging ring %s: %s", ring, e)
-        finally:  # a store error propagates and keeps the ring for the next try
-            maps.clear()
-        shutil.rmtree(ring, ignore_errors=True)
-    return done
+            except (OSError, DsttError):
+                raise  # the store's: the ring is kept for the next try
+            except Exception as e:  # noqa: BLE001 - a record sealcheck let through that the writer refused
+                raise CorruptRing(f"step {step}: {type(e).__name__}: {e}") from None
+            done.append(step)
+            log.warning("dstt: committed step %d of branch %r, sealed in the staging ring of a trainer that "
+                        "died (%s)", step, identity["branch"], ring.dir.name)
+    finally:
+        maps.clear()
+
+
+def _replay(record: dict[str, Any], pool: torch.Tensor) -> Any:
+    """plan_of for a checked record: CorruptRing (or StaleSeal) for
+    anything it refuses, never another exception."""
+    try:
+        return plan_of(record, pool)
+    except CorruptRing:
+        raise
+    except Exception as e:  # noqa: BLE001 - a record sealcheck let through that plan_of refused
+        raise CorruptRing(f"step {record.get('step')}: {type(e).__name__}: {e}") from None

@@ -1,6 +1,7 @@
-"""What ``dstt gc`` commits before collecting garbage: the steps that dead
-trainers (and their dead capture helpers) left sealed in staging rings on
-this host, or recorded by every rank in the store (ring.py, ranks.py).
+"""What gc (``dstt.gc()`` and ``dstt gc`` alike: store/gc.py) commits
+before collecting garbage: the steps that dead trainers (and their dead
+capture helpers) left sealed in staging rings on this host, or recorded by
+every rank in the store (ring.py, ranks.py).
 
 Without this, gc would take such a step's chunks for the leftovers of a
 crash and remove them, although the step was captured whole. Per branch,
@@ -16,16 +17,15 @@ under its write lock (a live writer makes gc refuse, as it does anyway):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dstt.capture import ranks
 from dstt.capture import ring as R
+from dstt.capture import ringowner as O
 from dstt.store import layout as L
 from dstt.store.backends import open_backend
-from dstt.store.localio import pid_alive
 from dstt.store.root import list_branches
 
 
@@ -42,23 +42,14 @@ class Salvage:
 
 
 def _ring_steps(store_url: str, branch_info: Any, base: Path | None) -> list[int]:
-    """Sealed steps of this branch's dead single-process rings (read only)."""
+    """Sealed steps of this branch's single-process rings whose owners are
+    proven gone, their records checked (read only: nothing removed)."""
     identity = {"store": store_url, "branch": branch_info.name, "branch_id": branch_info.id,
                 "branch_created": branch_info.created}
     steps: set[int] = set()
-    try:
-        rings = list(R.group_of(identity, base).iterdir())
-    except OSError:
-        return []
-    for ring in rings:
-        try:
-            owner = json.loads(R.read_bounded(ring / "owner.json"))
-        except (OSError, ValueError, R.CorruptRing):
-            continue
-        if not isinstance(owner, dict) or pid_alive(int(owner.get("pid", 0))) or \
-                any(owner.get(k) != v for k, v in identity.items()):
-            continue
-        steps.update(R.sealed_steps(ring))
+    for ring in R.abandoned(identity, base, dry_run=True):
+        steps.update(seal["step"] for seal in ring.seals)
+        ring.keep()
     return sorted(steps)
 
 
@@ -111,8 +102,7 @@ def salvage(store: Any, *, dry_run: bool = False, base: Path | None = None) -> S
 
 
 def _has_single_rings(url: str, branch: str, base: Path | None) -> bool:
-    group = R.group_dir(url, branch, base)
-    return group.is_dir() and any(group.iterdir())
+    return bool(O.rings_in(R.group_dir(url, branch, base)))
 
 
 def _leftover_records(backend: Any, branch: str, dry_run: bool) -> int:

@@ -21,7 +21,16 @@ formats are read; the third is written:
    task (issue 16: a 12 ms loop of 88 tensors spent ~0.4 ms of the
    trainer's background Python per step sealing). Every byte of every task
    is covered by exactly one CRC'd extent, so a step whose bytes changed
-   after its seal is detected as before (:class:`StaleSeal`).
+   after its seal is detected as before (:class:`StaleSeal`);
+4. as 3, with the record's own CRC-32Cs (issue 23): ``record_crc`` covers
+   the head up to it and the value tree's text, ``static_crc`` the static
+   part's. The CRCs of a format-3 record cover the pool bytes only: a bit
+   flip in its step number, value tree or layouts committed a wrong step.
+
+A record read back is untrusted: :func:`read_record` raises
+:class:`CorruptRing` for anything that is not one (never another
+exception, whatever the bytes), and recovery checks every field before
+using it (sealcheck.py).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from dstt.store.shards import Region
 
 SEAL_FORMAT = "dstt-ring-seal"
 #: The format :func:`seal_record` writes (see the module docstring).
-SEAL_VERSION = 3
+SEAL_VERSION = 4
 
 
 class CorruptRing(Exception):
@@ -304,7 +313,7 @@ def encode_record(record: dict[str, Any]) -> bytes:
     reused from earlier records while they are unchanged. :func:`read_record`
     reads it back (any JSON parser reads it too)."""
     version = record.get("version")
-    if version not in (2, 3):  # (a record of the first format: written as it is)
+    if version not in (2, 3, 4):  # (a record of the first format: written as it is)
         return json.dumps({k: v for k, v in record.items() if not k.startswith("_")}, allow_nan=False).encode()
     static = record.get("_static")
     if static is None:
@@ -312,11 +321,16 @@ def encode_record(record: dict[str, Any]) -> bytes:
     tasks = record["tasks"]
     tree_text = _TREE_TEXT.encode(record["tree"])
     static_text = _STATICS.encode(static)
-    if version == 3:  # (written as json.dumps would, without its encoder's set-up per call)
-        head_text = (f'{{"format": "{SEAL_FORMAT}", "version": 3, "step": {record["step"]:d}, '
+    if version in (3, 4):  # (written as json.dumps would, without its encoder's set-up per call)
+        head_text = (f'{{"format": "{SEAL_FORMAT}", "version": {version:d}, "step": {record["step"]:d}, '
                      f'"seq": {record["seq"]:d}, "pool": {_quote(record["pool"])}, '
                      f'"tree_bytes": {len(tree_text):d}, "static_bytes": {len(static_text):d}, '
                      f'"extents": {_extents_text(tasks["extents"])}')
+        if version == 4:
+            head = f'{head_text}, "static_crc": {_static_crc(static_text):d}'.encode()
+            crc = google_crc32c.extend(google_crc32c.extend(0, head), tree_text)
+            return b"".join([head, b', "record_crc": %d' % crc, _SEP_TREE, tree_text, _SEP_STATIC, static_text,
+                             b"}"])
     else:
         head = {"format": SEAL_FORMAT, "version": version, "step": record["step"], "seq": record["seq"],
                 "pool": record["pool"], "start": tasks["start"], "nbytes": tasks["nbytes"], "crc": tasks["crc"],
@@ -326,40 +340,62 @@ def encode_record(record: dict[str, Any]) -> bytes:
 
 
 #: The per-step fields of a record's head, by format: moved under ``tasks``.
-_STEP_FIELDS = {2: ("start", "nbytes", "crc"), 3: ("extents",)}
+_STEP_FIELDS = {2: ("start", "nbytes", "crc"), 3: ("extents",), 4: ("extents",)}
+_SEP_CRC = b', "record_crc": '
+#: (static part's text, its CRC-32C) of the last record encoded.
+_LAST_STATIC_CRC: tuple[bytes, int] = (b"", 0)
+
+
+def _static_crc(text: bytes) -> int:
+    global _LAST_STATIC_CRC
+    last = _LAST_STATIC_CRC
+    if last[0] is text:  # (the text cache hands out the same bytes while the static part is unchanged)
+        return last[1]
+    crc = google_crc32c.value(text)
+    _LAST_STATIC_CRC = (text, crc)
+    return crc
 
 
 def read_record(data: bytes) -> dict[str, Any]:
     """A seal record (any format) from its bytes, as :func:`seal_record`
     made it: ``step``, ``seq``, ``pool``, ``tree``, ``layouts``, ``meta``
-    and ``tasks`` (a list of dicts in the first format). Parts unchanged
-    since the last records read are not decoded again (read-only objects,
-    shared). ValueError (or CorruptRing) if it is not one."""
-    fast = _read_fast(data)
-    if fast is not None:
-        return fast
-    doc = json.loads(data)
-    if not isinstance(doc, dict) or doc.get("format") != SEAL_FORMAT:
-        raise CorruptRing("not a seal record")
-    fields = _STEP_FIELDS.get(doc.get("version"))  # type: ignore[arg-type]
-    if fields is not None:
-        static = doc["static"]
-        if not isinstance(static, dict):
-            raise CorruptRing("bad static part")
-        doc = {**doc, "layouts": static["layouts"], "meta": static["meta"],
-               "tasks": {"static": static["tasks"], **{k: doc[k] for k in fields}}}
-    return doc
+    and ``tasks`` (a list of dicts in the first format), its record CRCs
+    checked (format 4). Parts unchanged since the last records read are
+    not decoded again (read-only objects, shared). CorruptRing -- and no
+    other exception, whatever the bytes -- if it is not one; what it
+    holds is checked by sealcheck.check_record."""
+    try:
+        fast = _read_fast(data)
+        if fast is not None:
+            return fast
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != SEAL_FORMAT:
+            raise CorruptRing("not a seal record")
+        if "record_crc" in doc or (type(doc.get("version")) is int and doc["version"] >= 4):
+            raise CorruptRing("its record CRC cannot be checked: not laid out as written")
+        fields = _STEP_FIELDS.get(doc.get("version"))  # type: ignore[arg-type]
+        if fields is not None:
+            static = doc["static"]
+            if not isinstance(static, dict):
+                raise CorruptRing("bad static part")
+            doc = {**doc, "layouts": static["layouts"], "meta": static["meta"],
+                   "tasks": {"static": static["tasks"], **{k: doc[k] for k in fields}}}
+        return doc
+    except CorruptRing:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as e:
+        raise CorruptRing(f"not a seal record ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _read_fast(data: bytes) -> dict[str, Any] | None:
     """The fast path of :func:`read_record` for a record encode_record wrote
-    (format 2 or 3); None for anything else (read the slow way)."""
+    (format 2 or later); None for anything else (read the slow way)."""
     i = data.find(_SEP_TREE)
     if i < 0:
         return None
     try:
         head = json.loads(data[:i] + b"}")
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(head, dict) or head.get("format") != SEAL_FORMAT:
         return None
@@ -374,6 +410,8 @@ def _read_fast(data: bytes) -> dict[str, Any] | None:
     c = b + len(_SEP_STATIC)
     if data[b:c] != _SEP_STATIC or c + ns + 1 != len(data) or data[-1:] != b"}":
         return None
+    if head["version"] >= 4 or "record_crc" in head:
+        _check_crcs(data, head, i, (a, b), (c, c + ns))
     tree = _TREES.decode(data[a:b])
     static = _STATICS.decode(data[c:c + ns])
     if not isinstance(static, dict):
@@ -382,6 +420,20 @@ def _read_fast(data: bytes) -> dict[str, Any] | None:
     head["layouts"], head["meta"] = static["layouts"], static["meta"]
     head["tasks"] = {"static": static["tasks"], **{k: head.pop(k, None) for k in fields}}
     return head
+
+
+def _check_crcs(data: bytes, head: dict[str, Any], end: int, tree: tuple[int, int], static: tuple[int, int]
+                ) -> None:
+    """CorruptRing unless the record CRC (head and tree) and the static
+    part's CRC of a format-4 record match."""
+    want, want_static = head.pop("record_crc", None), head.pop("static_crc", None)
+    j = data.rfind(_SEP_CRC, 0, end)
+    if type(want) is not int or type(want_static) is not int or j < 0:
+        raise CorruptRing("its record CRCs are missing")
+    view = np.frombuffer(data, np.uint8)  # (slices without copies)
+    got = google_crc32c.extend(google_crc32c.extend(0, view[:j]), view[tree[0]:tree[1]])
+    if got != want or google_crc32c.value(view[static[0]:static[1]]) != want_static:
+        raise CorruptRing("it does not match its record CRC (changed after it was written)")
 
 
 def _layout_doc(l: TensorLayout) -> dict[str, Any]:

@@ -161,16 +161,14 @@ def register(app: typer.Typer) -> None:
         this host, or that every rank recorded (a distributed capture whose
         helpers died), so their data is not taken for leftovers.
         Refuses to run while any branch has a live writer."""
-        from dstt.capture.salvage import salvage
-        from dstt.store.gc import gc as run_gc
+        from dstt.api import gc as run_gc
 
         path = store_arg(store, "gc", " (gc works on the whole store)")
-        saved = salvage(path, dry_run=dry_run)
-        report = run_gc(path, dry_run=dry_run)
+        report = run_gc(path, dry_run=dry_run)  # (salvage first, then collect: the API's one path)
         if json_out:
-            emit_json(report.to_dict() | saved.to_dict())
+            emit_json(report.to_dict())
             return
-        for branch, steps in saved.committed.items():
+        for branch, steps in report.committed.items():
             verb = "would commit" if dry_run else "committed"
             stdout.print(f"{verb} {len(steps)} step(s) of branch {branch!r} sealed by a trainer that died: "
                          + ", ".join(map(str, steps)))

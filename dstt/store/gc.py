@@ -7,7 +7,11 @@ Rules (docs/timetravel.md):
   that is some branch's parent (fork point). A step is removed by deleting its
   ``commit.json`` first -- from then on it is invisible -- and then its
   directory. It never deletes tensor data: that is gc's job.
-* ``gc`` removes chunk files that no committed step of any branch references
+* ``gc`` (:func:`dstt.gc`, in api.py: it first commits what dead trainers
+  left sealed in staging rings on this host or recorded by every rank in
+  the store, capture/salvage.py -- without it their chunks look like a
+  crash's leftovers -- then runs :func:`collect_garbage`) removes chunk
+  files that no committed step of any branch references
   (a step references chunk (array, slot, coords) through its index; dedup
   makes steps, and branches, share chunks), arrays left with no referenced
   chunk, packs none of whose ranges a committed step references (a pack is
@@ -74,10 +78,16 @@ class GcReport:
     #: ``dstt branch`` in meta/branch_ids, a commit marker's temp file, ...).
     temp_files_removed: int = 0
     dry_run: bool = False
+    #: Steps committed first (dry run: that would be), per branch: sealed by
+    #: dead trainers in staging rings, or recorded by every rank (salvage.py).
+    committed: dict[str, list[int]] = field(default_factory=dict)
+    #: Per-rank records removed from committed step directories.
+    records_removed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["partial_steps_removed"] = [{"branch": b, "dir": s} for b, s in self.partial_steps_removed]
+        d["committed"] = [{"branch": b, "step": s} for b, steps in self.committed.items() for s in steps]
         return d
 
 
@@ -268,15 +278,20 @@ def array_of(key: str) -> str | None:
     return None
 
 
-def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | None = None) -> GcReport:
-    """Remove unreferenced chunks and arrays and uncommitted step directories.
+def collect_garbage(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | None = None
+                    ) -> GcReport:
+    """Remove unreferenced chunks and arrays and uncommitted step
+    directories: gc's second half, alone. Call :func:`dstt.gc` (what ``dstt
+    gc`` runs), which first commits what dead trainers left sealed or
+    recorded (capture/salvage.py): alone, this takes a step every rank
+    recorded, not yet committed, for a crash's leftovers and deletes it.
 
     >>> import tempfile, torch, dstt
     >>> path = tempfile.mkdtemp() + "/run"
     >>> for s in range(3):
     ...     _ = dstt.save(path, s, {"w": torch.full((4,), float(s))})
     >>> _ = prune(path, keep_last=1)
-    >>> gc(path).chunks_removed
+    >>> collect_garbage(path).chunks_removed
     2
     """
     backend = open_backend(store, create=False)
@@ -426,4 +441,4 @@ def _collect_temp_files(backend: Backend, report: GcReport, dry_run: bool) -> No
                 backend.delete(key)
 
 
-__all__ = ["prune", "gc", "keep_set", "entry_chunks", "entry_packs", "PruneReport", "GcReport", "remove_step", "branch_parents"]
+__all__ = ["prune", "collect_garbage", "keep_set", "entry_chunks", "entry_packs", "PruneReport", "GcReport", "remove_step", "branch_parents"]

@@ -9,8 +9,11 @@ OUT/expected.pt. ``kill``: steps 0-2 committed, step 3 snapshotted and
 ``wait_staged()`` on every rank, then OUT/staged is written and every rank
 sleeps (the test SIGKILLs the trainers' process group). ``killall``: the
 same, but each rank first SIGKILLs its own helper (so step 3 stays sealed in
-the rings only). ``resume``: a new Capture on the store (recovering what
-the dead run left), step 4 captured; OUT/recovered.json names what it
+the rings only). ``recorded``: as ``kill``, but rank 0's helper cannot
+write step 3's index (tests/dist/faults.py, armed before step 3): step 3 is
+sealed and recorded by every rank, never committed, and the helpers
+exit (its rings gone). ``resume``: a new Capture on the store (recovering
+what the dead run left), step 4 captured; OUT/recovered.json names what it
 recovered. Every rank writes its helper's pid to OUT/helper<rank>.pid and
 its own to OUT/trainer<rank>.pid.
 """
@@ -58,6 +61,10 @@ def main(out: Path, mode: str) -> None:
             opt.step()
         if mode != "ok" and step == 3:
             cap.wait()  # steps 0-2 committed
+            if mode == "recorded" and rank == 0:  # (only rank 0's helper commits: the fault is armed
+                import faults  # before rank 0 seals step 3)
+
+                faults.arm(Path(os.environ["DSTT_TEST_FAULTS"]), "index-put", 0, "helper")
             if mode == "killall":
                 os.kill(cap._helper.pid, signal.SIGKILL)
                 while pid_alive(cap._helper.pid):
@@ -68,7 +75,7 @@ def main(out: Path, mode: str) -> None:
             if mode != "killall":
                 raise
         expected[step] = full(dstt.state_of(model=model, optimizer=opt, rng=False))
-    if mode in ("kill", "killall"):
+    if mode in ("kill", "killall", "recorded"):
         try:
             cap.wait_staged()  # step 3 sealed in this rank's ring
         except CaptureError:
