@@ -92,7 +92,7 @@ class Committing:
     def _commit(self, job: Job) -> None:
         # (bounded: the stager's copies and seal; with the helper, every wait
         # on its answers is bounded by the helper's progress: helper.py)
-        self._await_event(job.submitted, f"step {job.plan.step} to be staged and sealed")
+        self._await_event(job.submitted, lambda: f"step {job.plan.step} to be staged and sealed")
         if self._helper is not None:
             info = self._commit_by_helper(job)
         else:

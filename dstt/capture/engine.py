@@ -269,8 +269,10 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         return eager
 
     def _enqueue(self, job: Job) -> None:
-        self._captured_log.setdefault(job.writer.branch.name, collections.deque(maxlen=CAPTURED_LOG)).append(
-            job.plan.step)  # (incident(step=) accepts the steps this branch captured)
+        log_ = self._captured_log.get(job.writer.branch.name)  # (incident(step=) takes the steps captured)
+        if log_ is None:
+            log_ = self._captured_log[job.writer.branch.name] = collections.deque(maxlen=CAPTURED_LOG)
+        log_.append(job.plan.step)
         if self._tier:
             self._tier_enqueue(job, lazy=bool(job.lazy) and job.error is None)
             return

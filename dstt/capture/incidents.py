@@ -47,7 +47,6 @@ class Incidents:
     _stopping: bool
     _latest_step: int | None
     _captured_log: dict[str, deque[int]]
-    _fork: Any
 
     def incident(self, reason: str, *, step: int | None = None) -> Incident:
         """Something went wrong (a loss spike, a bad batch): store every step
@@ -78,8 +77,6 @@ class Incidents:
         if step is not None:
             A.step(step)
         self.raise_pending()  # type: ignore[attr-defined]
-        if self._fork is not None:  # an earlier rewind's branch: the incident is on it
-            self._switch_branch()  # type: ignore[attr-defined]
         branch = self.writer.branch.name
         if step is None:
             log_ = self._captured_log.get(branch)

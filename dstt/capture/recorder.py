@@ -237,8 +237,9 @@ class FlightRecorder:
             self._slots = self._make_slots(need, pin=any(t.source.is_cuda for t in plan.tasks))
         slots = self._slots
         got: list[HostPool] = []
-        self._await(lambda t: _took(slots.acquire(t), got),  # type: ignore[attr-defined]
-                    f"a free memory-tier slot for step {plan.step} (the writer frees them)")
+        if not _took(slots.acquire(0), got):  # (none free now: backpressure, bounded)
+            self._await(lambda t: _took(slots.acquire(t), got),  # type: ignore[attr-defined]
+                        f"a free memory-tier slot for step {plan.step} (the writer frees them)")
         job.slot = got[0]
         job.pool = job.slot
         job.hold = True
