@@ -277,7 +277,8 @@ def test_a_rewind_to_the_current_branch_is_refused_and_a_new_one_works(tmp_path:
     path = tmp_path / "run"
     m, opt = _model()
     ref = {}
-    with dstt.Capture(path, memory_steps=memory_steps, helper=False) as cap:
+    extra = {"persist": "all"} if memory_steps else {}
+    with dstt.Capture(path, memory_steps=memory_steps, helper=False, **extra) as cap:
         for s in range(5):
             _train(m, opt)
             cap.snapshot(s, model=m, optimizer=opt, extra={"s": s})

@@ -252,7 +252,8 @@ class Draining:
             parts.append(f"{len(steps)} step(s) not committed: {_steps_text(steps)}")
         helper = self._helper
         if helper is not None and helper.lost:
-            parts.append(f"the capture helper (pid {helper.pid}) was killed")
+            parts.append(f"the capture helper (pid {helper.pid}) "
+                         f"{'was killed' if helper._killed_why is not None else 'is gone'}")
         if self._ring is not None:
             parts.append(f"steps sealed in {self._ring.dir} stay there for the next Capture on this branch "
                          "or `dstt gc`")
