@@ -57,6 +57,13 @@ def _close_in_thread(cap: dstt.Capture) -> tuple[BaseException | None, float]:
     return out[0], out[1]
 
 
+def _no_ring_left(store: Path) -> bool:
+    """No staging ring in /dev/shm is left for ``store`` (recovered and removed)."""
+    from dstt.capture.ring import ring_root
+
+    return not [o for o in ring_root().glob("*/*/owner.json") if str(store) in o.read_text()]
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -96,7 +103,7 @@ def test_close_behind_a_stopped_helper_returns_and_the_next_capture_commits(tmp_
     run = dstt.open(store)
     assert run.steps() == [0, 1]
     assert bits_equal(run.state_dict(1)["extra"]["w"], torch.full((1024,), 1.0))
-    assert verify(store).ok
+    assert verify(store).ok and _no_ring_left(store)
 
 
 #: In the helper: stop itself (SIGSTOP) when it is about to rename step 1's
@@ -149,7 +156,7 @@ def test_a_helper_stopped_mid_commit_fails_loudly_and_dstt_gc_commits_the_step(
     run = dstt.open(store)
     assert run.steps() == [0, 1]
     assert bits_equal(run.state_dict(1)["extra"]["w"], torch.full((1024,), 6.0))
-    assert verify(store).ok
+    assert verify(store).ok and _no_ring_left(store)
 
 
 def test_close_gives_up_on_a_write_hung_in_this_process_and_finishes_later(tmp_path: Path) -> None:
@@ -222,7 +229,7 @@ def test_a_loop_and_wait_behind_a_stopped_helper_end_within_the_bound(tmp_path: 
     assert run.steps() == [0, *recovered]
     for step in recovered:
         assert bits_equal(run.state_dict(step)["extra"]["w"], torch.full((1024,), float(step)))
-    assert verify(store).ok
+    assert verify(store).ok and _no_ring_left(store)
 
 
 def test_snapshot_waiting_for_staging_room_gives_up_naming_the_step(tmp_path: Path) -> None:
