@@ -11,6 +11,7 @@ from dstt.store.backends import open_backend
 from dstt.store.gc import GcReport
 from dstt.store.incidents import Incident
 from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY
+from dstt.store.layout import validate_step
 from dstt.store.reader import TensorReader
 from dstt.store.writer import CommitInfo, Writer
 
@@ -107,6 +108,7 @@ def save(
     >>> info.n_tensors, dstt.open(path).state_dict(0)["lr"]
     (1, 0.1)
     """
+    validate_step(step)  # before the writer opens, locks or creates anything (its own arguments: Writer)
     with Writer(store, branch=branch, parent=parent, allow_pickle=allow_pickle, compression=compression,
                 storage_options=storage_options, keyframe_every=keyframe_every) as w:
         return w.write(step, state)

@@ -144,6 +144,38 @@ def split_in_store(text: str) -> tuple[str | None, StepSpec] | None:
     return None
 
 
+def parent_arg(value: object) -> StepRef | str | None:
+    """The ``parent=`` argument checked (every entry point's one validator
+    of it): None; a reference inside the store (``"main:1200"``,
+    ``"@main"``, ``"~3"``: :func:`split_in_store`; resolved against the
+    store later); or a ``(branch, step)`` pair -- a StepRef, a tuple or a
+    list -- of a valid branch name and step number, returned as a StepRef.
+
+    >>> parent_arg(["main", 3]), parent_arg("main:3")
+    (StepRef(branch='main', step=3), 'main:3')
+    >>> parent_arg(("main", 1.5))
+    Traceback (most recent call last):
+    dstt.errors.StepOrderError: parent step must be an integer in 0..99999999999999999999, got 1.5
+    """
+    from dstt.store import args as A
+
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            ok = split_in_store(value) is not None
+        except InvalidReferenceError:
+            ok = False
+        if not ok:
+            raise InvalidReferenceError(f"parent {A.shown(value)} is not a step of this store: use 'BRANCH:STEP', "
+                                        "'@BRANCH[:STEP]', ':STEP', '~N', a StepRef or (branch, step)")
+        return value
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise InvalidReferenceError(f"parent must be a reference string, a StepRef or a (branch, step) pair, "
+                                    f"got {A.shown(value)}")
+    return StepRef(A.branch(value[0]), A.step(value[1], "parent step"))
+
+
 def resolve_step(run: "Run", branch: str, spec: StepSpec) -> StepRef:
     """The (branch, step) a step spec (number, 'latest', '~N', None = latest)
     names on ``branch``'s trajectory: its own steps, after its ancestors'

@@ -30,7 +30,8 @@ import torch
 
 from dstt.errors import RestoreMismatchError
 from dstt.refs import StepRef
-from dstt.state import PARAM_GROUPS, _param_names, _rank, set_rng_state
+from dstt.state import PARAM_GROUPS, _param_names, _rank, check_objects, set_rng_state
+from dstt.store import args as A
 from dstt.store.chunks import read_whole_into
 from dstt.store.index import StepRecord
 from dstt.store.reader import TensorReader
@@ -128,11 +129,17 @@ def store_read(run: TensorReader, rec: StepRecord) -> ReadTensor:
 
 def apply_step(rec: Any, read: ReadTensor, where: str, *, model: torch.nn.Module | None = None,
                optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, rng: bool = True,
-               strict: bool = True, threads: int = 4) -> dict[str, Any]:
+               strict: bool = True, threads: int = 4, validated: Callable[[], Any] | None = None) -> dict[str, Any]:
     """:func:`restore` from any source of a step: ``rec`` describes it
     (``objects``, the value tree; ``by_name``, each tensor's ``shape`` and
     ``dtype``; ``step``), ``read`` reads its tensors. Used by ``restore``
-    (the store) and ``Capture.rewind`` (the memory tier's host ring)."""
+    (the store) and ``Capture.rewind`` (the memory tier's host ring).
+    ``validated`` runs once the step is known to fit the live objects,
+    before anything is read or changed (a rewind records its incident
+    then: a refused rewind records none)."""
+    check_objects(model, optimizer, scheduler, restoring=True)
+    A.flag("rng", rng)
+    A.flag("strict", strict)
     tree = rec.objects if isinstance(rec.objects, dict) else {}
     plan = _Plan()
     if model is not None:
@@ -145,6 +152,8 @@ def apply_step(rec: Any, read: ReadTensor, where: str, *, model: torch.nn.Module
         if strict:
             raise mismatch_error(where, plan.problems)
         warnings.warn(f"partial restore of {where}: " + "; ".join(plan.problems[:MAX_LISTED]), stacklevel=2)
+    if validated is not None:
+        validated()
     data = _read_all(read, plan, threads)
     # Every value the live objects will get -- planned tensors, and tensors
     # nested in other values (a module's extra state, a tensor lr, LBFGS's

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dstt.errors import InvalidNameError, RestoreMismatchError
+from dstt.errors import ConfigError, InvalidNameError, RestoreMismatchError
+from dstt.store import args as A
 
 PARAM_GROUPS = "param_groups"
 
@@ -132,6 +133,28 @@ def _rank() -> tuple[int, int]:
     return 0, 1
 
 
+def check_objects(model: Any = None, optimizer: Any = None, scheduler: Any = None, *, restoring: bool = False) -> None:
+    """ConfigError unless each live object given is what :func:`state_of`
+    reads (and, ``restoring``, what a restore writes): ``model`` an
+    ``nn.Module``, ``optimizer`` an optimizer (``param_groups``, ``state``),
+    ``scheduler`` something with ``state_dict`` (and ``load_state_dict``).
+
+    >>> check_objects(model=torch.nn.Linear(1, 1))
+    >>> check_objects(optimizer="adam")
+    Traceback (most recent call last):
+    dstt.errors.ConfigError: optimizer must be a torch optimizer (with param_groups and state), got str
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    need = ("param_groups", "state", "load_state_dict") if restoring else ("param_groups", "state")
+    if optimizer is not None and not all(hasattr(optimizer, a) for a in need):
+        raise ConfigError(f"optimizer must be a torch optimizer (with param_groups and state), "
+                          f"got {type(optimizer).__name__}")
+    need = ("state_dict", "load_state_dict") if restoring else ("state_dict",)
+    if scheduler is not None and not all(callable(getattr(scheduler, a, None)) for a in need):
+        raise ConfigError(f"scheduler must have {' and '.join(need)}, got {type(scheduler).__name__}")
+
+
 def state_of(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
@@ -153,6 +176,8 @@ def state_of(
     >>> sorted(state_of(model=m, rng=False))
     ['model']
     """
+    check_objects(model, optimizer, scheduler)
+    A.flag("rng", rng)
     state: dict[str, Any] = {}
     if model is not None:
         state["model"] = model.state_dict()

@@ -215,7 +215,7 @@ def test_config_is_validated(store: Path) -> None:
         CaptureConfig(on_full="drop")
     with pytest.raises(ConfigError, match="every"):
         CaptureConfig(every=0)
-    with pytest.raises(ConfigError, match="parent"):
+    with pytest.raises(dstt.InvalidReferenceError, match="parent"):  # (one validator per kind: store/args.py)
         CaptureConfig(parent=("main",))
 
 

@@ -260,3 +260,59 @@ def test_storage_options_reach_fsspec(s3: S3Server, monkeypatch: pytest.MonkeyPa
     dstt.restore(f"{url}@cap:0", model=fresh, storage_options=opts)
     assert torch.equal(fresh.weight, model.weight)
     S3FileSystem.clear_instance_cache()
+
+
+_HOLD_LEASE = r"""
+import sys
+from dstt.store.backends import open_backend
+from dstt.store.lock import acquire
+lock = acquire(open_backend(sys.argv[1]), "main", ttl=600)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _lease_holder(s3: S3Server, url: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LEASE, url], env=s3.subprocess_env(), text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held", proc.communicate()
+    return proc
+
+
+def test_a_lease_whose_holder_died_on_this_host_is_stale_not_a_live_writer(s3: S3Server) -> None:
+    """Issue 23 (13): `dstt unlock` on an S3 lease whose holder is dead on
+    this host (same host, boot and PID namespace; pid gone) called it "the
+    live writer" (and refused without --force); a new writer waited for the
+    lease to expire (600 s here). A stopped holder is still alive: refused."""
+    import os
+    import signal
+
+    from dstt.store.lock import acquire, lock_holder
+
+    url = s3.url()
+    dstt.save(url, 0, {"w": torch.ones(2)})
+    proc = _lease_holder(s3, url)
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)  # alive, not renewing: its lease is unexpired (ttl 600 s)
+        r = runner.invoke(app, ["unlock", f"{url}@main"])
+        assert r.exit_code == 1 and "live writer" in r.output and f"pid {proc.pid}" in r.output, r.output
+    finally:
+        proc.kill()
+        proc.wait()
+    assert lock_holder(url, "main") is None  # dead on this host: stale, not a holder
+    r = runner.invoke(app, ["unlock", f"{url}@main"])  # no --force needed
+    assert r.exit_code == 0, r.output
+    assert "stale: its holder is gone" in r.output and f"pid {proc.pid}" in r.output and "live" not in r.output
+    proc = _lease_holder(s3, url)
+    proc.kill()
+    proc.wait()
+    r = runner.invoke(app, ["unlock", "--force", "--json", f"{url}@main"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["broken"] and not doc["was_held"] and doc["holder_gone"] and doc["holder"]["pid"] == proc.pid
+    proc = _lease_holder(s3, url)
+    proc.kill()
+    proc.wait()
+    acquire(url, "main").release()  # a dead holder's unexpired lease is taken over at once
+    dstt.save(url, 1, {"w": torch.zeros(2)})
+    assert dstt.open(url).steps() == [0, 1]

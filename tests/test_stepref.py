@@ -47,7 +47,7 @@ def test_capture_parent_reference(store: Path) -> None:
         cap.snapshot(7, extra={"x": 1})
     run = dstt.open(store)
     assert run.branch_info("cap").parent == ("main", 2) and run.steps("cap") == [7]
-    with pytest.raises(dstt.ConfigError, match="not a step of this store"):
+    with pytest.raises(dstt.InvalidReferenceError, match="not a step of this store"):  # (as save: store/args.py)
         dstt.Capture(store, branch="bad", parent="other/store:3")
 
 

@@ -50,17 +50,20 @@ class Committing:
     last_commit: CommitInfo | None
 
     # (also used: _lower_priority (engine.py), _settle and _commit_by_helper
-    # (crashsafe.py); not declared here, so no stub shadows them in the MRO)
+    # (crashsafe.py), _bump and _await_event (draining.py); not declared
+    # here, so no stub shadows them in the MRO)
     _lower_priority: Callable[[], None]
     _settle: Callable[[Job], None]
     _commit_by_helper: Callable[[Job], CommitInfo]
+    _bump: Callable[[], None]
+    _await_event: Callable[..., None]
 
     def _commit_loop(self) -> None:
         """Every job in order: committed (with the helper: its answer read,
         the step handed over when sealed), skipped or failed; then settled."""
         self._lower_priority()
         while True:
-            job = self._commit_q.get()
+            job = self._commit_q.get()  # unbounded wait: this thread's work queue; close() sends None
             if job is None:
                 return
             self._finish(job, self._commit)
@@ -84,9 +87,12 @@ class Committing:
                 self._pending -= 1
                 self._queued_steps.discard(job.plan.step)
                 self._cond.notify_all()
+            self._bump()
 
     def _commit(self, job: Job) -> None:
-        job.submitted.wait()
+        # (bounded: the stager's copies and seal; with the helper, every wait
+        # on its answers is bounded by the helper's progress: helper.py)
+        self._await_event(job.submitted, lambda: f"step {job.plan.step} to be staged and sealed")
         if self._helper is not None:
             info = self._commit_by_helper(job)
         else:
@@ -106,6 +112,8 @@ class Committing:
             error = error or e
         for f in job.futures:
             try:
+                # unbounded wait: a chunk write of this process, whose block must not be reused before it
+                # returns; every wait of the trainer on this thread is bounded (close() leaves it to a reaper)
                 got = f.result()  # a ChunkResult, or (results, error) of a group (_flush_many)
                 if isinstance(got, tuple):
                     results.extend(got[0])

@@ -5,9 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from dstt.capture.waits import DEFAULT_TIMEOUT_S
 from dstt.errors import ConfigError
+from dstt.refs import parent_arg
+from dstt.store import args as A
+from dstt.store.codec import COMPRESSIONS
 from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY
-from dstt.store.layout import StepRef, validate_branch
+from dstt.store.layout import StepRef
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES
 
 ON_FULL = ("wait", "skip")
@@ -92,65 +96,58 @@ class CaptureConfig:
     #: at the first step that has some (and again only after a clean step).
     watch_nonfinite: bool = True
 
+    #: Every wait of the capture (the capture helper's answer for a step, a
+    #: staging block, a background thread, ``wait()``, ``close()``...) gives
+    #: up after this many seconds during which nothing it waits for made
+    #: progress (no step committed, no chunk written, no CPU time or I/O of
+    #: the helper), with a CaptureError naming what did not answer; a helper
+    #: that does not answer is killed (its sealed steps stay in /dev/shm for
+    #: the next Capture or ``dstt gc``). Raise it only for steps whose commit
+    #: alone can stall that long (capture/waits.py).
+    background_timeout_s: float = DEFAULT_TIMEOUT_S
+
     def __post_init__(self) -> None:
-        _positive_int("every", self.every)
-        _positive_int("max_chunk_bytes", self.max_chunk_bytes)
-        _positive_int("flush_threads", self.flush_threads)
-        _positive_int("keyframe_every", self.keyframe_every)
-        validate_branch(self.branch)
-        if not isinstance(self.background_nice, int) or not 0 <= self.background_nice <= 19:
-            raise ConfigError(f"background_nice must be an integer in 0..19, got {self.background_nice!r}")
-        if not isinstance(self.background_idle, bool):
-            raise ConfigError(f"background_idle must be True or False, got {self.background_idle!r}")
-        if not isinstance(self.exit_drain_s, (int, float)) or isinstance(self.exit_drain_s, bool) \
-                or not 0 <= self.exit_drain_s < float("inf"):
-            raise ConfigError(f"exit_drain_s must be a finite number of seconds >= 0, got {self.exit_drain_s!r}")
-        if self.shm not in (None, True, False):
-            raise ConfigError(f"shm must be True, False or None (auto), got {self.shm!r}")
-        if self.helper not in (None, True, False):
-            raise ConfigError(f"helper must be True, False or None (auto), got {self.helper!r}")
-        if self.on_full not in ON_FULL:
-            raise ConfigError(f"on_full must be one of {ON_FULL}, got {self.on_full!r}")
+        """Every field through its validator (dstt.store.args), before anything is built."""
+        for name in ("every", "max_chunk_bytes", "flush_threads", "keyframe_every"):
+            A.positive_int(name, getattr(self, name))
+        A.branch(self.branch)
+        self.parent = parent_arg(self.parent)
+        A.choice("compression", self.compression, COMPRESSIONS)
+        A.zstd_level(self.zstd_level)
+        A.choice("on_full", self.on_full, ON_FULL)
+        for name in ("allow_pickle", "dedup", "background_idle", "watch_nonfinite"):
+            A.flag(name, getattr(self, name))
+        A.int_in("background_nice", self.background_nice, 0, 19)
+        A.seconds("exit_drain_s", self.exit_drain_s)
+        A.seconds("background_timeout_s", self.background_timeout_s, allow_zero=False)
+        A.auto_flag("shm", self.shm)
+        A.auto_flag("helper", self.helper)
+        A.options("storage_options", self.storage_options)
         self._check_memory_tier()
         if self.host_buffer_bytes is not None:
-            _positive_int("host_buffer_bytes", self.host_buffer_bytes)
+            A.positive_int("host_buffer_bytes", self.host_buffer_bytes)
             if self.host_buffer_bytes < self.max_chunk_bytes:
                 raise ConfigError(
                     f"host_buffer_bytes ({self.host_buffer_bytes}) must be at least max_chunk_bytes "
                     f"({self.max_chunk_bytes}): the staging pool must hold the largest chunk; "
                     "lower max_chunk_bytes or raise host_buffer_bytes"
                 )
-        if isinstance(self.parent, str):  # a reference inside the store, resolved by the writer
-            from dstt.refs import split_in_store
-
-            if split_in_store(self.parent) is None:
-                raise ConfigError(f"parent {self.parent!r} is not a step of this store: use 'BRANCH:STEP', "
-                                  "'@BRANCH[:STEP]', ':STEP', '~N', a StepRef or (branch, step)")
-        elif self.parent is not None:
-            if not (isinstance(self.parent, (tuple, list)) and len(self.parent) == 2):
-                raise ConfigError(f"parent must be a (branch, step) pair, got {self.parent!r}")
-            self.parent = StepRef(validate_branch(self.parent[0]), int(self.parent[1]))
-
 
     def _check_memory_tier(self) -> None:
         if self.memory_steps is not None:
-            _positive_int("memory_steps", self.memory_steps)
-            if self.memory_steps > MAX_MEMORY_STEPS:
-                raise ConfigError(f"memory_steps must be at most {MAX_MEMORY_STEPS}, got {self.memory_steps}")
+            A.int_in("memory_steps", self.memory_steps, 1, MAX_MEMORY_STEPS)
             if self.helper is True:
                 raise ConfigError("memory_steps: the memory tier writes in this process's threads; "
                                   "helper=True cannot be combined with it")
             if self.on_full != "wait":
                 raise ConfigError("memory_steps: the memory tier never skips a step; use persist='newest' "
                                   "(never wait for the disk) instead of on_full='skip'")
-        if not isinstance(self.watch_nonfinite, bool):
-            raise ConfigError(f"watch_nonfinite must be True or False, got {self.watch_nonfinite!r}")
         p = self.persist
         if p is None:
             return
-        if isinstance(p, bool) or not (p in PERSIST or (isinstance(p, int) and p >= 1)):
+        if not (p in PERSIST or A.is_int(p) and p >= 1):  # type: ignore[operator]
             raise ConfigError(f"persist must be 'all', 'newest' or a positive integer N (every N-th captured "
-                              f"step), got {p!r}")
+                              f"step), got {A.shown(p)}")
         if p != "all" and self.memory_steps is None:
             raise ConfigError(f"persist={p!r} keeps the other steps in memory only: it needs memory_steps=K "
                               "(how many captured steps the memory tier holds)")
@@ -187,8 +184,3 @@ def make_config(config: CaptureConfig | None, overrides: dict[str, Any]) -> Capt
     if config is None:
         return CaptureConfig(**overrides)
     return replace(config, **overrides)  # __post_init__ checks the result
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

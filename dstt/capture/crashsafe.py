@@ -101,6 +101,7 @@ class CrashSafe:
                     "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
                     "to stage larger steps in parts)")
             # (pipelined: handed over by the stager once sealed, _seal)
+            # bounded: by the helper's progress (HelperHandle._answer: background_timeout_s, then it is killed)
             info = CommitInfo(**(self._helper.receive(step) if job.sent else self._helper.commit(step)))
             job.info = info  # committed: the helper removed its seal before answering (_settle)
             return info
@@ -232,7 +233,8 @@ class CrashSafe:
         dist = {"rank": coord.rank, "world": coord.world, "run": self._run_id} if coord.distributed else None
         assert self._ring is not None
         return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice, dist,
-                            idle=cfg.background_idle)
+                            idle=cfg.background_idle, timeout_s=cfg.background_timeout_s,
+                            on_progress=self._bump)  # type: ignore[attr-defined]
 
     def _new_pool(self, capacity: int, pin: bool) -> HostPool:
         """A pool in the ring's /dev/shm file where it fits (policy.shm_decision),
@@ -268,7 +270,7 @@ class CrashSafe:
         seal whose blocks may have been reused."""
         try:
             for ev in job.cuda_eager:
-                ev.synchronize()
+                ev.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
             assert self._ring is not None and job.pool is not None
             self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views,
                                         crc=False, groups=job.groups))

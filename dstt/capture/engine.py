@@ -39,6 +39,7 @@ from dstt.capture import policy
 from dstt.capture.committing import Committing
 from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.crashsafe import CrashSafe, after_helpers
+from dstt.capture.draining import Draining
 from dstt.capture.guard import VersionGuard
 from dstt.capture.hooks import StepFence
 from dstt.capture.incidents import Incidents
@@ -69,9 +70,12 @@ log = logging.getLogger("dstt.capture")
 
 #: Commits kept for :attr:`Capture.committed` (the counters count them all).
 RECENT_COMMITS = 1024
+#: Steps remembered per branch as captured by this Capture (older ones are
+#: found in the store: committed, or recorded as memory-only).
+CAPTURED_LOG = 4096
 
 
-class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder):
+class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -152,6 +156,7 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
         self.bytes_written = 0  # encoded bytes those commits wrote
         self.last_commit: CommitInfo | None = None
         self.skipped: list[int] = []
+        self._captured_log: dict[str, collections.deque[int]] = {}  # branch -> the latest steps queued on it
         self._queued_steps: set[int] = set()  # queued, not yet committed or failed (under _cond)
         self._closed = False
         self._pid = os.getpid()  # a forked child holds a copy of this object, never the pipeline
@@ -264,6 +269,10 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
         return eager
 
     def _enqueue(self, job: Job) -> None:
+        log_ = self._captured_log.get(job.writer.branch.name)  # (incident(step=) takes the steps captured)
+        if log_ is None:
+            log_ = self._captured_log[job.writer.branch.name] = collections.deque(maxlen=CAPTURED_LOG)
+        log_.append(job.plan.step)
         if self._tier:
             self._tier_enqueue(job, lazy=bool(job.lazy) and job.error is None)
             return
@@ -296,88 +305,12 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
         self.raise_pending()
         return queued
 
-    def wait_staged(self) -> None:
-        """Block until every queued step is copied to host memory and, where
-        the pool is in /dev/shm, sealed there: from then on the step is
-        committed even if this process dies (by the next Capture on the
-        branch). Call it before mutating captured tensors in place outside
-        ``optimizer.step()`` (which waits by itself); raises a pending
-        failure (such as the mutation guard's)."""
-        job = self._last
-        if job is not None:
-            job.submitted.wait()  # copied, and sealed in the ring where it has one
-        self.raise_pending()
-
-    def wait(self, timeout: float | None = None) -> list[CommitInfo]:
-        """Block until every queued step is committed and durable; raise the
-        first background failure as :class:`CaptureError`. Returns the
-        commits so far."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._pending == 0, timeout):
-                raise CaptureError(f"timed out after {timeout} s waiting for {self._pending} step(s) to commit")
-        self.raise_pending()
-        return self.committed
-
     @property
     def committed(self) -> list[CommitInfo]:
         """The latest commits (at most :data:`RECENT_COMMITS`; ``n_committed``
         counts them all, ``last_commit`` is the newest)."""
         with self._cond:
             return list(self._recent)
-
-    def close(self) -> None:
-        """Drain every queued step, stop the threads, release the pool and hooks.
-
-        Raises the first unreported background failure after releasing
-        everything. Safe to call twice.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        LIVE.discard(self)
-        try:
-            if self._fork is not None:
-                self._switch_branch()  # a rewind with no snapshot after it still makes its branch
-            if self._tier:
-                self._tier_close_last()
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending == 0)
-        finally:
-            self._stage_q.put(None)
-            self._commit_q.put(None)
-            self._stager.join()
-            if self._tier:
-                self._tier_stop()
-            self._committer.join()
-            self._flush.shutdown(wait=True)
-            self._fence.remove()
-            if self._helper is not None:
-                self._helper.close()
-            if self.pool is not None and self._pool_in_ring:
-                self.pool.unregister()
-            if self._ring is not None and not (self._helper is not None and self._helper.lost):
-                self._ring.close()  # everything queued is committed or failed
-            elif self._ring is not None:
-                self._ring.release()  # (its lock: the next Capture, in this process too, may adopt it)
-                log.warning("dstt: the capture helper died; steps sealed in %s stay there for the next "
-                            "Capture on branch %r", self._ring.dir, self.config.branch)
-            self.writer.close()
-            self._plan_coord.close()
-            self._commit_coord.close()
-            self.pool = None
-            self._copier = None
-            self._last = None
-        self.raise_pending()
-
-    def raise_pending(self) -> None:
-        """Raise the first background failure not yet reported, if any
-        (a lazily copied tensor already changed in place counts: the step fails)."""
-        self._scan_guard()
-        with self._cond:
-            errors, self._errors = self._errors, []
-        if errors:
-            more = f" (and {len(errors) - 1} later failure(s))" if len(errors) > 1 else ""
-            raise CaptureError(f"{errors[0]}{more}") from errors[0].__cause__
 
     def __enter__(self) -> Capture:
         return self
@@ -449,18 +382,24 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
         if copying and all(j.cpu_lazy for j in copying) and job in copying:
             for j in copying:  # in queue order: an earlier step's sources change too
                 self._copy_lazy_cpu(j)
-                j.copies_done.wait()  # a copy the stager claimed may still be running
+                # (a copy the stager claimed may still be running)
+                self._await_event(j.copies_done, lambda j=j: self._copies_text(j))
                 j.issued.set()
                 j.staged.set()  # the stager seals and hands it on when it runs
             return
-        job.issued.wait()
+        self._await_event(job.issued, lambda: self._copies_text(job))
         if job.cuda_done and job.error is None:
             # GPU-side ordering: the update kernels queue behind the copies;
             # the host does not wait for the device.
             for idx, ev in job.cuda_done.items():
                 torch.cuda.current_stream(idx).wait_event(ev)
         else:
-            job.staged.wait()
+            self._await_event(job.staged, lambda: self._copies_text(job))
+
+    @staticmethod
+    def _copies_text(job: Job) -> str:
+        return (f"the lazy copies of step {job.plan.step} (the optimizer step would change what they read; "
+                "it is not run)")
 
     def _ensure_pool(self, sizes: list[int], pin: bool) -> None:
         """Allocate the pool on first use; grow it (once idle) if one step
@@ -476,8 +415,8 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
                 return
             job = self._last
             if job is not None:
-                job.staged.wait()
-            pool.wait_idle()
+                self._await_event(job.staged, f"step {job.plan.step} to be staged before the pool grows")
+            self._await(pool.wait_idle, "every staging block to be freed before the pool grows")
         want = policy.pool_bytes(need_bytes=need, biggest_bytes=biggest, limit_bytes=limit)
         self.pool = self._new_pool(want, pin)
 
@@ -516,13 +455,13 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
     def _stage_loop(self) -> None:
         self._lower_priority()
         while True:
-            job = self._stage_q.get()
+            job = self._stage_q.get()  # unbounded wait: this thread's work queue; close() sends None
             if job is None:
                 return
             try:
                 if job.copies_left >= 0:  # lazy CPU copies: claimed, shared with the trainer
                     self._copy_lazy_cpu(job)
-                    job.copies_done.wait()
+                    self._await_event(job.copies_done, lambda job=job: self._copies_text(job))
                     if job.error is not None and not isinstance(job.error, CaptureError):
                         raise job.error
                 else:
@@ -548,19 +487,21 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
                 elif job.hold and job.error is None:
                     self._seal(job)  # then wait_staged() returns (submitted, below)
                 job.finish_staging()
+                self._bump()
 
     def _flush_one(
         self, pool: HostPool, job: Job, task: ChunkTask, staged: torch.Tensor, ready: Any
     ) -> ChunkResult:
         try:
             if ready is not None:
-                ready.synchronize()
+                ready.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
             if job.error is not None:  # the step already failed: do not spend I/O on it
                 raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
             return self.writer.flush_chunk(job.plan, task, staged)
         finally:
             if not job.hold:  # a held block is the ring's copy until the step is committed
                 pool.release(staged)
+            self._bump()
 
     def _flush_many(self, pool: HostPool, job: Job, tasks: list[ChunkTask], staged: list[torch.Tensor],
                     ) -> tuple[list[ChunkResult], BaseException | None]:
@@ -575,3 +516,4 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
             if not job.hold:  # a held block is the ring's copy until the step is committed
                 for s in staged:
                     pool.release(s)
+            self._bump()

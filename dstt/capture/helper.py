@@ -25,6 +25,13 @@ How it is started and why that way:
   ``ready`` once it can serve; the trainer's committer thread waits for
   that at most ``HELPER_START_S`` (then the helper is killed and every
   step fails naming it; sealed steps stay for the next Capture).
+* Every wait on it is bounded (capture/waits.py): an answer is waited for
+  while the helper makes progress (CPU time or I/O); one that did not
+  come for ``background_timeout_s`` of no progress (a helper stopped by
+  SIGSTOP, hung on a filesystem) fails the step naming the helper, which
+  is killed -- its sealed steps stay in the ring for the next Capture or
+  ``dstt gc``. Commands are written without blocking (a helper that
+  stopped reading cannot block the trainer either).
 * The branch lock is shared, not re-taken: the trainer passes its lock
   file's descriptor (``pass_fds``; one open file description, one
   ``flock``), so the branch stays locked until both are gone and no other
@@ -52,11 +59,13 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dstt.capture.waits import DEFAULT_TIMEOUT_S, POLL_S, Activity, Stalled, activity, describe_state, until
 from dstt.errors import CaptureError
 
 log = logging.getLogger("dstt.capture")
@@ -74,28 +83,37 @@ class HelperHandle:
     """The trainer's end of a running helper."""
 
     def __init__(self, proc: subprocess.Popen[bytes], cmd_fd: int, ack_fd: int,
-                 start_timeout_s: float | None = None) -> None:
+                 start_timeout_s: float | None = None, *, ring_dir: Path | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, on_progress: Callable[[], None] | None = None) -> None:
         self.proc = proc
         self.pid = proc.pid
         self._cmd = cmd_fd
         self._ack = ack_fd
         self._buf = b""
         self._start_timeout_s = HELPER_START_S if start_timeout_s is None else start_timeout_s
+        #: An answer is given up on after this many seconds without progress of the helper.
+        self.timeout_s = timeout_s
+        #: Called whenever the helper is seen making progress while an answer is awaited.
+        self.on_progress = on_progress
+        self.ring_dir = ring_dir
         self.ready = False
         self.sent = False  # a step was handed over
         self.closed = False
         self.lost = False  # the helper died (or never came up) while the trainer lives
+        self._killed_why: str | None = None  # why this process killed it (kill)
+        self._seen: Activity | None = None  # its latest activity sample (_sample)
 
     def _gone(self, step: int, why: str) -> CaptureError:
         self.lost = True
-        return CaptureError(f"step {step} not committed: the capture helper (pid {self.pid}) {why}; "
-                            "sealed steps stay in /dev/shm for the next Capture on this branch")
+        where = f"in {self.ring_dir}" if self.ring_dir is not None else "in /dev/shm"
+        return CaptureError(f"step {step} not committed: the capture helper (pid {self.pid}) {why}; sealed steps "
+                            f"stay {where} for the next Capture on this branch or `dstt gc`")
 
     def commit(self, step: int) -> dict[str, Any]:
         """Hand over sealed ``step`` and wait for its commit; the commit's
         figures, or CaptureError with the helper's message."""
         self.send(step)
-        return self.receive(step)
+        return self.receive(step)  # bounded: by the helper's progress (_answer)
 
     def send(self, step: int) -> None:
         """Hand over sealed ``step`` without waiting: the helper commits the
@@ -104,7 +122,10 @@ class HelperHandle:
         if self.lost:
             raise self._gone(step, "is not serving")
         try:
-            os.write(self._cmd, f"commit {step}\n".encode())
+            os.write(self._cmd, f"commit {step}\n".encode())  # (non-blocking: start() made it so)
+        except BlockingIOError:
+            self.kill("stopped reading its commands (its pipe is full) and was killed")
+            raise self._gone(step, self._killed_why or "") from None
         except OSError as e:
             if not self.ready and self.proc.poll() is not None:
                 raise self._gone(step, f"exited while starting{self._exit_text()}") from None
@@ -118,9 +139,9 @@ class HelperHandle:
             raise self._gone(step, "is not serving")
         if not self.ready:
             self._await_ready(step)
-        line = self._readline(None)
+        line = self._answer(step)
         if line is None:
-            raise self._gone(step, f"exited{self._exit_text()}")
+            raise self._gone(step, self._killed_why or f"exited{self._exit_text()}")
         kind, got, rest = line.split(" ", 2)
         if int(got) != step:
             raise CaptureError(f"the capture helper answered for step {got}, expected {step}")
@@ -131,8 +152,19 @@ class HelperHandle:
 
     def _await_ready(self, step: int) -> None:
         """The helper's first line; bounded: a helper that never comes up is
-        killed (the ring keeps what was sealed), never waited for forever."""
-        line = self._readline(self._start_timeout_s)
+        killed (the ring keeps what was sealed), never waited for forever.
+        Its start-up (importing torch: seconds) counts as progress for the
+        trainer's own bounded waits meanwhile."""
+        waited = 0.0
+        while True:
+            t0 = time.monotonic()
+            line = self._readline(max(0.0, min(POLL_S, self._start_timeout_s - waited)))
+            if line != "":
+                break
+            self._sample()
+            waited += min(time.monotonic() - t0, POLL_S)
+            if waited >= self._start_timeout_s:
+                break
         if line == "ready":
             self.ready = True
             return
@@ -143,6 +175,46 @@ class HelperHandle:
             raise self._gone(step, f"did not come up within {self._start_timeout_s:g} s and was killed")
         self._kill()
         raise self._gone(step, f"said {line[:200]!r} instead of ready")
+
+    def _answer(self, step: int) -> str | None:
+        """The next line (None at end-of-file), waited for while the helper
+        makes progress; after ``timeout_s`` without any (a stopped or hung
+        helper) it is killed and the step fails naming it."""
+        def arrived(t: float) -> bool:
+            self._line = self._readline(t)
+            return self._line != ""
+
+        self._seen = None  # (sampled only while an answer is late)
+        self._line: str | None = ""
+        try:
+            until(arrived, limit_s=self.timeout_s, what=f"the capture helper's answer for step {step}",
+                  progress=self._sample)
+        except Stalled:
+            state = describe_state(self.pid)
+            self.kill(f"did not answer for {self.timeout_s:g} s (no CPU time or I/O meanwhile"
+                      f"{'; ' + state if state else ''}) and was killed")
+            raise self._gone(step, self._killed_why or "") from None
+        return self._line
+
+    def _sample(self) -> object:
+        """The helper's activity now, as a comparable value (None: unknown);
+        tells ``on_progress`` when it moved since the last sample."""
+        act = activity(self.pid)
+        if act is not None and act.moved_since(self._seen):
+            if self._seen is not None and self.on_progress is not None:
+                self.on_progress()  # (the trainer's own waits see the helper working)
+            self._seen = act
+        return None if self._seen is None else (self._seen.cpu_ticks, self._seen.io_bytes)
+
+    def kill(self, why: str) -> None:
+        """Kill the helper (``why`` goes into every error about it from now
+        on). Its sealed steps stay in the ring: the next Capture on the
+        branch, or ``dstt gc``, commits them. SIGKILL ends a stopped process too."""
+        if self._killed_why is None:
+            self._killed_why = why
+        self.lost = True
+        log.error("dstt: the capture helper (pid %d) %s", self.pid, why)
+        self._kill()
 
     def _exit_text(self) -> str:
         try:
@@ -172,25 +244,28 @@ class HelperHandle:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(30)
 
-    def close(self, timeout_s: float = 120.0) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Tell the helper to stop (after the steps already handed over) and
         wait until it has exited -- so the branch lock it shares is released
-        when this returns; it is killed if it does not exit within ``timeout_s``."""
+        when this returns; it is killed if it does not exit within
+        ``timeout_s`` (default: :attr:`timeout_s`)."""
         if self.closed:
             return
         self.closed = True
+        limit = self.timeout_s if timeout_s is None else timeout_s
         if not self.sent:
             # Never handed a step: it has nothing to finish. Do not wait for
             # its start-up (seconds) only to tell it to stop.
             self._kill()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # (non-blocking: a full pipe is a helper that stopped reading)
             os.write(self._cmd, b"close\n")
         os.close(self._cmd)
         os.close(self._ack)
         try:
-            self.proc.wait(timeout_s)
+            self.proc.wait(limit)
         except subprocess.TimeoutExpired:
-            log.error("dstt: capture helper %d did not exit within %s s; killing it", self.pid, timeout_s)
+            log.error("dstt: the capture helper (pid %d) did not exit within %g s of close() (%s); killing it",
+                      self.pid, limit, describe_state(self.pid) or "state unknown")
             self._kill()
 
     def abandon(self) -> None:
@@ -214,12 +289,14 @@ def _helper_env() -> dict[str, str]:
 
 
 def start(writer_options: dict[str, Any], store_path: str, ring_dir: Path, lock_fd: int | None, nice: int,
-          dist: dict[str, Any] | None = None, *, idle: bool = False) -> HelperHandle:
+          dist: dict[str, Any] | None = None, *, idle: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+          on_progress: Callable[[], None] | None = None) -> HelperHandle:
     """Start the helper (see the module docstring); returns at once, without
     waiting for its start-up. ``dist`` (``rank``, ``world``, ``run``): the
     helper of one rank of a distributed Capture (ranks.py); only rank 0's
     shares the branch lock (``lock_fd``). ``idle``: once started, it runs
-    under SCHED_IDLE (pipeline.lower_thread_priority says why)."""
+    under SCHED_IDLE (pipeline.lower_thread_priority says why).
+    ``timeout_s``, ``on_progress``: see :class:`HelperHandle`."""
     cmd_r, cmd_w = os.pipe()
     ack_r, ack_w = os.pipe()
     args = {"store": store_path, "ring": str(ring_dir), "options": writer_options, "nice": nice, "idle": idle,
@@ -236,7 +313,8 @@ def start(writer_options: dict[str, Any], store_path: str, ring_dir: Path, lock_
         raise
     os.close(cmd_r)
     os.close(ack_w)
-    return HelperHandle(proc, cmd_w, ack_r)
+    os.set_blocking(cmd_w, False)  # a helper that stops reading must not block the trainer's write
+    return HelperHandle(proc, cmd_w, ack_r, ring_dir=ring_dir, timeout_s=timeout_s, on_progress=on_progress)
 
 
 def main(argv: list[str]) -> int:
@@ -399,7 +477,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             R.remove_ring(ring_dir)
         return 0
     finally:
-        flush.shutdown(wait=True)
+        flush.shutdown(wait=True)  # unbounded wait: the helper's own flush threads, drained by then
         writer.close()
 
 

@@ -16,15 +16,21 @@ from typing import Any
 import torch
 
 from dstt.capture.pipeline import Job
-from dstt.errors import CaptureError
+from dstt.errors import CaptureError, StepNotFoundError
+from dstt.store import args as A
+from dstt.store import layout as L
 from dstt.store.incidents import Incident, record_incident
+from dstt.store.manifest import memory_only_of, parse_commit
 from dstt.store.plan import ChunkTask
+from dstt.store.root import committed_steps
 from dstt.store.writer import Writer
 
 log = logging.getLogger("dstt.capture")
 
 #: Non-finite tensors named in an automatic incident's reason.
 MAX_NAMED = 8
+#: An incident's reason is recorded up to this many characters.
+MAX_REASON = 1000
 
 
 class Incidents:
@@ -41,15 +47,19 @@ class Incidents:
     _nonfinite_seen: bool
     _stopping: bool
     _latest_step: int | None
+    _captured_log: dict[str, deque[int]]
 
     def incident(self, reason: str, *, step: int | None = None) -> Incident:
         """Something went wrong (a loss spike, a bad batch): store every step
         still in the memory tier -- the steps that led up to it -- and record
         the incident (``dstt ls``, ``dstt find`` and the report show it).
 
-        ``step``: the step it concerns (default: the latest captured one).
-        Returns the recorded :class:`~dstt.store.incidents.Incident`. Without
-        ``memory_steps`` only the record is written.
+        ``step``: the step it concerns (default: the latest captured one): a
+        step this branch captured -- queued, in the memory tier, stored, or
+        passed over as memory-only -- else StepNotFoundError, and nothing is
+        recorded or stored. Returns the recorded
+        :class:`~dstt.store.incidents.Incident`. Without ``memory_steps``
+        only the record is written.
 
         >>> import tempfile, torch, dstt
         >>> m = torch.nn.Linear(2, 2)
@@ -64,23 +74,52 @@ class Incidents:
         [0, 1, 2, 3]
         """
         self._check_open()  # type: ignore[attr-defined]
-        if not isinstance(reason, str) or not reason.strip():
-            raise CaptureError(f"an incident needs a reason (non-empty text), got {reason!r}")
+        A.text("reason", reason, MAX_REASON)
+        if step is not None:
+            A.step(step)
         self.raise_pending()  # type: ignore[attr-defined]
+        branch = self.writer.branch.name
+        if step is None:
+            log_ = self._captured_log.get(branch)
+            step = log_[-1] if log_ else self.writer.last_step
+            if step is None:
+                raise CaptureError("an incident needs a step: nothing was captured yet")
+        elif not self._was_captured(branch, step):
+            raise StepNotFoundError(f"incident: step {step} was never captured on branch {branch!r}; nothing was "
+                                    "recorded (give a step this branch captured, or none for the latest)")
         return self._raise_incident(reason, step, "trainer")
+
+    def _was_captured(self, branch: str, step: int) -> bool:
+        """Whether this branch captured ``step``: this Capture queued it
+        (recently), or the store has it committed or recorded as memory-only
+        (in the commit of the first step stored after it)."""
+        if step in self._captured_log.get(branch, ()):
+            return True
+        with self._cond:  # passed over by the memory tier, not yet recorded in a commit
+            if step in getattr(self, "_memory_only", {}).get(id(self.writer), ()):
+                return True
+        backend = self.writer.backend
+        if backend.exists(f"{L.step_dir(branch, step)}/{L.COMMIT_FILE}"):
+            return True
+        later = [s for s in committed_steps(backend, branch) if s > step]
+        if not later:
+            return False
+        where = L.step_dir(branch, min(later))
+        raw = backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
+        return raw is not None and any(a <= step <= b for a, b in memory_only_of(parse_commit(raw, where)))
 
     def _raise_incident(self, reason: str, step: int | None, source: str,
                         tensors: tuple[str, ...] = ()) -> Incident:
         with self._cond:
-            steps = self._force_all()
             at = step if step is not None else self._latest_step
+            steps = self._force_all()
             self._cond.notify_all()
         if at is None:
             last = self.writer.last_step
             if last is None:
                 raise CaptureError("an incident needs a step: nothing was captured yet")
             at = last
-        inc = Incident(branch=self.writer.branch.name, step=at, reason=reason[:1000], source=source,
+        inc = Incident(branch=self.writer.branch.name, step=at, reason=reason[:MAX_REASON], source=source,
                        time=time.time(), steps=tuple(steps), tensors=tensors)
         record_incident(self.writer.backend, inc)
         log.warning("dstt: incident at step %d (%s): %r; storing steps %s", at, source, reason,
@@ -122,6 +161,7 @@ class Incidents:
         self._lower_priority()  # type: ignore[attr-defined]
         while True:
             with self._cond:
+                # unbounded wait: the watcher waiting for work; close() wakes it (_stopping)
                 self._cond.wait_for(lambda: self._stopping or _to_check(self._watch_q, False) is not None)
                 if _to_check(self._watch_q, False) is None:
                     return
@@ -211,7 +251,7 @@ def _nonfinite_tensors(job: Job) -> list[str]:
     small tensors is one), the tensors named only when one is not finite.
     Read-only: two checkers may read one step at once."""
     for ev in job.cuda_eager:  # (eager CUDA copies: the host copy may still be landing)
-        ev.synchronize()
+        ev.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
     if not any(map(_span_nonfinite, job.spans)):
         return []
     return _nonfinite(job.views)

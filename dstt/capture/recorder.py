@@ -117,10 +117,12 @@ class SlotPool:
         with self._cond:
             return len(self._free)
 
-    def acquire(self) -> HostPool:
-        """A free slot (a HostPool over it), waiting while none is free."""
+    def acquire(self, timeout: float | None = None) -> HostPool | None:
+        """A free slot (a HostPool over it), waiting while none is free (at
+        most ``timeout`` s: then None)."""
         with self._cond:
-            self._cond.wait_for(lambda: bool(self._free))
+            if not self._cond.wait_for(lambda: bool(self._free), timeout):
+                return None
             i = self._free.pop()
         buf = self.master.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes]
         slot = HostPool(self.slot_bytes, buffer=buf)
@@ -138,9 +140,15 @@ class SlotPool:
         with self._cond:
             return self._cond.wait_for(lambda: bool(self._free), timeout)
 
-    def wait_all_free(self) -> None:
+    def wait_all_free(self, timeout: float | None = None) -> bool:
         with self._cond:
-            self._cond.wait_for(lambda: len(self._free) == self.nslots)
+            return self._cond.wait_for(lambda: len(self._free) == self.nslots, timeout)
+
+
+def _took(slot: HostPool | None, into: list[HostPool]) -> bool:
+    if slot is not None:
+        into.append(slot)
+    return slot is not None
 
 
 class FlightRecorder:
@@ -215,8 +223,7 @@ class FlightRecorder:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._watcher is not None:
-            self._watcher.join()
+        self._await_thread(self._watcher, "the NaN/Inf watcher to stop")  # type: ignore[attr-defined]
         freed: list[Job] = []
         with self._cond:
             for ring in (self._watch_tail, self._held):
@@ -229,7 +236,7 @@ class FlightRecorder:
         the watcher: an incident may still store the ring), and the last
         captured step is stored whatever the policy."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._unstaged)
+            self._await_cond(lambda: not self._unstaged, "the queued steps to be staged")  # type: ignore[attr-defined]
         self._watch_all()  # type: ignore[attr-defined]
         with self._cond:
             job = self._latest_job
@@ -247,18 +254,26 @@ class FlightRecorder:
                 self._watch_all()  # type: ignore[attr-defined]
                 self._tier_drop_ring("the captured state grew")
                 self._watch_all()  # type: ignore[attr-defined]  # (steps staged while it drained)
-                pool.wait_all_free()
+                self._await(pool.wait_all_free, "every memory-tier slot to be freed")  # type: ignore[attr-defined]
             self._slots = self._make_slots(need, pin=any(t.source.is_cuda for t in plan.tasks))
         slots = self._slots
-        while slots.free_slots == 0:
+        got: list[HostPool] = []
+
+        def slot_free(t: float) -> bool:
             # The watcher behind (a low-priority thread on a busy machine):
             # the trainer checks the oldest steps itself, which lets the
             # ring's oldest go, rather than wait for the watcher to run. A
             # slot freed by the writer ends the wait at once; a step staged
             # meanwhile is seen within WATCH_POLL_S.
-            if not self._watch_next():  # type: ignore[attr-defined]
-                slots.wait_free(WATCH_POLL_S)
-        job.slot = slots.acquire()
+            if _took(slots.acquire(0), got):
+                return True
+            if self._watch_next():  # type: ignore[attr-defined]
+                self._bump()  # type: ignore[attr-defined]  # (progress: checked a step; look again)
+                return False
+            return _took(slots.acquire(min(t, WATCH_POLL_S)), got)
+
+        self._await(slot_free, f"a free memory-tier slot for step {plan.step} (the writer frees them)")  # type: ignore[attr-defined]
+        job.slot = got[0]
         job.pool = job.slot
         job.hold = True
 
@@ -458,6 +473,7 @@ class FlightRecorder:
             job.views = []
             if self._slots is not None:
                 self._slots.release(slot)
+                self._bump()  # type: ignore[attr-defined]  # (a waiting snapshot() sees a slot come free)
 
     def _tier_drop_ring(self, why: str) -> None:
         """Drain what is to be stored, then forget the ring's memory-only steps."""
@@ -473,9 +489,9 @@ class FlightRecorder:
             warnings.warn(f"dstt: {why}: the memory tier's steps {dropped[0]}..{dropped[-1]} (memory only) are "
                           "dropped", RuntimeWarning, stacklevel=4)
 
-    def _tier_wait(self, timeout: float | None = None) -> bool:
+    def _tier_wait(self) -> None:
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+            self._await_cond(lambda: self._pending == 0, "the steps to be stored")  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------ the committer
 
@@ -493,7 +509,7 @@ class FlightRecorder:
                 if self._stopping and not self._unstaged and not self._decided:
                     return None
                 self._close_retired_locked()
-                self._cond.wait()
+                self._cond.wait()  # unbounded wait: the committer waiting for work; close() wakes it
 
     def _tier_loop(self) -> None:
         self._lower_priority()  # type: ignore[attr-defined]
@@ -530,6 +546,7 @@ class FlightRecorder:
                     job.done.set()
                     self._cond.notify_all()
                 self._release(freed)
+                self._bump()  # type: ignore[attr-defined]
 
     def _tier_persist(self, job: Job) -> Any:
         """Write and commit one staged step (committer thread)."""
@@ -550,7 +567,7 @@ class FlightRecorder:
                        for batch in batches(job.views, lambda item: item[0].nbytes)]
             for f in futures:
                 try:
-                    done, err = f.result()
+                    done, err = f.result()  # unbounded wait: a chunk write of this process (its slot is in use)
                     results.extend(done)
                     error = error or err
                 except BaseException as e:  # drain every one: no flush outlives its step

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from dstt.capture.pipeline import Job
-from dstt.errors import CaptureError, StepNotFoundError
+from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError
 from dstt.restore import apply_step, store_read
+from dstt.state import check_objects
+from dstt.store import args as A
 from dstt.store.layout import StepRef, validate_branch, validate_step
 from dstt.store.plan import ChunkTask, TensorLayout
 from dstt.store.reader import TensorReader
@@ -125,7 +127,12 @@ class Rewinder:
         ``step`` and continue on a new branch forked there (``branch``, or
         ``<branch>-rewind-<step>``); returns the step's ``extra`` (where the
         trainer keeps its data position, to skip the batches that caused a
-        spike). Validated all or nothing like :func:`dstt.restore`.
+        spike). Validated all or nothing like :func:`dstt.restore`, and every
+        argument before anything changes: a refused rewind (a bad argument,
+        ``branch`` the one being captured or one that exists --
+        BranchExistsError --, a step neither in the memory tier nor stored,
+        a step that does not fit the live objects) leaves the live objects,
+        the store and the memory tier as they were and records no incident.
 
         From the memory tier when the step is still there (milliseconds),
         else from the store. The ring's steps are stored on the old branch
@@ -145,34 +152,43 @@ class Rewinder:
         StepRef(branch='main', step=1)
         """
         self._check_open()  # type: ignore[attr-defined]
+        # Every argument first: a refused rewind changes nothing -- not the
+        # live objects, not the store, not the memory tier -- and records no incident.
         validate_step(step)
         if branch is not None:
             validate_branch(branch)
+        check_objects(model, optimizer, scheduler, restoring=True)
+        A.flag("rng", rng)
+        A.flag("strict", strict)
         self.raise_pending()  # type: ignore[attr-defined]
         if self._fork is not None:
-            self._switch_branch()
+            self._switch_branch()  # (an earlier rewind's branch: decided then)
         cur = self.writer
+        self._check_new_branch(cur, branch)
         # The live objects are about to change in place: every queued lazy
         # copy must have read them first (what the optimizer hook ensures
         # before an optimizer step), and every queued step be in the ring.
         self._before_optimizer_step()  # type: ignore[attr-defined]
         with self._cond:
             if self._tier:  # type: ignore[attr-defined]
-                self._cond.wait_for(lambda: not self._unstaged)  # type: ignore[attr-defined]
+                self._await_cond(lambda: not self._unstaged,  # type: ignore[attr-defined]
+                                 "the steps queued before the rewind to be staged")
             job = self._ring_job(step)
             if job is not None:
                 job.refs += 1  # the rewind's: the slot stays while it is read
         try:
-            if self._tier:  # type: ignore[attr-defined]
-                self._raise_incident(f"rewind to step {step}", step, "rewind")  # type: ignore[attr-defined]
             if job is not None:
-                rec = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
-                reuse = live_optimizer_state(optimizer, model)
-                extra = apply_step(rec, ring_reader(job, reuse), f"step {step} in the memory tier", model=model,
-                                   optimizer=optimizer, scheduler=scheduler, rng=rng, strict=strict)
-                parent = StepRef(cur.branch.name, step)
+                rec: Any = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
+                read = ring_reader(job, live_optimizer_state(optimizer, model))
+                where, parent = f"step {step} in the memory tier", StepRef(cur.branch.name, step)
             else:
-                extra, parent = self._rewind_from_store(step, model, optimizer, scheduler, rng, strict)
+                rec, read, where, parent = self._stored_step(step)
+            # A rewind is an incident (the tier's steps are stored on the old
+            # branch) -- once the step is known to fit the live objects.
+            incident = None if not self._tier else (  # type: ignore[attr-defined]
+                lambda: self._raise_incident(f"rewind to step {step}", step, "rewind"))  # type: ignore[attr-defined]
+            extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
+                               strict=strict, validated=incident)
         finally:
             if job is not None:
                 freed: list[Job] = []
@@ -187,6 +203,21 @@ class Rewinder:
                     parent.branch, name)
         return extra
 
+    @staticmethod
+    def _check_new_branch(cur: Writer, branch: str | None) -> None:
+        """A rewind continues on a new branch: ``branch`` (when given) must
+        not be the branch being captured, nor any branch that exists."""
+        if branch is None:
+            return
+        from dstt.store.root import list_branches
+
+        hint = f"name a new branch, or leave branch= out for {cur.branch.name + '-rewind-<step>'!r}"
+        if branch == cur.branch.name:
+            raise BranchExistsError(f"rewind: branch {branch!r} is the branch being captured; a rewind continues "
+                                    f"on a new branch forked at the step, so the store keeps both ({hint})")
+        if branch in list_branches(cur.backend):
+            raise BranchExistsError(f"rewind: branch {branch!r} already exists ({hint})")
+
     def _ring_job(self, step: int) -> Job | None:
         """The staged job of ``step`` on the current branch still in memory (under _cond)."""
         if not self._tier:  # type: ignore[attr-defined]
@@ -197,21 +228,20 @@ class Rewinder:
                 return job
         return None
 
-    def _rewind_from_store(self, step: int, model: Any, optimizer: Any, scheduler: Any, rng: bool,
-                           strict: bool) -> tuple[dict[str, Any], StepRef]:
-        """Restore from the store: waits for the step if it is queued to be stored."""
-        self.wait()  # type: ignore[attr-defined]
+    def _stored_step(self, step: int) -> tuple[Any, Any, str, StepRef]:
+        """(record, reader, description, fork point) of ``step`` in the store,
+        after waiting for what is queued to be stored; StepNotFoundError if
+        the current branch has no such step (nothing changed then)."""
+        self.wait()  # type: ignore[attr-defined]  # bounded: Capture.wait (background_timeout_s)
         cur = self.writer
         run = TensorReader(cur.backend)
         try:
             ref = run.resolve(step, branch=cur.branch.name)
         except StepNotFoundError as e:
             raise StepNotFoundError(f"cannot rewind to step {step}: it is neither in the memory tier nor "
-                                    f"stored on branch {cur.branch.name!r} ({e})") from None
+                                    f"stored on branch {cur.branch.name!r} ({e}); nothing was changed") from None
         rec = run.record(ref.step, branch=ref.branch)
-        extra = apply_step(rec, store_read(run, rec), f"step {ref.step} of branch {ref.branch!r}", model=model,
-                           optimizer=optimizer, scheduler=scheduler, rng=rng, strict=strict)
-        return extra, StepRef(ref.branch, ref.step)
+        return rec, store_read(run, rec), f"step {ref.step} of branch {ref.branch!r}", StepRef(ref.branch, ref.step)
 
     @staticmethod
     def _rewind_name(cur: Writer, step: int) -> str:
@@ -229,14 +259,15 @@ class Rewinder:
         name, parent, job = self._fork
         self._fork = None
         if job is not None:
-            job.done.wait()
+            self._await_event(job.done, f"step {parent.step} (the fork point of branch {name!r}) "  # type: ignore[attr-defined]
+                              "to be stored")
             if job.decision != "done":
                 raise CaptureError(f"rewind: step {parent.step} of branch {parent.branch!r} could not be stored, "
                                    f"so branch {name!r} cannot fork there (see the earlier error)")
         old = self.writer
         cfg = self.config
         if not self._tier:  # type: ignore[attr-defined]
-            self.wait()  # type: ignore[attr-defined]
+            self.wait()  # type: ignore[attr-defined]  # bounded: Capture.wait (background_timeout_s)
             self._leave_branch()
         new = Writer(self._store_arg, branch=name, parent=parent,  # type: ignore[attr-defined]
                      compression=cfg.compression, zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every,

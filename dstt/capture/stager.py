@@ -119,7 +119,7 @@ class Stager:
                 if block is None:
                     if batch:
                         self._hand_over_cuda(job, batch, lazy, last=False)
-                    block = pool.allocate(nbytes)  # backpressure: wait for earlier chunks' writes
+                    block = self._allocate(pool, nbytes, job)  # backpressure: wait for earlier chunks' writes
                 if lazy:
                     with self._cond:
                         self._queued_bytes -= pool.block_bytes(nbytes)
@@ -147,6 +147,22 @@ class Stager:
             if batch:
                 self._release_after_copies(pool, batch)
             raise
+
+    def _allocate(self, pool: HostPool, nbytes: int, job: Job) -> torch.Tensor:
+        """A block of ``nbytes``, waiting while earlier steps are written and
+        committed (backpressure) -- bounded: a CaptureError (the step fails)
+        once nothing was written, committed or freed for background_timeout_s."""
+        got: list[torch.Tensor] = []
+
+        def placed(t: float) -> bool:
+            block = pool.allocate_within(nbytes, t)
+            if block is not None:
+                got.append(block)
+            return block is not None
+
+        self._await(placed, lambda: f"{nbytes} bytes of staging pool for step {job.plan.step} (freed as earlier "  # type: ignore[attr-defined]
+                    f"steps are written and committed; {pool.in_use} of {pool.capacity} bytes in use)")
+        return got[0]
 
     def _stage_grouped(self, job: Job, pool: HostPool, tasks: list[ChunkTask], flush_now: bool) -> list[ChunkTask]:
         """Stage the small eager CPU tasks of a held step (its blocks go back
@@ -259,7 +275,7 @@ class Stager:
             nbytes = task_bytes(t)
             block = pool.try_allocate(nbytes)
             if block is None:
-                block = pool.allocate(nbytes)  # backpressure: wait for earlier chunks' writes
+                block = self._allocate(pool, nbytes, job)  # backpressure: wait for earlier chunks' writes
             with self._cond:
                 self._queued_bytes -= pool.block_bytes(nbytes)
                 job.lazy_bytes -= pool.block_bytes(nbytes)
@@ -327,7 +343,7 @@ class Stager:
                 job.cuda_done = done
                 job.issued.set()
             for ev in done.values():
-                ev.synchronize()
+                ev.synchronize()  # unbounded wait: device work of this step (the GPU's own queue)
         else:
             for idx, ev in done.items():
                 torch.cuda.current_stream(idx).wait_event(ev)
@@ -347,7 +363,7 @@ class Stager:
         once the copy stream is done writing into them."""
         try:
             for ev in self._cuda().done({t.source.device for t, _ in batch}).values():
-                ev.synchronize()
+                ev.synchronize()  # unbounded wait: device work of this step (the GPU's own queue)
         except BaseException:  # the device is gone: the blocks cannot be reused safely
             log.exception("dstt: CUDA copies did not finish; %d staging blocks stay reserved", len(batch))
             return

@@ -155,7 +155,7 @@ class HostPool:
     def unregister(self) -> None:
         """Undo :meth:`_register` (before the mapping goes away)."""
         self._stop_registering = True
-        self.registered.wait()
+        self.registered.wait()  # unbounded wait: the registering thread stops after its current piece (64 MiB)
         self.pinned = False
         if self.buffer.data_ptr():
             self._unregister_pieces()
@@ -245,17 +245,27 @@ class HostPool:
 
     def allocate(self, nbytes: int, timeout: float | None = None) -> torch.Tensor:
         """A uint8 block of ``nbytes``, waiting while the pool is full."""
+        block = self.allocate_within(nbytes, timeout)
+        if block is None:
+            raise CaptureError(f"timed out waiting {timeout} s for {nbytes} bytes of staging pool")
+        return block
+
+    def allocate_within(self, nbytes: int, timeout: float | None) -> torch.Tensor | None:
+        """:meth:`allocate`, but None once ``timeout`` seconds passed without room."""
         if self.block_bytes(nbytes) > self.capacity:
             raise CaptureError(f"a {nbytes}-byte chunk does not fit the {self.capacity}-byte staging pool")
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            placed = None
-            while placed is None:
+            while True:
                 if self._error is not None:
                     raise CaptureError(self._error)
                 placed = self._place(nbytes)
-                if placed is None and not self._cond.wait(timeout):
-                    raise CaptureError(f"timed out waiting {timeout} s for {nbytes} bytes of staging pool")
-            return self._take(placed, nbytes)
+                if placed is not None:
+                    return self._take(placed, nbytes)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(left)  # (woken by every release)
 
     def _take(self, placed: tuple[int, int], nbytes: int) -> torch.Tensor:
         """Record a block at ``placed`` (caller holds the lock)."""
@@ -304,6 +314,7 @@ class HostPool:
     def stage(self, src: torch.Tensor) -> torch.Tensor:
         """Synchronously copy a CPU tensor into a new block (returned as ``src``'s
         dtype and shape)."""
+        # unbounded wait: a synchronous helper (tests); the capture's copies wait in Stager._allocate (bounded)
         dst = self.view_as(self.allocate(src.numel() * src.element_size()), src)
         dst.copy_(src)
         return dst
@@ -395,7 +406,7 @@ class CudaCopier:
         if mode == "bounce":
             done = torch.cuda.Event()
             done.record(s)
-            done.synchronize()
+            done.synchronize()  # unbounded wait: device work (a bounce copy on the GPU)
             dst.copy_(bounce)
 
     def done(self, devices: set[torch.device]) -> dict[int, Any]:

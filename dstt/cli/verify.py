@@ -75,11 +75,17 @@ def register(app: typer.Typer) -> None:
         info = break_lock(backend, r.branch, force=force)
         if json_out:
             emit_json({"branch": r.branch, "broken": info is not None, "was_held": live is not None,
+                       "holder_gone": info.gone() if info is not None else None,
                        "holder": info.to_dict() if info else None})
         elif info is None:
             stdout.print(f"branch {r.branch!r} was not locked")
         else:
-            state = "held by the live writer" if live is not None else "last held by"
+            if live is not None:
+                state = "held by the live writer"
+            elif info.gone():
+                state = "stale: its holder is gone,"
+            else:
+                state = "last held by"
             stdout.print(f"broke the lock of branch {r.branch!r} ({state} {info.describe()})")
             if live is not None:
                 stderr.print("that writer fails its next step or commit when it notices; "

@@ -66,8 +66,8 @@ class CodecSpec:
             raise ConfigError(
                 f"compression must be one of {', '.join(map(repr, COMPRESSIONS))}, got {self.compression!r}"
             )
-        if self.compression == "zstd" and not (-7 <= self.level <= 22):
-            raise ConfigError(f"zstd level must be in -7..22, got {self.level}")
+        if self.compression == "zstd" and not (isinstance(self.level, int) and -7 <= self.level <= 22):
+            raise ConfigError(f"zstd level must be in -7..22, got {self.level!r}")
 
     @property
     def blosc(self) -> bool:

@@ -62,6 +62,7 @@ class ChunkResult:
         its predecessor failed the step with "cannot pickle '_thread.RLock'"."""
         if self.pending is None:
             return self
+        # unbounded wait: the predecessor chunk's write in this process (Capture's waits on it are bounded)
         return replace(self.pending.result(), pending=None)
 
 

@@ -17,7 +17,10 @@ filesystem's lock support (NFSv4 emulates it with byte-range locks).
 Other backends (object stores, fsspec URLs) get a *lease*: a JSON file with
 holder, time and expiry, created with ``put_if_absent`` and renewed by a
 daemon thread every ``ttl / 3`` seconds. A writer that dies leaves the lease
-until it expires (``ttl``, default 60 s). This is weaker: it relies on
+until it expires (``ttl``, default 60 s) -- unless it died on the host that
+looks: a record names the holder's host, boot id, PID namespace and start
+time, so a holder that is provably dead there (:meth:`LockInfo.gone`) leaves
+a stale lease, taken over at once and never called a live writer. This is weaker: it relies on
 clocks agreeing within the ttl and on the store's conditional create being
 atomic (S3 ``If-None-Match: *``). The first lease a process takes on a
 store checks that (a backend's ``check_atomic_create``: a second create of
@@ -69,9 +72,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from dstt.errors import CorruptStoreError, StoreLockedError
+from dstt.store import args as A
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.backends.local import not_writable
+from dstt.store.localio import pid_alive
 
 #: Default lease lifetime for non-local backends, in seconds.
 LEASE_TTL = 60.0
@@ -89,6 +94,13 @@ class LockInfo:
     since: float | None = None
     expires: float | None = None
     token: str | None = None
+    #: Where the holder ran, to tell a dead holder on this host from a live
+    #: one elsewhere (:meth:`gone`): the kernel's boot id, the holder's PID
+    #: namespace and its start time (clock ticks after boot; a reused pid
+    #: has another). None in records written before they were recorded.
+    boot: str | None = None
+    pidns: str | None = None
+    start: int | None = None
 
     @classmethod
     def parse(cls, branch: str, data: bytes | None) -> "LockInfo":
@@ -107,9 +119,25 @@ class LockInfo:
             v = doc.get(k)
             return v[:200] if isinstance(v, str) else None
 
-        pid = num("pid")
+        pid, start = num("pid"), num("start")
         return cls(branch, int(pid) if pid is not None else None, text("host"), num("since"),
-                   num("expires"), text("token"))
+                   num("expires"), text("token"), text("boot"), text("pidns"),
+                   int(start) if start is not None else None)
+
+    def gone(self) -> bool:
+        """Whether the holder is provably dead: it ran on this host, in this
+        boot and PID namespace, and its pid is gone (or taken by a process
+        started at another time). False wherever that cannot be told -- a
+        holder on another host, in another container, or a record without
+        these fields is presumed alive (its lease expires by itself)."""
+        if self.pid is None or self.host != socket.gethostname() or self.boot is None or self.pidns is None:
+            return False
+        here = _identity()
+        if (self.boot, self.pidns) != (here.get("boot"), here.get("pidns")):
+            return False
+        if not pid_alive(self.pid):
+            return True
+        return self.start is not None and _start_ticks(self.pid) not in (None, self.start)
 
     def describe(self) -> str:
         who = f"pid {self.pid}" if self.pid is not None else "an unknown process"
@@ -124,9 +152,33 @@ class LockInfo:
                 "since": self.since, "expires": self.expires}
 
 
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read(4096).rsplit(b")", 1)[-1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _identity() -> dict[str, Any]:
+    """This process's boot id, PID namespace and start time (Linux; absent elsewhere)."""
+    out: dict[str, Any] = {}
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            out["boot"] = f.read(64).decode("ascii", "replace").strip()
+    with contextlib.suppress(OSError):
+        out["pidns"] = os.readlink("/proc/self/ns/pid")
+    start = _start_ticks(os.getpid())
+    if start is not None:
+        out["start"] = start
+    return out
+
+
 def _record(branch: str, token: str, ttl: float | None = None) -> bytes:
     now = time.time()
-    doc = {"branch": branch, "pid": os.getpid(), "host": socket.gethostname(), "since": now, "token": token}
+    doc = {"branch": branch, "pid": os.getpid(), "host": socket.gethostname(), "since": now, "token": token,
+           **_identity()}
     if ttl is not None:
         doc["expires"] = now + ttl
     return json.dumps(doc).encode()
@@ -258,8 +310,8 @@ class BranchLock:
         if not self.backend.put_if_absent(self.key, data):
             raw = self.backend.get(self.key, max_bytes=LOCK_RECORD_MAX_BYTES)
             info = LockInfo.parse(self.branch, raw)
-            if info.expires is not None and info.expires > time.time():
-                return False
+            if info.expires is not None and info.expires > time.time() and not info.gone():
+                return False  # (a lease whose holder died on this host is taken over like an expired one)
             if info.expires is None and self.backend.exists(self.key):
                 # Unreadable lease: treat as held until its writer's ttl could
                 # have passed; the caller can break it explicitly.
@@ -421,8 +473,8 @@ def lock_holder(backend: Any, branch: str) -> LockInfo | None:
             return None
         return probe.holder()
     info = LockInfo.parse(branch, backend.get(probe.key, max_bytes=LOCK_RECORD_MAX_BYTES)) if backend.exists(probe.key) else None
-    if info is not None and info.expires is not None and info.expires <= time.time():
-        return None
+    if info is not None and ((info.expires is not None and info.expires <= time.time()) or info.gone()):
+        return None  # expired, or its holder died on this host: stale
     return info
 
 
@@ -450,8 +502,9 @@ def break_lock(backend: Any, branch: str, *, force: bool = False) -> LockInfo | 
     dstt.errors.StoreLockedError: lost the write lock of branch 'main' ...
     >>> acquire(b, "main").release()
     """
+    force = A.flag("force", force)
     backend = open_backend(backend)
-    key = L.lock_key(L.validate_branch(branch))
+    key = L.lock_key(A.branch(branch))
     if not backend.exists(key):
         return None
     live = lock_holder(backend, branch)

@@ -33,7 +33,6 @@ import torch
 from dstt.errors import (
     CaptureError,
     ChecksumMismatchError,
-    ConfigError,
     CorruptStoreError,
     DsttError,
     InvalidNameError,
@@ -41,10 +40,12 @@ from dstt.errors import (
     StepNotFoundError,
     StepOrderError,
 )
+from dstt.refs import parent_arg
+from dstt.store import args as A
 from dstt.store import layout as L
 from dstt.store.backends import Backend, open_backend
 from dstt.store.batchflush import BatchFlush, chunk_place
-from dstt.store.codec import CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
+from dstt.store.codec import COMPRESSIONS, CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
 from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase, resolved_tails
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.gcpause import paused_gc
@@ -115,7 +116,7 @@ class Writer(BatchFlush, CommitPhase):
         store: Any,
         *,
         branch: str = "main",
-        parent: tuple[str, int] | None = None,
+        parent: L.StepRef | tuple[str, int] | str | None = None,
         compression: str = "none",
         zstd_level: int = 1,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
@@ -129,18 +130,20 @@ class Writer(BatchFlush, CommitPhase):
         storage_options: dict[str, Any] | None = None,
         pack_chunk_bytes: int | None = None,
     ) -> None:
-        L.validate_branch(branch)
-        if not isinstance(keyframe_every, int) or isinstance(keyframe_every, bool) or keyframe_every < 1:
-            raise ConfigError(f"keyframe_every must be a positive integer, got {keyframe_every!r}")
-        self.keyframe_every = keyframe_every
-        if max_chunk_bytes < 1:
-            raise ConfigError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
-        if threads < 1:
-            raise ConfigError(f"threads must be at least 1, got {threads}")
+        # Every argument checked before anything is opened, locked or created (store/args.py).
+        A.branch(branch)
+        parent = parent_arg(parent)
+        A.choice("compression", compression, COMPRESSIONS)
+        A.zstd_level(zstd_level)
+        self.keyframe_every = A.positive_int("keyframe_every", keyframe_every)
+        A.positive_int("max_chunk_bytes", max_chunk_bytes)
+        A.positive_int("threads", threads)
+        A.flag("allow_pickle", allow_pickle)
+        A.flag("dedup", dedup)
+        A.options("storage_options", storage_options)
         if pack_chunk_bytes is None:
             pack_chunk_bytes = default_pack_chunk_bytes()
-        if not isinstance(pack_chunk_bytes, int) or isinstance(pack_chunk_bytes, bool) or pack_chunk_bytes < 0:
-            raise ConfigError(f"pack_chunk_bytes must be a non-negative integer, got {pack_chunk_bytes!r}")
+        A.non_negative_int("pack_chunk_bytes", pack_chunk_bytes)
         #: Chunks of at most this many raw bytes go into packs (packs.py; 0:
         #: none; default: $DSTT_PACK_CHUNK_BYTES, else 1 MiB).
         self.pack_chunk_bytes = pack_chunk_bytes
@@ -198,7 +201,7 @@ class Writer(BatchFlush, CommitPhase):
 
     # ------------------------------------------------------------------ setup
 
-    def _setup(self, store: Any, branch: str, parent: tuple[str, int] | None) -> Backend:
+    def _setup(self, store: Any, branch: str, parent: L.StepRef | str | None) -> Backend:
         error = None
         backend = None
         if self.rank == 0:
@@ -560,7 +563,7 @@ class Writer(BatchFlush, CommitPhase):
             futures = [self._pool.submit(self._flush_batch, plan, batch) for batch in batches(plan.tasks)]
             for f in futures:
                 try:
-                    done, err = f.result()
+                    done, err = f.result()  # unbounded wait: a chunk write of this writer's own threads
                     results.extend(done)
                     error = error or err
                 except BaseException as e:  # keep draining so no thread outlives the step
@@ -590,7 +593,7 @@ class Writer(BatchFlush, CommitPhase):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True)  # unbounded wait: this writer's own flush threads, drained by then
             if self._branch_lock is not None:
                 self._branch_lock.release()
             self.backend.close()

@@ -1,0 +1,280 @@
+"""The waits of :class:`dstt.Capture` and its ``close()``: every one bounded.
+
+A mixin (the state lives on the Capture). ``wait_staged``, ``wait``,
+``close`` and the internal waits of the trainer's calls go through
+:meth:`Draining._await`: they wait while the capture makes progress (a
+step settled, a chunk written, a staging block or slot freed, the capture
+helper using CPU time or doing I/O: :meth:`Draining._bump`) and give up
+after ``background_timeout_s`` without any (capture/waits.py). The trainer's
+waits get a little longer than the helper's own bound (:data:`GRACE_S`), so
+a helper that stopped answering is named and killed by the committer
+first, and the trainer's wait then ends with that step's error.
+
+``close()`` never hangs:
+
+* it drains what is queued (bounded); if that gives up, the helper (if
+  any) is killed, so the committer's wait on it ends at once;
+* it stops its threads (bounded); threads that still do not stop (a write
+  of this process hung in the kernel) are left to a *reaper* thread, which
+  finishes closing -- the writer, the ring, the branch lock -- once they
+  return; until then the branch stays locked by this process;
+* it raises one CaptureError naming what did not answer, the steps not
+  committed and where the sealed ones are (the ring in /dev/shm: the next
+  Capture on the branch or ``dstt gc`` commits them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from dstt.capture.lifecycle import LIVE
+from dstt.capture.waits import POLL_S, Stalled, until
+from dstt.errors import CaptureError
+from dstt.store.writer import CommitInfo
+
+log = logging.getLogger("dstt.capture")
+
+#: The trainer's waits give up this much later than the committer's wait on
+#: the helper, so the helper's own bound (which names and kills it) fires first.
+GRACE_S = 4 * POLL_S
+
+
+class Draining:
+    """Bounded waits, ``wait_staged``/``wait``/``close`` of :class:`~dstt.capture.engine.Capture` (a mixin)."""
+
+    config: Any
+    writer: Any
+    pool: Any
+    _cond: threading.Condition
+    _pending: int
+    _queued_steps: set[int]
+    _errors: list[CaptureError]
+    _closed: bool
+    _last: Any
+    _helper: Any
+    _ring: Any
+    _tier: bool
+    _fork: Any
+    _stage_q: Any
+    _commit_q: Any
+    _stager: threading.Thread
+    _committer: threading.Thread
+    _flush: Any
+    _fence: Any
+    _pool_in_ring: bool
+    _plan_coord: Any
+    _commit_coord: Any
+    _copier: Any
+    _progress: int = 0  # bumped by everything that finishes in the background (see _bump)
+
+    # ------------------------------------------------------------ bounded waits
+
+    def _bump(self) -> None:
+        """Something in the background finished: every bounded wait restarts its clock."""
+        self._progress += 1
+
+    def _await(self, done: Callable[[float], bool], what: str | Callable[[], str]) -> None:
+        """Wait until ``done(t)`` (waiting at most ``t`` s) says so, while the
+        capture makes progress; Stalled (a CaptureError) after
+        ``background_timeout_s`` without any."""
+        until(done, limit_s=self.config.background_timeout_s + GRACE_S, what=what, progress=lambda: self._progress)
+
+    def _await_event(self, event: threading.Event, what: str | Callable[[], str]) -> None:
+        if not event.is_set():
+            self._await(event.wait, what)
+
+    def _await_cond(self, predicate: Callable[[], Any], what: str | Callable[[], str]) -> None:
+        """:meth:`_await` of ``predicate`` on ``_cond`` (held by the caller)."""
+        if not predicate():
+            self._await(lambda t: self._cond.wait_for(predicate, t), what)
+
+    def _await_thread(self, thread: threading.Thread | None, what: str) -> None:
+        if thread is not None and thread.is_alive():
+            self._await(lambda t: _joined(thread, t), what)
+
+    def _pending_text(self) -> str:
+        steps = sorted(self._queued_steps)
+        return f"{len(steps)} queued step(s) ({_steps_text(steps)}) to be committed on branch {self.config.branch!r}"
+
+    # ------------------------------------------------------------ the trainer's waits
+
+    def wait_staged(self) -> None:
+        """Block until every queued step is copied to host memory and, where
+        the pool is in /dev/shm, sealed there: from then on the step is
+        committed even if this process dies (by the next Capture on the
+        branch). Call it before mutating captured tensors in place outside
+        ``optimizer.step()`` (which waits by itself); raises a pending
+        failure (such as the mutation guard's)."""
+        job = self._last
+        if job is not None:  # copied, and sealed in the ring where it has one
+            self._await_event(job.submitted, f"step {job.plan.step} to be staged")
+        self.raise_pending()
+
+    def wait(self, timeout: float | None = None) -> list[CommitInfo]:
+        """Block until every queued step is committed and durable; raise the
+        first background failure as :class:`CaptureError`. Returns the
+        commits so far. ``timeout``: give up after that many seconds; without
+        it, after ``background_timeout_s`` in which no step progressed."""
+        with self._cond:
+            if timeout is None:
+                self._await_cond(lambda: self._pending == 0, self._pending_text)
+            elif not self._cond.wait_for(lambda: self._pending == 0, timeout):
+                raise CaptureError(f"timed out after {timeout} s waiting for {self._pending} step(s) to commit")
+        self.raise_pending()
+        return self.committed  # type: ignore[attr-defined,no-any-return]
+
+    def raise_pending(self) -> None:
+        """Raise the first background failure not yet reported, if any
+        (a lazily copied tensor already changed in place counts: the step fails)."""
+        self._scan_guard()  # type: ignore[attr-defined]
+        with self._cond:
+            errors, self._errors = self._errors, []
+        if errors:
+            more = f" (and {len(errors) - 1} later failure(s))" if len(errors) > 1 else ""
+            raise CaptureError(f"{errors[0]}{more}") from errors[0].__cause__
+
+    # ------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Drain every queued step, stop the threads, release the pool and hooks.
+
+        Raises the first unreported background failure after releasing
+        everything. Safe to call twice. Never hangs: see the module docstring."""
+        if self._closed:
+            return
+        self._closed = True
+        LIVE.discard(self)
+        gave_up: Stalled | None = None
+        try:
+            if self._fork is not None:
+                self._switch_branch()  # type: ignore[attr-defined]  # a rewind with no snapshot after it
+            if self._tier:
+                self._tier_close_last()  # type: ignore[attr-defined]
+            with self._cond:
+                self._await_cond(lambda: self._pending == 0, self._pending_text)
+        except Stalled as e:
+            gave_up = e
+        finally:
+            stuck = self._stop_threads(gave_up)
+            self._fence.remove()  # whatever happens: the trainer's optimizer must not wait for us any more
+            if stuck:
+                self._leave_to_reaper(stuck)
+            else:
+                self._release_all()
+        if gave_up is not None or stuck:
+            raise self._close_error(gave_up, stuck)
+        self.raise_pending()
+
+    def _stop_threads(self, gave_up: Stalled | None) -> list[str]:
+        """Stop the stager, committer and watcher threads (bounded); the names
+        of those that did not stop. A drain that gave up kills the helper
+        first: the committer may be waiting for its answer."""
+        if gave_up is not None and self._helper is not None and not self._helper.lost:
+            self._helper.kill(f"did not finish the steps handed to it before close() gave up ({gave_up})")
+        self._stage_q.put(None)
+        self._commit_q.put(None)
+        threads = {"stager": self._stager, "committer": self._committer}
+        stuck: list[str] = []
+        try:
+            self._await_thread(self._stager, "the stager thread to stop")
+        except Stalled:
+            stuck.append("stager")
+        if self._tier:
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
+            watcher = getattr(self, "_watcher", None)
+            if watcher is not None:
+                threads["NaN/Inf watcher"] = watcher
+        for name, thread in threads.items():
+            if name in stuck:
+                continue
+            try:
+                self._await_thread(thread, f"the {name} thread to stop")
+            except Stalled:
+                stuck.append(name)
+        if self._tier and not stuck:
+            self._tier_stop()  # type: ignore[attr-defined]  # (its threads are gone: frees the ring's slots)
+        # Every flush of a committed or failed step was drained by the committer.
+        self._flush.shutdown(wait=not stuck)  # unbounded wait: none left once the committer stopped
+        return stuck
+
+    def _release_all(self) -> None:
+        """Everything is settled: let go of the helper, pool, ring, writer (its lock) and groups."""
+        if self._helper is not None:
+            self._helper.close()
+        if self.pool is not None and self._pool_in_ring:
+            self.pool.unregister()
+        if self._ring is not None and not (self._helper is not None and self._helper.lost):
+            self._ring.close()  # everything queued is committed or failed
+        elif self._ring is not None:
+            self._ring.release()  # (its lock: the next Capture, in this process too, may adopt it)
+            log.warning("dstt: the capture helper died; steps sealed in %s stay there for the next "
+                        "Capture on branch %r (or dstt gc)", self._ring.dir, self.config.branch)
+        self.writer.close()
+        self._plan_coord.close()
+        self._commit_coord.close()
+        self.pool = None
+        self._copier = None
+        self._last = None
+
+    def _leave_to_reaper(self, stuck: list[str]) -> None:
+        """Threads that do not stop may still use the writer, the pool and
+        the ring: a daemon thread finishes closing once they return."""
+        threads = [t for t in (self._stager, self._committer, getattr(self, "_watcher", None))
+                   if t is not None and t.is_alive()]
+
+        def reap() -> None:
+            for t in threads:
+                t.join()  # unbounded wait: a daemon nobody waits for; it ends with the stuck thread
+            try:
+                if self._tier:
+                    self._tier_stop()  # type: ignore[attr-defined]
+                self._flush.shutdown(wait=True)  # unbounded wait: (as above)
+                self._release_all()
+                log.warning("dstt: the Capture on %s@%s finished closing (its %s thread(s) returned)",
+                            self.writer.backend.url, self.config.branch, ", ".join(stuck))
+            except Exception as e:  # noqa: BLE001 - nobody to raise to: say it
+                log.error("dstt: finishing the close of a Capture failed: %s", e)
+
+        threading.Thread(target=reap, name="dstt-reaper", daemon=True).start()
+
+    def _close_error(self, gave_up: Stalled | None, stuck: list[str]) -> CaptureError:
+        """One error naming what did not answer, what was left and where."""
+        with self._cond:
+            steps = sorted(self._queued_steps)
+            errors, self._errors = self._errors, []
+        parts = [f"close() of the Capture on branch {self.config.branch!r} gave up: "
+                 f"{gave_up if gave_up is not None else 'its threads did not stop'}"]
+        if steps:
+            parts.append(f"{len(steps)} step(s) not committed: {_steps_text(steps)}")
+        helper = self._helper
+        if helper is not None and helper.lost:
+            parts.append(f"the capture helper (pid {helper.pid}) "
+                         f"{'was killed' if helper._killed_why is not None else 'is gone'}")
+        if self._ring is not None:
+            parts.append(f"steps sealed in {self._ring.dir} stay there for the next Capture on this branch "
+                         "or `dstt gc`")
+        if stuck:
+            parts.append(f"the {', '.join(stuck)} thread(s) still run: this Capture finishes closing -- and frees "
+                         "the branch lock -- when they return (or this process exits)")
+        if errors:
+            parts.append(f"first failure: {errors[0]}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+        err = CaptureError("; ".join(parts))
+        err.__cause__ = errors[0] if errors else gave_up
+        return err
+
+
+def _joined(thread: threading.Thread, timeout: float) -> bool:
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:20])) + (f" ... ({len(steps)} in all)" if len(steps) > 20 else "")
+
+
+__all__ = ["Draining", "GRACE_S"]
