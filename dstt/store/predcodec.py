@@ -176,6 +176,30 @@ def decode(coding: Coding, blob: Any, n: int, inputs: Mapping[tuple[str, str], A
     return z
 
 
+def pick(candidates: list[Coding], actual: Any, inputs: Mapping[tuple[str, str], Any], sample: int = 4096) -> Coding:
+    """The candidate that predicts the most of the chunk's first ``sample``
+    elements exactly (the first on a tie). For hyperparameters a capture
+    cannot pin to one step: an lr scheduler steps between ``optimizer.step()``
+    and the capture or after it, so the lr that made step t is in step t's
+    ``param_groups`` or in step t-1's. Which one wins costs bytes only: the
+    chosen coding is recorded with the chunk."""
+    if len(candidates) == 1:
+        return candidates[0]
+    size = itemsize(candidates[0])
+    head = memoryview(actual).cast("B")[: sample * size]
+    n = len(head) // size
+    best, best_exact = candidates[0], -1
+    for i, c in enumerate(candidates):
+        if c in candidates[:i]:  # equal codings once
+            continue
+        part = {k: memoryview(v).cast("B")[: n * info_for_name(nd.dtype).itemsize]
+                for nd in plan(c) for k, v in [((nd.when, nd.role), inputs.get((nd.when, nd.role)))] if v is not None}
+        _, exact = residual(c, head, part)
+        if exact > best_exact:
+            best, best_exact = c, exact
+    return best
+
+
 # ----------------------------------------------------------------------------- chains
 
 
@@ -231,4 +255,4 @@ def closure(step: Hashable, role: str, coding_at: Callable[[Hashable, str], Codi
     return order
 
 
-__all__ = ["Encoded", "closure", "decode", "encode", "itemsize", "plan", "residual"]
+__all__ = ["Encoded", "closure", "decode", "encode", "itemsize", "pick", "plan", "residual"]

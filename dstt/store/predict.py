@@ -134,6 +134,10 @@ class Coding:
         return {"predictor": self.predictor, "version": self.version, "role": self.role,
                 "dtype": self.dtype, "params": dict(self.params)}
 
+    def needs(self) -> list[Need]:
+        """The inputs this chunk's decode reads (see :meth:`Predictor.needs`)."""
+        return predictor(self.predictor, self.version).needs(self)
+
     @classmethod
     def from_json(cls, doc: Any, where: str = "predictive chunk") -> Coding:
         """Parse and validate a recorded coding (untrusted: a store's index)."""

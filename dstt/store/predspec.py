@@ -104,6 +104,18 @@ class AdamHyper:
                    _variant(group, device), lr_dtype, bd1, bool(group.get("differentiable", False)))
 
 
+def _pow32(x: np.floating[Any], e: float) -> np.floating[Any]:
+    """``tensor ** e`` on a float32 0-d tensor as torch's CPU kernel computes
+    it: exponents 2, 3, 0.5, -0.5, -1, -2 are multiplications, square roots
+    and reciprocals; anything else is ``powf``."""
+    t = type(x)
+    special = {2.0: lambda: x * x, 3.0: lambda: x * x * x, 0.5: lambda: np.sqrt(x),
+               -0.5: lambda: t(1) / np.sqrt(x), -1.0: lambda: t(1) / x, -2.0: lambda: t(1) / (x * x)}
+    with np.errstate(all="ignore"):
+        out: np.floating[Any] = special[e]() if e in special else x ** t(e)
+    return out
+
+
 def _adam_param_consts(h: AdamHyper, step: float, eps: float) -> dict[str, float]:
     """S, B, E (and WD, D) as torch computes them for this variant."""
     c: dict[str, float] = {}
@@ -119,13 +131,19 @@ def _adam_param_consts(h: AdamHyper, step: float, eps: float) -> dict[str, float
             bc1 = f(h.beta1) ** f(step) - f(1)  # beta1**step - 1 = -(1 - beta1**step)
             bc2s = np.sqrt(f(1) - f(h.beta2) ** f(step))
             if h.variant == "capturable":  # denom = sqrt(v) / (bc2s * -ss) + eps / -ss; p + m / denom
-                ns = -(f(h.lr) / -bc1)
-                c.update(S=1.0, B=float(bc2s * ns), E=float(f(eps) / ns))
+                ns = -((f(1) / -bc1) * f(h.lr))  # float / tensor is reciprocal(tensor) * float
+                c.update(S=1.0, B=float(bc2s * ns), E=float((f(1) / ns) * f(eps)))
             else:  # denom = (sqrt(v) / bc2s + eps) / ss with ss = 1 / ((beta1**step - 1) / lr)
                 c.update(S=1.0, B=float(bc2s), E=eps, D=float(f(1) / (bc1 / f(h.lr))))
         return c
     bc1, bc2 = 1 - h.beta1 ** step, 1 - h.beta2 ** step
-    if h.variant == "fused":  # double math in the kernel
+    if h.beta_dtype is not None and h.variant in ("single", "foreach"):  # betas in 0-d tensors
+        t = np.dtype(h.beta_dtype).type
+        with np.errstate(all="ignore"):
+            tb1 = t(1) - _pow32(t(h.beta1), step)
+            ss = t(h.lr) / tb1 if h.lr_dtype else (t(1) / tb1) * t(h.lr)  # float / tensor: reciprocal * float
+            c.update(S=float(-ss), B=float(_pow32(t(1) - _pow32(t(h.beta2), step), 0.5)), E=eps)
+    elif h.variant == "fused":  # double math in the kernel
         c.update(S=-(h.lr / bc1), B=math.sqrt(bc2), E=eps)
     elif h.lr_dtype is not None:  # step_size = lr / bias_correction1 in the tensor's dtype
         t = np.dtype(h.lr_dtype).type
@@ -179,7 +197,11 @@ def adam_codings(h: AdamHyper, step: float, prev_step: float | None, *, param_dt
     grad = grad_dtype or (state_dtype if mixed else param_dtype)
     eps = h.eps if rnd == "end" else _round_dtype(h.eps, state_dtype)  # add_(eps) casts eps to the dtype
     pc = _consts(_adam_param_consts(h, step, eps))
-    vc = _consts({"W": 1 - h.beta1, "B2": h.beta2, "C2": 1 - h.beta2})
+    if h.beta_dtype is not None and h.variant in ("single", "foreach"):
+        t = np.dtype(h.beta_dtype).type
+        vc = _consts({"W": float(t(1) - t(h.beta1)), "B2": h.beta2, "C2": float(t(1) - t(h.beta2))})
+    else:
+        vc = _consts({"W": 1 - h.beta1, "B2": h.beta2, "C2": 1 - h.beta2})
     out = dict(plain)
     if vc is not None and grad in FLOAT_DTYPES:
         out["exp_avg_sq"] = Coding("adam", 1, "exp_avg_sq", state_dtype,
@@ -248,4 +270,52 @@ def sgd_codings(h: SgdHyper, has_prev_buffer: bool, *, param_dtype: str, state_d
     return out
 
 
-__all__ = ["ADAM_VARIANTS", "AdamHyper", "SGD_VARIANTS", "SgdHyper", "adam_codings", "delta", "sgd_codings"]
+@dataclass(frozen=True)
+class ParamState:
+    """One parameter at one captured step, as captured: its dtype, the
+    dtype of each state tensor present (``exp_avg``, ``momentum_buffer``,
+    ...; not ``step``) and ``state["step"]`` (None when absent)."""
+
+    dtype: str
+    state: Mapping[str, str]
+    step: float | None = None
+
+
+#: torch.optim classes with a predictor (others: chained deltas).
+ADAM_CLASSES = {"Adam": False, "AdamW": True}  # name -> default of decoupled_weight_decay
+
+
+def param_codings(optimizer: str, group: Mapping[str, Any], cur: ParamState, prev: ParamState | None, *,
+                  device: str = "cpu") -> dict[str, Coding | None]:
+    """The coding of a parameter (``"param"``) and each of its state tensors
+    at a captured step, from the optimizer's class name, the parameter's
+    ``param_groups`` entry at this step and what the previous captured step
+    holds of it (None: nothing, every tensor is stored whole). A coding is
+    only returned if everything it reads exists at the two steps with the
+    dtypes it expects; else a chained delta, or None without a previous
+    tensor."""
+    roles = {"param": cur.dtype, **dict(cur.state)}
+    if prev is None:
+        return dict.fromkeys(roles)
+    before = {"param": prev.dtype, **dict(prev.state)}
+    wanted: dict[str, Coding | None] = {}
+    if optimizer in ADAM_CLASSES and cur.step is not None and {"exp_avg", "exp_avg_sq"} <= set(cur.state):
+        h = AdamHyper.from_group(group, decoupled=ADAM_CLASSES[optimizer], device=device)
+        wanted = adam_codings(h, cur.step, prev.step if prev.state else None, param_dtype=cur.dtype,
+                              state_dtype=cur.state["exp_avg"])
+    elif optimizer == "SGD":
+        h2 = SgdHyper.from_group(group, device=device)
+        if "momentum_buffer" in cur.state:  # (a parameter SGD skipped is unchanged: the writer dedups it)
+            wanted = sgd_codings(h2, "momentum_buffer" in prev.state, param_dtype=cur.dtype,
+                                 state_dtype=cur.state["momentum_buffer"])
+    out: dict[str, Coding | None] = {}
+    for role, dtype in roles.items():
+        plain = delta(role, dtype) if before.get(role) == dtype else None
+        c = wanted.get(role, plain)
+        ok = c is not None and c.dtype == dtype and all(
+            (before if n.when == "prev" else roles).get(n.role) == n.dtype for n in c.needs())
+        out[role] = c if ok else plain
+    return out
+
+
+__all__ = ["ADAM_CLASSES", "ADAM_VARIANTS", "ParamState", "param_codings", "AdamHyper", "SGD_VARIANTS", "SgdHyper", "adam_codings", "delta", "sgd_codings"]
