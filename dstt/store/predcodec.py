@@ -67,7 +67,7 @@ def plan(coding: Coding) -> list[Need]:
     """The inputs a chunk coded with ``coding`` needs to decode: the same
     slice of each ``Need.role`` tensor at ``Need.when`` (``"prev"``: the
     previous captured step, ``"cur"``: this step)."""
-    return predictor(coding.predictor, coding.version).needs(coding)
+    return coding.needs()
 
 
 def _uint(buf: Any, size: int, n: int, what: str) -> np.ndarray:

@@ -136,7 +136,19 @@ class Coding:
 
     def needs(self) -> list[Need]:
         """The inputs this chunk's decode reads (see :meth:`Predictor.needs`)."""
-        return predictor(self.predictor, self.version).needs(self)
+        got: list[Need] | None = self.__dict__.get("_needs")
+        if got is None:
+            got = predictor(self.predictor, self.version).needs(self)
+            object.__setattr__(self, "_needs", got)  # a cache, not a field: equality ignores it
+        return list(got)
+
+    def consts(self) -> dict[str, np.float32]:
+        """The recorded constants as float32 scalars."""
+        got: dict[str, np.float32] | None = self.__dict__.get("_consts")
+        if got is None:
+            got = {k: np.float32(v) for k, v in self.params.get("c", {}).items()}
+            object.__setattr__(self, "_consts", got)
+        return got
 
     @classmethod
     def from_json(cls, doc: Any, where: str = "predictive chunk") -> Coding:
@@ -257,13 +269,17 @@ def fma(a: np.ndarray, b: Any, c: np.ndarray, out: np.ndarray, s: Scratch) -> No
     np.copyto(out, t, casting="same_kind")
 
 
+# A subnormal doubled (0 under denormals-are-zero) and the smallest normal halved (0 under flush-to-zero).
+_PROBE_IN = np.array([1e-45, 1.1754944e-38], np.float32)
+_PROBE_BY = np.array([2.0, 0.5], np.float32)
+_PROBE_IEEE = np.array([2.8e-45, 5.877472e-39], np.float32).tobytes()
+
+
 def check_ieee() -> None:
     """Refuse to predict in a thread that flushes subnormals to zero (FTZ /
     DAZ, e.g. after ``torch.set_flush_denormal(True)``): its float results
     differ from everyone else's, so a decode would be silently wrong."""
-    tiny = np.array([1e-45, 1.1754944e-38], np.float32)  # a subnormal, the smallest normal
-    got = np.multiply(tiny, np.float32(0.5))
-    if got[0] != 0.0 or got[1] == 0.0 or np.multiply(tiny[:1], np.float32(2.0))[0] == 0.0:
+    if np.multiply(_PROBE_IN, _PROBE_BY).tobytes() != _PROBE_IEEE:
         raise ConfigError("predictive chunks need IEEE subnormal arithmetic, but this thread flushes "
                           "denormals to zero (torch.set_flush_denormal(True)?): code or read them in "
                           "a thread without it")
@@ -401,7 +417,7 @@ class AdamPredictor(Predictor):
     def _param(c: Coding, ins: Mapping[tuple[str, str], np.ndarray], out: np.ndarray, s: Scratch) -> None:
         n = len(out)
         p = c.params
-        k = {key: np.float32(v) for key, v in p["c"].items()}
+        k = c.consts()
         st, op = p["state"], p["round"] == "op"
         f0, f1, f2, f3 = (b[:n] for b in s.f)
         x = load(ins["prev", "param"], c.dtype, f0)
@@ -429,7 +445,7 @@ class AdamPredictor(Predictor):
     def _second_moment(c: Coding, ins: Mapping[tuple[str, str], np.ndarray], out: np.ndarray, s: Scratch) -> None:
         n = len(out)
         p = c.params
-        k = {key: np.float32(v) for key, v in p["c"].items()}
+        k = c.consts()
         f0, f1, f2, f3 = (b[:n] for b in s.f)
         g = f0
         m1 = load(ins["cur", "exp_avg"], c.dtype, f1)
@@ -479,7 +495,7 @@ class SgdPredictor(Predictor):
     def predict(self, c: Coding, ins: Mapping[tuple[str, str], np.ndarray], out: np.ndarray, s: Scratch) -> None:
         n = len(out)
         p = c.params
-        k = {key: np.float32(v) for key, v in p["c"].items()}
+        k = c.consts()
         st, op = p["state"], p["round"] == "op"
         f0, f1, f2, f3 = (b[:n] for b in s.f)
         with np.errstate(all="ignore"):
