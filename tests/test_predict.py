@@ -559,6 +559,11 @@ def test_codings_fall_back_to_deltas_where_the_prediction_cannot_hold() -> None:
     assert param_codings("Adam", group, cur, other)["exp_avg_sq"] is None  # dtype changed: stored whole
     with pytest.raises(ConfigError):
         AdamHyper(1e-3, variant="jit")
+    x = np.zeros(3, np.float32)
+    with pytest.raises(CorruptStoreError, match="round"):  # a hand-built coding is checked like a stored one
+        pc.encode(Coding("adam", 1, "param", "float32", {}), x, {})
+    with pytest.raises(ValueError, match="whole number"):
+        pc.encode(delta("other", "float32"), b"12345", {("prev", "other"): b"12345"})
 
 
 def test_capturable_variants_round_trip() -> None:

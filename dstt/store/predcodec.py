@@ -46,9 +46,10 @@ import numpy as np
 from dstt.errors import CorruptStoreError
 from dstt.store.delta import blosc_decode, blosc_encode
 from dstt.store.dtypes import info_for_name
-from dstt.store.predict import BLOCK, Coding, Need, Scratch, check_ieee, predictor
+from dstt.store.predict import BLOCK, Coding, Need, Predictor, Scratch, check_ieee, predictor
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_KEEP_BYTES = 16 << 20  # residual buffers up to this size are reused per thread
 _local = threading.local()
 
 
@@ -61,6 +62,16 @@ def _scratch() -> Scratch:
 
 def itemsize(coding: Coding) -> int:
     return info_for_name(coding.dtype).itemsize
+
+
+def _checked(coding: Coding, where: str) -> Predictor:
+    """The coding's predictor, after validating the coding once per object
+    (a coding built by hand gets the checks one read from a store gets)."""
+    pred = predictor(coding.predictor, coding.version)
+    if not coding.__dict__.get("_checked"):
+        pred.check(coding, where)
+        object.__setattr__(coding, "_checked", True)
+    return pred
 
 
 def plan(coding: Coding) -> list[Need]:
@@ -117,6 +128,8 @@ class Encoded:
 def _residual_buffer(nbytes: int) -> np.ndarray:
     """A per-thread buffer of at least ``nbytes`` reused across encodes
     (a fresh one would cost its page faults every chunk)."""
+    if nbytes > _KEEP_BYTES:  # a rare huge chunk: not kept for the thread's lifetime
+        return np.empty(nbytes, np.uint8)
     buf: np.ndarray | None = getattr(_local, "residual", None)
     if buf is None or buf.nbytes < nbytes:
         buf = _local.residual = np.empty(max(nbytes, 1 << 16), np.uint8)
@@ -128,9 +141,12 @@ def residual(coding: Coding, actual: Any, inputs: Mapping[tuple[str, str], Any],
     """``zigzag(bits(actual) - bits(predicted))`` of a chunk (in ``out``, a
     byte buffer large enough, if given) and its count of zeros."""
     check_ieee()
-    pred = predictor(coding.predictor, coding.version)
+    pred = _checked(coding, where)
     size = itemsize(coding)
-    raw = np.frombuffer(memoryview(actual).cast("B"), dtype=_UINT[size])
+    data = memoryview(actual).cast("B")
+    if len(data) % size:
+        raise ValueError(f"{where}: {len(data)} bytes is not a whole number of {coding.dtype} elements")
+    raw = np.frombuffer(data, dtype=_UINT[size])
     n = len(raw)
     ins = _inputs(coding, inputs, n, where)
     z = np.empty(n, _UINT[size]) if out is None else out[: n * size].view(_UINT[size])
@@ -160,7 +176,7 @@ def decode(coding: Coding, blob: Any, n: int, inputs: Mapping[tuple[str, str], A
     """The raw bits (unsigned integers) of a chunk of ``n`` elements coded
     with :func:`encode`, from the same inputs."""
     check_ieee()
-    pred = predictor(coding.predictor, coding.version)
+    pred = _checked(coding, where)
     size = itemsize(coding)
     ins = _inputs(coding, inputs, n, where)
     z = np.frombuffer(blosc_decode(blob, n * size, where), dtype=_UINT[size])

@@ -13,7 +13,7 @@ this docstring is its summary.
 
 Why the prediction is reproducible on any machine. Every operation below is
 an elementwise numpy ufunc on float32 (or float64 for :func:`fma`) arrays:
-``+ - * /``, ``sqrt``, ``maximum`` and casts between float widths, each
+``+ - * /``, ``sqrt``, comparisons and casts between float widths, each
 correctly rounded to nearest-even as IEEE 754 requires and as numpy computes
 them on every platform (one ufunc is one rounded operation: numpy never
 contracts two into an FMA, and nothing here is a reduction, whose order
