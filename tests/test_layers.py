@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["dstt.errors", "dstt._version"]),
     # The format layer: everything a read-only command needs. No torch here.
     ("format", ["dstt.store.layout", "dstt.store.dtypes", "dstt.store.codec", "dstt.store.delta",
-                "dstt.store.localio", "dstt.store.backends", "dstt.store.manifest", "dstt.store.chunks",
+                "dstt.store.localio", "dstt.store.backends", "dstt.store.predict", "dstt.store.predcodec",
+                "dstt.store.predspec", "dstt.store.manifest", "dstt.store.chunks",
                 "dstt.store.keyframes", "dstt.store.heads", "dstt.store.root", "dstt.store.lock",
                 "dstt.store.gc", "dstt.store.verify", "dstt.store.index", "dstt.refs", "dstt.outpath",
                 "dstt.store"]),
