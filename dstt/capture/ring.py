@@ -37,6 +37,7 @@ import mmap
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,15 @@ class Ring:
     >>> r.close()
     """
 
+    #: Injection point for tests and tools: called as ``before_op(op, path)``
+    #: before each file operation this process makes on the ring --
+    #: ``"pool"`` (create and reserve a pool file), ``"seal"`` (write a
+    #: seal's temporary file), ``"rename"`` (publish it), ``"unseal"``
+    #: (remove a seal), ``"drop"`` (remove an old pool file). An OSError it
+    #: raises is that operation's failure (EIO, ENOSPC... as the kernel
+    #: would report them). Set it on a Ring (``cap._ring.before_op = f``).
+    before_op: Callable[[str, str], None] | None = None
+
     def __init__(self, identity: dict[str, Any], base: Path | None = None, run: str | None = None) -> None:
         self.identity = dict(identity)
         self.group = group_of(identity, base)
@@ -128,6 +138,8 @@ class Ring:
         are not touched here (the first copies fault them in)."""
         self._gen += 1
         name = f"pool-{self._gen}.bin"
+        if self.before_op is not None:
+            self.before_op("pool", os.fspath(self.dir / name))
         fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, capacity_bytes)
@@ -142,20 +154,28 @@ class Ring:
         """Forget an old pool file (no sealed step refers to it any more)."""
         self._maps.pop(name, None)  # the mapping goes when its last tensor view does
         with _suppress():
+            if self.before_op is not None:
+                self.before_op("drop", os.fspath(self.dir / name))
             os.unlink(self.dir / name)
 
     def seal(self, record: dict[str, Any]) -> None:
         path = f"{self._dir_text}/seal-{record['step']:020d}.json"  # (no pathlib: a seal per step of a fast loop)
-        _write_atomic(path, encode_record(record))
+        _write_atomic(path, encode_record(record), self.before_op)
 
     def unseal(self, step: int, strict: bool = False) -> None:
         """Remove ``step``'s seal; ``strict``: an OSError other than its
         absence is raised (the caller must know it is gone)."""
+        path = f"{self._dir_text}/seal-{step:020d}.json"
         if not strict:
-            unseal_file(self.dir, step)
+            with _suppress():
+                if self.before_op is not None:
+                    self.before_op("unseal", path)
+                os.unlink(path)
             return
         try:
-            os.unlink(f"{self._dir_text}/seal-{step:020d}.json")
+            if self.before_op is not None:
+                self.before_op("unseal", path)
+            os.unlink(path)
         except FileNotFoundError:
             pass
 
@@ -223,13 +243,17 @@ class _suppress:
         return exc[0] is not None and issubclass(exc[0], OSError)
 
 
-def _write_atomic(path: Path | str, data: bytes) -> None:
+def _write_atomic(path: Path | str, data: bytes, before_op: Callable[[str, str], None] | None = None) -> None:
     tmp = f"{os.fspath(path)}.tmp"
+    if before_op is not None:
+        before_op("seal", tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, data)
     finally:
         os.close(fd)
+    if before_op is not None:
+        before_op("rename", os.fspath(path))
     os.replace(tmp, path)
 
 
