@@ -247,10 +247,13 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
         if self._tier:
             self._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
         else:
+            self._refuse_without_helper(job.plan.step)
             self._ensure_pool(sizes, cuda)
             assert self.pool is not None
             job.pool = self.pool
-            job.hold = self._pool_in_ring and held_bytes <= self.pool.capacity
+            # (with the helper also in process memory: a step it cannot take is
+            # committed here from its blocks, crashsafe._commit_by_helper)
+            job.hold = (self._pool_in_ring or self._helper is not None) and held_bytes <= self.pool.capacity
         assert job.pool is not None
         if self._helper is not None and not job.hold:
             raise CaptureError(
@@ -355,11 +358,7 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
                 self._helper.close()
             if self.pool is not None and self._pool_in_ring:
                 self.pool.unregister()
-            if self._ring is not None and not (self._helper is not None and self._helper.lost):
-                self._ring.close()  # everything queued is committed or failed
-            elif self._ring is not None:
-                log.warning("dstt: the capture helper died; steps sealed in %s stay there for the next "
-                            "Capture on branch %r", self._ring.dir, self.config.branch)
+            self._close_ring()  # removed, unless a seal in it must outlive this Capture
             self.writer.close()
             self._plan_coord.close()
             self._commit_coord.close()
@@ -471,7 +470,7 @@ class Capture(Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder
         pool = self.pool
         if pool is not None:
             grow = policy.should_grow(need_bytes=need, capacity_bytes=pool.capacity, limit_bytes=limit)
-            if not grow and not (pin and not pool.wants_pin):
+            if not grow and not (pin and not pool.wants_pin) and pool.retired is None:
                 return
             job = self._last
             if job is not None:

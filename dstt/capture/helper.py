@@ -85,9 +85,11 @@ class HelperHandle:
         self.sent = False  # a step was handed over
         self.closed = False
         self.lost = False  # the helper died (or never came up) while the trainer lives
+        self.lost_why: str | None = None  # how it was found lost, first ("exited (exit status -9...)")
 
     def _gone(self, step: int, why: str) -> CaptureError:
         self.lost = True
+        self.lost_why = self.lost_why or why
         return CaptureError(f"step {step} not committed: the capture helper (pid {self.pid}) {why}; "
                             "sealed steps stay in /dev/shm for the next Capture on this branch")
 

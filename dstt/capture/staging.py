@@ -109,6 +109,10 @@ class HostPool:
         self._cond = threading.Condition()
         self._in_use = 0
         self._error: str | None = None
+        #: The /dev/shm ring's file this pool maps (ring.py), None in process memory.
+        self.ring_name: str | None = None
+        #: Why no new step may be staged here (:meth:`retire`), None while it may.
+        self.retired: str | None = None
 
     def _register(self) -> None:
         """Page-lock the mapping for CUDA off the trainer's thread (~0.55 s
@@ -186,9 +190,11 @@ class HostPool:
             return not self._blocks
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until every block is released; False on timeout."""
+        """Block until every block is released (or the pool is retired:
+        some never will be); False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._blocks or self._error is not None, timeout)
+            return self._cond.wait_for(
+                lambda: not self._blocks or self._error is not None or self.retired is not None, timeout)
 
     # -------------------------------------------------------------- allocation
 
@@ -253,6 +259,8 @@ class HostPool:
                 if self._error is not None:
                     raise CaptureError(self._error)
                 placed = self._place(nbytes)
+                if placed is None and self.retired is not None:
+                    raise CaptureError(f"no room in a retired staging pool: {self.retired}")
                 if placed is None and not self._cond.wait(timeout):
                     raise CaptureError(f"timed out waiting {timeout} s for {nbytes} bytes of staging pool")
             return self._take(placed, nbytes)
@@ -345,6 +353,16 @@ class HostPool:
                     self._in_use -= block.nbytes
             while self._blocks and self._blocks[0].freed:
                 self._blocks.popleft()
+            self._cond.notify_all()
+
+    def retire(self, why: str) -> None:
+        """Some blocks will never be released (a seal describes them:
+        capture/keeper.py): no new step is staged here (the Capture makes
+        another pool), and an allocation that would wait for room fails
+        with ``why`` instead of waiting forever (a ring allocator cannot
+        reach the room behind a block that stays)."""
+        with self._cond:
+            self.retired = why
             self._cond.notify_all()
 
     def abort(self, message: str) -> None:
