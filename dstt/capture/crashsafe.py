@@ -39,6 +39,9 @@ from dstt.store.writer import CommitInfo, Writer
 log = logging.getLogger("dstt.capture")
 
 _KEEPER_LOCK = threading.Lock()
+#: Held by the stager while it hands a step to the capture helper, and by the
+#: committer while it stops that (_retire_helper): no write to a closed pipe.
+_HAND_OVER_LOCK = threading.Lock()
 
 #: How long a new Capture waits for a dead trainer's helper to finish
 #: committing its sealed steps (it holds the branch lock until then).
@@ -127,7 +130,6 @@ class CrashSafe:
                         if not helper.lost:
                             raise  # the helper failed the step itself: it failed
                         why = f"the capture helper (pid {helper.pid}) {helper.lost_why or self._helper_end(helper)}"
-                        job.error = None
                         if self._plan_coord.distributed:
                             raise CaptureError(f"step {step} not committed: {why}; under torch.distributed a "
                                                "rank's steps are committed only through its helper: this step "
@@ -186,9 +188,12 @@ class CrashSafe:
         could not seal)."""
         helper = self._helper
         assert helper is not None
-        self._hand_over = False
+        if self._plan_coord.distributed:  # (a rank's steps go through its helper's records: ranks.py)
+            raise CaptureError(f"step {job.plan.step} not committed: {why}")
         with contextlib.suppress(OSError):
-            helper.proc.kill()
+            helper.proc.kill()  # (first: a send blocked on its full pipe ends with EPIPE)
+        with _HAND_OVER_LOCK:  # no send is under way, none starts (its pipe's descriptor goes now)
+            self._hand_over = False
         helper.close()
         options = self._writer_options()
         options.pop("branch")
@@ -388,10 +393,10 @@ class CrashSafe:
         if helper is not None and not self._plan_coord.distributed:
             if not job.sealed:
                 self._hand_over = False  # in stage order: no later step reaches the helper before this one
-            if job.sealed and self._hand_over and not helper.lost:
-                # Pipelined (committing.py): handed over now, in stage order -- the
-                # order of the commit queue -- and its answer read by the committer.
-                with contextlib.suppress(CaptureError):  # (gone: the committer finds out, and commits here)
+            # Pipelined (committing.py): handed over now, in stage order -- the
+            # order of the commit queue -- and its answer read by the committer.
+            with _HAND_OVER_LOCK, contextlib.suppress(CaptureError):  # (gone: the committer finds out, commits here)
+                if job.sealed and self._hand_over and not helper.lost:
                     helper.send(step)
                     job.sent = True
 
@@ -427,8 +432,9 @@ class CrashSafe:
                     checked=lambda: seal_record(job.plan, pool.ring_name or "", pool.buffer, job.views,
                                                 groups=job.groups))
             if not release:
-                pool.retire(f"step {step}'s sealed bytes in this staging pool stay reserved (see the error logged "
-                            "about its seal); later steps are staged in a new pool")
+                pool.pin([block for _, block in job.groups] + [view for _, view in job.views])
+                pool.retire(f"step {step}'s sealed bytes in this staging pool stay reserved (its seal describes "
+                            "them); later steps are staged in a new pool")
         if release:
             assert job.pool is not None
             job.pool.release_many([block for _, block in job.groups] + [view for _, view in job.views])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -49,18 +50,20 @@ class Faults:
         again = op == "seal" and path in self.sealed
         if op == "seal":
             self.sealed.add(path)
+        if op == "unseal" and not os.path.exists(path):
+            return  # (the kernel says ENOENT for a seal the helper removed already)
         if self.on and (op in self.ops or (again and "reseal" in self.ops)):
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
 
 
 def fill(root: Path) -> None:
-    with open(root / "filler", "wb") as f:
-        try:
+    try:
+        with open(root / "filler", "wb") as f:
             while True:
                 f.write(b"\xff" * (1 << 16))
                 f.flush()
-        except OSError:
-            pass
+    except OSError:
+        pass  # full
 
 
 def committed(store: str, step: int) -> bool:
@@ -104,18 +107,31 @@ def main() -> None:
             fill(root)
         if step == spec.get("unfill_at"):
             (root / "filler").unlink()
-        try:
-            cap.snapshot(step, rng=False, extra=state(step))
-            cap.wait_staged()
-        except dstt.CaptureError as e:
-            print("failed", step, str(e).replace("\n", " "), flush=True)
+        failed: set[int] = set()
+        for call in (lambda: cap.snapshot(step, rng=False, extra=state(step)), cap.wait_staged):
+            try:
+                call()
+            except dstt.CaptureError as e:  # (it names the step that failed: this one or an earlier one)
+                failed.add(report(e, step))
+        if step in failed:
             continue
         ring = cap._ring
         sealed = ring is not None and os.path.exists(ring.dir / f"seal-{step:020d}.json")
         print("sealed" if sealed or committed(store, step) else "unsealed", step, flush=True)
         if step == spec.get("kill_at"):
             os.kill(os.getpid(), signal.SIGKILL)
-    cap.close()
+    try:
+        cap.close()
+    except dstt.CaptureError as e:
+        report(e, -1)
+
+
+def report(e: Exception, step: int) -> int:
+    """Print ``failed S MESSAGE`` for the step the error names (else ``step``)."""
+    named = re.search(r"step (\d+)", str(e))
+    failed = int(named.group(1)) if named else step
+    print("failed", failed, str(e).replace("\n", " "), flush=True)
+    return failed
 
 
 if __name__ == "__main__":
