@@ -62,6 +62,7 @@ class SealKeeper:
         self._seals: dict[int, tuple[str, bool]] = {}
         #: step -> whether it is committed, for seals whose bytes stay reserved for good.
         self._pinned: dict[int, bool] = {}
+        self._kept: set[int] = set()  # steps kept for the next Capture (keep)
         self._dropped: set[str] = set()  # pool files to remove once no seal names them
         #: Why sealing stopped (a seal could be neither removed nor rewritten); None while it works.
         self.broken: str | None = None
@@ -120,6 +121,7 @@ class SealKeeper:
         with self._lock:
             if step in self._seals:
                 self._pinned[step] = False
+                self._kept.add(step)
 
     def _remove(self, step: int, checked: Callable[[], dict[str, Any]] | None) -> None:
         self.ring.unseal(step, strict=True)
@@ -144,6 +146,7 @@ class SealKeeper:
         """(under the lock)"""
         pool = self._seals.pop(step, (None, False))[0]
         self._pinned.pop(step, None)
+        self._kept.discard(step)
         return pool
 
     def _pin(self, step: int, *, committed: bool, why: str) -> None:
@@ -185,9 +188,11 @@ class SealKeeper:
 
     def keeps_uncommitted(self) -> list[int]:
         """Steps not committed whose seal must outlive this Capture (the
-        ring is then left for the next Capture or ``dstt gc``)."""
+        ring is then left for the next Capture or ``dstt gc``): those
+        :meth:`keep` kept. (A step that failed and was reported is given up
+        with the ring at close, its bytes kept or not, as any failed step.)"""
         with self._lock:
-            return sorted(s for s, committed in self._pinned.items() if not committed)
+            return sorted(self._kept)
 
 
 __all__ = ["SealKeeper"]
