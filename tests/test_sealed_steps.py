@@ -140,7 +140,7 @@ def test_a_helper_killed_under_a_live_trainer_loses_no_sealed_step(tmp_path: Pat
 FAULTS = [("helper", "pool"), ("helper", "seal"), ("helper", "all"), ("threads", "unseal"),
           ("threads", "unseal+reseal"), ("threads", "all"), ("tier", "unseal"), ("tier", "unseal+reseal"),
           ("tier", "all")]
-MORE_FAULTS = [("helper", "rename"), ("helper", "unseal+reseal"), ("threads", "pool"), ("threads", "seal"),
+MORE_FAULTS = [("helper", "rename"), ("threads", "pool"), ("threads", "seal"),
                ("tier", "pool"), ("tier", "seal")]  # (the same paths again: -m slow)
 
 

@@ -161,6 +161,8 @@ class CrashSafe:
             return None
         if not job.sealed:
             return f"step {job.plan.step} could not be sealed for the capture helper: {job.seal_error}"
+        if self._helper is not None and self._helper.closed:  # (committing here failed to start before)
+            return "the capture helper was stopped at an earlier step it could not take"
         return f"step {job.plan.step} came after one that could not be sealed"
 
     @staticmethod
