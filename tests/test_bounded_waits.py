@@ -73,10 +73,12 @@ def _gone(pid: int) -> bool:
         return f.read().rsplit(b")", 1)[-1].split()[0] == b"Z"
 
 
-def test_close_behind_a_stopped_helper_returns_and_the_next_capture_commits(tmp_path: Path) -> None:
-    """The helper SIGSTOPped with a sealed step handed to it: close() raises
-    a CaptureError naming the helper and the step, within the bound; the
-    helper is killed; the next Capture commits the sealed step bit-exact."""
+def test_close_behind_a_stopped_helper_returns_and_commits_the_step_here(tmp_path: Path) -> None:
+    """The helper SIGSTOPped with a sealed step handed to it: close() returns
+    within the bound; the helper is named (pid, stopped by a signal) and
+    killed, and -- since a dead helper's steps are committed by the trainer's
+    own process (issue 23 item 3, capture/fallback.py) -- the sealed step is
+    committed bit-exact by this Capture, nothing left in /dev/shm."""
     store = tmp_path / "run"
     cap = dstt.Capture(store, helper=True, max_chunk_bytes=1024, background_timeout_s=2)
     pid = cap._helper.pid  # type: ignore[union-attr]
@@ -88,18 +90,17 @@ def test_close_behind_a_stopped_helper_returns_and_the_next_capture_commits(tmp_
         stopped = True
         cap.snapshot(1, extra={"w": torch.full((1024,), 1.0)}, rng=False)
         cap.wait_staged()  # sealed in the ring, handed to the stopped helper
-        error, took = _close_in_thread(cap)
+        with pytest.warns(RuntimeWarning) as warned:
+            error, took = _close_in_thread(cap)
     finally:
         if stopped and not _gone(pid):
             os.kill(pid, signal.SIGKILL)
-    assert isinstance(error, CaptureError), error
-    text = str(error)
-    assert f"step 1 not committed: the capture helper (pid {pid}) did not answer for 2 s" in text, text
-    assert "stopped by a signal" in text and "killed" in text and "dstt gc" in text, text
+    assert error is None, error
+    text = " ".join(str(w.message) for w in warned)
+    assert f"the capture helper (pid {pid}) did not answer for 2 s" in text, text
+    assert "stopped by a signal" in text and "killed" in text and "from step 1 on" in text, text
     assert _gone(pid)
     assert lock_holder(store, "main") is None  # the branch is free again
-    with dstt.Capture(store) as again:
-        assert again.recovered == [1]
     run = dstt.open(store)
     assert run.steps() == [0, 1]
     assert bits_equal(run.state_dict(1)["extra"]["w"], torch.full((1024,), 1.0))
@@ -125,11 +126,13 @@ os.rename = rename
 """
 
 
-def test_a_helper_stopped_mid_commit_fails_loudly_and_dstt_gc_commits_the_step(
+def test_a_helper_stopped_mid_commit_is_killed_and_the_step_committed_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The helper stops itself in the middle of committing step 1 (its data
-    written, the commit marker not): close() raises within the bound, the
-    helper is killed, and `dstt gc` commits the step from the ring."""
+    written, the commit marker not): close() returns within the bound, the
+    helper is killed, and this Capture commits step 1 itself, exactly once
+    (the helper's half-written step is not taken for a commit); `dstt gc`
+    then finds nothing left to commit."""
     store = tmp_path / "run"
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -141,21 +144,22 @@ def test_a_helper_stopped_mid_commit_fails_loudly_and_dstt_gc_commits_the_step(
         cap.snapshot(0, extra={"w": torch.full((1024,), 5.0)}, rng=False)
         cap.wait()
         cap.snapshot(1, extra={"w": torch.full((1024,), 6.0)}, rng=False)
-        error, took = _close_in_thread(cap)
+        with pytest.warns(RuntimeWarning, match=rf"capture helper \(pid {pid}\) did not answer"):
+            error, took = _close_in_thread(cap)
     finally:
         if not _gone(pid):
             os.kill(pid, signal.SIGKILL)
-    assert isinstance(error, CaptureError), error
-    assert f"step 1 not committed: the capture helper (pid {pid}) did not answer" in str(error), error
-    assert dstt.open(store).steps() == [0]
+    assert error is None, error
+    assert _gone(pid)
+    run = dstt.open(store)
+    assert run.steps() == [0, 1]
+    assert bits_equal(run.state_dict(1)["extra"]["w"], torch.full((1024,), 6.0))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     gc = subprocess.run([sys.executable, "-m", "dstt.cli.main", "gc", str(store)], env=env, capture_output=True,
                         text=True, timeout=HANG_S)
     assert gc.returncode == 0, gc.stderr
-    assert "committed 1 step(s) of branch 'main'" in gc.stdout, gc.stdout
-    run = dstt.open(store)
-    assert run.steps() == [0, 1]
-    assert bits_equal(run.state_dict(1)["extra"]["w"], torch.full((1024,), 6.0))
+    assert "committed 1 step" not in gc.stdout and gc.stdout.startswith("freed "), gc.stdout
+    assert dstt.open(store).steps() == [0, 1]
     assert verify(store).ok and _no_ring_left(store)
 
 
@@ -201,9 +205,10 @@ def test_close_gives_up_on_a_write_hung_in_this_process_and_finishes_later(tmp_p
 
 def test_a_loop_and_wait_behind_a_stopped_helper_end_within_the_bound(tmp_path: Path) -> None:
     """A training loop that goes on capturing behind a stopped helper (more
-    steps than the pool holds: snapshot() waits for room) and wait()
-    without a timeout: nothing hangs; the steps fail naming the helper, and
-    the next Capture commits every step the stopped helper's ring sealed."""
+    steps than the pool holds: snapshot() would wait for room) and wait()
+    without a timeout: nothing hangs; the helper is named and killed within
+    the bound, and every step -- the ones the stopped helper held and every
+    later one -- is committed by this Capture, bit-exact."""
     store = tmp_path / "run"
     cap = dstt.Capture(store, helper=True, max_chunk_bytes=1024, background_timeout_s=2)
     pid = cap._helper.pid  # type: ignore[union-attr]
@@ -211,23 +216,19 @@ def test_a_loop_and_wait_behind_a_stopped_helper_end_within_the_bound(tmp_path: 
         cap.snapshot(0, extra={"w": torch.zeros(1024)}, rng=False)
         cap.wait()
         os.kill(pid, signal.SIGSTOP)
-        for step in range(1, 40):
-            try:
+        with pytest.warns(RuntimeWarning, match=rf"capture helper \(pid {pid}\)"):
+            for step in range(1, 40):
                 cap.snapshot(step, extra={"w": torch.full((1024,), float(step))}, rng=False)
-            except CaptureError as e:  # (a step that failed meanwhile is reported by the next call)
-                assert f"capture helper (pid {pid})" in str(e), e
-        with pytest.raises(CaptureError, match=rf"capture helper \(pid {pid}\)"):
             cap.wait()
     finally:
         if not _gone(pid):
             os.kill(pid, signal.SIGKILL)
-        _close_in_thread(cap)
-    with dstt.Capture(store) as again:  # every step the stopped helper's ring sealed
-        recovered = again.recovered
-    assert recovered and recovered[0] == 1
+        error, _took = _close_in_thread(cap)
+    assert error is None, error
+    assert _gone(pid)
     run = dstt.open(store)
-    assert run.steps() == [0, *recovered]
-    for step in recovered:
+    assert run.steps() == list(range(40))
+    for step in range(40):
         assert bits_equal(run.state_dict(step)["extra"]["w"], torch.full((1024,), float(step)))
     assert verify(store).ok and _no_ring_left(store)
 

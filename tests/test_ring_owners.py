@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import warnings
@@ -249,14 +248,16 @@ def test_a_dead_trainers_ring_from_another_pid_namespace_is_recovered(tmp_path: 
     """Recovery is not lost: a trainer in a PID namespace (its helper
     killed first, then itself: step 1 stays sealed) -- its lock went with
     it, so a Capture out here proves it dead and commits step 1 bit-exact."""
-    from test_seal_extents import KILLED
+    from test_seal_extents import run_killed_trainer
 
     shm, store, want = tmp_path / "shm", tmp_path / "run", tmp_path / "want.pt"
     shm.mkdir()
     monkeypatch.setenv(O.SHM_ENV, str(shm))
-    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", NSINIT, "2",
-                           sys.executable, "-c", textwrap.dedent(KILLED), str(store), str(want)], env=env_for(shm),
-                          capture_output=True, text=True, timeout=300)  # (not pid 1: that ignores its SIGKILL)
+    # The trainer not pid 1 (that ignores its SIGKILL); NSINIT isolated (-I): the helper's failing-disk
+    # hook would import torch into it, whose threads take the pid it waits for.
+    proc = run_killed_trainer(tmp_path, store, want, env=env_for(shm),
+                              prefix=("unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-I", "-c",
+                                      NSINIT, "2"))
     assert proc.returncode != 0 and want.exists(), proc.stderr[-3000:]
     (ring,) = [r for g in O.groups(shm) for r in O.rings_in(g)]
     owner = json.loads((ring / "owner.json").read_text())

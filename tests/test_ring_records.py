@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,14 +68,12 @@ class Template:
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> Template:
-    from test_seal_extents import KILLED
+    from test_seal_extents import run_killed_trainer
 
     out = tmp_path_factory.mktemp("ring-template")
     shm = out / "shm"
     shm.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), O.SHM_ENV: str(shm)}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED), str(out / "run"), str(out / "want.pt")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_killed_trainer(out, out / "run", out / "want.pt", env={**os.environ, O.SHM_ENV: str(shm)})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     (group,) = O.groups(shm)
     (ring,) = O.rings_in(group)

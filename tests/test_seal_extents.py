@@ -228,25 +228,57 @@ def train():
     opt.step(); opt.zero_grad()
 cap = dstt.Capture(sys.argv[1], helper=True)
 train(); cap.snapshot(0, model=model, optimizer=opt, rng=False); cap.wait()
-os.kill(cap._helper.pid, signal.SIGKILL)  # the helper dies first: step 1 stays sealed in the ring
-while pid_alive(cap._helper.pid):
-    time.sleep(0.01)
+open(sys.argv[3], "w").close()  # from now on the helper's chunk writes fail (FAILING_DISK)
 train()
 try:
     cap.snapshot(1, model=model, optimizer=opt, rng=False)
     cap.wait()
 except dstt.CaptureError:
-    pass  # (its helper is gone: the step fails, sealed all the same)
+    pass  # (the helper failed it: sealed all the same)
 assert cap._last.sealed and cap.pool.in_use == 0  # settled: its blocks may be reused from now on
+os.kill(cap._helper.pid, signal.SIGKILL)  # the whole job dies: step 1 stays sealed in the ring
+while pid_alive(cap._helper.pid):
+    time.sleep(0.01)
 torch.save({k: v.clone() for k, v in model.state_dict().items()}, sys.argv[2])
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+#: The capture helper's chunk writes fail while the file $DSTT_TEST_FULL exists.
+FAILING_DISK = """
+import errno, os
+from dstt.store.backends import local
+
+_put = local.LocalBackend.put
+
+def put(self, key, data):
+    if key.startswith("tensors/") and "/c." in key and os.path.exists(os.environ.get("DSTT_TEST_FULL", "/nonexistent")):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _put(self, key, data)
+
+local.LocalBackend.put = put
+"""
+
+
+def run_killed_trainer(work: Path, store: Path, want: Path, *, env: dict[str, str] | None = None,
+                       prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run :data:`KILLED` (``prefix`` before it: e.g. a PID namespace):
+    its capture helper fails step 1 (a full disk, :data:`FAILING_DISK`),
+    then the helper and the trainer are SIGKILLed -- step 1 stays sealed in
+    the ring, its seal rewritten with CRCs (its blocks were freed); the
+    trainer's state at step 1 is saved to ``want``."""
+    full, hook = work / "full", work / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAILING_DISK)
+    env = {**(env or os.environ), "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)]), "DSTT_TEST_FULL": str(full)}
+    return subprocess.run([*prefix, sys.executable, "-c", textwrap.dedent(KILLED), str(store), str(want), str(full)],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
 def _killed_trainer(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A trainer whose capture helper failed step 1, both SIGKILLed (run_killed_trainer)."""
     store, want = tmp_path / "run", tmp_path / "want.pt"
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED), str(store), str(want)],
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    proc = run_killed_trainer(tmp_path, store, want)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     return store, torch.load(want)
 

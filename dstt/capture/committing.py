@@ -97,6 +97,7 @@ class Committing:
             info = self._commit_by_helper(job)
         else:
             info = self._commit_here(job)
+            job.info = info  # (its seal, if any, is removed in _settle)
         with self._cond:
             self._recent.append(info)
             self.n_committed += 1

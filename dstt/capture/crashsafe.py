@@ -11,9 +11,11 @@ separately; the engine calls only the methods defined here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -21,8 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 from dstt.capture import policy, ranks
+from dstt.capture.fallback import HereCommitter
 from dstt.capture.helper import HelperHandle
 from dstt.capture.helper import start as start_helper
+from dstt.capture.keeper import SealKeeper
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import Ring, RingUnavailable, recover, seal_record, shm_free_bytes
 from dstt.capture.ringowner import StagingRingWarning, root_problem
@@ -34,6 +38,11 @@ from dstt.store.lock import lock_holder
 from dstt.store.writer import CommitInfo, Writer
 
 log = logging.getLogger("dstt.capture")
+
+_KEEPER_LOCK = threading.Lock()
+#: Held by the stager while it hands a step to the capture helper, and by the
+#: committer while it stops that (_retire_helper): no write to a closed pipe.
+_HAND_OVER_LOCK = threading.Lock()
 
 #: How long a new Capture waits for a dead trainer's helper to finish
 #: committing its sealed steps (it holds the branch lock until then).
@@ -84,31 +93,130 @@ class CrashSafe:
     _store_by_name: bool
     recovered: list[int]
     _run_id: str = ""  # a distributed Capture's id in its ranks' records (ranks.py)
+    _kept: SealKeeper | None = None  # (see _keeper)
+    #: Commits in this process once the capture helper cannot (fallback.py); None while it can.
+    _here: HereCommitter | None = None
+    #: The stager hands sealed steps to the helper (False from the first step it cannot take on).
+    _hand_over: bool = True
+    _seal_trouble: str | None = None  # why the latest step was not sealed (logged when it changes)
+
+    @property
+    def _keeper(self) -> SealKeeper | None:
+        """Who says whether staging bytes a seal describes may be reused
+        (keeper.py): the one of the current ring (a rewind opens another);
+        None without a ring. Made with the ring's first pool, on the
+        trainer's thread."""
+        ring = self._ring
+        if ring is None:
+            return None
+        kept = self._kept
+        if kept is None or kept.ring is not ring:
+            with _KEEPER_LOCK:
+                kept = self._kept
+                if kept is None or kept.ring is not ring:
+                    kept = self._kept = SealKeeper(ring)
+        return kept
 
     def _commit_by_helper(self, job: Job) -> CommitInfo:
         """Helper mode: the helper writes and commits the sealed step (under
-        torch.distributed: records it; rank 0's helper commits); a step that
-        failed here, or could not be sealed, fails -- on every rank: this
-        rank records the failure for rank 0's helper."""
+        torch.distributed: records it; rank 0's helper commits). Once it
+        cannot take a step -- it died, or the step is not sealed -- this
+        process commits that step and every later one (:meth:`_retire_helper`,
+        fallback.py); under torch.distributed the step fails instead, on
+        every rank: this rank records the failure for rank 0's helper."""
         assert self._helper is not None
         step = job.plan.step
         try:
             if job.error is not None:
                 raise job.error
-            if not job.sealed:
-                raise CaptureError(
-                    f"step {step} not committed: it was not sealed in the staging ring (a step must fit "
-                    "the pool whole to be handed to the capture helper: raise host_buffer_bytes, or helper=False "
-                    "to stage larger steps in parts)")
-            # (pipelined: handed over by the stager once sealed, _seal)
-            # bounded: by the helper's progress (HelperHandle._answer: background_timeout_s, then it is killed)
-            info = CommitInfo(**(self._helper.receive(step) if job.sent else self._helper.commit(step)))
-            job.info = info  # committed: the helper removed its seal before answering (_settle)
-            return info
+            if self._here is None:
+                helper = self._helper
+                why = self._why_not_handed(job)
+                if why is None:
+                    try:  # (pipelined: handed over by the stager once sealed, _seal)
+                        # bounded: by the helper's progress (HelperHandle._answer: background_timeout_s, then killed)
+                        info = CommitInfo(**(helper.receive(step) if job.sent else helper.commit(step)))
+                        job.info = info
+                        return info
+                    except CaptureError as e:
+                        if not helper.lost:
+                            raise  # the helper failed the step itself: it failed
+                        why = f"the capture helper (pid {helper.pid}) {helper.lost_why or self._helper_end(helper)}"
+                        if self._plan_coord.distributed:
+                            raise CaptureError(f"step {step} not committed: {why}; under torch.distributed a "
+                                               "rank's steps are committed only through its helper: this step "
+                                               "and later ones fail (their sealed bytes stay reserved): close "
+                                               "this Capture; the next one, or dstt gc, commits what was "
+                                               "sealed") from e
+                self._retire_helper(job, why)
+            assert self._here is not None
+            job.info = self._here.commit(job)
+            return job.info
         except BaseException as e:
             if self._plan_coord.distributed:  # (also when the helper answered: a record it could not write
                 self._record_failure(job, e)  # left rank 0's helper waiting RANK_WAIT_S; a no-op if it did)
             raise
+
+    def _refuse_without_helper(self, step: int) -> None:
+        """Under torch.distributed, once this rank's helper is gone, a new
+        step is not staged at all (it would fail anyway, and the pool keeps
+        the sealed steps it did not commit): CaptureError."""
+        helper = self._helper
+        if helper is not None and helper.lost and self._plan_coord.distributed:
+            raise CaptureError(f"step {step} not captured: this rank's capture helper (pid {helper.pid}) "
+                               f"{self._helper_end(helper)}; close this Capture (the next one, or dstt gc, commits "
+                               "the steps it left sealed)")
+
+    def _why_not_handed(self, job: Job) -> str | None:
+        """Why ``job`` cannot go to the capture helper; None if it can."""
+        if job.sealed and (job.sent or self._hand_over):
+            return None
+        if not job.sealed:
+            return f"step {job.plan.step} could not be sealed for the capture helper: {job.seal_error}"
+        if self._helper is not None and self._helper.closed:  # (committing here failed to start before)
+            return "the capture helper was stopped at an earlier step it could not take"
+        return f"step {job.plan.step} came after one that could not be sealed"
+
+    @staticmethod
+    def _helper_end(helper: HelperHandle) -> str:
+        """How the helper ended, in words."""
+        code = helper.proc.poll()
+        if code is None:
+            return "stopped answering"
+        if code < 0:
+            import signal
+
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with status {code}"
+
+    def _retire_helper(self, job: Job, why: str) -> None:
+        """From ``job`` on (single process), commit in this process: the
+        helper cannot take it. It is killed first (no two writers of the
+        branch at once; SIGKILL: a helper's own exit would release the branch
+        lock it shares with this process). A live one has nothing left to
+        do: it answered every step handed to it (the committer takes the
+        answers in order, and the stager hands over nothing after a step it
+        could not seal)."""
+        helper = self._helper
+        assert helper is not None
+        if self._plan_coord.distributed:  # (a rank's steps go through its helper's records: ranks.py)
+            raise CaptureError(f"step {job.plan.step} not committed: {why}")
+        with contextlib.suppress(OSError):
+            helper.proc.kill()  # (first: a send blocked on its full pipe ends with EPIPE)
+        with _HAND_OVER_LOCK:  # no send is under way, none starts (its pipe's descriptor goes now)
+            self._hand_over = False
+        helper.close()
+        options = self._writer_options()
+        options.pop("branch")
+        self._here = HereCommitter(self.writer, {"branch": self.writer.branch.name, **options})
+        text = (f"dstt: {why}; from step {job.plan.step} on, this Capture commits in this process (its own "
+                "threads, as with helper=False): no step is lost, and a step sealed in /dev/shm still survives a crash "
+                "(the next Capture or dstt gc commits it)")
+        log.error("%s", text)
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
 
     def _record_failure(self, job: Job, e: BaseException) -> None:
         """Tell rank 0's helper that this rank's part of a step failed (it
@@ -227,34 +335,53 @@ class CrashSafe:
                               f"{type(self.writer.backend).__name__} object cannot move into it (pass the path, "
                               "or use helper=False)")
         cfg = self.config
-        options = {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
-                   "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes,
-                   "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
+        options = self._writer_options()
         dist = {"rank": coord.rank, "world": coord.world, "run": self._run_id} if coord.distributed else None
         assert self._ring is not None
+        self._hand_over = True
         return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice, dist,
                             idle=cfg.background_idle, timeout_s=cfg.background_timeout_s,
                             on_progress=self._bump)  # type: ignore[attr-defined]
 
+    def _writer_options(self) -> dict[str, Any]:
+        """The options of a Writer storing this Capture's steps elsewhere (the helper's, fallback.py's)."""
+        cfg = self.config
+        return {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
+                "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes,
+                "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
+
     def _new_pool(self, capacity: int, pin: bool) -> HostPool:
-        """A pool in the ring's /dev/shm file where it fits (policy.shm_decision),
-        else in process memory with a warning (or an error with shm=True)."""
+        """A pool in a new /dev/shm file of the ring where it fits
+        (policy.shm_decision) and can be backed (every page reserved: ring.py),
+        else in process memory with a warning (or an error with shm=True).
+        The previous pool's file goes once no seal names it (keeper.py)."""
         old, was_ring = self.pool, self._pool_in_ring
         capacity = -(-capacity // 4096) * 4096  # the file in whole pages
         self._pool_in_ring = False
-        if self._ring is not None:
+        pool: HostPool | None = None
+        warning = None
+        if self._ring is not None and self._keeper is not None:
             decision = policy.shm_decision(pool_bytes=capacity, shm_free_bytes=shm_free_bytes())
-            if decision.where == "shm":
-                if old is not None and was_ring:
-                    old.unregister()
-                    self._ring.drop_pool(self._ring.pool_name)
-                pool = HostPool(capacity, pin=pin, buffer=self._ring.new_pool(capacity))
-                self._pool_in_ring = True
-                return pool
-            if self.config.shm is True:
-                raise CaptureError(f"shm=True: {decision.warning}")
-            warnings.warn(f"dstt: {decision.warning}", RuntimeWarning, stacklevel=5)
-        return HostPool(capacity, pin=pin)
+            warning = decision.warning
+            if self._keeper.broken is not None:
+                warning = f"the staging ring is retired ({self._keeper.broken}): staged in process memory"
+            elif decision.where == "shm":
+                try:
+                    pool = HostPool(capacity, pin=pin, buffer=self._ring.new_pool(capacity))
+                    pool.ring_name = self._ring.pool_name
+                    self._pool_in_ring = True
+                except OSError as e:
+                    warning = f"{e}: staged in process memory instead"
+            if pool is None:
+                if self.config.shm is True:
+                    raise CaptureError(f"shm=True: {warning}")
+                warnings.warn(f"dstt: {warning}", RuntimeWarning, stacklevel=5)
+        if old is not None and was_ring:
+            if old.retired is None:  # (a retired pool may still be copied into by steps in flight)
+                old.unregister()
+            if self._keeper is not None and old.ring_name is not None:
+                self._keeper.drop_pool(old.ring_name)
+        return pool if pool is not None else HostPool(capacity, pin=pin)
 
     def _seal(self, job: Job) -> None:
         """Every copy of a held step has landed: record it in the ring, so
@@ -262,73 +389,97 @@ class CrashSafe:
 
         Without CRCs (a pass over the step's bytes, ~0.1 ms of the stager's
         GIL per 1.2 MB step: issue 16): a seal written here never outlives
-        its bytes -- the step's blocks go back only in :meth:`_settle`, once
-        the seal is removed (committed by the helper, or by this process)
-        or rewritten with the CRC of every byte (a step the helper did not
-        commit: recovery then skips it if its blocks were reused). So
-        recovery commits a seal without CRCs as it is, and checks every
-        seal whose blocks may have been reused."""
+        its bytes -- the step's blocks go back only when the keeper says so
+        (:meth:`_settle`, keeper.py): once the seal is removed (committed by
+        the helper, or by this process) or rewritten with the CRC of every
+        byte (a step not committed: recovery then skips it if its blocks
+        were reused). So recovery commits a seal without CRCs as it is, and
+        checks every seal whose blocks may have been reused.
+
+        A step that cannot be sealed is still captured (only not
+        crash-safe, said when that starts and when it ends); with the
+        capture helper, which takes sealed steps only, this process commits
+        it and every later one (:meth:`_commit_by_helper`)."""
+        step = job.plan.step
         try:
             for ev in job.cuda_eager:
                 ev.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
-            assert self._ring is not None and job.pool is not None
-            self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views,
-                                        crc=False, groups=job.groups))
+            assert self._ring is not None and self._keeper is not None and job.pool is not None
+            name = job.pool.ring_name
+            if name is None:
+                raise RuntimeError("the staging pool is in process memory, not in the /dev/shm ring (see the "
+                                   "warning given when it was made)")
+            self._keeper.seal(seal_record(job.plan, name, job.pool.buffer, job.views, crc=False, groups=job.groups))
             job.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
-            log.warning("dstt: step %d not sealed in the staging ring (%s): it is lost if the trainer dies "
-                        "before it is committed", job.plan.step, e)
+            job.seal_error = str(e)
+        self._note_sealing(job)
         helper = self._helper
-        if job.sealed and helper is not None and not self._plan_coord.distributed and not helper.lost:
+        if helper is not None and not self._plan_coord.distributed:
+            if not job.sealed:
+                self._hand_over = False  # in stage order: no later step reaches the helper before this one
             # Pipelined (committing.py): handed over now, in stage order -- the
             # order of the commit queue -- and its answer read by the committer.
-            try:
-                helper.send(job.plan.step)
-                job.sent = True
-            except BaseException as e:  # the helper is gone: the step fails (_commit_by_helper)
-                job.error = job.error or e
+            with _HAND_OVER_LOCK, contextlib.suppress(CaptureError):  # (gone: the committer finds out, commits here)
+                if job.sealed and self._hand_over and not helper.lost:
+                    helper.send(step)
+                    job.sent = True
+
+    def _note_sealing(self, job: Job) -> None:
+        """Log when steps stop being sealed (why), and when they are again."""
+        why = job.seal_error
+        if why == self._seal_trouble or (why is not None and self._seal_trouble is not None
+                                          and self._keeper is not None and self._keeper.broken is not None):
+            return
+        if why is None:
+            log.warning("dstt: steps are sealed in the staging ring again from step %d on", job.plan.step)
+        else:
+            log.warning("dstt: step %d not sealed in the staging ring (%s): until steps are sealed again, a step "
+                        "not yet committed is lost if the trainer dies", job.plan.step, why)
+        self._seal_trouble = why
 
     def _settle(self, job: Job) -> None:
-        """After a step's commit (or failure): forget its seal, free its held blocks."""
+        """After a step's commit (or failure): its seal settled by the keeper,
+        its held blocks freed if the keeper says they may be reused."""
         release = job.hold and job.pool is not None
-        if job.sealed and self._ring is not None:
-            if self._helper is None:
-                release = release and self._unseal(job.plan.step)
-            elif job.info is None:
-                # The helper did not commit it (it failed, or the helper is gone):
-                # the seal stays for the next Capture, checked by CRC, since its
-                # blocks are reused from now on (_seal says why it had none).
-                release = release and self._seal_checked(job)
-            # (committed by the helper: it removed the seal before answering)
+        keeper = self._keeper
+        if job.sealed and keeper is not None and job.pool is not None:
+            step, pool = job.plan.step, job.pool
+            helper = self._helper
+            if job.info is None and helper is not None and helper.lost and self._plan_coord.distributed:
+                keeper.keep(step)  # for the next Capture: never reused (_commit_by_helper said so)
+                release = False
+            else:
+                # Removed if committed (by the helper, already: a no-op unlink; if
+                # it could not, the keeper tries), else rewritten with CRCs first.
+                release = release and keeper.settle(
+                    step, recoverable=job.info is None,
+                    checked=lambda: seal_record(job.plan, pool.ring_name or "", pool.buffer, job.views,
+                                                groups=job.groups))
+            if not release:
+                pool.pin([block for _, block in job.groups] + [view for _, view in job.views])
+                pool.retire(f"step {step}'s sealed bytes in this staging pool stay reserved (its seal describes "
+                            "them); later steps are staged in a new pool")
         if release:
             assert job.pool is not None
             job.pool.release_many([block for _, block in job.groups] + [view for _, view in job.views])
         job.views = []
         job.groups = []
 
-    def _seal_checked(self, job: Job) -> bool:
-        """Rewrite ``job``'s seal with the CRC-32C of every chunk's bytes
-        (or else remove it); False if neither could be done: then its
-        blocks must never be reused (a seal without CRCs must not outlive
-        its bytes), and they stay reserved."""
-        assert self._ring is not None and job.pool is not None
-        try:
-            self._ring.seal(seal_record(job.plan, self._ring.pool_name, job.pool.buffer, job.views,
-                                        groups=job.groups))
-            return True
-        except Exception as e:  # noqa: BLE001 - then the seal goes
-            log.warning("dstt: step %d not committed and its seal could not be checksummed (%s): removing it",
-                        job.plan.step, e)
-        return self._unseal(job.plan.step)
-
-    def _unseal(self, step: int) -> bool:
-        """Remove ``step``'s seal; False (logged) if it could not be."""
-        assert self._ring is not None
-        try:
-            self._ring.unseal(step, strict=True)
-            return True
-        except OSError as e:
-            log.error("dstt: could not remove the seal of step %d (%s): its staging blocks stay reserved",
-                      step, e)
-            return False
-
+    def _close_ring(self) -> None:
+        """Let go of the ring (close, or a rewind leaving the branch): it is
+        removed, unless a seal in it must outlive this Capture (kept for the
+        next Capture or dstt gc, said once)."""
+        here, self._here = self._here, None
+        if here is not None:
+            here.close()
+        ring, keeper = self._ring, self._keeper
+        if ring is None:
+            return
+        keep = keeper.keeps_uncommitted() if keeper is not None else []
+        if keep:
+            ring.release()  # (its lock: the next Capture, in this process too, may adopt it)
+            log.warning("dstt: steps %s, not committed, stay sealed in %s for the next Capture on branch %r (or "
+                        "dstt gc)", keep, ring.dir, self.config.branch)
+        else:
+            ring.close()  # everything sealed is committed, or failed and reported

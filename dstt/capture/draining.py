@@ -208,12 +208,7 @@ class Draining:
             self._helper.close()
         if self.pool is not None and self._pool_in_ring:
             self.pool.unregister()
-        if self._ring is not None and not (self._helper is not None and self._helper.lost):
-            self._ring.close()  # everything queued is committed or failed
-        elif self._ring is not None:
-            self._ring.release()  # (its lock: the next Capture, in this process too, may adopt it)
-            log.warning("dstt: the capture helper died; steps sealed in %s stay there for the next "
-                        "Capture on branch %r (or dstt gc)", self._ring.dir, self.config.branch)
+        self._close_ring()  # type: ignore[attr-defined]  # removed, unless a seal in it must outlive this Capture
         self.writer.close()
         self._plan_coord.close()
         self._commit_coord.close()

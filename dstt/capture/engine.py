@@ -252,10 +252,13 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         if self._tier:
             self._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
         else:
+            self._refuse_without_helper(job.plan.step)
             self._ensure_pool(sizes, cuda)
             assert self.pool is not None
             job.pool = self.pool
-            job.hold = self._pool_in_ring and held_bytes <= self.pool.capacity
+            # (with the helper also in process memory: a step it cannot take is
+            # committed here from its blocks, crashsafe._commit_by_helper)
+            job.hold = (self._pool_in_ring or self._helper is not None) and held_bytes <= self.pool.capacity
         assert job.pool is not None
         if self._helper is not None and not job.hold:
             raise CaptureError(
@@ -411,7 +414,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         pool = self.pool
         if pool is not None:
             grow = policy.should_grow(need_bytes=need, capacity_bytes=pool.capacity, limit_bytes=limit)
-            if not grow and not (pin and not pool.wants_pin):
+            if not grow and not (pin and not pool.wants_pin) and pool.retired is None:
                 return
             job = self._last
             if job is not None:

@@ -102,9 +102,11 @@ class HelperHandle:
         self.lost = False  # the helper died (or never came up) while the trainer lives
         self._killed_why: str | None = None  # why this process killed it (kill)
         self._seen: Activity | None = None  # its latest activity sample (_sample)
+        self.lost_why: str | None = None  # how it was found lost, first ("exited (exit status -9...)")
 
     def _gone(self, step: int, why: str) -> CaptureError:
         self.lost = True
+        self.lost_why = self.lost_why or why
         where = f"in {self.ring_dir}" if self.ring_dir is not None else "in /dev/shm"
         return CaptureError(f"step {step} not committed: the capture helper (pid {self.pid}) {why}; sealed steps "
                             f"stay {where} for the next Capture on this branch or `dstt gc`")

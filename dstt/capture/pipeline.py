@@ -54,6 +54,7 @@ class Job:
     pool: HostPool | None = None
     hold: bool = False
     sealed: bool = False
+    seal_error: str | None = None  # why a held step could not be sealed (crashsafe._seal)
     sent: bool = False  # handed to the capture helper, its answer not read yet (committing.py)
     cuda_eager: list[Any] = field(default_factory=list)  # events after eager CUDA copies
     reported: bool = False  # its failure was already queued for the trainer (under Capture._cond)

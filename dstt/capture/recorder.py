@@ -33,6 +33,7 @@ Invariants (all state under ``Capture._cond``):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -111,6 +112,7 @@ class SlotPool:
         self.nslots = master.capacity // slot_bytes
         self._free = list(range(self.nslots))[::-1]
         self._cond = threading.Condition()
+        self._extra: dict[int, torch.Tensor] = {}  # slots in process memory replacing retired ones (retire)
 
     @property
     def free_slots(self) -> int:
@@ -124,11 +126,29 @@ class SlotPool:
             if not self._cond.wait_for(lambda: bool(self._free), timeout):
                 return None
             i = self._free.pop()
-        buf = self.master.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+            extra = self._extra.get(i)
+        buf = self.master.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes] if extra is None else extra
         slot = HostPool(self.slot_bytes, buffer=buf)
-        slot.pinned = self.master.pinned
+        slot.pinned = self.master.pinned and extra is None
         slot.slot_index = i  # type: ignore[attr-defined]
+        slot.ring_name = self.master.ring_name if extra is None else None  # (a step in it can be sealed)
         return slot
+
+    def retire(self, slot: HostPool) -> None:
+        """``slot`` is never handed out again: a seal that could be neither
+        removed nor rewritten describes its bytes (capture/keeper.py). A
+        slot in process memory takes its place, so the tier keeps its size
+        (the keeper stops sealing at the first such seal: this happens at
+        most once per slot sealed then)."""
+        raw = torch.empty(self.slot_bytes + PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % PAGE
+        with self._cond:
+            i = self.nslots + len(self._extra)
+            while i in self._extra:
+                i += 1
+            self._extra[i] = raw[skip:skip + self.slot_bytes]
+            self._free.append(i)
+            self._cond.notify_all()
 
     def release(self, slot: HostPool) -> None:
         with self._cond:
@@ -362,15 +382,20 @@ class FlightRecorder:
         self._release(freed)
 
     def _tier_seal(self, job: Job) -> None:
+        """Seal a staged step in the ring (a crash is an incident too). No CRC
+        pass: a held step's slot is reused only once the keeper said so
+        (:meth:`_release`, capture/keeper.py) -- its seal removed, or
+        rewritten with CRCs -- so a seal never describes other bytes."""
+        keeper = self._keeper  # type: ignore[attr-defined]
+        slots = self._slots
         try:
-            # No CRC pass: a held step's seal is removed before its slot is
-            # reused (_release), and a slot whose seal cannot be removed is
-            # never reused -- so a seal never describes other bytes.
-            self._ring.seal(seal_record(job.plan, self._ring.pool_name, self._slots.master.buffer, job.views,
-                                        crc=False))
+            if slots is None or job.slot is None or job.slot.ring_name is None:
+                raise RuntimeError("its slot is in process memory, not in the /dev/shm ring")
+            keeper.seal(seal_record(job.plan, slots.master.ring_name, slots.master.buffer, job.views, crc=False))
             job.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
-            log.warning("dstt: step %d not sealed in the staging ring (%s)", job.plan.step, e)
+            job.seal_error = str(e)
+        self._note_sealing(job)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------ bookkeeping (under _cond)
 
@@ -463,16 +488,18 @@ class FlightRecorder:
             slot, job.slot = job.slot, None
             if slot is None:
                 continue
-            if job.sealed and self._ring is not None:
-                try:
-                    self._ring.unseal(job.plan.step)
-                except OSError as e:  # the seal would describe the next step's bytes: keep the slot
-                    log.warning("dstt: could not remove the seal of step %d (%s): its slot is not reused",
-                                job.plan.step, e)
+            slots = self._slots
+            keeper = self._keeper  # type: ignore[attr-defined]
+            if job.sealed and keeper is not None and slots is not None:
+                master = slots.master
+                checked = functools.partial(seal_record, job.plan, master.ring_name or "", master.buffer, job.views)
+                if not keeper.settle(job.plan.step, recoverable=False, checked=checked):
+                    slots.retire(slot)  # its bytes stay as its seal says, for good
+                    job.views = []
                     continue
             job.views = []
-            if self._slots is not None:
-                self._slots.release(slot)
+            if slots is not None:
+                slots.release(slot)
                 self._bump()  # type: ignore[attr-defined]  # (a waiting snapshot() sees a slot come free)
 
     def _tier_drop_ring(self, why: str) -> None:

@@ -297,9 +297,8 @@ class Rewinder:
             pool.unregister()
         self.pool = None
         self._pool_in_ring = False
-        if self._ring is not None:  # type: ignore[attr-defined]
-            self._ring.close()  # type: ignore[attr-defined]
-            self._ring = None
+        self._close_ring()  # type: ignore[attr-defined]
+        self._ring = None
 
     def _rejoin_branch(self) -> None:
         """A ring and helper for the new branch, as the constructor makes them."""

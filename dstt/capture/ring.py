@@ -35,6 +35,7 @@ the moment they are needed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import mmap
@@ -42,6 +43,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,15 @@ class Ring:
     >>> r.close()
     """
 
+    #: Injection point for tests and tools: called as ``before_op(op, path)``
+    #: before each file operation this process makes on the ring --
+    #: ``"pool"`` (create and reserve a pool file), ``"seal"`` (write a
+    #: seal's temporary file), ``"rename"`` (publish it), ``"unseal"``
+    #: (remove a seal), ``"drop"`` (remove an old pool file). An OSError it
+    #: raises is that operation's failure (EIO, ENOSPC... as the kernel
+    #: would report them). Set it on a Ring (``cap._ring.before_op = f``).
+    before_op: Callable[[str, str], None] | None = None
+
     def __init__(self, identity: dict[str, Any], base: Path | None = None, run: str | None = None) -> None:
         self.identity = dict(identity)
         self.group = group_of(identity, base)
@@ -145,14 +156,32 @@ class Ring:
         self._maps: dict[str, mmap.mmap] = {}
 
     def new_pool(self, capacity_bytes: int) -> torch.Tensor:
-        """A fresh pool file of ``capacity_bytes`` mapped shared; its pages
-        are not touched here (the first copies fault them in)."""
+        """A fresh pool file of ``capacity_bytes`` mapped shared, every page
+        of it reserved now (``posix_fallocate``): a sparse file would be
+        backed page by page at the first copy into each, and /dev/shm
+        filling up meanwhile killed the trainer with SIGBUS at that copy
+        (issue 23). RingError (ENOSPC...) if it cannot be: the caller
+        stages elsewhere."""
         self._gen += 1
         name = f"pool-{self._gen}.bin"
-        fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        path = os.fspath(self.dir / name)
         try:
-            os.ftruncate(fd, capacity_bytes)
+            if self.before_op is not None:
+                self.before_op("pool", path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise RingError("creating the staging pool", path, e) from None
+        try:
+            reserve = getattr(os, "posix_fallocate", None)
+            if reserve is not None:
+                reserve(fd, 0, capacity_bytes)
+            else:  # (no posix_fallocate on this platform: sparse, as before)
+                os.ftruncate(fd, capacity_bytes)
             mm = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            with _suppress():
+                os.unlink(path)  # (its pages go with it)
+            raise RingError(f"reserving {capacity_bytes} bytes for the staging pool", path, e) from None
         finally:
             os.close(fd)
         self._maps[name] = mm
@@ -163,22 +192,39 @@ class Ring:
         """Forget an old pool file (no sealed step refers to it any more)."""
         self._maps.pop(name, None)  # the mapping goes when its last tensor view does
         with _suppress():
+            if self.before_op is not None:
+                self.before_op("drop", os.fspath(self.dir / name))
             os.unlink(self.dir / name)
 
     def seal(self, record: dict[str, Any]) -> None:
-        path = f"{self._dir_text}/seal-{record['step']:020d}.json"  # (no pathlib: a seal per step of a fast loop)
-        _write_atomic(path, encode_record(record))
+        """Write a step's seal record (atomically: a seal is whole or absent);
+        RingError, naming the seal, its path and errno, if it cannot be."""
+        step = record["step"]
+        path = f"{self._dir_text}/seal-{step:020d}.json"  # (no pathlib: a seal per step of a fast loop)
+        try:
+            _write_atomic(path, encode_record(record), self.before_op)
+        except OSError as e:
+            raise RingError(f"writing the seal of step {step}", path, e) from None
 
     def unseal(self, step: int, strict: bool = False) -> None:
-        """Remove ``step``'s seal; ``strict``: an OSError other than its
-        absence is raised (the caller must know it is gone)."""
+        """Remove ``step``'s seal; ``strict``: a failure other than its
+        absence is raised as RingError (the caller must know it is gone:
+        capture/keeper.py decides what may then be reused)."""
+        path = f"{self._dir_text}/seal-{step:020d}.json"
         if not strict:
-            unseal_file(self.dir, step)
+            with _suppress():
+                if self.before_op is not None:
+                    self.before_op("unseal", path)
+                os.unlink(path)
             return
         try:
-            os.unlink(f"{self._dir_text}/seal-{step:020d}.json")
+            if self.before_op is not None:
+                self.before_op("unseal", path)
+            os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError as e:
+            raise RingError(f"removing the seal of step {step}", path, e) from None
 
     def close(self) -> None:
         """Remove the ring (everything in it is committed or given up)."""
@@ -246,6 +292,43 @@ def remove_ring(ring: Path) -> None:
         ring.parent.rmdir()  # when no other ring of this store and branch is left
 
 
+class RingError(OSError):
+    """A file operation on the staging ring failed: which one, on which
+    file, the errno, and what to do about it (:func:`ring_advice`).
+
+    >>> import errno
+    >>> print(RingError("writing the seal of step 3", "/dev/shm/x/seal-3.json", OSError(errno.ENOSPC, "No space left on device")))
+    writing the seal of step 3 (/dev/shm/x/seal-3.json) failed: [Errno 28] No space left on device; /dev/shm is full ...
+    """
+
+    def __init__(self, what: str, path: str, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause), path)
+        self.what = what
+
+    @property
+    def brief(self) -> str:
+        """What failed, where and the errno, without the advice."""
+        return f"{self.what} ({self.filename}) failed: [Errno {self.errno}] {self.strerror}"
+
+    def __str__(self) -> str:
+        return f"{self.brief}; {ring_advice(self.errno)}"
+
+
+def ring_advice(code: int | None) -> str:
+    """What to do when a file operation on the staging ring fails with ``code``."""
+    shm = os.fspath(O.shm_base())
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{shm} is full (the staging ring lives there): free space in it or make it larger (Docker: "
+                "--shm-size), or pass shm=False to stage in process memory (steps then do not survive the trainer)")
+    if code == errno.ENOENT:
+        return ("the staging ring's directory was removed under the running Capture (something cleans "
+                f"{shm}: e.g. systemd-logind with RemoveIPC=yes when the user logs out, a tmpfiles rule, a "
+                "script): stop it, or pass shm=False")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"this process may no longer write under {shm}: check its mount and the ring's owner, or pass shm=False"
+    return f"the filesystem of {shm} refused it (see the kernel log); shm=False stages in process memory instead"
+
+
 class _suppress:
     def __enter__(self) -> None:
         return None
@@ -254,14 +337,29 @@ class _suppress:
         return exc[0] is not None and issubclass(exc[0], OSError)
 
 
-def _write_atomic(path: Path | str, data: bytes) -> None:
+def _write_atomic(path: Path | str, data: bytes, before_op: Callable[[str, str], None] | None = None) -> None:
     tmp = f"{os.fspath(path)}.tmp"
+    if before_op is not None:
+        before_op("seal", tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:  # a short write (the filesystem filling up) is not the whole record
+            view = view[os.write(fd, view):]
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    try:
+        if before_op is not None:
+            before_op("rename", os.fspath(path))
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
 
 
 # ----------------------------------------------------------------------------- recovery

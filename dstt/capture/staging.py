@@ -109,6 +109,12 @@ class HostPool:
         self._cond = threading.Condition()
         self._in_use = 0
         self._error: str | None = None
+        #: The /dev/shm ring's file this pool maps (ring.py), None in process memory.
+        self.ring_name: str | None = None
+        #: Why no new step should be staged here (:meth:`retire`), None while it may.
+        self.retired: str | None = None
+        #: Ranges [start, end) of blocks that are never released (:meth:`pin`).
+        self._holes: list[tuple[int, int]] = []
 
     def _register(self) -> None:
         """Page-lock the mapping for CUDA off the trainer's thread (~0.55 s
@@ -186,15 +192,19 @@ class HostPool:
             return not self._blocks
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until every block is released; False on timeout."""
+        """Block until every block is released (or the pool is retired);
+        False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._blocks or self._error is not None, timeout)
+            return self._cond.wait_for(
+                lambda: not self._blocks or self._error is not None or self.retired is not None, timeout)
 
     # -------------------------------------------------------------- allocation
 
     def _fit(self, n: int, align: int) -> int | None:
         """Start (a multiple of ``align``) of a free range of ``n`` bytes, or
         None (caller holds the lock)."""
+        if self._holes:
+            return self._fit_around_holes(n, align)
         if not self._blocks:
             return 0 if n <= self.capacity else None
         tail = self._blocks[0].start
@@ -206,6 +216,57 @@ class HostPool:
             return 0 if n <= tail else None
         # wrapped: live is [tail, cap) + [0, head); free is [head, tail)
         return head if head + n <= tail else None
+
+    def _fit_around_holes(self, n: int, align: int) -> int | None:
+        """:meth:`_fit` with pinned blocks: the free ranges in ring order from
+        the head, less the holes (an allocation past a hole still follows
+        the head in ring order, so the live blocks stay in ring order)."""
+        if not self._blocks:
+            ranges = [(0, self.capacity)]
+        else:
+            tail, head = self._blocks[0].start, self._blocks[-1].end
+            ranges = [(head, self.capacity), (0, tail)] if tail <= self._blocks[-1].start else [(head, tail)]
+        for lo, hi in ranges:
+            for a, b in self._minus_holes(lo, hi):
+                start = _round_up(a, align)
+                if start + n <= b:
+                    return start
+        return None
+
+    def _minus_holes(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """[lo, hi) less the holes, in order (caller holds the lock)."""
+        out, at = [], lo
+        for h0, h1 in sorted(self._holes):
+            if h1 <= at or h0 >= hi:
+                continue
+            if h0 > at:
+                out.append((at, h0))
+            at = max(at, h1)
+        if at < hi:
+            out.append((at, hi))
+        return out
+
+    def _never_fits(self, nbytes: int) -> bool:
+        """Whether no block of ``nbytes`` can ever be placed, even with
+        every releasable block released (caller holds the lock)."""
+        size = self.block_bytes(nbytes)
+        return not any(_round_up(a) + size <= b for a, b in self._minus_holes(0, self.capacity))
+
+    def pin(self, views: list[torch.Tensor]) -> None:
+        """The blocks holding ``views`` are never released nor handed out
+        again (a seal describes their bytes: capture/keeper.py); unlike a
+        live block they do not hold back the ring's tail: allocations go
+        around them."""
+        ptrs = [v.data_ptr() for v in views]
+        with self._cond:
+            for ptr in ptrs:
+                block = self._by_ptr.pop(ptr, None)
+                if block is not None:
+                    block.freed = True  # (for the ring's bookkeeping; its bytes stay counted in use)
+                    self._holes.append((block.start, block.end))
+            while self._blocks and self._blocks[0].freed:
+                self._blocks.popleft()
+            self._cond.notify_all()
 
     def block_bytes(self, nbytes: int) -> int:
         """Pool bytes a block of ``nbytes`` takes (its padding included)."""
@@ -262,6 +323,9 @@ class HostPool:
                 placed = self._place(nbytes)
                 if placed is not None:
                     return self._take(placed, nbytes)
+                if self._holes and self._never_fits(nbytes):
+                    raise CaptureError(f"a {nbytes}-byte chunk no longer fits the staging pool around the bytes "
+                                       f"kept for seals ({self.retired})")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
@@ -356,6 +420,14 @@ class HostPool:
                     self._in_use -= block.nbytes
             while self._blocks and self._blocks[0].freed:
                 self._blocks.popleft()
+            self._cond.notify_all()
+
+    def retire(self, why: str) -> None:
+        """Some blocks will never be released (:meth:`pin`): no new step is
+        staged here (the Capture makes another pool, with all its room);
+        the steps already in it go on."""
+        with self._cond:
+            self.retired = why
             self._cond.notify_all()
 
     def abort(self, message: str) -> None:
