@@ -70,7 +70,10 @@ def kill_trainers(proc: subprocess.Popen[str], out: Path) -> None:
                 os.killpg(int(pid_file.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # torchrun may already have exited, its workers killed
+        pass
 
 
 def kill_when_staged(proc: subprocess.Popen[str], out: Path) -> None:
