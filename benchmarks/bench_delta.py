@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import fresh_dir, machine  # noqa: E402
 
 import dstt  # noqa: E402
-from dstt.store.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta  # noqa: E402
+from dstt.format.codecs.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta  # noqa: E402
 from dstt.store.writer import Writer  # noqa: E402
 
 KINDS = ("param", "exp_avg", "exp_avg_sq", "other")

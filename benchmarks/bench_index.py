@@ -42,8 +42,8 @@ def measure(n: int, work: str) -> dict[str, Any]:
     import torch
 
     import dstt
-    from dstt.store import layout as L
-    from dstt.store import manifest
+    from dstt.format import layout as L
+    from dstt.format import manifest
 
     state = {f"t{i:06d}": torch.full((256,), float(i)) for i in range(n)}  # 1 KiB each
     path = os.path.join(work, "run")

@@ -14,7 +14,7 @@ the step counters and the torch RNG state) in memory with each mode:
   difference to its keyframe, a keyframe every k steps, a delta kept only
   below 0.95 of its keyframe's size);
 * ``chained delta K=k`` (each step against the previous one);
-* ``predictive K=k`` (dstt/store/predcodec.py: parameters and
+* ``predictive K=k`` (dstt/format/codecs/predictive.py: parameters and
   ``exp_avg_sq`` predicted by the optimizer's update rule, the rest chained
   deltas; hyperparameters of step t or t-1, whichever predicts the first
   block better).
@@ -50,17 +50,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_delta import batch, build  # noqa: E402
 from common import machine  # noqa: E402
 
-from dstt.store import predcodec as pc  # noqa: E402
-from dstt.store.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta  # noqa: E402
-from dstt.store.predict import Coding  # noqa: E402
-from dstt.store.predspec import ParamState, delta, param_codings  # noqa: E402
+from dstt.format.codecs.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta  # noqa: E402
+from dstt.format.codecs.optimspec import ParamState, delta, param_codings  # noqa: E402
+from dstt.format.codecs.predictors import Coding  # noqa: E402
+from dstt.format.codecs import predictive as pc  # noqa: E402
 
 KINDS = ("param", "exp_avg", "exp_avg_sq", "other")
 ROLE_ORDER = ("exp_avg", "momentum_buffer", "exp_avg_sq", "max_exp_avg_sq", "param")
 DT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.uint8: "uint8",
       torch.int64: "int64"}
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-DELTA_MAX_RATIO = 0.95  # as dstt/store/keyframes.py
+DELTA_MAX_RATIO = 0.95  # as dstt/format/codecs/keyframes.py
 
 
 def bits(t: torch.Tensor) -> np.ndarray:

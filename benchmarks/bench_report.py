@@ -69,7 +69,7 @@ def main() -> None:
         print(f"built {args.steps} steps x {args.layers * len(PARAMS)} tensors in {build(store, args.steps, args.layers):.1f} s",
               file=sys.stderr)
     from dstt.analysis.report import collect, render_html
-    from dstt.store.index import RunIndex
+    from dstt.format.index import RunIndex
 
     t = time.perf_counter()
     data = collect(RunIndex(store))

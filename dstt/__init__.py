@@ -16,8 +16,6 @@ True
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from dstt import errors as _errors
@@ -31,20 +29,20 @@ _LAZY: dict[str, str] = {
     "Run": "dstt.api",
     "Capture": "dstt.capture",
     "CaptureConfig": "dstt.capture",
-    "state_of": "dstt.state",
-    "optimizer_state": "dstt.state",
-    "rng_state": "dstt.state",
-    "TensorInfo": "dstt.store.index",
-    "StepRef": "dstt.refs",
-    "Ref": "dstt.refs",
+    "state_of": "dstt.store.state",
+    "optimizer_state": "dstt.store.state",
+    "rng_state": "dstt.store.state",
+    "TensorInfo": "dstt.format.index",
+    "StepRef": "dstt.format.refs",
+    "Ref": "dstt.format.refs",
     "ShardedTensor": "dstt.store.shards",
     "Writer": "dstt.store.writer",
     "CommitInfo": "dstt.store.writer",
-    "restore": "dstt.restore",
-    "branch": "dstt.restore",
-    "export": "dstt.export",
-    "verify": "dstt.store.verify",
-    "prune": "dstt.store.gc",
+    "restore": "dstt.timetravel.restore",
+    "branch": "dstt.timetravel.restore",
+    "export": "dstt.timetravel.export",
+    "verify": "dstt.format.verify",
+    "prune": "dstt.format.gc",
     "gc": "dstt.api",
 }
 
@@ -67,35 +65,15 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-#: Public functions named like the submodule defining them (``dstt.export``
-#: is the function in ``dstt/export.py``).
-_FUNCTION_OVER_MODULE = frozenset({"export", "restore"})
-
-
-class _Package(types.ModuleType):
-    """The ``dstt`` module object: importing the submodule ``dstt.export``
-    (or ``dstt.restore``) must not replace the function ``dstt.export`` --
-    the import system sets the submodule as an attribute of its package,
-    which an eager ``from dstt.export import export`` used to undo."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FUNCTION_OVER_MODULE and isinstance(value, types.ModuleType):
-            return  # the submodule stays reachable through sys.modules and imports
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from dstt.api import Run, gc, open, save  # noqa: F401
     from dstt.capture import Capture, CaptureConfig  # noqa: F401
-    from dstt.export import export  # noqa: F401
-    from dstt.refs import Ref, StepRef  # noqa: F401
-    from dstt.restore import branch, restore  # noqa: F401
-    from dstt.state import optimizer_state, rng_state, state_of  # noqa: F401
-    from dstt.store.gc import prune  # noqa: F401
-    from dstt.store.index import TensorInfo  # noqa: F401
+    from dstt.format.gc import prune  # noqa: F401
+    from dstt.format.index import TensorInfo  # noqa: F401
+    from dstt.format.refs import Ref, StepRef  # noqa: F401
+    from dstt.format.verify import verify  # noqa: F401
     from dstt.store.shards import ShardedTensor  # noqa: F401
-    from dstt.store.verify import verify  # noqa: F401
+    from dstt.store.state import optimizer_state, rng_state, state_of  # noqa: F401
     from dstt.store.writer import CommitInfo, Writer  # noqa: F401
+    from dstt.timetravel.export import export  # noqa: F401
+    from dstt.timetravel.restore import branch, restore  # noqa: F401

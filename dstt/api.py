@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dstt.refs import StepRef
-from dstt.store.backends import open_backend
-from dstt.store.gc import GcReport
-from dstt.store.incidents import Incident
-from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY
-from dstt.store.layout import validate_step
+from dstt.format.backends import open_backend
+from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY
+from dstt.format.gc import GcReport
+from dstt.format.incidents import Incident
+from dstt.format.layout import validate_step
+from dstt.format.refs import StepRef
 from dstt.store.reader import TensorReader
 from dstt.store.writer import CommitInfo, Writer
 
@@ -53,7 +53,7 @@ class Run(TensorReader):
         """The incidents recorded in the store (``cap.incident(reason)``,
         automatic ones on NaN/Inf values, rewinds), of ``branch`` or of every
         branch, sorted by (branch, step, time). Each is a
-        :class:`dstt.store.incidents.Incident`: ``branch``, ``step``,
+        :class:`dstt.format.incidents.Incident`: ``branch``, ``step``,
         ``reason``, ``source`` (``"trainer"``, ``"non-finite"``,
         ``"rewind"``), ``time``, ``steps`` (the memory ring's steps persisted
         because of it) and ``tensors`` (the non-finite ones). A damaged
@@ -61,7 +61,7 @@ class Run(TensorReader):
         and which persisted: :meth:`captured`.
 
         >>> import tempfile, torch, dstt
-        >>> from dstt.store.incidents import Incident, record_incident
+        >>> from dstt.format.incidents import Incident, record_incident
         >>> path = tempfile.mkdtemp() + "/run"
         >>> _ = dstt.save(path, 7, {"w": torch.ones(1)})
         >>> run = dstt.open(path)
@@ -71,7 +71,7 @@ class Run(TensorReader):
         >>> run.captured()  # (captured spans, persisted steps)
         ([(7, 7)], [7])
         """
-        from dstt.store.incidents import list_incidents
+        from dstt.format.incidents import list_incidents
 
         return list_incidents(self.backend, branch)
 
@@ -119,7 +119,7 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
     or recorded by every rank in the store (``committed`` in the report:
     capture/salvage.py), then remove the chunks and arrays no committed
     step references and uncommitted step directories
-    (:func:`dstt.store.gc.collect_garbage`; docs/timetravel.md). The one gc
+    (:func:`dstt.format.gc.collect_garbage`; docs/timetravel.md). The one gc
     path: ``dstt gc`` runs this, so the API is never less safe than the
     command. Refuses to run beside a live writer (StoreLockedError).
 
@@ -133,8 +133,8 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
     (2, {})
     """
     from dstt.capture.salvage import salvage
-    from dstt.store.gc import collect_garbage
-    from dstt.store.root import check_root
+    from dstt.format.gc import collect_garbage
+    from dstt.format.root import check_root
 
     check_root(open_backend(store, create=False))
     if progress:

@@ -112,3 +112,54 @@ class RestoreMismatchError(DsttError, ValueError):
 
 class ConfigError(DsttError, ValueError):
     """An invalid configuration value."""
+
+
+# ----------------------------------------------------------------------------- warnings
+
+class DsttWarning(UserWarning):
+    """Base class of every warning dstt emits: filter them all with
+    ``warnings.filterwarnings("ignore", category=dstt.DsttWarning)``, or one
+    kind by its subclass. Each also subclasses the builtin category it was
+    emitted as before it had a class of its own (``RuntimeWarning`` for
+    what happens during capture), so older filters keep working.
+
+    >>> import warnings, dstt
+    >>> with warnings.catch_warnings(record=True) as seen:
+    ...     warnings.simplefilter("always")
+    ...     warnings.warn("example", dstt.SkippedStepWarning)
+    >>> issubclass(seen[0].category, dstt.DsttWarning), issubclass(seen[0].category, RuntimeWarning)
+    (True, True)
+    """
+
+
+class CaptureWarning(DsttWarning, RuntimeWarning):
+    """Something during capture the trainer should know; no step was stored wrong."""
+
+
+class SkippedStepWarning(CaptureWarning):
+    """A step was not captured: the skip policy (``on_full="skip"``) dropped it."""
+
+
+class HelperLostWarning(CaptureWarning):
+    """The capture helper process died or stopped answering: this Capture
+    commits in its own process from then on (no step is lost)."""
+
+
+class StagingRingWarning(CaptureWarning):
+    """The /dev/shm staging ring could not be used as asked (not ours, full,
+    refused an operation) or a ring that does not check out was set aside."""
+
+
+class MemoryTierWarning(CaptureWarning):
+    """The flight recorder's memory tier dropped memory-only steps (its
+    captured state changed size, or its ring had to go)."""
+
+
+class RestoreWarning(DsttWarning):
+    """A restore did less than everything: a partial restore, or an RNG
+    state left as it was."""
+
+
+class StoreWarning(DsttWarning):
+    """A property of the store weaker than dstt would like (e.g. a
+    conditional create that is not atomic on this object store)."""

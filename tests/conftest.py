@@ -15,7 +15,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
-#: Packs (issue 16, dstt/store/packs.py) are on by default. Most test
+#: Packs (issue 16, dstt/format/packs.py) are on by default. Most test
 #: modules predate them and inspect, damage or read with plain zarr-python
 #: the chunk files of small tensors: the suite runs with packing off, set
 #: here at import (modules build subprocess environments at import time;

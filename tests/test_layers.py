@@ -27,18 +27,12 @@ ROOT = Path(dstt.__file__).resolve().parent
 #: Layers, lowest first. A module is in the first layer one of whose
 #: prefixes it equals or starts with (``prefix.``); see :func:`layer_of`.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("base", ["dstt.errors", "dstt._version"]),
+    ("base", ["dstt.errors", "dstt._version", "dstt.knobs"]),
     # The format layer: everything a read-only command needs. No torch here.
-    ("format", ["dstt.store.layout", "dstt.store.dtypes", "dstt.store.codec", "dstt.store.delta",
-                "dstt.store.localio", "dstt.store.backends", "dstt.store.predict", "dstt.store.predcodec",
-                "dstt.store.predspec", "dstt.store.manifest", "dstt.store.chunks",
-                "dstt.store.keyframes", "dstt.store.heads", "dstt.store.root", "dstt.store.lock",
-                "dstt.store.gc", "dstt.store.verify", "dstt.store.index", "dstt.refs", "dstt.outpath",
-                "dstt.store"]),
-    # Torch adapters: planning, shards, write-time stats, tensor assembly, the writer.
-    ("torch", ["dstt.store.torch_dtypes", "dstt.store.stats", "dstt.store.shards", "dstt.store.tree",
-               "dstt.store.coord", "dstt.store.plan", "dstt.store.committer", "dstt.store.groupcommit", "dstt.store.batchflush", "dstt.store.torchthreads", "dstt.store.writer", "dstt.store.reader", "dstt.state"]),
-    ("features", ["dstt.restore", "dstt.export", "dstt.capture", "dstt.analysis"]),
+    ("format", ["dstt.format"]),
+    # The torch side for tensors: planning, shards, write-time stats, tensor assembly, the writer and reader.
+    ("store", ["dstt.store"]),
+    ("features", ["dstt.timetravel", "dstt.capture", "dstt.analysis"]),
     ("api", ["dstt.api", "dstt.integrations", "dstt"]),
     ("cli", ["dstt.cli"]),
 ]
@@ -173,11 +167,11 @@ def test_layer_rules_catch_violations() -> None:
     """The checks above see function-level imports and skip TYPE_CHECKING ones."""
     src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dstt.api import Run\n"
            "def f():\n    import torch\n    from dstt.analysis import diff\n")
-    got = _imports(ast.parse(src), "dstt.store.layout", False)
+    got = _imports(ast.parse(src), "dstt.format.layout", False)
     assert [t for t, _ in got] == ["typing", "torch", "dstt.analysis.diff"]
-    assert layer_of("dstt.analysis.diff") > layer_of("dstt.store.layout")
-    assert LAYERS[layer_of("dstt.store.backends.local")][0] == "format"
-    assert LAYERS[layer_of("dstt.store.reader")][0] == "torch"
+    assert layer_of("dstt.analysis.diff") > layer_of("dstt.format.layout")
+    assert LAYERS[layer_of("dstt.format.backends.local")][0] == "format"
+    assert LAYERS[layer_of("dstt.store.reader")][0] == "store"
 
 
 # ----------------------------------------------------------------------------- torch-free CLI

@@ -14,7 +14,7 @@ Checks, per tensor and step of a branch's lineage:
   Steps without update stats (stores written before them, the first step
   of a capture) are not judged.
 
-Incidents recorded by the capture (:mod:`dstt.store.incidents`) are not
+Incidents recorded by the capture (:mod:`dstt.format.incidents`) are not
 detections: ``dstt find`` lists them beside these.
 
 >>> import tempfile, torch, dstt
@@ -33,10 +33,10 @@ import numpy as np
 
 from dstt.analysis.history import _Matcher, scan, stat_column
 from dstt.errors import ConfigError
-from dstt.store.layout import STATS_COLUMNS
+from dstt.format.layout import STATS_COLUMNS
 
 if TYPE_CHECKING:
-    from dstt.store.index import RunIndex as Run
+    from dstt.format.index import RunIndex as Run
 
 _NORM = STATS_COLUMNS.index("norm")
 _NONFINITE = STATS_COLUMNS.index("nonfinite")

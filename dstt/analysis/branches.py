@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from dstt.errors import TensorNotFoundError
 
 if TYPE_CHECKING:
-    from dstt.store.index import RunIndex
+    from dstt.format.index import RunIndex
 
 
 def find_branches(run: RunIndex, patterns: Iterable[str] | None = None, branches: list[str] | None = None,

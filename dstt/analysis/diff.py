@@ -46,7 +46,7 @@ from dstt.analysis.select import Point, match_names, resolve_point
 from dstt.store.torch_dtypes import from_storage
 
 if TYPE_CHECKING:
-    from dstt.store.manifest import TensorEntry
+    from dstt.format.manifest import TensorEntry
     from dstt.store.reader import TensorReader as Run
 
 #: Diff row keys, in output order.

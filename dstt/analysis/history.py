@@ -21,10 +21,10 @@ import numpy as np
 
 from dstt.analysis.select import match_names
 from dstt.errors import ConfigError, TensorNotFoundError
-from dstt.store.layout import STATS_COLUMNS
+from dstt.format.layout import STATS_COLUMNS
 
 if TYPE_CHECKING:
-    from dstt.store.index import RunIndex as Run
+    from dstt.format.index import RunIndex as Run
 
 #: Stats a history can follow (columns of the step index's stats table).
 STATS = ("norm", "mean", "std", "min", "max", "nonfinite", "numel", "update_norm", "update_ratio")
@@ -67,7 +67,7 @@ class _Matcher:
 
     def check(self, where: str) -> None:
         from dstt.analysis.select import is_glob
-        from dstt.store.index import suggest
+        from dstt.format.index import suggest
 
         for p in self.patterns:
             if not any(p == n or (is_glob(p) and match_names([n], [p])) for n in self.seen):

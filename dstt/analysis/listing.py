@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from dstt.analysis.select import require_matches
 from dstt.errors import ConfigError
-from dstt.store import layout as L
-from dstt.store.layout import STATS_COLUMNS
-from dstt.store.manifest import memory_only_of, parse_commit
+from dstt.format import layout as L
+from dstt.format.layout import STATS_COLUMNS
+from dstt.format.manifest import memory_only_of, parse_commit
 
 if TYPE_CHECKING:
-    from dstt.store.index import RunIndex as Run
+    from dstt.format.index import RunIndex as Run
 
 TENSOR_SORT_KEYS = ("name", "nbytes", "numel", "dtype", "written") + tuple(c for c in STATS_COLUMNS if c != "numel")
 
@@ -60,10 +60,10 @@ def list_store(run: "Run", branch: str | None = None) -> list[dict[str, Any]]:
     ``parent`` is ``{"branch", "step"}`` or None. ``steps`` are the
     persisted (committed) steps; ``captured`` the spans of steps captured,
     in memory or persisted, and ``memory_only`` those never persisted, as
-    ``[first, last]`` ranges (:func:`dstt.store.index.captured_spans`);
+    ``[first, last]`` ranges (:func:`dstt.format.index.captured_spans`);
     ``incidents`` the branch's incident records (oldest step first)."""
-    from dstt.store.incidents import list_incidents
-    from dstt.store.index import captured_spans
+    from dstt.format.incidents import list_incidents
+    from dstt.format.index import captured_spans
 
     names = [branch] if branch else run.branches()
     incidents = list_incidents(run.backend, branch) if branch else list_incidents(run.backend)

@@ -255,7 +255,7 @@ def events_and_forks(run: Any, tensors: Sequence[str], branches: Sequence[str]) 
                 continue
             seen.add(key)
             markers.append(Marker(e["step"], "detection", str(e.get("reason", "")), tensor=str(e["tensor"]), branch=b))
-    from dstt.store.incidents import list_incidents
+    from dstt.format.incidents import list_incidents
 
     for b in branches:  # incidents the capture recorded: across the panel (they name a step, not a tensor)
         for i in list_incidents(run.backend, b)[:MAX_EVENT_MARKERS]:

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from dstt.store.layout import STATS_COLUMNS
+from dstt.format.layout import STATS_COLUMNS
 
 #: Tensors listed in the latest-step table at most.
 MAX_TABLE_ROWS = 2000

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from dstt.errors import InvalidReferenceError, TensorNotFoundError
 
 if TYPE_CHECKING:
-    from dstt.store.index import RunIndex as Run
+    from dstt.format.index import RunIndex as Run
 
 # Chunks are read-only buffers that analysis only ever reads; torch's warning
 # about wrapping non-writable arrays would be noise on stderr.
@@ -40,7 +40,7 @@ def match_names(names: Sequence[str], patterns: Iterable[str] | None) -> list[st
 def require_matches(names: Sequence[str], patterns: Iterable[str] | None, where: str) -> list[str]:
     """Like :func:`match_names`, but a pattern matching nothing is an error
     (with a near-miss suggestion for plain names)."""
-    from dstt.store.index import suggest
+    from dstt.format.index import suggest
 
     out = match_names(names, patterns)
     for p in patterns or []:
@@ -58,7 +58,7 @@ def resolve_point(run: "Run", spec: Any) -> Point:
     (``"runs/b@main:100"``; another store opens it), or a reference relative
     to this run's store (``":100"``, ``"@lr-sweep:~1"``).
     """
-    from dstt.refs import Ref, split_in_store
+    from dstt.format.refs import Ref, split_in_store
 
     if isinstance(spec, tuple):
         if len(spec) != 2:
@@ -71,7 +71,7 @@ def resolve_point(run: "Run", spec: Any) -> Point:
         return run, b, s
     if not isinstance(spec, str):
         raise InvalidReferenceError(f"cannot use {spec!r} as a reference: expected a step, (branch, step) or 'STORE[@BRANCH][:STEP]'")
-    rel = split_in_store(spec)  # the one rule for references inside a known store (dstt.refs)
+    rel = split_in_store(spec)  # the one rule for references inside a known store (dstt.format.refs)
     if rel is not None:
         branch, step = rel  # ':STEP' keeps run's branch; '@BRANCH' means its latest
         b, s = run.resolve("latest" if step is None and branch else step, branch=branch)

@@ -34,7 +34,7 @@ from dstt.analysis.select import is_glob, match_names
 from dstt.errors import ConfigError, TensorNotFoundError
 
 if TYPE_CHECKING:
-    from dstt.store.index import RunIndex
+    from dstt.format.index import RunIndex
 
 #: A list or tuple of more scalars than this is one value ("[625 values]"):
 #: RNG states and the like are not spread over hundreds of rows.
@@ -173,7 +173,7 @@ def get_value(tree: Any, path: str) -> Any:
         if found is None:
             where = "/".join(parts[:i]) or "the step"
             choices = [n for n, _ in (_children(node) or [])]
-            from dstt.store.index import suggest
+            from dstt.format.index import suggest
 
             hint = suggest(part, choices) if choices else ""
             shown = f" (it has: {', '.join(choices[:12])}{', ...' if len(choices) > 12 else ''})" if choices else ""

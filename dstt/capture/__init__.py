@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dstt.capture.config import CaptureConfig
     from dstt.capture.engine import Capture
-    from dstt.capture.records import skipped_steps
+    from dstt.format.skips import skipped_steps
 
 __all__ = ["Capture", "CaptureConfig", "skipped_steps"]
 
 _WHERE = {"Capture": "dstt.capture.engine", "CaptureConfig": "dstt.capture.config",
-          "skipped_steps": "dstt.capture.records"}
+          "skipped_steps": "dstt.format.skips"}
 
 
 def __getattr__(name: str) -> Any:

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dstt.capture.pipeline import Job
-from dstt.capture.records import write_skip
 from dstt.errors import CaptureError
+from dstt.format.skips import write_skip
 from dstt.store.writer import ChunkResult, CommitInfo
 
 log = logging.getLogger("dstt.capture")

@@ -7,11 +7,11 @@ from typing import Any
 
 from dstt.capture.waits import DEFAULT_TIMEOUT_S
 from dstt.errors import ConfigError
-from dstt.refs import parent_arg
-from dstt.store import args as A
-from dstt.store.codec import COMPRESSIONS
-from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY
-from dstt.store.layout import StepRef
+from dstt.format import args as A
+from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY
+from dstt.format.codecs.spec import COMPRESSIONS
+from dstt.format.layout import StepRef
+from dstt.format.refs import parent_arg
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES
 
 ON_FULL = ("wait", "skip")
@@ -107,7 +107,7 @@ class CaptureConfig:
     background_timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        """Every field through its validator (dstt.store.args), before anything is built."""
+        """Every field through its validator (dstt.format.args), before anything is built."""
         for name in ("every", "max_chunk_bytes", "flush_threads", "keyframe_every"):
             A.positive_int(name, getattr(self, name))
         A.branch(self.branch)

@@ -32,9 +32,9 @@ from dstt.capture.ring import Ring, RingUnavailable, recover, seal_record, shm_f
 from dstt.capture.ringowner import StagingRingWarning, root_problem
 from dstt.capture.staging import HostPool
 from dstt.errors import CaptureError, ConfigError, StoreLockedError
-from dstt.store.backends import LocalBackend
-from dstt.store.localio import pid_alive
-from dstt.store.lock import lock_holder
+from dstt.format.backends import LocalBackend
+from dstt.format.localio import pid_alive
+from dstt.format.lock import lock_holder
 from dstt.store.writer import CommitInfo, Writer
 
 log = logging.getLogger("dstt.capture")

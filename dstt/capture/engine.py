@@ -56,11 +56,11 @@ from dstt.capture.rewind import Rewinder
 from dstt.capture.stager import Stager
 from dstt.capture.staging import CudaCopier, HostPool
 from dstt.errors import CaptureError, ConfigError
-from dstt.state import state_of
+from dstt.format.layout import validate_step
+from dstt.format.pygc import paused_gc
 from dstt.store.coord import new_coordinator
-from dstt.store.gcpause import paused_gc
-from dstt.store.layout import validate_step
 from dstt.store.plan import ChunkTask
+from dstt.store.state import state_of
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
 __all__ = ["Capture", "lower_thread_priority"]

@@ -25,9 +25,9 @@ from typing import Any
 
 from dstt.capture.pipeline import Job
 from dstt.capture.seals import encode_record, plan_of, read_record, seal_record
-from dstt.store import layout as L
+from dstt.format import layout as L
+from dstt.format.manifest import parse_commit
 from dstt.store.committer import CommitInfo
-from dstt.store.manifest import parse_commit
 from dstt.store.writer import Writer
 
 

@@ -336,8 +336,8 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     from dstt.capture import ranks
     from dstt.capture import ring as R
     from dstt.capture.ringowner import hold
+    from dstt.format.lock import BranchLock
     from dstt.store.groupcommit import commit_group
-    from dstt.store.lock import BranchLock
     from dstt.store.writer import Writer, batches
 
     hold(ring_dir)  # the ring is this helper's too while it lives: never adopted under it (ringowner.py)

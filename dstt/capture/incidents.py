@@ -2,7 +2,7 @@
 trainer, and the watcher thread that raises one when a captured step holds
 NaN or Inf. An incident stores every step still in the memory tier
 (recorder.py forces them) and is recorded in the store
-(``dstt.store.incidents``). A mixin of :class:`~dstt.capture.engine.Capture`.
+(``dstt.format.incidents``). A mixin of :class:`~dstt.capture.engine.Capture`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from dstt.capture.pipeline import Job
 from dstt.errors import CaptureError, StepNotFoundError
-from dstt.store import args as A
-from dstt.store import layout as L
-from dstt.store.incidents import Incident, record_incident
-from dstt.store.manifest import memory_only_of, parse_commit
+from dstt.format import args as A
+from dstt.format import layout as L
+from dstt.format.incidents import Incident, record_incident
+from dstt.format.manifest import memory_only_of, parse_commit
+from dstt.format.root import committed_steps
 from dstt.store.plan import ChunkTask
-from dstt.store.root import committed_steps
 from dstt.store.writer import Writer
 
 log = logging.getLogger("dstt.capture")
@@ -58,7 +58,7 @@ class Incidents:
         step this branch captured -- queued, in the memory tier, stored, or
         passed over as memory-only -- else StepNotFoundError, and nothing is
         recorded or stored. Returns the recorded
-        :class:`~dstt.store.incidents.Incident`. Without ``memory_steps``
+        :class:`~dstt.format.incidents.Incident`. Without ``memory_steps``
         only the record is written.
 
         >>> import tempfile, torch, dstt

@@ -1,7 +1,7 @@
 """Capture's decisions as pure functions: pool sizing and the skip policy.
 
 Nothing here touches threads, tensors or the store, so each rule is tested
-by itself (tests/test_capture_policy.py) and the engine only applies them.
+by itself (tests/capture/test_capture_policy.py) and the engine only applies them.
 
 >>> pool_bytes(need_bytes=30 << 20, biggest_bytes=1 << 20, limit_bytes=None)
 62914560

@@ -47,9 +47,9 @@ from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.capture.sealcheck import check_record
 from dstt.errors import CorruptStoreError, DsttError
-from dstt.store import layout as L
+from dstt.format import layout as L
+from dstt.format.manifest import parse_commit
 from dstt.store.coord import Coordinator
-from dstt.store.manifest import parse_commit
 from dstt.store.plan import StepPlan
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
 

@@ -15,7 +15,7 @@ policy decides which steps the writer stores:
 An incident (:meth:`FlightRecorder.incident`, a non-finite value seen by the
 watcher thread, a rewind) stores every step still in the ring -- older ones
 after newer ones: the writer *backfills* them (``Writer.relink``) -- and
-records the incident in the store (``dstt.store.incidents``).
+records the incident in the store (``dstt.format.incidents``).
 
 Invariants (all state under ``Capture._cond``):
 
@@ -47,7 +47,7 @@ from dstt.capture.pipeline import Job
 from dstt.capture.ring import seal_record
 from dstt.capture.staging import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
 from dstt.errors import CaptureError
-from dstt.store.layout import step_ranges
+from dstt.format.layout import step_ranges
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import ChunkResult, Writer, batches
 

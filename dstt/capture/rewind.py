@@ -21,21 +21,21 @@ import torch
 
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError
-from dstt.restore import apply_step, store_read
-from dstt.state import check_objects
-from dstt.store import args as A
-from dstt.store.layout import StepRef, validate_branch, validate_step
+from dstt.format import args as A
+from dstt.format.layout import StepRef, validate_branch, validate_step
 from dstt.store.plan import ChunkTask, TensorLayout
 from dstt.store.reader import TensorReader
+from dstt.store.state import check_objects
 from dstt.store.torch_dtypes import torch_dtype
 from dstt.store.writer import Writer
+from dstt.timetravel.restore import apply_step, store_read
 
 log = logging.getLogger("dstt.capture")
 
 
 @dataclass
 class RingRecord:
-    """What :func:`dstt.restore.apply_step` needs to know of a step in the ring."""
+    """What :func:`dstt.timetravel.restore.apply_step` needs to know of a step in the ring."""
 
     step: int
     branch: str
@@ -51,7 +51,7 @@ def live_optimizer_state(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
     """The live optimizer's state tensors by stored name (``optim/<param>/<key>``)."""
     if optimizer is None:
         return {}
-    from dstt.state import _param_names
+    from dstt.store.state import _param_names
 
     try:
         names = _param_names(optimizer, model)
@@ -209,7 +209,7 @@ class Rewinder:
         not be the branch being captured, nor any branch that exists."""
         if branch is None:
             return
-        from dstt.store.root import list_branches
+        from dstt.format.root import list_branches
 
         hint = f"name a new branch, or leave branch= out for {cur.branch.name + '-rewind-<step>'!r}"
         if branch == cur.branch.name:
@@ -245,7 +245,7 @@ class Rewinder:
 
     @staticmethod
     def _rewind_name(cur: Writer, step: int) -> str:
-        from dstt.store.root import list_branches
+        from dstt.format.root import list_branches
 
         taken = set(list_branches(cur.backend))
         base = f"{cur.branch.name}-rewind-{step}"

@@ -24,9 +24,9 @@ from typing import Any
 from dstt.capture import ranks
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
-from dstt.store import layout as L
-from dstt.store.backends import open_backend
-from dstt.store.root import list_branches
+from dstt.format import layout as L
+from dstt.format.backends import open_backend
+from dstt.format.root import list_branches
 
 
 @dataclass

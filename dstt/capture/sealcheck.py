@@ -36,12 +36,12 @@ import torch
 
 from dstt.capture.seals import SEAL_FORMAT, CorruptRing
 from dstt.errors import DsttError
-from dstt.store import layout as L
-from dstt.store.codec import COMPRESSIONS
-from dstt.store.dtypes import info_for_name
-from dstt.store.entries import MAX_ELEMENTS
+from dstt.format import layout as L
+from dstt.format.codecs.spec import COMPRESSIONS
+from dstt.format.dtypes import info_for_name
+from dstt.format.entries import MAX_ELEMENTS
+from dstt.format.valuetree import MAX_TREE_DEPTH, TENSOR_TAGS, check_tree_depth, tagged_leaves
 from dstt.store.tree import unflatten
-from dstt.store.valuetree import MAX_TREE_DEPTH, TENSOR_TAGS, check_tree_depth, tagged_leaves
 
 #: Most dimensions of a tensor (as the store's index reader allows).
 MAX_NDIM = 32

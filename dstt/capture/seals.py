@@ -45,9 +45,9 @@ import numpy as np
 import torch
 
 from dstt.errors import CaptureError
-from dstt.store.codec import CodecSpec, crc32c
-from dstt.store.dtypes import info_for_name
-from dstt.store.packs import default_pack_chunk_bytes
+from dstt.format.codecs.spec import CodecSpec, crc32c
+from dstt.format.dtypes import info_for_name
+from dstt.format.packs import default_pack_chunk_bytes
 from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
 from dstt.store.shards import Region
 

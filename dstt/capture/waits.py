@@ -20,7 +20,7 @@ they are resumed.
 The few waits that stay unbounded are background threads waiting for
 work (their queue; they end on a sentinel) or for a write of their own
 process that cannot be abandoned while its buffer is in use; every one is
-marked ``# unbounded wait: <why>`` and ``tests/test_bounded_waits.py``
+marked ``# unbounded wait: <why>`` and ``tests/capture/test_bounded_waits.py``
 fails on any other wait without a timeout in dstt/capture and dstt/store.
 """
 

@@ -44,8 +44,8 @@ def prepare_store(store: Path, overwrite: bool) -> None:
     """Refuse to train into an existing path unless it is a dstt store and
     ``overwrite`` was asked for (then it is removed first)."""
     from dstt.errors import StoreExistsError
-    from dstt.store.backends import open_backend
-    from dstt.store.root import check_root
+    from dstt.format.backends import open_backend
+    from dstt.format.root import check_root
 
     if not store.exists():
         return

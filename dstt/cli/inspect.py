@@ -19,16 +19,16 @@ JSON_OPT = typer.Option(False, "--json", help="Machine-readable output on stdout
 
 def _open(text: str, tensors: bool = False) -> tuple[Any, Any]:
     """(reader, Ref) for a reference string: a torch-free
-    :class:`~dstt.store.index.RunIndex`, or with ``tensors`` a
+    :class:`~dstt.format.index.RunIndex`, or with ``tensors`` a
     :class:`~dstt.store.reader.TensorReader` (imports torch)."""
-    from dstt.refs import Ref
+    from dstt.format.refs import Ref
 
     ref = Ref.parse(text)
     if tensors:
         from dstt.store.reader import TensorReader
 
         return TensorReader(text), ref
-    from dstt.store.index import RunIndex
+    from dstt.format.index import RunIndex
 
     return RunIndex(text), ref
 
@@ -167,7 +167,7 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
     from dstt.analysis.history import history, stat_column, to_series
     from dstt.cli import render
     from dstt.errors import InvalidReferenceError
-    from dstt.outpath import check_output_file
+    from dstt.format.outpath import check_output_file
 
     stat_column(stat)
     if plot is not None:  # a bad path, format or a missing matplotlib: one line, before any work
@@ -215,7 +215,7 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
 
 def _incidents(run: Any, branch: Optional[str]) -> list[dict[str, Any]]:
     """Recorded incidents (of ``branch``, or every branch) as plain data."""
-    from dstt.store.incidents import list_incidents
+    from dstt.format.incidents import list_incidents
 
     return [i.to_dict() for i in list_incidents(run.backend, branch)]
 

@@ -14,7 +14,7 @@ from rich.text import Text
 from rich.tree import Tree
 
 from dstt.cli.output import fmt_float, human_bytes, printable, stderr, stdout
-from dstt.store.layout import step_ranges
+from dstt.format.layout import step_ranges
 
 SPARK = "▁▂▃▄▅▆▇█"
 #: Diffs reading at least this many bytes get a progress bar (smaller ones would only flash it).

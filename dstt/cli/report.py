@@ -15,15 +15,15 @@ from dstt.cli.output import emit_json, handle_errors, stderr
 def cmd_report(target: str, out: Path, branch: Optional[str], json_out: bool) -> None:
     from dstt.analysis.plot import require_matplotlib
     from dstt.errors import ConfigError, InvalidReferenceError
-    from dstt.outpath import check_output_file
+    from dstt.format.outpath import check_output_file
 
     check_output_file(out, "write the report")
     if out.suffix.lower() not in (".html", ".htm"):
         raise ConfigError(f"cannot write the report to {str(out)!r}: use a .html file name")
     require_matplotlib()  # before any work: a missing extra is a one-line error
     from dstt.analysis.report import write_report
-    from dstt.refs import Ref
-    from dstt.store.index import RunIndex
+    from dstt.format.index import RunIndex
+    from dstt.format.refs import Ref
 
     ref = Ref.parse(target)
     if ref.step is not None:

@@ -17,11 +17,11 @@ def from_ref(store: str, text: str | None) -> str:
     >>> from_ref("runs/a", "main:100"), from_ref("runs/a", ":7"), from_ref("runs/a", None)
     ('runs/a@main:100', 'runs/a:7', 'runs/a@main:latest')
     """
-    from dstt.refs import split_in_store
+    from dstt.format.refs import split_in_store
 
     if not text:
         return f"{store}@main:latest"
-    rel = split_in_store(text)  # the same rule as the Python API's (dstt.refs)
+    rel = split_in_store(text)  # the same rule as the Python API's (dstt.format.refs)
     if rel is None:
         return text
     branch, step = rel
@@ -37,7 +37,7 @@ def store_arg(text: str, command: str, hint: str) -> str:
     'runs/a'
     """
     from dstt.errors import InvalidReferenceError
-    from dstt.refs import Ref
+    from dstt.format.refs import Ref
 
     if not text.strip():
         raise InvalidReferenceError(f"{command} needs a STORE path or URL, got an empty string")
@@ -57,7 +57,7 @@ def register(app: typer.Typer) -> None:
     def export_step(ref: str, out: str, only: Optional[str], json_out: bool, quiet: bool,
                     overwrite: bool = False) -> None:
         from dstt.cli.render import progress
-        from dstt.export import export
+        from dstt.timetravel.export import export
 
         if not overwrite and os.path.lexists(out) and not os.path.isdir(out):
             from dstt.errors import ConfigError
@@ -105,8 +105,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Create a branch forking at a step (no data is copied)."""
         from dstt.errors import InvalidReferenceError
-        from dstt.refs import Ref
-        from dstt.restore import branch as make_branch
+        from dstt.format.refs import Ref
+        from dstt.timetravel.restore import branch as make_branch
 
         store = store_arg(store, "branch", "; give the fork point with --from")
         ref = from_ref(store, from_)
@@ -131,7 +131,7 @@ def register(app: typer.Typer) -> None:
         """Remove steps outside the policy (data is freed by a following `dstt gc`).
 
         Always kept: each branch's latest step and every fork point."""
-        from dstt.store.gc import prune as run_prune
+        from dstt.format.gc import prune as run_prune
 
         store = store_arg(store, "prune", "; choose a branch with --branch")
         report = run_prune(store, keep_last=keep_last, keep_every=keep_every, branch=branch, dry_run=dry_run)

@@ -43,7 +43,7 @@ def show_value(target: str, path: str, json_out: bool) -> bool:
     """``dstt show REF PATH`` for a value path: print it (a table of leaves
     for a subtree) and return True; False when ``path`` is not a value (a
     tensor, or nothing: the tensor code path reports that)."""
-    from dstt.store.index import RunIndex
+    from dstt.format.index import RunIndex
 
     run = RunIndex(target)
     branch, step = run.resolve()

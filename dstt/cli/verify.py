@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
         Exits 1 when anything is corrupt or missing, naming the step and tensor.
         """
         from dstt.cli.render import progress
-        from dstt.store.verify import verify as run_verify
+        from dstt.format.verify import verify as run_verify
 
         with progress("verifying", enabled=not quiet, unit="items") as update:
             report = run_verify(ref, progress=lambda done, total, what: update(done, total, f"verifying {what}"))
@@ -60,10 +60,10 @@ def register(app: typer.Typer) -> None:
         A crashed local writer's lock is released by the kernel anyway; a lock
         whose holder is alive is refused (exit 1) unless --force."""
         from dstt.errors import InvalidReferenceError
-        from dstt.refs import Ref
-        from dstt.store.backends import open_backend
-        from dstt.store.lock import break_lock, lock_holder
-        from dstt.store.root import check_root, load_branch
+        from dstt.format.backends import open_backend
+        from dstt.format.lock import break_lock, lock_holder
+        from dstt.format.refs import Ref
+        from dstt.format.root import check_root, load_branch
 
         r = Ref.parse(ref)
         if r.branch is None or r.step is not None:

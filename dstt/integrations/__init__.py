@@ -121,8 +121,8 @@ def resume_target(ref: str, branch: str | None) -> tuple[str, str, int, tuple[st
     step needs a new ``branch`` (forked there, ``parent=(branch, step)``),
     because committed steps are never overwritten.
     """
-    from dstt.refs import Ref
-    from dstt.store.index import RunIndex
+    from dstt.format.index import RunIndex
+    from dstt.format.refs import Ref
 
     parsed = Ref.parse(ref)
     run = RunIndex(ref)

@@ -57,7 +57,7 @@ from dstt.integrations import (
     resume_target,
     same_store,
 )
-from dstt.state import optimizer_state, set_rng_state
+from dstt.store.state import optimizer_state, set_rng_state
 
 
 class DsttCallback(CallbackCore, pl.Callback):  # type: ignore[misc]
@@ -83,7 +83,7 @@ class DsttCallback(CallbackCore, pl.Callback):  # type: ignore[misc]
         checkpoint and return its path for ``trainer.fit(..., ckpt_path=)``.
         Capture continues on the same branch when ``ref`` is its latest step,
         else on this callback's ``branch=`` (a new branch forked at ``ref``)."""
-        from dstt.refs import Ref
+        from dstt.format.refs import Ref
 
         if same_store(Ref.parse(ref).store, self.store):
             _store, self.branch, _step, self.parent = resume_target(ref, self.branch)
@@ -219,7 +219,7 @@ def _storable(obj: Any) -> Any:
 
 def _this_rank(rng: Any) -> Any:
     if isinstance(rng, dict) and any(isinstance(k, str) and k.startswith("rank") for k in rng):
-        from dstt.state import _rank
+        from dstt.store.state import _rank
 
         return rng.get(f"rank{_rank()[0]}", {})
     return rng

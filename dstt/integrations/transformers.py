@@ -27,7 +27,7 @@ does with its own checkpoints (skips the batches already trained on, restores
 RNG after skipping) and the callback goes on capturing on the same branch
 (resuming from a branch's latest step) or on a new ``branch=`` forked at the
 step. With deterministic ops the resumed run equals the uninterrupted one bit
-for bit (tests/test_integrations_transformers.py kills a run with SIGKILL).
+for bit (tests/integrations/test_integrations_transformers.py kills a run with SIGKILL).
 
 >>> from dstt.integrations.transformers import DsttCallback
 >>> cb = DsttCallback("runs/hf", every=10)   # Trainer(..., callbacks=[cb])
@@ -91,7 +91,7 @@ class DsttCallback(CallbackCore, TrainerCallback):  # type: ignore[misc]
         Capture continues on the same branch when ``ref`` is its latest step,
         else on this callback's ``branch=`` (a new branch forked at ``ref``).
         """
-        from dstt.refs import Ref
+        from dstt.format.refs import Ref
 
         if same_store(Ref.parse(ref).store, self.store):
             _store, self.branch, _step, self.parent = resume_target(ref, self.branch)

@@ -15,7 +15,7 @@ references), grouping the small CPU chunks of one dtype:
   previous step's same chunk keeps its slice, no copy);
 * CRC-32C, dedup against the link's previous ref, sha256 and encoding run in
   one tight loop, and the packed chunks go into the step's packs under one
-  lock (:meth:`dstt.store.packs.StepPacks.add_many`).
+  lock (:meth:`dstt.format.packs.StepPacks.add_many`).
 
 Anything else -- padded edge chunks, complex or float8 values, non-CPU
 tensors, large chunks -- takes ``flush_chunk`` itself; unpacked chunks of a
@@ -39,17 +39,17 @@ import google_crc32c
 import numpy as np
 import torch
 
-from dstt.store.codec import encode_chunk
+from dstt.format.codecs.keyframes import ChunkPlace, ChunkRef, Link, live_ref, packed_sha256, proven_equal
+from dstt.format.codecs.spec import encode_chunk
+from dstt.format.pygc import paused_gc
 from dstt.store.committer import ChunkResult
-from dstt.store.gcpause import paused_gc
-from dstt.store.keyframes import ChunkPlace, ChunkRef, Link, live_ref, packed_sha256, proven_equal
 from dstt.store.stats import BATCH_DTYPES, batch_partials
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.torchthreads import single_threaded
 
 if TYPE_CHECKING:
-    from dstt.store.backends import Backend
-    from dstt.store.packs import StepPacks
+    from dstt.format.backends import Backend
+    from dstt.format.packs import StepPacks
     from dstt.store.plan import ChunkTask, StepPlan
 
 #: Chunks of at most this many bytes are flushed in groups.

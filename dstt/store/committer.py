@@ -15,13 +15,11 @@ from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from dstt.errors import CaptureError
-from dstt.store import layout as L
-from dstt.store.backends import Backend
-from dstt.store.coord import Coordinator
-from dstt.store.gcpause import paused_gc
-from dstt.store.heads import write_head
-from dstt.store.keyframes import ChunkRef, Link
-from dstt.store.manifest import (
+from dstt.format import layout as L
+from dstt.format.backends import Backend
+from dstt.format.codecs.keyframes import ChunkRef, Link
+from dstt.format.heads import write_head
+from dstt.format.manifest import (
     TensorEntry,
     commit_document,
     encode_json,
@@ -32,9 +30,11 @@ from dstt.store.manifest import (
     sha256_hex,
     tensor_checksum,
 )
-from dstt.store.packs import PackRange, StepPacks
+from dstt.format.packs import PackRange, StepPacks
+from dstt.format.pygc import paused_gc
+from dstt.format.root import BranchInfo, raise_root_version
+from dstt.store.coord import Coordinator
 from dstt.store.plan import StepPlan, TensorLayout
-from dstt.store.root import BranchInfo, raise_root_version
 from dstt.store.stats import Partial, finalize, merge
 from dstt.store.tree import tree_has_pickle
 
@@ -231,7 +231,7 @@ class CommitPhase:
         remember_index(files[L.INDEX_FILE]["sha256"], tensors, plan.tree)
         # The head names this step before its marker exists, made durable by
         # the sync below: a reader finding no marker for it falls back to
-        # last_commit, recorded as its predecessor (dstt.store.heads).
+        # last_commit, recorded as its predecessor (dstt.format.heads).
         head = self.last_commit
         if head is not None and plan.step < head[0]:
             # A backfill (a step planned earlier, stored after a later one:

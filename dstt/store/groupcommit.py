@@ -42,11 +42,11 @@ import os
 import uuid
 from typing import Any, cast
 
-from dstt.store import layout as L
-from dstt.store.backends import Backend, LocalBackend
-from dstt.store.backends.local import _SYNCFS
+from dstt.format import layout as L
+from dstt.format.backends import Backend, LocalBackend
+from dstt.format.backends.local import _SYNCFS
+from dstt.format.heads import HEADS
 from dstt.store.committer import ChunkResult, CommitInfo
-from dstt.store.heads import HEADS
 from dstt.store.plan import StepPlan
 
 _HEADS = HEADS + "/"

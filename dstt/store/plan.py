@@ -21,13 +21,13 @@ from typing import Any, Callable, Generic, TypeVar, overload
 import torch
 
 from dstt.errors import ShardingError, UnsupportedValueError
-from dstt.store.chunks import ChunkGrid
-from dstt.store.codec import CodecSpec
-from dstt.store.delta import DELTA_ITEMSIZES
-from dstt.store.dtypes import DtypeInfo, info_for_name
-from dstt.store.gcpause import paused_gc
-from dstt.store.layout import DELTA_SUFFIX, array_path
-from dstt.store.packs import default_pack_chunk_bytes
+from dstt.format.chunks import ChunkGrid
+from dstt.format.codecs.delta import DELTA_ITEMSIZES
+from dstt.format.codecs.spec import CodecSpec
+from dstt.format.dtypes import DtypeInfo, info_for_name
+from dstt.format.layout import DELTA_SUFFIX, array_path
+from dstt.format.packs import default_pack_chunk_bytes
+from dstt.format.pygc import paused_gc
 from dstt.store.shards import (
     Region,
     ShardedTensor,
@@ -404,7 +404,7 @@ def plan_step(
     unchanged: a layout is a pure function of it (and of codec and chunk
     size), and building one per tensor per step dominated planning of small
     tensors (issue 16). Chunks of at most ``pack_chunk_bytes`` raw bytes
-    (default: :func:`dstt.store.packs.default_pack_chunk_bytes`) are packed."""
+    (default: :func:`dstt.format.packs.default_pack_chunk_bytes`) are packed."""
     # Planning builds a few objects per tensor and keeps them: with the
     # collector on, tens of thousands of them trigger full collections that
     # walk every live object (most of an unchanged step's planning time at

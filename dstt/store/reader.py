@@ -1,5 +1,5 @@
 """Reading tensors of a store as torch tensors (a torch adapter over the
-torch-free :class:`~dstt.store.index.RunIndex`).
+torch-free :class:`~dstt.format.index.RunIndex`).
 
 :class:`TensorReader` adds what needs torch: ``read`` (a tensor in its
 logical dtype, bfloat16 and float8 included), ``iter_chunks`` and
@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from dstt.errors import CorruptStoreError, TensorNotFoundError
-from dstt.store.chunks import read_packed
-from dstt.store.gcpause import paused_gc
-from dstt.store.index import Index, RunIndex, StepRecord, TensorInfo
-from dstt.store.manifest import TensorEntry
-from dstt.store.packs import pack_key
+from dstt.format.chunks import read_packed
+from dstt.format.index import Index, RunIndex, StepRecord, TensorInfo
+from dstt.format.manifest import TensorEntry
+from dstt.format.packs import pack_key
+from dstt.format.pygc import paused_gc
 from dstt.store.torch_dtypes import from_storage
 from dstt.store.tree import tensor_names, unflatten
 
@@ -147,7 +147,7 @@ class TensorReader(RunIndex):
     def read_packed_tensors(self, rec: StepRecord, names: list[str], *, verify: bool = False) -> list[torch.Tensor]:
         """Whole one-chunk packed tensors of step ``rec`` (names from one
         group of :func:`packed_groups`), adjacent pack ranges read with one
-        request (:func:`dstt.store.chunks.read_packed`); each tensor owns
+        request (:func:`dstt.format.chunks.read_packed`); each tensor owns
         its bytes."""
         entries = [rec.by_name[n] for n in names]
         with self.removed_meanwhile(rec.branch, rec.step):

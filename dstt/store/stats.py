@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dstt.store.layout import STATS_COLUMNS  # noqa: F401 - re-exported: the columns these stats fill
+from dstt.format.layout import STATS_COLUMNS  # noqa: F401 - re-exported: the columns these stats fill
 
 NAN = float("nan")
 

@@ -1,4 +1,4 @@
-"""The torch side of :mod:`dstt.store.dtypes`: torch dtypes <-> storage
+"""The torch side of :mod:`dstt.format.dtypes`: torch dtypes <-> storage
 descriptions, and bit views between them (a torch adapter above the
 torch-free format layer).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from dstt.errors import UnsupportedDtypeError
-from dstt.store.dtypes import BITS_STORAGE, NATIVE_ITEMSIZE, DtypeInfo, info_for_name, supported_dtypes
+from dstt.format.dtypes import BITS_STORAGE, NATIVE_ITEMSIZE, DtypeInfo, info_for_name, supported_dtypes
 
 _BITS_TORCH = {
     "bfloat16": torch.bfloat16,

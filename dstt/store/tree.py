@@ -49,8 +49,7 @@ from dstt.errors import (
     PickleNotAllowedError,
     UnsupportedValueError,
 )
-from dstt.store.shards import ShardedTensor, is_dtensor
-from dstt.store.valuetree import (
+from dstt.format.valuetree import (
     MAX_STATE_DEPTH,
     PICKLE_TAG,
     TENSOR_TAGS,
@@ -58,6 +57,7 @@ from dstt.store.valuetree import (
     has_pickle,
     tagged_leaves,
 )
+from dstt.store.shards import ShardedTensor, is_dtensor
 
 TensorLike = Any  # torch.Tensor | DTensor | ShardedTensor | np.ndarray
 

@@ -40,33 +40,40 @@ from dstt.errors import (
     StepNotFoundError,
     StepOrderError,
 )
-from dstt.refs import parent_arg
-from dstt.store import args as A
-from dstt.store import layout as L
-from dstt.store.backends import Backend, open_backend
-from dstt.store.batchflush import BatchFlush, chunk_place
-from dstt.store.codec import COMPRESSIONS, CodecSpec, array_metadata, crc32c, delta_array_metadata, group_metadata
-from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase, resolved_tails
-from dstt.store.coord import Coordinator, default_coordinator
-from dstt.store.gcpause import paused_gc
-from dstt.store.heads import latest_committed
-from dstt.store.index import resolve_parent
-from dstt.store.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkRef, Link, code_chunk
-from dstt.store.lock import acquire as acquire_lock
-from dstt.store.manifest import (
+from dstt.format import args as A
+from dstt.format import layout as L
+from dstt.format.backends import Backend, open_backend
+from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkRef, Link, code_chunk
+from dstt.format.codecs.spec import (
+    COMPRESSIONS,
+    CodecSpec,
+    array_metadata,
+    crc32c,
+    delta_array_metadata,
+    group_metadata,
+)
+from dstt.format.heads import latest_committed
+from dstt.format.index import resolve_parent
+from dstt.format.lock import acquire as acquire_lock
+from dstt.format.manifest import (
     parse_commit,
     parse_index_checked,
     sha256_hex,
 )
-from dstt.store.packs import PACKS, StepPacks, default_pack_chunk_bytes
-from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, plan_step
-from dstt.store.root import (
+from dstt.format.packs import PACKS, StepPacks, default_pack_chunk_bytes
+from dstt.format.pygc import paused_gc
+from dstt.format.refs import parent_arg
+from dstt.format.root import (
     BranchInfo,
     create_branch,
     ensure_root,
     load_branch,
     raise_root_version,
 )
+from dstt.store.batchflush import BatchFlush, chunk_place
+from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase, resolved_tails
+from dstt.store.coord import Coordinator, default_coordinator
+from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, plan_step
 from dstt.store.stats import chunk_partial
 from dstt.store.torch_dtypes import as_storage_view
 
@@ -185,7 +192,7 @@ class Writer(BatchFlush, CommitPhase):
             # Readers that know only format 1 must refuse this store, not
             # misread its delta chunks as zeros.
             raise_root_version(self.backend, L.DELTA_FORMAT_VERSION)
-        # The branch head (dstt.store.heads): O(1) where the head record agrees
+        # The branch head (dstt.format.heads): O(1) where the head record agrees
         # with the commit markers, a listing of the steps otherwise.
         head = latest_committed(self.backend, branch)
         self.last_step: int | None = head.step

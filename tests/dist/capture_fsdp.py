@@ -1,4 +1,4 @@
-"""Worker for tests/test_capture_dist.py, run under torchrun (gloo, CPU).
+"""Worker for tests/system/test_capture_dist.py, run under torchrun (gloo, CPU).
 
     python -m torch.distributed.run --nproc-per-node N capture_fsdp.py OUT MODE[,MODE]
 
@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dstt
 from dstt.errors import CaptureError
-from dstt.store.backends import LocalBackend
+from dstt.format.backends import LocalBackend
 
 
 class FailingBackend(LocalBackend):
@@ -87,14 +87,14 @@ def run_mode(out: Path, mode: str) -> None:
     extra = {"shared": torch.arange(12.0).reshape(3, 4)}  # replicated: written once, by some rank
     torch.manual_seed(100 + rank)
     if mode == "delta":  # every chunk after the first step a delta, however large
-        from dstt.store import keyframes
+        from dstt.format.codecs import keyframes
 
         keyframes.DELTA_MAX_RATIO = float("inf")
         # ... in the capture helpers too (exec'ed interpreters: a sitecustomize).
         hook = out / "hook"
         hook.mkdir(exist_ok=True)
         (hook / "sitecustomize.py").write_text(
-            "from dstt.store import keyframes\nkeyframes.DELTA_MAX_RATIO = float('inf')\n")
+            "from dstt.format.codecs import keyframes\nkeyframes.DELTA_MAX_RATIO = float('inf')\n")
         os.environ["PYTHONPATH"] = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
         os.environ["DSTT_PACK_CHUNK_BYTES"] = "0"  # chunks this small would be packed: never delta coded
     cap = dstt.Capture(store, max_chunk_bytes=64, compression="delta" if mode == "delta" else "none")

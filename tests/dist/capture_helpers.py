@@ -1,4 +1,4 @@
-"""Worker for tests/test_rank_helpers.py, run under torchrun (gloo, CPU):
+"""Worker for tests/system/test_rank_helpers.py, run under torchrun (gloo, CPU):
 a distributed Capture with a capture helper per rank (ranks.py).
 
     python -m torch.distributed.run --nproc-per-node 2 capture_helpers.py OUT MODE
@@ -34,7 +34,7 @@ from capture_fsdp import build, full
 
 import dstt
 from dstt.errors import CaptureError
-from dstt.store.localio import pid_alive
+from dstt.format.localio import pid_alive
 
 
 def main(out: Path, mode: str) -> None:

@@ -1,4 +1,4 @@
-"""Worker for tests/test_dist_failure.py, run under torchrun (gloo, CPU):
+"""Worker for tests/system/test_dist_failure.py, run under torchrun (gloo, CPU):
 a step that fails in the background on ONE rank must fail on every rank,
 promptly, and the Capture must go on with the next step.
 
@@ -62,7 +62,8 @@ MODES: dict[str, tuple[bool, str, int, str, bool]] = {
 def init_fails(where: Path, kind: str, bad_rank: int) -> None:
     """Capture() fails on ``bad_rank`` alone (its staging ring cannot be
     made / rank 0's recovery commit raises): every rank must raise."""
-    from dstt.capture import crashsafe, ranks
+    from dstt.capture import crashsafe
+    from dstt.capture import ranks
 
     rank = dist.get_rank()
     saved = crashsafe.Ring, ranks.commit_recorded

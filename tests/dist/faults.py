@@ -1,4 +1,4 @@
-"""Faults injected into one rank's trainer or capture helper (tests/test_dist_failure.py).
+"""Faults injected into one rank's trainer or capture helper (tests/system/test_dist_failure.py).
 
 A fault is armed by a file ``$DSTT_TEST_FAULTS/<kind>`` holding
 ``<rank> <process>`` (process: ``trainer``, ``helper`` or ``any``) and
@@ -55,7 +55,7 @@ def _enospc(key: str) -> OSError:
 
 
 def install() -> None:
-    from dstt.store.backends import LocalBackend
+    from dstt.format.backends import LocalBackend
     from dstt.store.committer import ChunkResult
 
     put, put_atomic, sync, settled = (LocalBackend.put, LocalBackend.put_atomic, LocalBackend.sync,

@@ -1,6 +1,6 @@
 """A trainer with a memory tier whose writer never finishes (a stalled disk):
 it captures steps 0..9, raises an incident, prints "incident" and waits to be
-SIGKILLed (tests/test_flight_recorder.py). The reference weights of every
+SIGKILLed (tests/capture/test_flight_recorder.py). The reference weights of every
 step go to REF (torch.save) first.
 
 usage: flight_kill.py STORE REF

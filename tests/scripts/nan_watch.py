@@ -1,5 +1,5 @@
 """Train with the flight recorder and plant a NaN at a known step
-(tests/test_flight_recorder.py, issue 23 item 2).
+(tests/capture/test_flight_recorder.py, issue 23 item 2).
 
     python tests/scripts/nan_watch.py STORE REF.pt --nan-at S --steps N --k K [--seed SEED]
 

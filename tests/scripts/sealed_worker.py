@@ -1,4 +1,4 @@
-"""A trainer for the sealed-step fault tests (tests/test_sealed_steps.py):
+"""A trainer for the sealed-step fault tests (tests/capture/test_sealed_steps.py):
 it captures steps 0..N-1 of a state that is a pure function of the step
 (:func:`state`), with faults on the way, and prints one line per step:
 ``sealed S`` (``wait_staged()`` returned and the step is sealed in the
@@ -67,7 +67,7 @@ def fill(root: Path) -> None:
 
 
 def committed(store: str, step: int) -> bool:
-    from dstt.store import layout as L
+    from dstt.format import layout as L
 
     return os.path.exists(os.path.join(store, L.step_dir("main", step), L.COMMIT_FILE))
 

@@ -1,5 +1,5 @@
 """Train a model in a fresh process with or without dstt and report the
-process's global settings along the way (tests/test_untouched.py, issue 23).
+process's global settings along the way (tests/system/test_untouched.py, issue 23).
 
     python tests/scripts/untouched_train.py MODE STORE OUT.json
 

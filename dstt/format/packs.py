@@ -1,0 +1,353 @@
+"""Packs: the small chunks of many tensors stored together in one object
+(torch-free format layer; docs/format.md "Packs").
+
+A step of tens of thousands of small tensors used to create a file (and an
+array document) per tensor. Chunks up to :data:`PACK_MAX_CHUNK_BYTES` are
+instead appended, each encoded exactly as its chunk file would be (codec
+body + CRC-32C trailer), to a *pack*: ``packs/p.<slot>.<rank>.<n>``, written
+once, whole, by the one rank (one writer) that filled it, sealed at
+:data:`PACK_TARGET_BYTES`. So files per step grow with bytes, not with
+tensor count (DataStates-LLM's coalescing of fragmented shards).
+
+The step index records, per packed chunk, where its range lives:
+:class:`PackRange` ``(rank, n, offset, length)`` beside the chunk's slot
+(the slot of the step that wrote the pack) and CRC-32C, as for any chunk. An
+unchanged chunk of a later step references the same range (nothing
+rewritten). Readers read exactly the recorded range (bounded by the codec's
+largest stored size) and check it like a chunk file (:mod:`dstt.format.chunks`).
+
+>>> pack_key(16777217, 0, 3)
+'packs/p.16777217.0.3'
+>>> parse_pack_key('packs/p.16777217.0.3')
+(16777217, 0, 3)
+>>> parse_pack_key('packs/zarr.json') is None
+True
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from dstt.errors import CaptureError, ConfigError, CorruptStoreError
+from dstt.format.layout import PACK_FORMAT_VERSION
+
+if TYPE_CHECKING:
+    from dstt.format.backends import Backend
+
+#: Top-level folder of pack objects (a zarr group, so plain zarr listings
+#: stay quiet; the packs themselves are not zarr nodes).
+PACKS = "packs"
+#: Chunks of at most this many raw bytes are packed by default (the
+#: environment variable DSTT_PACK_CHUNK_BYTES or Writer(pack_chunk_bytes=)
+#: override it; 0 packs nothing). Larger chunks stay chunk files of their
+#: zarr array, readable by plain zarr-python.
+PACK_MAX_CHUNK_BYTES = 1 << 20
+PACK_ENV = "DSTT_PACK_CHUNK_BYTES"
+
+
+def default_pack_chunk_bytes() -> int:
+    """The packing threshold in effect: ``$DSTT_PACK_CHUNK_BYTES`` if set
+    (read at each call: a capture helper process inherits it), else
+    :data:`PACK_MAX_CHUNK_BYTES`.
+
+    >>> default_pack_chunk_bytes() == int(os.environ.get(PACK_ENV) or PACK_MAX_CHUNK_BYTES)
+    True
+    """
+    text = os.environ.get(PACK_ENV, "").strip()
+    if not text:
+        return PACK_MAX_CHUNK_BYTES
+    if not text.isdigit():
+        raise ConfigError(f"{PACK_ENV} must be a non-negative number of bytes, got {text!r}")
+    return int(text)
+#: A pack is sealed (written) once it holds at least this many bytes.
+PACK_TARGET_BYTES = 8 << 20
+
+
+class PackRange(NamedTuple):
+    """Where a packed chunk lives: pack ``n`` of ``rank`` of the step whose
+    slot the index records for the chunk, bytes ``offset:offset+length``."""
+
+    rank: int
+    n: int
+    offset: int
+    length: int
+
+
+def pack_key(slot: int, rank: int, n: int) -> str:
+    """The key of pack ``n`` written by ``rank`` for the step at ``slot``."""
+    return f"{PACKS}/p.{slot}.{rank}.{n}"
+
+
+def parse_pack_key(key: str) -> tuple[int, int, int] | None:
+    """(slot, rank, n) of a pack key; None for anything else."""
+    prefix = f"{PACKS}/p."
+    if not key.startswith(prefix):
+        return None
+    fields = key[len(prefix):].split(".")
+    if len(fields) != 3 or not all(f.isdigit() for f in fields):
+        return None
+    return int(fields[0]), int(fields[1]), int(fields[2])
+
+
+def read_range(backend: Backend, key: str, rng: PackRange, max_bytes: int, where: str) -> bytes:
+    """Exactly the recorded range of a pack (CorruptStoreError if it is
+    missing, short, or longer than any chunk of its size can be)."""
+    if rng.length > max_bytes:
+        raise CorruptStoreError(f"{where}: packed range of {rng.length} bytes, at most {max_bytes} possible")
+    data = backend.get_range(key, rng.offset, rng.length)
+    if data is None:
+        raise CorruptStoreError(f"{where}: pack {key} is missing")
+    if len(data) != rng.length:
+        raise CorruptStoreError(f"{where}: pack {key} ends before the recorded range "
+                                f"{rng.offset}+{rng.length} (truncated)")
+    return data
+
+
+#: Page size: pack buffers start on a page and grow by whole pages.
+_PAGE = mmap.PAGESIZE
+#: Bytes of idle pack buffers a process keeps for its next packs (counted
+#: as the bytes each buffer ever held: its pages in memory). A capture helper
+#: committing a group of queued steps fills a pack per step before writing
+#: any: a 1.2 MB step, up to 16 queued, stays well inside.
+PACK_BUFFERS_KEEP_BYTES = 32 << 20
+#: ... and at most this many buffers.
+PACK_BUFFERS_KEPT = 16
+
+
+class _Buffers:
+    """Page-aligned pack buffers, reused from pack to pack and step to step.
+
+    Why (issue 16, a 1.2 MB step captured every 12 ms): a pack filled in a
+    new ``bytearray`` and written through the page cache cost the capture
+    helper ~2 ms of CPU per 1.2 MB on the reference VM -- the kernel copying
+    into fresh page-cache pages that the host backs on first touch -- where
+    a page-aligned buffer is written with O_DIRECT (:mod:`dstt.format.localio`:
+    large aligned first buffers) for ~0.2 ms, and a reused buffer's pages are
+    already backed. A buffer is reused only after :meth:`StepPacks._write`
+    returned: every backend's ``put`` has copied or written the bytes by then
+    (local files synchronously, object stores and zarr stores via ``bytes``)."""
+
+    def __init__(self, keep_bytes: int, keep: int) -> None:
+        self._keep_bytes = keep_bytes
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._free: list[tuple[mmap.mmap, int]] = []  # (buffer, bytes it ever held)
+
+    def take(self, min_bytes: int) -> tuple[mmap.mmap, int]:
+        """An idle buffer of at least ``min_bytes`` and the bytes it ever
+        held (a new one, 0, if none is idle)."""
+        with self._lock:
+            for i, (buf, used) in enumerate(self._free):
+                if len(buf) >= min_bytes:
+                    del self._free[i]
+                    return buf, used
+        # Anonymous mappings are page-aligned; untouched pages cost nothing.
+        return mmap.mmap(-1, max(_PAGE, -(-min_bytes // _PAGE) * _PAGE)), 0
+
+    def give(self, buf: mmap.mmap, used: int) -> None:
+        """Keep ``buf`` for a later pack, within the bounds (the rest are
+        dropped: unmapped once no view of them is left, never closed under
+        a view)."""
+        with self._lock:
+            self._free.append((buf, used))
+            self._free.sort(key=lambda x: x[1])  # the least memory first
+            kept, total = [], 0
+            for item in self._free[:self._keep]:
+                if total + item[1] <= self._keep_bytes:
+                    kept.append(item)
+                    total += item[1]
+            self._free = kept
+
+
+_BUFFERS = _Buffers(PACK_BUFFERS_KEEP_BYTES, PACK_BUFFERS_KEPT)
+
+
+class PackFile:
+    """One pack being filled in memory, then written once.
+
+    ``state``: ``"open"`` (filling), ``"written"`` (durable once the step
+    syncs) or ``"failed"`` (never written: a later step must not reference
+    its ranges; see :meth:`StepPacks.check_referenced`). Its bytes are the
+    first ``size`` bytes of ``buf``, a page-aligned buffer taken from (and,
+    once the pack is written or failed, given back to) a small pool."""
+
+    __slots__ = ("key", "n", "buf", "size", "used", "state", "error")
+
+    def __init__(self, key: str, n: int, capacity: int) -> None:
+        self.key = key
+        self.n = n
+        buf, self.used = _BUFFERS.take(capacity)  # (used: bytes the buffer ever held)
+        self.buf: mmap.mmap | None = buf
+        self.size = 0
+        self.state = "open"
+        self.error: BaseException | None = None
+
+    def append(self, part: Any) -> None:
+        """Copy ``part`` (any C-contiguous buffer) after the bytes so far."""
+        view = memoryview(part).cast("B")
+        buf, end = self.buf, self.size + len(view)
+        assert buf is not None, "a pack is appended to only while open"  # (StepPacks holds its lock)
+        if end > len(buf):  # (a chunk larger than the room left: a bigger buffer, the bytes moved)
+            bigger, used = _BUFFERS.take(max(end, 2 * len(buf)))
+            bigger[:self.size] = buf[:self.size]
+            _BUFFERS.give(buf, max(self.used, self.size))
+            self.buf, self.used, buf = bigger, used, bigger
+        buf[self.size:end] = view
+        self.size = end
+
+    def data(self) -> memoryview:
+        """The pack's bytes (a view of its buffer: valid until it is released)."""
+        assert self.buf is not None
+        return memoryview(self.buf)[:self.size]
+
+    def release(self) -> None:
+        """Give the buffer back (the pack was written or failed)."""
+        buf, self.buf = self.buf, None
+        if buf is not None:
+            _BUFFERS.give(buf, max(self.used, self.size))
+
+
+class StepPacks:
+    """The packs one writer (rank) fills for one step. Thread-safe: chunks
+    are added from several flush threads; a full pack is written by the
+    thread whose chunk filled it, outside the lock.
+
+    >>> from dstt.format.backends import open_backend
+    >>> import tempfile
+    >>> b = open_backend(tempfile.mkdtemp() + "/s", create=True)
+    >>> packs = StepPacks(b, slot=5, rank=0, target_bytes=4)
+    >>> f, r = packs.add([b"abc", b"d"]); r
+    PackRange(rank=0, n=0, offset=0, length=4)
+    >>> f.state, bytes(b.get("packs/p.5.0.0"))
+    ('written', b'abcd')
+    """
+
+    def __init__(self, backend: Backend, *, slot: int, rank: int, target_bytes: int | None = None) -> None:
+        self.backend = backend
+        self.slot = slot
+        self.rank = rank
+        self.target_bytes = PACK_TARGET_BYTES if target_bytes is None else target_bytes
+        self._lock = threading.Lock()
+        self._current: PackFile | None = None
+        self._count = 0
+        self._closed = False
+        self.files: list[PackFile] = []
+        self._referenced: dict[int, PackFile] = {}  # id -> an earlier step's pack a chunk references
+
+    def add(self, parts: list[Any]) -> tuple[PackFile, PackRange]:
+        """Append one encoded chunk (its buffers back to back, copied now:
+        they may be a staging block that goes back to the pool)."""
+        full = None
+        with self._lock:
+            f = self._open_file()
+            offset = f.size
+            for p in parts:
+                f.append(p)
+            rng = PackRange(self.rank, f.n, offset, f.size - offset)
+            if f.size >= self.target_bytes:
+                full, self._current = f, None
+        if full is not None:
+            self._write(full)
+        return f, rng
+
+    def _open_file(self) -> PackFile:
+        """The pack being filled (a new one if none is); caller holds ``_lock``."""
+        if self._closed:
+            raise CaptureError(f"packs of slot {self.slot} are already closed")
+        f = self._current
+        if f is None:
+            # (room for the target and a largest packed chunk, so a pack rarely grows)
+            f = self._current = PackFile(pack_key(self.slot, self.rank, self._count), self._count,
+                                         self.target_bytes + PACK_MAX_CHUNK_BYTES + _PAGE)
+            self._count += 1
+            self.files.append(f)
+        return f
+
+    def add_many(self, chunks: list[list[Any]]) -> tuple[list[tuple[PackFile, PackRange]], BaseException | None]:
+        """:meth:`add` for many encoded chunks under one lock (a batch of
+        small chunks: Writer.flush_chunks). Every chunk is appended (or, if
+        the packs are closed, none: CaptureError); the packs they fill are
+        written after, outside the lock. Returns each chunk's (pack, range)
+        and the first error writing a full pack (that pack's state is then
+        ``"failed"``: its chunks are not stored).
+
+        >>> from dstt.format.backends import open_backend
+        >>> import tempfile
+        >>> packs = StepPacks(open_backend(tempfile.mkdtemp() + "/s", create=True), slot=5, rank=0, target_bytes=4)
+        >>> placed, err = packs.add_many([[b"abc"], [b"de", b"f"], [b"g"]]); [r[1:] for _, r in placed], err
+        ([(0, 0, 3), (0, 3, 3), (1, 0, 1)], None)
+        >>> placed[0][0].state, placed[2][0].state
+        ('written', 'open')
+        """
+        out: list[tuple[PackFile, PackRange]] = []
+        full: list[PackFile] = []
+        rank, target = self.rank, self.target_bytes
+        with self._lock:
+            f: PackFile | None = self._open_file()
+            for parts in chunks:
+                if f is None:
+                    f = self._open_file()
+                offset = f.size
+                for p in parts:
+                    f.append(p)  # (any C-contiguous buffer: encode_chunk's parts are)
+                out.append((f, PackRange(rank, f.n, offset, f.size - offset)))
+                if f.size >= target:
+                    full.append(f)
+                    f = self._current = None
+        error: BaseException | None = None
+        for x in full:
+            try:
+                self._write(x)
+            except BaseException as e:  # every full pack is tried: none left unwritten silently
+                error = error or e
+        return out, error
+
+    def refer(self, f: PackFile) -> None:
+        """Note that an unchanged chunk of this step references a range of
+        ``f`` (an earlier step's pack, maybe not written yet)."""
+        if f.state != "written":
+            with self._lock:
+                self._referenced[id(f)] = f
+
+    def referenced_files(self) -> list[PackFile]:
+        with self._lock:
+            return list(self._referenced.values())
+
+    def _write(self, f: PackFile) -> None:
+        try:
+            self.backend.put(f.key, f.data())
+        except BaseException as e:
+            f.state, f.error = "failed", e
+            raise
+        else:
+            f.state = "written"
+        finally:
+            f.release()  # put has copied or written the bytes: the buffer serves the next pack
+
+    def close(self) -> None:
+        """Write the last, partly filled pack (idempotent). Raises the error
+        of any pack of this step that could not be written."""
+        with self._lock:
+            f, self._current, self._closed = self._current, None, True
+        if f is not None:
+            self._write(f)
+        failed = next((x for x in self.files if x.state == "failed"), None)
+        if failed is not None and failed.error is not None:
+            raise CaptureError(f"pack {failed.key} could not be written: {failed.error}") from failed.error
+
+    @staticmethod
+    def check_referenced(files: list[PackFile]) -> None:
+        """CaptureError unless every pack in ``files`` (earlier steps' packs a
+        step references: an unchanged chunk) has been written: a step never
+        commits a reference to bytes that are not stored."""
+        for f in files:
+            if f.state != "written":
+                raise CaptureError(f"a chunk references pack {f.key} of an earlier step, which was "
+                                   f"{'not written' if f.state == 'failed' else 'never completed'}")
+
+
+__all__ = ["PACK_ENV", "default_pack_chunk_bytes", "PACKS", "PACK_FORMAT_VERSION", "PACK_MAX_CHUNK_BYTES", "PACK_TARGET_BYTES", "PackFile", "PackRange",
+           "StepPacks", "pack_key", "parse_pack_key", "read_range"]

@@ -1,0 +1,103 @@
+"""Every ``DSTT_*`` environment setting, in one place, read when used.
+
+Settings are read at call time, never at import, so a test (or a launcher)
+may set them at any point before the work that reads them; a process
+started later (the capture helper, a torchrun worker) inherits them through
+its environment. :func:`override` sets some for the duration of a block.
+
+| variable | accessor | meaning | default |
+|---|---|---|---|
+| ``DSTT_PACK_CHUNK_BYTES`` | :func:`pack_chunk_bytes` | chunks below this many bytes go into packs (0: no packs) | 1 MiB |
+| ``DSTT_SHM_DIR`` | :func:`shm_dir` | the directory holding ``dstt-<uid>`` staging rings | ``/dev/shm`` |
+| ``DSTT_RANK_WAIT_S`` | :func:`rank_wait_s` | how long rank 0's helper waits for the other ranks' records of a step | 300 |
+| ``DSTT_RANK_WAIT_DEAD_S`` | :func:`rank_wait_dead_s` | the same once those ranks' trainers are known dead | 60 |
+| ``DSTT_DEBUG`` | :func:`debug` | the CLI prints tracebacks | off |
+
+>>> with override(DSTT_PACK_CHUNK_BYTES="0"):
+...     pack_chunk_bytes()
+0
+>>> with override(DSTT_DEBUG="1"):
+...     debug()
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from dstt.errors import ConfigError
+
+#: The variables this module knows (``override`` refuses any other name).
+KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG")
+
+PACK_CHUNK_BYTES_DEFAULT = 1 << 20
+
+
+def _text(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def _number(name: str, default: float, *, integer: bool = False) -> float:
+    text = _text(name)
+    if not text:
+        return default
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r}: expected {'an integer' if integer else 'a number'}") from None
+    if value < 0 or value != value:
+        raise ConfigError(f"{name}={text!r}: expected a number >= 0")
+    return value
+
+
+def pack_chunk_bytes() -> int:
+    """Chunks smaller than this many bytes are stored in packs; 0 turns packs off."""
+    return int(_number("DSTT_PACK_CHUNK_BYTES", PACK_CHUNK_BYTES_DEFAULT, integer=True))
+
+
+def shm_dir() -> Path | None:
+    """The directory holding ``dstt-<uid>`` staging rings, if set (else /dev/shm)."""
+    text = _text("DSTT_SHM_DIR")
+    return Path(text) if text else None
+
+
+def rank_wait_s() -> float:
+    """Seconds rank 0's capture helper waits for every rank's record of a step."""
+    return _number("DSTT_RANK_WAIT_S", 300.0)
+
+
+def rank_wait_dead_s() -> float:
+    """Seconds it waits once the missing ranks' trainers are known dead."""
+    return _number("DSTT_RANK_WAIT_DEAD_S", 60.0)
+
+
+def debug() -> bool:
+    """Whether the CLI prints tracebacks (``DSTT_DEBUG`` set and not ``0``)."""
+    return _text("DSTT_DEBUG") not in ("", "0")
+
+
+@contextlib.contextmanager
+def override(**values: str | None) -> Iterator[None]:
+    """Set (a string) or unset (None) some ``DSTT_*`` variables for the
+    duration of the block, for this process and the processes it starts."""
+    unknown = sorted(set(values) - set(KNOBS))
+    if unknown:
+        raise ConfigError(f"not a dstt setting: {', '.join(unknown)} (known: {', '.join(KNOBS)})")
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            _set(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            _set(name, value)
+
+
+def _set(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value

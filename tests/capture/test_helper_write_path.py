@@ -1,0 +1,245 @@
+"""The capture helper's write path made cheaper (issue 16, session 5): packs
+filled in reused page-aligned buffers (written with O_DIRECT where the
+filesystem allows), and sha256 only for dedup candidates and first-seen
+packed chunks. Every shortcut must keep round trips bit-exact, dedup exact
+(never aliasing different bytes) and verify clean."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dstt
+from dstt.format import packs as P
+from dstt.format.backends import open_backend
+from dstt.format.localio import DIRECT_ALIGN, address
+from dstt.store.writer import Writer
+from tests.format.test_store_format import forge_crc_collision
+
+DSTT_PACKING = True  # (tests/conftest.py: packing is off elsewhere)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _flip_one_bit(t: torch.Tensor, byte: int = 5) -> torch.Tensor:
+    raw = bytearray(_bits(t))
+    raw[byte] ^= 0x01
+    return torch.frombuffer(raw, dtype=t.dtype).clone()
+
+
+def _check_steps(path: Path, steps: dict[int, dict[str, torch.Tensor]]) -> None:
+    run = dstt.open(path)
+    assert run.steps() == sorted(steps)
+    for step, state in steps.items():
+        for name, t in state.items():
+            assert _bits(run.read(name, step)) == _bits(t), (step, name)
+    report = dstt.verify(path)
+    assert report.ok, report
+
+
+def test_pack_buffers_are_page_aligned_reused_and_grow_bit_exact(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(P, "_BUFFERS", P._Buffers(P.PACK_BUFFERS_KEEP_BYTES, P.PACK_BUFFERS_KEPT))
+    backend = open_backend(str(tmp_path / "s"), create=True)
+    chunks = [bytes(range(7)) * 3, b"x" * 5000, bytes(range(256)) * 40]
+    first = P.StepPacks(backend, slot=1, rank=0, target_bytes=64 << 10)
+    placed, err = first.add_many([[c] for c in chunks])
+    assert err is None
+    f = placed[0][0]
+    assert f.buf is not None and address(f.data()) % DIRECT_ALIGN == 0
+    buf = f.buf
+    first.close()
+    assert f.state == "written" and f.buf is None
+    # the pack's bytes are the chunks back to back, exactly
+    assert bytes(backend.get("packs/p.1.0.0") or b"") == b"".join(chunks)
+    # the next step's pack fills the same buffer (pages already backed)
+    second = P.StepPacks(backend, slot=2, rank=0, target_bytes=64 << 10)
+    g, _ = second.add([b"new"])
+    assert g.buf is buf
+    # a chunk larger than the room left: the buffer grows, bytes kept
+    big = bytes(range(251)) * (len(buf) // 251 + 10)
+    _, rng = second.add([big])
+    second.close()
+    data = bytes(backend.get("packs/p.2.0.0") or b"")
+    assert data == b"new" + big and (rng.offset, rng.length) == (3, len(big))
+    assert bytes(backend.get("packs/p.1.0.0") or b"") == b"".join(chunks)  # the earlier pack untouched
+
+
+def test_a_failed_pack_write_gives_its_buffer_back_and_raises(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = open_backend(str(tmp_path / "s"), create=True)
+    packs = P.StepPacks(backend, slot=1, rank=0, target_bytes=1 << 30)
+    f, _ = packs.add([b"abc"])
+
+    def refuse(key: str, data: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(backend, "put", refuse)
+    with pytest.raises(OSError, match="No space"):  # (the commit fails the step with it)
+        packs.close()
+    assert f.state == "failed" and f.buf is None and isinstance(f.error, OSError)
+
+
+def test_changed_chunks_skip_the_hash_and_dedup_stays_exact(tmp_path: Path) -> None:
+    """One writer across steps (as the capture helper): a first step's chunks
+    are hashed, a changed chunk is not, an unchanged one after a change is
+    proven equal by reading its range back (then hashed), a one-bit change
+    and a forged CRC collision are stored, never aliased."""
+    path = tmp_path / "run"
+    g = torch.Generator().manual_seed(0)
+    a0, frozen = torch.randn(1000, generator=g), torch.randn(64, generator=g)
+    steps: dict[int, dict[str, torch.Tensor]] = {}
+    w = Writer(str(path))
+    try:
+        steps[0] = {"a": a0, "frozen": frozen}
+        w.write(0, steps[0])
+        steps[1] = {"a": a0 + 1, "frozen": frozen}
+        info1 = w.write(1, steps[1])
+        assert info1.bytes_written > 0
+        steps[2] = {"a": (a0 + 1).clone(), "frozen": frozen}
+        info2 = w.write(2, steps[2])
+        assert info2.bytes_written == 0  # unchanged: every chunk referenced
+        steps[3] = {"a": _flip_one_bit(steps[2]["a"]), "frozen": frozen}
+        assert w.write(3, steps[3]).bytes_written > 0
+        forged = forge_crc_collision(_bits(steps[3]["a"]))
+        steps[4] = {"a": torch.frombuffer(bytearray(forged), dtype=torch.float32).clone(), "frozen": frozen}
+        assert w.write(4, steps[4]).bytes_written > 0  # same CRC as step 3, other bytes: stored
+    finally:
+        w.close()
+    run = dstt.open(path)
+    assert all(run.entry("a", s).packs is not None for s in steps)  # (the packed path is under test)
+    sha = {s: run.entry("a", s).sha256[0] for s in steps}
+    assert sha[0] is not None  # first step: hashed
+    assert sha[1] is None and sha[3] is None  # changed: no hash
+    assert sha[2] is not None  # proven equal to step 1 and referenced: hashed from then on
+    assert run.entry("a", 2).slots == run.entry("a", 1).slots
+    assert run.entry("frozen", 4).slots == run.entry("frozen", 0).slots  # deduplicated by hash
+    assert run.entry("a", 4).slots != run.entry("a", 3).slots
+    _check_steps(path, steps)
+
+
+def test_unchanged_after_a_change_while_the_pack_is_unwritten_is_stored_anew(tmp_path: Path) -> None:
+    """The helper flushes queued steps before committing them (group
+    commit): step 2's chunk equals step 1's changed one, whose pack is not
+    written yet and which has no hash -- stored again, exactly, not aliased."""
+    path = tmp_path / "run"
+    a0 = torch.randn(500, generator=torch.Generator().manual_seed(1))
+    steps = {0: {"a": a0}, 1: {"a": a0 * 2}, 2: {"a": a0 * 2}}
+    w = Writer(str(path))
+    try:
+        w.write(0, steps[0])
+        plans = []
+        for step in (1, 2):
+            plan = w.plan(step, steps[step])
+            w.ensure_arrays(plan)
+            results, error = w.flush_chunks(plan, plan.tasks)
+            assert error is None
+            plans.append((plan, results))
+        infos = [w.commit(plan, results) for plan, results in plans]
+    finally:
+        w.close()
+    assert infos[1].bytes_written > 0  # not proven equal (nothing to compare with yet): written
+    run = dstt.open(path)
+    assert run.entry("a", 2).sha256[0] is not None  # a candidate: hashed, the next step dedups by hash
+    _check_steps(path, steps)
+
+
+def test_a_group_block_is_reused_but_never_under_a_waiting_chunk(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group blocks (batchflush: the values a group concatenates) are reused
+    from group to group; a chunk waiting for its predecessor keeps a slice of
+    its block, which then is not reused: step 2 flushed before step 1 (its
+    chunks wait), step 1's group must not overwrite step 2's bytes."""
+    from dstt.store import batchflush as B
+
+    blocks = B._Blocks(2 * B.GROUP_BYTES)
+    monkeypatch.setattr(B, "_GROUP_BUFFERS", blocks)
+    path = tmp_path / "run"
+    g = torch.Generator().manual_seed(2)
+    steps = {s: {"a": torch.randn(300, generator=g), "b": torch.randn(40, generator=g)} for s in range(4)}
+    w = Writer(str(path))
+    try:
+        w.write(0, steps[0])
+        given = blocks._free[0]
+        w.write(1, steps[1])
+        assert blocks._free[0] is given  # taken for step 1's group and given back
+        p2, p3 = w.plan(2, steps[2]), w.plan(3, steps[3])
+        for p in (p2, p3):
+            w.ensure_arrays(p)
+        r3, e3 = w.flush_chunks(p3, p3.tasks)  # waits for step 2's chunks: keeps its block
+        assert e3 is None and blocks._free == []
+        want3 = steps[3]["a"].clone()
+        steps[3]["a"].fill_(7.0)  # (the sources may change: the block holds step 3's bytes)
+        r2, e2 = w.flush_chunks(p2, p2.tasks)  # a new block: step 3's is still sliced
+        assert e2 is None
+        w.commit(p2, r2)
+        w.commit(p3, r3)
+    finally:
+        w.close()
+    steps[3]["a"] = want3  # what was captured: the values before the fill
+    _check_steps(path, steps)
+
+
+@pytest.mark.parametrize("cancelling", [1, 3, 12])
+def test_batch_m2_is_exact_where_the_shortcut_would_cancel(cancelling: int) -> None:
+    """stats.batch_partials takes M2 = sumsq - total * mean where that is
+    safe and the two-pass formula where it cancels (|mean| >> std: one
+    segment at a time for a few, the whole block for many); both match an
+    exactly rounded reference, one-value segments have M2 0."""
+    import math
+
+    from dstt.store.stats import batch_partials
+
+    g = torch.Generator().manual_seed(cancelling)
+    segs = [torch.randn(int(n), generator=g, dtype=torch.float64) for n in torch.randint(2, 400, (40,), generator=g)]
+    for k in range(cancelling):  # 1e6 + tiny noise: sumsq - n*mean^2 loses every digit
+        segs[3 * k] = 1e6 + 1e-4 * segs[3 * k]
+    segs[-1] = torch.tensor([5.0], dtype=torch.float64)
+    rows = batch_partials(torch.cat(segs), [s.numel() for s in segs])
+    for s, row in zip(segs, rows):
+        vals = s.tolist()
+        mean = math.fsum(vals) / len(vals)
+        want = math.fsum((x - mean) ** 2 for x in vals)
+        assert row[2] == pytest.approx(want, rel=1e-9, abs=1e-300), (len(vals), row[1])
+
+
+def test_a_single_writer_commits_a_step_with_one_store_sync_after_all_its_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """committer: a single writer's step syncs the store once -- after its
+    packs, chunk files and index files, before its commit marker (the sync
+    before the index files only mattered for other ranks' chunks)."""
+    from dstt.format.backends.local import LocalBackend
+
+    ops: list[str] = []
+    real_sync, real_put, real_atomic = LocalBackend.sync, LocalBackend.put, LocalBackend.put_atomic
+
+    def sync(self: LocalBackend) -> None:
+        ops.append("sync")
+        real_sync(self)
+
+    def put(self: LocalBackend, key: str, data: object) -> None:
+        ops.append("put " + key)
+        real_put(self, key, data)  # type: ignore[arg-type]
+
+    def put_atomic(self: LocalBackend, key: str, data: object) -> None:
+        ops.append("put_atomic " + key)
+        real_atomic(self, key, data)  # type: ignore[arg-type]
+
+    path = tmp_path / "run"
+    states = {s: {"a": torch.full((100,), float(s)), "big": torch.full((300_000,), float(s))} for s in range(2)}
+    dstt.save(path, 0, states[0])
+    monkeypatch.setattr(LocalBackend, "sync", sync)
+    monkeypatch.setattr(LocalBackend, "put", put)
+    monkeypatch.setattr(LocalBackend, "put_atomic", put_atomic)
+    dstt.save(path, 1, states[1])
+    assert ops.count("sync") == 1
+    at = ops.index("sync")
+    assert any(o.startswith("put packs/") for o in ops[:at]) and any("/c." in o for o in ops[:at])
+    assert any(o.endswith("/index.json") for o in ops[:at]) and not any(o.startswith("put ") for o in ops[at + 1:])
+    assert ops[-1].startswith("put_atomic ") and ops[-1].endswith("/commit.json")
+    monkeypatch.undo()
+    _check_steps(path, states)
