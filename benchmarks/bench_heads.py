@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import fresh_dir, machine  # noqa: E402
 
 import dstt  # noqa: E402
-from dstt.format.heads import head_key  # noqa: E402
 from dstt.format import layout as L  # noqa: E402
+from dstt.format.heads import head_key  # noqa: E402
 
 
 def state(k: int) -> dict:

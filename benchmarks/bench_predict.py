@@ -50,10 +50,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_delta import batch, build  # noqa: E402
 from common import machine  # noqa: E402
 
+from dstt.format.codecs import predictive as pc  # noqa: E402
 from dstt.format.codecs.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta  # noqa: E402
 from dstt.format.codecs.optimspec import ParamState, delta, param_codings  # noqa: E402
 from dstt.format.codecs.predictors import Coding  # noqa: E402
-from dstt.format.codecs import predictive as pc  # noqa: E402
 
 KINDS = ("param", "exp_avg", "exp_avg_sq", "other")
 ROLE_ORDER = ("exp_avg", "momentum_buffer", "exp_avg_sq", "max_exp_avg_sq", "param")
