@@ -169,7 +169,7 @@ class HelperTier:
         (rank 0 records it once, when it acts on the request). Returns the
         record made here, if any."""
         at = step if step is not None else (self.held[-1].step if self.held else 0)
-        steps = tuple(s.step for s in self.held)
+        steps = self._dump_set(at)
         if self.peers is None:
             return self._act(at, reason, source, steps, tensors, ident=None, origin=0)
         req = self.peers.request(new_id(source, at), at, reason, source, steps, tensors)
@@ -282,8 +282,8 @@ class HelperTier:
         """Store every held step up to the incident's latest (``steps``:
         those the raising rank held; a step this rank no longer holds is
         its loss, stated in the record); rank 0 records the incident."""
-        upto = max((at, *steps))
-        forced = [s for s in self.held if s.step <= upto or s.step in steps]
+        mine = set(self._dump_set(at))
+        forced = [s for s in self.held if s.step in mine or s.step in steps]
         for s in forced:
             self._force(s)
         mine = {s.step for s in forced}
@@ -302,6 +302,13 @@ class HelperTier:
             return None
         self.incidents.append(inc)
         return inc
+
+    def _dump_set(self, at: int) -> tuple[int, ...]:
+        """The held steps an incident at ``at`` stores: the K before it and
+        itself, and every one queued after it (a helper behind may hold
+        more than K; the incident asks for the K that led up to it)."""
+        before = [s.step for s in self.held if s.step <= at][-(self.k + 1):]
+        return (*before, *(s.step for s in self.held if s.step > at))
 
     def _poll_peers(self) -> bool:
         if self.peers is None:
