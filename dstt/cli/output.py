@@ -106,6 +106,10 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+#: ``--json`` of the inspection commands (ls, show, diff, history, find).
+JSON_OPT = typer.Option(False, "--json", help="Machine-readable output on stdout.")
+
+
 def fail(message: str, code: int = 1) -> "typer.Exit":
     stderr.print(Text.assemble(("error:", "bold red"), " ", message))
     return typer.Exit(code)
