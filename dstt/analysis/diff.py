@@ -42,12 +42,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
-from dstt.analysis.select import Point, match_names, resolve_point
+from dstt.analysis.select import match_names, resolve_point
 from dstt.store.torch_dtypes import from_storage
 
 if TYPE_CHECKING:
     from dstt.format.manifest import TensorEntry
     from dstt.store.reader import TensorReader as Run
+
+#: A point of a run to compare: (reader with tensors, branch, step).
+Point = tuple["Run", str, int]
 
 #: Diff row keys, in output order.
 DIFF_KEYS = ("name", "status", "l2_delta", "rel_change", "cosine", "max_abs_delta", "frac_changed")
@@ -238,8 +241,10 @@ def _row(name: str, status: str, ea: "TensorEntry | None", eb: "TensorEntry | No
 
 def _chunk(run: "Run", e: "TensorEntry", i: int) -> torch.Tensor:
     """Chunk ``i`` of an entry, edge padding trimmed, in its logical dtype."""
+    from dstt.format.chunks import chunk_array
+
     region = tuple(slice(0, n) for n in e.chunk_grid.box(e.coords(i))[1])
-    arr = run._chunk(e, i, False)
+    arr = chunk_array(run.backend, e, i)
     if not arr.flags.writeable:  # bytes from an object store; never written here, but torch warns
         arr = arr.copy()
     return from_storage(torch.from_numpy(arr[region] if region else arr), e.dtype)

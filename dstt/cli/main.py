@@ -17,11 +17,13 @@ commands never import torch.
 from __future__ import annotations
 
 import importlib
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import click
 import typer
 from typer.core import TyperGroup
+
+if TYPE_CHECKING:  # the click typer runs on (vendored by typer 0.29)
+    from typer._click import Command, Context
 
 #: Command -> the module (under dstt.cli) defining it, in help order. A new
 #: command gets a module of its own, named after it (``import-dcp`` would be
@@ -51,9 +53,9 @@ class LazyGroup(TyperGroup):
     """A typer group that imports a command's module on first use."""
 
     #: Module name -> the click group of the commands it registered (built once).
-    _loaded: ClassVar[dict[str, click.Group]] = {}
+    _loaded: ClassVar[dict[str, TyperGroup]] = {}
 
-    def _module_commands(self, module: str) -> click.Group:
+    def _module_commands(self, module: str) -> TyperGroup:
         group = self._loaded.get(module)
         if group is None:
             sub = typer.Typer(pretty_exceptions_enable=False, add_completion=False)
@@ -63,10 +65,10 @@ class LazyGroup(TyperGroup):
             self._loaded[module] = group
         return group
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def list_commands(self, ctx: Context) -> list[str]:
         return [*COMMANDS, *(n for n in self.commands if n not in COMMANDS)]
 
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+    def get_command(self, ctx: Context, cmd_name: str) -> Command | None:
         module = COMMANDS.get(cmd_name)
         if module is None:
             return self.commands.get(cmd_name)
