@@ -12,8 +12,9 @@ from dstt.format.gc import GcReport
 from dstt.format.incidents import Incident
 from dstt.format.layout import validate_step
 from dstt.format.refs import StepRef
+from dstt.store.committer import CommitInfo
 from dstt.store.reader import TensorReader
-from dstt.store.writer import CommitInfo, Writer
+from dstt.store.writer import Writer
 
 
 class Run(TensorReader):

@@ -61,7 +61,7 @@ from dstt.integrations import (
 _SKIPPED_STATE = ("log_history",)
 
 
-class DsttCallback(CallbackCore, TrainerCallback):  # type: ignore[misc]
+class DsttCallback(CallbackCore, TrainerCallback):
     """Capture a ``transformers.Trainer`` run into a dstt store.
 
     ``store``: path or URL; ``every``: capture when ``global_step % every ==
@@ -164,7 +164,9 @@ def to_checkpoint(ref: str, directory: str) -> str:
     if "scheduler" in state:
         torch.save(state["scheduler"], os.path.join(directory, "scheduler.pt"))
     _write_rng(state.get("rng"), directory)
-    extra = state.get("extra") if isinstance(state.get("extra"), dict) else {}
+    extra = state.get("extra")
+    if not isinstance(extra, dict):
+        extra = {}
     trainer = dict(extra.get("trainer") or {"global_step": step})
     trainer["log_history"] = []
     with open(os.path.join(directory, "trainer_state.json"), "w", encoding="utf-8") as f:
