@@ -51,7 +51,8 @@ import torch
 from dstt.capture import Capture
 from dstt.errors import RestoreMismatchError
 from dstt.integrations import (
-    CallbackCore,
+    check_callback_options,
+    close_capture,
     numbers_only,
     optimizer_state_dict,
     plain_values,
@@ -61,7 +62,7 @@ from dstt.integrations import (
 from dstt.store.state import optimizer_state, set_rng_state
 
 
-class DsttCallback(CallbackCore, pl.Callback):
+class DsttCallback(pl.Callback):
     """Capture a Lightning ``Trainer.fit`` run into a dstt store.
 
     ``store``: path or URL; ``every``: capture when ``global_step % every ==
@@ -72,10 +73,25 @@ class DsttCallback(CallbackCore, pl.Callback):
 
     def __init__(self, store: Any, *, every: int = 1, branch: str | None = None, rng: bool = True,
                  **capture_options: Any) -> None:
-        CallbackCore.__init__(self, store, every=every, branch=branch, rng=rng, capture_options=capture_options)
+        check_callback_options(every, capture_options)
+        self.store = os.fspath(store)
+        self.every = every
+        self.branch = branch
+        self.parent: tuple[str, int] | None = None
+        self.rng = rng
+        self.capture_options = capture_options
+        self.capture: Capture | None = None
+        self._resume_dir: str | None = None
         self._last_step = -1
         self._resume_rng: Any = None
         self._resume_at: dict[str, Any] | None = None  # extra/lightning of the step resumed from
+
+    def close(self) -> None:
+        """Wait until every captured step is committed, release the capture,
+        remove the temporary resume directory. Idempotent."""
+        capture, self.capture = self.capture, None
+        resume_dir, self._resume_dir = self._resume_dir, None
+        close_capture(capture, resume_dir)
 
     # ------------------------------------------------------------------ resume
 
