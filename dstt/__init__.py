@@ -37,7 +37,7 @@ _LAZY: dict[str, str] = {
     "Ref": "dstt.format.refs",
     "ShardedTensor": "dstt.store.shards",
     "Writer": "dstt.store.writer",
-    "CommitInfo": "dstt.store.committer",
+    "CommitInfo": "dstt.store.writer",
     "restore": "dstt.timetravel.restore",
     "branch": "dstt.timetravel.restore",
     "export": "dstt.timetravel.export",
