@@ -10,7 +10,8 @@ them)::
     tier <step>                            ok <step> <commit json> | err <step> <message>
     incident <step|-> <reason, utf-8 hex>  incident <step> <record json>
     hold <step> / unhold <step>            held <step> yes|no
-    close                                  free <step>   (its slot may be reused)
+    close                                  mem <step>    (passed over: memory only, for now)
+                                           free <step>   (its slot may be reused)
 
 Answers come in any order: a step persisted takes longer than newer ones
 evicted as memory-only. A step is ``free`` only once it left the tier
@@ -125,6 +126,9 @@ class HelperOps:
             self.reply(f"err {step} {msg}".replace("\n", " "))
         else:
             self.reply(f"ok {step} {json.dumps(asdict(outcome) if outcome is not None else {})}")
+
+    def passed(self, step: int) -> None:
+        self.reply(f"mem {step}")
 
     def release(self, step: int) -> None:
         R.unseal_file(self.ring_dir, step)  # (removed before the slot is reused: a seal never outlives its bytes)

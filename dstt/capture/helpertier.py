@@ -69,6 +69,9 @@ class TierOps(Protocol):
     def release(self, step: int) -> None:
         """``step`` left the tier: its slot may be reused by the trainer."""
 
+    def passed(self, step: int) -> None:
+        """``step`` is passed over: memory only (unless an incident stores it later)."""
+
     def record(self, incident: Incident, ident: str | None) -> None:
         """Record ``incident`` in the store (one record per ``ident``)."""
 
@@ -391,6 +394,7 @@ class HelperTier:
         s.decision = "memory"
         self._memory_only.append(s.step)
         self.passed_over.append(s.step)
+        self.ops.passed(s.step)
 
     def _force(self, s: TierStep) -> None:
         s.forced = True

@@ -42,6 +42,7 @@ class StoreOps:
         self.answers: dict[int, Any] = {}
         self.released: list[int] = []
         self.checked: list[int] = []
+        self.memory: list[int] = []
 
     def capture(self, tier: HelperTier, step: int, state: dict[str, torch.Tensor] | None = None) -> None:
         st = {k: v.clone() for k, v in (state or state_at(step, self.rank)).items()}
@@ -67,6 +68,9 @@ class StoreOps:
 
     def answer(self, step: int, outcome: Any) -> None:
         self.answers[step] = outcome
+
+    def passed(self, step: int) -> None:
+        self.memory.append(step)
 
     def release(self, step: int) -> None:
         assert step not in self.released
@@ -123,7 +127,7 @@ def test_newest_passes_over_what_queued_while_the_writer_was_busy(tmp_path: Path
     for s in range(5):  # handed over while the helper wrote nothing (its writer busy)
         ops.capture(tier, s)
     tier.pump()
-    assert tier.persisted == [4] and tier.passed_over == [0, 1, 2, 3]
+    assert tier.persisted == [4] and tier.passed_over == [0, 1, 2, 3] and ops.memory == [0, 1, 2, 3]
     assert 0 in ops.released and 4 not in ops.released  # only what left the K newest
     ops.capture(tier, 5)
     tier.pump()
