@@ -208,6 +208,33 @@ class HelperHandle:
             self._seen = act
         return None if self._seen is None else (self._seen.cpu_ticks, self._seen.io_bytes)
 
+    def send_command(self, text: str, step: int) -> None:
+        """Write one command line (the memory tier's: helperops.py) without
+        blocking; CaptureError naming ``step`` if the helper cannot take it."""
+        if self.lost:
+            raise self._gone(step, "is not serving")
+        try:
+            os.write(self._cmd, (text + "\n").encode())
+        except BlockingIOError:
+            self.kill("stopped reading its commands (its pipe is full) and was killed")
+            raise self._gone(step, self._killed_why or "") from None
+        except OSError as e:
+            raise self._gone(step, f"is gone ({e})") from None
+        self.sent = True
+
+    def read_answer(self) -> str | None:
+        """The next answer line, waiting for it (the memory tier's reader
+        thread: the helper's progress bounds the waits of whoever needs
+        it); None at end of file."""
+        line = self._readline(None)
+        if line == "ready":
+            self.ready = True
+        return line
+
+    def sample(self) -> None:
+        """Look at the helper's CPU time and I/O (progress: ``on_progress``)."""
+        self._sample()
+
     def kill(self, why: str) -> None:
         """Kill the helper (``why`` goes into every error about it from now
         on). Its sealed steps stay in the ring: the next Capture on the

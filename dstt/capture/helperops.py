@@ -8,7 +8,7 @@ them)::
 
     trainer -> helper                      helper -> trainer
     tier <step>                            ok <step> <commit json> | err <step> <message>
-    incident <step|-> <reason, utf-8 hex>  incident <step> <record json>
+    incident <step|-> <reason hex> [src]  incident <step> <record json>
     hold <step> / unhold <step>            held <step> yes|no
     close                                  mem <step>    (passed over: memory only, for now)
                                            free <step>   (its slot may be reused)
@@ -186,13 +186,14 @@ def _handle(cmd: list[str], tier: HelperTier, ops: HelperOps, reply: Callable[[s
             reply(f"held {step} {'yes' if tier.hold(step) else 'no'}")
         else:
             tier.unhold(step)
-    elif len(cmd) == 3 and cmd[0] == "incident" and (cmd[1] == "-" or cmd[1].isdigit()):
+    elif len(cmd) in (3, 4) and cmd[0] == "incident" and (cmd[1] == "-" or cmd[1].isdigit()):
         asked = None if cmd[1] == "-" else int(cmd[1])
         try:
             reason = bytes.fromhex(cmd[2]).decode()
         except ValueError:
             reason = "(an incident whose reason could not be read)"
-        inc = tier.incident(reason, asked)
+        source = cmd[3] if len(cmd) == 4 and cmd[3] in ("trainer", "rewind") else "trainer"
+        inc = tier.incident(reason, asked, source)
         at = asked if asked is not None else (tier.held[-1].step if tier.held else 0)
         doc = inc.to_dict() if inc is not None else {"step": at, "reason": reason, "recorded_by": "rank 0"}
         reply(f"incident {at} {json.dumps(doc)}")

@@ -343,6 +343,11 @@ class HelperTier:
         todo = [s for s in self.held if s.decision == "persist" and not s.written and s.checked]
         forced = [s for s in todo if s.forced]
         if forced:
+            if self._deciding:  # undecided steps older than the dump: passed over now, recorded in its commits
+                newest = max(s.step for s in forced)
+                for s in self.held:
+                    if s.decision is None and s.step < newest:
+                        self._pass_over(s)
             return forced[0]
         if todo:
             return todo[0]

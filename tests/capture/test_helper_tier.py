@@ -312,3 +312,21 @@ def test_the_same_nan_on_two_ranks_is_one_incident(tmp_path: Path) -> None:
         t.close()
     for o in opss:
         o.writer.close()
+
+
+def test_an_incident_before_any_write_still_records_what_was_passed_over(tmp_path: Path) -> None:
+    """A helper still starting when the incident came (every step queued,
+    nothing written yet): the older undecided steps are passed over before
+    the dump is written, so its first commit records them as memory-only
+    (seen in the helper process: they were decided only after the last
+    commit and recorded nowhere)."""
+    ops = StoreOps(tmp_path / "r")
+    tier = HelperTier(3, "newest", ops, branch="main")
+    for s in range(10):
+        ops.capture(tier, s)
+    inc = tier.incident("spike")  # before any pump
+    assert inc is not None and inc.steps == (6, 7, 8, 9)
+    tier.close()
+    ops.writer.close()
+    spans, persisted = RunIndex(str(tmp_path / "r")).captured()
+    assert spans == [(0, 9)] and persisted == [6, 7, 8, 9]
