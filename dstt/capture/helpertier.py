@@ -285,12 +285,15 @@ class HelperTier:
         """Store every held step up to the incident's latest (``steps``:
         those the raising rank held; a step this rank no longer holds is
         its loss, stated in the record); rank 0 records the incident."""
-        mine = set(self._dump_set(at))
-        forced = [s for s in self.held if s.step in mine or s.step in steps]
+        # Exactly the raising rank's steps (every rank stores the same ones:
+        # a step one rank stores alone would leave rank 0 waiting for the
+        # others' records of it); this rank's own when it raised it.
+        wanted = set(steps) if steps else set(self._dump_set(at))
+        forced = [s for s in self.held if s.step in wanted]
         for s in forced:
             self._force(s)
         mine = {s.step for s in forced}
-        missing = sorted(set(steps) - mine)
+        missing = sorted(wanted - mine)
         if missing and self.world > 1:
             log.warning("dstt helper (rank %d): incident at step %d: steps %s are no longer in this rank's memory",
                         self.rank, at, ", ".join(map(str, missing)))
