@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Callable
 from typing import Any
 
+from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
-from dstt.errors import CaptureError
 from dstt.format.skips import write_skip
 from dstt.store.writer import ChunkResult, CommitInfo
 
@@ -37,26 +36,16 @@ class Committing:
     config: Any
     writer: Any
     rank: int
+    ledger: Ledger
     _helper: Any
     _plan_coord: Any
     _commit_q: queue.SimpleQueue[Job | None]
-    _cond: threading.Condition
-    _errors: list[CaptureError]
-    _recent: Any
-    _pending: int
-    _queued_steps: set[int]
-    n_committed: int
-    bytes_written: int
-    last_commit: CommitInfo | None
 
     # (also used: _lower_priority (engine.py), _settle and _commit_by_helper
-    # (crashsafe.py), _bump and _await_event (draining.py); not declared
-    # here, so no stub shadows them in the MRO)
+    # (crashsafe.py); not declared here, so no stub shadows them in the MRO)
     _lower_priority: Callable[[], None]
     _settle: Callable[[Job], None]
     _commit_by_helper: Callable[[Job], CommitInfo]
-    _bump: Callable[[], None]
-    _await_event: Callable[..., None]
 
     def _commit_loop(self) -> None:
         """Every job in order: committed (with the helper: its answer read,
@@ -77,32 +66,24 @@ class Committing:
             else:
                 commit(job)
         except BaseException as e:
-            with self._cond:
+            with self.ledger.cond:
                 reported, job.reported = job.reported, True
             if not reported:
-                self._fail(job.plan.step, e)
+                self.ledger.fail(job.plan.step, e)
         finally:
             self._settle(job)
-            with self._cond:
-                self._pending -= 1
-                self._queued_steps.discard(job.plan.step)
-                self._cond.notify_all()
-            self._bump()
+            self.ledger.settled(job.plan.step)
 
     def _commit(self, job: Job) -> None:
         # (bounded: the stager's copies and seal; with the helper, every wait
         # on its answers is bounded by the helper's progress: helper.py)
-        self._await_event(job.submitted, lambda: f"step {job.plan.step} to be staged and sealed")
+        self.ledger.wait_event(job.submitted, lambda: f"step {job.plan.step} to be staged and sealed")
         if self._helper is not None:
             info = self._commit_by_helper(job)
         else:
             info = self._commit_here(job)
             job.info = info  # (its seal, if any, is removed in _settle)
-        with self._cond:
-            self._recent.append(info)
-            self.n_committed += 1
-            self.bytes_written += info.bytes_written
-            self.last_commit = info
+        self.ledger.committed(info)
 
     def _commit_here(self, job: Job) -> CommitInfo:
         error = job.error
@@ -126,13 +107,3 @@ class Committing:
         # Collective: called for every planned step, with its error, so that
         # no step is committed with missing data and no peer waits forever.
         return self.writer.commit(job.plan, results, error)
-
-    def _fail(self, step: int, e: BaseException) -> None:
-        err = e if isinstance(e, CaptureError) and f"step {step}" in str(e) else None
-        if err is None:
-            err = CaptureError(f"capturing step {step} on branch {self.config.branch!r} failed: "
-                               f"{type(e).__name__}: {e}")
-            err.__cause__ = e
-        log.error("%s", err)
-        with self._cond:
-            self._errors.append(err)

@@ -341,7 +341,7 @@ class CrashSafe:
         self._hand_over = True
         return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice, dist,
                             idle=cfg.background_idle, timeout_s=cfg.background_timeout_s,
-                            on_progress=self._bump)  # type: ignore[attr-defined]
+                            on_progress=self.ledger.bump)
 
     def _writer_options(self) -> dict[str, Any]:
         """The options of a Writer storing this Capture's steps elsewhere (the helper's, fallback.py's)."""

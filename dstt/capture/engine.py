@@ -43,6 +43,7 @@ from dstt.capture.draining import Draining
 from dstt.capture.guard import VersionGuard
 from dstt.capture.hooks import StepFence
 from dstt.capture.incidents import Incidents
+from dstt.capture.ledger import Ledger
 from dstt.capture.lifecycle import LIVE
 from dstt.capture.pipeline import (
     GuardTripped,
@@ -68,8 +69,6 @@ __all__ = ["Capture", "lower_thread_priority"]
 log = logging.getLogger("dstt.capture")
 
 
-#: Commits kept for :attr:`Capture.committed` (the counters count them all).
-RECENT_COMMITS = 1024
 #: Steps remembered per branch as captured by this Capture (older ones are
 #: found in the store: committed, or recorded as memory-only).
 CAPTURED_LOG = 4096
@@ -105,6 +104,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         self._store_by_name = isinstance(store, (str, os.PathLike))
         self._store_arg = store  # a rewind opens a writer of the new branch on it
         cfg = self.config
+        self.ledger = Ledger(branch=lambda: self.config.branch, limit_s=cfg.background_timeout_s)
         # Two coordinators: planning runs on this thread, commits on the
         # committer thread; sharing one gloo group would interleave them.
         self._plan_coord = new_coordinator()
@@ -145,19 +145,10 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         # variables cost the trainer tens of microseconds per step: issue 16)
         self._stage_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._commit_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._cond = threading.Condition()
-        self._pending = 0  # jobs queued and not yet committed (or failed)
-        self._queued_bytes = 0  # lazy bytes queued for staging, not yet allocated
-        self._errors: list[CaptureError] = []
         self._last: Job | None = None  # the latest job with lazy copies
         self._copying: collections.deque[Job] = collections.deque()  # lazy CPU jobs not yet copied, in order
-        self._recent: collections.deque[CommitInfo] = collections.deque(maxlen=RECENT_COMMITS)
-        self.n_committed = 0  # steps committed by this Capture
-        self.bytes_written = 0  # encoded bytes those commits wrote
-        self.last_commit: CommitInfo | None = None
         self.skipped: list[int] = []
         self._captured_log: dict[str, collections.deque[int]] = {}  # branch -> the latest steps queued on it
-        self._queued_steps: set[int] = set()  # queued, not yet committed or failed (under _cond)
         self._closed = False
         self._pid = os.getpid()  # a forked child holds a copy of this object, never the pipeline
         #: Injection point for tests and tools: called on the stager thread as
@@ -222,7 +213,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             why = self._skip_reason(job)  # collective under torch.distributed
             if why is not None:
                 if job.error is not None and not is_interrupt(job.error):
-                    self._fail(step, job.error)
+                    self.ledger.fail(step, job.error)
                 self._queue_skip(job, why)
                 return self._after_queueing(job, queued=False)
         if job.error is None:
@@ -280,11 +271,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             self._tier_enqueue(job, lazy=bool(job.lazy) and job.error is None)
             return
         staged_later = (bool(job.lazy) or job.hold) and job.error is None  # held steps are sealed by the stager
-        with self._cond:
-            self._pending += 1
-            self._queued_steps.add(job.plan.step)
-            if staged_later:
-                self._queued_bytes += job.lazy_bytes
+        self.ledger.queued(job.plan.step, job.lazy_bytes if staged_later else 0)
         if staged_later:
             self._queue_lazy(job)
         else:
@@ -296,7 +283,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         self._last = job
         if job.lazy and job.cpu_lazy:
             job.copies_left = len(job.lazy)
-            with self._cond:
+            with self.ledger.cond:
                 self._copying.append(job)
         else:
             job.copies_done.set()
@@ -312,8 +299,22 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
     def committed(self) -> list[CommitInfo]:
         """The latest commits (at most :data:`RECENT_COMMITS`; ``n_committed``
         counts them all, ``last_commit`` is the newest)."""
-        with self._cond:
-            return list(self._recent)
+        return self.ledger.commits()
+
+    @property
+    def n_committed(self) -> int:
+        """Steps committed by this Capture."""
+        return self.ledger.n_committed
+
+    @property
+    def bytes_written(self) -> int:
+        """Encoded bytes this Capture's commits wrote."""
+        return self.ledger.bytes_written
+
+    @property
+    def last_commit(self) -> CommitInfo | None:
+        """The newest commit of this Capture."""
+        return self.ledger.last_commit
 
     def __enter__(self) -> Capture:
         return self
@@ -347,18 +348,18 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             self._report_once(job, CaptureError(f"step {job.plan.step} not captured: {violation}"))
 
     def _report_once(self, job: Job, e: BaseException) -> None:
-        with self._cond:
+        with self.ledger.cond:
             if job.reported:
                 return
             job.reported = True
-        self._fail(job.plan.step, e)
+        self.ledger.fail(job.plan.step, e)
 
     def _after_fork_in_child(self) -> None:
         """os.fork() copied this object but none of its threads: the child
         must neither wait for them nor release what the parent holds (the
         branch lock is forgotten by lock.py's own at-fork hook)."""
         self._closed = True
-        self._cond = threading.Condition()
+        self.ledger.cond = threading.Condition()
         self._fence = StepFence(lambda: None)  # the parent's hooks stay on the parent's optimizers
         if self._helper is not None:  # the helper must see end-of-file when the parent dies
             self._helper.abandon()
@@ -380,24 +381,24 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         job = self._last
         if job is None or job.staged.is_set() or self._pid != os.getpid():
             return  # (in a forked child the stager does not exist: never wait for it)
-        with self._cond:
+        with self.ledger.cond:
             copying = list(self._copying)
         if copying and all(j.cpu_lazy for j in copying) and job in copying:
             for j in copying:  # in queue order: an earlier step's sources change too
                 self._copy_lazy_cpu(j)
                 # (a copy the stager claimed may still be running)
-                self._await_event(j.copies_done, lambda j=j: self._copies_text(j))
+                self.ledger.wait_event(j.copies_done, lambda j=j: self._copies_text(j))
                 j.issued.set()
                 j.staged.set()  # the stager seals and hands it on when it runs
             return
-        self._await_event(job.issued, lambda: self._copies_text(job))
+        self.ledger.wait_event(job.issued, lambda: self._copies_text(job))
         if job.cuda_done and job.error is None:
             # GPU-side ordering: the update kernels queue behind the copies;
             # the host does not wait for the device.
             for idx, ev in job.cuda_done.items():
                 torch.cuda.current_stream(idx).wait_event(ev)
         else:
-            self._await_event(job.staged, lambda: self._copies_text(job))
+            self.ledger.wait_event(job.staged, lambda: self._copies_text(job))
 
     @staticmethod
     def _copies_text(job: Job) -> str:
@@ -418,8 +419,8 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
                 return
             job = self._last
             if job is not None:
-                self._await_event(job.staged, f"step {job.plan.step} to be staged before the pool grows")
-            self._await(pool.wait_idle, "every staging block to be freed before the pool grows")
+                self.ledger.wait_event(job.staged, f"step {job.plan.step} to be staged before the pool grows")
+            self.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
         want = policy.pool_bytes(need_bytes=need, biggest_bytes=biggest, limit_bytes=limit)
         self.pool = self._new_pool(want, pin)
 
@@ -432,8 +433,8 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         why = None
         if pool is not None and job.error is None:
             need = policy.step_need_bytes([pool.block_bytes(task_bytes(t)) for t in job.plan.tasks])
-            with self._cond:
-                outstanding = pool.in_use + self._queued_bytes
+            with self.ledger.cond:
+                outstanding = pool.in_use + self.ledger.queued_bytes
             why = policy.skip_reason(capacity_bytes=pool.capacity, outstanding_bytes=outstanding, need_bytes=need)
         if self._plan_coord.distributed:
             reasons = [r for r in self._plan_coord.all_gather(why) if r is not None]
@@ -443,8 +444,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
     def _queue_skip(self, job: Job, why: str) -> None:
         job.skip = why
         warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", RuntimeWarning, stacklevel=3)
-        with self._cond:
-            self._pending += 1
+        self.ledger.queued(None)
         self.skipped.append(job.plan.step)
         job.finish_staging()
         self._commit_q.put(job)
@@ -464,7 +464,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             try:
                 if job.copies_left >= 0:  # lazy CPU copies: claimed, shared with the trainer
                     self._copy_lazy_cpu(job)
-                    self._await_event(job.copies_done, lambda job=job: self._copies_text(job))
+                    self.ledger.wait_event(job.copies_done, lambda job=job: self._copies_text(job))
                     if job.error is not None and not isinstance(job.error, CaptureError):
                         raise job.error
                 else:
@@ -475,22 +475,22 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             except BaseException as e:
                 job.error = job.error or e
             finally:
-                with self._cond:
+                with self.ledger.cond:
                     if job in self._copying:
                         self._copying.remove(job)
                 if job.guard is not None:
                     job.guard.release()
                 job.issued.set()
                 job.staged.set()  # copies landed: the optimizer may update the sources
-                with self._cond:
-                    self._queued_bytes -= job.lazy_bytes
+                with self.ledger.cond:
+                    self.ledger.queued_bytes -= job.lazy_bytes
                     job.lazy_bytes = 0
                 if self._tier:
                     self._tier_staged(job)  # into the ring, sealed; then wait_staged() returns
                 elif job.hold and job.error is None:
                     self._seal(job)  # then wait_staged() returns (submitted, below)
                 job.finish_staging()
-                self._bump()
+                self.ledger.bump()
 
     def _flush_one(
         self, pool: HostPool, job: Job, task: ChunkTask, staged: torch.Tensor, ready: Any
@@ -504,7 +504,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         finally:
             if not job.hold:  # a held block is the ring's copy until the step is committed
                 pool.release(staged)
-            self._bump()
+            self.ledger.bump()
 
     def _flush_many(self, pool: HostPool, job: Job, tasks: list[ChunkTask], staged: list[torch.Tensor],
                     ) -> tuple[list[ChunkResult], BaseException | None]:
@@ -519,4 +519,4 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             if not job.hold:  # a held block is the ring's copy until the step is committed
                 for s in staged:
                     pool.release(s)
-            self._bump()
+            self.ledger.bump()

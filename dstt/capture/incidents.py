@@ -8,13 +8,13 @@ NaN or Inf. An incident stores every step still in the memory tier
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from typing import Any
 
 import torch
 
+from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
 from dstt.errors import CaptureError, StepNotFoundError
 from dstt.format import args as A
@@ -38,7 +38,7 @@ class Incidents:
 
     config: Any
     writer: Writer
-    _cond: threading.Condition
+    ledger: Ledger
     _tier: bool
     _held: deque[Job]
     _watch_tail: deque[Job]
@@ -95,7 +95,7 @@ class Incidents:
         (in the commit of the first step stored after it)."""
         if step in self._captured_log.get(branch, ()):
             return True
-        with self._cond:  # passed over by the memory tier, not yet recorded in a commit
+        with self.ledger.cond:  # passed over by the memory tier, not yet recorded in a commit
             if step in getattr(self, "_memory_only", {}).get(id(self.writer), ()):
                 return True
         backend = self.writer.backend
@@ -110,10 +110,10 @@ class Incidents:
 
     def _raise_incident(self, reason: str, step: int | None, source: str,
                         tensors: tuple[str, ...] = ()) -> Incident:
-        with self._cond:
+        with self.ledger.cond:
             at = step if step is not None else self._latest_step
             steps = self._force_all()
-            self._cond.notify_all()
+            self.ledger.cond.notify_all()
         if at is None:
             last = self.writer.last_step
             if last is None:
@@ -160,9 +160,9 @@ class Incidents:
         thread a busy machine may not schedule."""
         self._lower_priority()  # type: ignore[attr-defined]
         while True:
-            with self._cond:
+            with self.ledger.cond:
                 # unbounded wait: the watcher waiting for work; close() wakes it (_stopping)
-                self._cond.wait_for(lambda: self._stopping or _to_check(self._watch_q, False) is not None)
+                self.ledger.cond.wait_for(lambda: self._stopping or _to_check(self._watch_q, False) is not None)
                 if _to_check(self._watch_q, False) is None:
                     return
             self._watch_next(steal=False)
@@ -172,7 +172,7 @@ class Incidents:
         (the trainer), else the oldest one not checked yet even if the
         watcher is on it -- then settle the checked steps in step order.
         False if there was none to check."""
-        with self._cond:
+        with self.ledger.cond:
             job = _to_check(self._watch_q, steal)
             if job is None:
                 return False
@@ -183,11 +183,11 @@ class Incidents:
             log.warning("dstt: could not check step %d for non-finite values: %s", job.plan.step, e)
             bad = ()
         freed: list[Job] = []
-        with self._cond:
+        with self.ledger.cond:
             if job.nonfinite is None:  # (the first of two checkers to finish)
                 job.nonfinite = bad
             fired = self._watch_settle(freed)
-            self._cond.notify_all()
+            self.ledger.cond.notify_all()
         self._release(freed)  # type: ignore[attr-defined]
         for at, names, steps in fired:
             self._record_nonfinite(at, names, steps)
@@ -221,7 +221,7 @@ class Incidents:
                            time=time.time(), steps=tuple(steps), tensors=names)
             record_incident(job.writer.backend, inc)
         except BaseException as e:  # noqa: BLE001 - reported to the trainer's next call
-            self._fail(job.plan.step, e)  # type: ignore[attr-defined]
+            self.ledger.fail(job.plan.step, e)
             return
         log.warning("dstt: incident at step %d (non-finite): %r; storing steps %s", job.plan.step, reason,
                     ", ".join(map(str, steps)) or "none")

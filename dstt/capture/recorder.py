@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import seal_record
 from dstt.capture.staging import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
@@ -177,11 +178,9 @@ class FlightRecorder:
 
     config: Any
     writer: Writer
-    _cond: threading.Condition
+    ledger: Ledger
     _ring: Any
     _flush: Any
-    _pending: int
-    _queued_steps: set[int]
 
     # ------------------------------------------------------------ set-up
 
@@ -240,12 +239,12 @@ class FlightRecorder:
 
     def _tier_stop(self) -> None:
         """Stop the committer and watcher (everything stored), free the ring."""
-        with self._cond:
+        with self.ledger.cond:
             self._stopping = True
-            self._cond.notify_all()
-        self._await_thread(self._watcher, "the NaN/Inf watcher to stop")  # type: ignore[attr-defined]
+            self.ledger.cond.notify_all()
+        self.ledger.wait_thread(self._watcher, "the NaN/Inf watcher to stop")
         freed: list[Job] = []
-        with self._cond:
+        with self.ledger.cond:
             for ring in (self._watch_tail, self._held):
                 while ring:
                     self._unref(ring.popleft(), freed)
@@ -255,14 +254,14 @@ class FlightRecorder:
         """close(): every step is checked for NaN/Inf (here, not waiting for
         the watcher: an incident may still store the ring), and the last
         captured step is stored whatever the policy."""
-        with self._cond:
-            self._await_cond(lambda: not self._unstaged, "the queued steps to be staged")  # type: ignore[attr-defined]
+        with self.ledger.cond:
+            self.ledger.wait_cond(lambda: not self._unstaged, "the queued steps to be staged")
         self._watch_all()  # type: ignore[attr-defined]
-        with self._cond:
+        with self.ledger.cond:
             job = self._latest_job
             if job is not None and job.decision == "memory" and job.slot is not None:
                 self._force(job)
-                self._cond.notify_all()
+                self.ledger.cond.notify_all()
 
     def _tier_pool(self, plan: StepPlan, job: Job) -> None:
         """Give ``job`` a slot (waiting for one: backpressure), making or
@@ -274,7 +273,7 @@ class FlightRecorder:
                 self._watch_all()  # type: ignore[attr-defined]
                 self._tier_drop_ring("the captured state grew")
                 self._watch_all()  # type: ignore[attr-defined]  # (steps staged while it drained)
-                self._await(pool.wait_all_free, "every memory-tier slot to be freed")  # type: ignore[attr-defined]
+                self.ledger.wait(pool.wait_all_free, "every memory-tier slot to be freed")
             self._slots = self._make_slots(need, pin=any(t.source.is_cuda for t in plan.tasks))
         slots = self._slots
         got: list[HostPool] = []
@@ -288,11 +287,11 @@ class FlightRecorder:
             if _took(slots.acquire(0), got):
                 return True
             if self._watch_next():  # type: ignore[attr-defined]
-                self._bump()  # type: ignore[attr-defined]  # (progress: checked a step; look again)
+                self.ledger.bump()  # (progress: checked a step; look again)
                 return False
             return _took(slots.acquire(min(t, WATCH_POLL_S)), got)
 
-        self._await(slot_free, f"a free memory-tier slot for step {plan.step} (the writer frees them)")  # type: ignore[attr-defined]
+        self.ledger.wait(slot_free, f"a free memory-tier slot for step {plan.step} (the writer frees them)")
         job.slot = got[0]
         job.pool = job.slot
         job.hold = True
@@ -315,16 +314,16 @@ class FlightRecorder:
         master = self._new_pool(total, pin)  # type: ignore[attr-defined]
         log.info("dstt: memory tier of %d steps: %d slots x %d bytes = %.1f MB (%s)", cfg.memory_steps, nslots,
                  slot, total / 1e6, "/dev/shm ring" if self._pool_in_ring else "process memory")  # type: ignore[attr-defined]
-        self.pool = master  # type: ignore[assignment]
+        self.pool = master
         return SlotPool(master, slot)
 
     # ------------------------------------------------------------ trainer side
 
     def _tier_enqueue(self, job: Job, lazy: bool) -> None:
         """Queue a planned, eagerly staged job (trainer thread)."""
-        with self._cond:
-            self._pending += 1
-            self._queued_steps.add(job.plan.step)
+        with self.ledger.cond:
+            self.ledger.pending += 1
+            self.ledger.queued_steps.add(job.plan.step)
             self._captured += 1
             self._latest_step = job.plan.step
             policy = self._policy
@@ -349,7 +348,7 @@ class FlightRecorder:
         if not failed and self._ring is not None and self._pool_in_ring and job.writer is self._ring_writer:  # type: ignore[attr-defined]
             self._tier_seal(job)
         freed: list[Job] = []
-        with self._cond:
+        with self.ledger.cond:
             if job in self._unstaged:
                 self._unstaged.remove(job)
             if failed:
@@ -378,7 +377,7 @@ class FlightRecorder:
                     job.refs += 1  # the candidate's
                 else:
                     self._pass_over(job, freed)
-            self._cond.notify_all()
+            self.ledger.cond.notify_all()
         self._release(freed)
 
     def _tier_seal(self, job: Job) -> None:
@@ -428,8 +427,8 @@ class FlightRecorder:
         """``job`` stays in memory only (unless an incident forces it later)."""
         job.decision = "memory"
         self._memory_only.setdefault(id(job.writer), []).append(job.plan.step)
-        self._pending -= 1
-        self._queued_steps.discard(job.plan.step)
+        self.ledger.pending -= 1
+        self.ledger.queued_steps.discard(job.plan.step)
         if self._candidate is job:
             self._candidate = None
             self._unref(job, freed)
@@ -454,8 +453,8 @@ class FlightRecorder:
         else:
             job.refs += 1
             if job.decision == "memory":
-                self._pending += 1
-                self._queued_steps.add(job.plan.step)
+                self.ledger.pending += 1
+                self.ledger.queued_steps.add(job.plan.step)
                 job.done.clear()
         job.decision = "persist"
         self._forced.append(job)
@@ -468,9 +467,9 @@ class FlightRecorder:
         job.decision = "failed"
         if not job.reported:
             job.reported = True
-            self._fail(job.plan.step, job.error)  # type: ignore[attr-defined,arg-type]
-        self._pending -= 1
-        self._queued_steps.discard(job.plan.step)
+            self.ledger.fail(job.plan.step, job.error)
+        self.ledger.pending -= 1
+        self.ledger.queued_steps.discard(job.plan.step)
         if had_persist:
             job.refs -= 1
         if job.refs <= 0 and job.slot is not None:
@@ -500,13 +499,13 @@ class FlightRecorder:
             job.views = []
             if slots is not None:
                 slots.release(slot)
-                self._bump()  # type: ignore[attr-defined]  # (a waiting snapshot() sees a slot come free)
+                self.ledger.bump()  # (a waiting snapshot() sees a slot come free)
 
     def _tier_drop_ring(self, why: str) -> None:
         """Drain what is to be stored, then forget the ring's memory-only steps."""
         self._tier_wait()
         freed: list[Job] = []
-        with self._cond:
+        with self.ledger.cond:
             dropped = [j.plan.step for j in (*self._watch_tail, *self._held) if j.decision == "memory"]
             for ring in (self._watch_tail, self._held):
                 while ring:
@@ -517,13 +516,13 @@ class FlightRecorder:
                           "dropped", RuntimeWarning, stacklevel=4)
 
     def _tier_wait(self) -> None:
-        with self._cond:
-            self._await_cond(lambda: self._pending == 0, "the steps to be stored")  # type: ignore[attr-defined]
+        with self.ledger.cond:
+            self.ledger.wait_cond(lambda: self.ledger.pending == 0, "the steps to be stored")
 
     # ------------------------------------------------------------ the committer
 
     def _tier_next(self) -> Job | None:
-        with self._cond:
+        with self.ledger.cond:
             while True:
                 if self._forced:
                     return self._forced.pop(0)
@@ -536,7 +535,7 @@ class FlightRecorder:
                 if self._stopping and not self._unstaged and not self._decided:
                     return None
                 self._close_retired_locked()
-                self._cond.wait()  # unbounded wait: the committer waiting for work; close() wakes it
+                self.ledger.cond.wait()  # unbounded wait: the committer waiting for work; close() wakes it
 
     def _tier_loop(self) -> None:
         self._lower_priority()  # type: ignore[attr-defined]
@@ -548,32 +547,32 @@ class FlightRecorder:
             freed: list[Job] = []
             try:
                 info = self._tier_persist(job)
-                with self._cond:
+                with self.ledger.cond:
                     job.info = info
-                    self._recent.append(info)  # type: ignore[attr-defined]
-                    self.n_committed += 1  # type: ignore[attr-defined]
-                    self.bytes_written += info.bytes_written  # type: ignore[attr-defined]
-                    if self.last_commit is None or info.step >= self.last_commit.step:  # type: ignore[attr-defined]
-                        self.last_commit = info  # type: ignore[attr-defined]
+                    self.ledger.recent.append(info)
+                    self.ledger.n_committed += 1
+                    self.ledger.bytes_written += info.bytes_written
+                    if self.ledger.last_commit is None or info.step >= self.ledger.last_commit.step:
+                        self.ledger.last_commit = info
                     job.decision = "done"
             except BaseException as e:
-                with self._cond:
+                with self.ledger.cond:
                     job.decision = "failed"
                     reported, job.reported = job.reported, True
                 if not reported:
-                    self._fail(job.plan.step, e)  # type: ignore[attr-defined]
+                    self.ledger.fail(job.plan.step, e)
             finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._queued_steps.discard(job.plan.step)
+                with self.ledger.cond:
+                    self.ledger.pending -= 1
+                    self.ledger.queued_steps.discard(job.plan.step)
                     self._unref(job, freed)
                     if job.prev_job is not None:
                         prev, job.prev_job = job.prev_job, None
                         self._unref(prev, freed)
                     job.done.set()
-                    self._cond.notify_all()
+                    self.ledger.cond.notify_all()
                 self._release(freed)
-                self._bump()  # type: ignore[attr-defined]
+                self.ledger.bump()
 
     def _tier_persist(self, job: Job) -> Any:
         """Write and commit one staged step (committer thread)."""
@@ -602,7 +601,7 @@ class FlightRecorder:
         except BaseException as e:
             error = error or e
         backfill = w.last_commit is not None and plan.step < w.last_commit[0]
-        with self._cond:
+        with self.ledger.cond:
             ranges = None if backfill else self._take_memory_only(w, plan.step)
         return w.commit(plan, results, error, memory_only=ranges)
 

@@ -13,12 +13,12 @@ forward and backward overlap that write.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError
 from dstt.format import args as A
@@ -109,7 +109,7 @@ class Rewinder:
 
     config: Any
     writer: Writer
-    _cond: threading.Condition
+    ledger: Ledger
     _fork: Any
 
     def rewind(
@@ -169,9 +169,9 @@ class Rewinder:
         # copy must have read them first (what the optimizer hook ensures
         # before an optimizer step), and every queued step be in the ring.
         self._before_optimizer_step()  # type: ignore[attr-defined]
-        with self._cond:
+        with self.ledger.cond:
             if self._tier:  # type: ignore[attr-defined]
-                self._await_cond(lambda: not self._unstaged,  # type: ignore[attr-defined]
+                self.ledger.wait_cond(lambda: not self._unstaged,  # type: ignore[attr-defined]
                                  "the steps queued before the rewind to be staged")
             job = self._ring_job(step)
             if job is not None:
@@ -192,7 +192,7 @@ class Rewinder:
         finally:
             if job is not None:
                 freed: list[Job] = []
-                with self._cond:
+                with self.ledger.cond:
                     self._unref(job, freed)  # type: ignore[attr-defined]
                 self._release(freed)  # type: ignore[attr-defined]
         name = branch or self._rewind_name(cur, step)
@@ -259,7 +259,7 @@ class Rewinder:
         name, parent, job = self._fork
         self._fork = None
         if job is not None:
-            self._await_event(job.done, f"step {parent.step} (the fork point of branch {name!r}) "  # type: ignore[attr-defined]
+            self.ledger.wait_event(job.done, f"step {parent.step} (the fork point of branch {name!r}) "
                               "to be stored")
             if job.decision != "done":
                 raise CaptureError(f"rewind: step {parent.step} of branch {parent.branch!r} could not be stored, "
@@ -276,11 +276,11 @@ class Rewinder:
                      commit_coordinator=self._commit_coord,  # type: ignore[attr-defined]
                      storage_options=cfg.storage_options)
         self.config = replace(cfg, branch=name, parent=None)
-        with self._cond:
+        with self.ledger.cond:
             self.writer = new
             if self._tier:  # type: ignore[attr-defined]
                 self._retired.append(old)  # type: ignore[attr-defined]
-                self._cond.notify_all()
+                self.ledger.cond.notify_all()
         if not self._tier:  # type: ignore[attr-defined]
             old.close()
             self._rejoin_branch()
@@ -288,12 +288,12 @@ class Rewinder:
     def _leave_branch(self) -> None:
         """Without the memory tier: everything is stored; let go of the old
         branch's ring and helper (both are per branch)."""
-        helper = self._helper  # type: ignore[attr-defined]
+        helper = self._helper
         if helper is not None:
             helper.close()
             self._helper = None
-        pool = self.pool  # type: ignore[attr-defined]
-        if pool is not None and self._pool_in_ring:  # type: ignore[attr-defined]
+        pool = self.pool
+        if pool is not None and self._pool_in_ring:
             pool.unregister()
         self.pool = None
         self._pool_in_ring = False

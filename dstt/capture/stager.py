@@ -17,6 +17,7 @@ import torch
 
 from dstt.capture import policy
 from dstt.capture.hooks import optimizer_storages, storage_key
+from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import GuardTripped, Job, check_guard, task_bytes
 from dstt.capture.staging import HostPool
 from dstt.store.plan import ChunkTask
@@ -36,9 +37,8 @@ class Stager:
     before_copy: Any
     _helper: Any
     _tier: bool
-    _cond: Any
+    ledger: Ledger
     _flush: Any
-    _queued_bytes: int
     _grouping: tuple[list[ChunkTask], list[StagedGroup], list[ChunkTask]]  # (see _stage_grouped)
     _sizes: tuple[list[ChunkTask], list[int], bool, int]  # (see _task_sizes)
     _split: tuple[list[ChunkTask], Any, list[Any], LazySplit]  # (see _split_lazy)
@@ -121,8 +121,8 @@ class Stager:
                         self._hand_over_cuda(job, batch, lazy, last=False)
                     block = self._allocate(pool, nbytes, job)  # backpressure: wait for earlier chunks' writes
                 if lazy:
-                    with self._cond:
-                        self._queued_bytes -= pool.block_bytes(nbytes)
+                    with self.ledger.cond:
+                        self.ledger.queued_bytes -= pool.block_bytes(nbytes)
                         job.lazy_bytes -= pool.block_bytes(nbytes)
                 dst = pool.view_as(block, t.source, t.shape)
                 if t.source.device.type == "cuda":
@@ -160,7 +160,7 @@ class Stager:
                 got.append(block)
             return block is not None
 
-        self._await(placed, lambda: f"{nbytes} bytes of staging pool for step {job.plan.step} (freed as earlier "  # type: ignore[attr-defined]
+        self.ledger.wait(placed, lambda: f"{nbytes} bytes of staging pool for step {job.plan.step} (freed as earlier "
                     f"steps are written and committed; {pool.in_use} of {pool.capacity} bytes in use)")
         return got[0]
 
@@ -276,8 +276,8 @@ class Stager:
             block = pool.try_allocate(nbytes)
             if block is None:
                 block = self._allocate(pool, nbytes, job)  # backpressure: wait for earlier chunks' writes
-            with self._cond:
-                self._queued_bytes -= pool.block_bytes(nbytes)
+            with self.ledger.cond:
+                self.ledger.queued_bytes -= pool.block_bytes(nbytes)
                 job.lazy_bytes -= pool.block_bytes(nbytes)
             dst = pool.view_as(block, t.source, t.shape)
             dst.copy_(t.source)
@@ -307,8 +307,8 @@ class Stager:
             return False
         handed = False
         try:
-            with self._cond:
-                self._queued_bytes -= group.block_bytes
+            with self.ledger.cond:
+                self.ledger.queued_bytes -= group.block_bytes
                 job.lazy_bytes -= group.block_bytes
             dst = group.fill(block)
             check_guard(job, job.guard, i, j)  # completed: a change before now is in the copy

@@ -445,7 +445,7 @@ def test_commit_failure_raised_by_next_snapshot_and_close_returns(tmp_path: Path
         cap = dstt.Capture(backend)
         cap.snapshot(0, model=model, optimizer=opt)
         cap.snapshot(1, model=model, optimizer=opt)
-        while cap._pending:  # let the failure happen in the background
+        while cap.ledger.pending:  # let the failure happen in the background
             time.sleep(0.01)
         with pytest.raises(CaptureError, match="step 1.*Permission denied"):
             cap.snapshot(2, model=model, optimizer=opt)
