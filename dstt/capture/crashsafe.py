@@ -26,11 +26,11 @@ from dstt.capture import policy, ranks
 from dstt.capture.fallback import HereCommitter
 from dstt.capture.helper import HelperHandle
 from dstt.capture.helper import start as start_helper
+from dstt.capture.hostpool import HostPool
 from dstt.capture.keeper import SealKeeper
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import Ring, RingUnavailable, recover, seal_record, shm_free_bytes
 from dstt.capture.ringowner import StagingRingWarning, root_problem
-from dstt.capture.staging import HostPool
 from dstt.errors import CaptureError, ConfigError, StoreLockedError
 from dstt.format.backends import LocalBackend
 from dstt.format.localio import pid_alive
@@ -418,7 +418,7 @@ class CrashSafe:
         if helper is not None and not self._plan_coord.distributed:
             if not job.sealed:
                 self._hand_over = False  # in stage order: no later step reaches the helper before this one
-            # Pipelined (committing.py): handed over now, in stage order -- the
+            # Pipelined (committers.py): handed over now, in stage order -- the
             # order of the commit queue -- and its answer read by the committer.
             with _HAND_OVER_LOCK, contextlib.suppress(CaptureError):  # (gone: the committer finds out, commits here)
                 if job.sealed and self._hand_over and not helper.lost:

@@ -36,13 +36,13 @@ from typing import Any
 import torch
 
 from dstt.capture import policy
-from dstt.capture.committing import Committing
+from dstt.capture.committers import Committing
 from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.crashsafe import CrashSafe, after_helpers
 from dstt.capture.draining import Draining
 from dstt.capture.guard import VersionGuard
 from dstt.capture.hooks import StepFence
-from dstt.capture.incidents import Incidents
+from dstt.capture.hostpool import CudaCopier, HostPool
 from dstt.capture.ledger import Ledger
 from dstt.capture.lifecycle import LIVE
 from dstt.capture.pipeline import (
@@ -52,10 +52,10 @@ from dstt.capture.pipeline import (
     lower_thread_priority,
     task_bytes,
 )
-from dstt.capture.recorder import FlightRecorder
 from dstt.capture.rewind import Rewinder
 from dstt.capture.stager import Stager
-from dstt.capture.staging import CudaCopier, HostPool
+from dstt.capture.tier import MemoryTier
+from dstt.capture.watcher import Watcher
 from dstt.errors import CaptureError, ConfigError
 from dstt.format.layout import validate_step
 from dstt.format.pygc import paused_gc
@@ -74,7 +74,7 @@ log = logging.getLogger("dstt.capture")
 CAPTURED_LOG = 4096
 
 
-class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder):
+class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewinder):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -129,7 +129,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         self.recovered: list[int] = []  # steps sealed by a dead trainer, committed at construction
         self._ring = self._open_ring()  # before any thread: recovery commits on this thread
         try:
-            # The memory tier (recorder.py) writes in this process: no helper.
+            # The memory tier (tier.py) writes in this process: no helper.
             self._helper = None if cfg.memory_steps is not None else self._start_helper()
             self._tier_init()
         except BaseException:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dstt.capture.guard import VersionGuard
-from dstt.capture.staging import HostPool
+from dstt.capture.hostpool import HostPool
 from dstt.errors import CaptureError
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.torchthreads import limit_this_thread
@@ -55,10 +55,10 @@ class Job:
     hold: bool = False
     sealed: bool = False
     seal_error: str | None = None  # why a held step could not be sealed (crashsafe._seal)
-    sent: bool = False  # handed to the capture helper, its answer not read yet (committing.py)
+    sent: bool = False  # handed to the capture helper, its answer not read yet (committers.py)
     cuda_eager: list[Any] = field(default_factory=list)  # events after eager CUDA copies
     reported: bool = False  # its failure was already queued for the trainer (under Capture._cond)
-    # The memory tier (capture/recorder.py); all under Capture._cond.
+    # The memory tier (capture/tier.py); all under Capture._cond.
     writer: Any = None  # the Writer that stores it (a rewind switches writers)
     slot: Any = None  # its slot of the recorder's SlotPool
     refs: int = 0  # holders of the slot: the ring, a pending persist, a pinned successor, the watcher
@@ -68,7 +68,7 @@ class Job:
     tier_staged: bool = False  # staged and in the ring
     # Each copy's destination in the slot (a group's block, or one task's),
     # what the NaN/Inf watcher reads: a few reductions per step, not one per
-    # tensor (incidents.py). Appended by whoever copies (under ``claim``).
+    # tensor (watcher.py). Appended by whoever copies (under ``claim``).
     spans: list[torch.Tensor] = field(default_factory=list)
     checking: bool = False  # the NaN/Inf watcher (or the trainer) is checking it (under Capture._cond)
     nonfinite: tuple[str, ...] | None = None  # the check's result: the non-finite tensors (under Capture._cond)

@@ -17,9 +17,9 @@ import torch
 
 from dstt.capture import policy
 from dstt.capture.hooks import optimizer_storages, storage_key
+from dstt.capture.hostpool import HostPool
 from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import GuardTripped, Job, check_guard, task_bytes
-from dstt.capture.staging import HostPool
 from dstt.store.plan import ChunkTask
 
 log = logging.getLogger("dstt.capture")

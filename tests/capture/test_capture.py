@@ -20,7 +20,7 @@ from conftest import bits_equal
 import dstt
 from dstt.capture import CaptureConfig, skipped_steps
 from dstt.capture.engine import Capture
-from dstt.capture.staging import HostPool
+from dstt.capture.hostpool import HostPool
 from dstt.errors import CaptureError, ConfigError, StepOrderError
 from dstt.format.backends import LocalBackend
 

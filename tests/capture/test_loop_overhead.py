@@ -12,7 +12,7 @@ import torch
 
 import dstt
 from dstt.capture import ring as R
-from dstt.capture.staging import HostPool
+from dstt.capture.hostpool import HostPool
 from dstt.store.writer import Writer
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dstt.capture import staging
-from dstt.capture.staging import HostPool
+from dstt.capture.hostpool import HostPool
 
 
 def test_blocks_straddling_two_pieces_bounce_and_others_do_not(monkeypatch: pytest.MonkeyPatch,

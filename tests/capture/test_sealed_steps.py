@@ -520,7 +520,7 @@ def test_pinned_blocks_are_never_handed_out_and_do_not_stall_the_ring() -> None:
     waited forever)."""
     import random
 
-    from dstt.capture.staging import HostPool
+    from dstt.capture.hostpool import HostPool
 
     rng = random.Random(5)
     pool = HostPool(1 << 16)

@@ -2,7 +2,7 @@
 each with its own index and commit marker, none acknowledged before it is
 durable -- in the Writer (store/groupcommit.py) and through the capture
 helper, whose trainer hands steps over without waiting for the previous
-answer (capture/committing.py)."""
+answer (capture/committers.py)."""
 
 from __future__ import annotations
 

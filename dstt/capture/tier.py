@@ -1,4 +1,4 @@
-"""The flight recorder (issue 14): every captured step kept in host memory,
+"""The memory tier of the flight recorder (issue 14): every captured step kept in host memory,
 persisted at the pace the disk allows, the ring dumped on incidents.
 
 With ``Capture(memory_steps=K)`` the staging pool becomes a :class:`SlotPool`
@@ -12,7 +12,7 @@ policy decides which steps the writer stores:
   a step passed over stays in memory only until it is evicted;
 * ``N``: every N-th captured step (waiting for those, like "all").
 
-An incident (:meth:`FlightRecorder.incident`, a non-finite value seen by the
+An incident (:meth:`MemoryTier.incident`, a non-finite value seen by the
 watcher thread, a rewind) stores every step still in the ring -- older ones
 after newer ones: the writer *backfills* them (``Writer.relink``) -- and
 records the incident in the store (``dstt.format.incidents``).
@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
+from dstt.capture.hostpool import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
 from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import seal_record
-from dstt.capture.staging import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
 from dstt.errors import CaptureError
 from dstt.format.layout import step_ranges
 from dstt.store.plan import ChunkTask, StepPlan
@@ -57,11 +57,11 @@ log = logging.getLogger("dstt.capture")
 #: Slots beyond K: the step being staged, one being written after it left the
 #: ring, the step before that one (read for the update statistics), and the
 #: one the NaN/Inf watcher is checking (with the K checked steps before it
-#: kept: FlightRecorder._tier_evict; a watcher further behind makes the
+#: kept: MemoryTier._tier_evict; a watcher further behind makes the
 #: trainer wait for a slot, or check steps itself: _tier_pool).
 EXTRA_SLOTS = 4
 #: How often a trainer waiting for a slot looks for a staged step the
-#: watcher has not checked yet (FlightRecorder._tier_pool).
+#: watcher has not checked yet (MemoryTier._tier_pool).
 WATCH_POLL_S = 0.02
 
 
@@ -172,7 +172,7 @@ def _took(slot: HostPool | None, into: list[HostPool]) -> bool:
     return slot is not None
 
 
-class FlightRecorder:
+class MemoryTier:
     """The memory tier's methods of :class:`~dstt.capture.engine.Capture`
     (a mixin: the state lives on the Capture, under its ``_cond``)."""
 
@@ -404,7 +404,7 @@ class FlightRecorder:
         until it has checked K steps after them: every step it has not
         checked is kept, and the K checked ones before the oldest of those,
         so a non-finite step's incident stores the K steps before it however
-        far behind the watcher is (Incidents._force_all)."""
+        far behind the watcher is (Watcher._force_all)."""
         held, tail, k = self._held, self._watch_tail, self.config.memory_steps
         while len(held) > k:
             old = held.popleft()
@@ -636,4 +636,4 @@ class FlightRecorder:
                     log.warning("dstt: closing the writer of branch %r: %s", w.branch.name, e)
 
 
-__all__ = ["FlightRecorder", "SlotPool"]
+__all__ = ["MemoryTier", "SlotPool"]

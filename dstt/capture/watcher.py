@@ -1,7 +1,7 @@
-"""Incidents of the flight recorder (issue 14): ``Capture.incident`` from the
+"""The incident watcher of the flight recorder (issue 14): ``Capture.incident`` from the
 trainer, and the watcher thread that raises one when a captured step holds
 NaN or Inf. An incident stores every step still in the memory tier
-(recorder.py forces them) and is recorded in the store
+(tier.py forces them) and is recorded in the store
 (``dstt.format.incidents``). A mixin of :class:`~dstt.capture.engine.Capture`.
 """
 
@@ -33,7 +33,7 @@ MAX_NAMED = 8
 MAX_REASON = 1000
 
 
-class Incidents:
+class Watcher:
     """``incident`` and the NaN/Inf watcher (a mixin; state on the Capture)."""
 
     config: Any
@@ -129,7 +129,7 @@ class Incidents:
     def _force_all(self, at: Job | None = None) -> list[int]:
         """Force every step in the ring (the last K staged) -- with ``at``,
         the watcher's non-finite step, the K before it and every later one,
-        from the steps kept for the watcher (FlightRecorder._tier_evict) --
+        from the steps kept for the watcher (MemoryTier._tier_evict) --
         and every queued one (under _cond)."""
         if not self._tier:
             return []
@@ -152,10 +152,10 @@ class Incidents:
     def _watch_loop(self) -> None:
         """Check every staged step for NaN/Inf, never skipping one: a step
         keeps its slot until it is checked, and the K checked steps before the
-        oldest unchecked one are kept too (FlightRecorder._tier_evict), so an
+        oldest unchecked one are kept too (MemoryTier._tier_evict), so an
         incident at the first non-finite step stores the K steps that led up
         to it however far behind the watcher fell. A trainer that would wait
-        for a slot checks the oldest steps itself (FlightRecorder._tier_pool),
+        for a slot checks the oldest steps itself (MemoryTier._tier_pool),
         even one this thread is still on: it never waits for a low-priority
         thread a busy machine may not schedule."""
         self._lower_priority()  # type: ignore[attr-defined]
@@ -280,4 +280,4 @@ def _nonfinite(views: list[tuple[ChunkTask, torch.Tensor]]) -> list[str]:
     return bad
 
 
-__all__ = ["Incidents", "MAX_NAMED"]
+__all__ = ["Watcher", "MAX_NAMED"]
