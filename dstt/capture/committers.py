@@ -1,95 +1,249 @@
-"""The committer side of :class:`dstt.Capture`: every planned step, in
-order, committed (in this process, or by the capture helper) or failed, and
-the trainer's counters and pending count settled. A mixin: the state lives
-on the Capture (``writer``, ``_commit_q``, ``_cond``, ``_helper``...).
+"""How a :class:`dstt.Capture` stores the steps it plans: one committer
+per mode, chosen once by :func:`make_committer` (no other place of the
+capture tests which mode it runs in).
 
-With the capture helper (single process), commits are pipelined: the
-stager hands each step to the helper as soon as it has sealed it
-(CrashSafe._seal), without waiting for the previous step's answer, and the
-committer thread takes the answers in order. So while the helper commits
-one step, the next ones queue up in its pipe, and it commits those as a
-group, with one round of syncs (store/groupcommit.py): a loop faster than
-one commit's syncs no longer runs at the commit rate. A step is counted as
-committed only once the helper answered that it is durable. (The stager,
-not a thread of its own, hands steps over: every thread of the trainer's
-process that wakes up per step takes the GIL from the training loop.)
+* :class:`InProcessCommitter` (``helper=False``, or no /dev/shm ring):
+  the stager hands each staged chunk to a flush thread at once; the
+  committer thread waits for a step's chunks and commits it here
+  (``Writer.commit``, collective under torch.distributed).
+* :class:`HelperCommitter` (the capture helper process, helper.py): the
+  stager seals each held step in the /dev/shm ring and hands it over at
+  once, without waiting for the previous answer; the committer thread
+  takes the answers in order. So while the helper commits one step, the
+  next ones queue up in its pipe, and it commits those as a group, with
+  one round of syncs (store/groupcommit.py). A step is counted as
+  committed only once the helper answered that it is durable. (The stager,
+  not a thread of its own, hands steps over: every thread of the trainer's
+  process that wakes up per step takes the GIL from the training loop.)
+  Once the helper cannot take a step, this process commits it and every
+  later one (crashsafe.py, fallback.py).
+* :class:`TierCommitter` (``memory_steps``, tier.py): every staged step
+  enters the memory tier; the committer thread stores what the persist
+  policy and incidents decide.
+
+Phase protocol (who calls what, on which thread):
+
+1. trainer, ``snapshot()``: ``Writer.plan(step, state, track=committer.track_plan)``;
+2. trainer: :meth:`Committer.place` -- the step's pool (or memory-tier
+   slot), and whether its blocks are held until it is committed;
+3. trainer: :meth:`Committer.enqueue` -- counted in the ledger, handed to
+   the stager and to the committer thread;
+4. stager (and the trainer: eager copies, work stealing in the optimizer
+   hook): every copy follows :attr:`Committer.needs`;
+5. stager: :meth:`Committer.staged` once every copy of the step landed;
+6. committer thread: :meth:`Committer.run` -- every step in order,
+   committed, skipped or failed, then settled (:meth:`Committer.settle`);
+7. trainer, ``close()``: :meth:`Committer.before_drain`, then
+   :meth:`Committer.on_gave_up` if the drain gave up,
+   :meth:`Committer.stop_threads`, :meth:`Committer.after_threads`,
+   :meth:`Committer.release`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue
-from collections.abc import Callable
-from typing import Any
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
+from dstt.capture.tier import available_memory_bytes
+from dstt.errors import CaptureError
 from dstt.format.skips import write_skip
 from dstt.store.writer import ChunkResult, CommitInfo
 
+if TYPE_CHECKING:
+    from dstt.capture.engine import Capture
+    from dstt.capture.helper import HelperHandle
+
 log = logging.getLogger("dstt.capture")
 
+#: Held by the stager while it hands a step to the helper, and by the
+#: committer while it stops that (CrashSafe._retire_helper): no write to a closed pipe.
+HAND_OVER_LOCK = threading.Lock()
 
-class Committing:
-    """The commit loop of :class:`~dstt.capture.engine.Capture` (a mixin)."""
 
-    config: Any
-    writer: Any
-    rank: int
-    ledger: Ledger
-    _helper: Any
-    _plan_coord: Any
-    _commit_q: queue.SimpleQueue[Job | None]
+@dataclass(frozen=True)
+class StagingNeeds:
+    """What a mode needs of the stager's copies.
 
-    # (also used: _lower_priority (engine.py), _settle and _commit_by_helper
-    # (crashsafe.py); not declared here, so no stub shadows them in the MRO)
-    _lower_priority: Callable[[], None]
-    _settle: Callable[[Job], None]
-    _commit_by_helper: Callable[[Job], CommitInfo]
+    ``flush_now``: each staged chunk goes to a flush thread at once (the
+    in-process commit writes it); ``keep_groups``: a group of small tensors
+    staged in one block stays whole, no view per task (the seal record
+    describes it: the capture helper reads it there); ``keep_spans``: each
+    copy's destination is kept for the NaN/Inf watcher (the memory tier)."""
 
-    def _commit_loop(self) -> None:
-        """Every job in order: committed (with the helper: its answer read,
-        the step handed over when sealed), skipped or failed; then settled."""
-        self._lower_priority()
+    flush_now: bool
+    keep_groups: bool
+    keep_spans: bool
+
+
+class Committer(ABC):
+    """One mode of storing the planned steps of ``cap`` (see the module
+    docstring for the phase protocol)."""
+
+    needs: StagingNeeds
+    #: Whether the writer keeps the plan's references (off when another
+    #: process, the capture helper, stores the step).
+    track_plan = True
+
+    def __init__(self, cap: Capture) -> None:
+        self.cap = cap
+
+    def start(self) -> None:
+        """The constructor's last act, its threads running: start this mode's own."""
+
+    # ------------------------------------------------------------ trainer
+
+    def place(self, job: Job, sizes: list[int], cuda: bool, held_bytes: int) -> None:
+        """Give ``job`` its pool (``sizes``: its tasks' bytes; ``cuda``: a
+        source on a GPU; ``held_bytes``: the pool bytes it takes held
+        whole), and decide whether its blocks are held until it is committed."""
+        cap = self.cap
+        cap._ensure_pool(sizes, cuda)
+        assert cap.pool is not None
+        job.pool = cap.pool
+        job.hold = self._holds() and held_bytes <= cap.pool.capacity
+
+    def _holds(self) -> bool:
+        """Whether a step that fits the pool whole is held (and sealed)."""
+        return self.cap._pool_in_ring
+
+    def enqueue(self, job: Job) -> None:
+        """Count ``job`` and hand it to the stager (held or lazy copies
+        left) and to the committer thread, in snapshot order."""
+        cap = self.cap
+        staged_later = (bool(job.lazy) or job.hold) and job.error is None  # held steps are sealed by the stager
+        cap.ledger.queued(job.plan.step, job.lazy_bytes if staged_later else 0)
+        if staged_later:
+            cap._queue_lazy(job)
+        else:
+            job.finish_staging()
+        cap._commit_q.put(job)
+
+    def rewind_job(self, step: int) -> Job | None:
+        """The staged job of ``step`` still in memory, its slot held for the
+        rewind (under the ledger's lock); None: read it from the store."""
+        return None
+
+    def rewind_incident(self, step: int) -> None:
+        """A rewind to ``step`` validated: what it records (the memory tier's incident)."""
+
+    def after_rewind(self) -> None:
+        """A rewind decided its new branch: switch to it now (the memory
+        tier switches at the next snapshot, after its fork step is stored)."""
+        self.cap._switch_branch()
+
+    def leave_branch(self) -> None:
+        """Before the writer of a rewind's branch opens: everything stored,
+        the old branch's ring let go of."""
+        self.cap.wait()  # bounded: Capture.wait (background_timeout_s)
+        self.release()  # (the helper: per branch)
+        self.cap._leave_branch()
+
+    def joined_branch(self, old: object) -> None:
+        """The writer of a rewind's branch is open; ``old`` is the previous one.
+        The new branch gets its ring and helper, and its committer (chosen again)."""
+        cap = self.cap
+        old.close()  # type: ignore[attr-defined]
+        cap._rejoin_branch()  # (its ring; make_committer starts its helper)
+        cap.committer = make_committer(cap)
+
+    def abandon_in_child(self) -> None:
+        """In a forked child: let go of what belongs to the parent."""
+
+    # ------------------------------------------------------------ stager
+
+    def staged(self, job: Job) -> None:
+        """Every copy of ``job`` landed (stager thread): a held step is sealed."""
+        if job.hold and job.error is None:
+            self.cap._seal(job)
+            hook = self.cap.after_seal
+            if hook is not None:
+                try:
+                    hook(job)
+                except BaseException as e:  # (the test's or tool's: the step fails, reported by the committer)
+                    job.error = job.error or e
+
+    # ------------------------------------------------------------ committer thread
+
+    def run(self) -> None:
+        """The committer thread: every job in order committed (or skipped, or
+        failed), then settled. (Each by the committer of the moment: a
+        rewind, the queue drained, may choose another for its branch.)"""
+        cap = self.cap
+        cap._lower_priority()
         while True:
-            job = self._commit_q.get()  # unbounded wait: this thread's work queue; close() sends None
+            job = cap._commit_q.get()  # unbounded wait: this thread's work queue; close() sends None
             if job is None:
                 return
-            self._finish(job, self._commit)
+            cap.committer.finish(job)
 
-    def _finish(self, job: Job, commit: Callable[[Job], None]) -> None:
+    def finish(self, job: Job) -> None:
         """Commit (or skip, or fail) ``job`` and settle it."""
+        cap = self.cap
         try:
             if job.skip is not None:
-                if self.rank == 0:
-                    write_skip(self.writer.backend, self.config.branch, job.plan.step, job.skip)
+                if cap.rank == 0:
+                    write_skip(cap.writer.backend, cap.config.branch, job.plan.step, job.skip)
             else:
-                commit(job)
+                # (bounded: the stager's copies and seal; with the helper, every wait
+                # on its answers is bounded by the helper's progress: helper.py)
+                cap.ledger.wait_event(job.submitted, lambda: f"step {job.plan.step} to be staged and sealed")
+                cap.ledger.committed(self.commit(job))
         except BaseException as e:
-            with self.ledger.cond:
+            with cap.ledger.cond:
                 reported, job.reported = job.reported, True
             if not reported:
-                self.ledger.fail(job.plan.step, e)
+                cap.ledger.fail(job.plan.step, e)
         finally:
-            self._settle(job)
-            self.ledger.settled(job.plan.step)
+            self.settle(job)
+            cap.ledger.settled(job.plan.step)
 
-    def _commit(self, job: Job) -> None:
-        # (bounded: the stager's copies and seal; with the helper, every wait
-        # on its answers is bounded by the helper's progress: helper.py)
-        self.ledger.wait_event(job.submitted, lambda: f"step {job.plan.step} to be staged and sealed")
-        if self._helper is not None:
-            info = self._commit_by_helper(job)
-        else:
-            info = self._commit_here(job)
-            job.info = info  # (its seal, if any, is removed in _settle)
-        self.ledger.committed(info)
+    @abstractmethod
+    def commit(self, job: Job) -> CommitInfo:
+        """Store ``job`` durably (committer thread); its CommitInfo."""
 
-    def _commit_here(self, job: Job) -> CommitInfo:
+    def settle(self, job: Job) -> None:
+        """After ``job``'s commit or failure: its seal and held blocks settled."""
+        self.cap._settle(job)
+
+    # ------------------------------------------------------------ close
+
+    def before_drain(self) -> None:
+        """close(), before waiting for the queued steps."""
+
+    def on_gave_up(self, why: CaptureError) -> None:
+        """close()'s drain gave up: end what the committer may wait for."""
+
+    def stop_threads(self) -> dict[str, threading.Thread]:
+        """Tell this mode's own threads to stop; them by name (joined by close())."""
+        return {}
+
+    def after_threads(self) -> None:
+        """Every thread stopped (or returned later, for the reaper)."""
+
+    def release(self) -> None:
+        """Let go of this mode's resources (close() once everything is settled)."""
+
+    def close_notes(self) -> list[str]:
+        """What a close() that gave up says about this mode."""
+        return []
+
+
+class InProcessCommitter(Committer):
+    """Commits in this process, from the flush threads' results."""
+
+    needs = StagingNeeds(flush_now=True, keep_groups=False, keep_spans=False)
+
+    def commit(self, job: Job) -> CommitInfo:
+        cap = self.cap
         error = job.error
         results: list[ChunkResult] = []
         try:
-            self.writer.ensure_arrays(job.plan)
+            cap.writer.ensure_arrays(job.plan)
         except BaseException as e:
             error = error or e
         for f in job.futures:
@@ -106,4 +260,162 @@ class Committing:
                 error = error or e
         # Collective: called for every planned step, with its error, so that
         # no step is committed with missing data and no peer waits forever.
-        return self.writer.commit(job.plan, results, error)
+        info = cap.writer.commit(job.plan, results, error)
+        job.info = info  # (its seal, if any, is removed in settle)
+        return info
+
+
+class HelperCommitter(Committer):
+    """The capture helper process commits the sealed steps (helper.py)."""
+
+    needs = StagingNeeds(flush_now=False, keep_groups=True, keep_spans=False)
+    track_plan = False
+
+    def __init__(self, cap: Capture, helper: HelperHandle) -> None:
+        super().__init__(cap)
+        self.helper = helper
+
+    def place(self, job: Job, sizes: list[int], cuda: bool, held_bytes: int) -> None:
+        self.cap._refuse_without_helper(self.helper, job.plan.step)
+        super().place(job, sizes, cuda, held_bytes)
+        if not job.hold:
+            assert job.pool is not None
+            raise CaptureError(
+                f"step {job.plan.step} does not fit the {job.pool.capacity}-byte staging pool whole, and the "
+                "capture helper takes whole sealed steps only: raise host_buffer_bytes, or use helper=False "
+                "to stage larger steps in parts")
+
+    def _holds(self) -> bool:
+        # (also with the pool in process memory: a step the helper cannot
+        # take is committed here from its blocks, CrashSafe._commit_by_helper)
+        return True
+
+    def staged(self, job: Job) -> None:
+        """Sealed, then handed to the helper at once, in stage order -- the
+        order of the commit queue -- its answer read by the committer."""
+        cap = self.cap
+        super().staged(job)
+        if not job.hold or job.error is not None or cap._plan_coord.distributed:
+            return  # (under torch.distributed each rank's helper reads its ring by itself: ranks.py)
+        if not job.sealed:
+            cap._hand_over = False  # in stage order: no later step reaches the helper before this one
+        helper = self.helper
+        with HAND_OVER_LOCK, contextlib.suppress(CaptureError):  # (gone: the committer finds out, commits here)
+            if job.sealed and cap._hand_over and not helper.lost:
+                helper.send(job.plan.step)
+                job.sent = True
+
+    def commit(self, job: Job) -> CommitInfo:
+        return self.cap._commit_by_helper(job)
+
+    def settle(self, job: Job) -> None:
+        # Under torch.distributed a step its lost helper did not commit stays
+        # sealed for the next Capture (never reused: _commit_by_helper said so).
+        helper = self.helper
+        self.cap._settle(job, keep=job.info is None and helper.lost and self.cap._plan_coord.distributed)
+
+    def abandon_in_child(self) -> None:
+        self.helper.abandon()  # the helper must see end-of-file when the parent dies
+
+    def on_gave_up(self, why: CaptureError) -> None:
+        if not self.helper.lost:  # the committer may be waiting for its answer
+            self.helper.kill(f"did not finish the steps handed to it before close() gave up ({why})")
+
+    def release(self) -> None:
+        self.helper.close()
+
+    def close_notes(self) -> list[str]:
+        helper = self.helper
+        if not helper.lost:
+            return []
+        return [f"the capture helper (pid {helper.pid}) {'was killed' if helper.killed_why is not None else 'is gone'}"]
+
+
+class TierCommitter(Committer):
+    """The memory tier (tier.py): every step staged into it, stored as the
+    persist policy and incidents decide (its own commit loop)."""
+
+    needs = StagingNeeds(flush_now=False, keep_groups=False, keep_spans=True)
+
+    def __init__(self, cap: Capture) -> None:
+        super().__init__(cap)
+        cfg = cap.config
+        if cfg.host_buffer_bytes is not None:
+            avail = available_memory_bytes()
+            if avail is not None and cfg.host_buffer_bytes > avail:
+                raise CaptureError(
+                    f"memory_steps={cfg.memory_steps}: host_buffer_bytes={cfg.host_buffer_bytes} is more than "
+                    f"the {avail} bytes of memory available; lower memory_steps or host_buffer_bytes")
+
+    def start(self) -> None:
+        self.cap._tier_start()  # the NaN/Inf watcher
+
+    def place(self, job: Job, sizes: list[int], cuda: bool, held_bytes: int) -> None:
+        self.cap._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
+
+    def enqueue(self, job: Job) -> None:
+        self.cap._tier_enqueue(job, lazy=bool(job.lazy) and job.error is None)
+
+    def staged(self, job: Job) -> None:
+        self.cap._tier_staged(job)  # into the ring, sealed; then wait_staged() returns
+
+    def run(self) -> None:
+        self.cap._tier_loop()
+
+    def commit(self, job: Job) -> CommitInfo:
+        raise AssertionError("the memory tier stores its steps in its own loop (MemoryTier._tier_loop)")
+
+    def rewind_job(self, step: int) -> Job | None:
+        cap = self.cap
+        cap.ledger.wait_cond(lambda: not cap._unstaged, "the steps queued before the rewind to be staged")
+        job = cap._ring_job(step)
+        if job is not None:
+            job.refs += 1  # the rewind's: the slot stays while it is read
+        return job
+
+    def rewind_incident(self, step: int) -> None:
+        # (the tier's steps are stored on the old branch)
+        self.cap._raise_incident(f"rewind to step {step}", step, "rewind")
+
+    def after_rewind(self) -> None:
+        """(The branch switches at the next snapshot, once the fork step is stored.)"""
+
+    def leave_branch(self) -> None:
+        """(The old branch's steps are still being stored: nothing is let go of.)"""
+
+    def joined_branch(self, old: object) -> None:
+        cap = self.cap
+        with cap.ledger.cond:
+            cap._retired.append(old)  # type: ignore[arg-type]  # closed by the committer once drained
+            cap.ledger.cond.notify_all()
+
+    def before_drain(self) -> None:
+        self.cap._tier_close_last()
+
+    def stop_threads(self) -> dict[str, threading.Thread]:
+        cap = self.cap
+        with cap.ledger.cond:
+            cap._stopping = True
+            cap.ledger.cond.notify_all()
+        return {} if cap._watcher is None else {"NaN/Inf watcher": cap._watcher}
+
+    def after_threads(self) -> None:
+        self.cap._tier_stop()  # (its threads are gone: frees the ring's slots)
+
+
+def make_committer(cap: Capture) -> Committer:
+    """The committer of ``cap``'s mode: the memory tier (``memory_steps``),
+    the capture helper (started here, where it can run: CrashSafe._start_helper;
+    the memory tier writes in this process), else commits in this process.
+    Called by the constructor, and when a rewind opens a new branch (its
+    ring and helper are per branch). The one place that tells the modes apart."""
+    if cap.config.memory_steps is not None:
+        return TierCommitter(cap)
+    cap._helper = cap._start_helper()
+    if cap._helper is not None:
+        return HelperCommitter(cap, cap._helper)
+    return InProcessCommitter(cap)
+
+
+__all__ = ["HAND_OVER_LOCK", "Committer", "HelperCommitter", "InProcessCommitter", "StagingNeeds", "TierCommitter",
+           "make_committer"]

@@ -29,6 +29,7 @@ import logging
 import threading
 from typing import Any
 
+from dstt.capture.committers import Committer
 from dstt.capture.ledger import Ledger, steps_text
 from dstt.capture.lifecycle import LIVE
 from dstt.capture.waits import Stalled
@@ -50,7 +51,7 @@ class Draining:
     _last: Any
     _helper: Any
     _ring: Any
-    _tier: bool
+    committer: Committer
     _fork: Any
     _stage_q: Any
     _commit_q: Any
@@ -114,8 +115,7 @@ class Draining:
         try:
             if self._fork is not None:
                 self._switch_branch()  # type: ignore[attr-defined]  # a rewind with no snapshot after it
-            if self._tier:
-                self._tier_close_last()  # type: ignore[attr-defined]
+            self.committer.before_drain()  # (the memory tier: every step checked, the last one stored)
             with self.ledger.cond:
                 self.ledger.wait_cond(lambda: self.ledger.pending == 0, self.ledger.pending_text)
         except Stalled as e:
@@ -135,8 +135,8 @@ class Draining:
         """Stop the stager, committer and watcher threads (bounded); the names
         of those that did not stop. A drain that gave up kills the helper
         first: the committer may be waiting for its answer."""
-        if gave_up is not None and self._helper is not None and not self._helper.lost:
-            self._helper.kill(f"did not finish the steps handed to it before close() gave up ({gave_up})")
+        if gave_up is not None:
+            self.committer.on_gave_up(gave_up)
         self._stage_q.put(None)
         self._commit_q.put(None)
         threads = {"stager": self._stager, "committer": self._committer}
@@ -145,13 +145,7 @@ class Draining:
             self.ledger.wait_thread(self._stager, "the stager thread to stop")
         except Stalled:
             stuck.append("stager")
-        if self._tier:
-            with self.ledger.cond:
-                self._stopping = True
-                self.ledger.cond.notify_all()
-            watcher = getattr(self, "_watcher", None)
-            if watcher is not None:
-                threads["NaN/Inf watcher"] = watcher
+        threads.update(self.committer.stop_threads())  # (the memory tier's NaN/Inf watcher)
         for name, thread in threads.items():
             if name in stuck:
                 continue
@@ -159,16 +153,15 @@ class Draining:
                 self.ledger.wait_thread(thread, f"the {name} thread to stop")
             except Stalled:
                 stuck.append(name)
-        if self._tier and not stuck:
-            self._tier_stop()  # type: ignore[attr-defined]  # (its threads are gone: frees the ring's slots)
+        if not stuck:
+            self.committer.after_threads()
         # Every flush of a committed or failed step was drained by the committer.
         self._flush.shutdown(wait=not stuck)  # unbounded wait: none left once the committer stopped
         return stuck
 
     def _release_all(self) -> None:
         """Everything is settled: let go of the helper, pool, ring, writer (its lock) and groups."""
-        if self._helper is not None:
-            self._helper.close()
+        self.committer.release()  # (the capture helper)
         if self.pool is not None and self._pool_in_ring:
             self.pool.unregister()
         self._close_ring()  # type: ignore[attr-defined]  # removed, unless a seal in it must outlive this Capture
@@ -189,8 +182,7 @@ class Draining:
             for t in threads:
                 t.join()  # unbounded wait: a daemon nobody waits for; it ends with the stuck thread
             try:
-                if self._tier:
-                    self._tier_stop()  # type: ignore[attr-defined]
+                self.committer.after_threads()
                 self._flush.shutdown(wait=True)  # unbounded wait: (as above)
                 self._release_all()
                 log.warning("dstt: the Capture on %s@%s finished closing (its %s thread(s) returned)",
@@ -209,10 +201,7 @@ class Draining:
                  f"{gave_up if gave_up is not None else 'its threads did not stop'}"]
         if steps:
             parts.append(f"{len(steps)} step(s) not committed: {steps_text(steps)}")
-        helper = self._helper
-        if helper is not None and helper.lost:
-            parts.append(f"the capture helper (pid {helper.pid}) "
-                         f"{'was killed' if helper._killed_why is not None else 'is gone'}")
+        parts.extend(self.committer.close_notes())
         if self._ring is not None:
             parts.append(f"steps sealed in {self._ring.dir} stay there for the next Capture on this branch "
                          "or `dstt gc`")

@@ -31,16 +31,18 @@ import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dstt.capture import policy
-from dstt.capture.committers import Committing
+from dstt.capture.committers import Committer, make_committer
 from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.crashsafe import CrashSafe, after_helpers
 from dstt.capture.draining import Draining
 from dstt.capture.guard import VersionGuard
+from dstt.capture.helper import HelperHandle
 from dstt.capture.hooks import StepFence
 from dstt.capture.hostpool import CudaCopier, HostPool
 from dstt.capture.ledger import Ledger
@@ -53,18 +55,19 @@ from dstt.capture.pipeline import (
     task_bytes,
 )
 from dstt.capture.rewind import Rewinder
-from dstt.capture.stager import Stager
-from dstt.capture.tier import MemoryTier
+from dstt.capture.ring import Ring
+from dstt.capture.stager import LazySplit, Stager
+from dstt.capture.tier import MemoryTier, SlotPool
 from dstt.capture.watcher import Watcher
 from dstt.errors import CaptureError, ConfigError
 from dstt.format.layout import validate_step
 from dstt.format.pygc import paused_gc
-from dstt.store.coord import new_coordinator
+from dstt.store.coord import Coordinator, new_coordinator
 from dstt.store.plan import ChunkTask
 from dstt.store.state import state_of
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
-__all__ = ["Capture", "lower_thread_priority"]
+__all__ = ["Capture", "Parts", "lower_thread_priority"]
 
 log = logging.getLogger("dstt.capture")
 
@@ -74,7 +77,25 @@ log = logging.getLogger("dstt.capture")
 CAPTURED_LOG = 4096
 
 
-class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewinder):
+@dataclass(frozen=True)
+class Parts:
+    """What :attr:`Capture.parts` shows: the components of a Capture."""
+
+    ledger: Ledger  #: the pipeline's bookkeeping and its lock
+    committer: Committer  #: the mode's committer (committers.py)
+    ring: Ring | None  #: the /dev/shm staging ring (None: staged in process memory)
+    helper: HelperHandle | None  #: the capture helper process (None: none runs)
+    pool: HostPool | None  #: the host staging pool (None before the first snapshot)
+    pool_in_ring: bool  #: whether the pool lives in the ring's /dev/shm file
+    slots: SlotPool | None  #: the memory tier's slots (None without memory_steps, or before the first snapshot)
+    tier_held: tuple[Job, ...]  #: the memory tier's ring: the last K staged steps, oldest first
+    last_job: Job | None  #: the latest step queued with lazy copies or held (what wait_staged waits for)
+    lazy_split: LazySplit | None  #: the latest step's split into eager and lazy copies
+    threads: dict[str, threading.Thread]  #: the background threads by name
+    coordinators: tuple[Coordinator, Coordinator]  #: planning's and the committer's (torch.distributed)
+
+
+class Capture(Draining, Stager, CrashSafe, MemoryTier, Watcher, Rewinder):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -129,9 +150,10 @@ class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewi
         self.recovered: list[int] = []  # steps sealed by a dead trainer, committed at construction
         self._ring = self._open_ring()  # before any thread: recovery commits on this thread
         try:
-            # The memory tier (tier.py) writes in this process: no helper.
-            self._helper = None if cfg.memory_steps is not None else self._start_helper()
+            self._helper: HelperHandle | None = None  # started by make_committer where it can run
             self._tier_init()
+            # The one choice of mode (committers.py): in this process, the capture helper, the memory tier.
+            self.committer: Committer = make_committer(self)
         except BaseException:
             if self._ring is not None:
                 self._ring.close()
@@ -155,13 +177,16 @@ class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewi
         #: ``before_copy(step, index, lazy)`` before each copy into the pool
         #: (on the stager thread for lazy copies); an exception fails the step.
         self.before_copy: Callable[[int, int, bool], Any] | None = None
+        #: Injection point for tests and tools: called on the stager thread as
+        #: ``after_seal(job)`` once a held step is sealed in the ring (before
+        #: it is handed to the capture helper); an exception fails the step.
+        self.after_seal: Callable[[Job], Any] | None = None
         self._stager = threading.Thread(target=self._stage_loop, name="dstt-stager", daemon=True)
         self._fork: Any = None  # a rewind's branch, opened at the next snapshot (rewind.py)
-        loop = self._tier_loop if self._tier else self._commit_loop
-        self._committer = threading.Thread(target=loop, name="dstt-committer", daemon=True)
+        self._committer = threading.Thread(target=self.committer.run, name="dstt-committer", daemon=True)
         self._stager.start()
         self._committer.start()
-        self._tier_start()
+        self.committer.start()
         LIVE.add(self)
 
     # ================================================================ trainer API
@@ -198,7 +223,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewi
     def _snapshot_state(self, step: int, state: Any, optimizer: torch.optim.Optimizer | None) -> bool:
         # With the capture helper the step is stored by the helper's writer
         # (it adopts the plan): this one keeps no reference chain for it.
-        plan = self.writer.plan(step, state, track=self._helper is None)  # collective under torch.distributed
+        plan = self.writer.plan(step, state, track=self.committer.track_plan)  # collective under torch.distributed
         # The step is planned on every rank. Whatever fails from here on, it
         # is queued, so that its (collective) commit runs and fails on every
         # rank instead of leaving a peer waiting. An interrupt (Ctrl-C) fails
@@ -240,22 +265,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewi
         # One pass each over the tasks (tens of thousands of them: issue 16),
         # none for the task list of an earlier step (Stager._task_sizes).
         sizes, cuda, held_bytes = self._task_sizes(job.plan.tasks)
-        if self._tier:
-            self._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
-        else:
-            self._refuse_without_helper(job.plan.step)
-            self._ensure_pool(sizes, cuda)
-            assert self.pool is not None
-            job.pool = self.pool
-            # (with the helper also in process memory: a step it cannot take is
-            # committed here from its blocks, crashsafe._commit_by_helper)
-            job.hold = (self._pool_in_ring or self._helper is not None) and held_bytes <= self.pool.capacity
-        assert job.pool is not None
-        if self._helper is not None and not job.hold:
-            raise CaptureError(
-                f"step {job.plan.step} does not fit the {self.pool.capacity}-byte staging pool whole, and the "
-                "capture helper takes whole sealed steps only: raise host_buffer_bytes, or use helper=False "
-                "to stage larger steps in parts")
+        self.committer.place(job, sizes, cuda, held_bytes)  # the pool (or slot); held until committed?
         job.lazy_bytes = split.lazy_bytes
         devices = {t.source.device for t in job.plan.tasks if t.source.is_cuda} if cuda else set()
         if devices:
@@ -267,16 +277,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewi
         if log_ is None:
             log_ = self._captured_log[job.writer.branch.name] = collections.deque(maxlen=CAPTURED_LOG)
         log_.append(job.plan.step)
-        if self._tier:
-            self._tier_enqueue(job, lazy=bool(job.lazy) and job.error is None)
-            return
-        staged_later = (bool(job.lazy) or job.hold) and job.error is None  # held steps are sealed by the stager
-        self.ledger.queued(job.plan.step, job.lazy_bytes if staged_later else 0)
-        if staged_later:
-            self._queue_lazy(job)
-        else:
-            job.finish_staging()
-        self._commit_q.put(job)
+        self.committer.enqueue(job)
 
     def _queue_lazy(self, job: Job) -> None:
         """Hand a job with lazy copies to the stager (in queue order)."""
@@ -294,6 +295,25 @@ class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewi
             raise job.error
         self.raise_pending()
         return queued
+
+    @property
+    def parts(self) -> Parts:
+        """The components of this Capture as they are now, for tests and
+        tools (a view: a rewind gives the new branch its own ring, helper and
+        committer). Read them; inject faults only through their documented
+        hooks (``Ring.before_op``, ``Capture.before_copy``, ``Capture.after_seal``)."""
+        slots = self._slots
+        threads = {"stager": self._stager, "committer": self._committer}
+        threads.update((t.name, t) for t in self._flush._threads)
+        if self._watcher is not None:
+            threads["watcher"] = self._watcher
+        split = getattr(self, "_split", None)
+        with self.ledger.cond:
+            held = tuple(self._held)
+        return Parts(ledger=self.ledger, committer=self.committer, ring=self._ring, helper=self._helper,
+                     pool=self.pool, pool_in_ring=self._pool_in_ring, slots=slots, tier_held=held,
+                     last_job=self._last, lazy_split=None if split is None else split[3], threads=threads,
+                     coordinators=(self._plan_coord, self._commit_coord))
 
     @property
     def committed(self) -> list[CommitInfo]:
@@ -361,9 +381,8 @@ class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewi
         self._closed = True
         self.ledger.cond = threading.Condition()
         self._fence = StepFence(lambda: None)  # the parent's hooks stay on the parent's optimizers
-        if self._helper is not None:  # the helper must see end-of-file when the parent dies
-            self._helper.abandon()
-            self._helper = None
+        self.committer.abandon_in_child()
+        self._helper = None
 
     def _cuda(self) -> CudaCopier:
         if self._copier is None:
@@ -485,10 +504,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, MemoryTier, Watcher, Rewi
                 with self.ledger.cond:
                     self.ledger.queued_bytes -= job.lazy_bytes
                     job.lazy_bytes = 0
-                if self._tier:
-                    self._tier_staged(job)  # into the ring, sealed; then wait_staged() returns
-                elif job.hold and job.error is None:
-                    self._seal(job)  # then wait_staged() returns (submitted, below)
+                self.committer.staged(job)  # sealed, or into the memory tier; then wait_staged() returns
                 job.finish_staging()
                 self.ledger.bump()
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture.committers import Committer
 from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError
@@ -110,6 +111,7 @@ class Rewinder:
     config: Any
     writer: Writer
     ledger: Ledger
+    committer: Committer
     _fork: Any
 
     def rewind(
@@ -170,12 +172,7 @@ class Rewinder:
         # before an optimizer step), and every queued step be in the ring.
         self._before_optimizer_step()  # type: ignore[attr-defined]
         with self.ledger.cond:
-            if self._tier:  # type: ignore[attr-defined]
-                self.ledger.wait_cond(lambda: not self._unstaged,  # type: ignore[attr-defined]
-                                 "the steps queued before the rewind to be staged")
-            job = self._ring_job(step)
-            if job is not None:
-                job.refs += 1  # the rewind's: the slot stays while it is read
+            job = self.committer.rewind_job(step)  # (the memory tier's: its slot held while it is read)
         try:
             if job is not None:
                 rec: Any = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
@@ -185,10 +182,8 @@ class Rewinder:
                 rec, read, where, parent = self._stored_step(step)
             # A rewind is an incident (the tier's steps are stored on the old
             # branch) -- once the step is known to fit the live objects.
-            incident = None if not self._tier else (  # type: ignore[attr-defined]
-                lambda: self._raise_incident(f"rewind to step {step}", step, "rewind"))  # type: ignore[attr-defined]
             extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
-                               strict=strict, validated=incident)
+                               strict=strict, validated=lambda: self.committer.rewind_incident(step))
         finally:
             if job is not None:
                 freed: list[Job] = []
@@ -197,8 +192,7 @@ class Rewinder:
                 self._release(freed)  # type: ignore[attr-defined]
         name = branch or self._rewind_name(cur, step)
         self._fork = (name, parent, job if job is not None and job.writer is cur else None)
-        if not self._tier:  # type: ignore[attr-defined]
-            self._switch_branch()
+        self.committer.after_rewind()  # (the memory tier switches at the next snapshot)
         log.warning("dstt: rewound to step %d of branch %r; capturing continues on branch %r", step,
                     parent.branch, name)
         return extra
@@ -219,9 +213,7 @@ class Rewinder:
             raise BranchExistsError(f"rewind: branch {branch!r} already exists ({hint})")
 
     def _ring_job(self, step: int) -> Job | None:
-        """The staged job of ``step`` on the current branch still in memory (under _cond)."""
-        if not self._tier:  # type: ignore[attr-defined]
-            return None
+        """The staged job of ``step`` on the current branch still in the memory tier (under the ledger's lock)."""
         for job in reversed(self._held):  # type: ignore[attr-defined]
             if job.plan.step == step and job.writer is self.writer and job.slot is not None \
                     and job.error is None and job.decision != "failed":
@@ -266,9 +258,7 @@ class Rewinder:
                                    f"so branch {name!r} cannot fork there (see the earlier error)")
         old = self.writer
         cfg = self.config
-        if not self._tier:  # type: ignore[attr-defined]
-            self.wait()  # type: ignore[attr-defined]  # bounded: Capture.wait (background_timeout_s)
-            self._leave_branch()
+        self.committer.leave_branch()  # (without the memory tier: everything stored, the old ring let go of)
         new = Writer(self._store_arg, branch=name, parent=parent,  # type: ignore[attr-defined]
                      compression=cfg.compression, zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every,
                      max_chunk_bytes=cfg.max_chunk_bytes, allow_pickle=cfg.allow_pickle, dedup=cfg.dedup,
@@ -278,20 +268,12 @@ class Rewinder:
         self.config = replace(cfg, branch=name, parent=None)
         with self.ledger.cond:
             self.writer = new
-            if self._tier:  # type: ignore[attr-defined]
-                self._retired.append(old)  # type: ignore[attr-defined]
-                self.ledger.cond.notify_all()
-        if not self._tier:  # type: ignore[attr-defined]
-            old.close()
-            self._rejoin_branch()
+        self.committer.joined_branch(old)  # (closed; or, with the memory tier, once its steps are stored)
 
     def _leave_branch(self) -> None:
         """Without the memory tier: everything is stored; let go of the old
-        branch's ring and helper (both are per branch)."""
-        helper = self._helper
-        if helper is not None:
-            helper.close()
-            self._helper = None
+        branch's ring (per branch; its helper: Committer.leave_branch)."""
+        self._helper = None
         pool = self.pool
         if pool is not None and self._pool_in_ring:
             pool.unregister()
@@ -301,9 +283,8 @@ class Rewinder:
         self._ring = None
 
     def _rejoin_branch(self) -> None:
-        """A ring and helper for the new branch, as the constructor makes them."""
+        """A ring for the new branch, as the constructor makes it (its helper: make_committer)."""
         self._ring = self._open_ring()  # type: ignore[attr-defined]
-        self._helper = self._start_helper()  # type: ignore[attr-defined]
 
 
 __all__ = ["Rewinder", "RingRecord", "ring_reader"]

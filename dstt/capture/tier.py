@@ -186,7 +186,6 @@ class MemoryTier:
 
     def _tier_init(self) -> None:
         cfg = self.config
-        self._tier = cfg.memory_steps is not None
         self._policy = cfg.persist_policy
         self._slots: SlotPool | None = None
         self._held: deque[Job] = deque()  # the ring: the last K staged steps, oldest first
@@ -208,12 +207,6 @@ class MemoryTier:
         self._nonfinite_seen = False
         self._watcher: threading.Thread | None = None
         self._ring_writer: Writer | None = None  # the writer whose branch the /dev/shm ring is of
-        if self._tier and cfg.host_buffer_bytes is not None:
-            avail = available_memory_bytes()
-            if avail is not None and cfg.host_buffer_bytes > avail:
-                raise CaptureError(
-                    f"memory_steps={cfg.memory_steps}: host_buffer_bytes={cfg.host_buffer_bytes} is more than "
-                    f"the {avail} bytes of memory available; lower memory_steps or host_buffer_bytes")
 
     @property
     def memory_bytes(self) -> int | None:
@@ -224,7 +217,7 @@ class MemoryTier:
         >>> import tempfile, torch, dstt
         >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2) as cap:
         ...     _ = cap.snapshot(0, model=torch.nn.Linear(4, 4))
-        ...     cap.memory_bytes == 6 * cap._slots.slot_bytes
+        ...     cap.memory_bytes == 6 * cap.parts.slots.slot_bytes
         True
         """
         slots = self._slots
@@ -233,7 +226,7 @@ class MemoryTier:
     def _tier_start(self) -> None:
         """Start the watcher thread (after everything else is set up)."""
         self._ring_writer = self.writer
-        if self._tier and self.config.watch_nonfinite:
+        if self.config.watch_nonfinite:
             self._watcher = threading.Thread(target=self._watch_loop, name="dstt-watch", daemon=True)
             self._watcher.start()
 

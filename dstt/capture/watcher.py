@@ -39,7 +39,6 @@ class Watcher:
     config: Any
     writer: Writer
     ledger: Ledger
-    _tier: bool
     _held: deque[Job]
     _watch_tail: deque[Job]
     _unstaged: list[Job]
@@ -131,8 +130,6 @@ class Watcher:
         the watcher's non-finite step, the K before it and every later one,
         from the steps kept for the watcher (MemoryTier._tier_evict) --
         and every queued one (under _cond)."""
-        if not self._tier:
-            return []
         kept = [*self._watch_tail, *self._held]  # (in step order)
         i = next((n for n, job in enumerate(kept) if job is at), None)
         ring = list(self._held) if i is None else kept[max(0, i - self.config.memory_steps):]

@@ -161,7 +161,7 @@ TRAINER = textwrap.dedent("""
             t.fill_(step * 100 + i)
         cap.snapshot(step, extra=state, rng=False)
         cap.wait_staged()
-    print(cap._helper.pid if cap._helper is not None else 0, flush=True)
+    print(cap.parts.helper.pid if cap.parts.helper is not None else 0, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
