@@ -49,10 +49,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dstt.capture.pipeline import Job
-from dstt.capture.tier import available_memory_bytes
+from dstt.capture.tier import MemoryTier, available_memory_bytes
 from dstt.errors import CaptureError
 from dstt.format.skips import write_skip
-from dstt.store.writer import ChunkResult, CommitInfo
+from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
 if TYPE_CHECKING:
     from dstt.capture.engine import Capture
@@ -125,8 +125,12 @@ class Committer(ABC):
 
     def rewind_job(self, step: int) -> Job | None:
         """The staged job of ``step`` still in memory, its slot held for the
-        rewind (under the ledger's lock); None: read it from the store."""
+        rewind (under the ledger's lock) until :meth:`rewind_done`; None:
+        read it from the store."""
         return None
+
+    def rewind_done(self, job: Job) -> None:
+        """The rewind read ``job`` (from :meth:`rewind_job`): its slot may go."""
 
     def rewind_incident(self, step: int) -> None:
         """A rewind to ``step`` validated: what it records (the memory tier's incident)."""
@@ -143,16 +147,41 @@ class Committer(ABC):
         self.release()  # (the helper: per branch)
         self.cap._leave_branch()
 
-    def joined_branch(self, old: object) -> None:
+    def joined_branch(self, old: Writer) -> None:
         """The writer of a rewind's branch is open; ``old`` is the previous one.
         The new branch gets its ring and helper, and its committer (chosen again)."""
         cap = self.cap
-        old.close()  # type: ignore[attr-defined]
+        old.close()
         cap._rejoin_branch()  # (its ring; make_committer starts its helper)
         cap.committer = make_committer(cap)
 
     def abandon_in_child(self) -> None:
         """In a forked child: let go of what belongs to the parent."""
+
+    # ------------------------------------------------------------ what it keeps in memory
+
+    #: The memory tier (tier.py) of this mode, if it has one.
+    memory_tier: MemoryTier | None = None
+
+    def force_all(self) -> list[int]:
+        """An incident: store every step kept in memory (under the ledger's lock); their numbers."""
+        return []
+
+    def latest_step(self) -> int | None:
+        """The latest step queued, if this mode tracks it (under the ledger's lock)."""
+        return None
+
+    def passed_over(self, writer: Writer) -> list[int]:
+        """Steps of ``writer``'s branch kept in memory only, not yet recorded in a commit."""
+        return []
+
+    def memory_bytes(self) -> int | None:
+        """Host memory this mode keeps steps in (the memory tier's slots)."""
+        return None
+
+    def threads(self) -> dict[str, threading.Thread]:
+        """This mode's own threads by name (besides the stager and committer)."""
+        return {}
 
     # ------------------------------------------------------------ stager
 
@@ -346,36 +375,55 @@ class TierCommitter(Committer):
                 raise CaptureError(
                     f"memory_steps={cfg.memory_steps}: host_buffer_bytes={cfg.host_buffer_bytes} is more than "
                     f"the {avail} bytes of memory available; lower memory_steps or host_buffer_bytes")
+        self.tier = self.memory_tier = MemoryTier(cap)
 
     def start(self) -> None:
-        self.cap._tier_start()  # the NaN/Inf watcher
+        self.tier.start()  # the NaN/Inf watcher
 
     def place(self, job: Job, sizes: list[int], cuda: bool, held_bytes: int) -> None:
-        self.cap._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
+        self.tier.place(job.plan, job)  # a whole slot, held until no one needs the step
 
     def enqueue(self, job: Job) -> None:
-        self.cap._tier_enqueue(job, lazy=bool(job.lazy) and job.error is None)
+        self.tier.enqueue(job, lazy=bool(job.lazy) and job.error is None)
 
     def staged(self, job: Job) -> None:
-        self.cap._tier_staged(job)  # into the ring, sealed; then wait_staged() returns
+        self.tier.staged(job)  # into the ring, sealed; then wait_staged() returns
 
     def run(self) -> None:
-        self.cap._tier_loop()
+        self.tier.run()
 
     def commit(self, job: Job) -> CommitInfo:
-        raise AssertionError("the memory tier stores its steps in its own loop (MemoryTier._tier_loop)")
+        raise AssertionError("the memory tier stores its steps in its own loop (MemoryTier.run)")
+
+    def force_all(self) -> list[int]:
+        return self.tier.force_all()
+
+    def latest_step(self) -> int | None:
+        return self.tier._latest_step
+
+    def passed_over(self, writer: Writer) -> list[int]:
+        return self.tier.passed_over(writer)
+
+    def memory_bytes(self) -> int | None:
+        return self.tier.memory_bytes
 
     def rewind_job(self, step: int) -> Job | None:
-        cap = self.cap
-        cap.ledger.wait_cond(lambda: not cap._unstaged, "the steps queued before the rewind to be staged")
-        job = cap._ring_job(step)
+        tier = self.tier
+        self.cap.ledger.wait_cond(lambda: not tier._unstaged, "the steps queued before the rewind to be staged")
+        job = tier.ring_job(step)
         if job is not None:
             job.refs += 1  # the rewind's: the slot stays while it is read
         return job
 
+    def rewind_done(self, job: Job) -> None:
+        freed: list[Job] = []
+        with self.cap.ledger.cond:
+            self.tier.unref(job, freed)
+        self.tier.release(freed)
+
     def rewind_incident(self, step: int) -> None:
         # (the tier's steps are stored on the old branch)
-        self.cap._raise_incident(f"rewind to step {step}", step, "rewind")
+        self.cap.watcher.raise_incident(f"rewind to step {step}", step, "rewind")
 
     def after_rewind(self) -> None:
         """(The branch switches at the next snapshot, once the fork step is stored.)"""
@@ -383,24 +431,27 @@ class TierCommitter(Committer):
     def leave_branch(self) -> None:
         """(The old branch's steps are still being stored: nothing is let go of.)"""
 
-    def joined_branch(self, old: object) -> None:
-        cap = self.cap
-        with cap.ledger.cond:
-            cap._retired.append(old)  # type: ignore[arg-type]  # closed by the committer once drained
-            cap.ledger.cond.notify_all()
+    def joined_branch(self, old: Writer) -> None:
+        with self.cap.ledger.cond:
+            self.tier._retired.append(old)  # closed by the committer once drained
+            self.cap.ledger.cond.notify_all()
 
     def before_drain(self) -> None:
-        self.cap._tier_close_last()
+        self.tier.close_last()
 
     def stop_threads(self) -> dict[str, threading.Thread]:
-        cap = self.cap
-        with cap.ledger.cond:
-            cap._stopping = True
-            cap.ledger.cond.notify_all()
-        return {} if cap._watcher is None else {"NaN/Inf watcher": cap._watcher}
+        tier = self.tier
+        with self.cap.ledger.cond:
+            tier._stopping = True
+            self.cap.ledger.cond.notify_all()
+        return self.threads()
+
+    def threads(self) -> dict[str, threading.Thread]:
+        watch = self.tier.watch
+        return {} if watch is None or watch.thread is None else {"NaN/Inf watcher": watch.thread}
 
     def after_threads(self) -> None:
-        self.cap._tier_stop()  # (its threads are gone: frees the ring's slots)
+        self.tier.stop()  # (its threads are gone: frees the ring's slots)
 
 
 def make_committer(cap: Capture) -> Committer:

@@ -175,7 +175,7 @@ class Draining:
     def _leave_to_reaper(self, stuck: list[str]) -> None:
         """Threads that do not stop may still use the writer, the pool and
         the ring: a daemon thread finishes closing once they return."""
-        threads = [t for t in (self._stager, self._committer, getattr(self, "_watcher", None))
+        threads = [t for t in (self._stager, self._committer, *self.committer.threads().values())
                    if t is not None and t.is_alive()]
 
         def reap() -> None:

@@ -57,9 +57,10 @@ from dstt.capture.pipeline import (
 from dstt.capture.rewind import Rewinder
 from dstt.capture.ring import Ring
 from dstt.capture.stager import LazySplit, Stager
-from dstt.capture.tier import MemoryTier, SlotPool
+from dstt.capture.tier import SlotPool
 from dstt.capture.watcher import Watcher
 from dstt.errors import CaptureError, ConfigError
+from dstt.format.incidents import Incident
 from dstt.format.layout import validate_step
 from dstt.format.pygc import paused_gc
 from dstt.store.coord import Coordinator, new_coordinator
@@ -95,7 +96,7 @@ class Parts:
     coordinators: tuple[Coordinator, Coordinator]  #: planning's and the committer's (torch.distributed)
 
 
-class Capture(Draining, Stager, CrashSafe, MemoryTier, Watcher, Rewinder):
+class Capture(Draining, Stager, CrashSafe, Rewinder):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -126,6 +127,7 @@ class Capture(Draining, Stager, CrashSafe, MemoryTier, Watcher, Rewinder):
         self._store_arg = store  # a rewind opens a writer of the new branch on it
         cfg = self.config
         self.ledger = Ledger(branch=lambda: self.config.branch, limit_s=cfg.background_timeout_s)
+        self.watcher = Watcher(self)  # incident() (the NaN/Inf watcher is the memory tier's)
         # Two coordinators: planning runs on this thread, commits on the
         # committer thread; sharing one gloo group would interleave them.
         self._plan_coord = new_coordinator()
@@ -151,7 +153,6 @@ class Capture(Draining, Stager, CrashSafe, MemoryTier, Watcher, Rewinder):
         self._ring = self._open_ring()  # before any thread: recovery commits on this thread
         try:
             self._helper: HelperHandle | None = None  # started by make_committer where it can run
-            self._tier_init()
             # The one choice of mode (committers.py): in this process, the capture helper, the memory tier.
             self.committer: Committer = make_committer(self)
         except BaseException:
@@ -170,7 +171,6 @@ class Capture(Draining, Stager, CrashSafe, MemoryTier, Watcher, Rewinder):
         self._last: Job | None = None  # the latest job with lazy copies
         self._copying: collections.deque[Job] = collections.deque()  # lazy CPU jobs not yet copied, in order
         self.skipped: list[int] = []
-        self._captured_log: dict[str, collections.deque[int]] = {}  # branch -> the latest steps queued on it
         self._closed = False
         self._pid = os.getpid()  # a forked child holds a copy of this object, never the pipeline
         #: Injection point for tests and tools: called on the stager thread as
@@ -273,9 +273,10 @@ class Capture(Draining, Stager, CrashSafe, MemoryTier, Watcher, Rewinder):
         return eager
 
     def _enqueue(self, job: Job) -> None:
-        log_ = self._captured_log.get(job.writer.branch.name)  # (incident(step=) takes the steps captured)
+        captured = self.watcher.captured  # (incident(step=) takes the steps captured)
+        log_ = captured.get(job.writer.branch.name)
         if log_ is None:
-            log_ = self._captured_log[job.writer.branch.name] = collections.deque(maxlen=CAPTURED_LOG)
+            log_ = captured[job.writer.branch.name] = collections.deque(maxlen=CAPTURED_LOG)
         log_.append(job.plan.step)
         self.committer.enqueue(job)
 
@@ -302,14 +303,14 @@ class Capture(Draining, Stager, CrashSafe, MemoryTier, Watcher, Rewinder):
         tools (a view: a rewind gives the new branch its own ring, helper and
         committer). Read them; inject faults only through their documented
         hooks (``Ring.before_op``, ``Capture.before_copy``, ``Capture.after_seal``)."""
-        slots = self._slots
+        tier = self.committer.memory_tier
         threads = {"stager": self._stager, "committer": self._committer}
         threads.update((t.name, t) for t in self._flush._threads)
-        if self._watcher is not None:
-            threads["watcher"] = self._watcher
+        threads.update(self.committer.threads())
         split = getattr(self, "_split", None)
         with self.ledger.cond:
-            held = tuple(self._held)
+            held = () if tier is None else tuple(tier._held)
+        slots = None if tier is None else tier._slots
         return Parts(ledger=self.ledger, committer=self.committer, ring=self._ring, helper=self._helper,
                      pool=self.pool, pool_in_ring=self._pool_in_ring, slots=slots, tier_held=held,
                      last_job=self._last, lazy_split=None if split is None else split[3], threads=threads,
@@ -320,6 +321,47 @@ class Capture(Draining, Stager, CrashSafe, MemoryTier, Watcher, Rewinder):
         """The latest commits (at most :data:`RECENT_COMMITS`; ``n_committed``
         counts them all, ``last_commit`` is the newest)."""
         return self.ledger.commits()
+
+    def incident(self, reason: str, *, step: int | None = None) -> Incident:
+        """Something went wrong (a loss spike, a bad batch): store every step
+        still in the memory tier -- the steps that led up to it -- and record
+        the incident (``dstt ls``, ``dstt find`` and the report show it).
+
+        ``step``: the step it concerns (default: the latest captured one): a
+        step this branch captured -- queued, in the memory tier, stored, or
+        passed over as memory-only -- else StepNotFoundError, and nothing is
+        recorded or stored. Returns the recorded
+        :class:`~dstt.format.incidents.Incident`. Without ``memory_steps``
+        only the record is written.
+
+        >>> import tempfile, torch, dstt
+        >>> m = torch.nn.Linear(2, 2)
+        >>> path = tempfile.mkdtemp() + "/run"
+        >>> with dstt.Capture(path, memory_steps=4, persist=2) as cap:
+        ...     for s in range(4):
+        ...         _ = cap.snapshot(s, model=m)
+        ...     cap.wait_staged()
+        ...     print(cap.incident("loss spike").steps)
+        (0, 1, 2, 3)
+        >>> dstt.open(path).steps()
+        [0, 1, 2, 3]
+        """
+        self._check_open()
+        return self.watcher.incident(reason, step)
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Host memory the memory tier holds: (memory_steps + 4) step slots,
+        sized at the first snapshot (None before it, and without
+        ``memory_steps``). With ``host_buffer_bytes`` it never exceeds that.
+
+        >>> import tempfile, torch, dstt
+        >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2) as cap:
+        ...     _ = cap.snapshot(0, model=torch.nn.Linear(4, 4))
+        ...     cap.memory_bytes == 6 * cap.parts.slots.slot_bytes
+        True
+        """
+        return self.committer.memory_bytes()
 
     @property
     def n_committed(self) -> int:

@@ -186,10 +186,7 @@ class Rewinder:
                                strict=strict, validated=lambda: self.committer.rewind_incident(step))
         finally:
             if job is not None:
-                freed: list[Job] = []
-                with self.ledger.cond:
-                    self._unref(job, freed)  # type: ignore[attr-defined]
-                self._release(freed)  # type: ignore[attr-defined]
+                self.committer.rewind_done(job)
         name = branch or self._rewind_name(cur, step)
         self._fork = (name, parent, job if job is not None and job.writer is cur else None)
         self.committer.after_rewind()  # (the memory tier switches at the next snapshot)
@@ -211,14 +208,6 @@ class Rewinder:
                                     f"on a new branch forked at the step, so the store keeps both ({hint})")
         if branch in list_branches(cur.backend):
             raise BranchExistsError(f"rewind: branch {branch!r} already exists ({hint})")
-
-    def _ring_job(self, step: int) -> Job | None:
-        """The staged job of ``step`` on the current branch still in the memory tier (under the ledger's lock)."""
-        for job in reversed(self._held):  # type: ignore[attr-defined]
-            if job.plan.step == step and job.writer is self.writer and job.slot is not None \
-                    and job.error is None and job.decision != "failed":
-                return job
-        return None
 
     def _stored_step(self, step: int) -> tuple[Any, Any, str, StepRef]:
         """(record, reader, description, fork point) of ``step`` in the store,

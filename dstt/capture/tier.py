@@ -39,29 +39,32 @@ import math
 import threading
 import warnings
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dstt.capture.hostpool import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
-from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import seal_record
+from dstt.capture.watcher import NanWatch
 from dstt.errors import CaptureError
 from dstt.format.layout import step_ranges
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import ChunkResult, Writer, batches
+
+if TYPE_CHECKING:
+    from dstt.capture.engine import Capture
 
 log = logging.getLogger("dstt.capture")
 
 #: Slots beyond K: the step being staged, one being written after it left the
 #: ring, the step before that one (read for the update statistics), and the
 #: one the NaN/Inf watcher is checking (with the K checked steps before it
-#: kept: MemoryTier._tier_evict; a watcher further behind makes the
+#: kept: MemoryTier.evict; a watcher further behind makes the
 #: trainer wait for a slot, or check steps itself: _tier_pool).
 EXTRA_SLOTS = 4
 #: How often a trainer waiting for a slot looks for a staged step the
-#: watcher has not checked yet (MemoryTier._tier_pool).
+#: watcher has not checked yet (MemoryTier.place).
 WATCH_POLL_S = 0.02
 
 
@@ -173,25 +176,25 @@ def _took(slot: HostPool | None, into: list[HostPool]) -> bool:
 
 
 class MemoryTier:
-    """The memory tier's methods of :class:`~dstt.capture.engine.Capture`
-    (a mixin: the state lives on the Capture, under its ``_cond``)."""
+    """The memory tier of a :class:`~dstt.capture.engine.Capture` with
+    ``memory_steps`` (owned by its TierCommitter, committers.py): the slots,
+    the ring of the last K staged steps, the persist decisions, the commit
+    loop; and, with ``watch_nonfinite``, the NaN/Inf watcher
+    (watcher.NanWatch). Its state is under the ledger's lock.
 
-    config: Any
-    writer: Writer
-    ledger: Ledger
-    _ring: Any
-    _flush: Any
+    ``cap`` is the facade: its ``config`` and ``writer`` change with a
+    rewind; its ring, keeper and pool are the crash-safe part's."""
 
-    # ------------------------------------------------------------ set-up
-
-    def _tier_init(self) -> None:
-        cfg = self.config
+    def __init__(self, cap: Capture) -> None:
+        self.cap = cap
+        self.ledger = cap.ledger
+        cfg = cap.config
         self._policy = cfg.persist_policy
         self._slots: SlotPool | None = None
         self._held: deque[Job] = deque()  # the ring: the last K staged steps, oldest first
         # Steps that left the ring and are kept for the NaN/Inf watcher: not
         # checked yet, or among the K checked before the oldest unchecked one
-        # (_tier_evict); each keeps the ring's ref. Older than the ring, oldest first.
+        # (evict); each keeps the ring's ref. Older than the ring, oldest first.
         self._watch_tail: deque[Job] = deque()
         self._candidate: Job | None = None  # persist="newest": the newest staged, undecided step
         self._decided: deque[Job] = deque()  # to be stored, in step order
@@ -203,69 +206,57 @@ class MemoryTier:
         self._latest_step: int | None = None  # the latest captured (queued) step
         self._stopping = False
         self._retired: list[Writer] = []  # writers of branches left by a rewind, closed once drained
-        self._watch_q: deque[Job] = deque()  # staged steps the watcher has not checked yet, oldest first
-        self._nonfinite_seen = False
-        self._watcher: threading.Thread | None = None
+        self.watch = NanWatch(self) if cfg.watch_nonfinite else None  # the NaN/Inf watcher
         self._ring_writer: Writer | None = None  # the writer whose branch the /dev/shm ring is of
 
     @property
     def memory_bytes(self) -> int | None:
-        """Host memory the memory tier holds: (memory_steps + 4) step slots,
-        sized at the first snapshot (None before it, and without
-        ``memory_steps``). With ``host_buffer_bytes`` it never exceeds that.
-
-        >>> import tempfile, torch, dstt
-        >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2) as cap:
-        ...     _ = cap.snapshot(0, model=torch.nn.Linear(4, 4))
-        ...     cap.memory_bytes == 6 * cap.parts.slots.slot_bytes
-        True
-        """
+        """Host memory the slots hold (None before the first snapshot sized them)."""
         slots = self._slots
         return None if slots is None else slots.nslots * slots.slot_bytes
 
-    def _tier_start(self) -> None:
+    def start(self) -> None:
         """Start the watcher thread (after everything else is set up)."""
-        self._ring_writer = self.writer
-        if self.config.watch_nonfinite:
-            self._watcher = threading.Thread(target=self._watch_loop, name="dstt-watch", daemon=True)
-            self._watcher.start()
+        self._ring_writer = self.cap.writer
+        if self.watch is not None:
+            self.watch.start()
 
-    def _tier_stop(self) -> None:
+    def stop(self) -> None:
         """Stop the committer and watcher (everything stored), free the ring."""
         with self.ledger.cond:
             self._stopping = True
             self.ledger.cond.notify_all()
-        self.ledger.wait_thread(self._watcher, "the NaN/Inf watcher to stop")
+        self.ledger.wait_thread(None if self.watch is None else self.watch.thread, "the NaN/Inf watcher to stop")
         freed: list[Job] = []
         with self.ledger.cond:
             for ring in (self._watch_tail, self._held):
                 while ring:
-                    self._unref(ring.popleft(), freed)
-        self._release(freed)
+                    self.unref(ring.popleft(), freed)
+        self.release(freed)
 
-    def _tier_close_last(self) -> None:
+    def close_last(self) -> None:
         """close(): every step is checked for NaN/Inf (here, not waiting for
         the watcher: an incident may still store the ring), and the last
         captured step is stored whatever the policy."""
         with self.ledger.cond:
             self.ledger.wait_cond(lambda: not self._unstaged, "the queued steps to be staged")
-        self._watch_all()  # type: ignore[attr-defined]
+        self.check_all()
         with self.ledger.cond:
             job = self._latest_job
             if job is not None and job.decision == "memory" and job.slot is not None:
-                self._force(job)
+                self.force(job)
                 self.ledger.cond.notify_all()
 
-    def _tier_pool(self, plan: StepPlan, job: Job) -> None:
+    def place(self, plan: StepPlan, job: Job) -> None:
         """Give ``job`` a slot (waiting for one: backpressure), making or
         growing the slot pool first where the step does not fit."""
         need = slot_bytes_for(plan)
         pool = self._slots
         if pool is None or need > pool.slot_bytes:
             if pool is not None:
-                self._watch_all()  # type: ignore[attr-defined]
-                self._tier_drop_ring("the captured state grew")
-                self._watch_all()  # type: ignore[attr-defined]  # (steps staged while it drained)
+                self.check_all()
+                self._drop_ring("the captured state grew")
+                self.check_all()  # (steps staged while it drained)
                 self.ledger.wait(pool.wait_all_free, "every memory-tier slot to be freed")
             self._slots = self._make_slots(need, pin=any(t.source.is_cuda for t in plan.tasks))
         slots = self._slots
@@ -279,7 +270,7 @@ class MemoryTier:
             # meanwhile is seen within WATCH_POLL_S.
             if _took(slots.acquire(0), got):
                 return True
-            if self._watch_next():  # type: ignore[attr-defined]
+            if self.watch is not None and self.watch.next():
                 self.ledger.bump()  # (progress: checked a step; look again)
                 return False
             return _took(slots.acquire(min(t, WATCH_POLL_S)), got)
@@ -289,8 +280,13 @@ class MemoryTier:
         job.pool = job.slot
         job.hold = True
 
+    def check_all(self) -> None:
+        """Check every staged step not checked yet for NaN/Inf, on this thread (without a watcher: none)."""
+        if self.watch is not None:
+            self.watch.check_all()
+
     def _make_slots(self, need: int, pin: bool) -> SlotPool:
-        cfg = self.config
+        cfg = self.cap.config
         slot = _round(int(need * 1.25), PAGE) if self._slots is not None else need  # room to grow a little
         nslots = cfg.memory_steps + EXTRA_SLOTS
         total = slot * nslots
@@ -304,15 +300,15 @@ class MemoryTier:
             raise CaptureError(
                 f"memory_steps={cfg.memory_steps} needs {nslots} slots x {slot} bytes = {total} bytes of host "
                 f"memory for this state; {avail} bytes are available: lower memory_steps")
-        master = self._new_pool(total, pin)  # type: ignore[attr-defined]
+        master = self.cap._new_pool(total, pin)
         log.info("dstt: memory tier of %d steps: %d slots x %d bytes = %.1f MB (%s)", cfg.memory_steps, nslots,
-                 slot, total / 1e6, "/dev/shm ring" if self._pool_in_ring else "process memory")  # type: ignore[attr-defined]
-        self.pool = master
+                 slot, total / 1e6, "/dev/shm ring" if self.cap._pool_in_ring else "process memory")
+        self.cap.pool = master
         return SlotPool(master, slot)
 
     # ------------------------------------------------------------ trainer side
 
-    def _tier_enqueue(self, job: Job, lazy: bool) -> None:
+    def enqueue(self, job: Job, lazy: bool) -> None:
         """Queue a planned, eagerly staged job (trainer thread)."""
         with self.ledger.cond:
             self.ledger.pending += 1
@@ -326,26 +322,26 @@ class MemoryTier:
             if lazy:
                 self._unstaged.append(job)
         if lazy:
-            self._queue_lazy(job)  # type: ignore[attr-defined]
+            self.cap._queue_lazy(job)
         else:
             job.finish_staging()
-            self._tier_staged(job)
+            self.staged(job)
 
-    def _tier_staged(self, job: Job) -> None:
+    def staged(self, job: Job) -> None:
         """Every copy of ``job`` landed (stager or trainer thread): into the
         ring, evicting the oldest; decide what "newest" passes over."""
         failed = job.error is not None
         # Sealed only in the ring of its own branch: a ring is recovered onto
         # the branch it was made for (after a rewind, the new branch's steps
         # are not sealed in the old branch's ring).
-        if not failed and self._ring is not None and self._pool_in_ring and job.writer is self._ring_writer:  # type: ignore[attr-defined]
-            self._tier_seal(job)
+        if not failed and self.cap._ring is not None and self.cap._pool_in_ring and job.writer is self._ring_writer:
+            self._seal(job)
         freed: list[Job] = []
         with self.ledger.cond:
             if job in self._unstaged:
                 self._unstaged.remove(job)
             if failed:
-                self._tier_fail(job, freed)
+                self._fail_step(job, freed)
             else:
                 job.tier_staged = True
                 job.refs += 1  # the ring's
@@ -354,13 +350,13 @@ class MemoryTier:
                     job.prev_job = prev
                     prev.refs += 1  # read by job's flush for the update statistics
                 self._held.append(job)
-                if self._watcher is not None:  # checked in step order, never skipped
+                if self.watch is not None:  # checked in step order, never skipped
                     job.refs += 1
-                    self._watch_q.append(job)
-                self._tier_evict(freed)
+                    self.watch.queue.append(job)
+                self.evict(freed)
                 self._latest_job = job
                 if job.forced and job.decision != "persist":
-                    self._force(job)
+                    self.force(job)
                 elif job.decision == "persist":
                     self._decided.append(job)
                 elif self._policy == "newest":
@@ -371,14 +367,14 @@ class MemoryTier:
                 else:
                     self._pass_over(job, freed)
             self.ledger.cond.notify_all()
-        self._release(freed)
+        self.release(freed)
 
-    def _tier_seal(self, job: Job) -> None:
+    def _seal(self, job: Job) -> None:
         """Seal a staged step in the ring (a crash is an incident too). No CRC
         pass: a held step's slot is reused only once the keeper said so
-        (:meth:`_release`, capture/keeper.py) -- its seal removed, or
+        (:meth:`release`, capture/keeper.py) -- its seal removed, or
         rewritten with CRCs -- so a seal never describes other bytes."""
-        keeper = self._keeper  # type: ignore[attr-defined]
+        keeper = self.cap._keeper
         slots = self._slots
         try:
             if slots is None or job.slot is None or job.slot.ring_name is None:
@@ -387,22 +383,22 @@ class MemoryTier:
             job.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             job.seal_error = str(e)
-        self._note_sealing(job)  # type: ignore[attr-defined]
+        self.cap._note_sealing(job)
 
     # ------------------------------------------------------------ bookkeeping (under _cond)
 
-    def _tier_evict(self, freed: list[Job]) -> None:
+    def evict(self, freed: list[Job]) -> None:
         """Let the oldest steps leave the ring (the last K staged steps).
         With the NaN/Inf watcher they stay in memory, in ``_watch_tail``,
         until it has checked K steps after them: every step it has not
         checked is kept, and the K checked ones before the oldest of those,
         so a non-finite step's incident stores the K steps before it however
         far behind the watcher is (Watcher._force_all)."""
-        held, tail, k = self._held, self._watch_tail, self.config.memory_steps
+        held, tail, k = self._held, self._watch_tail, self.cap.config.memory_steps
         while len(held) > k:
             old = held.popleft()
-            if self._watcher is None:
-                self._unref(old, freed)
+            if self.watch is None:
+                self.unref(old, freed)
             else:
                 tail.append(old)
         if not tail:
@@ -413,8 +409,39 @@ class MemoryTier:
                 break
             checked += 1
         while checked > k and tail:
-            self._unref(tail.popleft(), freed)
+            self.unref(tail.popleft(), freed)
             checked -= 1
+
+    def force_all(self, at: Job | None = None) -> list[int]:
+        """Force every step in the ring (the last K staged) -- with ``at``,
+        the watcher's non-finite step, the K before it and every later one,
+        from the steps kept for the watcher (:meth:`evict`) -- and every
+        queued one (under the ledger's lock); their numbers."""
+        kept = [*self._watch_tail, *self._held]  # (in step order)
+        i = next((n for n, job in enumerate(kept) if job is at), None)
+        ring = list(self._held) if i is None else kept[max(0, i - self.cap.config.memory_steps):]
+        steps = []
+        for job in [*ring, *self._unstaged]:
+            if job.writer is not self.cap.writer or job.decision == "failed":
+                continue
+            if job.tier_staged:
+                self.force(job)
+            else:
+                job.forced = True
+            steps.append(job.plan.step)
+        return sorted(set(steps))
+
+    def ring_job(self, step: int) -> Job | None:
+        """The staged job of ``step`` on the current branch still in the ring (under the ledger's lock)."""
+        for job in reversed(self._held):
+            if job.plan.step == step and job.writer is self.cap.writer and job.slot is not None \
+                    and job.error is None and job.decision != "failed":
+                return job
+        return None
+
+    def passed_over(self, writer: Writer) -> list[int]:
+        """Steps of ``writer``'s branch passed over, not yet recorded in a commit (under the ledger's lock)."""
+        return self._memory_only.get(id(writer), [])
 
     def _pass_over(self, job: Job, freed: list[Job]) -> None:
         """``job`` stays in memory only (unless an incident forces it later)."""
@@ -424,13 +451,13 @@ class MemoryTier:
         self.ledger.queued_steps.discard(job.plan.step)
         if self._candidate is job:
             self._candidate = None
-            self._unref(job, freed)
+            self.unref(job, freed)
         if job.prev_job is not None:
             prev, job.prev_job = job.prev_job, None
-            self._unref(prev, freed)
+            self.unref(prev, freed)
         job.done.set()
 
-    def _force(self, job: Job) -> None:
+    def force(self, job: Job) -> None:
         """Store ``job`` after all (an incident); the caller holds _cond."""
         job.forced = True
         if job.decision in ("persist", "done", "failed") or job in self._forced or not job.tier_staged:
@@ -453,7 +480,7 @@ class MemoryTier:
         self._forced.append(job)
         self._forced.sort(key=lambda j: j.plan.step)
 
-    def _tier_fail(self, job: Job, freed: list[Job]) -> None:
+    def _fail_step(self, job: Job, freed: list[Job]) -> None:
         """A step whose staging failed: reported, its slot freed (it holds at
         most the persist's ref: it never entered the ring)."""
         had_persist = job.decision == "persist"
@@ -469,19 +496,19 @@ class MemoryTier:
             freed.append(job)
         job.done.set()
 
-    def _unref(self, job: Job, freed: list[Job]) -> None:
+    def unref(self, job: Job, freed: list[Job]) -> None:
         job.refs -= 1
         if job.refs <= 0 and job.slot is not None:
             freed.append(job)
 
-    def _release(self, freed: list[Job]) -> None:
+    def release(self, freed: list[Job]) -> None:
         """Return the slots of jobs no one holds (outside _cond)."""
         for job in freed:
             slot, job.slot = job.slot, None
             if slot is None:
                 continue
             slots = self._slots
-            keeper = self._keeper  # type: ignore[attr-defined]
+            keeper = self.cap._keeper
             if job.sealed and keeper is not None and slots is not None:
                 master = slots.master
                 checked = functools.partial(seal_record, job.plan, master.ring_name or "", master.buffer, job.views)
@@ -494,27 +521,27 @@ class MemoryTier:
                 slots.release(slot)
                 self.ledger.bump()  # (a waiting snapshot() sees a slot come free)
 
-    def _tier_drop_ring(self, why: str) -> None:
+    def _drop_ring(self, why: str) -> None:
         """Drain what is to be stored, then forget the ring's memory-only steps."""
-        self._tier_wait()
+        self._wait_stored()
         freed: list[Job] = []
         with self.ledger.cond:
             dropped = [j.plan.step for j in (*self._watch_tail, *self._held) if j.decision == "memory"]
             for ring in (self._watch_tail, self._held):
                 while ring:
-                    self._unref(ring.popleft(), freed)
-        self._release(freed)
+                    self.unref(ring.popleft(), freed)
+        self.release(freed)
         if dropped:
             warnings.warn(f"dstt: {why}: the memory tier's steps {dropped[0]}..{dropped[-1]} (memory only) are "
                           "dropped", RuntimeWarning, stacklevel=4)
 
-    def _tier_wait(self) -> None:
+    def _wait_stored(self) -> None:
         with self.ledger.cond:
             self.ledger.wait_cond(lambda: self.ledger.pending == 0, "the steps to be stored")
 
     # ------------------------------------------------------------ the committer
 
-    def _tier_next(self) -> Job | None:
+    def _next(self) -> Job | None:
         with self.ledger.cond:
             while True:
                 if self._forced:
@@ -530,16 +557,16 @@ class MemoryTier:
                 self._close_retired_locked()
                 self.ledger.cond.wait()  # unbounded wait: the committer waiting for work; close() wakes it
 
-    def _tier_loop(self) -> None:
-        self._lower_priority()  # type: ignore[attr-defined]
+    def run(self) -> None:
+        self.cap._lower_priority()
         while True:
-            job = self._tier_next()
+            job = self._next()
             if job is None:
                 self._close_retired_locked(final=True)
                 return
             freed: list[Job] = []
             try:
-                info = self._tier_persist(job)
+                info = self._persist(job)
                 with self.ledger.cond:
                     job.info = info
                     self.ledger.recent.append(info)
@@ -558,16 +585,16 @@ class MemoryTier:
                 with self.ledger.cond:
                     self.ledger.pending -= 1
                     self.ledger.queued_steps.discard(job.plan.step)
-                    self._unref(job, freed)
+                    self.unref(job, freed)
                     if job.prev_job is not None:
                         prev, job.prev_job = job.prev_job, None
-                        self._unref(prev, freed)
+                        self.unref(prev, freed)
                     job.done.set()
                     self.ledger.cond.notify_all()
-                self._release(freed)
+                self.release(freed)
                 self.ledger.bump()
 
-    def _tier_persist(self, job: Job) -> Any:
+    def _persist(self, job: Job) -> Any:
         """Write and commit one staged step (committer thread)."""
         w: Writer = job.writer
         plan = job.plan
@@ -582,7 +609,7 @@ class MemoryTier:
         results: list[ChunkResult] = []
         try:
             w.ensure_arrays(plan)
-            futures = [self._flush.submit(self._flush_views, w, plan, batch, prev)
+            futures = [self.cap._flush.submit(self._flush_views, w, plan, batch, prev)
                        for batch in batches(job.views, lambda item: item[0].nbytes)]
             for f in futures:
                 try:
