@@ -138,7 +138,7 @@ class Committer(ABC):
     def after_rewind(self) -> None:
         """A rewind decided its new branch: switch to it now (the memory
         tier switches at the next snapshot, after its fork step is stored)."""
-        self.cap._switch_branch()
+        self.cap.rewinder.switch_branch()
 
     def leave_branch(self) -> None:
         """Before the writer of a rewind's branch opens: everything stored,

@@ -457,6 +457,22 @@ class CrashSafe:
         job.views = []
         job.groups = []
 
+    def _leave_branch(self) -> None:
+        """Without the memory tier, a rewind: everything is stored; let go of
+        the old branch's ring (per branch; its helper: Committer.leave_branch)."""
+        self._helper = None
+        pool = self.pool
+        if pool is not None and self._pool_in_ring:
+            pool.unregister()
+        self.pool = None
+        self._pool_in_ring = False
+        self._close_ring()
+        self._ring = None
+
+    def _rejoin_branch(self) -> None:
+        """A ring for the new branch, as the constructor makes it (its helper: make_committer)."""
+        self._ring = self._open_ring()
+
     def _close_ring(self) -> None:
         """Let go of the ring (close, or a rewind leaving the branch): it is
         removed, unless a seal in it must outlive this Capture (kept for the

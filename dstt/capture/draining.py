@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from dstt.capture.committers import Committer
 from dstt.capture.ledger import Ledger, steps_text
 from dstt.capture.lifecycle import LIVE
+from dstt.capture.rewind import Rewinder
 from dstt.capture.waits import Stalled
 from dstt.errors import CaptureError
 from dstt.store.writer import CommitInfo
@@ -52,7 +54,10 @@ class Draining:
     _helper: Any
     _ring: Any
     committer: Committer
-    _fork: Any
+    rewinder: Rewinder
+    # (the facade's, engine.py; the crash-safe part's, crashsafe.py)
+    _scan_guard: Callable[[], None]
+    _close_ring: Callable[[], None]
     _stage_q: Any
     _commit_q: Any
     _stager: threading.Thread
@@ -89,12 +94,12 @@ class Draining:
             elif not self.ledger.cond.wait_for(lambda: self.ledger.pending == 0, timeout):
                 raise CaptureError(f"timed out after {timeout} s waiting for {self.ledger.pending} step(s) to commit")
         self.raise_pending()
-        return self.committed  # type: ignore[attr-defined,no-any-return]
+        return self.ledger.commits()  # (Capture.committed)
 
     def raise_pending(self) -> None:
         """Raise the first background failure not yet reported, if any
         (a lazily copied tensor already changed in place counts: the step fails)."""
-        self._scan_guard()  # type: ignore[attr-defined]
+        self._scan_guard()
         errors = self.ledger.take_errors()
         if errors:
             more = f" (and {len(errors) - 1} later failure(s))" if len(errors) > 1 else ""
@@ -113,8 +118,7 @@ class Draining:
         LIVE.discard(self)
         gave_up: Stalled | None = None
         try:
-            if self._fork is not None:
-                self._switch_branch()  # type: ignore[attr-defined]  # a rewind with no snapshot after it
+            self.rewinder.switch_if_forked()  # a rewind with no snapshot after it
             self.committer.before_drain()  # (the memory tier: every step checked, the last one stored)
             with self.ledger.cond:
                 self.ledger.wait_cond(lambda: self.ledger.pending == 0, self.ledger.pending_text)
@@ -164,7 +168,7 @@ class Draining:
         self.committer.release()  # (the capture helper)
         if self.pool is not None and self._pool_in_ring:
             self.pool.unregister()
-        self._close_ring()  # type: ignore[attr-defined]  # removed, unless a seal in it must outlive this Capture
+        self._close_ring()  # removed, unless a seal in it must outlive this Capture
         self.writer.close()
         self._plan_coord.close()
         self._commit_coord.close()

@@ -96,7 +96,7 @@ class Parts:
     coordinators: tuple[Coordinator, Coordinator]  #: planning's and the committer's (torch.distributed)
 
 
-class Capture(Draining, Stager, CrashSafe, Rewinder):
+class Capture(Draining, Stager, CrashSafe):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -182,7 +182,7 @@ class Capture(Draining, Stager, CrashSafe, Rewinder):
         #: it is handed to the capture helper); an exception fails the step.
         self.after_seal: Callable[[Job], Any] | None = None
         self._stager = threading.Thread(target=self._stage_loop, name="dstt-stager", daemon=True)
-        self._fork: Any = None  # a rewind's branch, opened at the next snapshot (rewind.py)
+        self.rewinder = Rewinder(self)  # rewind(), and the switch to its branch
         self._committer = threading.Thread(target=self.committer.run, name="dstt-committer", daemon=True)
         self._stager.start()
         self._committer.start()
@@ -212,8 +212,7 @@ class Capture(Draining, Stager, CrashSafe, Rewinder):
         if not policy.is_due(step, self.config.every):
             self.raise_pending()
             return False
-        if self._fork is not None:
-            self._switch_branch()
+        self.rewinder.switch_if_forked()  # (a rewind's branch, opened at the next snapshot)
         state = state_of(model=model, optimizer=optimizer, scheduler=scheduler, rng=rng, extra=extra)
         # Planning, splitting and staging build objects per tensor, none in
         # cycles: the cyclic GC, which walks every live object, waits (issue 16).
@@ -321,6 +320,49 @@ class Capture(Draining, Stager, CrashSafe, Rewinder):
         """The latest commits (at most :data:`RECENT_COMMITS`; ``n_committed``
         counts them all, ``last_commit`` is the newest)."""
         return self.ledger.commits()
+
+    def rewind(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        rng: bool = True,
+        branch: str | None = None,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Restore ``model``/``optimizer``/``scheduler``/RNG to captured
+        ``step`` and continue on a new branch forked there (``branch``, or
+        ``<branch>-rewind-<step>``); returns the step's ``extra`` (where the
+        trainer keeps its data position, to skip the batches that caused a
+        spike). Validated all or nothing like :func:`dstt.restore`, and every
+        argument before anything changes: a refused rewind (a bad argument,
+        ``branch`` the one being captured or one that exists --
+        BranchExistsError --, a step neither in the memory tier nor stored,
+        a step that does not fit the live objects) leaves the live objects,
+        the store and the memory tier as they were and records no incident.
+
+        From the memory tier when the step is still there (milliseconds),
+        else from the store. The ring's steps are stored on the old branch
+        (an incident, source "rewind").
+
+        >>> import tempfile, torch, dstt
+        >>> m = torch.nn.Linear(2, 1)
+        >>> path = tempfile.mkdtemp() + "/run"
+        >>> with dstt.Capture(path, memory_steps=4) as cap:
+        ...     for s in range(3):
+        ...         with torch.no_grad(): m.weight += 1
+        ...         _ = cap.snapshot(s, model=m, extra={"batch": s})
+        ...     cap.rewind(1, model=m, branch="retry")
+        ...     _ = cap.snapshot(2, model=m)
+        {'batch': 1}
+        >>> dstt.open(path).branch_info("retry").parent
+        StepRef(branch='main', step=1)
+        """
+        self._check_open()
+        return self.rewinder.rewind(step, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
+                                    branch=branch, strict=strict)
 
     def incident(self, reason: str, *, step: int | None = None) -> Incident:
         """Something went wrong (a loss spike, a bad batch): store every step

@@ -111,6 +111,7 @@ class HostPool:
         self._error: str | None = None
         #: The /dev/shm ring's file this pool maps (ring.py), None in process memory.
         self.ring_name: str | None = None
+        self.slot_index = -1  # its slot of a memory tier's SlotPool (tier.py); -1: not a slot
         #: Why no new step should be staged here (:meth:`retire`), None while it may.
         self.retired: str | None = None
         #: Ranges [start, end) of blocks that are never released (:meth:`pin`).

@@ -134,7 +134,7 @@ class SlotPool:
         buf = self.master.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes] if extra is None else extra
         slot = HostPool(self.slot_bytes, buffer=buf)
         slot.pinned = self.master.pinned and extra is None
-        slot.slot_index = i  # type: ignore[attr-defined]
+        slot.slot_index = i
         slot.ring_name = self.master.ring_name if extra is None else None  # (a step in it can be sealed)
         return slot
 
@@ -156,7 +156,7 @@ class SlotPool:
 
     def release(self, slot: HostPool) -> None:
         with self._cond:
-            self._free.append(slot.slot_index)  # type: ignore[attr-defined]
+            self._free.append(slot.slot_index)
             self._cond.notify_all()
 
     def wait_free(self, timeout: float) -> bool:
