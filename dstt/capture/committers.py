@@ -412,7 +412,7 @@ class TierCommitter(Committer):
         self.cap.ledger.wait_cond(lambda: not tier._unstaged, "the steps queued before the rewind to be staged")
         job = tier.ring_job(step)
         if job is not None:
-            job.refs += 1  # the rewind's: the slot stays while it is read
+            job.tier.refs += 1  # the rewind's: the slot stays while it is read
         return job
 
     def rewind_done(self, job: Job) -> None:

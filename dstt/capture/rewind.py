@@ -226,9 +226,9 @@ class Rewinder:
         name, parent, job = self.fork
         self.fork = None
         if job is not None:
-            self.cap.ledger.wait_event(job.done, f"step {parent.step} (the fork point of branch {name!r}) "
+            self.cap.ledger.wait_event(job.tier.done, f"step {parent.step} (the fork point of branch {name!r}) "
                               "to be stored")
-            if job.decision != "done":
+            if job.tier.decision != "done":
                 raise CaptureError(f"rewind: step {parent.step} of branch {parent.branch!r} could not be stored, "
                                    f"so branch {name!r} cannot fork there (see the earlier error)")
         old = self.cap.writer

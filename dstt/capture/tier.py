@@ -19,7 +19,7 @@ records the incident in the store (``dstt.format.incidents``).
 
 Invariants (all state under ``Capture._cond``):
 
-* a slot is reused only once no one holds its step: ``job.refs`` counts the
+* a slot is reused only once no one holds its step: ``job.tier.refs`` counts the
   ring, a decided-but-unwritten persist, the watcher, a successor being
   written (which reads it for the update statistics) and a rewind;
 * the committer thread is the only one that writes: one step at a time,
@@ -243,7 +243,7 @@ class MemoryTier:
         self.check_all()
         with self.ledger.cond:
             job = self._latest_job
-            if job is not None and job.decision == "memory" and job.slot is not None:
+            if job is not None and job.tier.decision == "memory" and job.tier.slot is not None:
                 self.force(job)
                 self.ledger.cond.notify_all()
 
@@ -276,8 +276,8 @@ class MemoryTier:
             return _took(slots.acquire(min(t, WATCH_POLL_S)), got)
 
         self.ledger.wait(slot_free, f"a free memory-tier slot for step {plan.step} (the writer frees them)")
-        job.slot = got[0]
-        job.pool = job.slot
+        job.tier.slot = got[0]
+        job.pool = job.tier.slot
         job.hold = True
 
     def check_all(self) -> None:
@@ -317,8 +317,8 @@ class MemoryTier:
             self._latest_step = job.plan.step
             policy = self._policy
             if policy == "all" or (isinstance(policy, int) and (self._captured - 1) % policy == 0):
-                job.decision = "persist"
-                job.refs += 1  # the persist's
+                job.tier.decision = "persist"
+                job.tier.refs += 1  # the persist's
             if lazy:
                 self._unstaged.append(job)
         if lazy:
@@ -343,27 +343,27 @@ class MemoryTier:
             if failed:
                 self._fail_step(job, freed)
             else:
-                job.tier_staged = True
-                job.refs += 1  # the ring's
+                job.tier.staged = True
+                job.tier.refs += 1  # the ring's
                 prev = self._held[-1] if self._held else None
-                if prev is not None and prev.writer is job.writer and prev.refs > 0:
-                    job.prev_job = prev
-                    prev.refs += 1  # read by job's flush for the update statistics
+                if prev is not None and prev.writer is job.writer and prev.tier.refs > 0:
+                    job.tier.prev_job = prev
+                    prev.tier.refs += 1  # read by job's flush for the update statistics
                 self._held.append(job)
                 if self.watch is not None:  # checked in step order, never skipped
-                    job.refs += 1
+                    job.tier.refs += 1
                     self.watch.queue.append(job)
                 self.evict(freed)
                 self._latest_job = job
-                if job.forced and job.decision != "persist":
+                if job.tier.forced and job.tier.decision != "persist":
                     self.force(job)
-                elif job.decision == "persist":
+                elif job.tier.decision == "persist":
                     self._decided.append(job)
                 elif self._policy == "newest":
                     if self._candidate is not None:
                         self._pass_over(self._candidate, freed)
                     self._candidate = job
-                    job.refs += 1  # the candidate's
+                    job.tier.refs += 1  # the candidate's
                 else:
                     self._pass_over(job, freed)
             self.ledger.cond.notify_all()
@@ -377,7 +377,7 @@ class MemoryTier:
         keeper = self.cap._keeper
         slots = self._slots
         try:
-            if slots is None or job.slot is None or job.slot.ring_name is None:
+            if slots is None or job.tier.slot is None or job.tier.slot.ring_name is None:
                 raise RuntimeError("its slot is in process memory, not in the /dev/shm ring")
             keeper.seal(seal_record(job.plan, slots.master.ring_name, slots.master.buffer, job.views, crc=False))
             job.sealed = True
@@ -405,7 +405,7 @@ class MemoryTier:
             return
         checked = 0  # (checked in step order: the checked steps are the oldest ones)
         for job in (*tail, *held):
-            if not job.watched:
+            if not job.tier.watched:
                 break
             checked += 1
         while checked > k and tail:
@@ -422,20 +422,20 @@ class MemoryTier:
         ring = list(self._held) if i is None else kept[max(0, i - self.cap.config.memory_steps):]
         steps = []
         for job in [*ring, *self._unstaged]:
-            if job.writer is not self.cap.writer or job.decision == "failed":
+            if job.writer is not self.cap.writer or job.tier.decision == "failed":
                 continue
-            if job.tier_staged:
+            if job.tier.staged:
                 self.force(job)
             else:
-                job.forced = True
+                job.tier.forced = True
             steps.append(job.plan.step)
         return sorted(set(steps))
 
     def ring_job(self, step: int) -> Job | None:
         """The staged job of ``step`` on the current branch still in the ring (under the ledger's lock)."""
         for job in reversed(self._held):
-            if job.plan.step == step and job.writer is self.cap.writer and job.slot is not None \
-                    and job.error is None and job.decision != "failed":
+            if job.plan.step == step and job.writer is self.cap.writer and job.tier.slot is not None \
+                    and job.error is None and job.tier.decision != "failed":
                 return job
         return None
 
@@ -445,66 +445,66 @@ class MemoryTier:
 
     def _pass_over(self, job: Job, freed: list[Job]) -> None:
         """``job`` stays in memory only (unless an incident forces it later)."""
-        job.decision = "memory"
+        job.tier.decision = "memory"
         self._memory_only.setdefault(id(job.writer), []).append(job.plan.step)
         self.ledger.pending -= 1
         self.ledger.queued_steps.discard(job.plan.step)
         if self._candidate is job:
             self._candidate = None
             self.unref(job, freed)
-        if job.prev_job is not None:
-            prev, job.prev_job = job.prev_job, None
+        if job.tier.prev_job is not None:
+            prev, job.tier.prev_job = job.tier.prev_job, None
             self.unref(prev, freed)
-        job.done.set()
+        job.tier.done.set()
 
     def force(self, job: Job) -> None:
         """Store ``job`` after all (an incident); the caller holds _cond."""
-        job.forced = True
-        if job.decision in ("persist", "done", "failed") or job in self._forced or not job.tier_staged:
+        job.tier.forced = True
+        if job.tier.decision in ("persist", "done", "failed") or job in self._forced or not job.tier.staged:
             return  # stored, being stored, or failed: nothing to add
-        if job.prev_job is None:  # passed over, it let its predecessor go: take it again if still held
+        if job.tier.prev_job is None:  # passed over, it let its predecessor go: take it again if still held
             held = [*self._watch_tail, *self._held]
             i = held.index(job) if job in held else -1
-            if i > 0 and held[i - 1].writer is job.writer and held[i - 1].slot is not None:
-                job.prev_job = held[i - 1]
-                held[i - 1].refs += 1
+            if i > 0 and held[i - 1].writer is job.writer and held[i - 1].tier.slot is not None:
+                job.tier.prev_job = held[i - 1]
+                held[i - 1].tier.refs += 1
         if self._candidate is job:
             self._candidate = None  # its candidate ref becomes the persist's
         else:
-            job.refs += 1
-            if job.decision == "memory":
+            job.tier.refs += 1
+            if job.tier.decision == "memory":
                 self.ledger.pending += 1
                 self.ledger.queued_steps.add(job.plan.step)
-                job.done.clear()
-        job.decision = "persist"
+                job.tier.done.clear()
+        job.tier.decision = "persist"
         self._forced.append(job)
         self._forced.sort(key=lambda j: j.plan.step)
 
     def _fail_step(self, job: Job, freed: list[Job]) -> None:
         """A step whose staging failed: reported, its slot freed (it holds at
         most the persist's ref: it never entered the ring)."""
-        had_persist = job.decision == "persist"
-        job.decision = "failed"
+        had_persist = job.tier.decision == "persist"
+        job.tier.decision = "failed"
         if not job.reported:
             job.reported = True
             self.ledger.fail(job.plan.step, job.error)
         self.ledger.pending -= 1
         self.ledger.queued_steps.discard(job.plan.step)
         if had_persist:
-            job.refs -= 1
-        if job.refs <= 0 and job.slot is not None:
+            job.tier.refs -= 1
+        if job.tier.refs <= 0 and job.tier.slot is not None:
             freed.append(job)
-        job.done.set()
+        job.tier.done.set()
 
     def unref(self, job: Job, freed: list[Job]) -> None:
-        job.refs -= 1
-        if job.refs <= 0 and job.slot is not None:
+        job.tier.refs -= 1
+        if job.tier.refs <= 0 and job.tier.slot is not None:
             freed.append(job)
 
     def release(self, freed: list[Job]) -> None:
         """Return the slots of jobs no one holds (outside _cond)."""
         for job in freed:
-            slot, job.slot = job.slot, None
+            slot, job.tier.slot = job.tier.slot, None
             if slot is None:
                 continue
             slots = self._slots
@@ -526,7 +526,7 @@ class MemoryTier:
         self._wait_stored()
         freed: list[Job] = []
         with self.ledger.cond:
-            dropped = [j.plan.step for j in (*self._watch_tail, *self._held) if j.decision == "memory"]
+            dropped = [j.plan.step for j in (*self._watch_tail, *self._held) if j.tier.decision == "memory"]
             for ring in (self._watch_tail, self._held):
                 while ring:
                     self.unref(ring.popleft(), freed)
@@ -546,11 +546,11 @@ class MemoryTier:
             while True:
                 if self._forced:
                     return self._forced.pop(0)
-                if self._decided and self._decided[0].tier_staged:
+                if self._decided and self._decided[0].tier.staged:
                     return self._decided.popleft()
                 if self._candidate is not None:
                     job, self._candidate = self._candidate, None
-                    job.decision = "persist"  # its candidate ref becomes the persist's
+                    job.tier.decision = "persist"  # its candidate ref becomes the persist's
                     return job
                 if self._stopping and not self._unstaged and not self._decided:
                     return None
@@ -574,10 +574,10 @@ class MemoryTier:
                     self.ledger.bytes_written += info.bytes_written
                     if self.ledger.last_commit is None or info.step >= self.ledger.last_commit.step:
                         self.ledger.last_commit = info
-                    job.decision = "done"
+                    job.tier.decision = "done"
             except BaseException as e:
                 with self.ledger.cond:
-                    job.decision = "failed"
+                    job.tier.decision = "failed"
                     reported, job.reported = job.reported, True
                 if not reported:
                     self.ledger.fail(job.plan.step, e)
@@ -586,10 +586,10 @@ class MemoryTier:
                     self.ledger.pending -= 1
                     self.ledger.queued_steps.discard(job.plan.step)
                     self.unref(job, freed)
-                    if job.prev_job is not None:
-                        prev, job.prev_job = job.prev_job, None
+                    if job.tier.prev_job is not None:
+                        prev, job.tier.prev_job = job.tier.prev_job, None
                         self.unref(prev, freed)
-                    job.done.set()
+                    job.tier.done.set()
                     self.ledger.cond.notify_all()
                 self.release(freed)
                 self.ledger.bump()
@@ -603,8 +603,8 @@ class MemoryTier:
         w.relink(plan)  # a step passed over and stored after all (an incident)
         w.settle_before(plan)  # steps passed over before it: compared with what came before them
         prev: dict[tuple[str, int], torch.Tensor] = {}
-        if job.prev_job is not None:
-            prev = {(t.layout.array, t.index): v for t, v in job.prev_job.views}
+        if job.tier.prev_job is not None:
+            prev = {(t.layout.array, t.index): v for t, v in job.tier.prev_job.views}
         error: BaseException | None = None
         results: list[ChunkResult] = []
         try:
@@ -646,7 +646,7 @@ class MemoryTier:
         if not self._retired:
             return
         busy = {id(j.writer) for j in [*self._forced, *self._decided, *self._unstaged]
-                if j.decision not in ("done", "failed", "memory")}
+                if j.tier.decision not in ("done", "failed", "memory")}
         for w in list(self._retired):
             if final or id(w) not in busy:
                 self._retired.remove(w)

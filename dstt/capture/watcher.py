@@ -164,7 +164,7 @@ class NanWatch:
             job = _to_check(self.queue, steal)
             if job is None:
                 return False
-            job.checking = True
+            job.tier.checking = True
         try:
             bad = tuple(_nonfinite_tensors(job))
         except Exception as e:  # noqa: BLE001 - a watcher failure must not stop capture
@@ -172,8 +172,8 @@ class NanWatch:
             bad = ()
         freed: list[Job] = []
         with self.ledger.cond:
-            if job.nonfinite is None:  # (the first of two checkers to finish)
-                job.nonfinite = bad
+            if job.tier.nonfinite is None:  # (the first of two checkers to finish)
+                job.tier.nonfinite = bad
             fired = self._settle(freed)
             self.ledger.cond.notify_all()
         self.tier.release(freed)
@@ -188,10 +188,10 @@ class NanWatch:
         of anything -- and is returned to be recorded."""
         tier = self.tier
         fired = []
-        while self.queue and self.queue[0].nonfinite is not None:
+        while self.queue and self.queue[0].tier.nonfinite is not None:
             job = self.queue.popleft()
-            bad = job.nonfinite or ()
-            job.watched = True
+            bad = job.tier.nonfinite or ()
+            job.tier.watched = True
             job.spans = []
             if bad and not self.nonfinite_seen and not tier._stopping:
                 fired.append((job, bad, tier.force_all(job)))
@@ -225,11 +225,11 @@ def _to_check(queue: deque[Job], steal: bool) -> Job | None:
     """The oldest step of ``queue`` nobody checks yet, or (``steal``) the
     oldest one not checked yet."""
     for job in queue:
-        if job.nonfinite is None and not job.checking:
+        if job.tier.nonfinite is None and not job.tier.checking:
             return job
     if steal:
         for job in queue:
-            if job.nonfinite is None:
+            if job.tier.nonfinite is None:
                 return job
     return None
 
