@@ -31,7 +31,6 @@ import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +46,7 @@ from dstt.capture.hooks import StepFence
 from dstt.capture.hostpool import CudaCopier, HostPool
 from dstt.capture.ledger import Ledger
 from dstt.capture.lifecycle import LIVE
+from dstt.capture.parts import Parts
 from dstt.capture.pipeline import (
     GuardTripped,
     Job,
@@ -55,15 +55,13 @@ from dstt.capture.pipeline import (
     task_bytes,
 )
 from dstt.capture.rewind import Rewinder
-from dstt.capture.ring import Ring
-from dstt.capture.stager import LazySplit, Stager
-from dstt.capture.tier import SlotPool
+from dstt.capture.stager import Stager
 from dstt.capture.watcher import Watcher
 from dstt.errors import CaptureError, ConfigError
 from dstt.format.incidents import Incident
 from dstt.format.layout import validate_step
 from dstt.format.pygc import paused_gc
-from dstt.store.coord import Coordinator, new_coordinator
+from dstt.store.coord import new_coordinator
 from dstt.store.plan import ChunkTask
 from dstt.store.state import state_of
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
@@ -76,24 +74,6 @@ log = logging.getLogger("dstt.capture")
 #: Steps remembered per branch as captured by this Capture (older ones are
 #: found in the store: committed, or recorded as memory-only).
 CAPTURED_LOG = 4096
-
-
-@dataclass(frozen=True)
-class Parts:
-    """What :attr:`Capture.parts` shows: the components of a Capture."""
-
-    ledger: Ledger  #: the pipeline's bookkeeping and its lock
-    committer: Committer  #: the mode's committer (committers.py)
-    ring: Ring | None  #: the /dev/shm staging ring (None: staged in process memory)
-    helper: HelperHandle | None  #: the capture helper process (None: none runs)
-    pool: HostPool | None  #: the host staging pool (None before the first snapshot)
-    pool_in_ring: bool  #: whether the pool lives in the ring's /dev/shm file
-    slots: SlotPool | None  #: the memory tier's slots (None without memory_steps, or before the first snapshot)
-    tier_held: tuple[Job, ...]  #: the memory tier's ring: the last K staged steps, oldest first
-    last_job: Job | None  #: the latest step queued with lazy copies or held (what wait_staged waits for)
-    lazy_split: LazySplit | None  #: the latest step's split into eager and lazy copies
-    threads: dict[str, threading.Thread]  #: the background threads by name
-    coordinators: tuple[Coordinator, Coordinator]  #: planning's and the committer's (torch.distributed)
 
 
 class Capture(Draining, Stager, CrashSafe):
