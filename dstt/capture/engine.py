@@ -19,6 +19,24 @@ Threads and what they may touch:
   collectives never interleave with planning's) for every planned step in
   order, passing the step's first error: under torch.distributed every rank
   then learns the step failed and nobody waits forever.
+
+The parts, built once by the constructor (``Capture.parts`` shows them):
+
+* ``ledger`` (ledger.py): the pipeline's bookkeeping and its one lock --
+  pending and queued steps, errors, counters, progress, the bounded waits;
+* ``committer`` (committers.py): one per mode, chosen once by
+  ``make_committer`` -- in process, the capture helper, the memory tier
+  (which owns ``MemoryTier``, tier.py, and its ``NanWatch``) -- the only
+  place the modes are told apart;
+* the crash-safe ring and helper (crashsafe.py: ``_ring``, ``_helper``,
+  the seal keeper), the stager's pool and copies (stager.py, hostpool.py)
+  -- still mixins of this class;
+* ``watcher`` (watcher.py): ``incident()``; ``rewinder`` (rewind.py):
+  ``rewind()`` and the switch to its branch.
+
+One ``snapshot()`` reads top to bottom in :meth:`Capture.snapshot`,
+:meth:`Capture._snapshot_state` and :meth:`Capture._prepare` here, then
+``Committer.place``/``enqueue``/``staged``/``run`` of its mode.
 """
 
 from __future__ import annotations
