@@ -52,11 +52,12 @@ from dstt.capture.pipeline import Job
 from dstt.capture.tier import MemoryTier, available_memory_bytes
 from dstt.errors import CaptureError
 from dstt.format.skips import write_skip
-from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
 if TYPE_CHECKING:
     from dstt.capture.engine import Capture
     from dstt.capture.helper import HelperHandle
+    from dstt.store.committer import ChunkResult, CommitInfo
+    from dstt.store.writer import Writer
 
 log = logging.getLogger("dstt.capture")
 
@@ -289,7 +290,7 @@ class InProcessCommitter(Committer):
                 error = error or e
         # Collective: called for every planned step, with its error, so that
         # no step is committed with missing data and no peer waits forever.
-        info = cap.writer.commit(job.plan, results, error)
+        info: CommitInfo = cap.writer.commit(job.plan, results, error)
         job.info = info  # (its seal, if any, is removed in settle)
         return info
 
@@ -335,7 +336,8 @@ class HelperCommitter(Committer):
                 job.sent = True
 
     def commit(self, job: Job) -> CommitInfo:
-        return self.cap._commit_by_helper(job)
+        info: CommitInfo = self.cap._commit_by_helper(job)
+        return info
 
     def settle(self, job: Job) -> None:
         # Under torch.distributed a step its lost helper did not commit stays

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dstt.capture.committers import Committer
 from dstt.capture.ledger import Ledger, steps_text
@@ -36,7 +36,9 @@ from dstt.capture.lifecycle import LIVE
 from dstt.capture.rewind import Rewinder
 from dstt.capture.waits import Stalled
 from dstt.errors import CaptureError
-from dstt.store.writer import CommitInfo
+
+if TYPE_CHECKING:
+    from dstt.store.committer import CommitInfo
 
 log = logging.getLogger("dstt.capture")
 

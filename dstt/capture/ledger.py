@@ -39,11 +39,13 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dstt.capture.waits import POLL_S, until
 from dstt.errors import CaptureError
-from dstt.store.writer import CommitInfo
+
+if TYPE_CHECKING:
+    from dstt.store.committer import CommitInfo
 
 log = logging.getLogger("dstt.capture")
 

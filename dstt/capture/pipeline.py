@@ -37,7 +37,7 @@ class Job:
     ready: dict[int, Any] = field(default_factory=dict)  # CUDA: compute-stream events at snapshot()
     lazy_bytes: int = 0
     skip: str | None = None  # why the step is skipped (then nothing else is set)
-    futures: list[Future] = field(default_factory=list)
+    futures: list[Future[Any]] = field(default_factory=list)
     error: BaseException | None = None
     cuda_done: dict[int, Any] = field(default_factory=dict)  # CUDA: copy-stream events after lazy copies
     issued: threading.Event = field(default_factory=threading.Event)  # lazy copies enqueued

@@ -49,10 +49,11 @@ from dstt.capture.watcher import NanWatch
 from dstt.errors import CaptureError
 from dstt.format.layout import step_ranges
 from dstt.store.plan import ChunkTask, StepPlan
-from dstt.store.writer import ChunkResult, Writer, batches
+from dstt.store.writer import Writer, batches
 
 if TYPE_CHECKING:
     from dstt.capture.engine import Capture
+    from dstt.store.committer import ChunkResult
 
 log = logging.getLogger("dstt.capture")
 
@@ -184,6 +185,7 @@ class MemoryTier:
                 self.ledger.wait(pool.wait_all_free, "every memory-tier slot to be freed")
             self._slots = self._make_slots(need, pin=any(t.source.is_cuda for t in plan.tasks))
         slots = self._slots
+        assert slots is not None
         got: list[HostPool] = []
 
         def slot_free(t: float) -> bool:
@@ -303,7 +305,10 @@ class MemoryTier:
         try:
             if slots is None or job.tier.slot is None or job.tier.slot.ring_name is None:
                 raise RuntimeError("its slot is in process memory, not in the /dev/shm ring")
-            keeper.seal(seal_record(job.plan, slots.master.ring_name, slots.master.buffer, job.views, crc=False))
+            name = slots.master.ring_name
+            # (sealed only with a ring, whose keeper exists; a slot's ring_name is its master's)
+            assert keeper is not None and name is not None
+            keeper.seal(seal_record(job.plan, name, slots.master.buffer, job.views, crc=False))
             job.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             job.seal_error = str(e)
@@ -411,6 +416,7 @@ class MemoryTier:
         job.tier.decision = "failed"
         if not job.reported:
             job.reported = True
+            assert job.error is not None  # (staged() calls it for a failed step only)
             self.ledger.fail(job.plan.step, job.error)
         self.ledger.pending -= 1
         self.ledger.queued_steps.discard(job.plan.step)
