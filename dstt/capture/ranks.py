@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import typing
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from dstt import knobs
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.capture.sealcheck import check_record
@@ -64,9 +64,9 @@ POLL_MAX_S = 0.01
 MAX_WORLD = 1 << 20
 #: How long rank 0's helper waits for another rank's record of a step (and
 #: another rank's helper for the commit) while the trainers live, and after
-#: they died (the helpers then finish what was sealed, bounded).
-RANK_WAIT_S = float(os.environ.get("DSTT_RANK_WAIT_S", "300"))
-RANK_WAIT_DEAD_S = float(os.environ.get("DSTT_RANK_WAIT_DEAD_S", "60"))
+#: they died (the helpers then finish what was sealed, bounded): read when a
+#: wait starts, :func:`dstt.knobs.rank_wait_s` and :func:`dstt.knobs.rank_wait_dead_s`
+#: (``$DSTT_RANK_WAIT_S``, ``$DSTT_RANK_WAIT_DEAD_S``).
 
 
 def record_key(branch: str, step: int, rank: int) -> str:
@@ -250,7 +250,7 @@ class RecordCoordinator(Coordinator):
     def fail_unrecorded(self, step: int, seq: int | None, error: BaseException) -> None:
         """This rank's part of ``step`` failed before its commit (its seal
         unreadable, its chunks not written): record the failure, so rank 0's
-        helper fails the step now instead of waiting RANK_WAIT_S for a record
+        helper fails the step now instead of waiting DSTT_RANK_WAIT_S for a record
         that never comes; rank 0 also tells the other ranks' helpers. Best
         effort (a store that refuses the record too: the waits stay bounded)."""
         if seq is None or self.mode == "collect":
@@ -267,14 +267,15 @@ class RecordCoordinator(Coordinator):
     def _deadline(self) -> Callable[[], bool]:
         start = time.monotonic()
         dead_since: list[float] = []
+        wait_s, wait_dead_s = knobs.rank_wait_s(), knobs.rank_wait_dead_s()
 
         def passed() -> bool:
             now = time.monotonic()
             if not dead_since and not self._alive():
                 dead_since.append(now)
             if dead_since:
-                return now - dead_since[0] > RANK_WAIT_DEAD_S
-            return now - start > RANK_WAIT_S
+                return now - dead_since[0] > wait_dead_s
+            return now - start > wait_s
         return passed
 
     def _matching(self, rank: int) -> dict[str, Any] | None:
@@ -330,7 +331,7 @@ class RecordCoordinator(Coordinator):
                     write_fail(self.backend, self.branch, self.step, self.seq, self.run, str(value))
             except Exception as e:  # noqa: BLE001 - the outcome stands: a committed step stays committed
                 # (records left in a committed step's directory: dstt gc removes them; a fail
-                # note not written: the other ranks' helpers wait for it until RANK_WAIT_S)
+                # note not written: the other ranks' helpers wait for it until DSTT_RANK_WAIT_S)
                 R.log.error("dstt: step %d: could not %s: %s", self.step,
                             "remove its rank records" if kind == "ok" else "tell the other ranks it failed", e)
             return obj

@@ -20,13 +20,13 @@ from typing import Any, Callable, Generic, TypeVar, overload
 
 import torch
 
+from dstt import knobs
 from dstt.errors import ShardingError, UnsupportedValueError
 from dstt.format.chunks import ChunkGrid
 from dstt.format.codecs.delta import DELTA_ITEMSIZES
 from dstt.format.codecs.spec import CodecSpec
 from dstt.format.dtypes import DtypeInfo, info_for_name
 from dstt.format.layout import DELTA_SUFFIX, array_path
-from dstt.format.packs import default_pack_chunk_bytes
 from dstt.format.pygc import paused_gc
 from dstt.store.shards import (
     Region,
@@ -101,7 +101,7 @@ class TensorLayout:
     codec: CodecSpec
     regions: list[Region]
     #: Chunks of at most this many raw bytes are packed (packs.py); 0: none.
-    pack_chunk_bytes: int = field(default_factory=default_pack_chunk_bytes)
+    pack_chunk_bytes: int = field(default_factory=knobs.pack_chunk_bytes)
 
     # Cached: a layout is not changed once built, and these are asked for
     # several times per chunk (tens of thousands of tensors: issue 16).
@@ -353,7 +353,7 @@ def build_layout(
         check_tiling(shape, regions, name)
         bounds = interior_boundaries(shape, regions)
     chunk = choose_chunk_shape(shape, info.itemsize, bounds, max_chunk_bytes)
-    packing = default_pack_chunk_bytes() if pack_chunk_bytes is None else pack_chunk_bytes
+    packing = knobs.pack_chunk_bytes() if pack_chunk_bytes is None else pack_chunk_bytes
     layout = TensorLayout(name, kind, info, shape, chunk, codec, regions, packing)
     layout.__dict__["array"] = array_path(name, layout.sig)  # InvalidNameError now, before anything is written
     if layout.delta:
@@ -404,7 +404,7 @@ def plan_step(
     unchanged: a layout is a pure function of it (and of codec and chunk
     size), and building one per tensor per step dominated planning of small
     tensors (issue 16). Chunks of at most ``pack_chunk_bytes`` raw bytes
-    (default: :func:`dstt.format.packs.default_pack_chunk_bytes`) are packed."""
+    (default: :func:`dstt.knobs.pack_chunk_bytes`) are packed."""
     # Planning builds a few objects per tensor and keeps them: with the
     # collector on, tens of thousands of them trigger full collections that
     # walk every live object (most of an unchanged step's planning time at
@@ -461,7 +461,7 @@ def _plan_step(step: int, state: Any, rank: int, exchange: Callable[[Any], list[
                max_chunk_bytes: int, allow_pickle: bool, layout_cache: dict[Any, TensorLayout] | None,
                pack_chunk_bytes: int | None) -> StepPlan:
     if pack_chunk_bytes is None:
-        pack_chunk_bytes = default_pack_chunk_bytes()
+        pack_chunk_bytes = knobs.pack_chunk_bytes()
     # (the layout cache also keeps, under "$"-tuples and strings, what the
     # next step of the same writer compares with: _plan_local, flatten)
     memos: dict[Any, Any] | None = layout_cache

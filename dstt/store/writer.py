@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from dstt import knobs
 from dstt.errors import (
     CaptureError,
     ChecksumMismatchError,
@@ -60,7 +61,7 @@ from dstt.format.manifest import (
     parse_index_checked,
     sha256_hex,
 )
-from dstt.format.packs import PACKS, StepPacks, default_pack_chunk_bytes
+from dstt.format.packs import PACKS, StepPacks
 from dstt.format.pygc import paused_gc
 from dstt.format.refs import parent_arg
 from dstt.format.root import (
@@ -149,7 +150,7 @@ class Writer(BatchFlush, CommitPhase):
         A.flag("dedup", dedup)
         A.options("storage_options", storage_options)
         if pack_chunk_bytes is None:
-            pack_chunk_bytes = default_pack_chunk_bytes()
+            pack_chunk_bytes = knobs.pack_chunk_bytes()
         A.non_negative_int("pack_chunk_bytes", pack_chunk_bytes)
         #: Chunks of at most this many raw bytes go into packs (packs.py; 0:
         #: none; default: $DSTT_PACK_CHUNK_BYTES, else 1 MiB).
