@@ -48,8 +48,8 @@ from dstt import knobs
 from dstt.errors import CaptureError
 from dstt.format.codecs.spec import CodecSpec, crc32c
 from dstt.format.dtypes import info_for_name
-from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
-from dstt.store.shards import Region
+from dstt.format.geometry import Region, TensorLayout
+from dstt.store.plan import ChunkTask, StepPlan
 
 SEAL_FORMAT = "dstt-ring-seal"
 #: The format :func:`seal_record` writes (see the module docstring).

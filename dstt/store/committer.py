@@ -7,7 +7,6 @@ branch, coordinators, the open plans' links) lives on the Writer.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from concurrent.futures import Future
@@ -18,6 +17,7 @@ from dstt.errors import CaptureError
 from dstt.format import layout as L
 from dstt.format.backends import Backend
 from dstt.format.codecs.keyframes import ChunkRef, Link
+from dstt.format.geometry import TensorLayout
 from dstt.format.heads import write_head
 from dstt.format.manifest import (
     TensorEntry,
@@ -34,7 +34,7 @@ from dstt.format.packs import PackRange, StepPacks
 from dstt.format.pygc import paused_gc
 from dstt.format.root import BranchInfo, raise_root_version
 from dstt.store.coord import Coordinator
-from dstt.store.plan import StepPlan, TensorLayout
+from dstt.store.plan import StepPlan
 from dstt.store.stats import Partial, finalize, merge
 from dstt.store.tree import tree_has_pickle
 
@@ -305,7 +305,7 @@ def _entries(plan: StepPlan, results: list[ChunkResult]
             tensors.append(_one_chunk_entry(layout, c))
             written += c.written
             if c.written == 0:
-                referenced += nbytes if layout.chunk_shape == layout.shape else _valid_bytes(layout, 0)
+                referenced += nbytes if layout.chunk_shape == layout.shape else layout.valid_bytes(0)
             p = Partial.from_list(c.partial)
             rows.append(finalize(p if p.n else merge([p])))  # (merge of one part: itself)
             names.append(name)
@@ -320,7 +320,7 @@ def _entries(plan: StepPlan, results: list[ChunkResult]
         for c in chunks:
             written += c.written
             if c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
-                referenced += _valid_bytes(layout, c.index)
+                referenced += layout.valid_bytes(c.index)
         rows.append(finalize(merge([Partial.from_list(c.partial) for c in chunks])))
         tensors.append(TensorEntry(
             name, layout.kind, layout.dtype, tuple(layout.shape), tuple(layout.chunk_shape),
@@ -349,14 +349,8 @@ def _one_chunk_entry(layout: TensorLayout, c: ChunkResult) -> TensorEntry:
                     layout.codec, layout.array, [c.slot], [c.crc], [None if c.sha256 is None else c.sha256.hex()],
                     tensor_checksum([c.crc]), c.written, [c.keyframe] if delta else None,
                     layout.delta_array if delta else None, None if c.pack is None else [c.pack])
-    e.__dict__["_chunk_grid"] = layout.chunk_grid  # (equal shapes: the same grid)
+    e.share_grid(layout.chunk_grid)  # (equal shapes: the same grid)
     return e
-
-
-def _valid_bytes(layout: TensorLayout, index: int) -> int:
-    """Bytes of chunk ``index`` inside the tensor (edge padding excluded)."""
-    _, shape = layout.chunk_box(layout.coords(index))
-    return math.prod(shape) * layout.dtype.itemsize
 
 
 def _describe(e: BaseException) -> str:

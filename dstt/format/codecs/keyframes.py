@@ -41,11 +41,11 @@ from dstt.errors import DsttError
 from dstt.format import layout as L
 from dstt.format.codecs.delta import undo_delta, zigzag_delta
 from dstt.format.codecs.spec import CodecSpec, decode_chunk, encode_chunk, max_stored_bytes
+from dstt.format.entries import TensorEntry
 from dstt.format.packs import PackFile, PackRange, StepPacks, pack_key, read_range
 
 if TYPE_CHECKING:
     from dstt.format.backends import Backend
-    from dstt.format.manifest import TensorEntry
 
 #: A delta is kept only if its coded size is below this fraction of the
 #: coded size of the keyframe it refers to; else the chunk becomes a keyframe.
