@@ -31,11 +31,11 @@ from dstt.format.manifest import (
     tensor_checksum,
 )
 from dstt.format.packs import PackRange, StepPacks
+from dstt.format.partials import Partial, finalize, merge
 from dstt.format.pygc import paused_gc
 from dstt.format.root import BranchInfo, raise_root_version
 from dstt.store.coord import Coordinator
 from dstt.store.plan import StepPlan
-from dstt.store.stats import Partial, finalize, merge
 from dstt.store.tree import tree_has_pickle
 
 

@@ -19,8 +19,9 @@ from dstt.errors import CaptureError
 from dstt.format import layout as L
 from dstt.format.manifest import parse_index
 from dstt.format.packs import StepPacks
+from dstt.format.partials import finalize, merge
 from dstt.store.batchflush import batchable
-from dstt.store.stats import batch_partials, chunk_partial, finalize, merge
+from dstt.store.stats import batch_partials, chunk_partial
 from dstt.store.writer import Writer
 
 #: This module runs with packing on (tests/conftest.py turns it off elsewhere).
@@ -204,7 +205,7 @@ def _assert_rows(got: list[list[float]], want: list[list[float]]) -> None:
 
 
 def _p(row: list[float]) -> Any:
-    from dstt.store.stats import Partial
+    from dstt.format.partials import Partial
 
     return Partial.from_list(row)
 
