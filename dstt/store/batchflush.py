@@ -41,8 +41,8 @@ import torch
 
 from dstt.format.codecs.keyframes import ChunkPlace, ChunkRef, Link, live_ref, packed_sha256, proven_equal
 from dstt.format.codecs.spec import encode_chunk
+from dstt.format.commit import ChunkResult
 from dstt.format.pygc import paused_gc
-from dstt.store.committer import ChunkResult
 from dstt.store.stats import BATCH_DTYPES, batch_partials
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.torchthreads import single_threaded

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from dstt.errors import (
 from dstt.format import args as A
 from dstt.format import layout as L
 from dstt.format.backends import Backend, open_backend
-from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkRef, Link, code_chunk
+from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkRef, Link, code_chunk, resolved_tails
 from dstt.format.codecs.spec import (
     COMPRESSIONS,
     CodecSpec,
@@ -53,6 +53,8 @@ from dstt.format.codecs.spec import (
     delta_array_metadata,
     group_metadata,
 )
+from dstt.format.commit import ChunkResult, CommitInfo, CommitPhase, CommitPlan
+from dstt.format.groupcommit import commit_group
 from dstt.format.heads import latest_committed
 from dstt.format.index import resolve_parent
 from dstt.format.lock import acquire as acquire_lock
@@ -72,7 +74,6 @@ from dstt.format.root import (
     raise_root_version,
 )
 from dstt.store.batchflush import BatchFlush, chunk_place
-from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase, resolved_tails
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, plan_step
 from dstt.store.stats import chunk_partial
@@ -109,7 +110,7 @@ def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryvi
     return src.numpy().data.cast("B")
 
 
-class Writer(BatchFlush, CommitPhase):
+class Writer(BatchFlush):
     """Writes committed steps to one branch.
 
     >>> import tempfile, torch
@@ -155,22 +156,23 @@ class Writer(BatchFlush, CommitPhase):
         #: Chunks of at most this many raw bytes go into packs (packs.py; 0:
         #: none; default: $DSTT_PACK_CHUNK_BYTES, else 1 MiB).
         self.pack_chunk_bytes = pack_chunk_bytes
-        self._packs_version_raised = False
         self.codec = CodecSpec(compression, zstd_level)
         self.max_chunk_bytes = max_chunk_bytes
         self.allow_pickle = allow_pickle
         self.dedup = dedup
-        self.coord = coordinator or default_coordinator()
-        # Commits may run on another thread than planning; it needs its own group.
-        self.commit_coord = commit_coordinator or self.coord
-        self.rank = self.coord.rank
+        coord = coordinator or default_coordinator()
+        self.rank = coord.rank
         # A lock already held for this branch (a capture helper inherits its
         # trainer's: capture/helper.py); else rank 0 takes it below.
         self._given_lock = lock
         self._branch_lock: Any = None  # rank 0 holds the branch write lock (lock.py)
         self._storage_options = storage_options
-        self.backend: Backend = self._setup(store, branch, parent)
+        self.backend: Backend = self._setup(store, branch, parent, coord)
         self.branch: BranchInfo = load_branch(self.backend, branch)
+        #: The commit phase (dstt.format.commit): commits may run on another
+        #: thread than planning, with their own coordinator.
+        self.commits = CommitPhase(self.backend, self.branch, self.rank, coord, commit_coordinator or coord,
+                                   check_lock=self.check_lock, settle_links=self._settle_links)
         self._known_arrays: set[str] = set()
         self._known_groups: set[str] = set()
         # Layouts of the tensors planned so far, reused while unchanged
@@ -197,8 +199,6 @@ class Writer(BatchFlush, CommitPhase):
         # with the commit markers, a listing of the steps otherwise.
         head = latest_committed(self.backend, branch)
         self.last_step: int | None = head.step
-        #: (step, seq) of the latest step committed on this branch.
-        self.last_commit: tuple[int, int] | None = None
         self.next_seq = 0
         if head.step is not None and head.seq is not None:
             self.last_commit = (head.step, head.seq)
@@ -207,9 +207,38 @@ class Writer(BatchFlush, CommitPhase):
         elif self.branch.parent is not None:
             self._load_prev(*self.branch.parent)
 
+    # ------------------------------------------------------------------ the commit phase's state
+
+    @property
+    def coord(self) -> Coordinator:
+        """This writer's coordinator (planning; the commit records its world size)."""
+        return cast(Coordinator, self.commits.coord)
+
+    @coord.setter
+    def coord(self, value: Coordinator) -> None:
+        self.commits.coord = value
+
+    @property
+    def commit_coord(self) -> Coordinator:
+        """The coordinator commits talk through."""
+        return cast(Coordinator, self.commits.exchange)
+
+    @commit_coord.setter
+    def commit_coord(self, value: Coordinator) -> None:
+        self.commits.exchange = value
+
+    @property
+    def last_commit(self) -> tuple[int, int] | None:
+        """(step, seq) of the latest step committed on this branch."""
+        return self.commits.last_commit
+
+    @last_commit.setter
+    def last_commit(self, value: tuple[int, int] | None) -> None:
+        self.commits.last_commit = value
+
     # ------------------------------------------------------------------ setup
 
-    def _setup(self, store: Any, branch: str, parent: L.StepRef | str | None) -> Backend:
+    def _setup(self, store: Any, branch: str, parent: L.StepRef | str | None, coord: Coordinator) -> Backend:
         error = None
         backend = None
         if self.rank == 0:
@@ -222,8 +251,8 @@ class Writer(BatchFlush, CommitPhase):
                 error = e
                 if self._branch_lock is not None:
                     self._branch_lock.release()
-        if self.coord.distributed:
-            error = self.coord.broadcast(error)
+        if coord.distributed:
+            error = coord.broadcast(error)
         if error is not None:
             raise error
         if backend is None:
@@ -520,7 +549,7 @@ class Writer(BatchFlush, CommitPhase):
         result.written, result.sha256 = coded.written, coded.sha256
         return result
 
-    def _settle_links(self, plan: StepPlan, *, earlier: bool) -> None:
+    def _settle_links(self, plan: CommitPlan, earlier: bool) -> None:
         """Links of ``plan`` (or, ``earlier``: of every open plan before it)
         whose chunk was never flushed -- a failed or skipped step -- pass
         their predecessor's value on, so no later chunk waits for them."""
@@ -536,7 +565,7 @@ class Writer(BatchFlush, CommitPhase):
         """Steps planned before ``plan`` and not flushed yet will not be
         stored now (the capture's memory tier passed over them): later
         chunks compare with what came before them, without waiting."""
-        self._settle_links(plan, earlier=True)
+        self._settle_links(plan, True)
 
     def relink(self, plan: StepPlan) -> None:
         """Prepare a plan passed over earlier (its links settled) to be
@@ -547,6 +576,30 @@ class Writer(BatchFlush, CommitPhase):
             if plan.seq in self._open_plans:
                 return  # still open: its links are live
         plan.links = {k: Link(v) for k, v in plan.links.items()}
+
+    def commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None = None, *,
+               memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
+        """Commit a planned step from its chunk results (collective under
+        torch.distributed; :meth:`dstt.format.commit.CommitPhase.commit`)."""
+        return self.commits.commit(plan, results, error, memory_only=memory_only)
+
+    def commit_group(self, items: list[tuple[StepPlan, list[ChunkResult]]]) -> list[CommitInfo | BaseException]:
+        """Commit several planned steps (in step order) with one round of
+        syncs where the backend can (:mod:`dstt.format.groupcommit`); each
+        step's CommitInfo, or the error that kept it from being committed.
+
+        >>> import tempfile, torch
+        >>> w = Writer(tempfile.mkdtemp() + "/run")
+        >>> items = []
+        >>> for step in range(3):
+        ...     plan = w.plan(step, {"w": torch.full((4,), float(step))})
+        ...     w.ensure_arrays(plan)
+        ...     items.append((plan, [w.flush_chunk(plan, t) for t in plan.tasks]))
+        >>> [info.step for info in w.commit_group(items)]
+        [0, 1, 2]
+        >>> w.close()
+        """
+        return commit_group(self.commits, items)
 
     # ------------------------------------------------------------------ sync API
 

@@ -397,7 +397,7 @@ def test_a_result_that_waited_for_its_predecessor_settles_picklable() -> None:
     import pickle
     from concurrent.futures import Future
 
-    from dstt.store.committer import ChunkResult
+    from dstt.format.commit import ChunkResult
 
     r = ChunkResult("a", 0, 1, None, 0, 4, 4, [1.0] * 8)
     f: Future[ChunkResult] = Future()
