@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import google_crc32c
 import numpy as np
@@ -82,6 +82,9 @@ def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryvi
         src = src.reshape(1)
     return src.numpy().data.cast("B")
 
+
+#: Flushes one chunk: ``(plan, task, staged, prev_staged) -> result`` (:meth:`Flusher.flush_chunk`).
+FlushOne = Callable[[StepPlan, ChunkTask, "torch.Tensor | None", "torch.Tensor | None"], ChunkResult]
 
 #: Chunks of at most this many bytes are flushed in groups.
 BATCH_CHUNK_BYTES = 1 << 20
@@ -188,7 +191,7 @@ class Flusher:
         return result
 
     def flush_chunks(self, plan: StepPlan, tasks: list[ChunkTask], staged: list[torch.Tensor | None] | None = None,
-                     prev_staged: list[torch.Tensor | None] | None = None,
+                     prev_staged: list[torch.Tensor | None] | None = None, *, one: FlushOne | None = None,
                      ) -> tuple[list[ChunkResult], BaseException | None]:
         """Flush ``tasks`` (``staged[i]``: task i's staged copy, else its
         source; ``prev_staged[i]``: the same chunk at the previous captured
@@ -196,16 +199,20 @@ class Flusher:
         flushed and the first error; a chunk that failed has no result.
         Thread-safe like ``flush_chunk``; never raises for a chunk's error.
 
+        ``one``: what flushes a chunk that is not grouped (default
+        :meth:`flush_chunk`); the writer passes its own ``flush_chunk``, so
+        a hook there sees every chunk flushed alone, whichever way it came.
+
         (``Writer.flush_chunks`` shows it.)
         """
         # The collector paused: the few objects per chunk (results, refs,
         # ranges, rows) hold no cycles, and their burst would trigger full
         # collections that walk every live object -- ~1 s of a 100,000-tensor step.
         with paused_gc():
-            return self._flush_chunks(plan, tasks, staged, prev_staged)
+            return self._flush_chunks(plan, tasks, staged, prev_staged, one or self.flush_chunk)
 
     def _flush_chunks(self, plan: StepPlan, tasks: list[ChunkTask], staged: list[torch.Tensor | None] | None,
-                      prev_staged: list[torch.Tensor | None] | None,
+                      prev_staged: list[torch.Tensor | None] | None, one: FlushOne,
                       ) -> tuple[list[ChunkResult], BaseException | None]:
         results: list[ChunkResult] = []
         error: BaseException | None = None
@@ -219,7 +226,7 @@ class Flusher:
                 groups.setdefault(src.dtype, []).append((i, src.nbytes))
                 continue
             try:
-                results.append(self.flush_chunk(plan, t, s, None if prev_staged is None else prev_staged[i]))
+                results.append(one(plan, t, s, None if prev_staged is None else prev_staged[i]))
             except BaseException as e:  # every chunk flushed or failed: none left running
                 error = error or e
         for members in groups.values():

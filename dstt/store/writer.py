@@ -491,7 +491,7 @@ class Writer:
         2
         >>> w.close()
         """
-        return self.flusher.flush_chunks(plan, tasks, staged, prev_staged)
+        return self.flusher.flush_chunks(plan, tasks, staged, prev_staged, one=self.flush_chunk)
 
     def _settle_links(self, plan: CommitPlan, earlier: bool) -> None:
         """Links of ``plan`` (or, ``earlier``: of every open plan before it)
