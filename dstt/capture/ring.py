@@ -245,8 +245,10 @@ def sweep(base: Path | None = None) -> int:
     """Remove rings that can never be committed, of any store: their owner
     is proven gone (ringowner.claim) and they hold no seal record, or the
     local store they belong to is gone (judged only where the owner saw the
-    same mounts). A ring with seals of a live store waits for the next
-    Capture on its branch; one whose owner.json is unreadable is set aside.
+    same mounts), or it has no owner.json and no seal (its owner died
+    making it). A ring with seals of a live store waits for the next
+    Capture on its branch; one with seals whose owner.json is unreadable is
+    set aside.
     The number removed."""
     removed = 0
     for group in O.groups(base):
@@ -255,6 +257,10 @@ def sweep(base: Path | None = None) -> int:
             if c is None:
                 continue  # its owner lives, or that cannot be proven: not ours to judge
             owner = c.owner
+            if owner is None and not _any_seal(ring):
+                c.remove()  # its owner died making it (before owner.json): nothing was ever sealed in it
+                removed += 1
+                continue
             if owner is None or not isinstance(owner.get("store"), str):
                 O.set_aside(c, c.why or "its owner.json names no store")
                 continue
@@ -419,6 +425,11 @@ def abandoned(identity: dict[str, Any], base: Path | None = None, exclude: Path 
                     log.warning("dstt: removing staging ring %s of an earlier branch named %r", ring,
                                 identity["branch"])
                     c.remove()
+                elif c.owner is None and not _any_seal(ring):
+                    # Its owner died making it (before owner.json): nothing was ever
+                    # sealed in it, so nothing is lost by removing it.
+                    log.info("dstt: removing staging ring %s: its owner died before it was set up", ring)
+                    c.remove()
                 else:
                     O.set_aside(c, verdict or c.why)
                 continue
@@ -434,6 +445,11 @@ def abandoned(identity: dict[str, Any], base: Path | None = None, exclude: Path 
             raise
         out.append(Abandoned(c, seals))
     return out
+
+
+def _any_seal(ring: Path) -> bool:
+    """Whether ``ring`` holds a seal record, whole or being written."""
+    return any(n.startswith("seal-") for n in os.listdir(ring))
 
 
 def _judge_owner(owner: dict[str, Any] | None, identity: dict[str, Any]) -> str:

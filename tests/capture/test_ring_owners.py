@@ -482,3 +482,42 @@ def test_sigkill_rounds_in_pid_namespaces_lose_no_sealed_step(tmp_path: Path, mo
     assert dstt.verify(store).ok
     assert not [x for g in O.groups(shm) for x in O.rings_in(g)]
     print(f"{rounds} rounds, {len(steps)} steps compared bit-exact, {len(sealed)} reported sealed")
+
+
+#: A trainer killed while making its ring: the ring and its lock exist, its
+#: owner.json does not yet (nothing can have been sealed in it).
+_DIES_MAKING_ITS_RING = """
+import os, sys
+from dstt.capture import ring as R
+ring = R.Ring({"store": sys.argv[1], "branch": "main", "branch_id": 0, "branch_created": float(sys.argv[2])})
+os.unlink(ring.dir / "owner.json")
+print(ring.dir, flush=True)
+os._exit(0)  # the kernel drops its lock, as at a SIGKILL
+"""
+
+
+def test_a_ring_whose_owner_died_making_it_is_removed_not_set_aside(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer killed between making its ring and writing owner.json left
+    a ring nothing was ever sealed in: the next Capture removes it quietly
+    (it used to set it aside, with a warning, for a person to remove)."""
+    shm, store = tmp_path / "shm", tmp_path / "run"
+    shm.mkdir()
+    monkeypatch.setenv(O.SHM_ENV, str(shm))
+    dstt.save(store, 0, {"w": torch.ones(2)})
+    run = dstt.open(store)
+    from dstt.format.root import load_branch
+
+    url, created = str(run.backend.url), load_branch(run.backend, "main").created
+    out = subprocess.run([sys.executable, "-c", _DIES_MAKING_ITS_RING, url, repr(created)], env=env_for(shm),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ring = Path(out.stdout.strip())
+    assert ring.is_dir() and not (ring / "owner.json").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", O.StagingRingWarning)
+        with dstt.Capture(store, helper=False) as cap:
+            cap.snapshot(1, extra={"w": torch.zeros(2)}, rng=False)
+    assert not ring.exists()
+    assert not (O.ring_root(shm) / O.SET_ASIDE_DIR).exists()
+    assert dstt.open(store).steps() == [0, 1]
