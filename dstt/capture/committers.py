@@ -11,7 +11,7 @@ capture tests which mode it runs in).
   once, without waiting for the previous answer; the committer thread
   takes the answers in order. So while the helper commits one step, the
   next ones queue up in its pipe, and it commits those as a group, with
-  one round of syncs (store/groupcommit.py). A step is counted as
+  one round of syncs (format/groupcommit.py). A step is counted as
   committed only once the helper answered that it is durable. (The stager,
   not a thread of its own, hands steps over: every thread of the trainer's
   process that wakes up per step takes the GIL from the training loop.)
@@ -56,7 +56,7 @@ from dstt.format.skips import write_skip
 if TYPE_CHECKING:
     from dstt.capture.engine import Capture
     from dstt.capture.helper import HelperHandle
-    from dstt.store.committer import ChunkResult, CommitInfo
+    from dstt.format.commit import ChunkResult, CommitInfo
     from dstt.store.writer import Writer
 
 log = logging.getLogger("dstt.capture")

@@ -38,7 +38,7 @@ from dstt.capture.waits import Stalled
 from dstt.errors import CaptureError
 
 if TYPE_CHECKING:
-    from dstt.store.committer import CommitInfo
+    from dstt.format.commit import CommitInfo
 
 log = logging.getLogger("dstt.capture")
 

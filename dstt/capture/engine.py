@@ -75,7 +75,7 @@ from dstt.capture.pipeline import (
 from dstt.capture.rewind import Rewinder
 from dstt.capture.stager import Stager
 from dstt.capture.watcher import Watcher
-from dstt.errors import CaptureError, ConfigError
+from dstt.errors import CaptureError, ConfigError, SkippedStepWarning
 from dstt.format.incidents import Incident
 from dstt.format.layout import validate_step
 from dstt.format.pygc import paused_gc
@@ -544,7 +544,7 @@ class Capture(Draining, Stager, CrashSafe):
 
     def _queue_skip(self, job: Job, why: str) -> None:
         job.skip = why
-        warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", SkippedStepWarning, stacklevel=3)
         self.ledger.queued(None)
         self.skipped.append(job.plan.step)
         job.finish_staging()

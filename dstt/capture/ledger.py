@@ -45,7 +45,7 @@ from dstt.capture.waits import POLL_S, until
 from dstt.errors import CaptureError
 
 if TYPE_CHECKING:
-    from dstt.store.committer import CommitInfo
+    from dstt.format.commit import CommitInfo
 
 log = logging.getLogger("dstt.capture")
 

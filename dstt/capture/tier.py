@@ -46,14 +46,14 @@ from dstt.capture.hostpool import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool, SlotP
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import seal_record
 from dstt.capture.watcher import NanWatch
-from dstt.errors import CaptureError
+from dstt.errors import CaptureError, MemoryTierWarning
 from dstt.format.layout import step_ranges
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import Writer, batches
 
 if TYPE_CHECKING:
     from dstt.capture.engine import Capture
-    from dstt.store.committer import ChunkResult
+    from dstt.format.commit import ChunkResult
 
 log = logging.getLogger("dstt.capture")
 
@@ -463,7 +463,7 @@ class MemoryTier:
         self.release(freed)
         if dropped:
             warnings.warn(f"dstt: {why}: the memory tier's steps {dropped[0]}..{dropped[-1]} (memory only) are "
-                          "dropped", RuntimeWarning, stacklevel=4)
+                          "dropped", MemoryTierWarning, stacklevel=4)
 
     def _wait_stored(self) -> None:
         with self.ledger.cond:
