@@ -46,7 +46,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dstt.capture.pipeline import Job
 from dstt.capture.tier import MemoryTier, available_memory_bytes
@@ -54,10 +54,12 @@ from dstt.errors import CaptureError
 from dstt.format.skips import write_skip
 
 if TYPE_CHECKING:
-    from dstt.capture.engine import Capture
     from dstt.capture.helper import HelperHandle
     from dstt.format.commit import ChunkResult, CommitInfo
     from dstt.store.writer import Writer
+
+#: The facade (dstt.capture.engine.Capture), typed loosely: engine imports this module.
+Capture = Any
 
 log = logging.getLogger("dstt.capture")
 
@@ -110,7 +112,7 @@ class Committer(ABC):
 
     def _holds(self) -> bool:
         """Whether a step that fits the pool whole is held (and sealed)."""
-        return self.cap._pool_in_ring
+        return bool(self.cap._pool_in_ring)
 
     def enqueue(self, job: Job) -> None:
         """Count ``job`` and hand it to the stager (held or lazy copies

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,8 +30,8 @@ from dstt.store.torch_dtypes import torch_dtype
 from dstt.store.writer import Writer
 from dstt.timetravel.restore import apply_step, store_read
 
-if TYPE_CHECKING:
-    from dstt.capture.engine import Capture
+#: The facade (dstt.capture.engine.Capture), typed loosely: engine imports this module.
+Capture = Any
 
 log = logging.getLogger("dstt.capture")
 

@@ -52,8 +52,10 @@ from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import Writer, batches
 
 if TYPE_CHECKING:
-    from dstt.capture.engine import Capture
     from dstt.format.commit import ChunkResult
+
+#: The facade (dstt.capture.engine.Capture), typed loosely: engine imports this module.
+Capture = Any
 
 log = logging.getLogger("dstt.capture")
 

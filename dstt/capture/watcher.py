@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -37,9 +37,8 @@ from dstt.format.manifest import memory_only_of, parse_commit
 from dstt.format.root import committed_steps
 from dstt.store.plan import ChunkTask
 
-if TYPE_CHECKING:
-    from dstt.capture.engine import Capture
-    from dstt.capture.tier import MemoryTier
+#: The facade (dstt.capture.engine.Capture), typed loosely: engine imports this module.
+Capture = Any
 
 log = logging.getLogger("dstt.capture")
 
@@ -125,7 +124,7 @@ class NanWatch:
     when it would wait for a slot), and raises an incident at the first
     non-finite step after a clean one. Its queue is under the ledger's lock."""
 
-    def __init__(self, tier: MemoryTier) -> None:
+    def __init__(self, tier: Any) -> None:  # (a tier.MemoryTier: tier.py imports this module)
         self.tier = tier
         self.ledger = tier.ledger
         self.queue: deque[Job] = deque()  # staged steps not checked yet, oldest first
