@@ -75,7 +75,7 @@ class CaptureConfig:
     #: Options for fsspec when the store is a URL such as ``s3://``
     #: (endpoint, credentials; docs/object-stores.md).
     storage_options: dict[str, Any] | None = None
-    #: The flight recorder's memory tier (capture/recorder.py): keep the last
+    #: The flight recorder's memory tier (capture/tier.py): keep the last
     #: this many captured steps in host memory (the /dev/shm ring where it
     #: fits), persisted or not. Host memory used: (memory_steps + 4) x one
     #: step (K kept, one being staged, one being written and the step before
@@ -136,9 +136,6 @@ class CaptureConfig:
     def _check_memory_tier(self) -> None:
         if self.memory_steps is not None:
             A.int_in("memory_steps", self.memory_steps, 1, MAX_MEMORY_STEPS)
-            if self.helper is True:
-                raise ConfigError("memory_steps: the memory tier writes in this process's threads; "
-                                  "helper=True cannot be combined with it")
             if self.on_full != "wait":
                 raise ConfigError("memory_steps: the memory tier never skips a step; use persist='newest' "
                                   "(never wait for the disk) instead of on_full='skip'")

@@ -89,6 +89,7 @@ class HelperOps:
 
     def persist(self, step: int, prev: int | None, memory_only: list[tuple[int, int]] | None) -> Any:
         from dstt.capture import ranks
+        from dstt.format.rankparts import plan_doc
         from dstt.store.writer import batches
 
         w = self.writer
@@ -110,7 +111,7 @@ class HelperOps:
         results = [r for done, _ in flushed for r in done]
         error = next((e for _, e in flushed if e is not None), None)
         if self.records is not None:
-            self.records.begin(step, plan.seq, ranks.plan_doc(record) if self.records.rank == 0 else None)
+            self.records.begin(step, plan.seq, plan_doc(record) if self.records.rank == 0 else None)
         try:
             info = w.commit(plan, results, error, memory_only=memory_only)
         except ranks.Recorded:  # a rank other than 0: its record is durable, rank 0 commits
