@@ -37,7 +37,7 @@ from dstt.format.incidents import Incident
 
 if TYPE_CHECKING:
     from dstt.capture.helper import HelperHandle
-    from dstt.store.committer import CommitInfo
+    from dstt.format.commit import CommitInfo
     from dstt.store.writer import Writer
 
 log = logging.getLogger("dstt.capture")
@@ -325,7 +325,7 @@ def _joined(thread: threading.Thread, timeout: float) -> bool:
 
 
 def _commit_info(rest: str) -> CommitInfo | None:
-    from dstt.store.committer import CommitInfo
+    from dstt.format.commit import CommitInfo
 
     doc = json.loads(rest) if rest.strip() else {}
     return CommitInfo(**doc) if doc else None  # (empty: a rank other than 0 recorded it; rank 0 commits)
