@@ -55,7 +55,9 @@ def check(out: Path, nproc: int) -> list[int]:
         assert run.commit_info(step)["world_size"] == nproc
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     assert {r["tier_where"] for r in ranks} == {"helper"}
-    assert not list((out / "run" / "meta").rglob("rank-0*.json")) or True  # (held records removed at close)
+    # the memory bound per rank: (K + 4) step slots of this rank's shards (+1 MiB of slack each), in MiB
+    assert all(0 < r["memory_bytes"] <= 8 << 20 for r in ranks), ranks
+    assert not list((out / "run" / "meta" / "tier").rglob("rank-*.json"))  # held records removed at close
     report = verify(out / "run")
     assert report.ok, report
     return steps
