@@ -396,9 +396,11 @@ class Capture(Draining, Stager, CrashSafe):
         """Host memory the memory tier holds: (memory_steps + 4) step slots,
         sized at the first snapshot (None before it, and without
         ``memory_steps``). With ``host_buffer_bytes`` it never exceeds that.
+        (In the capture helper, the default: the /dev/shm pool of that many
+        steps, each with 1 MiB of room for alignment.)
 
         >>> import tempfile, torch, dstt
-        >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2) as cap:
+        >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2, helper=False) as cap:
         ...     _ = cap.snapshot(0, model=torch.nn.Linear(4, 4))
         ...     cap.memory_bytes == 6 * cap.parts.slots.slot_bytes
         True
