@@ -130,7 +130,8 @@ def check_stored(t: MiniTrainer, steps: list[int]) -> None:
             assert bits(run.read(name, s)) == bits(v), (s, name)
 
 
-@pytest.mark.parametrize("policy", ["all", pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (the same path end to end, quick: tests/capture/test_tier_in_helper.py)
+@pytest.mark.parametrize("policy", ["all", 3])
 def test_helper_tier_persists_by_policy_and_frees_every_slot(tmp_path: Path, policy: Any) -> None:
     t = MiniTrainer(tmp_path, 3, policy)
     for s in range(10):
@@ -144,6 +145,7 @@ def test_helper_tier_persists_by_policy_and_frees_every_slot(tmp_path: Path, pol
     assert not list(t.ring.dir.glob("seal-*")) if t.ring.dir.exists() else True
 
 
+@pytest.mark.slow
 def test_helper_tier_incident_and_newest(tmp_path: Path) -> None:
     t = MiniTrainer(tmp_path, 4, "newest")
     for s in range(8):

@@ -174,6 +174,7 @@ def test_sigkill_of_the_trainer_stores_the_helpers_tier(tmp_path: Path) -> None:
         assert cap.recovered == []
 
 
+@pytest.mark.slow
 def test_a_killed_helper_fails_the_trainer_loudly(tmp_path: Path) -> None:
     path = str(tmp_path / "run")
     m, opt = _model()
