@@ -125,3 +125,39 @@ def test_branch_and_gc_without_torch(mixed: tuple[Path, dict[str, torch.Tensor]]
     assert c2 in (0, None) and json.loads(o2)["committed"] == [], o2
     assert json.loads(o2)["chunks_removed"] > 0, o2  # what prune dropped (step 0's tensors)
     assert c3 in (0, None) and o3.startswith("OK"), o3
+
+
+def test_flat_exports_without_torch(mixed: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path, state = mixed
+    sane = {k: v for k, v in state.items() if k != "float8_e8m0fnu"}  # (no safetensors dtype: refused)
+    other = tmp_path / "run"
+    dstt.save(other, 1, {"model": sane, "extra": {"loss": 0.5}})
+    sf, npz, pt = tmp_path / "m.safetensors", tmp_path / "m.npz", tmp_path / "exists.pt"
+    pt.write_bytes(b"mine")
+    runs, heavy = dstt_cli(["export", f"{other}:1", str(sf), "--only", "model", "-q", "--json"],
+                           ["export", f"{path}:1", "--out", str(npz), "-q"],
+                           ["export", f"{path}:1", str(pt)],  # refused before any heavy import
+                           ["export", f"{path}:1", str(tmp_path / "all.safetensors"), "-q"],
+                           ["export", f"{other}:1", str(tmp_path / "x.safetensors"), "--only", "extra", "-q"])
+    assert heavy == []
+    (c1, o1), (c2, _), (c3, _), (c4, _), (c5, _) = runs
+    assert c1 in (0, None) and json.loads(o1)["n_tensors"] == len(sane), o1
+    flat = load_file(sf)
+    assert set(flat) == set(sane)
+    for k, v in sane.items():  # the safetensors package reads what dstt wrote, bit for bit
+        assert flat[k].dtype == v.dtype and torch.equal(flat[k].view(torch.uint8), v.view(torch.uint8)), k
+    with safe_open(sf, "pt") as f:
+        assert f.metadata()["dstt_step"] == "1" and f.metadata()["dstt_only"] == "model"
+    assert c2 in (0, None)
+    with np.load(npz) as z:
+        assert z["model/h"].dtype == np.float32 and np.array_equal(z["model/h"], state["h"].float().numpy())
+        assert np.array_equal(z["model/c"], state["c"].numpy()) and z["model/i"].dtype == np.int16
+        f8 = z["model/float8_e5m2"]
+        want = state["float8_e5m2"].float().numpy()
+        assert np.array_equal(f8, want, equal_nan=True)
+    assert c3 == 2 and pt.read_bytes() == b"mine"
+    assert c4 == 2 and not (tmp_path / "all.safetensors").exists()  # float8_e8m0fnu: refused, nothing written
+    assert c5 in (0, None) and load_file(tmp_path / "x.safetensors") == {}  # extra holds values only
