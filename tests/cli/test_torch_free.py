@@ -112,6 +112,20 @@ def test_show_any_tensor_without_torch(mixed: tuple[Path, dict[str, torch.Tensor
         assert code in (0, None) and "histogram" in out and "values [" in out, out
 
 
+def test_diff_without_torch(mixed: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, state = mixed
+    runs, heavy = dstt_cli(["diff", f"{path}:0", ":1", "--json", "--no-progress"], ["diff", f"{path}:0", ":1"])
+    assert heavy == []
+    (code, out), (code2, human) = runs
+    assert code in (0, None) and code2 in (0, None) and "model/w" in human, out
+    rows = {r["name"]: r for r in json.loads(out)["tensors"]}
+    w = state["w"].double()
+    assert rows["model/w"]["l2_delta"] == pytest.approx(float(w.numel()) ** 0.5, rel=1e-6)  # step 0 held w + 1
+    assert rows["model/w"]["rel_change"] == pytest.approx(float(w.numel()) ** 0.5 / float((w + 1).norm()), rel=1e-6)
+    assert rows["model/w"]["frac_changed"] == 1.0
+    assert all(rows[n]["status"] == "unchanged" for n in rows if n != "model/w")  # bf16, float8, complex too
+
+
 def test_branch_and_gc_without_torch(mixed: tuple[Path, dict[str, torch.Tensor]]) -> None:
     path, _ = mixed
     dstt.save(path, 2, {"model": {"w": torch.zeros(3)}})
