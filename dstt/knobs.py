@@ -98,6 +98,13 @@ def object_client() -> str:
     return text
 
 
+def s3_endpoint() -> str:
+    """The S3 endpoint the standard AWS variables name (``AWS_ENDPOINT_URL_S3``,
+    else ``AWS_ENDPOINT_URL``; empty: AWS itself). Read by the obstore
+    backend only to allow plain ``http://`` to such a server."""
+    return _text("AWS_ENDPOINT_URL_S3") or _text("AWS_ENDPOINT_URL")
+
+
 @contextlib.contextmanager
 def override(**values: str | None) -> Iterator[None]:
     """Set (a string) or unset (None) some ``DSTT_*`` variables for the

@@ -18,13 +18,13 @@ use fsspec instead.
 
 from __future__ import annotations
 
-import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 from dstt.errors import CorruptStoreError, StoreLockedError, StoreNotFoundError
 from dstt.format.backends.base import Backend, Bytes, Data, check_key, join_data
+from dstt.knobs import s3_endpoint
 
 #: Concurrent requests per batch in :meth:`ObstoreBackend.get_many`.
 READ_BATCH = 64
@@ -80,7 +80,7 @@ class ObstoreBackend(Backend):
         client: dict[str, Any] = {}
         if self.protocol == "s3":
             cfg.setdefault("conditional_put", "etag")
-            endpoint = cfg.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or ""
+            endpoint = str(cfg.get("endpoint") or s3_endpoint())
             if endpoint.startswith("http://"):
                 client["allow_http"] = True
         try:
