@@ -48,8 +48,8 @@ def pick_format(out: str, fmt: Optional[str]) -> str:
         return fmt
     got = SUFFIXES.get(Path(out).suffix.lower())
     if got is None:
-        raise ConfigError(f"cannot tell the format of {out!r}: name it .pt, .safetensors or .npz, "
-                          f"or pass --format ({', '.join(EXPORTERS)})")
+        raise ConfigError(f"cannot export to {out!r}: cannot tell the format; name it .pt, .safetensors or "
+                          f".npz, or pass --format ({', '.join(EXPORTERS)})")
     return got
 
 
