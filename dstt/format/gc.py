@@ -441,4 +441,24 @@ def _collect_temp_files(backend: Backend, report: GcReport, dry_run: bool) -> No
                 backend.delete(key)
 
 
-__all__ = ["prune", "collect_garbage", "keep_set", "entry_chunks", "entry_packs", "PruneReport", "GcReport", "remove_step", "branch_parents"]
+def leftover_records(backend: Any, branch: str, dry_run: bool) -> int:
+    """Remove per-rank records (``rank-*.json``, left by a capture helper
+    killed between the commit marker and their removal) from committed step
+    directories; how many (gc, through dstt.capture.collect)."""
+    prefix = L.steps_prefix(branch).rstrip("/")
+    n = 0
+    for d in backend.list_dir(prefix):
+        where = f"{prefix}/{d}"
+        names = backend.list_dir(where)
+        if L.COMMIT_FILE not in names:
+            continue  # uncommitted: gc removes the directory whole
+        for name in names:
+            if name.startswith("rank-") and name.endswith(".json"):
+                n += 1
+                if not dry_run:
+                    backend.delete(f"{where}/{name}")
+    return n
+
+
+__all__ = ["prune", "collect_garbage", "keep_set", "entry_chunks", "entry_packs", "PruneReport", "GcReport", "remove_step", "branch_parents",
+           "leftover_records"]
