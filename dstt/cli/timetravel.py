@@ -145,6 +145,9 @@ def register(app: typer.Typer) -> None:
         freed = f", freeing {human_bytes(report.bytes_freed)} with a following gc" if report.bytes_freed else ""
         stdout.print(f"{verb} {len(report.removed)} step(s){freed}; kept "
                      + ", ".join(f"{b}: {len(s)}" for b, s in report.kept.items()))
+        for b, steps in report.chained.items():
+            stdout.print(f"kept {len(steps)} step(s) of {b} that kept steps' predictive chunks are decoded from "
+                         f"(steps {', '.join(map(str, steps[:20])) + (' ...' if len(steps) > 20 else '')})")
         if report.removed and not dry_run:
             stderr.print("run `dstt gc STORE` to free the data they no longer reference")
 
