@@ -30,8 +30,8 @@ from dstt.format.entries import tensor_checksum as tensor_checksum
 from dstt.format.layout import (
     LEGACY_STATS_COLUMNS,
     MAX_BRANCHES,
-    READ_VERSIONS,
     PRED_FORMAT_VERSION,
+    READ_VERSIONS,
     ROWS_FORMAT_VERSION,
     SLOTS_PER_BRANCH,
     STATS_COLUMNS,

@@ -43,6 +43,7 @@ from dstt.format.codecs.keyframes import ChunkPlace, ChunkRef, Link, live_ref, p
 from dstt.format.codecs.spec import encode_chunk
 from dstt.format.pygc import paused_gc
 from dstt.store.committer import ChunkResult
+from dstt.store.predflush import decision_of, pred_layout
 from dstt.store.stats import BATCH_DTYPES, batch_partials
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.torchthreads import single_threaded
@@ -70,8 +71,9 @@ def batchable(task: ChunkTask, src: torch.Tensor) -> bool:
 def chunk_place(task: ChunkTask) -> ChunkPlace:
     """Where ``task``'s chunk is stored (keyframes.ChunkPlace)."""
     layout = task.layout
-    return ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta else None,
-                      layout.codec, layout.dtype.itemsize, task.coords)
+    pred = pred_layout(layout)
+    return ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta or pred else None,
+                      layout.codec, layout.dtype.itemsize, task.coords, pred)
 
 
 class BatchFlush:
@@ -249,7 +251,7 @@ class BatchFlush:
         is proven equal by reading that range back (keyframes.proven_equal)
         or, its pack not written yet, stored anew with its hash."""
         value = live_ref(value)
-        candidate = value is not None and value.crc == result.crc
+        candidate = value is not None and value.crc == result.crc and value.pred is None
         sha = packed_sha256(raw, value, result.crc)
         result.sha256 = sha
         if (self.dedup and candidate and value is not None and sha is not None
@@ -258,6 +260,10 @@ class BatchFlush:
                 plan.packs.refer(value.pack_file)  # commit checks it was written
             result.slot, result.keyframe, result.pack = value.slot, value.keyframe, value.pack
             return (value if value.sha256 == sha else replace(value, sha256=sha)), []
+        decision = decision_of(plan, t)
+        if decision is not None:  # predflush.prepare encoded it: a residual, or the chunk whole
+            result.pred, result.coding = decision.rec, decision.coding
+            return None, decision.parts
         layout = t.layout
         return None, encode_chunk(raw, layout.codec, raw_crc=result.crc, itemsize=layout.dtype.itemsize, fast=plan.fast)
 
@@ -272,7 +278,8 @@ class BatchFlush:
         for (j, result, _), (f, rng) in zip(packed, placed):
             if f.state == "failed":
                 continue  # passed through by the caller; the error is returned
-            links[j].resolve(ChunkRef(result.crc, result.sha256, slot, pack=rng, pack_file=f))
+            links[j].resolve(ChunkRef(result.crc, result.sha256, slot, pack=rng, pack_file=f,
+                                      pred=result.pred, coding=result.coding))
             settled[j] = True
             result.pack, result.written = rng, rng.length
             out.append(result)

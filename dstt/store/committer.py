@@ -18,6 +18,8 @@ from dstt.errors import CaptureError
 from dstt.format import layout as L
 from dstt.format.backends import Backend
 from dstt.format.codecs.keyframes import ChunkRef, Link
+from dstt.format.codecs.predictors import Coding
+from dstt.format.codecs.spec import encode_chunk
 from dstt.format.heads import write_head
 from dstt.format.manifest import (
     TensorEntry,
@@ -31,10 +33,12 @@ from dstt.format.manifest import (
     tensor_checksum,
 )
 from dstt.format.packs import PackRange, StepPacks
+from dstt.format.predindex import ChunkPred
 from dstt.format.pygc import paused_gc
 from dstt.format.root import BranchInfo, raise_root_version
 from dstt.store.coord import Coordinator
 from dstt.store.plan import StepPlan, TensorLayout
+from dstt.store.predflush import dangling, pred_info
 from dstt.store.stats import Partial, finalize, merge
 from dstt.store.tree import tree_has_pickle
 
@@ -51,6 +55,9 @@ class ChunkResult:
     partial: list[float]
     keyframe: int | None = None  # delta coded: the keyframe slot it is the difference to
     pack: PackRange | None = None  # packed: its range in a pack of the step at ``slot`` (packs.py)
+    #: A predictive chunk: its pred record and coding (docs/format.md "Predictive chunks").
+    pred: ChunkPred | None = None
+    coding: Coding | None = None
     #: Set while the chunk waits for the previous step's same chunk to be
     #: stored (its flush came first); ``Writer.commit`` waits for it.
     pending: Future[ChunkResult] | None = None
@@ -90,6 +97,10 @@ class CommitPhase:
     last_commit: tuple[int, int] | None
     _open_lock: threading.Lock
     _packs_version_raised: bool
+    _pred_version_raised: bool
+    #: Steps this writer committed lately (predictive chunks are coded only
+    #: against steps of this writer: those are the ones to check).
+    _committed_recent: set[int]
 
     def _settle_links(self, plan: StepPlan, *, earlier: bool) -> None:
         raise NotImplementedError
@@ -177,6 +188,9 @@ class CommitPhase:
             raise CaptureError(value)
         if self.last_commit is None or plan.step > self.last_commit[0]:  # (a backfill leaves the head)
             self.last_commit = (plan.step, plan.seq)
+        self._committed_recent.add(plan.step)
+        if len(self._committed_recent) > 4096:  # (a chain reaches back keyframe_every steps)
+            self._committed_recent.discard(min(self._committed_recent))
         return cast(CommitInfo, value)
 
 
@@ -200,8 +214,34 @@ class CommitPhase:
         return [got if at == step else (None, f"it committed step {at} meanwhile (the ranks are out of step)")
                 for at, got in gathered]
 
+    def _store_dangling(self, plan: StepPlan, results: list[ChunkResult]) -> None:
+        """Store whole the predictive chunks of ``plan`` coded against a step
+        that is not committed (it failed after this one was coded): a
+        chunk file of the tensor's array, from the raw bytes the step coder
+        kept, so no committed step depends on a missing one (predflush.py)."""
+        bad = dangling(results, plan.step, self._committed_recent.__contains__)
+        if not bad:
+            return
+        layouts = {lay.name: lay for lay in plan.layouts}
+        for r in bad:
+            layout = layouts[r.name]
+            d = None if plan.pred is None else plan.pred.decisions.get((layout.array, r.index))
+            if d is None or d.raw is None:
+                raise CaptureError(f"{r.name} chunk {r.index}: coded against step {r.pred and r.pred.prev}, "
+                                   "which was not committed, and its bytes are gone")
+            if layout.packed:  # its first chunk file: the array's document
+                self._ensure_array_doc(layout)
+            parts = encode_chunk(d.raw.data, layout.codec, raw_crc=r.crc, itemsize=layout.dtype.itemsize)
+            self.backend.put(L.chunk_key(layout.array, r.slot, layout.coords(r.index)), parts)
+            r.pred = r.coding = r.pack = None
+            r.written = sum(len(memoryview(p).cast("B")) for p in parts)
+
+    def _ensure_array_doc(self, layout: TensorLayout) -> None:
+        raise NotImplementedError  # Writer's
+
     def _write_commit(self, plan: StepPlan, results: list[ChunkResult],
                       memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
+        self._store_dangling(plan, results)
         tensors, names, rows, (written, referenced, bytes_total) = _entries(plan, results)
         where = L.step_dir(self.branch.name, plan.step)
         # Format 2 only where a step uses delta coding: other steps stay
@@ -216,6 +256,13 @@ class CommitPhase:
             if not self._packs_version_raised:
                 raise_root_version(self.backend, L.ROWS_FORMAT_VERSION)
                 self._packs_version_raised = True
+        if any(t.pred is not None for t in tensors):
+            # Format 5 where a step has predictive chunks, the store raised
+            # with the first: older readers refuse it, never misread it.
+            version = L.PRED_FORMAT_VERSION
+            if not self._pred_version_raised:
+                raise_root_version(self.backend, L.PRED_FORMAT_VERSION)
+                self._pred_version_raised = True
         index = index_document(version, self.branch.name, plan.step, tensors, plan.tree)
         names_b = encode_json(names)
         stats_b = encode_stats(rows)
@@ -261,6 +308,13 @@ def resolved_tails(entries: list[TensorEntry]) -> dict[tuple[str, int], Link]:
     out: dict[tuple[str, int], Link] = {}
     for e in entries:
         kf, packs = e.keyframes, e.packs
+        if e.pred is not None:  # predictive chunks: their records travel with them
+            pred = e.pred
+            for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots)):
+                out[(e.array, i)] = Link.resolved(ChunkRef(
+                    c, None if h is None else bytes.fromhex(h), s, pack=None if packs is None else packs[i],
+                    pred=pred.chunks[i], coding=pred.coding(i)))
+            continue
         if kf is None and len(e.slots) == 1:
             h = e.sha256[0]
             out[(e.array, 0)] = Link(None, ChunkRef(e.crcs[0], None if h is None else bytes.fromhex(h), e.slots[0],
@@ -303,6 +357,9 @@ def _entries(plan: StepPlan, results: list[ChunkResult]
             nbytes = layout.nbytes
             bytes_total += nbytes
             tensors.append(_one_chunk_entry(layout, c))
+            if c.pred is not None:
+                tensors[-1].pred = pred_info(plan, layout, [c])
+                tensors[-1].delta_array = layout.delta_array
             written += c.written
             if c.written == 0:
                 referenced += nbytes if layout.chunk_shape == layout.shape else _valid_bytes(layout, 0)
@@ -330,7 +387,10 @@ def _entries(plan: StepPlan, results: list[ChunkResult]
             keyframes=[c.keyframe for c in chunks] if layout.delta else None,
             delta_array=layout.delta_array if layout.delta else None,
             packs=[c.pack for c in chunks] if any(c.pack is not None for c in chunks) else None,
+            pred=pred_info(plan, layout, chunks),
         ))
+        if tensors[-1].pred is not None:
+            tensors[-1].delta_array = layout.delta_array
         names.append(name)
     if len(by_chunk) != expected:  # chunks past a planned tensor's grid (others' are ignored)
         planned = {layout.name: layout.nchunks for layout in plan.layouts}

@@ -52,6 +52,7 @@ from dstt.format.codecs.spec import (
     delta_array_metadata,
     group_metadata,
 )
+from dstt.format.codecs.stepcoder import StepCoder
 from dstt.format.heads import latest_committed
 from dstt.format.index import resolve_parent
 from dstt.format.lock import acquire as acquire_lock
@@ -70,10 +71,12 @@ from dstt.format.root import (
     load_branch,
     raise_root_version,
 )
+from dstt.store import predflush
 from dstt.store.batchflush import BatchFlush, chunk_place
 from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase, resolved_tails
 from dstt.store.coord import Coordinator, default_coordinator
-from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, plan_step
+from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, TensorLayout, plan_step
+from dstt.store.predflush import pred_layout
 from dstt.store.stats import chunk_partial
 from dstt.store.torch_dtypes import as_storage_view
 
@@ -155,7 +158,12 @@ class Writer(BatchFlush, CommitPhase):
         #: none; default: $DSTT_PACK_CHUNK_BYTES, else 1 MiB).
         self.pack_chunk_bytes = pack_chunk_bytes
         self._packs_version_raised = False
+        self._pred_version_raised = False
+        self._committed_recent: set[int] = set()
         self.codec = CodecSpec(compression, zstd_level)
+        #: Predictive coding (compression="predictive"/"auto"): what this
+        #: writer remembers of the previous step's chunks (store/predflush.py).
+        self.coder: StepCoder | None = StepCoder(self.keyframe_every, self.codec) if self.codec.predictive else None
         self.max_chunk_bytes = max_chunk_bytes
         self.allow_pickle = allow_pickle
         self.dedup = dedup
@@ -420,9 +428,30 @@ class Writer(BatchFlush, CommitPhase):
                     layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name))
             # Checked once per writer: gc removes a delta array none of whose
             # chunks a step references, while its keyframe array stays.
-            if layout.delta and layout.delta_array not in self._known_arrays:
+            if (layout.delta or pred_layout(layout)) and layout.delta_array not in self._known_arrays:
                 self._ensure_doc(layout.delta_array, delta_array_metadata(
                     layout.dtype, layout.shape, layout.chunk_shape, layout.name))
+
+    def _ensure_array_doc(self, layout: TensorLayout) -> None:
+        """The array document of a tensor whose chunks are packed, written
+        for a chunk stored as a file after all (CommitPhase._store_dangling)."""
+        if layout.array not in self._known_arrays:
+            self._ensure_doc(layout.array, array_metadata(
+                layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name))
+
+    def prepare_pred(self, plan: StepPlan, staged: Callable[[ChunkTask], torch.Tensor | None] | None = None) -> None:
+        """Predictively code ``plan``'s chunks before they are flushed
+        (store/predflush.py), on this writer's pool; ``staged(task)``: the
+        chunk's staged copy, else its source is read. A no-op unless this
+        writer codes predictively; a fast step (the writer behind) and
+        steps under torch.distributed keep their chunks whole."""
+        if self.coder is None or plan.fast or self.coord.world > 1 or not plan.tasks:
+            return
+
+        def raw_of(task: ChunkTask) -> memoryview:
+            return chunk_bytes(task, None if staged is None else staged(task))
+
+        predflush.prepare(self.coder, plan, raw_of, self._pool)
 
     def _ensure_doc(self, path: str, doc: bytes) -> None:
         key = f"{path}/zarr.json"
@@ -506,7 +535,8 @@ class Writer(BatchFlush, CommitPhase):
         try:
             packs = plan.packs if task.layout.packed else None
             coded = code_chunk(self.backend, chunk_place(task), plan.slot, raw, result.crc, prev,
-                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast, packs=packs)
+                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast, packs=packs,
+                               decision=predflush.decision_of(plan, task))
             if coded.written == 0 and coded.ref.pack_file is not None and plan.packs is not None:
                 plan.packs.refer(coded.ref.pack_file)  # commit checks it was written
         except BaseException:
@@ -516,6 +546,7 @@ class Writer(BatchFlush, CommitPhase):
             self._encode_cpu_s += time.thread_time() - cpu
         link.resolve(coded.ref)
         result.slot, result.keyframe, result.pack = coded.ref.slot, coded.ref.keyframe, coded.ref.pack
+        result.pred, result.coding = coded.ref.pred, coded.ref.coding
         result.written, result.sha256 = coded.written, coded.sha256
         return result
 
@@ -567,6 +598,7 @@ class Writer(BatchFlush, CommitPhase):
         error: BaseException | None = None
         try:
             self.ensure_arrays(plan)
+            self.prepare_pred(plan)
             futures = [self._pool.submit(self._flush_batch, plan, batch) for batch in batches(plan.tasks)]
             for f in futures:
                 try:

@@ -199,7 +199,9 @@ def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, 
     stored unless it equals ``prev``."""
     prev = live_ref(prev)
     sha = None
-    if dedup and prev is not None and prev.crc == crc:
+    # (never a predictive chunk: a reference would depend on the step it was
+    # coded against, which a later failure could leave uncommitted)
+    if dedup and prev is not None and prev.crc == crc and prev.pred is None:
         sha = hashlib.sha256(raw).digest()
         if proven_equal(backend, prev, raw, sha, lambda: place):
             return Coded(replace(prev, sha256=sha), 0, sha)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from dstt.format.codecs.keyframes import DELTA_MAX_RATIO
 from dstt.format.codecs.optimspec import ParamState, param_codings
 from dstt.format.codecs.predictors import FLOAT_DTYPES, Coding
 from dstt.format.codecs.spec import CodecSpec, encode_chunk
+from dstt.format.dtypes import info_for_name
 from dstt.format.predindex import ChunkPred
 
 #: Decode order of the roles of one parameter (``other``: a tensor of its own).
@@ -119,7 +120,7 @@ def codable(dtype: str, itemsize: int) -> bool:
     return itemsize in DELTA_ITEMSIZES and not dtype.startswith("complex")
 
 
-def groups_of(tree: Any, layouts: Layouts, itemsize: Callable[[str], int]) -> list[Group]:
+def groups_of(tree: Any, layouts: Layouts) -> list[Group]:
     """The groups of a step (see the module doc) from its value tree and its
     tensors (``layouts``); tensors of item sizes that cannot be coded
     (complex128) are in no group."""
@@ -149,14 +150,14 @@ def groups_of(tree: Any, layouts: Layouts, itemsize: Callable[[str], int]) -> li
                     members.append((key, name))
             ms = tuple(Member(r, n, layouts[n][0], shape, chunk) for r, n in
                        sorted(members, key=lambda m: ROLE_ORDER.index(m[0]))
-                       if codable(layouts[n][0], itemsize(layouts[n][0])))
+                       if codable(layouts[n][0], info_for_name(layouts[n][0]).itemsize))
             if not ms:
                 continue
             taken.update(m.name for m in ms)
             counter = _tensor(optim, pname, "step")
             groups.append(Group(pname, ms, kind, hyper, counter if counter in layouts else None))
     for name, (dtype, shape, chunk) in layouts.items():
-        if name not in taken and codable(dtype, itemsize(dtype)):
+        if name not in taken and codable(dtype, info_for_name(dtype).itemsize):
             groups.append(Group(name, (Member("other", name, dtype, shape, chunk),)))
     return groups
 
@@ -181,6 +182,9 @@ class Decision:
     coding: Coding | None = None
     rec: ChunkPred | None = None
     exact: int = 0
+    #: The chunk's raw bytes (what the coder remembers): a predictive chunk
+    #: whose previous step fails is stored whole from them.
+    raw: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -206,6 +210,14 @@ class StepCoder:
         with self.lock:
             self.memory.clear()
             self.states.clear()
+
+    def forget_group(self, g: Group) -> None:
+        """Drop what is remembered of ``g``'s chunks (not coded this step)."""
+        names = {m.name for m in g.members}
+        with self.lock:
+            for k in [k for k in self.memory if k[0] in names]:
+                del self.memory[k]
+            self.states.pop(g.key, None)
 
     def codings(self, g: Group, step_value: float | None) -> dict[str, list[Coding]]:
         """The candidate codings of each role of group ``g`` at this step
@@ -237,10 +249,10 @@ class StepCoder:
         return out
 
     def code_group(self, g: Group, i: int, step: int, raws: Mapping[str, Any],
-                   codings: Mapping[str, list[Coding]], crcs: Mapping[str, int]) -> dict[str, Decision]:
+                   codings: Mapping[str, list[Coding]]) -> dict[str, Decision]:
         """The decision for chunk ``i`` of every member of ``g`` at ``step``
-        (``raws[role]``: its raw bytes, ``crcs[role]`` their CRC-32C), and
-        the memory updated for the next step."""
+        (``raws[role]``: its raw bytes), and the memory updated for the next
+        step."""
         keys = {m.role: (m.name, i) for m in g.members}
         with self.lock:
             prevs = {r: self.memory.get(k) for r, k in keys.items()}
@@ -258,16 +270,15 @@ class StepCoder:
             if coded_ok and prev is not None:
                 d = self._predict(m, raw, prevs, raws, codings.get(m.role, []), step, itemsize, prev)
             if d is None:
-                d = Decision(encode_chunk(memoryview(raw).cast("B"), self.codec, raw_crc=crcs[m.role],
-                                          itemsize=itemsize))
+                d = Decision(encode_chunk(memoryview(raw).cast("B"), self.codec, itemsize=itemsize))
             out[m.role] = d
         with self.lock:
             for m in g.members:
                 d, prev = out[m.role], prevs[m.role]
                 whole = d.coding is None
-                self.memory[keys[m.role]] = Prev(
-                    step, np.frombuffer(memoryview(raws[m.role]).cast("B"), np.uint8).copy(),
-                    0 if whole else depth, d.size if whole or prev is None else prev.key_size)
+                d.raw = np.frombuffer(memoryview(raws[m.role]).cast("B"), np.uint8).copy()
+                self.memory[keys[m.role]] = Prev(step, d.raw, 0 if whole else depth,
+                                                 d.size if whole or prev is None else prev.key_size)
         return out
 
     def _predict(self, m: Member, raw: Any, prevs: Mapping[str, Prev | None], raws: Mapping[str, Any],

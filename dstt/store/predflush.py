@@ -1,0 +1,139 @@
+"""Predictive coding of a planned step before its chunks are flushed (the
+writer's half of docs/format.md "Predictive chunks"; issue 27).
+
+:func:`prepare` runs the writer's :class:`~dstt.format.codecs.stepcoder.StepCoder`
+over a step's chunks -- group by group (a parameter and its optimizer
+state, chunk by chunk), in parallel on the given pool -- and leaves a
+:class:`PredStep` on the plan: the encoded bytes of every chunk of a
+predictively coded tensor (its residual, or the chunk whole at a keyframe).
+The flush then stores those bytes (keyframes.code_chunk, batchflush) and
+the commit records each predictive chunk's coding in the step index
+(:func:`pred_info`).
+
+Where it runs: on whichever thread flushes the step (``Writer.write``; the
+capture helper, off the trainer's process; the in-process committer), once
+per step and in plan order (the coder remembers the previous step's chunks).
+A step it did not run on (a fast step, a chunk flushed alone) is stored as
+before, its chunks whole.
+
+A step is committed only when every step its predictive chunks were coded
+against is committed (:func:`dangling`): a chunk coded against a step that
+failed is stored whole instead, from the raw bytes the coder kept
+(``Writer`` does it before the index is written), so no committed step
+depends on a step that is not there.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from dstt.format.codecs.delta import DELTA_ITEMSIZES
+from dstt.format.codecs.predictors import Coding
+from dstt.format.codecs.stepcoder import Decision, Group, StepCoder, counter_value, groups_of
+from dstt.format.predindex import ChunkPred, PredInfo
+
+if TYPE_CHECKING:
+    from dstt.store.committer import ChunkResult
+    from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
+
+
+def pred_layout(layout: TensorLayout) -> bool:
+    """Whether a tensor's chunks may be predictively coded: a predictive
+    codec (``compression="predictive"`` or ``"auto"``) and an item size of
+    1, 2, 4 or 8 bytes (complex128 never is)."""
+    return (layout.codec.predictive and layout.dtype.itemsize in DELTA_ITEMSIZES
+            and not layout.dtype.logical.startswith("complex"))
+
+
+@dataclass
+class PredStep:
+    """What :func:`prepare` decided for one step."""
+
+    #: (array, chunk index) -> how that chunk is stored.
+    decisions: dict[tuple[str, int], Decision] = field(default_factory=dict)
+    #: tensor name -> its group's inputs (role -> tensor name), for the index.
+    inputs: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+RawOf = Callable[["ChunkTask"], memoryview]
+
+
+def prepare(coder: StepCoder, plan: StepPlan, raw_of: RawOf, pool: Executor | None = None) -> PredStep:
+    """Code every chunk of ``plan``'s predictively coded tensors (see the
+    module doc); ``raw_of(task)`` gives a chunk's raw bytes (its staged
+    copy's). Sets and returns ``plan.pred``."""
+    step = PredStep()
+    tasks = {(t.layout.name, t.index): t for t in plan.tasks}
+    layouts = {lay.name: lay for lay in plan.layouts}
+    codable = {n: (lay.dtype.logical, tuple(lay.shape), tuple(lay.chunk_shape)) for n, lay in layouts.items()
+               if pred_layout(lay)}
+    groups = groups_of(plan.tree, codable)
+    work: list[tuple[Group, dict[str, list[Coding]], int]] = []
+    for g in groups:
+        nchunks = layouts[g.members[0].name].nchunks
+        if not all((m.name, i) in tasks for m in g.members for i in range(nchunks)):
+            coder.forget_group(g)  # another rank holds part of it: stored whole
+            continue
+        value = None
+        if g.counter is not None and (g.counter, 0) in tasks:
+            value = counter_value(raw_of(tasks[g.counter, 0]), layouts[g.counter].dtype.logical)
+        codings = coder.codings(g, value)
+        for m in g.members:
+            step.inputs[m.name] = g.inputs
+        work.extend((g, codings, i) for i in range(nchunks))
+
+    def run(item: tuple[Group, dict[str, list[Coding]], int]) -> list[tuple[tuple[str, int], Decision]]:
+        g, codings, i = item
+        raws = {m.role: raw_of(tasks[m.name, i]) for m in g.members}
+        out = coder.code_group(g, i, plan.step, raws, codings)
+        return [((layouts[m.name].array, i), out[m.role]) for m in g.members]
+
+    with torch.no_grad():
+        done = map(run, work) if pool is None or len(work) < 2 else pool.map(run, work)
+        for pairs in done:
+            step.decisions.update(pairs)
+    plan.pred = step
+    return step
+
+
+def decision_of(plan: StepPlan, task: ChunkTask) -> Decision | None:
+    """The chunk's decision, if :func:`prepare` ran on the step (not fast)."""
+    pred: PredStep | None = plan.pred
+    if pred is None or plan.fast:
+        return None
+    return pred.decisions.get((task.layout.array, task.index))
+
+
+def pred_info(plan: StepPlan, layout: TensorLayout, chunks: list[ChunkResult]) -> PredInfo | None:
+    """The ``pred`` record of a tensor's index entry from its chunk results;
+    None when no chunk is predictively coded."""
+    if all(c.pred is None for c in chunks):
+        return None
+    pred: PredStep | None = plan.pred
+    inputs = None if pred is None else pred.inputs.get(layout.name)
+    codings: list[Coding] = []
+    recs: list[ChunkPred | None] = []
+    for c in chunks:
+        if c.pred is None or c.coding is None:
+            recs.append(None)
+            continue
+        if c.coding not in codings:
+            codings.append(c.coding)
+        recs.append(ChunkPred(codings.index(c.coding), c.pred.cur, c.pred.prev))
+    if inputs is None:  # (a referenced chunk's record without this step's groups: its own role only)
+        inputs = {c.role: layout.name for c in codings}
+    return PredInfo(layout.delta_array, dict(inputs), codings, recs)
+
+
+def dangling(results: list[ChunkResult], step: int, committed: Callable[[int], bool]) -> list[ChunkResult]:
+    """Results of predictive chunks coded against a step that is not
+    committed (``committed(step)`` False): they must be stored whole."""
+    return [r for r in results if r.pred is not None
+            and any(s != step and not committed(s) for s in (r.pred.cur, r.pred.prev))]
+
+
+__all__ = ["PredStep", "dangling", "decision_of", "pred_info", "pred_layout", "prepare"]
