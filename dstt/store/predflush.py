@@ -62,10 +62,13 @@ class PredStep:
 RawOf = Callable[["ChunkTask"], memoryview]
 
 
-def prepare(coder: StepCoder, plan: StepPlan, raw_of: RawOf, pool: Executor | None = None) -> PredStep:
+def prepare(coder: StepCoder, plan: StepPlan, raw_of: RawOf, pool: Executor | None = None, *,
+            remember_only: bool = False) -> PredStep:
     """Code every chunk of ``plan``'s predictively coded tensors (see the
     module doc); ``raw_of(task)`` gives a chunk's raw bytes (its staged
-    copy's). Sets and returns ``plan.pred``."""
+    copy's). Sets and returns ``plan.pred``. ``remember_only``: a fast step
+    (stored whole, uncompressed): its chunks are only remembered, as the
+    keyframes the next step is coded against."""
     step = PredStep()
     tasks = {(t.layout.name, t.index): t for t in plan.tasks}
     layouts = {lay.name: lay for lay in plan.layouts}
@@ -89,14 +92,15 @@ def prepare(coder: StepCoder, plan: StepPlan, raw_of: RawOf, pool: Executor | No
     def run(item: tuple[Group, dict[str, list[Coding]], int]) -> list[tuple[tuple[str, int], Decision]]:
         g, codings, i = item
         raws = {m.role: raw_of(tasks[m.name, i]) for m in g.members}
-        out = coder.code_group(g, i, plan.step, raws, codings)
-        return [((layouts[m.name].array, i), out[m.role]) for m in g.members]
+        out = coder.code_group(g, i, plan.step, raws, codings, remember_only=remember_only)
+        return [((layouts[m.name].array, i), out[m.role]) for m in g.members if m.role in out]
 
     with torch.no_grad():
         done = map(run, work) if pool is None or len(work) < 2 else pool.map(run, work)
         for pairs in done:
             step.decisions.update(pairs)
-    plan.pred = step
+    if not remember_only:
+        plan.pred = step
     return step
 
 

@@ -443,15 +443,17 @@ class Writer(BatchFlush, CommitPhase):
         """Predictively code ``plan``'s chunks before they are flushed
         (store/predflush.py), on this writer's pool; ``staged(task)``: the
         chunk's staged copy, else its source is read. A no-op unless this
-        writer codes predictively; a fast step (the writer behind) and
-        steps under torch.distributed keep their chunks whole."""
-        if self.coder is None or plan.fast or self.coord.world > 1 or not plan.tasks:
+        writer codes predictively; a fast step (the writer behind) is only
+        remembered (its chunks are stored whole, uncompressed: the next
+        step's keyframes) and steps under torch.distributed keep their
+        chunks whole (one writer per chunk, no shared chain)."""
+        if self.coder is None or self.coord.world > 1 or not plan.tasks:
             return
 
         def raw_of(task: ChunkTask) -> memoryview:
             return chunk_bytes(task, None if staged is None else staged(task))
 
-        predflush.prepare(self.coder, plan, raw_of, self._pool)
+        predflush.prepare(self.coder, plan, raw_of, self._pool, remember_only=plan.fast)
 
     def _ensure_doc(self, path: str, doc: bytes) -> None:
         key = f"{path}/zarr.json"

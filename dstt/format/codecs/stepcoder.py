@@ -249,10 +249,11 @@ class StepCoder:
         return out
 
     def code_group(self, g: Group, i: int, step: int, raws: Mapping[str, Any],
-                   codings: Mapping[str, list[Coding]]) -> dict[str, Decision]:
+                   codings: Mapping[str, list[Coding]], *, remember_only: bool = False) -> dict[str, Decision]:
         """The decision for chunk ``i`` of every member of ``g`` at ``step``
         (``raws[role]``: its raw bytes), and the memory updated for the next
-        step."""
+        step. ``remember_only``: the step is stored fast (uncompressed, whole,
+        by the caller): only remembered, as keyframes, no decisions."""
         keys = {m.role: (m.name, i) for m in g.members}
         with self.lock:
             prevs = {r: self.memory.get(k) for r, k in keys.items()}
@@ -262,6 +263,12 @@ class StepCoder:
         depth = 1 + max((p.depth for p in prevs.values() if p is not None), default=0)
         coded_ok = usable and len(steps) == 1 and depth < self.keyframe_every and next(iter(steps)) < step
         out: dict[str, Decision] = {}
+        if remember_only:
+            with self.lock:
+                for m in g.members:
+                    raw = np.frombuffer(memoryview(raws[m.role]).cast("B"), np.uint8).copy()
+                    self.memory[keys[m.role]] = Prev(step, raw, 0, raw.nbytes)
+            return out
         for m in g.members:
             raw = raws[m.role]
             itemsize = sizes[m.role] // max(1, math.prod(m.chunk_shape))
