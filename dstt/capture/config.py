@@ -51,6 +51,9 @@ class CaptureConfig:
     keyframe_every: int = DEFAULT_KEYFRAME_EVERY
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     flush_threads: int = 2
+    #: Threads the capture helper codes a step's predictive chunks on
+    #: (``compression="predictive"``/``"auto"``; docs/format.md "Predictive chunks").
+    encode_threads: int = 2
     allow_pickle: bool = False
     dedup: bool = True
     #: Nice value of dstt's background threads (Linux): the trainer's threads
@@ -108,7 +111,7 @@ class CaptureConfig:
 
     def __post_init__(self) -> None:
         """Every field through its validator (dstt.format.args), before anything is built."""
-        for name in ("every", "max_chunk_bytes", "flush_threads", "keyframe_every"):
+        for name in ("every", "max_chunk_bytes", "flush_threads", "keyframe_every", "encode_threads"):
             A.positive_int(name, getattr(self, name))
         A.branch(self.branch)
         self.parent = parent_arg(self.parent)

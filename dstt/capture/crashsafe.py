@@ -348,7 +348,7 @@ class CrashSafe:
         cfg = self.config
         return {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
                 "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes,
-                "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
+                "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup, "threads": cfg.encode_threads}
 
     def _new_pool(self, capacity: int, pin: bool) -> HostPool:
         """A pool in a new /dev/shm file of the ring where it fits

@@ -345,12 +345,12 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
     records: ranks.RecordCoordinator | None = None
     if dist is None:
-        writer = Writer(store, lock=lock, threads=1, **writer_options)
+        writer = Writer(store, lock=lock, **{"threads": 1, **writer_options})
     else:
         # One rank of a distributed Capture: this rank's chunks, then a record
         # in the store; rank 0's helper commits once every rank's is there.
         rank, world = int(dist["rank"]), int(dist["world"])
-        writer = Writer(store, lock=lock, threads=1, coordinator=ranks.FixedRank(rank, world), **writer_options)
+        writer = Writer(store, lock=lock, coordinator=ranks.FixedRank(rank, world), **{"threads": 1, **writer_options})
         records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
                                           alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
         writer.commit_coord = records
@@ -402,6 +402,10 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
         plan = writer.adopt(R.plan_of(record, pools[name], verify=verify))
         writer.ensure_arrays(plan)
+        # predictive coding (compression "predictive"/"auto"): the step's
+        # chunks coded against the previous step here, off the trainer's
+        # process, on the writer's encode_threads (store/predflush.py)
+        writer.prepare_pred(plan)
         # small chunks in groups (store/batchflush.py), large ones one per task;
         # a step of one batch (a small model) on this thread: no hand-over
         parts = batches(plan.tasks)

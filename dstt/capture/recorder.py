@@ -590,6 +590,8 @@ class FlightRecorder:
         results: list[ChunkResult] = []
         try:
             w.ensure_arrays(plan)
+            views = {(t.layout.array, t.index): v for t, v in job.views}
+            w.prepare_pred(plan, lambda t: views.get((t.layout.array, t.index)))  # (store/predflush.py)
             futures = [self._flush.submit(self._flush_views, w, plan, batch, prev)
                        for batch in batches(job.views, lambda item: item[0].nbytes)]
             for f in futures:

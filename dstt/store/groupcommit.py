@@ -107,16 +107,29 @@ def commit_group(writer: Any, items: list[tuple[StepPlan, list[ChunkResult]]]) -
     published = [i for i, o in enumerate(out) if not isinstance(o, BaseException)]
     if len(deferred.markers) != len(published):  # never expected: one marker per step committed
         error = RuntimeError(f"group commit: {len(deferred.markers)} commit markers for {len(published)} steps")
-        writer.last_commit = last_commit
+        _unpublished(writer, items, published, last_commit)
         return [error if i in published else o for i, o in enumerate(out)]
     try:
         if deferred.head is not None:
             real.put(*deferred.head)
-        publish(real, deferred.markers)
+        # A step predicted from an earlier step of the group (predflush.py)
+        # must never be committed without it: its marker only once the
+        # earlier ones are durable.
+        publish(real, deferred.markers, ordered=any(plan.pred is not None for plan, _ in items))
     except BaseException as e:  # noqa: BLE001 - reported per step; none is acknowledged
-        writer.last_commit = last_commit
+        _unpublished(writer, items, published, last_commit)
         return [e if i in published else o for i, o in enumerate(out)]
     return out
+
+
+def _unpublished(writer: Any, items: list[tuple[StepPlan, list[ChunkResult]]], published: list[int],
+                 last_commit: Any) -> None:
+    """The writer's record of its commits, without the group's steps that
+    were not published after all."""
+    writer.last_commit = last_commit
+    recent = getattr(writer, "_committed_recent", None)
+    if recent is not None:
+        recent.difference_update(items[i][0].step for i in published)
 
 
 def _one(writer: Any, plan: StepPlan, results: list[ChunkResult]) -> CommitInfo | BaseException:
@@ -126,10 +139,12 @@ def _one(writer: Any, plan: StepPlan, results: list[ChunkResult]) -> CommitInfo 
         return e
 
 
-def publish(backend: Backend, markers: list[tuple[str, bytes]]) -> None:
+def publish(backend: Backend, markers: list[tuple[str, bytes]], *, ordered: bool = False) -> None:
     """Write ``markers`` (key, document) so each appears atomically, all
     durable on return, with two syncs of the whole store (module docstring);
-    the first also makes everything written before it durable."""
+    the first also makes everything written before it durable. ``ordered``:
+    a sync after each rename, so a crash leaves a prefix of the markers
+    committed, never a later step without an earlier one."""
     temps = []
     try:
         for key, data in markers:
@@ -139,7 +154,10 @@ def publish(backend: Backend, markers: list[tuple[str, bytes]]) -> None:
         backend.sync()
         for tmp, key in temps:
             cast(LocalBackend, backend).rename(tmp, key)
-        backend.sync()
+            if ordered:
+                backend.sync()
+        if not ordered:
+            backend.sync()
     finally:
         for tmp, _ in temps:
             if backend.exists(tmp):

@@ -381,3 +381,32 @@ def test_sigkill_mid_encode_leaves_every_committed_step_readable(tmp_path: Path)
     assert verify(path).ok
     gc(path)
     assert verify(path).ok and verify(path).orphans == {"chunks": 0, "arrays": 0, "bytes": 0}
+
+
+@pytest.mark.parametrize("helper", [True, False])
+def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) -> None:
+    """Capture(compression="predictive"): the capture helper codes each step
+    against the previous one (off the trainer's process); every step reads
+    back bit-exact. Without a helper the steps are stored whole (in-process
+    predictive coding is not wired yet)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(5)
+    path = tmp_path / "run"
+    states = []
+    cap = dstt.Capture(path, compression="predictive", helper=helper, keyframe_every=4)
+    try:
+        for step in range(6):
+            model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            cap.snapshot(step, model=model, optimizer=opt)
+            states.append(snapshot(model, opt))
+    finally:
+        cap.close()
+    check_reads(path, states)
+    used = predictors(path, range(6))
+    assert ("adam" in used) == helper, used
+    assert verify(path).ok
