@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeVar
 
 from dstt.errors import InvalidReferenceError, TensorNotFoundError
 
 if TYPE_CHECKING:
-    from dstt.format.index import RunIndex as Run
+    from dstt.format.index import RunIndex
+
+#: A reader of a run: the step index alone (RunIndex) or with tensors (TensorReader).
+R = TypeVar("R", bound="RunIndex")
 
 # Chunks are read-only buffers that analysis only ever reads; torch's warning
 # about wrapping non-writable arrays would be noise on stderr.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
-#: A point of a run: (run, branch, step).
-Point = tuple["Run", str, int]
-
 
 def is_glob(pattern: str) -> bool:
+    """Is ``pattern`` a glob (``*``, ``?`` or ``[``) rather than a name?
+
+    >>> is_glob("model/*"), is_glob("model/w")
+    (True, False)
+    """
     return any(c in pattern for c in "*?[")
 
 
@@ -50,8 +55,10 @@ def require_matches(names: Sequence[str], patterns: Iterable[str] | None, where:
     return out
 
 
-def resolve_point(run: "Run", spec: Any) -> Point:
-    """Resolve one side of a comparison against ``run``.
+def resolve_point(run: R, spec: Any) -> tuple[R, str, int]:
+    """Resolve one side of a comparison against ``run``: a point ``(run,
+    branch, step)``, whose run is ``run`` or a reader of the same kind on
+    another store.
 
     ``spec`` may be a step (``100``, ``"latest"``, ``"~2"``, ``None``) on the
     run's default branch, a ``(branch, step)`` pair, a reference string
@@ -82,7 +89,7 @@ def resolve_point(run: "Run", spec: Any) -> Point:
     return other, b, s
 
 
-def open_other(run: "Run", store: str) -> "Run":
+def open_other(run: R, store: str) -> R:
     """``run`` itself when ``store`` names the same place, else a new Run."""
     import os
 
