@@ -271,6 +271,20 @@ def test_prune_keeps_what_chains_need_and_dry_run_says_what_gc_frees(tmp_path: P
     assert verify(path).ok
 
 
+def test_prune_cli_says_which_steps_it_keeps_for_chains(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from dstt.cli.main import app
+
+    path = tmp_path / "run"
+    train(path, "adamw", steps=10, keyframe_every=4)
+    r = CliRunner().invoke(app, ["prune", str(path), "--keep-every", "5", "--dry-run"])
+    assert r.exit_code == 0, r.stdout
+    assert "kept 2 step(s) of main that kept steps' predictive chunks are decoded from (steps 4, 8)" in r.stdout
+    r = CliRunner().invoke(app, ["prune", str(path), "--keep-every", "5", "--dry-run", "--json"])
+    assert json.loads(r.stdout)["chained"] == {"main": [4, 8]}
+
+
 def test_a_step_coded_against_a_failed_step_is_stored_whole(tmp_path: Path) -> None:
     """Step 2 is coded and flushed, then fails to commit; step 3 was coded
     against it: it is stored whole, so no committed step depends on a
