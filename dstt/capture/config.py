@@ -44,7 +44,11 @@ class CaptureConfig:
     parent: StepRef | tuple[str, int] | str | None = None
     host_buffer_bytes: int | None = None
     on_full: str = "wait"
-    compression: str = "none"
+    #: None (the default): ``"auto"`` (predictive coding in the capture
+    #: helper, off the trainer's process, stored fast when the helper falls
+    #: behind) where the helper runs, ``"none"`` where the capture writes in
+    #: this process (its encoding would share the trainer's CPU and GIL).
+    compression: str | None = None
     zstd_level: int = 1
     #: With ``compression="delta"`` (or ``"auto"``): a chunk is stored whole
     #: (a keyframe) at least every this many steps; deltas reference it.
@@ -115,7 +119,8 @@ class CaptureConfig:
             A.positive_int(name, getattr(self, name))
         A.branch(self.branch)
         self.parent = parent_arg(self.parent)
-        A.choice("compression", self.compression, COMPRESSIONS)
+        if self.compression is not None:
+            A.choice("compression", self.compression, COMPRESSIONS)
         A.zstd_level(self.zstd_level)
         A.choice("on_full", self.on_full, ON_FULL)
         for name in ("allow_pickle", "dedup", "background_idle", "watch_nonfinite"):

@@ -54,6 +54,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import select
 import subprocess
@@ -354,6 +355,10 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
                                           alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
         writer.commit_coord = records
+    # compression="auto": the helper's threads run below the trainer's
+    # priority (nice, SCHED_IDLE), so its encoding takes no core the trainer
+    # wants: a step is stored fast only when steps queue up (commit_steps).
+    writer.auto_cpu_cores = math.inf
     # What start-up made (torch's modules and the like: hundreds of
     # thousands of objects) lives as long as this process: moved out of the
     # collector's generations, so the full collections a step's garbage
@@ -438,11 +443,13 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
                     out.append(e)
             return out
         prepared: dict[int, Any] = {}
-        for step in steps:
+        for i, step in enumerate(steps):
+            writer.backlog = len(steps) - 1 - i  # (steps queued behind it: the helper is behind)
             try:
                 prepared[step] = prepare(step, verify=False)[:2]
             except Exception as e:  # noqa: BLE001
                 prepared[step] = e
+        writer.backlog = 0
         ready = [(step, p) for step, p in prepared.items() if not isinstance(p, BaseException)]
         done = dict(zip([s for s, _ in ready], commit_group(writer, [p for _, p in ready])))
         for step, outcome in done.items():

@@ -194,6 +194,12 @@ class Writer(BatchFlush, CommitPhase):
         # total) at the previous planned step (guarded by _open_lock).
         self._encode_cpu_s = 0.0
         self._rate_mark = (0.0, 0.0)
+        #: compression="auto": the CPU budget of encoding (AUTO_CPU_CORES; the
+        #: capture helper, whose threads run below the trainer's priority, has
+        #: none), and steps waiting to be stored besides the open plans (the
+        #: helper's queue): they count towards AUTO_BEHIND.
+        self.auto_cpu_cores = AUTO_CPU_CORES
+        self.backlog = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
         self._closed = False
         if self.codec.delta and self.rank == 0:
@@ -396,7 +402,7 @@ class Writer(BatchFlush, CommitPhase):
             # the trainer wait for, or share its CPU with, the encoder
             # (recorded per step in commit.json).
             plan.fast = self.codec.compression == "auto" and (
-                len(self._open_plans) >= AUTO_BEHIND or self._encode_rate() > AUTO_CPU_CORES)
+                len(self._open_plans) + self.backlog >= AUTO_BEHIND or self._encode_rate() > self.auto_cpu_cores)
             self._open_plans[plan.seq] = list(plan.links.values())
             # A safety net for a writer whose plans are stored elsewhere
             # (helper process) or never committed: the oldest open plan is
