@@ -29,6 +29,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from dstt.format.codecs.delta import DELTA_ITEMSIZES
@@ -37,6 +38,7 @@ from dstt.format.codecs.stepcoder import Decision, Group, StepCoder, counter_val
 from dstt.format.predindex import ChunkPred, PredInfo
 
 if TYPE_CHECKING:
+    from dstt.format.backends import Backend
     from dstt.store.committer import ChunkResult
     from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
 
@@ -104,6 +106,50 @@ def prepare(coder: StepCoder, plan: StepPlan, raw_of: RawOf, pool: Executor | No
     return step
 
 
+def warm_start(coder: StepCoder, backend: Backend, branch: str, step: int) -> None:
+    """Remember ``step`` of ``branch`` (the latest committed step, read back
+    and decoded) as the previous coded step: a new writer of a branch
+    (``dstt.save`` makes one per call, a restarted capture) codes its first
+    step against it instead of storing keyframes. Each chunk's depth is its
+    chain's length in the store, so keyframes still come every K steps."""
+    from dstt.format.chunks import read_chunk
+    from dstt.format.codecs.optimspec import ParamState
+    from dstt.format.codecs.stepcoder import Prev
+    from dstt.format.index import RunIndex
+
+    run = RunIndex(backend, cache_steps=max(8, coder.keyframe_every + 2))
+    rec = run.record(step, branch=branch)
+    by_name = rec.by_name
+    codable = {e.name: (e.dtype.logical, tuple(e.shape), tuple(e.chunk_shape)) for e in rec.entries
+               if e.dtype.itemsize in DELTA_ITEMSIZES and not e.dtype.logical.startswith("complex")}
+
+    def depth(name: str, i: int) -> int:
+        d, at = 0, rec
+        while d < coder.keyframe_every:
+            e = at.by_name.get(name)
+            c = None if e is None or e.pred is None else e.pred.chunks[i]
+            if c is None:
+                return d
+            d += 1
+            at = run.record(c.prev, branch=at.branch)
+        return d
+
+    for g in groups_of(rec.objects, codable):
+        value = None
+        if g.counter is not None and g.counter in by_name:
+            value = counter_value(read_chunk(backend, by_name[g.counter], 0), by_name[g.counter].dtype.logical)
+        dtypes = {m.role: m.dtype for m in g.members}
+        with coder.lock:
+            coder.states[g.key] = (ParamState(dtypes.get("param", ""), {r: d for r, d in dtypes.items()
+                                                                        if r != "param"}, value), g.hyper)
+        for m in g.members:
+            e = by_name[m.name]
+            for i in range(e.nchunks):
+                raw = np.frombuffer(read_chunk(backend, e, i), np.uint8).copy()
+                with coder.lock:
+                    coder.memory[(m.name, i)] = Prev(rec.step, raw, depth(m.name, i), raw.nbytes)
+
+
 def decision_of(plan: StepPlan, task: ChunkTask) -> Decision | None:
     """The chunk's decision, if :func:`prepare` ran on the step (not fast)."""
     pred: PredStep | None = plan.pred
@@ -140,4 +186,4 @@ def dangling(results: list[ChunkResult], step: int, committed: Callable[[int], b
             and any(s != step and not committed(s) for s in (r.pred.cur, r.pred.prev))]
 
 
-__all__ = ["PredStep", "dangling", "decision_of", "pred_info", "pred_layout", "prepare"]
+__all__ = ["PredStep", "dangling", "decision_of", "pred_info", "pred_layout", "prepare", "warm_start"]

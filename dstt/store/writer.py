@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -79,6 +80,8 @@ from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, 
 from dstt.store.predflush import pred_layout
 from dstt.store.stats import chunk_partial
 from dstt.store.torch_dtypes import as_storage_view
+
+log = logging.getLogger(__name__)
 
 #: Planned, uncommitted steps a writer tracks references for (see Writer._link).
 MAX_OPEN_PLANS = 64
@@ -210,6 +213,8 @@ class Writer(BatchFlush, CommitPhase):
         # with the commit markers, a listing of the steps otherwise.
         head = latest_committed(self.backend, branch)
         self.last_step: int | None = head.step
+        self._stored_latest = head.step  # (predictive coding of the first step: Writer.prepare_pred)
+        self._warmed = False
         #: (step, seq) of the latest step committed on this branch.
         self.last_commit: tuple[int, int] | None = None
         self.next_seq = 0
@@ -458,6 +463,20 @@ class Writer(BatchFlush, CommitPhase):
 
         def raw_of(task: ChunkTask) -> memoryview:
             return chunk_bytes(task, None if staged is None else staged(task))
+
+        if not self._warmed:  # a new writer of a branch with steps: its latest is the previous step
+            self._warmed = True
+            latest = self.last_commit[0] if self.last_commit is not None else self._stored_latest
+            if latest is None and self.branch.parent is not None:  # a new branch: its fork step
+                latest = self.branch.parent[1]
+            if latest is not None and latest < plan.step and not self.coder.memory:
+                try:
+                    predflush.warm_start(self.coder, self.backend, self.branch.name, latest)
+                    self._committed_recent.add(latest)  # (committed: read back from the store)
+                except DsttError as e:  # unreadable: keyframes, as a first step
+                    self.coder.forget()
+                    log.warning("dstt: step %s not read back for predictive coding (%s): keyframes instead",
+                                latest, e)
 
         predflush.prepare(self.coder, plan, raw_of, self._pool, remember_only=plan.fast)
 
