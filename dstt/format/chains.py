@@ -36,6 +36,7 @@ import numpy as np
 from dstt.errors import ChecksumMismatchError, CorruptStoreError, DsttError
 from dstt.format import layout as L
 from dstt.format.codecs import predictive
+from dstt.format.chunks import read_chunk
 from dstt.format.codecs.spec import crc32c, decode_chunk, max_stored_bytes
 from dstt.format.packs import pack_key, read_range
 
@@ -188,8 +189,6 @@ class ChainReader:
 
     def _decode_one(self, node: Node, e: TensorEntry, work: Mapping[Node, np.ndarray]) -> np.ndarray:
         """Chunk ``node`` from its stored bytes and its decoded inputs (in ``work``)."""
-        from dstt.format.chunks import read_chunk
-
         i = node[3]
         w = where_of(node, e)
         pred = e.pred
@@ -233,7 +232,7 @@ class ChainReader:
 
 def attach(entries: list[TensorEntry], reader: ChainReader, branch: str, step: int) -> list[TensorEntry]:
     """``entries`` of one step (held by ``branch``), its predictive entries
-    given the chain reader :func:`read_pred_chunk` decodes them with. An
+    given the chain reader :func:`dstt.format.chunks.read_chunk` decodes them with. An
     entry another reader holds already (parsed indexes are shared within a
     process: manifest.parse_index_checked) is copied, not taken over."""
     out = entries
@@ -249,20 +248,8 @@ def attach(entries: list[TensorEntry], reader: ChainReader, branch: str, step: i
     return out
 
 
-def read_pred_chunk(e: TensorEntry, i: int, *, sha256: bool = False) -> memoryview:
-    """The raw bytes of predictive chunk ``i`` of ``e``, through the chain
-    reader its step's reader attached (:func:`attach`)."""
-    ctx = e.__dict__.get("_chain")
-    if ctx is None:
-        raise CorruptStoreError(f"{e.name} chunk {e.coords(i)}: a predictive chunk read without its step "
-                                "(open the store with dstt.open to read it)")
-    reader, branch, step = ctx
-    got: memoryview = reader.chunk(branch, step, e, i, sha256=sha256)
-    return got
-
-
 def is_pred_chunk(e: TensorEntry, i: int) -> bool:
     return e.pred is not None and e.pred.chunks[i] is not None
 
 
-__all__ = ["ChainReader", "DEFAULT_CACHE_BYTES", "MAX_WALK", "attach", "is_pred_chunk", "read_pred_chunk"]
+__all__ = ["ChainReader", "DEFAULT_CACHE_BYTES", "MAX_WALK", "attach", "is_pred_chunk"]

@@ -32,7 +32,6 @@ import numpy as np
 
 from dstt.errors import ChecksumMismatchError, CorruptStoreError
 from dstt.format import layout as L
-from dstt.format.chains import read_pred_chunk
 from dstt.format.codecs.keyframes import read_delta
 from dstt.format.codecs.spec import CodecSpec, crc32c, decode_chunk, max_stored_bytes
 from dstt.format.packs import pack_key, read_range
@@ -167,7 +166,7 @@ def read_chunk(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False
     the step index (and its recorded sha256 with ``sha256=True``). A
     predictive chunk is decoded through its chain (dstt/format/chains.py)."""
     if e.pred is not None and e.pred.chunks[i] is not None:
-        return read_pred_chunk(e, i, sha256=sha256)
+        return _read_pred_chunk(e, i, sha256=sha256)
     p = e.pack(i)
     if p is not None:  # a range of a pack (docs/format.md "Packs"): exactly that range read
         nbytes = e.chunk_grid.chunk_numel * e.dtype.itemsize
@@ -179,6 +178,19 @@ def read_chunk(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False
     nbytes = e.chunk_grid.chunk_numel * e.dtype.itemsize
     return read_chunk_raw(backend, chunk_key_of(e, i), e.codec, nbytes, chunk_where(e, i),
                           crc=e.crcs[i], sha256=e.sha256[i] if sha256 else None)
+
+
+def _read_pred_chunk(e: TensorEntry, i: int, *, sha256: bool = False) -> memoryview:
+    """The raw bytes of predictive chunk ``i`` of ``e``, decoded through its
+    chain by the chain reader its step's reader attached
+    (dstt/format/chains.py ``attach``: ``(reader, branch, step)``)."""
+    ctx = e.__dict__.get("_chain")
+    if ctx is None:
+        raise CorruptStoreError(f"{e.name} chunk {e.coords(i)}: a predictive chunk read without its step "
+                                "(open the store with dstt.open to read it)")
+    reader, branch, step = ctx
+    got: memoryview = reader.chunk(branch, step, e, i, sha256=sha256)
+    return got
 
 
 #: Bytes of adjacent pack ranges read with one request at most (read_packed).
