@@ -359,6 +359,14 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     # priority (nice, SCHED_IDLE), so its encoding takes no core the trainer
     # wants: a step is stored fast only when steps queue up (commit_steps).
     writer.auto_cpu_cores = math.inf
+    if writer.coder is not None:
+        # Predictive coding keeps the previous step's chunks (one copy of the
+        # state): at most a quarter of the memory available now; beyond it a
+        # parameter's chunks are stored whole (store/predflush.py).
+        from dstt.capture.recorder import available_memory_bytes
+
+        avail = available_memory_bytes()
+        writer.coder.memory_limit = None if avail is None else avail // 4
     # What start-up made (torch's modules and the like: hundreds of
     # thousands of objects) lives as long as this process: moved out of the
     # collector's generations, so the full collections a step's garbage

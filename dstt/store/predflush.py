@@ -147,7 +147,7 @@ def warm_start(coder: StepCoder, backend: Backend, branch: str, step: int) -> No
             for i in range(e.nchunks):
                 raw = np.frombuffer(read_chunk(backend, e, i), np.uint8).copy()
                 with coder.lock:
-                    coder.memory[(m.name, i)] = Prev(rec.step, raw, depth(m.name, i), raw.nbytes)
+                    coder.remember((m.name, i), Prev(rec.step, raw, depth(m.name, i), raw.nbytes))
 
 
 def decision_of(plan: StepPlan, task: ChunkTask) -> Decision | None:

@@ -456,3 +456,22 @@ def test_dstt_save_codes_each_call_against_the_stored_previous_step(tmp_path: Pa
     run = dstt.open(f"{path}@side")
     assert all(bits_equal(run.read(n, 9), v) for n, v in side.items())
     assert verify(path).ok
+
+
+def test_the_coders_memory_is_bounded(tmp_path: Path) -> None:
+    """A writer whose coder may remember fewer bytes than a step holds codes
+    only what it remembered: the rest is stored whole, every step reads back."""
+    g = torch.Generator().manual_seed(4)
+    big, small = torch.randn(4096, generator=g), torch.randn(256, generator=g)
+    states = []
+    with Writer(tmp_path / "run", compression="predictive", pack_chunk_bytes=0) as w:
+        assert w.coder is not None
+        w.coder.memory_limit = 4096  # the small tensor (1 KiB) fits, the big one (16 KiB) does not
+        for step in range(3):
+            state = {"big": big + step * 1e-6, "small": small + step * 1e-6}
+            w.write(step, state)
+            states.append(state)
+        assert w.coder.held <= 4096
+    run = dstt.open(tmp_path / "run")
+    assert run.entry("small", 2).pred is not None and run.entry("big", 2).pred is None
+    assert all(bits_equal(run.read(n, s), v) for s, st in enumerate(states) for n, v in st.items())

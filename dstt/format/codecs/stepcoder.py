@@ -204,19 +204,34 @@ class StepCoder:
     memory: dict[tuple[str, int], Prev] = field(default_factory=dict)
     states: dict[str, tuple[ParamState, Mapping[str, Any] | None]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Bytes of remembered chunks at most (None: no bound): a chunk that
+    #: would exceed it is not remembered, so its next step stores it whole.
+    memory_limit: int | None = None
+    held: int = 0
+
+    def remember(self, key: tuple[str, int], prev: Prev) -> None:
+        """Keep ``prev`` for ``key`` within :attr:`memory_limit` (caller holds the lock)."""
+        old = self.memory.pop(key, None)
+        if old is not None:
+            self.held -= old.raw.nbytes
+        if self.memory_limit is not None and self.held + prev.raw.nbytes > self.memory_limit:
+            return
+        self.memory[key] = prev
+        self.held += prev.raw.nbytes
 
     def forget(self) -> None:
         """Drop everything remembered: the next step is all keyframes."""
         with self.lock:
             self.memory.clear()
             self.states.clear()
+            self.held = 0
 
     def forget_group(self, g: Group) -> None:
         """Drop what is remembered of ``g``'s chunks (not coded this step)."""
         names = {m.name for m in g.members}
         with self.lock:
             for k in [k for k in self.memory if k[0] in names]:
-                del self.memory[k]
+                self.held -= self.memory.pop(k).raw.nbytes
             self.states.pop(g.key, None)
 
     def codings(self, g: Group, step_value: float | None) -> dict[str, list[Coding]]:
@@ -267,7 +282,7 @@ class StepCoder:
             with self.lock:
                 for m in g.members:
                     raw = np.frombuffer(memoryview(raws[m.role]).cast("B"), np.uint8).copy()
-                    self.memory[keys[m.role]] = Prev(step, raw, 0, raw.nbytes)
+                    self.remember(keys[m.role], Prev(step, raw, 0, raw.nbytes))
             return out
         for m in g.members:
             raw = raws[m.role]
@@ -284,8 +299,8 @@ class StepCoder:
                 d, prev = out[m.role], prevs[m.role]
                 whole = d.coding is None
                 d.raw = np.frombuffer(memoryview(raws[m.role]).cast("B"), np.uint8).copy()
-                self.memory[keys[m.role]] = Prev(step, d.raw, 0 if whole else depth,
-                                                 d.size if whole or prev is None else prev.key_size)
+                self.remember(keys[m.role], Prev(step, d.raw, 0 if whole else depth,
+                                                 d.size if whole or prev is None else prev.key_size))
         return out
 
     def _predict(self, m: Member, raw: Any, prevs: Mapping[str, Prev | None], raws: Mapping[str, Any],
