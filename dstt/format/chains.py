@@ -35,8 +35,8 @@ import numpy as np
 
 from dstt.errors import ChecksumMismatchError, CorruptStoreError, DsttError
 from dstt.format import layout as L
-from dstt.format.codecs import predictive
 from dstt.format.chunks import read_chunk
+from dstt.format.codecs import predictive
 from dstt.format.codecs.spec import crc32c, decode_chunk, max_stored_bytes
 from dstt.format.packs import pack_key, read_range
 
