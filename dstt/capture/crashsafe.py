@@ -358,7 +358,8 @@ class CrashSafe:
     def _writer_options(self) -> dict[str, Any]:
         """The options of a Writer storing this Capture's steps elsewhere (the helper's, fallback.py's)."""
         cfg = self.config
-        return {"branch": cfg.branch, "compression": cfg.compression or "auto", "zstd_level": cfg.zstd_level,
+        return {"branch": cfg.branch, "compression": cfg.compression or self.writer.codec.compression,
+                "zstd_level": cfg.zstd_level,
                 "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes,
                 "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup, "threads": cfg.encode_threads}
 
