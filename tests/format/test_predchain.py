@@ -475,3 +475,46 @@ def test_the_coders_memory_is_bounded(tmp_path: Path) -> None:
     run = dstt.open(tmp_path / "run")
     assert run.entry("small", 2).pred is not None and run.entry("big", 2).pred is None
     assert all(bits_equal(run.read(n, s), v) for s, st in enumerate(states) for n, v in st.items())
+
+
+def test_a_group_commit_of_predicted_steps_publishes_its_markers_in_order(tmp_path: Path) -> None:
+    """Steps committed as a group (the capture helper behind) where a step
+    is predicted from the one before: each marker is made durable before
+    the next is renamed into place, so a crash leaves a prefix committed,
+    never a step without the step it is predicted from."""
+    from dstt.format.backends.local import LocalBackend
+    from dstt.store import groupcommit
+
+    events: list[str] = []
+    if not groupcommit.can_group(type("W", (), {"backend": LocalBackend(str(tmp_path / "probe"), create=True),
+                                                "coord": type("C", (), {"distributed": False})(),
+                                                "commit_coord": type("C", (), {"distributed": False})()})()):
+        pytest.skip("no syncfs here: steps are committed one by one")
+    g = torch.Generator().manual_seed(2)
+    w0 = torch.randn(4096, generator=g)
+    with Writer(tmp_path / "run", compression="predictive") as w:
+        w.write(0, {"w": w0})
+        items = []
+        for step in (1, 2, 3):
+            plan = w.plan(step, {"w": w0 + step * 1e-6})
+            w.ensure_arrays(plan)
+            w.prepare_pred(plan)
+            items.append((plan, [w.flush_chunk(plan, t) for t in plan.tasks]))
+        backend = w.backend
+        rename, sync = backend.rename, backend.sync  # type: ignore[attr-defined]
+
+        def watched_rename(src: str, dst: str) -> None:
+            events.append("rename")
+            rename(src, dst)
+
+        def watched_sync() -> None:
+            events.append("sync")
+            sync()
+
+        backend.rename, backend.sync = watched_rename, watched_sync  # type: ignore[method-assign, attr-defined]
+        infos = groupcommit.commit_group(w, items)
+        assert [i.step for i in infos] == [1, 2, 3]
+    renames = [i for i, e in enumerate(events) if e == "rename"]
+    assert len(renames) == 3 and all(events[i + 1] == "sync" for i in renames), events
+    run = dstt.open(tmp_path / "run")
+    assert [run.entry("w", s).pred.chunks[0][1:] for s in (1, 2, 3)] == [(1, 0), (2, 1), (3, 2)]
