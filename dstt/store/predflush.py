@@ -26,7 +26,6 @@ depends on a step that is not there.
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -35,12 +34,12 @@ import torch
 from dstt.format.codecs.delta import DELTA_ITEMSIZES
 from dstt.format.codecs.predictors import Coding
 from dstt.format.codecs.stepcoder import Decision, Group, StepCoder, counter_value, groups_of
-from dstt.format.predindex import ChunkPred, PredInfo
+from dstt.format.predcommit import PredStep
 
 if TYPE_CHECKING:
     from dstt.format.backends import Backend
-    from dstt.store.committer import ChunkResult
-    from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
+    from dstt.format.geometry import TensorLayout
+    from dstt.store.plan import ChunkTask, StepPlan
 
 
 def pred_layout(layout: TensorLayout) -> bool:
@@ -49,16 +48,6 @@ def pred_layout(layout: TensorLayout) -> bool:
     1, 2, 4 or 8 bytes (complex128 never is)."""
     return (layout.codec.predictive and layout.dtype.itemsize in DELTA_ITEMSIZES
             and not layout.dtype.logical.startswith("complex"))
-
-
-@dataclass
-class PredStep:
-    """What :func:`prepare` decided for one step."""
-
-    #: (array, chunk index) -> how that chunk is stored.
-    decisions: dict[tuple[str, int], Decision] = field(default_factory=dict)
-    #: tensor name -> its group's inputs (role -> tensor name), for the index.
-    inputs: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 RawOf = Callable[["ChunkTask"], memoryview]
@@ -158,32 +147,4 @@ def decision_of(plan: StepPlan, task: ChunkTask) -> Decision | None:
     return pred.decisions.get((task.layout.array, task.index))
 
 
-def pred_info(plan: StepPlan, layout: TensorLayout, chunks: list[ChunkResult]) -> PredInfo | None:
-    """The ``pred`` record of a tensor's index entry from its chunk results;
-    None when no chunk is predictively coded."""
-    if all(c.pred is None for c in chunks):
-        return None
-    pred: PredStep | None = plan.pred
-    inputs = None if pred is None else pred.inputs.get(layout.name)
-    codings: list[Coding] = []
-    recs: list[ChunkPred | None] = []
-    for c in chunks:
-        if c.pred is None or c.coding is None:
-            recs.append(None)
-            continue
-        if c.coding not in codings:
-            codings.append(c.coding)
-        recs.append(ChunkPred(codings.index(c.coding), c.pred.cur, c.pred.prev))
-    if inputs is None:  # (a referenced chunk's record without this step's groups: its own role only)
-        inputs = {c.role: layout.name for c in codings}
-    return PredInfo(layout.delta_array, dict(inputs), codings, recs)
-
-
-def dangling(results: list[ChunkResult], step: int, committed: Callable[[int], bool]) -> list[ChunkResult]:
-    """Results of predictive chunks coded against a step that is not
-    committed (``committed(step)`` False): they must be stored whole."""
-    return [r for r in results if r.pred is not None
-            and any(s != step and not committed(s) for s in (r.pred.cur, r.pred.prev))]
-
-
-__all__ = ["PredStep", "dangling", "decision_of", "pred_info", "pred_layout", "prepare", "warm_start"]
+__all__ = ["PredStep", "decision_of", "pred_layout", "prepare", "warm_start"]
