@@ -8,14 +8,21 @@ did not commit (:func:`dangling`), which the commit stores whole
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
+from dstt.format.codecs.keyframes import Decision
 from dstt.format.codecs.predictors import Coding
-from dstt.format.codecs.stepcoder import Decision
 from dstt.format.predindex import ChunkPred, PredInfo
 
-if TYPE_CHECKING:
-    from dstt.format.commit import ChunkResult
+
+class ChunkResult(Protocol):
+    """What is read of a chunk's result (dstt.format.commit.ChunkResult)."""
+
+    pred: ChunkPred | None
+    coding: Coding | None
+
+
+R = TypeVar("R", bound=ChunkResult)
 
 
 @dataclass
@@ -28,7 +35,7 @@ class PredStep:
     inputs: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
-def pred_info(pred: PredStep | None, name: str, delta_array: str, chunks: list[ChunkResult]) -> PredInfo | None:
+def pred_info(pred: PredStep | None, name: str, delta_array: str, chunks: Sequence[ChunkResult]) -> PredInfo | None:
     """The ``pred`` record of tensor ``name``'s index entry from its chunk
     results (``pred``: the step's decisions); None when no chunk is
     predictively coded."""
@@ -49,7 +56,7 @@ def pred_info(pred: PredStep | None, name: str, delta_array: str, chunks: list[C
     return PredInfo(delta_array, dict(inputs), codings, recs)
 
 
-def dangling(results: list[ChunkResult], step: int, committed: Callable[[int], bool]) -> list[ChunkResult]:
+def dangling(results: Sequence[R], step: int, committed: Callable[[int], bool]) -> list[R]:
     """Results of predictive chunks coded against a step that is not
     committed (``committed(step)`` False): they must be stored whole."""
     return [r for r in results if r.pred is not None

@@ -47,7 +47,6 @@ from dstt.format.packs import PackFile, PackRange, StepPacks, pack_key, read_ran
 if TYPE_CHECKING:
     from dstt.format.backends import Backend
     from dstt.format.codecs.predictors import Coding
-    from dstt.format.codecs.stepcoder import Decision
     from dstt.format.predindex import ChunkPred
 
 #: A delta is kept only if its coded size is below this fraction of the
@@ -81,6 +80,26 @@ class ChunkRef:
     def keyframe(self) -> int | None:
         """The keyframe slot this chunk is the difference to; None if stored whole."""
         return None if self.key_slot is None or self.key_slot == self.slot else self.key_slot
+
+
+@dataclass
+class Decision:
+    """How the step coder (stepcoder.py) stores one chunk of a step:
+    ``parts`` (its encoded bytes, the residual for a predictive chunk, else
+    the whole chunk) and, for a predictive chunk, its coding and pred record."""
+
+    parts: list[Any]
+    coding: Coding | None = None
+    rec: ChunkPred | None = None
+    exact: int = 0
+    #: The chunk's raw bytes (what the coder remembers): a predictive chunk
+    #: whose previous step fails is stored whole from them.
+    raw: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(len(memoryview(p).cast("B")) for p in self.parts)
+
 
 
 _LINK_LOCKS = [threading.Lock() for _ in range(64)]

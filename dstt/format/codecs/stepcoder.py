@@ -37,7 +37,7 @@ import numpy as np
 from dstt.errors import DsttError
 from dstt.format.codecs import predictive
 from dstt.format.codecs.delta import DELTA_ITEMSIZES
-from dstt.format.codecs.keyframes import DELTA_MAX_RATIO
+from dstt.format.codecs.keyframes import DELTA_MAX_RATIO, Decision
 from dstt.format.codecs.optimspec import ParamState, param_codings
 from dstt.format.codecs.predictors import FLOAT_DTYPES, Coding
 from dstt.format.codecs.spec import CodecSpec, encode_chunk
@@ -170,25 +170,6 @@ class Prev:
     raw: np.ndarray  # its raw bytes (uint8)
     depth: int  # steps its decode replays (0: stored whole)
     key_size: int  # stored bytes of its last keyframe
-
-
-@dataclass
-class Decision:
-    """How one chunk of a step is stored: ``parts`` (its encoded bytes,
-    the residual for a predictive chunk, else the whole chunk) and, for a
-    predictive chunk, its coding and pred record."""
-
-    parts: list[Any]
-    coding: Coding | None = None
-    rec: ChunkPred | None = None
-    exact: int = 0
-    #: The chunk's raw bytes (what the coder remembers): a predictive chunk
-    #: whose previous step fails is stored whole from them.
-    raw: np.ndarray | None = None
-
-    @property
-    def size(self) -> int:
-        return sum(len(memoryview(p).cast("B")) for p in self.parts)
 
 
 @dataclass
