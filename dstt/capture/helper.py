@@ -209,6 +209,11 @@ class HelperHandle:
             self._seen = act
         return None if self._seen is None else (self._seen.cpu_ticks, self._seen.io_bytes)
 
+    @property
+    def killed_why(self) -> str | None:
+        """Why this process killed the helper (:meth:`kill`); None if it did not."""
+        return self._killed_why
+
     def kill(self, why: str) -> None:
         """Kill the helper (``why`` goes into every error about it from now
         on). Its sealed steps stay in the ring: the next Capture on the
@@ -362,7 +367,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         # Predictive coding keeps the previous step's chunks (one copy of the
         # state): at most a quarter of the memory available now; beyond it a
         # parameter's chunks are stored whole (store/predflush.py).
-        from dstt.capture.recorder import available_memory_bytes
+        from dstt.capture.tier import available_memory_bytes
 
         avail = available_memory_bytes()
         writer.coder.memory_limit = None if avail is None else avail // 4
