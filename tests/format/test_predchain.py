@@ -543,3 +543,28 @@ def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path)
     check_reads(path, states)
     assert "adam" in predictors(path, range(6))
     assert verify(path).ok
+
+
+@pytest.mark.parametrize("damage", [
+    lambda p: p["chunks"][0].__setitem__(2, p["chunks"][0][1]),  # prev not before cur
+    lambda p: p["chunks"][0].__setitem__(0, 5),  # coding out of range
+    lambda p: p.__setitem__("array", "tensors/other/@x.delta"),  # not the entry's sibling
+    lambda p: p["inputs"].pop("param"),  # its own role missing
+    lambda p: p["codings"][0].__setitem__("predictor", "adam9"),  # unknown predictor
+    lambda p: p["codings"][0].__setitem__("dtype", "float16"),  # another dtype
+    lambda p: p.__setitem__("extra", 1),
+])
+def test_a_hostile_pred_record_is_refused(tmp_path: Path, damage: Callable[[dict[str, Any]], None]) -> None:
+    """A pred record that does not check out (untrusted index) is refused
+    with a dstt error when the entry is parsed, never decoded."""
+    from dstt.errors import DsttError
+    from dstt.format.entries import parse_entry
+
+    path = tmp_path / "run"
+    train(path, "adamw", steps=3, pack_chunk_bytes=0)
+    (t,) = [t for t in entries(path, 2) if t["name"] == "model/m.0.weight"]
+    parse_entry(json.loads(json.dumps(t)), "index")  # as written: accepted
+    bad = json.loads(json.dumps(t))
+    damage(bad["pred"])
+    with pytest.raises(DsttError):
+        parse_entry(bad, "index")
