@@ -6,9 +6,12 @@ one step's persist time, captured every iteration.
 One process, one run, every figure compared with others of the same run:
 
 * time per iteration with no capture, with ``memory_steps=4,
-  persist="newest"`` (never waits for the disk), with today's
-  ``on_full="wait"`` (every step stored: backpressure) and ``on_full="skip"``;
-  the time added over no capture, in % of the iteration;
+  persist="newest"`` -- the tier in the trainer's process (``helper=False``)
+  and in the capture helper (``helper=True``, issue 25; "refused" where
+  this dstt cannot run it there) --, with ``on_full="wait"`` (every step
+  stored: backpressure), ``on_full="skip"`` and ``dcp.async_save`` every
+  iteration (each save awaited before the next); the time added over no
+  capture, in % of the iteration;
 * the disk: bytes the capture stored per second of the loop vs one raw
   fsync'ed sequential write of the same state (``raw_fsync_write``), and how
   many of the captured steps each mode stored;
@@ -19,6 +22,11 @@ One process, one run, every figure compared with others of the same run:
 An iteration is a stand-in compute of ``--compute-ms`` (not touching the
 state) followed by ``optimizer.step()`` (updates every parameter and Adam
 tensor in place).
+
+``--ranks 2`` runs the same loop under ``torchrun`` with gloo (each rank
+holding ``--size-mb`` / ranks of state, replicated layout): time added
+per iteration, the drain after the loop (``wait()``: commit latency of the
+last steps), and how many steps each policy persists, per rank 0.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import best_of, fresh_dir, fsync_file, machine, model_and_adam, raw_fsync_write  # noqa: E402
 
 import dstt  # noqa: E402
+from dstt.errors import CaptureError, ConfigError  # noqa: E402
 
 
 def compute(ms: float, x: torch.Tensor) -> None:
@@ -69,16 +78,53 @@ def loop(model: Any, opt: Any, iters: int, compute_ms: float, cap: Any = None) -
 
 def phase(name: str, root: str, model: Any, opt: Any, args: Any, **options: Any) -> dict[str, Any]:
     path = fresh_dir(os.path.join(root, name))
-    cap = dstt.Capture(path, **options)
-    t0 = time.perf_counter()
-    times = loop(model, opt, args.iters, args.compute_ms, cap)
+    print(f"bench_flight: {name}", file=sys.stderr, flush=True)
+    try:
+        cap = dstt.Capture(path, **options)
+        t0 = time.perf_counter()
+        times = loop(model, opt, args.iters, args.compute_ms, cap)
+    except (CaptureError, ConfigError) as e:  # (a mode this dstt refuses)
+        return {"refused": str(e).split("\n")[0][:300]}
     loop_s = time.perf_counter() - t0
     stored_in_loop = cap.bytes_written
+    t1 = time.perf_counter()
+    cap.wait()
+    drain_s = time.perf_counter() - t1
     cap.close()
     steps = dstt.open(path).steps()
     return {"iter_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3,
             "loop_s": loop_s, "stored_steps": len(steps), "captured": args.iters - len(cap.skipped),
-            "disk_mb_s": stored_in_loop / loop_s / 1e6}
+            "disk_mb_s": stored_in_loop / loop_s / 1e6, "drain_s": drain_s,
+            "tier_where": getattr(cap, "tier_where", None)}
+
+
+def dcp_phase(root: str, model: Any, opt: Any, args: Any) -> dict[str, Any]:
+    """``dcp.async_save`` every iteration (the previous save awaited first)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = fresh_dir(os.path.join(root, "dcp"))
+    pending: Any = None
+    x = torch.ones(4096)
+    times, nbytes = [], 0
+    state_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model, opt))
+    t0 = time.perf_counter()
+    for step in range(args.iters):
+        t = time.perf_counter()
+        compute(args.compute_ms, x)
+        for p in model.parameters():
+            p.grad = p.detach() * 1e-3
+        opt.step()
+        if pending is not None:
+            pending.result()
+            nbytes += state_bytes
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        pending = dcp.async_save(sd, checkpoint_id=os.path.join(path, f"s{step}"),
+                                 **({} if torch.distributed.is_initialized() else {"no_dist": True}))
+        times.append(time.perf_counter() - t)
+    loop_s = time.perf_counter() - t0
+    pending.result()
+    return {"iter_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3, "loop_s": loop_s,
+            "stored_steps": args.iters, "captured": args.iters, "disk_mb_s": nbytes / loop_s / 1e6}
 
 
 def rewind_latency(root: str, model: Any, opt: Any, args: Any) -> dict[str, float]:
@@ -120,42 +166,88 @@ def main() -> None:
     ap.add_argument("--compute-ms", type=float, default=40)
     ap.add_argument("--dir", default="/tmp/dstt-bench-flight")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--ranks", type=int, default=1, help="run under torchrun with this many ranks (gloo)")
     args = ap.parse_args()
-    root = fresh_dir(args.dir)
-    model, opt = model_and_adam(int(args.size_mb * 1e6), n_params=50)
+    if args.ranks > 1 and "RANK" not in os.environ:
+        sys.exit(launch(args))
+    dist = "RANK" in os.environ
+    if dist:
+        torch.distributed.init_process_group("gloo")
+        args.dir = os.path.join(args.dir, "dist")
+    rank = torch.distributed.get_rank() if dist else 0
+    world = torch.distributed.get_world_size() if dist else 1
+    root = fresh_dir(args.dir) if rank == 0 else args.dir
+    if dist:
+        torch.distributed.barrier()
+    model, opt = model_and_adam(int(args.size_mb * 1e6 / world), n_params=50)
     tensors = state_tensors(model, opt)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     raw = []
     for i in range(3):
         t0 = time.perf_counter()
-        raw_fsync_write(os.path.join(root, f"raw{i}.bin"), tensors)
+        raw_fsync_write(os.path.join(root, f"raw{rank}-{i}.bin"), tensors)
         raw.append(state_bytes / (time.perf_counter() - t0) / 1e6)
-        os.unlink(os.path.join(root, f"raw{i}.bin"))
-    res: dict[str, Any] = {"machine": machine(), "state_mb": state_bytes / 1e6, "raw_fsync_mb_s": raw}
+        os.unlink(os.path.join(root, f"raw{rank}-{i}.bin"))
+    res: dict[str, Any] = {"machine": machine(), "ranks": world, "state_mb": state_bytes / 1e6 * world,
+                           "raw_fsync_mb_s": raw}
     base = loop(model, opt, args.iters, args.compute_ms)
     res["none"] = {"iter_ms": statistics.median(base) * 1e3, "mean_ms": statistics.mean(base) * 1e3}
-    res["newest"] = phase("newest", root, model, opt, args, memory_steps=4, persist="newest")
+    res["newest"] = phase("newest", root, model, opt, args, memory_steps=4, persist="newest", helper=False)
+    res["newest_helper"] = phase("newest_helper", root, model, opt, args, memory_steps=4, persist="newest",
+                                 helper=True)
+    if dist:
+        for policy in ("all", 4):
+            res[f"helper_{policy}"] = phase(f"helper_{policy}", root, model, opt, args, memory_steps=4,
+                                            persist=policy, helper=True)
     res["wait"] = phase("wait", root, model, opt, args, on_full="wait")
     res["skip"] = phase("skip", root, model, opt, args, on_full="skip")
-    res["rewind"] = rewind_latency(root, model, opt, args)
-    raw_mb_s = statistics.median(raw)
+    res["dcp_async_save"] = dcp_phase(root, model, opt, args)
+    if not dist:
+        res["rewind"] = rewind_latency(root, model, opt, args)
+    if dist:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        if rank != 0:
+            return
+    report(res, args, state_bytes * world, statistics.median(raw))
+
+
+def launch(args: Any) -> int:
+    """Run this script under torchrun with ``args.ranks`` ranks (gloo, CPU)."""
+    import subprocess
+
+    argv = [a for a in sys.argv[1:]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
+           os.path.abspath(__file__), *argv]
+    return subprocess.call(cmd)
+
+
+def report(res: dict[str, Any], args: Any, state_bytes: int, raw_mb_s: float) -> None:
     if args.json:
         print(json.dumps(res, indent=1))
         return
-    print(f"# {res['machine']}")
+    raw = res["raw_fsync_mb_s"]
+    print(f"# {res['machine']}" + (f", {res['ranks']} ranks (torchrun, gloo)" if res["ranks"] > 1 else ""))
     print(f"state {res['state_mb']:.0f} MB; raw fsync'ed write {min(raw):.0f}-{max(raw):.0f} MB/s "
           f"(one step persists in ~{state_bytes / 1e6 / raw_mb_s:.2f} s at best); iteration "
           f"{res['none']['iter_ms']:.0f} ms with no capture (median of {args.iters})")
-    print("mode     iter ms (median)  added   stored/captured  disk MB/s  vs raw")
-    for k in ("newest", "wait", "skip"):
-        r = res[k]
+    print("mode            iter ms (median)  added   stored/captured  disk MB/s  vs raw  drain s  tier")
+    for k in ("newest", "newest_helper", "helper_all", "helper_4", "wait", "skip", "dcp_async_save"):
+        r = res.get(k)
+        if r is None:
+            continue
+        if "refused" in r:
+            print(f"{k:14s}  refused: {r['refused']}")
+            continue
         added = (r["iter_ms"] - res["none"]["iter_ms"]) / res["none"]["iter_ms"] * 100
-        print(f"{k:7s}  {r['iter_ms']:7.0f}  {added:+5.0f}%  {r['stored_steps']:6d}/{r['captured']:<8d}  "
-              f"{r['disk_mb_s']:9.0f}  {r['disk_mb_s'] / raw_mb_s:5.2f}x")
-    rw = res["rewind"]
-    print(f"rewind: ring {rw['ring_rewind_s'] * 1e3:.0f} ms ({rw['ring_rewind_s'] / rw['memcpy_s']:.2f}x one memcpy "
-          f"of {rw['memcpy_s'] * 1e3:.0f} ms), dstt.restore {rw['dstt_restore_s'] * 1e3:.0f} ms, torch.load + "
-          f"load_state_dict {rw['torch_load_s'] * 1e3:.0f} ms")
+        print(f"{k:14s}  {r['iter_ms']:7.0f}  {added:+5.0f}%  {r['stored_steps']:6d}/{r['captured']:<8d}  "
+              f"{r['disk_mb_s']:9.0f}  {r['disk_mb_s'] / raw_mb_s:5.2f}x  {r.get('drain_s', 0):6.2f}  "
+              f"{r.get('tier_where') or '-'}")
+    rw = res.get("rewind")
+    if rw:
+        print(f"rewind: ring {rw['ring_rewind_s'] * 1e3:.0f} ms ({rw['ring_rewind_s'] / rw['memcpy_s']:.2f}x one "
+              f"memcpy of {rw['memcpy_s'] * 1e3:.0f} ms), dstt.restore {rw['dstt_restore_s'] * 1e3:.0f} ms, "
+              f"torch.load + load_state_dict {rw['torch_load_s'] * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":

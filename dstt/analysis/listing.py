@@ -61,7 +61,14 @@ def list_store(run: "Run", branch: str | None = None) -> list[dict[str, Any]]:
     persisted (committed) steps; ``captured`` the spans of steps captured,
     in memory or persisted, and ``memory_only`` those never persisted, as
     ``[first, last]`` ranges (:func:`dstt.format.index.captured_spans`);
-    ``incidents`` the branch's incident records (oldest step first)."""
+    ``incidents`` the branch's incident records (oldest step first);
+    ``held``: ``[first, last, ranks, world]`` runs of steps a live capture's
+    memory tier holds now, by how many of its ranks (issue 25:
+    :func:`dstt.format.tier.held_ranges`), ``held_stale``: records of
+    helpers that stopped publishing (not counted)."""
+    import time
+
+    from dstt.format import tier as T
     from dstt.format.incidents import list_incidents
     from dstt.format.index import captured_spans
 
@@ -80,8 +87,15 @@ def list_store(run: "Run", branch: str | None = None) -> list[dict[str, Any]]:
             "captured": [list(r) for r in spans],
             "memory_only": [list(r) for r in memory],
             "incidents": [i.to_dict() for i in incidents if i.branch == b],
+            **_held(T, run.backend, b, time.time()),
         })
     return out
+
+
+def _held(T: Any, backend: Any, branch: str, now: float) -> dict[str, Any]:
+    """The ``held`` and ``held_stale`` entries of a branch (see list_store)."""
+    records = T.read_held(backend, branch)
+    return {"held": [list(r) for r in T.held_ranges(records, now)], "held_stale": len(T.stale_records(records, now))}
 
 
 def list_tensors(run: "Run", step: Any = None, branch: str | None = None,

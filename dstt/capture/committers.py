@@ -1,5 +1,5 @@
 """How a :class:`dstt.Capture` stores the steps it plans: one committer
-per mode, chosen once by :func:`make_committer` (no other place of the
+per mode, chosen once by :func:`dstt.capture.modes.make_committer` (no other place of the
 capture tests which mode it runs in).
 
 * :class:`InProcessCommitter` (``helper=False``, or no /dev/shm ring):
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from dstt.capture.pipeline import Job
 from dstt.capture.tier import MemoryTier, available_memory_bytes
 from dstt.errors import CaptureError
+from dstt.format.incidents import Incident
 from dstt.format.skips import write_skip
 
 if TYPE_CHECKING:
@@ -128,8 +129,9 @@ class Committer(ABC):
 
     def rewind_job(self, step: int) -> Job | None:
         """The staged job of ``step`` still in memory, its slot held for the
-        rewind (under the ledger's lock) until :meth:`rewind_done`; None:
-        read it from the store."""
+        rewind until :meth:`rewind_done`; None: read it from the store.
+        (Called without the ledger's lock: the memory tier in the capture
+        helper waits for its answer, read by another thread.)"""
         return None
 
     def rewind_done(self, job: Job) -> None:
@@ -156,7 +158,7 @@ class Committer(ABC):
         cap = self.cap
         old.close()
         cap._rejoin_branch()  # (its ring; make_committer starts its helper)
-        cap.committer = make_committer(cap)
+        cap.committer = cap.choose_committer()  # (capture/modes.py)
 
     def abandon_in_child(self) -> None:
         """In a forked child: let go of what belongs to the parent."""
@@ -169,6 +171,12 @@ class Committer(ABC):
     def force_all(self) -> list[int]:
         """An incident: store every step kept in memory (under the ledger's lock); their numbers."""
         return []
+
+    def incident_here(self, reason: str, step: int | None, source: str) -> Incident | None:
+        """An incident handled by this mode itself (the memory tier in the
+        capture helper: it stores its steps and records the incident); None:
+        the watcher records it (Watcher.raise_incident)."""
+        return None
 
     def latest_step(self) -> int | None:
         """The latest step queued, if this mode tracks it (under the ledger's lock)."""
@@ -413,10 +421,11 @@ class TierCommitter(Committer):
 
     def rewind_job(self, step: int) -> Job | None:
         tier = self.tier
-        self.cap.ledger.wait_cond(lambda: not tier._unstaged, "the steps queued before the rewind to be staged")
-        job = tier.ring_job(step)
-        if job is not None:
-            job.tier.refs += 1  # the rewind's: the slot stays while it is read
+        with self.cap.ledger.cond:
+            self.cap.ledger.wait_cond(lambda: not tier._unstaged, "the steps queued before the rewind to be staged")
+            job = tier.ring_job(step)
+            if job is not None:
+                job.tier.refs += 1  # the rewind's: the slot stays while it is read
         return job
 
     def rewind_done(self, job: Job) -> None:
@@ -458,19 +467,4 @@ class TierCommitter(Committer):
         self.tier.stop()  # (its threads are gone: frees the ring's slots)
 
 
-def make_committer(cap: Capture) -> Committer:
-    """The committer of ``cap``'s mode: the memory tier (``memory_steps``),
-    the capture helper (started here, where it can run: CrashSafe._start_helper;
-    the memory tier writes in this process), else commits in this process.
-    Called by the constructor, and when a rewind opens a new branch (its
-    ring and helper are per branch). The one place that tells the modes apart."""
-    if cap.config.memory_steps is not None:
-        return TierCommitter(cap)
-    cap._helper = cap._start_helper()
-    if cap._helper is not None:
-        return HelperCommitter(cap, cap._helper)
-    return InProcessCommitter(cap)
-
-
-__all__ = ["HAND_OVER_LOCK", "Committer", "HelperCommitter", "InProcessCommitter", "StagingNeeds", "TierCommitter",
-           "make_committer"]
+__all__ = ["HAND_OVER_LOCK", "Committer", "HelperCommitter", "InProcessCommitter", "StagingNeeds", "TierCommitter"]

@@ -145,9 +145,6 @@ class CaptureConfig:
     def _check_memory_tier(self) -> None:
         if self.memory_steps is not None:
             A.int_in("memory_steps", self.memory_steps, 1, MAX_MEMORY_STEPS)
-            if self.helper is True:
-                raise ConfigError("memory_steps: the memory tier writes in this process's threads; "
-                                  "helper=True cannot be combined with it")
             if self.on_full != "wait":
                 raise ConfigError("memory_steps: the memory tier never skips a step; use persist='newest' "
                                   "(never wait for the disk) instead of on_full='skip'")

@@ -321,7 +321,7 @@ class CrashSafe:
             self.writer.codec = CodecSpec(compression, self.config.zstd_level)
             self.writer.coder = None
 
-    def _start_helper(self) -> HelperHandle | None:
+    def _start_helper(self, tier: dict[str, Any] | None = None) -> HelperHandle | None:
         """The helper process (helper.py) where it can run: a ring, a local
         store (a shared flock), Linux. Started, not waited for. Under
         torch.distributed one per rank, on every rank or on none."""
@@ -353,7 +353,7 @@ class CrashSafe:
         self._hand_over = True
         return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice, dist,
                             idle=cfg.background_idle, timeout_s=cfg.background_timeout_s,
-                            on_progress=self.ledger.bump)
+                            on_progress=self.ledger.bump, tier=tier)
 
     def _writer_options(self) -> dict[str, Any]:
         """The options of a Writer storing this Capture's steps elsewhere (the helper's, fallback.py's)."""

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from dstt.capture import policy
-from dstt.capture.committers import Committer, make_committer
+from dstt.capture.committers import Committer
 from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.crashsafe import CrashSafe, after_helpers
 from dstt.capture.draining import Draining
@@ -64,6 +64,7 @@ from dstt.capture.hooks import StepFence
 from dstt.capture.hostpool import CudaCopier, HostPool
 from dstt.capture.ledger import Ledger
 from dstt.capture.lifecycle import LIVE
+from dstt.capture.modes import make_committer
 from dstt.capture.parts import Parts
 from dstt.capture.pipeline import (
     GuardTripped,
@@ -75,7 +76,7 @@ from dstt.capture.pipeline import (
 from dstt.capture.rewind import Rewinder
 from dstt.capture.stager import Stager
 from dstt.capture.watcher import Watcher
-from dstt.errors import CaptureError, ConfigError, SkippedStepWarning
+from dstt.errors import CaptureError, SkippedStepWarning
 from dstt.format.incidents import Incident
 from dstt.format.layout import validate_step
 from dstt.format.pygc import paused_gc
@@ -130,13 +131,6 @@ class Capture(Draining, Stager, CrashSafe):
         # committer thread; sharing one gloo group would interleave them.
         self._plan_coord = new_coordinator()
         self._commit_coord = new_coordinator()
-        if cfg.memory_steps is not None and self._plan_coord.distributed:
-            # Each rank would choose its own steps to store (persist="newest",
-            # its own NaN incidents) while commits are collective.
-            self._plan_coord.close()
-            self._commit_coord.close()
-            raise ConfigError("memory_steps: the flight recorder runs in a single process for now; under "
-                              "torch.distributed capture with persist='all' (no memory_steps)")
         self.writer = after_helpers(lambda: Writer(
             store, branch=cfg.branch, parent=cfg.parent,
             # the default (None): predictive where the helper codes -- settled below, once it is known;
@@ -154,6 +148,9 @@ class Capture(Draining, Stager, CrashSafe):
         self._ring = self._open_ring()  # before any thread: recovery commits on this thread
         try:
             self._helper: HelperHandle | None = None  # started by make_committer where it can run
+            #: Where the memory tier runs: "helper" (the capture helper process,
+            #: issue 25), "trainer" (this process: no helper can run), None (no tier).
+            self.tier_where: str | None = None
             # The one choice of mode (committers.py): in this process, the capture helper, the memory tier.
             self.committer: Committer = make_committer(self)
             if cfg.compression is None:  # the default: predictive where the helper codes (config.py)
@@ -368,6 +365,11 @@ class Capture(Draining, Stager, CrashSafe):
         return self.rewinder.rewind(step, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
                                     branch=branch, strict=strict)
 
+    def choose_committer(self) -> Committer:
+        """The committer of this Capture's mode, chosen again (a rewind's
+        branch: its ring and helper are its own): capture/modes.py."""
+        return make_committer(self)
+
     def incident(self, reason: str, *, step: int | None = None) -> Incident:
         """Something went wrong (a loss spike, a bad batch): store every step
         still in the memory tier -- the steps that led up to it -- and record
@@ -400,9 +402,11 @@ class Capture(Draining, Stager, CrashSafe):
         """Host memory the memory tier holds: (memory_steps + 4) step slots,
         sized at the first snapshot (None before it, and without
         ``memory_steps``). With ``host_buffer_bytes`` it never exceeds that.
+        (In the capture helper, the default: the /dev/shm pool of that many
+        steps, each with 1 MiB of room for alignment.)
 
         >>> import tempfile, torch, dstt
-        >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2) as cap:
+        >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2, helper=False) as cap:
         ...     _ = cap.snapshot(0, model=torch.nn.Linear(4, 4))
         ...     cap.memory_bytes == 6 * cap.parts.slots.slot_bytes
         True

@@ -214,6 +214,33 @@ class HelperHandle:
         """Why this process killed the helper (:meth:`kill`); None if it did not."""
         return self._killed_why
 
+    def send_command(self, text: str, step: int) -> None:
+        """Write one command line (the memory tier's: helperops.py) without
+        blocking; CaptureError naming ``step`` if the helper cannot take it."""
+        if self.lost:
+            raise self._gone(step, "is not serving")
+        try:
+            os.write(self._cmd, (text + "\n").encode())
+        except BlockingIOError:
+            self.kill("stopped reading its commands (its pipe is full) and was killed")
+            raise self._gone(step, self._killed_why or "") from None
+        except OSError as e:
+            raise self._gone(step, f"is gone ({e})") from None
+        self.sent = True
+
+    def read_answer(self) -> str | None:
+        """The next answer line, waiting for it (the memory tier's reader
+        thread: the helper's progress bounds the waits of whoever needs
+        it); None at end of file."""
+        line = self._readline(None)
+        if line == "ready":
+            self.ready = True
+        return line
+
+    def sample(self) -> None:
+        """Look at the helper's CPU time and I/O (progress: ``on_progress``)."""
+        self._sample()
+
     def kill(self, why: str) -> None:
         """Kill the helper (``why`` goes into every error about it from now
         on). Its sealed steps stay in the ring: the next Capture on the
@@ -298,17 +325,19 @@ def _helper_env() -> dict[str, str]:
 
 def start(writer_options: dict[str, Any], store_path: str, ring_dir: Path, lock_fd: int | None, nice: int,
           dist: dict[str, Any] | None = None, *, idle: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
-          on_progress: Callable[[], None] | None = None) -> HelperHandle:
+          on_progress: Callable[[], None] | None = None, tier: dict[str, Any] | None = None) -> HelperHandle:
     """Start the helper (see the module docstring); returns at once, without
     waiting for its start-up. ``dist`` (``rank``, ``world``, ``run``): the
     helper of one rank of a distributed Capture (ranks.py); only rank 0's
     shares the branch lock (``lock_fd``). ``idle``: once started, it runs
     under SCHED_IDLE (pipeline.lower_thread_priority says why).
-    ``timeout_s``, ``on_progress``: see :class:`HelperHandle`."""
+    ``timeout_s``, ``on_progress``: see :class:`HelperHandle`. ``tier``:
+    the memory tier runs in the helper (helperops.py; ``k``, ``policy``,
+    ``watch``, ``run``)."""
     cmd_r, cmd_w = os.pipe()
     ack_r, ack_w = os.pipe()
     args = {"store": store_path, "ring": str(ring_dir), "options": writer_options, "nice": nice, "idle": idle,
-            "lock_fd": lock_fd, "cmd_fd": cmd_r, "ack_fd": ack_w, "dist": dist, "trainer": os.getpid()}
+            "lock_fd": lock_fd, "cmd_fd": cmd_r, "ack_fd": ack_w, "dist": dist, "trainer": os.getpid(), "tier": tier}
     fds = (cmd_r, ack_w) if lock_fd is None else (lock_fd, cmd_r, ack_w)
     try:
         proc = subprocess.Popen(
@@ -331,12 +360,15 @@ def main(argv: list[str]) -> int:
     if args["nice"] > 0:
         os.nice(args["nice"])
     return serve(args["options"], args["store"], Path(args["ring"]), args["lock_fd"], args["cmd_fd"],
-                 args["ack_fd"], dist=args.get("dist"), trainer_pid=args.get("trainer"), idle=bool(args.get("idle")))
+                 args["ack_fd"], dist=args.get("dist"), trainer_pid=args.get("trainer"), idle=bool(args.get("idle")),
+                 tier=args.get("tier"))
 
 
 def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: int | None, cmd_fd: int,
-          ack_fd: int, dist: dict[str, Any] | None = None, trainer_pid: int | None = None, idle: bool = False) -> int:
-    """The helper's loop; its exit code."""
+          ack_fd: int, dist: dict[str, Any] | None = None, trainer_pid: int | None = None, idle: bool = False,
+          tier: dict[str, Any] | None = None) -> int:
+    """The helper's loop; its exit code. ``tier`` (``k``, ``policy``,
+    ``watch``, ``run``): the memory tier lives in this helper (helperops.py)."""
     import torch
 
     from dstt.capture import ranks
@@ -469,7 +501,20 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
                 R.unseal_file(ring_dir, step)
         return [done.get(step, prepared[step]) for step in steps]
 
+    def reply(line: str) -> None:
+        try:
+            os.write(ack_fd, (line + "\n").encode())
+        except OSError:
+            pass  # the trainer is gone: the helper finishes alone
+
     try:
+        if tier is not None:  # the memory tier lives here (helperops.py, issue 25)
+            from dstt.capture.helperops import serve_tier
+
+            if not serve_tier(tier, writer, records, ring_dir, pools, commands, reply, flush):
+                pools.clear()
+                R.remove_ring(ring_dir)  # (the trainer died: every held step stored, nothing left sealed)
+            return 0
         while True:
             batch = commands.available()  # blocks for the first; takes what else is queued
             if batch is None:
@@ -527,10 +572,13 @@ class _Commands:
         self.buf = b""
         self.eof = False
 
-    def available(self) -> list[list[str]] | None:
+    def available(self, timeout_s: float | None = None) -> list[list[str]] | None:
         """The commands queued now (each split into words), waiting for at
-        least one; None at end of file with none left."""
+        least one (at most ``timeout_s`` when given: then maybe none); None
+        at end of file with none left."""
         while b"\n" not in self.buf and not self.eof:
+            if timeout_s is not None and not select.select([self.fd], [], [], timeout_s)[0]:
+                return []
             self._read()
         while not self.eof and select.select([self.fd], [], [], 0)[0]:
             self._read()

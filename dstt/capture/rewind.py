@@ -157,8 +157,7 @@ class Rewinder:
         # copy must have read them first (what the optimizer hook ensures
         # before an optimizer step), and every queued step be in the ring.
         self.cap._before_optimizer_step()
-        with self.cap.ledger.cond:
-            job = self.cap.committer.rewind_job(step)  # (the memory tier's: its slot held while it is read)
+        job = self.cap.committer.rewind_job(step)  # (the memory tier's: its slot held while it is read)
         try:
             if job is not None:
                 rec: Any = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})

@@ -101,6 +101,11 @@ class Watcher:
         """Store what the committer keeps in memory (the memory tier's ring)
         and record the incident at ``step`` (default: the latest captured)."""
         cap = self.cap
+        handled: Incident | None = cap.committer.incident_here(reason[:MAX_REASON], step, source)
+        if handled is not None:  # (the memory tier in the capture helper records it: issue 25)
+            log.warning("dstt: incident at step %d (%s): %r; storing steps %s", handled.step, source, reason,
+                        ", ".join(map(str, handled.steps)) or "none")
+            return handled
         with cap.ledger.cond:
             at = step if step is not None else cap.committer.latest_step()
             steps = cap.committer.force_all()

@@ -142,11 +142,16 @@ def captured_text(b: dict[str, Any]) -> str:
     """What a branch captured when some steps lived in memory only, e.g.
     ``steps 100-131 captured, 100/108/116/124/131 persisted``; "" when every
     captured step was persisted (nothing more to say than the step list)."""
+    held = "; ".join(f"{a}-{z} by {n}/{w} rank{'s' if w > 1 else ''}" if a != z else f"{a} by {n}/{w}"
+                     for a, z, n, w in b.get("held", [])[:4])
+    held = f"; held in memory now: {held}" if held else ""
+    if b.get("held_stale"):
+        held += f" ({b['held_stale']} stale record(s) of stopped helpers not counted)"
     if not b.get("memory_only"):
-        return ""
+        return f"held in memory now: {held[len('; held in memory now: '):]}" if held else ""
     persisted = [s["step"] for s in b["steps"]]
     return (f"steps {ranges_text(b['captured'])} captured, {steps_text(persisted)} persisted "
-            f"(memory-only: {ranges_text(b['memory_only'], limit=4)})")
+            f"(memory-only: {ranges_text(b['memory_only'], limit=4)}){held}")
 
 
 def incidents_table(title: str, incidents: list[dict[str, Any]]) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import time as _time
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ INCIDENT_VERSION = 1
 INCIDENTS_DIR = L.INCIDENTS_DIR
 incidents_prefix = L.incidents_prefix
 #: Sources an incident can have.
-SOURCES = ("trainer", "non-finite", "rewind")
+SOURCES = ("trainer", "non-finite", "rewind", "crash")
 #: Longest reason kept (characters; a longer one is cut, with "..." at the end).
 MAX_REASON_CHARS = 1000
 #: Ring steps and tensor names one record holds at most (a ring holds far
@@ -67,9 +68,12 @@ MAX_TENSOR_NAME_CHARS = 4096
 MAX_TIME_S = 1e11
 #: A record is small; anything bigger is not one.
 MAX_INCIDENT_BYTES = 1 << 20
+#: Ranks a record may name.
+MAX_WORLD = 1 << 20
 #: Records listed per branch at most (a hostile store cannot make a listing
 #: read millions of files).
 MAX_INCIDENTS = 100_000
+_IDENT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,17 @@ class Incident:
     time: float
     steps: tuple[int, ...]
     tensors: tuple[str, ...] = ()
+    #: Under torch.distributed (issue 25): the rank it was raised on and the
+    #: world size (every rank's helper dumped its shards; one record).
+    rank: int | None = None
+    world: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"branch": self.branch, "step": self.step, "reason": self.reason, "source": self.source,
-                "time": self.time, "steps": list(self.steps), "tensors": list(self.tensors)}
+        out = {"branch": self.branch, "step": self.step, "reason": self.reason, "source": self.source,
+               "time": self.time, "steps": list(self.steps), "tensors": list(self.tensors)}
+        if self.world is not None:
+            out["rank"], out["world"] = self.rank, self.world
+        return out
 
 
 def _cut(text: str, limit: int) -> str:
@@ -109,10 +120,15 @@ def incident_document(incident: Incident) -> bytes:
     steps = sorted({L.validate_step(s, "incident step") for s in incident.steps})[:MAX_STEPS]
     tensors = [_cut(str(t), MAX_TENSOR_NAME_CHARS) for t in incident.tensors[:MAX_TENSORS]]
     t = float(incident.time)
+    ranks: dict[str, int] = {}
+    if incident.world is not None:
+        if not (isinstance(incident.rank, int) and 0 <= incident.rank < incident.world <= MAX_WORLD):
+            raise ConfigError(f"incident rank {incident.rank!r} of world {incident.world!r}")
+        ranks = {"rank": incident.rank, "world": incident.world}
     return encode_json({
         "format": INCIDENT_FORMAT, "format_version": INCIDENT_VERSION, "branch": incident.branch,
         "step": incident.step, "reason": _cut(incident.reason, MAX_REASON_CHARS), "source": incident.source,
-        "time": t if 0 <= t <= MAX_TIME_S else 0.0, "steps": steps, "tensors": tensors,
+        "time": t if 0 <= t <= MAX_TIME_S else 0.0, "steps": steps, "tensors": tensors, **ranks,
     })
 
 
@@ -160,22 +176,33 @@ def parse_incident(data: bytes, where: str, branch: str | None = None) -> Incide
     _need(isinstance(tensors, list) and len(tensors) <= MAX_TENSORS
           and all(isinstance(n, str) and len(n) <= MAX_TENSOR_NAME_CHARS for n in tensors), where,
           f"tensors must be a list of at most {MAX_TENSORS} names")
-    return Incident(b, step, reason, source, float(t), tuple(steps), tuple(tensors))
+    rank, world = doc.get("rank"), doc.get("world")
+    _need((rank is None and world is None)
+          or (_is_int(rank) and _is_int(world) and 0 <= rank < world <= MAX_WORLD), where,
+          "rank and world must be integers, 0 <= rank < world")
+    return Incident(b, step, reason, source, float(t), tuple(steps), tuple(tensors), rank, world)
 
 
-def incident_key(incident: Incident) -> str:
+def incident_key(incident: Incident, ident: str | None = None) -> str:
     """A key of its own for a new record: the step first (listings sort by
     it), then the wall clock, the process and a random part, so records
-    written at once by any number of processes never share a key."""
+    written at once by any number of processes never share a key. With
+    ``ident`` (an incident every rank acts on, issue 25) the key is
+    ``<step>-<ident>.json``: a retry, or another rank's helper recording
+    the same incident, rewrites the one record."""
+    if ident is not None:
+        if not _IDENT_RE.fullmatch(ident):
+            raise ConfigError(f"invalid incident id {ident!r}")
+        return f"{incidents_prefix(incident.branch)}{incident.step:0{L.STEP_DIGITS}d}-{ident}.json"
     return (f"{incidents_prefix(incident.branch)}{incident.step:0{L.STEP_DIGITS}d}-{_time.time_ns()}"
             f"-{os.getpid()}-{secrets.token_hex(4)}.json")
 
 
-def record_incident(backend: Backend, incident: Incident) -> str:
+def record_incident(backend: Backend, incident: Incident, ident: str | None = None) -> str:
     """Write ``incident`` durably (its record is complete or absent, never
-    partial) and return its key."""
+    partial) and return its key (``ident``: see :func:`incident_key`)."""
     data = incident_document(incident)
-    key = incident_key(incident)
+    key = incident_key(incident, ident)
     backend.put_atomic(key, data)  # durable when it returns (temp file, fsync, rename, fsync dir)
     return key
 

@@ -124,6 +124,7 @@ def test_capture_options_are_refused_up_front(store: Path, name: str, value: Any
     opts = {name: value}
     if name in ("persist", "watch_nonfinite") and value is not True:
         opts["memory_steps"] = 2
+        opts["helper"] = False
     with pytest.raises(exc):
         dstt.CaptureConfig(**opts) if name != "no_such_option" else dstt.Capture(store, **opts)
     with pytest.raises(exc) as info:

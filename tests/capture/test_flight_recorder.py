@@ -109,7 +109,7 @@ def test_persist_all_keeps_every_step_bit_exact(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
     ref = {}
-    with dstt.Capture(path, memory_steps=3, persist="all") as cap:
+    with dstt.Capture(path, helper=False, memory_steps=3, persist="all") as cap:
         _steps(cap, m, opt, range(10), ref)
     assert _stored(path) == list(range(10))
     _check_bit_exact(path, ref)
@@ -120,7 +120,7 @@ def test_newest_never_waits_for_the_writer_and_records_memory_only_steps(tmp_pat
     path = str(tmp_path / "run")
     m, opt = _model()
     ref = {}
-    cap = dstt.Capture(path, memory_steps=4, persist="newest")
+    cap = dstt.Capture(path, helper=False, memory_steps=4, persist="newest")
     gate = Gate(cap)
     _close_on_failure(cap, gate)
     # The writer is blocked for the whole loop: with persist="newest" the
@@ -150,7 +150,7 @@ def test_persist_every_n_and_the_last_step_at_close(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
     ref = {}
-    with dstt.Capture(path, memory_steps=2, persist=3) as cap:
+    with dstt.Capture(path, helper=False, memory_steps=2, persist=3) as cap:
         _steps(cap, m, opt, range(10, 20), ref)
     assert _stored(path) == [10, 13, 16, 19]
     _check_bit_exact(path, ref)
@@ -162,7 +162,7 @@ def test_incident_persists_exactly_the_ring(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
     ref = {}
-    cap = dstt.Capture(path, memory_steps=4, persist="newest")
+    cap = dstt.Capture(path, helper=False, memory_steps=4, persist="newest")
     gate = Gate(cap)
     _close_on_failure(cap, gate)
     _steps(cap, m, opt, range(1), ref)
@@ -189,7 +189,7 @@ def test_backfilled_steps_keep_the_branch_head(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
     ref = {}
-    with dstt.Capture(path, memory_steps=8, persist=4) as cap:
+    with dstt.Capture(path, helper=False, memory_steps=8, persist=4) as cap:
         _steps(cap, m, opt, range(8), ref)
         cap.wait()  # 0 and 4 stored, the rest in memory
         assert _stored(path) == [0, 4]
@@ -208,7 +208,7 @@ def test_backfilled_steps_keep_the_branch_head(tmp_path):
 def test_nonfinite_values_raise_an_incident(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
-    with dstt.Capture(path, memory_steps=3, persist=5) as cap:
+    with dstt.Capture(path, helper=False, memory_steps=3, persist=5) as cap:
         for s in range(8):
             _train(m, opt)
             if s == 6:
@@ -237,7 +237,7 @@ def test_update_statistics_from_the_previous_step_in_memory(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
     ref = {}
-    with dstt.Capture(path, memory_steps=2, persist="all") as cap:
+    with dstt.Capture(path, helper=False, memory_steps=2, persist="all") as cap:
         _steps(cap, m, opt, range(4), ref)
     run = dstt.open(path)
     cols = list(STATS_COLUMNS)
@@ -255,7 +255,7 @@ def test_rewind_from_the_ring_is_bit_exact_and_forks_a_branch(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
     ref, opt_ref = {}, {}
-    with dstt.Capture(path, memory_steps=4, persist="newest") as cap:
+    with dstt.Capture(path, helper=False, memory_steps=4, persist="newest") as cap:
         for s in range(10):
             _train(m, opt)
             cap.snapshot(s, model=m, optimizer=opt, extra={"batch": s * 32})
@@ -285,7 +285,7 @@ def test_rewind_from_the_store_and_bad_rewinds_change_nothing(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
     ref = {}
-    with dstt.Capture(path, memory_steps=2, persist="all") as cap:
+    with dstt.Capture(path, helper=False, memory_steps=2, persist="all") as cap:
         _steps(cap, m, opt, range(6), ref)
         before = _weights(m)
         with pytest.raises(StepNotFoundError):
@@ -330,15 +330,15 @@ def test_memory_bound_is_stated_and_enforced(tmp_path):
     cap.close()
     with pytest.raises(ConfigError, match="needs memory_steps"):
         dstt.Capture(str(tmp_path / "r2"), persist="newest")
-    with pytest.raises(ConfigError, match="helper=True"):
-        dstt.Capture(str(tmp_path / "r3"), memory_steps=2, helper=True)
+    with dstt.Capture(str(tmp_path / "r3"), memory_steps=2, helper=True) as cap3:  # (issue 25: no longer refused)
+        assert cap3.tier_where == "helper"
     with pytest.raises(ConfigError, match="persist"):
         dstt.Capture(str(tmp_path / "r4"), memory_steps=2, persist="some")
 
 
 def test_ring_holds_at_most_k_steps(tmp_path):
     m, opt = _model()
-    with dstt.Capture(str(tmp_path / "run"), memory_steps=3, persist="newest") as cap:
+    with dstt.Capture(str(tmp_path / "run"), helper=False, memory_steps=3, persist="newest") as cap:
         for s in range(15):
             _steps(cap, m, opt, range(s, s + 1))
             cap.wait_staged()
@@ -364,7 +364,7 @@ def test_sigkill_after_an_incident_loses_no_sealed_ring_step(tmp_path):
         proc.communicate()
     ref = torch.load(ref_path)
     m, opt = _model()
-    with dstt.Capture(path, memory_steps=4) as cap:  # the next Capture commits what the ring sealed
+    with dstt.Capture(path, helper=False, memory_steps=4) as cap:  # the next Capture commits what the ring sealed
         assert set(ring_steps).issubset(cap.recovered)
         _train(m, opt)
         cap.snapshot(10, model=m, optimizer=opt)  # the branch is writable again
@@ -377,7 +377,7 @@ def test_sigkill_after_an_incident_loses_no_sealed_ring_step(tmp_path):
 def test_steps_stored_by_an_incident_get_update_statistics(tmp_path):
     path = str(tmp_path / "run")
     m, opt = _model()
-    with dstt.Capture(path, memory_steps=4, persist=4) as cap:
+    with dstt.Capture(path, helper=False, memory_steps=4, persist=4) as cap:
         _steps(cap, m, opt, range(8))
         cap.wait_staged()
         cap.incident("check")  # 5, 6, 7 were passed over; 4 was stored
@@ -409,7 +409,7 @@ def test_rewind_right_after_snapshot_waits_for_the_lazy_copies(tmp_path, monkeyp
     path = str(tmp_path / "run")
     m, opt = _model()
     ref = {}
-    with dstt.Capture(path, memory_steps=4, persist="all") as cap:
+    with dstt.Capture(path, helper=False, memory_steps=4, persist="all") as cap:
         _steps(cap, m, opt, range(4), ref)
         cap.rewind(1, model=m, optimizer=opt)  # step 3's copy is still queued behind a slow stager
     _check_bit_exact(path, ref)

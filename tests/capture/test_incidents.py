@@ -292,7 +292,7 @@ def add_update_stats(store: Path, step: int, cur: dict[str, torch.Tensor], prev:
 
 def flight_store(store: Path) -> dict[int, dict[str, torch.Tensor]]:
     """Steps 100..131 captured, 100/108/116/124/131 persisted (the rest
-    memory-only, as Capture(memory_steps=K, persist=8) records them); small
+    memory-only, as Capture(helper=False, memory_steps=K, persist=8) records them); small
     steady updates, and a 50x larger update of model/w at 124; an incident at
     124 (the trainer's) and one at 131 (non-finite)."""
     g = torch.Generator().manual_seed(1)

@@ -59,7 +59,7 @@ def test_a_starved_watcher_thread_skips_no_step(tmp_path: Path, monkeypatch, nan
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref: dict[int, dict[str, torch.Tensor]] = {}
-    cap = dstt.Capture(store, memory_steps=k, persist="newest")
+    cap = dstt.Capture(store, helper=False, memory_steps=k, persist="newest")
     try:
         for step in range(16):
             model(torch.randn(8, 16)).pow(2).mean().backward()
@@ -117,7 +117,7 @@ def test_every_kind_of_staged_copy_is_checked(tmp_path: Path, where: str) -> Non
     extra = {"h": torch.ones(64, dtype=torch.float16), "b": torch.ones(64, dtype=torch.bfloat16)}
     target = {"big weight": "0.weight", "small bias": "2.bias", "buffer": "1.running_var",
               "float16 extra": "extra/h", "bfloat16 extra": "extra/b"}[where]
-    with dstt.Capture(tmp_path / "run", memory_steps=2, persist="newest") as cap:
+    with dstt.Capture(tmp_path / "run", helper=False, memory_steps=2, persist="newest") as cap:
         for step in range(6):
             model(torch.randn(8, 256)).pow(2).mean().backward()
             opt.step()

@@ -93,7 +93,7 @@ def capture_kwargs(mode: str) -> dict[str, Any]:
         return {"helper": True}
     if mode == "threads":
         return {"helper": False}
-    return {"memory_steps": 2, "persist": "all"}
+    return {"memory_steps": 2, "persist": "all", "helper": False}  # (the in-process tier: its ring faults)
 
 
 # ----------------------------------------------------------------------------- item 3: the helper dies

@@ -21,7 +21,7 @@ def main() -> None:
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    cap = dstt.Capture(store, memory_steps=4, persist="newest")
+    cap = dstt.Capture(store, helper=False, memory_steps=4, persist="newest")
     stall = threading.Event()
     inner = cap.writer.flush_chunk
 

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ref: dict[int, dict[str, torch.Tensor]] = {}
-    with dstt.Capture(a.store, memory_steps=a.k, persist="newest") as cap:
+    with dstt.Capture(a.store, helper=False, memory_steps=a.k, persist="newest") as cap:
         for step in range(a.steps):
             model(torch.randn(64, 256)).pow(2).mean().backward()
             opt.step()

@@ -82,7 +82,7 @@ def main() -> None:
     mode = spec["mode"]
     kw: dict[str, Any] = {"helper": mode == "helper"}
     if mode == "tier":
-        kw = {"memory_steps": spec.get("k", 3), "persist": "newest"}
+        kw = {"memory_steps": spec.get("k", 3), "persist": "newest", "helper": False}
     cap = dstt.Capture(store, **kw)
     faults = Faults(set(spec.get("faults", [])))
     if cap.parts.ring is not None:

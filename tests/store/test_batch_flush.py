@@ -265,7 +265,7 @@ def test_capture_memory_tier_batches_with_update_stats(store: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    with dstt.Capture(store, memory_steps=2, persist="all") as cap:
+    with dstt.Capture(store, helper=False, memory_steps=2, persist="all") as cap:
         cap.snapshot(0, model=model, rng=False)
         with torch.no_grad():
             for v in model.parameters():

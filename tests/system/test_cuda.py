@@ -136,7 +136,7 @@ def test_delta_coding_of_gpu_state_round_trips(tmp_path: Path) -> None:
 def test_flight_recorder_rewinds_gpu_state_from_memory(tmp_path: Path) -> None:
     model, opt = cuda_model()
     refs = {}
-    with deadline(180), dstt.Capture(tmp_path / "run", memory_steps=4) as cap:
+    with deadline(180), dstt.Capture(tmp_path / "run", helper=False, memory_steps=4) as cap:
         for step in range(8):
             step_on_gpu(model, opt)
             refs[step] = clone_state(dstt.state_of(model=model, optimizer=opt, rng=False))

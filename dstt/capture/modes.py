@@ -1,0 +1,56 @@
+"""The one choice of a Capture's mode (issue 24's committers, issue 25's
+memory tier in the capture helper): which committer stores its steps.
+
+* ``memory_steps``: the memory tier -- in the capture helper process where
+  it can run (:class:`~dstt.capture.tiercommitter.HelperTierCommitter`:
+  the trainer only copies and seals), else in this process
+  (:class:`~dstt.capture.committers.TierCommitter`), said with a
+  ``MemoryTierWarning`` unless ``helper=False`` asked for it; under
+  torch.distributed only in the helpers (the ranks agree through them);
+* else the capture helper where it can run, else this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import warnings
+from typing import Any
+
+from dstt.capture.committers import Committer, HelperCommitter, InProcessCommitter, TierCommitter
+from dstt.capture.tiercommitter import HelperTierCommitter
+from dstt.errors import ConfigError, MemoryTierWarning
+
+log = logging.getLogger("dstt.capture")
+
+
+def make_committer(cap: Any) -> Committer:
+    """The committer of ``cap``'s mode (see the module docstring). Called by
+    the constructor, and when a rewind opens a new branch (its ring and
+    helper are per branch). The one place that tells the modes apart."""
+    cfg = cap.config
+    if cfg.memory_steps is not None:
+        tier = {"k": cfg.memory_steps, "policy": cfg.persist_policy, "watch": cfg.watch_nonfinite,
+                "run": cap._run_id or uuid.uuid4().hex}
+        helper = None if cfg.helper is False else cap._start_helper(tier=tier)
+        if helper is not None:
+            cap._helper = helper
+            cap.tier_where = "helper"
+            return HelperTierCommitter(cap, helper)
+        if cap._plan_coord.distributed:
+            raise ConfigError("memory_steps under torch.distributed needs the capture helper on every rank "
+                              "(/dev/shm and a local store): the ranks' memory tiers agree through their helpers")
+        if cfg.helper is None:  # (helper=False asked for it: said in the log only)
+            warnings.warn("dstt: the memory tier runs in the trainer's process (no capture helper can run here: "
+                          "it needs /dev/shm and a local store given by its path): its writer and NaN/Inf watcher "
+                          "share the training loop's CPU and GIL", MemoryTierWarning, stacklevel=4)
+        log.info("dstt: the memory tier runs in the trainer's process (helper=%s)", cfg.helper)
+        cap.tier_where = "trainer"
+        return TierCommitter(cap)
+    cap._helper = cap._start_helper()
+    if cap._helper is not None:
+        return HelperCommitter(cap, cap._helper)
+    return InProcessCommitter(cap)
+
+
+__all__ = ["make_committer"]

@@ -1,0 +1,334 @@
+"""The memory tier in the capture helper, the trainer's side (issue 25).
+
+The trainer plans, copies each step into its /dev/shm ring pool (sized
+for ``memory_steps + 4`` steps), seals it and hands it over (``tier
+<step>``): nothing else. The helper (helperops.py, helpertier.py) keeps
+the last K steps, decides, checks, writes and commits; its answers are
+read by one thread of this process, blocked on the pipe between them:
+
+* ``ok <step> <commit>`` / ``err <step> <why>`` / ``mem <step>``: the
+  step's outcome -- the committer thread, which takes the steps in order,
+  settles it in the ledger (``wait()`` returns once every step chosen for
+  storing is stored);
+* ``free <step>``: the step left the helper's tier; its pool blocks go
+  back (its seal removed first, by the helper);
+* ``incident ...`` / ``held ...``: answers to :meth:`incident_here` and a
+  rewind's hold, handed to the trainer's call waiting for them.
+
+Every wait is bounded (the ledger's: ``background_timeout_s`` without
+progress, the helper's CPU time and I/O counting as progress); a helper
+that makes none is killed, and its trainer fails loudly at the next dstt
+call; its ring stays for the next Capture or ``dstt gc``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from dstt.capture.committers import HAND_OVER_LOCK, HelperCommitter, StagingNeeds
+from dstt.capture.pipeline import Job
+from dstt.errors import CaptureError
+from dstt.format.incidents import Incident
+
+if TYPE_CHECKING:
+    from dstt.capture.helper import HelperHandle
+    from dstt.format.commit import CommitInfo
+    from dstt.store.writer import Writer
+
+log = logging.getLogger("dstt.capture")
+
+#: Step slots of the ring pool beyond K (as the in-process tier: the step
+#: being staged, one being written, its predecessor, one being checked).
+EXTRA_STEPS = 4
+#: Per step, room beyond its bytes for the pool's block alignment.
+STEP_SLACK_BYTES = 1 << 20
+
+
+class HelperTierCommitter(HelperCommitter):
+    """``memory_steps`` with the capture helper (see the module docstring)."""
+
+    needs = StagingNeeds(flush_now=False, keep_groups=False, keep_spans=False)
+    track_plan = False
+
+    def __init__(self, cap: Any, helper: HelperHandle) -> None:
+        super().__init__(cap, helper)
+        self.k = int(cap.config.memory_steps or 1)
+        self._outcome: dict[int, tuple[str, str]] = {}  # step -> (ok|err|mem, rest): read, not yet taken
+        self._settled: set[int] = set()  # steps the committer settled (a later "ok": a forced one)
+        self._jobs: dict[int, Job] = {}  # handed over, not yet freed
+        self._memory_only: list[int] = []  # answered "mem", not yet in a commit
+        self._latest: int | None = None
+        self._replies: queue.Queue[tuple[str, int, str]] = queue.Queue()
+        self._ended: str | None = None  # why no more answers come
+        self._reader = threading.Thread(target=self._read_loop, name="dstt-tier-answers", daemon=True)
+
+    def start(self) -> None:
+        """The answers' reader (also started by the first :meth:`place`: a
+        committer chosen again for a rewind's branch is not ``start``-ed)."""
+        with self.cap.ledger.cond:
+            if self._reader.ident is None:
+                self._reader.start()
+
+    # ------------------------------------------------------------ trainer
+
+    def place(self, job: Job, sizes: list[int], cuda: bool, held_bytes: int) -> None:
+        cap = self.cap
+        self.start()
+        cap._refuse_without_helper(self.helper, job.plan.step)
+        if self._ended is not None:
+            raise CaptureError(f"step {job.plan.step} not captured: the capture helper's memory tier ended "
+                               f"({self._ended}); sealed steps stay for the next Capture or `dstt gc`")
+        step_bytes = held_bytes + STEP_SLACK_BYTES
+        want = -(-step_bytes * (self.k + EXTRA_STEPS) // (1 << 20)) * (1 << 20)
+        pool = cap.pool
+        if pool is None or pool.capacity < want or (cuda and not pool.wants_pin):
+            if pool is not None:
+                cap.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
+            cap.pool = cap._new_pool(want, cuda)
+        job.pool = cap.pool
+        job.hold = True
+        with cap.ledger.cond:
+            self._latest = job.plan.step
+
+    def staged(self, job: Job) -> None:
+        """Sealed, then handed to the helper's tier at once (stager thread)."""
+        cap = self.cap
+        super(HelperCommitter, self).staged(job)  # (the seal: Committer.staged)
+        if job.error is not None or not job.sealed:
+            return  # (the committer fails it: the tier takes sealed steps only)
+        with HAND_OVER_LOCK:
+            try:
+                self.helper.send_command(f"tier {job.plan.step}", job.plan.step)
+            except CaptureError as e:
+                job.error = job.error or e
+                return
+            with cap.ledger.cond:
+                self._jobs[job.plan.step] = job
+                job.sent = True
+
+    # ------------------------------------------------------------ committer thread
+
+    def finish(self, job: Job) -> None:
+        cap = self.cap
+        step = job.plan.step
+        try:
+            cap.ledger.wait_event(job.submitted, lambda: f"step {step} to be staged and sealed")
+            if job.error is not None:
+                raise job.error
+            if not job.sent:
+                raise CaptureError(f"step {step} not captured into the memory tier: it could not be sealed in the "
+                                   f"staging ring ({job.seal_error}); the capture helper takes sealed steps only")
+            kind, rest = self._wait_outcome(step)
+            if kind == "ok":
+                info = _commit_info(rest)
+                job.info = info
+                if info is not None:
+                    cap.ledger.committed(info)
+            elif kind == "err":
+                raise CaptureError(rest)
+        except BaseException as e:
+            with cap.ledger.cond:
+                reported, job.reported = job.reported, True
+            if not reported:
+                cap.ledger.fail(step, e)
+        finally:
+            with cap.ledger.cond:
+                self._settled.add(step)
+                handed = job.sent
+            if not handed:
+                cap._settle(job)  # never handed over: its blocks back now (else at "free")
+            cap.ledger.settled(step)
+
+    def commit(self, job: Job) -> CommitInfo:
+        raise AssertionError("the helper's memory tier answers each step (HelperTierCommitter.finish)")
+
+    def _wait_outcome(self, step: int) -> tuple[str, str]:
+        cap, helper = self.cap, self.helper
+
+        def arrived(t: float) -> bool:
+            helper.sample()  # (the helper working counts as progress)
+            with cap.ledger.cond:
+                return bool(cap.ledger.cond.wait_for(lambda: step in self._outcome or self._ended is not None,
+                                                     min(t, 0.2)))
+
+        try:
+            cap.ledger.wait(arrived, lambda: f"the capture helper's answer for step {step} (memory tier)")
+        except CaptureError:
+            self.helper.kill(f"made no progress on step {step} of its memory tier for "
+                             f"{cap.config.background_timeout_s:g} s and was killed")
+            raise
+        with cap.ledger.cond:
+            if step in self._outcome:
+                return self._outcome.pop(step)
+        raise CaptureError(f"step {step} not committed: the capture helper (pid {helper.pid}) {self._ended}; "
+                           "sealed steps stay for the next Capture on this branch or `dstt gc`")
+
+    # ------------------------------------------------------------ the answers
+
+    def _read_loop(self) -> None:
+        cap, helper = self.cap, self.helper
+        while True:
+            try:
+                line = helper.read_answer()
+            except OSError as e:  # (its end closed by close())
+                line, why = None, f"closed its answers ({e})"
+            else:
+                why = helper.lost_why or "exited"
+            if line is None:
+                with cap.ledger.cond:
+                    self._ended = why
+                    cap.ledger.cond.notify_all()
+                self._replies.put(("end", -1, why))
+                cap.ledger.bump()
+                return
+            kind, _, rest = line.partition(" ")
+            word, _, rest = rest.partition(" ")
+            if kind == "ready" or not word.lstrip("-").isdigit():
+                continue
+            step = int(word)
+            freed: Job | None = None
+            with cap.ledger.cond:
+                if kind in ("ok", "err", "mem"):
+                    job = self._jobs.get(step)
+                    if job is not None and kind != "mem":
+                        job.tier.decision = "done" if kind == "ok" else "failed"
+                        job.tier.done.set()  # (stored, or failed: a rewind's fork step waits for this)
+                    if kind == "mem":
+                        self._memory_only.append(step)
+                    elif kind == "ok":
+                        self._memory_only = [s for s in self._memory_only if s > step]
+                    if step in self._settled:  # stored after all (an incident, close): counted now
+                        info = _commit_info(rest) if kind == "ok" else None
+                        if info is not None:
+                            cap.ledger.recent.append(info)
+                            cap.ledger.n_committed += 1
+                            cap.ledger.bytes_written += info.bytes_written
+                            if cap.ledger.last_commit is None or info.step >= cap.ledger.last_commit.step:
+                                cap.ledger.last_commit = info
+                    else:
+                        self._outcome[step] = (kind, rest)
+                elif kind == "free":
+                    freed = self._jobs.pop(step, None)
+                else:
+                    self._replies.put((kind, step, rest))
+                cap.ledger.cond.notify_all()
+            if freed is not None:
+                cap._settle(freed)
+            cap.ledger.bump()
+
+    def _reply(self, kind: str, what: str) -> tuple[int, str]:
+        """The next ``kind`` answer (bounded by the helper's progress)."""
+        got: list[tuple[str, int, str]] = []
+
+        def arrived(t: float) -> bool:
+            self.helper.sample()
+            try:
+                got.append(self._replies.get(timeout=min(t, 0.2)))
+            except queue.Empty:
+                return False
+            return True
+
+        while True:
+            self.cap.ledger.wait(arrived, what)
+            k, step, rest = got.pop()
+            if k == "end":
+                raise CaptureError(f"{what}: the capture helper (pid {self.helper.pid}) {rest}")
+            if k == kind:
+                return step, rest
+
+    # ------------------------------------------------------------ incidents and rewind
+
+    def incident_here(self, reason: str, step: int | None, source: str) -> Incident | None:
+        """The helper's tier stores its steps and records the incident
+        (rank 0's helper under torch.distributed, for every rank)."""
+        at = "-" if step is None else str(step)
+        self.helper.send_command(f"incident {at} {reason.encode().hex()} {source}", step or 0)
+        got, rest = self._reply("incident", "the capture helper's incident record")
+        doc = json.loads(rest)
+        return Incident(str(doc.get("branch", self.cap.writer.branch.name)), int(doc.get("step", got)),
+                        str(doc.get("reason", reason)), str(doc.get("source", source)),
+                        float(doc.get("time", time.time())), tuple(doc.get("steps", ())),
+                        tuple(doc.get("tensors", ())), doc.get("rank"), doc.get("world"))
+
+    def rewind_job(self, step: int) -> Job | None:
+        cap = self.cap
+        self.helper.send_command(f"hold {step}", step)
+        _, rest = self._reply("held", f"the capture helper's answer to holding step {step}")
+        held = rest.strip() == "yes"
+        if cap._plan_coord.distributed:  # collective: from memory only where every rank holds it
+            held = all(cap._plan_coord.all_gather(held))
+        with cap.ledger.cond:
+            job = self._jobs.get(step) if held else None
+        if job is None and rest.strip() == "yes":
+            self.helper.send_command(f"unhold {step}", step)
+        return job
+
+    def rewind_done(self, job: Job) -> None:
+        self.helper.send_command(f"unhold {job.plan.step}", job.plan.step)
+
+    def rewind_incident(self, step: int) -> None:
+        self.incident_here(f"rewind to step {step}", step, "rewind")
+
+    # ------------------------------------------------------------ what it keeps
+
+    def latest_step(self) -> int | None:
+        return self._latest
+
+    def passed_over(self, writer: Writer) -> list[int]:
+        return list(self._memory_only) if writer is self.cap.writer else []
+
+    def memory_bytes(self) -> int | None:
+        pool = self.cap.pool
+        return None if pool is None else pool.capacity
+
+    def threads(self) -> dict[str, threading.Thread]:
+        return {"memory-tier answers": self._reader}
+
+    # ------------------------------------------------------------ close
+
+    def release(self) -> None:
+        """``close`` to the helper: it stores the last step, writes what is
+        decided, frees every slot and exits; its answers are read to the end
+        (bounded by its progress), then its process is waited for."""
+        helper = self.helper
+        if not helper.lost and self._ended is None:
+            try:
+                helper.send_command("close", self._latest or 0)
+                def ended(t: float) -> bool:
+                    helper.sample()
+                    return _joined(self._reader, min(t, 0.2))
+
+                self.cap.ledger.wait(ended, "the capture helper to store the memory tier's last steps")
+            except CaptureError as e:
+                helper.kill(f"did not finish its memory tier at close ({e})")
+        helper.close()
+        if self._reader.is_alive():
+            self._reader.join(5)
+        with self.cap.ledger.cond:
+            left = list(self._jobs.values())
+            self._jobs.clear()
+        for job in left:  # (the helper is gone: their seals stay for the next Capture)
+            self.cap._settle(job, keep=True)
+
+    def stop_threads(self) -> dict[str, threading.Thread]:
+        return {}
+
+
+def _joined(thread: threading.Thread, timeout: float) -> bool:
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+def _commit_info(rest: str) -> CommitInfo | None:
+    from dstt.format.commit import CommitInfo
+
+    doc = json.loads(rest) if rest.strip() else {}
+    return CommitInfo(**doc) if doc else None  # (empty: a rank other than 0 recorded it; rank 0 commits)
+
+
+__all__ = ["EXTRA_STEPS", "HelperTierCommitter"]
