@@ -1,0 +1,115 @@
+"""``find``'s checks of values (a loss, a learning rate, a grad norm you
+stored in ``extra``; the optimizer's hyperparameters; scheduler state), one
+step at a time, from each step's value tree (torch-free).
+
+Per value path, against the same path's earlier steps on the lineage:
+
+* ``nonfinite``: the value is NaN or Inf;
+* ``value_jump``: it changed by more than ``jump``x (up or down) per usual
+  step spacing since its previous captured step -- across a gap k times the
+  run's usual spacing the change must be ``jump**k`` (a learning rate
+  x100 at step 120 is one; a warmup from 0 is not judged, nor values whose
+  previous one is 0). Values judged on rises only (:func:`rising_only`: a
+  loss, a norm) are not judged this way: a loss falling is training working;
+* ``spike``: a rising-only value is above ``spike``x the median of its
+  previous :data:`SPIKE_WINDOW` values *and* that median by more than
+  :data:`SPIKE_MADS` median absolute deviations (noise at a small loss is
+  not a spike); judged once :data:`SPIKE_MIN` earlier values are known.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Callable, Iterable
+
+from dstt.analysis.scope import default_value, rising_only
+from dstt.analysis.select import match_names
+
+#: Earlier values a rising-only value is compared with (their median).
+SPIKE_WINDOW = 16
+#: Earlier values needed before a spike is judged.
+SPIKE_MIN = 3
+#: A spike also exceeds the median by this many (scaled) median absolute deviations.
+SPIKE_MADS = 6.0
+
+
+class ValueChecks:
+    """The running state of the value checks over one lineage."""
+
+    def __init__(self, patterns: list[str] | None, *, nonfinite: bool, jump: float | None,
+                 spike: float | None, spacing: int) -> None:
+        self.patterns = patterns or None
+        self.nonfinite, self.jump, self.spike, self.spacing = nonfinite, jump, spike, max(spacing, 1)
+        self.prev: dict[str, tuple[float, int]] = {}
+        self.windows: dict[str, deque[float]] = {}
+        self.seen: set[str] = set()
+        self._pick: Callable[[dict[str, Any]], list[str]] = self._scoped if self.patterns is None else self._named
+
+    def _scoped(self, flat: dict[str, Any]) -> list[str]:
+        return [p for p, v in flat.items() if default_value(p, v)]
+
+    def _named(self, flat: dict[str, Any]) -> list[str]:
+        return [p for p in match_names(list(flat), self.patterns)
+                if isinstance(flat[p], (int, float)) and not isinstance(flat[p], bool)]
+
+    def step(self, branch: str, step: int, flat: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events of one step's values (then remembers them)."""
+        out: list[dict[str, Any]] = []
+        for path in self._pick(flat):
+            self.seen.add(path)
+            v = float(flat[path])
+            out.extend(self._judge(branch, step, path, v))
+            if math.isfinite(v):
+                self.prev[path] = (v, step)
+                self.windows.setdefault(path, deque(maxlen=SPIKE_WINDOW)).append(v)
+        return out
+
+    def _judge(self, b: str, s: int, path: str, v: float) -> list[dict[str, Any]]:
+        def ev(reason: str, previous: float | None, gap: int | None = None) -> dict[str, Any]:
+            return {"branch": b, "step": s, "tensor": path, "kind": "value", "reason": reason, "stat": "value",
+                    "value": v, "previous": previous, "gap": gap}
+
+        if not math.isfinite(v):
+            return [ev("nonfinite", self.prev.get(path, (None, 0))[0])] if self.nonfinite else []
+        rising = rising_only(path)
+        if self.jump is not None and not rising and path in self.prev:
+            p, ps = self.prev[path]
+            if p != 0 and (p > 0) == (v > 0) and v != 0 and s > ps:
+                rate = abs(math.log(abs(v) / abs(p))) * self.spacing / (s - ps)
+                if rate > math.log(self.jump):
+                    return [ev("value_jump", p, s - ps)]
+        win = self.windows.get(path)
+        if self.spike is not None and rising and win is not None and len(win) >= SPIKE_MIN:
+            med = _median(win)
+            mad = _median([abs(x - med) for x in win]) * 1.4826
+            if med > 0 and v > self.spike * med and v - med > SPIKE_MADS * mad:
+                return [ev("spike", med)]
+        return []
+
+    def unmatched(self, patterns: Iterable[str]) -> list[str]:
+        """Patterns that matched no value so far."""
+        return [p for p in patterns if not match_names(sorted(self.seen), [p])]
+
+
+def _median(xs: Iterable[float]) -> float:
+    """The median of a few numbers.
+
+    >>> _median([3.0, 1.0, 2.0]), _median([4.0, 1.0])
+    (2.0, 2.5)
+    """
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def usual_spacing(steps: list[int]) -> int:
+    """The run's usual step spacing: the smallest gap between consecutive
+    captured steps of a lineage (1 for a run captured every step; a jump
+    across a longer gap is judged per spacing).
+
+    >>> usual_spacing([0, 10, 20, 37]), usual_spacing([5])
+    (10, 1)
+    """
+    gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+    return min(gaps) if gaps else 1
