@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,6 +14,71 @@ import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------- nothing left behind (issue 29 item 7)
+#
+# The run's temporary files (TMPDIR: tempfile, tmp_path, subprocesses) and
+# staging rings (DSTT_SHM_DIR) go into two directories of its own, made here
+# at import, before any test module builds a subprocess environment. At the
+# end of the run (pytest_sessionfinish) whatever is left in them besides
+# pytest's own tmp_path tree is a leak: the run fails, naming it. Both
+# directories are then removed (tmp_path trees kept for a failed run).
+
+def _own_dir(parent: str) -> Path | None:
+    if not os.path.isdir(parent) or os.environ.get("DSTT_SUITE_OWN_DIRS") == "0":
+        return None
+    return Path(tempfile.mkdtemp(prefix=f"dstt-suite-{os.getpid()}-", dir=parent))
+
+
+SUITE_TMP = _own_dir(tempfile.gettempdir())
+SUITE_SHM = _own_dir("/dev/shm")
+if SUITE_TMP is not None:
+    os.environ["TMPDIR"] = str(SUITE_TMP)
+    tempfile.tempdir = str(SUITE_TMP)
+if SUITE_SHM is not None:
+    os.environ["DSTT_SHM_DIR"] = str(SUITE_SHM)
+
+
+def left_behind(root: Path, keep: tuple[str, ...] = ()) -> list[str]:
+    """Files (and non-empty directories' files) under ``root``, skipping the
+    top-level entries named in ``keep``; empty directories do not count (a
+    ring's per-user directory outlives its rings by design)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if Path(dirpath) == root:
+            dirnames[:] = [d for d in dirnames if d not in keep]
+            filenames = [f for f in filenames if f not in keep]
+        out.extend(str(Path(dirpath, f).relative_to(root)) for f in filenames)
+    return sorted(out)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it left files in its temporary or ring directory."""
+    import shutil
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    leaks = []
+    for root, keep in ((SUITE_SHM, ()), (SUITE_TMP, (f"pytest-of-{_user()}",))):
+        if root is not None and root.exists():
+            leaks += [f"{root}/{f}" for f in left_behind(root, keep)]
+    for root in (SUITE_SHM, SUITE_TMP):
+        if root is not None and (exitstatus == 0 or root == SUITE_SHM):
+            shutil.rmtree(root, ignore_errors=True)
+    if leaks:
+        shown = "\n  ".join(leaks[:30]) + (f"\n  ... and {len(leaks) - 30} more" if len(leaks) > 30 else "")
+        print(f"\nthe test run left {len(leaks)} file(s) behind in /dev/shm or /tmp:\n  {shown}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
 
 
 #: Packs (issue 16, dstt/format/packs.py) are on by default. Most test

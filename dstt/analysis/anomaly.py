@@ -7,11 +7,12 @@ judged by :mod:`dstt.analysis.valuefind`. Checks, per tensor and step of a
 branch's lineage:
 
 * ``nonfinite``: the tensor holds NaN or Inf values;
-* ``norm_jump``: its norm changed by more than ``jump``× (up or down) per
-  usual step spacing since its previous captured step: across a gap k times
-  the run's usual spacing (the flight recorder's memory-only steps) the
-  change must be ``jump**k`` (steps where the previous norm was 0 are not
-  judged; neither are optimizer step counters);
+* ``norm_jump``: its norm changed by more than ``jump``× (up or down)
+  since its previous captured step; across a gap k times the run's usual
+  spacing (the flight recorder's memory-only steps) by more than k ×
+  ``jump`` (a ramp such as ``exp_avg_sq`` filling up is not a spike). Not
+  judged: a previous norm of 0 or under 1/``jump`` of the tensor's peak so
+  far (a bias crossing zero), optimizer step counters;
 * ``threshold``: a stat is above ``gt`` / below ``lt``;
 * ``update_jump``: its update ratio ‖θₖ − θₖ₋₁‖ / ‖θₖ‖ (recorded at capture
   time where the previous step was at hand) is more than ``update_jump``×
@@ -97,12 +98,13 @@ def find(run: "Run", patterns: Iterable[str] | None = None, branch: str | None =
     prev_step = -1
     last: dict[str, float] = {}  # latest norm of every tensor, as of the last change of tensor set
     updates = _UpdateWindows()
+    peaks = _Peaks()
     events: list[dict[str, Any]] = []
     for b, segment in lineage:
         for s in segment:
             names, stats = run.step_stats(s, branch=b)
-            found = _tensor_events(b, s, match(names), stats, (prev_hits, prev_norms, prev_step), last, updates,
-                                   _Checks(nonfinite, jump, stat, col, gt, lt, update_jump, spacing))
+            found = _tensor_events(b, s, match(names), stats, (prev_hits, prev_norms, prev_step), last,
+                                   (updates, peaks), _Checks(nonfinite, jump, stat, col, gt, lt, update_jump, spacing))
             hits = match(names)
             if hits:
                 prev_hits, prev_norms, prev_step = hits, stats[_rows(hits)][:, _NORM], s
@@ -136,7 +138,7 @@ def _rows(hits: list[tuple[str, int]]) -> np.ndarray:
 
 def _tensor_events(b: str, s: int, hits: list[tuple[str, int]], stats: np.ndarray,
                    before: tuple[list[tuple[str, int]], np.ndarray, int], last: dict[str, float],
-                   updates: "_UpdateWindows", c: _Checks) -> list[dict[str, Any]]:
+                   windows: tuple["_UpdateWindows", "_Peaks"], c: _Checks) -> list[dict[str, Any]]:
     """The events of one step's tensors (vectorized screening; events are
     built only for the rare flagged rows)."""
     if not hits:
@@ -153,15 +155,21 @@ def _tensor_events(b: str, s: int, hits: list[tuple[str, int]], stats: np.ndarra
     # step), not the tensor's: a tensor absent from a captured step is
     # judged as if it had stayed put.
     gap = s - prev_step if prev_step >= 0 else 1
+    updates, peaks = windows
+    peak = peaks.step(hits, norms)
     flagged = np.zeros(len(hits), dtype=bool)
     if c.nonfinite:
         flagged |= rows[:, _NONFINITE] > 0
     jumped = np.zeros(len(hits), dtype=bool)
     if c.jump is not None:
         with np.errstate(divide="ignore", invalid="ignore"):
-            # per usual spacing: across a gap k times the spacing a change must be jump**k
-            rate = np.abs(np.log(norms / prevs)) * (c.spacing / max(gap, 1))
-            jumped = ((prevs > 0) & np.isfinite(prevs) & np.isfinite(norms) & (norms > 0) & (rate > np.log(c.jump))
+            ratio = np.maximum(norms / prevs, prevs / norms)
+            # Across a gap k times the usual spacing the factor must be k x
+            # jump (a ramp -- exp_avg_sq filling up, a warmup -- stays put);
+            # from a norm under 1/jump of the tensor's peak so far (a bias
+            # crossing zero) a factor means nothing.
+            jumped = ((prevs > 0) & np.isfinite(prevs) & np.isfinite(norms) & (norms > 0)
+                      & (ratio > c.jump * max(gap / c.spacing, 1.0)) & ~(prevs * c.jump < peak)
                       & ~_counters(hits))
         flagged |= jumped
     if c.col is not None:
@@ -240,6 +248,27 @@ def _counters(hits: list[tuple[str, int]]) -> np.ndarray:
         got = _COUNTERS[id(hits)] = (hits, np.fromiter((_is_counter(n) for n, _ in hits), dtype=bool,
                                                        count=len(hits)))
     return got[1]
+
+
+class _Peaks:
+    """Each tensor's largest finite norm so far, as an array lined up with
+    the current step's matched tensors (rebuilt when the tensor set changes)."""
+
+    def __init__(self) -> None:
+        self.hits: list[tuple[str, int]] | None = None
+        self.peak = np.empty(0)
+        self.kept: dict[str, float] = {}
+
+    def step(self, hits: list[tuple[str, int]], norms: np.ndarray) -> np.ndarray:
+        """The peaks before this step (NaN for a tensor not seen yet), then takes in ``norms``."""
+        if hits is not self.hits:
+            if self.hits is not None:
+                self.kept.update(zip((n for n, _ in self.hits), self.peak.tolist()))
+            self.peak = np.array([self.kept.get(n, np.nan) for n, _ in hits], dtype=np.float64)
+            self.hits = hits
+        before = self.peak
+        self.peak = np.fmax(self.peak, np.where(np.isfinite(norms), norms, np.nan))
+        return before
 
 
 class _UpdateWindows:

@@ -5,11 +5,11 @@ step at a time, from each step's value tree (torch-free).
 Per value path, against the same path's earlier steps on the lineage:
 
 * ``nonfinite``: the value is NaN or Inf;
-* ``value_jump``: it changed by more than ``jump``x (up or down) per usual
-  step spacing since its previous captured step -- across a gap k times the
-  run's usual spacing the change must be ``jump**k`` (a learning rate
-  x100 at step 120 is one; a warmup from 0 is not judged, nor values whose
-  previous one is 0). Values judged on rises only (:func:`rising_only`: a
+* ``value_jump``: it changed by more than ``jump``x (up or down) since its
+  previous captured step -- across a gap k times the run's usual spacing by
+  more than k x ``jump`` (a linear warmup over the gap stays under it) --
+  a learning rate x100 at step 120 is one; values whose previous one is 0
+  are not judged. Values judged on rises only (:func:`rising_only`: a
   loss, a norm) are not judged this way: a loss falling is training working;
 * ``spike``: a rising-only value is above ``spike``x the median of its
   previous :data:`SPIKE_WINDOW` values *and* that median by more than
@@ -76,8 +76,8 @@ class ValueChecks:
         if self.jump is not None and not rising and path in self.prev:
             p, ps = self.prev[path]
             if p != 0 and (p > 0) == (v > 0) and v != 0 and s > ps:
-                rate = abs(math.log(abs(v) / abs(p))) * self.spacing / (s - ps)
-                if rate > math.log(self.jump):
+                ratio = max(v / p, p / v)
+                if ratio > self.jump * max((s - ps) / self.spacing, 1.0):
                     return [ev("value_jump", p, s - ps)]
         win = self.windows.get(path)
         if self.spike is not None and rising and win is not None and len(win) >= SPIKE_MIN:

@@ -143,7 +143,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Find the first step where something went wrong, or where two branches first differ.
 
-        Default: NaN/Inf, a 10x norm or value jump (per usual step spacing: not across gaps), a 10x jump of the update ratio, a loss (or other rising-only value) spike above 2x its recent median, on every branch unless STORE@BRANCH or --branch names one. Looks at model tensors and float values (extra/loss, learning rates, scheduler state), never at RNG states, optimizer state, step counters or data offsets, unless TENSOR_GLOB names them. Incidents the capture recorded are listed beside the detections.
+        Default: NaN/Inf, a 10x norm or value jump (k x 10 across a gap of k usual step spacings), a 10x jump of the update ratio, a loss (or other rising-only value) spike above 2x its recent median, on every branch unless STORE@BRANCH or --branch names one. Looks at model tensors and float values (extra/loss, learning rates, scheduler state), never at RNG states, optimizer state, step counters or data offsets, unless TENSOR_GLOB names them. Incidents the capture recorded are listed beside the detections.
 
         --diverge A --diverge B: where two branches first differ."""
         cmd_find(target, tensors or [], branch, nonfinite, jump, stat, gt, lt, all_steps, json_out, diverge or [],
