@@ -176,7 +176,7 @@ def train(case: Case, store: Path) -> None:
                 extra["grad_norm"] = gn
             cap.snapshot(step, model=model, optimizer=opt, extra=extra)
             if case.flight:  # the README's flight-recorder loop: an incident on a spike stores what led to it
-                if not math.isfinite(extra["loss"]) or (len(losses) >= 4 and extra["loss"] > 3 * sorted(losses)[len(losses) // 2]):
+                if not math.isfinite(extra["loss"]) or (len(losses) >= 4 and extra["loss"] > 1.5 * sorted(losses)[len(losses) // 2]):
                     cap.incident("loss spike")
                 losses = (losses + [extra["loss"]])[-8:]
 
@@ -186,7 +186,7 @@ def train(case: Case, store: Path) -> None:
 def first_detection(store: Path) -> int | None:
     """``dstt find STORE --json``'s first step (None: nothing found)."""
     code = "import sys; from dstt.cli.main import main; sys.argv = ['dstt'] + sys.argv[1:]; main()"
-    out = subprocess.run([sys.executable, "-c", code, "find", str(store), "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-c", code, "find", str(store), "--json"], capture_output=True,
                          text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"find failed on {store}: {out.stderr[-2000:]}")

@@ -12,7 +12,8 @@ branch's lineage:
   spacing (the flight recorder's memory-only steps) by more than k ×
   ``jump`` (a ramp such as ``exp_avg_sq`` filling up is not a spike). Not
   judged: a previous norm of 0 or under 1/``jump`` of the tensor's peak so
-  far (a bias crossing zero), optimizer step counters;
+  far (a bias crossing zero), a fall of a tensor of under
+  :data:`SMALL_NUMEL` elements, optimizer step counters;
 * ``threshold``: a stat is above ``gt`` / below ``lt``;
 * ``update_jump``: its update ratio ‖θₖ − θₖ₋₁‖ / ‖θₖ‖ (recorded at capture
   time where the previous step was at hand) is more than ``update_jump``×
@@ -49,10 +50,15 @@ if TYPE_CHECKING:
     from dstt.format.index import RunIndex as Run
 
 _NORM = STATS_COLUMNS.index("norm")
+_NUMEL = STATS_COLUMNS.index("numel")
+#: A tensor of fewer elements (a bias, a scale) may pass near zero: its norm
+#: falling is not judged, only rising.
+SMALL_NUMEL = 16
 _NONFINITE = STATS_COLUMNS.index("nonfinite")
 _URATIO = STATS_COLUMNS.index("update_ratio")
-#: A rising-only value (a loss, a norm) above this factor times its recent median is a spike.
-SPIKE = 2.0
+#: A rising-only value (a loss, a norm) above this factor times the largest of its recent
+#: values is a spike (:mod:`dstt.analysis.valuefind`).
+SPIKE = 1.5
 #: Previous update ratios a tensor's current one is compared with (their median).
 UPDATE_WINDOW = 8
 
@@ -67,7 +73,7 @@ def find(run: "Run", patterns: Iterable[str] | None = None, branch: str | None =
     first step that has any. ``tensor`` names the tensor or value (``kind``
     ``"tensor"`` or ``"value"``); ``previous`` is the value compared with
     (for an ``update_jump`` the median of the earlier ratios, for a
-    ``spike`` the median of the earlier values); ``gap`` the steps since
+    ``spike`` the largest of the recent values); ``gap`` the steps since
     that previous value, where it was judged across one.
 
     Without ``patterns`` the default scope applies (:mod:`dstt.analysis.scope`:
@@ -168,9 +174,10 @@ def _tensor_events(b: str, s: int, hits: list[tuple[str, int]], stats: np.ndarra
             # jump (a ramp -- exp_avg_sq filling up, a warmup -- stays put);
             # from a norm under 1/jump of the tensor's peak so far (a bias
             # crossing zero) a factor means nothing.
+            # A fall is judged only for tensors of SMALL_NUMEL elements or more.
             jumped = ((prevs > 0) & np.isfinite(prevs) & np.isfinite(norms) & (norms > 0)
                       & (ratio > c.jump * max(gap / c.spacing, 1.0)) & ~(prevs * c.jump < peak)
-                      & ~_counters(hits))
+                      & ((norms > prevs) | (rows[:, _NUMEL] >= SMALL_NUMEL)) & ~_counters(hits))
         flagged |= jumped
     if c.col is not None:
         v = rows[:, c.col]

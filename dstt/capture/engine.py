@@ -193,6 +193,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         """
         self._check_open()
         validate_step(step)  # before `every`: a bad step is refused, never silently skipped
+        self._check_after_rewind(step)  # (rewind.py: the step after a rewind follows it)
         if not policy.is_due(step, self.config.every):
             self.raise_pending()
             return False

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dstt.capture.pipeline import Job
-from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError
+from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError, StepOrderError
 from dstt.format import args as A
 from dstt.format.layout import StepRef, validate_branch, validate_step
 from dstt.store.plan import ChunkTask, TensorLayout
@@ -111,6 +111,8 @@ class Rewinder:
     writer: Writer
     _cond: threading.Condition
     _fork: Any
+    #: (step, branch) of the last rewind until the next snapshot() (its step must follow it).
+    _after_rewind: tuple[int, str] | None = None
 
     def rewind(
         self,
@@ -122,6 +124,7 @@ class Rewinder:
         rng: bool = True,
         branch: str | None = None,
         strict: bool = True,
+        check_steps: bool = True,
     ) -> dict[str, Any]:
         """Restore ``model``/``optimizer``/``scheduler``/RNG to captured
         ``step`` and continue on a new branch forked there (``branch``, or
@@ -137,6 +140,12 @@ class Rewinder:
         From the memory tier when the step is still there (milliseconds),
         else from the store. The ring's steps are stored on the old branch
         (an incident, source "rewind").
+
+        The new branch continues from ``step``: the next ``snapshot()`` must
+        be of ``step + 1`` -- set the loop's step counter back -- else it is
+        refused (StepOrderError, nothing captured) instead of mislabelling
+        the branch's steps; ``check_steps=False`` accepts any later step (a
+        loop that snapshots every N-th step itself).
 
         >>> import tempfile, torch, dstt
         >>> m = torch.nn.Linear(2, 1)
@@ -160,6 +169,7 @@ class Rewinder:
         check_objects(model, optimizer, scheduler, restoring=True)
         A.flag("rng", rng)
         A.flag("strict", strict)
+        A.flag("check_steps", check_steps)
         self.raise_pending()  # type: ignore[attr-defined]
         if self._fork is not None:
             self._switch_branch()  # (an earlier rewind's branch: decided then)
@@ -197,11 +207,28 @@ class Rewinder:
                 self._release(freed)  # type: ignore[attr-defined]
         name = branch or self._rewind_name(cur, step)
         self._fork = (name, parent, job if job is not None and job.writer is cur else None)
+        self._after_rewind = (step, name) if check_steps else None
         if not self._tier:  # type: ignore[attr-defined]
             self._switch_branch()
         log.warning("dstt: rewound to step %d of branch %r; capturing continues on branch %r", step,
                     parent.branch, name)
         return extra
+
+    def _check_after_rewind(self, step: int) -> None:
+        """The first snapshot() after a rewind to step k must be of k + 1
+        (issue 29: a loop whose counter ran on mislabelled the new branch's
+        steps, and the gap was accepted silently)."""
+        rewound = self._after_rewind
+        if rewound is None:
+            return
+        k, name = rewound
+        if step != k + 1:
+            how = "goes backwards" if step <= k else f"skips steps {k + 1}..{step - 1}"
+            raise StepOrderError(
+                f"snapshot({step}) {how}: branch {name!r} continues from step {k} (the rewind's), so its next "
+                f"step is {k + 1}; set the loop's step counter back to the rewound step (step = {k} + 1), or "
+                f"rewind(..., check_steps=False) to allow any later step; nothing was captured")
+        self._after_rewind = None
 
     @staticmethod
     def _check_new_branch(cur: Writer, branch: str | None) -> None:

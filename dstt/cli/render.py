@@ -328,7 +328,7 @@ def _one_per_reason(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _why(e: dict[str, Any]) -> str:
-    """One event in words: ``spike: extra/loss 9.1 (recent median 2.3)``."""
+    """One event in words: ``spike: extra/loss 9.1 (recent high 2.3)``."""
     name, reason = printable(str(e["tensor"])), e["reason"]
     if reason == "nonfinite":
         detail = "NaN/Inf" + ("" if e.get("kind") == "value" else f" ({fmt_float(e['value'])} values)")
@@ -336,7 +336,7 @@ def _why(e: dict[str, Any]) -> str:
         gap = f" over {e['gap']} steps" if e.get("gap") and e["gap"] > 1 else ""
         detail = f"{fmt_float(e['previous'])} -> {fmt_float(e['value'])}{gap}"
     elif reason == "spike":
-        detail = f"{fmt_float(e['value'])} (recent median {fmt_float(e['previous'])})"
+        detail = f"{fmt_float(e['value'])} (recent high {fmt_float(e['previous'])})"
     elif reason == "update_jump":
         detail = f"update ratio {fmt_float(e['value'])} (median {fmt_float(e['previous'])})"
     else:
