@@ -19,6 +19,8 @@ branch's lineage:
   time where the previous step was at hand) is more than ``update_jump``×
   the median of its previous :data:`UPDATE_WINDOW` captured ratios -- a
   loss spike shows as a jump in the update size before the norms move.
+  Not judged for tensors of under :data:`SMALL_NUMEL` elements (beside a
+  bias near zero any update is large).
   Steps without update stats (stores written before them, the first step
   of a capture) are not judged.
 
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 _NORM = STATS_COLUMNS.index("norm")
 _NUMEL = STATS_COLUMNS.index("numel")
 #: A tensor of fewer elements (a bias, a scale) may pass near zero: its norm
-#: falling is not judged, only rising.
+#: falling and its update ratio are not judged, only its norm rising.
 SMALL_NUMEL = 16
 _NONFINITE = STATS_COLUMNS.index("nonfinite")
 _URATIO = STATS_COLUMNS.index("update_ratio")
@@ -189,7 +191,8 @@ def _tensor_events(b: str, s: int, hits: list[tuple[str, int]], stats: np.ndarra
     up = np.zeros(len(hits), dtype=bool)
     if base is not None and c.update_jump is not None:
         with np.errstate(invalid="ignore"):
-            up = (base > 0) & np.isfinite(rows[:, _URATIO]) & (rows[:, _URATIO] > c.update_jump * base)
+            up = ((base > 0) & np.isfinite(rows[:, _URATIO]) & (rows[:, _URATIO] > c.update_jump * base)
+                  & (rows[:, _NUMEL] >= SMALL_NUMEL))  # (a bias near 0: any update is large beside it)
         flagged |= up
     found: list[dict[str, Any]] = []
     for k in np.flatnonzero(flagged).tolist():

@@ -12,11 +12,13 @@ Per value path, against the same path's earlier steps on the lineage:
   are not judged. Values judged on rises only (:func:`rising_only`: a
   loss, a norm) are not judged this way: a loss falling is training working;
 * ``spike``: a rising-only value is above ``spike``x the largest of its
-  previous :data:`SPIKE_WINDOW` values -- a new high well above anything
-  recent (a per-batch loss that is noisy, 5x its median every few dozen
-  steps, reaches its usual highs, not 1.5x them; a language model's smooth
-  loss jumping 2x does). Judged once :data:`SPIKE_MIN` earlier values are
-  known (the first steps of a run move fast).
+  values of the previous :data:`SPIKE_WINDOW` steps (at least
+  :data:`SPIKE_MIN` of them: else its last SPIKE_MIN values) times the
+  square root of that high over their median -- a new high well above
+  anything recent, by a margin that grows with the value's own noise (a
+  per-batch loss 5x its median every few dozen steps needs a 2.3x larger
+  rise; a language model's smooth loss rising 1.6x is a spike). Judged
+  once SPIKE_MIN earlier values are known (the first steps move fast).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Callable, Iterable
 from dstt.analysis.scope import default_value, rising_only
 from dstt.analysis.select import match_names
 
-#: Earlier values a rising-only value is compared with (their largest).
+#: Steps back a rising-only value is compared with (the largest of its values there).
 SPIKE_WINDOW = 32
 #: Earlier values needed before a spike is judged.
 SPIKE_MIN = 8
@@ -42,7 +44,7 @@ class ValueChecks:
         self.patterns = patterns or None
         self.nonfinite, self.jump, self.spike, self.spacing = nonfinite, jump, spike, max(spacing, 1)
         self.prev: dict[str, tuple[float, int]] = {}
-        self.windows: dict[str, deque[float]] = {}
+        self.windows: dict[str, deque[tuple[int, float]]] = {}
         self.seen: set[str] = set()
         self._pick: Callable[[dict[str, Any]], list[str]] = self._scoped if self.patterns is None else self._named
 
@@ -62,7 +64,7 @@ class ValueChecks:
             out.extend(self._judge(branch, step, path, v))
             if math.isfinite(v):
                 self.prev[path] = (v, step)
-                self.windows.setdefault(path, deque(maxlen=SPIKE_WINDOW)).append(v)
+                self.windows.setdefault(path, deque(maxlen=SPIKE_WINDOW)).append((step, v))
         return out
 
     def _judge(self, b: str, s: int, path: str, v: float) -> list[dict[str, Any]]:
@@ -80,10 +82,15 @@ class ValueChecks:
                 if ratio > self.jump * max((s - ps) / self.spacing, 1.0):
                     return [ev("value_jump", p, s - ps)]
         win = self.windows.get(path)
-        if self.spike is not None and rising and win is not None and len(win) >= SPIKE_MIN:
-            top = max(win)
-            if top > 0 and v > self.spike * top:
-                return [ev("spike", top)]
+        if self.spike is not None and rising and win is not None and v > 0:
+            recent = [x for st, x in win if st >= s - SPIKE_WINDOW]
+            if len(recent) < SPIKE_MIN:
+                recent = [x for _, x in list(win)[-SPIKE_MIN:]]
+            pos = sorted(x for x in recent if x > 0)
+            if len(pos) >= SPIKE_MIN:
+                top, mid = pos[-1], pos[len(pos) // 2]
+                if v > self.spike * top * math.sqrt(top / mid):
+                    return [ev("spike", top)]
         return []
 
     def unmatched(self, patterns: Iterable[str]) -> list[str]:

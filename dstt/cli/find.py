@@ -132,7 +132,7 @@ def register(app: typer.Typer) -> None:
         nonfinite: Optional[bool] = typer.Option(None, "--nonfinite/--no-nonfinite", help="Look for NaN/Inf values."),
         jump: Optional[float] = typer.Option(None, "--jump", help="Look for a norm change of more than this factor between captured steps."),
         update_jump: Optional[float] = typer.Option(None, "--update-jump", help="Look for an update ratio (|θ_k - θ_k-1| / |θ_k|) above this factor times the median of the tensor's previous 8."),
-        spike: Optional[float] = typer.Option(None, "--spike", help="Look for a loss, norm or other rising-only value above this factor times the largest of its previous 32 (default 1.5)."),
+        spike: Optional[float] = typer.Option(None, "--spike", help="Look for a loss, norm or other rising-only value above this factor times its high of the previous 32 steps, more for a noisy value (default 1.5)."),
         values: bool = typer.Option(True, "--values/--no-values", help="Also look at values (extra/loss, learning rates, scheduler state)."),
         stat: Optional[str] = typer.Option(None, "--stat", help="Stat for --gt/--lt (default norm)."),
         gt: Optional[float] = typer.Option(None, "--gt", help="Look for the stat above this value."),
@@ -143,7 +143,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Find the first step where something went wrong, or where two branches first differ.
 
-        Default: NaN/Inf, a 10x norm or value jump (k x 10 across a gap of k usual step spacings), a 10x jump of the update ratio, a loss (or other rising-only value) above 1.5x the largest of its previous 32, on every branch unless STORE@BRANCH or --branch names one. Looks at model tensors and float values (extra/loss, learning rates, scheduler state), never at RNG states, optimizer state, step counters or data offsets, unless TENSOR_GLOB names them. Incidents the capture recorded are listed beside the detections.
+        Default: NaN/Inf, a 10x norm or value jump (k x 10 across a gap of k usual step spacings), a 10x jump of the update ratio, a loss (or other rising-only value) above 1.5x its recent high (more for a noisy one), on every branch unless STORE@BRANCH or --branch names one. Looks at model tensors and float values (extra/loss, learning rates, scheduler state), never at RNG states, optimizer state, step counters or data offsets, unless TENSOR_GLOB names them. Incidents the capture recorded are listed beside the detections.
 
         --diverge A --diverge B: where two branches first differ."""
         cmd_find(target, tensors or [], branch, nonfinite, jump, stat, gt, lt, all_steps, json_out, diverge or [],
