@@ -87,10 +87,11 @@ def delete_branch(backend: Backend, name: str, *, force: bool = False, dry_run: 
 def _delete_locked(backend: Backend, name: str) -> None:
     if not backend.exists(L.branch_key(name)):
         raise BranchNotFoundError(f"no branch {name!r} in {backend.url} (deleted meanwhile)")
-    from dstt.format.gc import remove_step
-
-    for step in reversed(committed_steps(backend, name)):
-        remove_step(backend, name, step)
+    for step in reversed(committed_steps(backend, name)):  # (as gc.remove_step: the commit marker first)
+        where = L.step_dir(name, step)
+        backend.delete(f"{where}/{L.COMMIT_FILE}")
+        backend.sync()
+        backend.delete_prefix(where)
     for prefix in (L.steps_prefix(name), L.skips_prefix(name), L.incidents_prefix(name)):
         backend.delete_prefix(prefix.rstrip("/"))
     backend.delete(head_key(name))
