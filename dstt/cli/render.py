@@ -280,13 +280,16 @@ def diff_table(a: str, b: str, rows: list[dict[str, Any]], all_rows: list[dict[s
 
 
 def history(label: str, series: list[dict[str, Any]], points: bool) -> None:
+    """``history``'s table: one row per series (a ``store`` column when the series come from several)."""
+    stores = any(s.get("store") for s in series)
     table = Table(title=printable(label), title_justify="left")
-    for c in ("tensor", "branch", "points", "first", "last", "min", "max", "trend"):
-        table.add_column(c, justify="left" if c in ("tensor", "branch", "trend") else "right")
+    for c in (("store",) if stores else ()) + ("tensor", "branch", "points", "first", "last", "min", "max", "trend"):
+        table.add_column(c, justify="left" if c in ("store", "tensor", "branch", "trend") else "right")
     for s in series:
         vals = [p["value"] for p in s["points"]]
         fin = [v for v in vals if math.isfinite(v)]
-        table.add_row(printable(s["tensor"]), s["branch"], str(len(vals)), fmt_float(vals[0] if vals else None),
+        table.add_row(*((printable(s.get("store", "")),) if stores else ()), printable(s["tensor"]), s["branch"],
+                      str(len(vals)), fmt_float(vals[0] if vals else None),
                       fmt_float(vals[-1] if vals else None), fmt_float(min(fin) if fin else None),
                       fmt_float(max(fin) if fin else None), sparkline(vals))
     emit_table(table)
