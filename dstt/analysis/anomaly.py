@@ -198,7 +198,8 @@ def _tensor_events(b: str, s: int, hits: list[tuple[str, int]], stats: np.ndarra
     for k in np.flatnonzero(flagged).tolist():
         name, row = hits[k][0], rows[k]
 
-        def ev(reason: str, st: str, value: float, previous: float | None = None, g: int | None = None) -> None:
+        def ev(reason: str, st: str, value: float, previous: float | None = None, g: int | None = None,
+               name: str = name) -> None:
             found.append({"branch": b, "step": s, "tensor": name, "kind": "tensor", "reason": reason, "stat": st,
                           "value": value, "previous": previous, "gap": g})
 

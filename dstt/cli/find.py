@@ -68,10 +68,9 @@ def _diverge(run: RunIndex, diverge: list[str], base: str, json_out: bool) -> No
 def _find_everywhere(run: RunIndex, tensors: list[str], first: bool, checks: dict[str, Any],
                      json_out: bool) -> None:
     """Every branch, each judged on its own trajectory."""
+    from dstt.analysis.anomaly import group_by_step
     from dstt.analysis.branches import find_branches
     from dstt.cli import render
-
-    from dstt.analysis.anomaly import group_by_step
 
     per = find_branches(run, tensors, first=first, **checks)
     events = sorted((e for evs in per.values() for e in evs), key=lambda e: (e["step"], e["branch"]))
