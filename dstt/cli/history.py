@@ -18,13 +18,14 @@ if TYPE_CHECKING:
 
 def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,
                 plot: Optional[Path], points: bool, ancestry: bool, json_out: bool,
-                log_y: bool = False, panels: bool = False, marks: bool = True, stores: list[str] | None = None) -> None:
+                log_y: bool = False, panels: bool = False, marks: bool = True, stores: list[str] | None = None,
+                rewrite_plot: bool = False) -> None:
     """The history of TENSOR... (names, globs or value paths) on each branch,
     of STORE and of every ``--store`` beside it (each series then names its store)."""
     from dstt.analysis.history import stat_column
 
     stat_column(stat)
-    if plot is not None:  # a bad path, format or a missing matplotlib: one line, before any work
+    if plot is not None and not rewrite_plot:  # a bad path, format or a missing matplotlib: one line, before any work
         _check_plot(plot)
     targets = [target, *(stores or [])]
     runs: dict[str, RunIndex] = {}
@@ -134,9 +135,22 @@ def register(app: typer.Typer) -> None:
         panels: bool = typer.Option(False, "--panels", help="Plot one panel per tensor instead of overlaying them."),
         marks: bool = typer.Option(True, "--marks/--no-marks", help="Mark fork points and find's detections on the plot."),
         points: bool = typer.Option(False, "--points", help="Print every point, not just the summary."),
+        follow: bool = typer.Option(False, "--follow", "-F", help="Show it again (and rewrite --plot) each time a step commits; Ctrl-C to stop."),
+        interval: float = typer.Option(2.0, "--interval", help="With --follow: seconds between looks at the store."),
         ancestry: bool = typer.Option(True, "--ancestry/--no-ancestry", help="Include parent branches' steps up to the fork."),
         json_out: bool = JSON_OPT,
     ) -> None:
         """A stat of tensors (or values: extra/loss, learning rates) across steps, from the step index (no tensor reads); --store compares runs side by side."""
-        cmd_history(target, tensors, stat, branches or [], delta, plot, points, ancestry, json_out,
-                    log_y=log_y, panels=panels, marks=marks, stores=stores or [])
+        shown: list[bool] = []
+
+        def show() -> None:  # following: the plot written the first time is rewritten, not refused
+            cmd_history(target, tensors, stat, branches or [], delta, plot, points, ancestry, json_out,
+                        log_y=log_y, panels=panels, marks=marks, stores=stores or [], rewrite_plot=bool(shown))
+            shown.append(True)
+
+        if follow:
+            from dstt.cli.follow import follow as follow_
+
+            follow_(show, target, interval=interval, json_out=json_out)
+            return
+        show()
