@@ -65,3 +65,13 @@ def test_history_compares_stores_side_by_side(tmp_path: Path) -> None:
     assert "lr-0.1:model/w@hot" in texts and "lr-1:model/w@hot" in texts
     bad = runner.invoke(app, ["history", str(a), "model/w", "--store", str(tmp_path / "nope")])
     assert bad.exit_code == 1 and "nope" in bad.output
+
+
+def test_history_says_when_update_stats_were_not_recorded(tmp_path: Path) -> None:
+    """``--stat update_ratio`` on steps saved without the previous one at
+    hand: a warning, not empty panels without a word."""
+    a = tmp_path / "a"
+    _run(a, 1.0)
+    res = runner.invoke(app, ["history", str(a), "model/w", "--stat", "update_ratio"])
+    assert res.exit_code == 0 and "no update_ratio was recorded for these steps" in res.output
+    assert "no update" not in runner.invoke(app, ["history", str(a), "model/w"]).output
