@@ -27,7 +27,7 @@ def _find(*args: str) -> dict[str, Any]:
     return json.loads(res.stdout)
 
 
-def _train(path: Path, steps: int = 40, *, lr_spike_at: int | None = None, spike_at: int | None = None,
+def _train(path: Path, steps: int = 30, *, lr_spike_at: int | None = None, spike_at: int | None = None,
            nan_at: int | None = None, keep: list[int] | None = None) -> None:
     """A small MLP regressor trained with AdamW, the loss and a data offset in
     ``extra``; faults injected as a user's loop would meet them."""
@@ -70,16 +70,17 @@ def test_find_with_no_flags_names_an_lr_blow_up_at_its_step(store: Path) -> None
     assert "first problem at step 25" in human.stdout
 
 
-def test_find_with_no_flags_names_a_nan_loss_and_a_loss_spike(tmp_path: Path) -> None:
-    _train(tmp_path / "nan", nan_at=18)
-    doc = _find(str(tmp_path / "nan"))
-    assert doc["first_step"] == 18
-    assert "extra/loss" in doc["detections"][0]["names"] and doc["detections"][0]["reasons"]["nonfinite"] >= 2
-    _train(tmp_path / "spike", spike_at=30)
-    doc = _find(str(tmp_path / "spike"))
-    assert doc["first_step"] == 30
+def test_find_with_no_flags_names_a_loss_spike_and_a_nan_loss(store: Path) -> None:
+    """A batch of outliers at step 16, a NaN batch at step 24: plain ``find``
+    gives 16 (the loss above its recent high); ``--all`` also step 24,
+    where the loss and the weights are NaN."""
+    _train(store, spike_at=16, nan_at=24)
+    doc = _find(str(store))
+    assert doc["first_step"] == 16
     (ev,) = [e for e in doc["events"] if e["tensor"] == "extra/loss"]
     assert ev["reason"] == "spike" and ev["value"] > 2 * ev["previous"]
+    nan = [d for d in _find(str(store), "--all")["detections"] if d["step"] == 24]
+    assert nan and "extra/loss" in nan[0]["names"] and nan[0]["reasons"]["nonfinite"] >= 2
 
 
 def test_find_leaves_a_clean_run_counters_offsets_and_rng_alone(store: Path) -> None:
