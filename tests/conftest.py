@@ -18,21 +18,36 @@ torch.set_num_threads(1)
 
 # ----------------------------------------------------------------------------- nothing left behind (issue 29 item 7)
 #
-# The run's temporary files (TMPDIR: tempfile, tmp_path, subprocesses) and
-# staging rings (DSTT_SHM_DIR) go into two directories of its own, made here
-# at import, before any test module builds a subprocess environment. At the
-# end of the run (pytest_sessionfinish) whatever is left in them besides
-# pytest's own tmp_path tree is a leak: the run fails, naming it. Both
-# directories are then removed (tmp_path trees kept for a failed run).
+# The run's temporary files (TMPDIR: tempfile, subprocesses) and staging
+# rings (DSTT_SHM_DIR) go into two directories of its own, made here at
+# import, before any test module builds a subprocess environment; a second
+# import of this module (``import conftest`` in a test module, a subprocess)
+# reuses them. pytest's own tmp_path tree stays where it was
+# (PYTEST_DEBUG_TEMPROOT; the trees of passed tests are removed at the end:
+# tmp_path_retention_policy in pyproject.toml). At the end of the run
+# (pytest_sessionfinish) whatever is left in the two directories is a leak:
+# the run fails, naming it. Both are then removed.
 
-def _own_dir(parent: str) -> Path | None:
+_ORIG_TMP = os.environ.get("DSTT_SUITE_ORIG_TMP") or tempfile.gettempdir()
+os.environ["DSTT_SUITE_ORIG_TMP"] = _ORIG_TMP
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _ORIG_TMP)
+_MADE_HERE: list[Path] = []
+
+
+def _own_dir(parent: str, var: str) -> Path | None:
+    have = os.environ.get(var)
+    if have and os.path.isdir(have):
+        return Path(have)  # the run's, made by an earlier import or the parent process
     if not os.path.isdir(parent) or os.environ.get("DSTT_SUITE_OWN_DIRS") == "0":
         return None
-    return Path(tempfile.mkdtemp(prefix=f"dstt-suite-{os.getpid()}-", dir=parent))
+    made = Path(tempfile.mkdtemp(prefix=f"dstt-suite-{os.getpid()}-", dir=parent))
+    os.environ[var] = str(made)
+    _MADE_HERE.append(made)
+    return made
 
 
-SUITE_TMP = _own_dir(tempfile.gettempdir())
-SUITE_SHM = _own_dir("/dev/shm")
+SUITE_TMP = _own_dir(_ORIG_TMP, "DSTT_SUITE_TMP")
+SUITE_SHM = _own_dir("/dev/shm", "DSTT_SUITE_SHM")
 if SUITE_TMP is not None:
     os.environ["TMPDIR"] = str(SUITE_TMP)
     tempfile.tempdir = str(SUITE_TMP)
@@ -59,26 +74,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    leaks = []
-    for root, keep in ((SUITE_SHM, ()), (SUITE_TMP, (f"pytest-of-{_user()}",))):
-        if root is not None and root.exists():
-            leaks += [f"{root}/{f}" for f in left_behind(root, keep)]
-    for root in (SUITE_SHM, SUITE_TMP):
-        if root is not None and (exitstatus == 0 or root == SUITE_SHM):
-            shutil.rmtree(root, ignore_errors=True)
+    mine = [d for d in (SUITE_SHM, SUITE_TMP) if d is not None and d in _MADE_HERE]
+    leaks = [f"{root}/{f}" for root in mine if root.exists() for f in left_behind(root)]
+    for root in mine:
+        shutil.rmtree(root, ignore_errors=True)
     if leaks:
         shown = "\n  ".join(leaks[:30]) + (f"\n  ... and {len(leaks) - 30} more" if len(leaks) > 30 else "")
         print(f"\nthe test run left {len(leaks)} file(s) behind in /dev/shm or /tmp:\n  {shown}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def _user() -> str:
-    import getpass
-
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
 
 
 #: Packs (issue 16, dstt/format/packs.py) are on by default. Most test
