@@ -44,6 +44,8 @@ _LAZY: dict[str, str] = {
     "verify": "dstt.format.verify",
     "prune": "dstt.format.gc",
     "gc": "dstt.api",
+    "resume": "dstt.api",
+    "Resumed": "dstt.api",
 }
 
 _EXCEPTIONS = [n for n, v in vars(_errors).items()

@@ -1,10 +1,10 @@
 """The synchronous top-level API: ``dstt.save``, ``dstt.open`` and
-:class:`Run`, what ``dstt.open`` returns, and ``dstt.gc``."""
+:class:`Run`, what ``dstt.open`` returns, ``dstt.gc`` and ``dstt.resume``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY
 from dstt.format.gc import GcReport
@@ -150,3 +150,58 @@ def open(store: Any, *, storage_options: dict[str, Any] | None = None) -> Run:  
     [5]
     """
     return Run(store, storage_options=storage_options)
+
+
+class Resumed(NamedTuple):
+    """What :func:`resume` gives back: the restored step's ``extra`` (where a
+    loop keeps its data position), the step restored, the step to train
+    next (``step + 1``), and the Capture that continues on the right branch
+    (None with ``capture=False``)."""
+
+    extra: dict[str, Any]
+    step: int
+    next_step: int
+    capture: Any
+
+
+def resume(ref: Any, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, rng: bool = True,
+           branch: str | None = None, strict: bool = True, capture: bool = True,
+           **capture_options: Any) -> Resumed:
+    """Resume a plain training loop from ``ref`` (``STORE[@BRANCH][:STEP]``):
+    restore ``model``/``optimizer``/``scheduler``/RNG to the step (all or
+    nothing, as :func:`dstt.restore`), and open the Capture that goes on
+    capturing it -- on the same branch when ``ref`` is its latest step,
+    else on ``branch`` (a new branch forked at the step: committed steps are
+    never overwritten; ConfigError without one). ``capture_options`` go to
+    :class:`dstt.Capture`. Every argument is checked before anything is
+    restored.
+
+    >>> import tempfile, torch, dstt
+    >>> path = tempfile.mkdtemp() + "/run"
+    >>> m = torch.nn.Linear(2, 1)
+    >>> for s in range(3):
+    ...     _ = dstt.save(path, s, dstt.state_of(model=m, extra={"pos": 32 * s}))
+    >>> r = dstt.resume(f"{path}:1", model=m, branch="retry")
+    >>> r.extra, r.next_step
+    ({'pos': 32}, 2)
+    >>> with r.capture as cap:
+    ...     _ = cap.snapshot(r.next_step, model=m)
+    >>> dstt.open(path).steps("retry"), dstt.open(path).branch_info("retry").parent
+    ([2], StepRef(branch='main', step=1))
+    """
+    from dstt.capture import Capture
+    from dstt.integrations import resume_target
+    from dstt.timetravel.restore import restore
+
+    store, target, step, parent = resume_target(ref, branch)
+    if parent is not None:
+        from dstt.errors import BranchExistsError
+        from dstt.format.root import list_branches
+
+        if target in list_branches(open_backend(store, create=False)):
+            raise BranchExistsError(f"resume: branch {target!r} already exists; name a new branch to fork at "
+                                    f"step {step} (committed steps are never overwritten)")
+    extra = restore(f"{store}@{parent[0] if parent else target}:{step}", model=model, optimizer=optimizer,
+                    scheduler=scheduler, rng=rng, strict=strict)
+    cap = Capture(store, branch=target, parent=parent, **capture_options) if capture else None
+    return Resumed(extra, step, step + 1, cap)

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,6 +14,74 @@ import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------- nothing left behind (issue 29 item 7)
+#
+# The run's temporary files (TMPDIR: tempfile, subprocesses) and staging
+# rings (DSTT_SHM_DIR) go into two directories of its own, made here at
+# import, before any test module builds a subprocess environment; a second
+# import of this module (``import conftest`` in a test module, a subprocess)
+# reuses them. pytest's own tmp_path tree stays where it was
+# (PYTEST_DEBUG_TEMPROOT; the trees of passed tests are removed at the end:
+# tmp_path_retention_policy in pyproject.toml). At the end of the run
+# (pytest_sessionfinish) whatever is left in the two directories is a leak:
+# the run fails, naming it. Both are then removed.
+
+_ORIG_TMP = os.environ.get("DSTT_SUITE_ORIG_TMP") or tempfile.gettempdir()
+os.environ["DSTT_SUITE_ORIG_TMP"] = _ORIG_TMP
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", _ORIG_TMP)
+_MADE_HERE: list[Path] = []
+
+
+def _own_dir(parent: str, var: str) -> Path | None:
+    have = os.environ.get(var)
+    if have and os.path.isdir(have):
+        return Path(have)  # the run's, made by an earlier import or the parent process
+    if not os.path.isdir(parent) or os.environ.get("DSTT_SUITE_OWN_DIRS") == "0":
+        return None
+    made = Path(tempfile.mkdtemp(prefix=f"dstt-suite-{os.getpid()}-", dir=parent))
+    os.environ[var] = str(made)
+    _MADE_HERE.append(made)
+    return made
+
+
+SUITE_TMP = _own_dir(_ORIG_TMP, "DSTT_SUITE_TMP")
+SUITE_SHM = _own_dir("/dev/shm", "DSTT_SUITE_SHM")
+if SUITE_TMP is not None:
+    os.environ["TMPDIR"] = str(SUITE_TMP)
+    tempfile.tempdir = str(SUITE_TMP)
+if SUITE_SHM is not None:
+    os.environ["DSTT_SHM_DIR"] = str(SUITE_SHM)
+
+
+def left_behind(root: Path, keep: tuple[str, ...] = ()) -> list[str]:
+    """Files (and non-empty directories' files) under ``root``, skipping the
+    top-level entries named in ``keep``; empty directories do not count (a
+    ring's per-user directory outlives its rings by design)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if Path(dirpath) == root:
+            dirnames[:] = [d for d in dirnames if d not in keep]
+            filenames = [f for f in filenames if f not in keep]
+        out.extend(str(Path(dirpath, f).relative_to(root)) for f in filenames)
+    return sorted(out)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it left files in its temporary or ring directory."""
+    import shutil
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    mine = [d for d in (SUITE_SHM, SUITE_TMP) if d is not None and d in _MADE_HERE]
+    leaks = [f"{root}/{f}" for root in mine if root.exists() for f in left_behind(root)]
+    for root in mine:
+        shutil.rmtree(root, ignore_errors=True)
+    if leaks:
+        shown = "\n  ".join(leaks[:30]) + (f"\n  ... and {len(leaks) - 30} more" if len(leaks) > 30 else "")
+        print(f"\nthe test run left {len(leaks)} file(s) behind in /dev/shm or /tmp:\n  {shown}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 #: Packs (issue 16, dstt/format/packs.py) are on by default. Most test

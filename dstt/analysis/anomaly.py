@@ -1,16 +1,26 @@
 """Finding where a run went wrong, from the step index only (no tensor reads).
 
-Checks, per tensor and step of a branch's lineage:
+What is looked at by default is the rule of :mod:`dstt.analysis.scope`
+(model tensors and float values such as a loss or a learning rate; never
+RNG states, optimizer state, step counters or data offsets); values are
+judged by :mod:`dstt.analysis.valuefind`. Checks, per tensor and step of a
+branch's lineage:
 
 * ``nonfinite``: the tensor holds NaN or Inf values;
-* ``norm_jump``: its norm changed by more than ``jump``× (up or down) since
-  the previous captured step (steps where the previous norm was 0 are not
-  judged);
+* ``norm_jump``: its norm changed by more than ``jump``× (up or down)
+  since its previous captured step; across a gap k times the run's usual
+  spacing (the flight recorder's memory-only steps) by more than k ×
+  ``jump`` (a ramp such as ``exp_avg_sq`` filling up is not a spike). Not
+  judged: a previous norm of 0 or under 1/``jump`` of the tensor's peak so
+  far (a bias crossing zero), a fall of a tensor of under
+  :data:`SMALL_NUMEL` elements, optimizer step counters;
 * ``threshold``: a stat is above ``gt`` / below ``lt``;
 * ``update_jump``: its update ratio ‖θₖ − θₖ₋₁‖ / ‖θₖ‖ (recorded at capture
   time where the previous step was at hand) is more than ``update_jump``×
   the median of its previous :data:`UPDATE_WINDOW` captured ratios -- a
   loss spike shows as a jump in the update size before the norms move.
+  Not judged for tensors of under :data:`SMALL_NUMEL` elements (beside a
+  bias near zero any update is large).
   Steps without update stats (stores written before them, the first step
   of a capture) are not judged.
 
@@ -27,11 +37,14 @@ detections: ``dstt find`` lists them beside these.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 import numpy as np
 
-from dstt.analysis.history import _Matcher, scan, stat_column
+from dstt.analysis.history import _Matcher, stat_column
+from dstt.analysis.scope import default_tensor
+from dstt.analysis.valuefind import ValueChecks, usual_spacing
+from dstt.analysis.values import flatten_values
 from dstt.errors import ConfigError
 from dstt.format.layout import STATS_COLUMNS
 
@@ -39,8 +52,15 @@ if TYPE_CHECKING:
     from dstt.format.index import RunIndex as Run
 
 _NORM = STATS_COLUMNS.index("norm")
+_NUMEL = STATS_COLUMNS.index("numel")
+#: A tensor of fewer elements (a bias, a scale) may pass near zero: its norm
+#: falling and its update ratio are not judged, only its norm rising.
+SMALL_NUMEL = 16
 _NONFINITE = STATS_COLUMNS.index("nonfinite")
 _URATIO = STATS_COLUMNS.index("update_ratio")
+#: A rising-only value (a loss, a norm) above this factor times the largest of its recent
+#: values is a spike (:mod:`dstt.analysis.valuefind`).
+SPIKE = 1.5
 #: Previous update ratios a tensor's current one is compared with (their median).
 UPDATE_WINDOW = 8
 
@@ -48,98 +68,176 @@ UPDATE_WINDOW = 8
 def find(run: "Run", patterns: Iterable[str] | None = None, branch: str | None = None, *,
          nonfinite: bool = True, jump: float | None = 10.0, stat: str | None = None,
          gt: float | None = None, lt: float | None = None, first: bool = True,
-         ancestry: bool = True, update_jump: float | None = 10.0) -> list[dict[str, Any]]:
-    """Events ``{"branch", "step", "tensor", "reason", "stat", "value", "previous"}``
-    in step order; with ``first=True`` only those of the first step that has any.
-    (``previous`` of an ``update_jump`` is the median of the earlier ratios.)"""
+         ancestry: bool = True, update_jump: float | None = 10.0, spike: float | None = SPIKE,
+         values: bool = True) -> list[dict[str, Any]]:
+    """Events ``{"branch", "step", "tensor", "kind", "reason", "stat", "value",
+    "previous", "gap"}`` in step order; with ``first=True`` only those of the
+    first step that has any. ``tensor`` names the tensor or value (``kind``
+    ``"tensor"`` or ``"value"``); ``previous`` is the value compared with
+    (for an ``update_jump`` the median of the earlier ratios, for a
+    ``spike`` the largest of the recent values); ``gap`` the steps since
+    that previous value, where it was judged across one.
+
+    Without ``patterns`` the default scope applies (:mod:`dstt.analysis.scope`:
+    model tensors and float values, never RNG states, optimizer state,
+    counters or data offsets); patterns (tensor globs, value paths) replace
+    it. ``values=False`` looks at tensors only. :func:`group_by_step`
+    gathers the events of a step into one detection."""
     if jump is not None and not jump > 1:
         raise ConfigError(f"jump must be a factor greater than 1, got {jump}")
     if update_jump is not None and not update_jump > 1:
         raise ConfigError(f"update jump must be a factor greater than 1, got {update_jump}")
+    if spike is not None and not spike > 1:
+        raise ConfigError(f"spike must be a factor greater than 1, got {spike}")
     if (gt is not None or lt is not None) and stat is None:
         stat = "norm"
     col = stat_column(stat) if stat is not None else None
     if col is not None and gt is None and lt is None:
         raise ConfigError("--stat needs a threshold: --gt and/or --lt")
-    if not nonfinite and jump is None and col is None and update_jump is None:
-        raise ConfigError("nothing to look for: enable nonfinite, a norm jump, an update jump or a stat threshold")
-    match = _Matcher(patterns)
+    if not nonfinite and jump is None and col is None and update_jump is None and spike is None:
+        raise ConfigError("nothing to look for: enable nonfinite, a norm jump, an update jump, a spike or a stat threshold")
+    pats = [p for p in (patterns or []) if p]
+    match = _Matcher(pats, keep=default_tensor)
+    lineage = run.lineage(branch, ancestry)
+    spacing = usual_spacing(sorted({s for _, steps in lineage for s in steps}))
+    vals = ValueChecks(pats, nonfinite=nonfinite, jump=jump, spike=spike, spacing=spacing) if values else None
     prev_hits: list[tuple[str, int]] = []
     prev_norms = np.empty(0)
-    last: dict[str, float] = {}  # latest norm of every tensor seen, as of the last change of tensor set
+    prev_step = -1
+    last: dict[str, float] = {}  # latest norm of every tensor, as of the last change of tensor set
     updates = _UpdateWindows()
+    peaks = _Peaks()
     events: list[dict[str, Any]] = []
-    for b, s, names, stats in scan(run, branch, ancestry):
-        hits = match(names)
-        if not hits:
-            continue
-        idx = np.fromiter((i for _, i in hits), dtype=np.int64, count=len(hits))
-        rows = stats[idx]
-        norms = rows[:, _NORM]
-        if hits is prev_hits:  # the same tensors as the step before: rows line up
-            prevs = prev_norms
-        else:  # a tensor is compared with its latest captured norm, however long ago
-            last.update(zip((n for n, _ in prev_hits), prev_norms.tolist()))
-            prevs = np.array([last.get(n, np.nan) for n, _ in hits], dtype=np.float64)
-        # Vectorized screening over the step's tensors; events are built only
-        # for the (rare) flagged rows.
-        flagged = np.zeros(len(hits), dtype=bool)
-        if nonfinite:
-            flagged |= rows[:, _NONFINITE] > 0
-        if jump is not None:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = norms / prevs
-                flagged |= ((prevs > 0) & np.isfinite(prevs) & np.isfinite(norms) & ((ratio > jump) | (ratio < 1.0 / jump))
-                            & ~_counters(hits))
-        if col is not None:
-            v = rows[:, col]
-            if gt is not None:
-                flagged |= v > gt
-            if lt is not None:
-                flagged |= v < lt
-        base = updates.step(hits, rows[:, _URATIO]) if update_jump is not None else None
-        if base is not None:
-            with np.errstate(invalid="ignore"):
-                up = (base > 0) & np.isfinite(rows[:, _URATIO]) & (rows[:, _URATIO] > update_jump * base)
-            flagged |= up
-        found: list[dict[str, Any]] = []
-        for k in np.flatnonzero(flagged).tolist():
-            p = float(prevs[k])
-            found.extend(_check(b, s, hits[k][0], rows[k], None if p != p else p, nonfinite, jump, stat, col, gt, lt))
-            if base is not None and up[k]:
-                found.append({"branch": b, "step": s, "tensor": hits[k][0], "reason": "update_jump",
-                              "stat": "update_ratio", "value": float(rows[k, _URATIO]), "previous": float(base[k])})
-        prev_hits, prev_norms = hits, norms
-        if found:
-            events.extend(found)
-            if first:
-                break
-    match.check(f"on branch {branch or run.default_branch!r}")
+    for b, segment in lineage:
+        for s in segment:
+            names, stats = run.step_stats(s, branch=b)
+            found = _tensor_events(b, s, match(names), stats, (prev_hits, prev_norms, prev_step), last,
+                                   (updates, peaks), _Checks(nonfinite, jump, stat, col, gt, lt, update_jump, spacing))
+            hits = match(names)
+            if hits:
+                prev_hits, prev_norms, prev_step = hits, stats[_rows(hits)][:, _NORM], s
+            if vals is not None:
+                found.extend(vals.step(b, s, flatten_values(run.record(s, branch=b).objects)))
+            if found:
+                events.extend(found)
+                if first:
+                    match.check(f"on branch {branch or run.default_branch!r}",
+                                also=lambda p: vals is not None and not vals.unmatched([p]))
+                    return events
+    match.check(f"on branch {branch or run.default_branch!r}",
+                also=lambda p: vals is not None and not vals.unmatched([p]))
     return events
 
 
-def _check(b: str, s: int, name: str, row: np.ndarray, prev_norm: float | None, nonfinite: bool,
-           jump: float | None, stat: str | None, col: int | None, gt: float | None,
-           lt: float | None) -> list[dict[str, Any]]:
-    out = []
+class _Checks(NamedTuple):
+    nonfinite: bool
+    jump: float | None
+    stat: str | None
+    col: int | None
+    gt: float | None
+    lt: float | None
+    update_jump: float | None
+    spacing: int
 
-    def ev(reason: str, st: str, value: float, previous: float | None = None) -> None:
-        out.append({"branch": b, "step": s, "tensor": name, "reason": reason, "stat": st,
-                    "value": value, "previous": previous})
 
-    if nonfinite and row[_NONFINITE] > 0:
-        ev("nonfinite", "nonfinite", float(row[_NONFINITE]))
-    norm = float(row[_NORM])
-    if (jump is not None and prev_norm is not None and prev_norm > 0 and np.isfinite(prev_norm) and np.isfinite(norm)
-            and not _is_counter(name)):
-        ratio = norm / prev_norm
-        if ratio > jump or ratio < 1.0 / jump:
-            ev("norm_jump", "norm", norm, prev_norm)
-    if col is not None and stat is not None:
-        v = float(row[col])
-        if (gt is not None and v > gt) or (lt is not None and v < lt):
-            ev("threshold", stat, v)
-    return out
+def _rows(hits: list[tuple[str, int]]) -> np.ndarray:
+    return np.fromiter((i for _, i in hits), dtype=np.int64, count=len(hits))
+
+
+def _tensor_events(b: str, s: int, hits: list[tuple[str, int]], stats: np.ndarray,
+                   before: tuple[list[tuple[str, int]], np.ndarray, int], last: dict[str, float],
+                   windows: tuple["_UpdateWindows", "_Peaks"], c: _Checks) -> list[dict[str, Any]]:
+    """The events of one step's tensors (vectorized screening; events are
+    built only for the rare flagged rows)."""
+    if not hits:
+        return []
+    prev_hits, prev_norms, prev_step = before
+    rows = stats[_rows(hits)]
+    norms = rows[:, _NORM]
+    if hits is prev_hits:  # the same tensors as the step before: rows line up
+        prevs = prev_norms
+    else:  # a tensor is compared with its latest captured norm, however long ago
+        last.update(zip((n for n, _ in prev_hits), prev_norms.tolist()))
+        prevs = np.array([last.get(n, np.nan) for n, _ in hits], dtype=np.float64)
+    # The gap is the run's (steps not captured since the previous captured
+    # step), not the tensor's: a tensor absent from a captured step is
+    # judged as if it had stayed put.
+    gap = s - prev_step if prev_step >= 0 else 1
+    updates, peaks = windows
+    peak = peaks.step(hits, norms)
+    flagged = np.zeros(len(hits), dtype=bool)
+    if c.nonfinite:
+        flagged |= rows[:, _NONFINITE] > 0
+    jumped = np.zeros(len(hits), dtype=bool)
+    if c.jump is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.maximum(norms / prevs, prevs / norms)
+            # Across a gap k times the usual spacing the factor must be k x
+            # jump (a ramp -- exp_avg_sq filling up, a warmup -- stays put);
+            # from a norm under 1/jump of the tensor's peak so far (a bias
+            # crossing zero) a factor means nothing.
+            # A fall is judged only for tensors of SMALL_NUMEL elements or more.
+            jumped = ((prevs > 0) & np.isfinite(prevs) & np.isfinite(norms) & (norms > 0)
+                      & (ratio > c.jump * max(gap / c.spacing, 1.0)) & ~(prevs * c.jump < peak)
+                      & ((norms > prevs) | (rows[:, _NUMEL] >= SMALL_NUMEL)) & ~_counters(hits))
+        flagged |= jumped
+    if c.col is not None:
+        v = rows[:, c.col]
+        if c.gt is not None:
+            flagged |= v > c.gt
+        if c.lt is not None:
+            flagged |= v < c.lt
+    base = updates.step(hits, rows[:, _URATIO]) if c.update_jump is not None else None
+    up = np.zeros(len(hits), dtype=bool)
+    if base is not None and c.update_jump is not None:
+        with np.errstate(invalid="ignore"):
+            up = ((base > 0) & np.isfinite(rows[:, _URATIO]) & (rows[:, _URATIO] > c.update_jump * base)
+                  & (rows[:, _NUMEL] >= SMALL_NUMEL))  # (a bias near 0: any update is large beside it)
+        flagged |= up
+    found: list[dict[str, Any]] = []
+    for k in np.flatnonzero(flagged).tolist():
+        name, row = hits[k][0], rows[k]
+
+        def ev(reason: str, st: str, value: float, previous: float | None = None, g: int | None = None,
+               name: str = name) -> None:
+            found.append({"branch": b, "step": s, "tensor": name, "kind": "tensor", "reason": reason, "stat": st,
+                          "value": value, "previous": previous, "gap": g})
+
+        if c.nonfinite and row[_NONFINITE] > 0:
+            ev("nonfinite", "nonfinite", float(row[_NONFINITE]))
+        if jumped[k]:
+            ev("norm_jump", "norm", float(row[_NORM]), float(prevs[k]), gap)
+        if c.col is not None and c.stat is not None:
+            v = float(row[c.col])
+            if (c.gt is not None and v > c.gt) or (c.lt is not None and v < c.lt):
+                ev("threshold", c.stat, v)
+        if base is not None and up[k]:
+            ev("update_jump", "update_ratio", float(row[_URATIO]), float(base[k]))
+    return found
+
+
+def group_by_step(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One detection per (branch, step): ``{"branch", "step", "names" (the
+    tensors and values flagged, values first), "reasons" ({reason: count}),
+    "events"}``, in step order.
+
+    >>> evs = [{"branch": "main", "step": 3, "tensor": "model/w", "kind": "tensor", "reason": "nonfinite"},
+    ...        {"branch": "main", "step": 3, "tensor": "extra/loss", "kind": "value", "reason": "nonfinite"}]
+    >>> g = group_by_step(evs)
+    >>> len(g), g[0]["names"], g[0]["reasons"]
+    (1, ['extra/loss', 'model/w'], {'nonfinite': 2})
+    """
+    groups: dict[tuple[str, int], dict[str, Any]] = {}
+    for e in events:
+        g = groups.setdefault((e["branch"], e["step"]), {"branch": e["branch"], "step": e["step"], "names": [],
+                                                          "reasons": {}, "events": []})
+        g["events"].append(e)
+        g["reasons"][e["reason"]] = g["reasons"].get(e["reason"], 0) + 1
+    for g in groups.values():
+        evs = sorted(g["events"], key=lambda e: (e.get("kind") != "value", not str(e["tensor"]).startswith("model/")))
+        g["names"] = list(dict.fromkeys(e["tensor"] for e in evs))
+        g["events"] = evs
+    return sorted(groups.values(), key=lambda g: (g["step"], g["branch"]))
 
 
 def _is_counter(name: str) -> bool:
@@ -161,6 +259,27 @@ def _counters(hits: list[tuple[str, int]]) -> np.ndarray:
         got = _COUNTERS[id(hits)] = (hits, np.fromiter((_is_counter(n) for n, _ in hits), dtype=bool,
                                                        count=len(hits)))
     return got[1]
+
+
+class _Peaks:
+    """Each tensor's largest finite norm so far, as an array lined up with
+    the current step's matched tensors (rebuilt when the tensor set changes)."""
+
+    def __init__(self) -> None:
+        self.hits: list[tuple[str, int]] | None = None
+        self.peak = np.empty(0)
+        self.kept: dict[str, float] = {}
+
+    def step(self, hits: list[tuple[str, int]], norms: np.ndarray) -> np.ndarray:
+        """The peaks before this step (NaN for a tensor not seen yet), then takes in ``norms``."""
+        if hits is not self.hits:
+            if self.hits is not None:
+                self.kept.update(zip((n for n, _ in self.hits), self.peak.tolist()))
+            self.peak = np.array([self.kept.get(n, np.nan) for n, _ in hits], dtype=np.float64)
+            self.hits = hits
+        before = self.peak
+        self.peak = np.fmax(self.peak, np.where(np.isfinite(norms), norms, np.nan))
+        return before
 
 
 class _UpdateWindows:

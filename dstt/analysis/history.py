@@ -15,7 +15,7 @@ A branch's history includes its ancestry: a branch forked from
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -49,8 +49,9 @@ class _Matcher:
     """Row indices of the names matching ``patterns``, cached while the
     names table stays the same from step to step."""
 
-    def __init__(self, patterns: Iterable[str] | None) -> None:
+    def __init__(self, patterns: Iterable[str] | None, keep: Callable[[str], bool] | None = None) -> None:
         self.patterns = list(patterns or [])
+        self.keep = keep  # without patterns: only the names it keeps (find's default scope)
         self._names: list[str] | None = None
         self._hits: list[tuple[str, int]] = []
         self.seen: set[str] = set()
@@ -61,15 +62,19 @@ class _Matcher:
             self._names = names
             self.last_names = names
             pos = {n: i for i, n in enumerate(names)}
-            self._hits = [(n, pos[n]) for n in match_names(names, self.patterns)]
+            keep = self.keep if not self.patterns else None
+            self._hits = [(n, pos[n]) for n in match_names(names, self.patterns) if keep is None or keep(n)]
             self.seen.update(n for n, _ in self._hits)
         return self._hits
 
-    def check(self, where: str) -> None:
+    def check(self, where: str, also: Callable[[str], bool] | None = None) -> None:
+        """A pattern that matched no name (nor, by ``also``, anything else) is an error."""
         from dstt.analysis.select import is_glob
         from dstt.format.index import suggest
 
         for p in self.patterns:
+            if also is not None and also(p):
+                continue
             if not any(p == n or (is_glob(p) and match_names([n], [p])) for n in self.seen):
                 hint = "" if is_glob(p) else suggest(p, self.last_names)
                 raise TensorNotFoundError(f"no tensor matches {p!r} {where}{hint}")

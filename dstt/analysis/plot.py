@@ -42,6 +42,7 @@ class Series:
     ys: Sequence[float]
     tensor: str = ""
     branch: str = ""
+    store: str = ""
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Marker:
     label: str = ""
     tensor: str = ""
     branch: str = ""
+    store: str = ""
 
 
 @dataclass
@@ -151,16 +153,17 @@ def figure(spec: PlotSpec) -> Any:
     fig, axes = plt.subplots(n, 1, figsize=(spec.width_in, max(spec.height_in, 2.6 * n) if n > 1 else spec.height_in),
                              sharex=True, squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
-    branch_colors: dict[str, str] = {}
+    branch_colors: dict[tuple[str, str], str] = {}
     for ax, (name, members) in zip(axes[:, 0], groups or [("", [])]):
         for k, s in enumerate(members):
             color = colors[k % len(colors)] if not spec.panels else branch_colors.setdefault(
-                s.branch, colors[len(branch_colors) % len(colors)])
+                (s.store, s.branch), colors[len(branch_colors) % len(colors)])
             ys = [float(y) if _finite(y) and not (spec.log_y and y <= 0) else math.nan for y in s.ys]
-            ax.plot(list(s.xs), ys, label=safe_text(s.label), color=color, linewidth=1.6, marker="." if len(ys) < 60 else None)
+            xs, ys, broken = break_gaps(list(s.xs), ys)
+            ax.plot(xs, ys, label=safe_text(s.label), color=color, linewidth=1.6,
+                    marker="." if len(ys) < 60 or broken else None, markersize=4 if broken and len(ys) >= 60 else 6)
         _draw_markers(ax, spec, members)
-        if spec.log_y:
-            ax.set_yscale("log")
+        _axes_ticks(ax, spec.log_y)
         ax.grid(True, alpha=0.3)
         ax.set_ylabel(safe_text(spec.ylabel))
         if name:
@@ -174,10 +177,50 @@ def figure(spec: PlotSpec) -> Any:
     return fig
 
 
+def break_gaps(xs: list[float], ys: list[float]) -> tuple[list[float], list[float], bool]:
+    """The points with a NaN between two that are more than twice the
+    series' usual spacing apart (its smallest step gap): a line is not drawn
+    across steps that were never stored (the flight recorder's memory-only
+    stretches). Also says whether any gap was broken.
+
+    >>> break_gaps([0, 1, 2, 20, 21], [1.0, 2.0, 3.0, 4.0, 5.0])
+    ([0, 1, 2, 11.0, 20, 21], [1.0, 2.0, 3.0, nan, 4.0, 5.0], True)
+    """
+    gaps = [b - a for a, b in zip(xs, xs[1:]) if b > a]
+    if not gaps:
+        return xs, ys, False
+    usual = min(gaps)
+    out_x: list[float] = []
+    out_y: list[float] = []
+    broken = False
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if i and x - xs[i - 1] > 2 * usual:
+            out_x.append((x + xs[i - 1]) / 2)
+            out_y.append(math.nan)
+            broken = True
+        out_x.append(x)
+        out_y.append(y)
+    return out_x, out_y, broken
+
+
+def _axes_ticks(ax: Any, log_y: bool) -> None:
+    """Steps are integers (no 2.5 ticks); a log axis reads 0.01, 1, 100 (not
+    2x10^0)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if log_y:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, numticks=8))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def _draw_markers(ax: Any, spec: PlotSpec, members: list[Series]) -> None:
     labelled: set[str] = set()
     for m in spec.markers:
-        on = [s for s in members if (not m.tensor or s.tensor == m.tensor) and (not m.branch or s.branch == m.branch)]
+        on = [s for s in members if (not m.tensor or s.tensor == m.tensor) and (not m.branch or s.branch == m.branch)
+              and (not m.store or s.store == m.store)]
         if m.tensor and not on:
             continue  # the event is on a tensor of another panel
         legend = {"fork": "fork point", "detection": "find: detection", "incident": "incident"}.get(m.kind, m.kind)
@@ -236,17 +279,20 @@ def line_plot(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], pa
 MAX_EVENT_MARKERS = 200
 
 
-def events_and_forks(run: Any, tensors: Sequence[str], branches: Sequence[str]) -> list[Marker]:
+def events_and_forks(run: Any, tensors: Sequence[str], branches: Sequence[str], store: str = "") -> list[Marker]:
     """Markers for ``branches``: each one's fork point, every ``find``
-    detection (NaN/Inf, a 10x norm or update-ratio jump) on ``tensors`` and
-    every recorded incident -- from the step index and incident records only."""
+    detection (NaN/Inf, a norm or value jump, a spike) on ``tensors`` (tensor
+    names or value paths) and every recorded incident -- from the step index
+    and incident records only. ``store`` labels them (several stores)."""
     from dstt.analysis.anomaly import find
 
     markers: list[Marker] = []
     for b in branches:
         parent = run.branch_info(b).parent
         if parent is not None:
-            markers.append(Marker(parent[1], "fork", f"{b} forks from {parent[0]}:{parent[1]}", branch=b))
+            where = f"{store}: " if store else ""
+            markers.append(Marker(parent[1], "fork", f"{where}{b} forks from {parent[0]}:{parent[1]}", branch=b,
+                                  store=store))
     seen: set[tuple[int, str]] = set()
     for b in branches:
         for e in find(run, list(tensors) or None, b, first=False):
@@ -254,33 +300,59 @@ def events_and_forks(run: Any, tensors: Sequence[str], branches: Sequence[str]) 
             if key in seen or len(seen) >= MAX_EVENT_MARKERS:
                 continue
             seen.add(key)
-            markers.append(Marker(e["step"], "detection", str(e.get("reason", "")), tensor=str(e["tensor"]), branch=b))
+            markers.append(Marker(e["step"], "detection", str(e.get("reason", "")), tensor=str(e["tensor"]), branch=b,
+                                  store=store))
     from dstt.format.incidents import list_incidents
 
     for b in branches:  # incidents the capture recorded: across the panel (they name a step, not a tensor)
         for i in list_incidents(run.backend, b)[:MAX_EVENT_MARKERS]:
-            markers.append(Marker(i.step, "incident", f"{i.source}: {i.reason}", branch=b))
+            markers.append(Marker(i.step, "incident", f"{i.source}: {i.reason}", branch=b, store=store))
     return markers
 
 
-def history_plot(run: Any, series: list[dict[str, Any]], path: str | os.PathLike[str], *, label: str,
-                 log_y: bool = False, panels: bool = False, marks: bool = True) -> None:
-    """Write ``dstt history``'s series (``{"tensor", "branch", "points"}``)
-    to ``path``: branches overlaid with their fork points, ``find``
-    detections marked (``marks``), one panel per tensor with ``panels``."""
-    branches = list(dict.fromkeys(s["branch"] for s in series))
-    multi = len(branches) > 1
-    lines = [Series(f"{s['tensor']}@{s['branch']}" if multi and not panels else
-                    (s["branch"] if panels else s["tensor"]),
+def series_label(s: dict[str, Any], *, stores: bool, branches: bool, panels: bool) -> str:
+    """A line's legend: the tensor (or value), then ``@branch`` where there
+    are several (store, branch) pairs, prefixed ``store:`` where several
+    stores; in a panel of one tensor, only the store and branch.
+
+    >>> series_label({"tensor": "extra/loss", "branch": "hot", "store": "a"}, stores=True, branches=True, panels=False)
+    'a:extra/loss@hot'
+    """
+    where = (f"{s.get('store', '')}:" if stores else "")
+    if panels:
+        return f"{where}{s['branch']}"
+    return f"{where}{s['tensor']}" + (f"@{s['branch']}" if branches else "")
+
+
+def history_plot(runs: Any, series: list[dict[str, Any]], path: str | os.PathLike[str], *, label: str,
+                 log_y: bool = False, panels: bool = False, marks: bool = True, title: str = "") -> None:
+    """Write ``dstt history``'s series (``{"tensor", "branch", "points"}``,
+    and ``"store"`` when several stores) to ``path``: every line labelled
+    with its branch (and store) where there are several, fork points
+    marked, ``find`` detections marked (``marks``), one panel per tensor
+    with ``panels``. ``runs``: the run, or ``{store label: run}``."""
+    by_store = runs if isinstance(runs, dict) else {"": runs}
+    pairs = list(dict.fromkeys((s.get("store", ""), s["branch"]) for s in series))
+    stores = len(by_store) > 1
+    multi = len(pairs) > 1
+    lines = [Series(series_label(s, stores=stores, branches=multi, panels=panels),
                     [p["step"] for p in s["points"]], [p["value"] for p in s["points"]],
-                    tensor=s["tensor"], branch=s["branch"]) for s in series]
-    tensors = list(dict.fromkeys(s["tensor"] for s in series))
-    markers = events_and_forks(run, tensors, branches) if marks else []
-    if not multi:  # a single branch: its fork point is still worth a line, not a ring per tensor
-        markers = [m for m in markers if m.kind != "fork" or m.branch in branches]
-    save(PlotSpec(lines, title=f"{label} - {run.url}", ylabel=label, log_y=log_y, panels=panels,
+                    tensor=s["tensor"], branch=s["branch"], store=s.get("store", "")) for s in series]
+    markers: list[Marker] = []
+    if marks:
+        for name, run in by_store.items():
+            mine = [s for s in series if s.get("store", "") == name]
+            tensors = list(dict.fromkeys(s["tensor"] for s in mine))
+            branches = list(dict.fromkeys(s["branch"] for s in mine))
+            got = events_and_forks(run, tensors, branches, store=name) if mine else []
+            if not multi:  # a single branch: its fork point is still worth a line, not a ring per tensor
+                got = [m for m in got if m.kind != "fork" or m.branch in branches]
+            markers += got
+    shown = title or ", ".join(str(r.url) for r in by_store.values())
+    save(PlotSpec(lines, title=f"{label} - {shown}", ylabel=label, log_y=log_y, panels=panels,
                   markers=markers), path)
 
 
-__all__ = ["FORMATS", "Marker", "PlotSpec", "Series", "events_and_forks", "figure", "history_plot", "line_plot",
+__all__ = ["FORMATS", "Marker", "PlotSpec", "Series", "break_gaps", "events_and_forks", "figure", "history_plot",
+           "line_plot", "series_label",
            "plot_format", "render", "require_matplotlib", "safe_text", "save", "style"]

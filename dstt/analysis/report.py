@@ -178,8 +178,12 @@ def update_sizes(norms: np.ndarray) -> np.ndarray:
 def largest_changes(data: ReportData, top: int = TOP_CHANGES) -> list[dict[str, Any]]:
     """Tensors whose norm changed most (relatively) between their first and
     last captured steps on the trajectory."""
+    from dstt.analysis.scope import SKIPPED_ROOTS, is_counter
+
     rows = []
     for i, name in enumerate(data.names):
+        if name.split("/", 1)[0] in SKIPPED_ROOTS or is_counter(name):
+            continue  # RNG states, step counters, data offsets: change by design
         finite = np.flatnonzero(~np.isnan(data.norms[i]))
         if len(finite) < 2:
             continue
@@ -215,9 +219,12 @@ def group_figures(data: ReportData) -> list[tuple[str, str]]:
     from dstt.analysis.plot import require_matplotlib, safe_text
 
     plt = require_matplotlib()
+    from dstt.analysis.scope import SKIPPED_ROOTS, is_counter
+
     groups: dict[str, list[int]] = {}
     for i, n in enumerate(data.names):
-        groups.setdefault(layer_group(n), []).append(i)
+        if n.split("/", 1)[0] not in SKIPPED_ROOTS and not is_counter(n):  # (no norm plot of RNG states, counters)
+            groups.setdefault(layer_group(n), []).append(i)
     order = sorted(groups, key=lambda g: (not g.startswith("model/"), g))[:MAX_GROUPS]
     xs = np.asarray(data.steps, dtype=np.float64)
     forks = sorted({s for s, b0, b1 in zip(data.steps[1:], data.step_branch, data.step_branch[1:]) if b0 != b1})
@@ -385,8 +392,13 @@ def render_html(data: ReportData) -> str:
                    for t in data.latest]
     changes = [[r["name"], r["first_step"], r["last_step"], r["norm_first"], r["norm_last"], r["rel_change"],
                 r["mean_first"], r["mean_last"]] for r in largest_changes(data)]
-    events = [[e.get("branch", data.branch), e["step"], e["tensor"], e.get("reason", ""), e.get("value", math.nan),
-               e.get("previous", math.nan)] for e in data.events]
+    from dstt.analysis.anomaly import group_by_step
+
+    events = [[g["branch"], g["step"], ", ".join(g["names"][:6]) + (f" (+{len(g['names']) - 6} more)"
+                                                                   if len(g["names"]) > 6 else ""),
+               ", ".join(f"{r} x{n}" if n > 1 else r for r, n in g["reasons"].items()),
+               g["events"][0].get("value", math.nan), g["events"][0].get("previous", math.nan)]
+              for g in group_by_step(data.events)]  # one row per step (was: one per tensor)
     from dstt.analysis.plot import style
 
     with style():
@@ -426,8 +438,9 @@ def render_html(data: ReportData) -> str:
                  i["reason"], _ranges(_as_ranges(i["steps"])) or "-", ", ".join(i["tensors"][:5])
                  + (f", ... ({len(i['tensors'])})" if len(i["tensors"]) > 5 else "")] for i in data.incidents],
                "incidents"),
-        (_table(["branch", "step", "tensor", "reason", "value", "previous"], events, "events")
-         if events else "<p class=\"none\">find: no NaN/Inf and no 10x norm jump.</p>"),
+        (_table(["branch", "step", "tensors and values", "why", "value (first)", "previous (first)"], events,
+                "events")
+         if events else "<p class=\"none\">find: no NaN/Inf, no 10x jump and no spike.</p>"),
         f"<p class=\"meta\">read in {data.elapsed_s:.2f} s, drawn in {time.perf_counter() - t0:.2f} s</p>",
         "</body></html>",
     ]

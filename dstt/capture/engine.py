@@ -210,6 +210,7 @@ class Capture(Draining, Stager, CrashSafe):
         """
         self._check_open()
         validate_step(step)  # before `every`: a bad step is refused, never silently skipped
+        self.rewinder.check_step(step)  # (rewind.py: the step after a rewind follows it)
         if not policy.is_due(step, self.config.every):
             self.raise_pending()
             return False
@@ -332,6 +333,7 @@ class Capture(Draining, Stager, CrashSafe):
         rng: bool = True,
         branch: str | None = None,
         strict: bool = True,
+        check_steps: bool = True,
     ) -> dict[str, Any]:
         """Restore ``model``/``optimizer``/``scheduler``/RNG to captured
         ``step`` and continue on a new branch forked there (``branch``, or
@@ -348,6 +350,12 @@ class Capture(Draining, Stager, CrashSafe):
         else from the store. The ring's steps are stored on the old branch
         (an incident, source "rewind").
 
+        The new branch continues from ``step``: the next ``snapshot()`` must
+        be of ``step + 1`` -- set the loop's step counter back -- else it is
+        refused (StepOrderError, nothing captured) instead of mislabelling
+        the branch's steps; ``check_steps=False`` accepts any later step (a
+        loop that snapshots every N-th step itself).
+
         >>> import tempfile, torch, dstt
         >>> m = torch.nn.Linear(2, 1)
         >>> path = tempfile.mkdtemp() + "/run"
@@ -363,7 +371,7 @@ class Capture(Draining, Stager, CrashSafe):
         """
         self._check_open()
         return self.rewinder.rewind(step, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
-                                    branch=branch, strict=strict)
+                                    branch=branch, strict=strict, check_steps=check_steps)
 
     def choose_committer(self) -> Committer:
         """The committer of this Capture's mode, chosen again (a rewind's

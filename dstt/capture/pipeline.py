@@ -28,7 +28,7 @@ from dstt.store.torchthreads import limit_this_thread
 log = logging.getLogger("dstt.capture")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `job in list` never compares tensors (issue 29: a second rewind raised RuntimeError)
 class Job:
     """One planned step travelling through the pipeline."""
 

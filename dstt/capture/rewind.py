@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dstt.capture.pipeline import Job
-from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError
+from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError, StepOrderError
 from dstt.format import args as A
 from dstt.format.geometry import TensorLayout
 from dstt.format.layout import StepRef, validate_branch, validate_step
@@ -127,6 +127,8 @@ class Rewinder:
         self.cap = cap
         #: A rewind's branch (name, fork point, the fork step's job if still in memory), opened at the next snapshot.
         self.fork: tuple[str, StepRef, Job | None] | None = None
+        #: (step, branch) of the last rewind until the next snapshot() (its step must follow it).
+        self.after: tuple[int, str] | None = None
 
     def rewind(
         self,
@@ -138,6 +140,7 @@ class Rewinder:
         rng: bool = True,
         branch: str | None = None,
         strict: bool = True,
+        check_steps: bool = True,
     ) -> dict[str, Any]:
         """:meth:`Capture.rewind <dstt.capture.engine.Capture.rewind>` (see its docstring), the Capture open."""
         # Every argument first: a refused rewind changes nothing -- not the
@@ -148,6 +151,7 @@ class Rewinder:
         check_objects(model, optimizer, scheduler, restoring=True)
         A.flag("rng", rng)
         A.flag("strict", strict)
+        A.flag("check_steps", check_steps)
         self.cap.raise_pending()
         if self.fork is not None:
             self.switch_branch()  # (an earlier rewind's branch: decided then)
@@ -174,10 +178,27 @@ class Rewinder:
                 self.cap.committer.rewind_done(job)
         name = branch or self._rewind_name(cur, step)
         self.fork = (name, parent, job if job is not None and job.writer is cur else None)
+        self.after = (step, name) if check_steps else None
         self.cap.committer.after_rewind()  # (the memory tier switches at the next snapshot)
         log.warning("dstt: rewound to step %d of branch %r; capturing continues on branch %r", step,
                     parent.branch, name)
         return extra
+
+    def check_step(self, step: int) -> None:
+        """The first snapshot() after a rewind to step k must be of k + 1
+        (issue 29: a loop whose counter ran on mislabelled the new branch's
+        steps, and the gap was accepted silently)."""
+        rewound = self.after
+        if rewound is None:
+            return
+        k, name = rewound
+        if step != k + 1:
+            how = "goes backwards" if step <= k else f"skips steps {k + 1}..{step - 1}"
+            raise StepOrderError(
+                f"snapshot({step}) {how}: branch {name!r} continues from step {k} (the rewind's), so its next "
+                f"step is {k + 1}; set the loop's step counter back to the rewound step (step = {k} + 1), or "
+                f"rewind(..., check_steps=False) to allow any later step; nothing was captured")
+        self.after = None
 
     @staticmethod
     def _check_new_branch(cur: Writer, branch: str | None) -> None:

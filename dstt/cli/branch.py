@@ -1,6 +1,6 @@
 """``dstt branch``: create a branch forking at a step; no data is copied
 (:func:`dstt.format.root.create_branch`, what :func:`dstt.branch` runs;
-torch-free)."""
+torch-free); ``-d`` deletes one (:mod:`dstt.format.branchops`)."""
 
 from __future__ import annotations
 
@@ -61,14 +61,45 @@ def create(store: str, name: str, from_: Optional[str], json_out: bool) -> None:
         stdout.print(f"created branch {name!r} from step {parent[1]} of branch {parent[0]!r}")
 
 
+def delete(store: str, name: str, force: bool, dry_run: bool, json_out: bool) -> None:
+    """Delete branch ``name`` (and, with ``force``, the branches forked from it)."""
+    from dstt.format.backends import open_backend
+    from dstt.format.branchops import delete_branch
+    from dstt.format.root import check_root
+
+    backend = open_backend(store_arg(store, "branch", ""), create=False)
+    check_root(backend)
+    gone = delete_branch(backend, name, force=force, dry_run=dry_run)
+    if json_out:
+        emit_json({"deleted": gone, "dry_run": dry_run})
+        return
+    verb = "would delete" if dry_run else "deleted"
+    stdout.print(f"{verb} branch{'es' if len(gone) > 1 else ''} {', '.join(repr(b) for b in gone)}"
+                 + ("" if dry_run else "; run 'dstt gc' to free their data"))
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
     def branch(
         store: str = typer.Argument(..., help="Store path or URL."),
-        name: str = typer.Argument(..., help="Name of the new branch."),
+        name: str = typer.Argument(..., help="Name of the new branch (of the branch to delete, with -d)."),
         from_: Optional[str] = typer.Option(None, "--from", help="Fork point: REF, @BRANCH:STEP, BRANCH:STEP or :STEP (default: latest step of main)."),
+        delete_: bool = typer.Option(False, "--delete", "-d", help="Delete the branch (refused if others fork from it, unless --force); 'dstt gc' then frees its data."),
+        force: bool = typer.Option(False, "--force", "-f", help="With -d: also delete the branches forked from it."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="With -d: only say what would be deleted."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
     ) -> None:
-        """Create a branch forking at a step (no data is copied)."""
+        """Create a branch forking at a step (no data is copied), or delete one (-d)."""
+        if delete_:
+            if from_ is not None:
+                from dstt.errors import ConfigError
+
+                raise ConfigError("--from creates a branch; -d deletes one: give one of them")
+            delete(store, name, force, dry_run, json_out)
+            return
+        if force or dry_run:
+            from dstt.errors import ConfigError
+
+            raise ConfigError("--force and --dry-run go with -d/--delete")
         create(store, name, from_, json_out)

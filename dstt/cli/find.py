@@ -1,5 +1,6 @@
 """``dstt find``: the first step where something went wrong (NaN/Inf, a
-norm jump, a jump of the update ratio, a stat threshold) on every branch or
+norm or value jump, a loss spike, a jump of the update ratio, a stat
+threshold; in the default scope of :mod:`dstt.analysis.scope`) on every branch or
 one, beside the incidents the capture recorded; or, with ``--diverge``,
 the first step where two branches differ. From the step index (torch-free).
 """
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 def cmd_find(target: str, tensors: list[str], branch: Optional[str], nonfinite: Optional[bool],
              jump: Optional[float], stat: Optional[str], gt: Optional[float], lt: Optional[float],
              all_steps: bool, json_out: bool, diverge: list[str] | None = None,
-             update_jump: Optional[float] = None) -> None:
+             update_jump: Optional[float] = None, spike: Optional[float] = None, values: bool = True) -> None:
     """Detections (or ``--diverge``'s first difference) in STORE[@BRANCH]."""
     from dstt.errors import InvalidReferenceError
 
@@ -30,10 +31,13 @@ def cmd_find(target: str, tensors: list[str], branch: Optional[str], nonfinite: 
     if diverge:
         _diverge(run, diverge, branch or ref.branch or "main", json_out)
         return
-    if nonfinite is None and jump is None and stat is None and gt is None and lt is None and update_jump is None:
-        nonfinite, jump, update_jump = True, 10.0, 10.0
+    if (nonfinite is None and jump is None and stat is None and gt is None and lt is None and update_jump is None
+            and spike is None):
+        from dstt.analysis.anomaly import SPIKE
+
+        nonfinite, jump, update_jump, spike = True, 10.0, 10.0, SPIKE
     checks: dict[str, Any] = {"nonfinite": bool(nonfinite), "jump": jump, "stat": stat, "gt": gt, "lt": lt,
-                              "update_jump": update_jump}
+                              "update_jump": update_jump, "spike": spike, "values": values}
     if branch is None and ref.branch is None:  # every branch, unless told otherwise
         _find_everywhere(run, tensors, not all_steps, checks, json_out)
     else:
@@ -64,6 +68,7 @@ def _diverge(run: RunIndex, diverge: list[str], base: str, json_out: bool) -> No
 def _find_everywhere(run: RunIndex, tensors: list[str], first: bool, checks: dict[str, Any],
                      json_out: bool) -> None:
     """Every branch, each judged on its own trajectory."""
+    from dstt.analysis.anomaly import group_by_step
     from dstt.analysis.branches import find_branches
     from dstt.cli import render
 
@@ -73,7 +78,7 @@ def _find_everywhere(run: RunIndex, tensors: list[str], first: bool, checks: dic
     incidents = incident_rows(run, None)
     if json_out:
         emit_json({"branch": None, "branches": firsts, "first_step": events[0]["step"] if events else None,
-                   "events": events, "incidents": incidents})
+                   "detections": _plain_groups(group_by_step(events)), "events": events, "incidents": incidents})
     else:
         render.events(f"on any of {len(per)} branch(es)", events)
         _render_incidents(incidents)
@@ -82,17 +87,22 @@ def _find_everywhere(run: RunIndex, tensors: list[str], first: bool, checks: dic
 def _find_on(run: RunIndex, tensors: list[str], branch: str, first: bool, checks: dict[str, Any],
              json_out: bool) -> None:
     """One branch (its parents' steps up to the fork count as history)."""
-    from dstt.analysis.anomaly import find
+    from dstt.analysis.anomaly import find, group_by_step
     from dstt.cli import render
 
     events = find(run, tensors, branch, first=first, **checks)
     incidents = incident_rows(run, branch)
     if json_out:
-        emit_json({"branch": branch, "first_step": events[0]["step"] if events else None, "events": events,
-                   "incidents": incidents})
+        emit_json({"branch": branch, "first_step": events[0]["step"] if events else None,
+                   "detections": _plain_groups(group_by_step(events)), "events": events, "incidents": incidents})
     else:
         render.events(f"on branch {branch!r}", events)
         _render_incidents(incidents)
+
+
+def _plain_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Detections for JSON: one per step, without the events repeated."""
+    return [{k: v for k, v in g.items() if k != "events"} for g in groups]
 
 
 def incident_rows(run: RunIndex, branch: Optional[str]) -> list[dict[str, Any]]:
@@ -121,6 +131,8 @@ def register(app: typer.Typer) -> None:
         nonfinite: Optional[bool] = typer.Option(None, "--nonfinite/--no-nonfinite", help="Look for NaN/Inf values."),
         jump: Optional[float] = typer.Option(None, "--jump", help="Look for a norm change of more than this factor between captured steps."),
         update_jump: Optional[float] = typer.Option(None, "--update-jump", help="Look for an update ratio (|θ_k - θ_k-1| / |θ_k|) above this factor times the median of the tensor's previous 8."),
+        spike: Optional[float] = typer.Option(None, "--spike", help="Look for a loss, norm or other rising-only value above this factor times its high of the previous 32 steps, more for a noisy value (default 1.5)."),
+        values: bool = typer.Option(True, "--values/--no-values", help="Also look at values (extra/loss, learning rates, scheduler state)."),
         stat: Optional[str] = typer.Option(None, "--stat", help="Stat for --gt/--lt (default norm)."),
         gt: Optional[float] = typer.Option(None, "--gt", help="Look for the stat above this value."),
         lt: Optional[float] = typer.Option(None, "--lt", help="Look for the stat below this value."),
@@ -130,8 +142,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Find the first step where something went wrong, or where two branches first differ.
 
-        Default: NaN/Inf, a 10x norm jump or a 10x jump of the update ratio, on every branch unless STORE@BRANCH or --branch names one. Incidents the capture recorded are listed beside the detections.
+        Default: NaN/Inf, a 10x norm or value jump (k x 10 across a gap of k usual step spacings), a 10x jump of the update ratio, a loss (or other rising-only value) above 1.5x its recent high (more for a noisy one), on every branch unless STORE@BRANCH or --branch names one. Looks at model tensors and float values (extra/loss, learning rates, scheduler state), never at RNG states, optimizer state, step counters or data offsets, unless TENSOR_GLOB names them. Incidents the capture recorded are listed beside the detections.
 
         --diverge A --diverge B: where two branches first differ."""
         cmd_find(target, tensors or [], branch, nonfinite, jump, stat, gt, lt, all_steps, json_out, diverge or [],
-                 update_jump=update_jump)
+                 update_jump=update_jump, spike=spike, values=values)

@@ -18,48 +18,88 @@ if TYPE_CHECKING:
 
 def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,
                 plot: Optional[Path], points: bool, ancestry: bool, json_out: bool,
-                log_y: bool = False, panels: bool = False, marks: bool = True) -> None:
-    """The history of TENSOR... (names, globs or value paths) on each branch."""
+                log_y: bool = False, panels: bool = False, marks: bool = True, stores: list[str] | None = None,
+                rewrite_plot: bool = False) -> None:
+    """The history of TENSOR... (names, globs or value paths) on each branch,
+    of STORE and of every ``--store`` beside it (each series then names its store)."""
     from dstt.analysis.history import stat_column
-    from dstt.cli import values as V
-    from dstt.errors import InvalidReferenceError
 
     stat_column(stat)
-    if plot is not None:  # a bad path, format or a missing matplotlib: one line, before any work
+    if plot is not None and not rewrite_plot:  # a bad path, format or a missing matplotlib: one line, before any work
         _check_plot(plot)
-    run, ref = open_index(target)
-    if ref.step is not None:
-        raise InvalidReferenceError(f"history takes STORE[@BRANCH], not a step: got {target!r}")
-    branches = branches or [run.default_branch]
-    value_names, tensors = V.value_paths(run, branches[0], tensors)
-    if value_names:  # learning rates, scheduler state, extra values: their values over the steps
-        vseries = V.value_series(run, value_names, branches, ancestry)
-        if plot is not None and not tensors:
-            from dstt.analysis.plot import line_plot
-
-            line_plot(V.plot_points(vseries), str(plot), title=f"value - {run.url}", log_y=log_y)
-            stderr.print(f"wrote {plot}")
-        if not tensors:
-            if json_out:
-                emit_json({"stat": "value", "delta": False, "series": vseries})
-            else:
-                V.render_value_history(vseries, points)
-            return
-        if not json_out:
-            V.render_value_history(vseries, points)
-    series = tensor_series(run, tensors, stat, branches, delta, ancestry)
-    label = f"{'relative change of ' if delta else ''}{stat}"
+    targets = [target, *(stores or [])]
+    runs: dict[str, RunIndex] = {}
+    vseries: list[dict[str, Any]] = []
+    tseries: list[dict[str, Any]] = []
+    for t in targets:
+        run, got_v, got_t = _one_store(t, tensors, stat, branches, delta, ancestry)
+        label = store_label(run.url, [r.url for r in runs.values()] + [run.url]) if len(targets) > 1 else ""
+        runs[label] = run
+        vseries += [{**s, "store": label} if label else s for s in got_v]
+        tseries += [{**s, "store": label} if label else s for s in got_t]
+    if stat in ("update_norm", "update_ratio") and tseries and not any(
+            p["value"] == p["value"] for s in tseries for p in s["points"]):
+        stderr.print(f"warning: no {stat} was recorded for these steps: update statistics are recorded where the "
+                     "capture had the previous step at hand (Capture(memory_steps=K)); the lines are empty")
+    title = ", ".join(r.url for r in runs.values())
+    label_ = f"{'relative change of ' if delta else ''}{stat}"
     if plot is not None:
         from dstt.analysis.plot import history_plot
 
-        history_plot(run, series, plot, label=label, log_y=log_y, panels=panels, marks=marks)
+        if tseries:
+            history_plot(runs, tseries, plot, label=label_, log_y=log_y, panels=panels, marks=marks, title=title)
+        else:
+            from dstt.cli import values as V
+
+            history_plot(runs, V.numeric_series(vseries), plot, label="value", log_y=log_y, panels=panels,
+                         marks=marks, title=title)
         stderr.print(f"wrote {plot}")
     if json_out:
-        emit_json({"stat": stat, "delta": delta, "series": series})
-    else:
+        if tseries or not vseries:
+            emit_json({"stat": stat, "delta": delta, "series": tseries,
+                       **({"values": vseries} if vseries else {})})
+        else:
+            emit_json({"stat": "value", "delta": False, "series": vseries})
+        return
+    if vseries:
+        from dstt.cli import values as V
+
+        V.render_value_history(vseries, points)
+    if tseries or not vseries:
         from dstt.cli import render
 
-        render.history(label, series, points)
+        render.history(label_, tseries, points)
+
+
+def store_label(url: str, urls: list[str]) -> str:
+    """A short name for a store among several: its last path part, longer
+    where two would read the same.
+
+    >>> store_label("/r/a/run", ["/r/a/run", "/r/b/run"]), store_label("/x/lr-0.1", ["/x/lr-0.1", "/x/lr-1"])
+    ('a/run', 'lr-0.1')
+    """
+    parts = str(url).rstrip("/").split("/")
+    for k in range(1, len(parts) + 1):
+        name = "/".join(parts[-k:])
+        if sum(1 for u in urls if "/".join(str(u).rstrip("/").split("/")[-k:]) == name) <= urls.count(url):
+            return name
+    return str(url)
+
+
+def _one_store(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,
+               ancestry: bool) -> tuple[RunIndex, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(run, value series, tensor series) of one STORE[@BRANCH]."""
+    from dstt.cli import values as V
+    from dstt.errors import InvalidReferenceError
+
+    run, ref = open_index(target)
+    if ref.step is not None:
+        raise InvalidReferenceError(f"history takes STORE[@BRANCH], not a step: got {target!r}")
+    bs = branches or [ref.branch or run.default_branch]
+    value_names, names = V.value_paths(run, bs[0], tensors)
+    vseries = V.value_series(run, value_names, bs, ancestry) if value_names else []
+    tseries = tensor_series(run, names, stat, bs, delta, ancestry) if names else []
+    return run, vseries, tseries
 
 
 def _check_plot(plot: Path) -> None:
@@ -92,15 +132,29 @@ def register(app: typer.Typer) -> None:
         tensors: List[str] = typer.Argument(..., metavar="TENSOR...", help="Tensor names or globs."),
         stat: str = typer.Option("norm", help="norm, mean, std, min, max, nonfinite, numel, update_norm (|θ_k - θ_k-1|) or update_ratio (update_norm / norm)."),
         branches: Optional[List[str]] = typer.Option(None, "--branch", "-b", help="Branch (repeatable; default: the reference's or main)."),
+        stores: Optional[List[str]] = typer.Option(None, "--store", "-s", metavar="STORE[@BRANCH]", help="Another store to compare (repeatable): its series beside STORE's, each labelled with its store."),
         delta: bool = typer.Option(False, "--delta", help="Relative change between consecutive captured steps."),
         plot: Optional[Path] = typer.Option(None, "--plot", help="Also write a line plot here: .png, .svg or .pdf (needs matplotlib: pip install 'dstt[plot]')."),
         log_y: bool = typer.Option(False, "--log-y", help="Plot with a logarithmic y axis."),
         panels: bool = typer.Option(False, "--panels", help="Plot one panel per tensor instead of overlaying them."),
         marks: bool = typer.Option(True, "--marks/--no-marks", help="Mark fork points and find's detections on the plot."),
         points: bool = typer.Option(False, "--points", help="Print every point, not just the summary."),
+        follow: bool = typer.Option(False, "--follow", "-F", help="Show it again (and rewrite --plot) each time a step commits; Ctrl-C to stop."),
+        interval: float = typer.Option(2.0, "--interval", help="With --follow: seconds between looks at the store."),
         ancestry: bool = typer.Option(True, "--ancestry/--no-ancestry", help="Include parent branches' steps up to the fork."),
         json_out: bool = JSON_OPT,
     ) -> None:
-        """A stat of tensors across steps, from the step index (no tensor reads)."""
-        cmd_history(target, tensors, stat, branches or [], delta, plot, points, ancestry, json_out,
-                    log_y=log_y, panels=panels, marks=marks)
+        """A stat of tensors (or values: extra/loss, learning rates) across steps, from the step index (no tensor reads); --store compares runs side by side."""
+        shown: list[bool] = []
+
+        def show() -> None:  # following: the plot written the first time is rewritten, not refused
+            cmd_history(target, tensors, stat, branches or [], delta, plot, points, ancestry, json_out,
+                        log_y=log_y, panels=panels, marks=marks, stores=stores or [], rewrite_plot=bool(shown))
+            shown.append(True)
+
+        if follow:
+            from dstt.cli.follow import follow as follow_
+
+            follow_(show, target, interval=interval, json_out=json_out)
+            return
+        show()

@@ -48,7 +48,15 @@ def register(app: typer.Typer) -> None:
         sort: str = typer.Option("name", help="Sort tensors by name, nbytes, numel, dtype, written, nonfinite, norm, mean, std, min, max, update_norm, update_ratio."),
         reverse: bool = typer.Option(False, "--reverse", "-r", help="Reverse the sort."),
         limit: int = typer.Option(20, min=0, help="Steps shown per branch in the table (0: all); --json lists all."),
+        follow: bool = typer.Option(False, "--follow", "-F", help="Show it again each time a step commits (a live run); Ctrl-C to stop."),
+        interval: float = typer.Option(2.0, "--interval", help="With --follow: seconds between looks at the store."),
         json_out: bool = JSON_OPT,
     ) -> None:
         """List a store's branches and steps, or the tensors at a step."""
+        if follow:
+            from dstt.cli.follow import follow as follow_
+
+            follow_(lambda: cmd_ls(target, patterns or [], sort, reverse, limit, json_out), target,
+                    interval=interval, json_out=json_out)
+            return
         cmd_ls(target, patterns or [], sort, reverse, limit, json_out)

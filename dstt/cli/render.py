@@ -280,13 +280,16 @@ def diff_table(a: str, b: str, rows: list[dict[str, Any]], all_rows: list[dict[s
 
 
 def history(label: str, series: list[dict[str, Any]], points: bool) -> None:
+    """``history``'s table: one row per series (a ``store`` column when the series come from several)."""
+    stores = any(s.get("store") for s in series)
     table = Table(title=printable(label), title_justify="left")
-    for c in ("tensor", "branch", "points", "first", "last", "min", "max", "trend"):
-        table.add_column(c, justify="left" if c in ("tensor", "branch", "trend") else "right")
+    for c in (("store",) if stores else ()) + ("tensor", "branch", "points", "first", "last", "min", "max", "trend"):
+        table.add_column(c, justify="left" if c in ("store", "tensor", "branch", "trend") else "right")
     for s in series:
         vals = [p["value"] for p in s["points"]]
         fin = [v for v in vals if math.isfinite(v)]
-        table.add_row(printable(s["tensor"]), s["branch"], str(len(vals)), fmt_float(vals[0] if vals else None),
+        table.add_row(*((printable(s.get("store", "")),) if stores else ()), printable(s["tensor"]), s["branch"],
+                      str(len(vals)), fmt_float(vals[0] if vals else None),
                       fmt_float(vals[-1] if vals else None), fmt_float(min(fin) if fin else None),
                       fmt_float(max(fin) if fin else None), sparkline(vals))
     emit_table(table)
@@ -301,17 +304,47 @@ def history(label: str, series: list[dict[str, Any]], points: bool) -> None:
 
 
 def events(where: str, evs: list[dict[str, Any]]) -> None:
-    """``find``'s detections; ``where`` says what was searched ("on branch 'main'")."""
+    """``find``'s detections, one row per step (the tensors and values
+    flagged there and why); ``where`` says what was searched ("on branch 'main'")."""
+    from dstt.analysis.anomaly import group_by_step
+
     if not evs:
         stderr.print(f"nothing found {printable(where)}")
         return
-    table = Table(title=f"first problem at step {evs[0]['step']} ({evs[0]['branch']})", title_justify="left")
-    for c in ("branch", "step", "tensor", "reason", "stat", "value", "previous"):
-        table.add_column(c, justify="right" if c in ("step", "value", "previous") else "left")
-    for e in evs:
-        table.add_row(e["branch"], str(e["step"]), printable(e["tensor"]), e["reason"], e["stat"],
-                      fmt_float(e["value"]), fmt_float(e["previous"]))
+    groups = group_by_step(evs)
+    table = Table(title=f"first problem at step {groups[0]['step']} ({groups[0]['branch']})", title_justify="left")
+    for c in ("step", "branch", "what", "why"):
+        table.add_column(c, justify="right" if c == "step" else "left", overflow="fold")
+    for g in groups:
+        names = g["names"]
+        what = ", ".join(printable(n) for n in names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+        table.add_row(str(g["step"]), g["branch"], what, "; ".join(_why(e) for e in _one_per_reason(g["events"])))
     emit_table(table)
+
+
+def _one_per_reason(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first event of each reason (values and model tensors come first)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for e in evs:
+        seen.setdefault(e["reason"], e)
+    return list(seen.values())
+
+
+def _why(e: dict[str, Any]) -> str:
+    """One event in words: ``spike: extra/loss 9.1 (recent high 2.3)``."""
+    name, reason = printable(str(e["tensor"])), e["reason"]
+    if reason == "nonfinite":
+        detail = "NaN/Inf" + ("" if e.get("kind") == "value" else f" ({fmt_float(e['value'])} values)")
+    elif reason in ("norm_jump", "value_jump"):
+        gap = f" over {e['gap']} steps" if e.get("gap") and e["gap"] > 1 else ""
+        detail = f"{fmt_float(e['previous'])} -> {fmt_float(e['value'])}{gap}"
+    elif reason == "spike":
+        detail = f"{fmt_float(e['value'])} (recent high {fmt_float(e['previous'])})"
+    elif reason == "update_jump":
+        detail = f"update ratio {fmt_float(e['value'])} (median {fmt_float(e['previous'])})"
+    else:
+        detail = f"{e['stat']} {fmt_float(e['value'])}"
+    return f"{reason}: {name} {detail}"
 
 
 @contextlib.contextmanager

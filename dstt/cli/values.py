@@ -169,6 +169,17 @@ def render_value_history(series: list[dict[str, Any]], points: bool) -> None:
     _emit(table)
 
 
+def numeric_series(series: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The series whose every value is a number, values as floats (for plots)."""
+    out = []
+    for s in series:
+        vals = [numeric(p["value"]) for p in s["points"]]
+        if vals and all(v is not None for v in vals):
+            out.append({**s, "points": [{**p, "value": float(v) if v is not None else math.nan}
+                                        for p, v in zip(s["points"], vals)]})
+    return out
+
+
 def plot_points(series: list[dict[str, Any]]) -> list[tuple[str, list[int], list[float]]]:
     """(label, steps, values) of the numeric series, for the line plot."""
     out = []

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 from dstt.errors import ConfigError, DsttError
 from dstt.format import layout as L
 from dstt.format.backends import Backend, open_backend
+from dstt.format.branchops import retired_ids
 from dstt.format.localio import pid_alive
 from dstt.format.lock import BRANCH_SET, acquire_all
 from dstt.format.packs import PACKS, pack_key, parse_pack_key
@@ -345,7 +346,8 @@ def collect_garbage(store: Any, *, dry_run: bool = False, progress: Callable[[st
     report = GcReport(dry_run=dry_run)
     with acquire_all(backend) as locks:
         branches = [lk.branch for lk in locks if lk.branch != BRANCH_SET]
-        locked_ids = {load_branch(backend, b).id for b in branches}
+        # (and deleted branches' ids: no writer adds chunks in their slots; format/branchops.py)
+        locked_ids = {load_branch(backend, b).id for b in branches} | retired_ids(backend)
         for b in branches:
             _collect_partial_steps(backend, b, report, dry_run)
         if progress:

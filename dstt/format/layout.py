@@ -9,6 +9,7 @@
     meta/zarr.json                         group (keeps plain zarr listings quiet)
     meta/branches/<branch>.json            branch document (id, parent)
     meta/branch_ids/<id>                   claims a branch id (created exclusively)
+    meta/retired_ids/<id>                  the id of a deleted branch (gc frees its slots)
     meta/steps/<branch>/<step:020d>/{index.json,names.json,stats.npy,commit.json}
     meta/locks/<branch>.lock               single-writer lock per branch
     meta/incidents/<branch>/<step:020d>-<unique>.json  incident records (dstt.format.incidents)

@@ -366,8 +366,8 @@ def test_find_follows_tensors_that_come_and_go(store: Path) -> None:
     assert [(e["step"], e["tensor"], e["previous"]) for e in events] == [(2, "b", 1.0)]
     assert events[0]["value"] == pytest.approx(20.0)
     assert find(dstt.open(store), ["a"], jump=1.5) == [
-        {"branch": "main", "step": 3, "tensor": "a", "reason": "norm_jump", "stat": "norm",
-         "value": 2.0, "previous": 1.0}]
+        {"branch": "main", "step": 3, "tensor": "a", "kind": "tensor", "reason": "norm_jump", "stat": "norm",
+         "value": 2.0, "previous": 1.0, "gap": 1}]
 
 
 # ----------------------------------------------------------------------------- edge cases (audit)
