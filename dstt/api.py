@@ -196,6 +196,7 @@ def resume(ref: Any, *, model: Any = None, optimizer: Any = None, scheduler: Any
     store, target, step, parent = resume_target(ref, branch)
     if parent is not None:
         from dstt.errors import BranchExistsError
+        from dstt.format.backends import open_backend
         from dstt.format.root import list_branches
 
         if target in list_branches(open_backend(store, create=False)):
