@@ -12,6 +12,8 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_RANK_WAIT_S`` | :func:`rank_wait_s` | how long rank 0's helper waits for the other ranks' records of a step | 300 |
 | ``DSTT_RANK_WAIT_DEAD_S`` | :func:`rank_wait_dead_s` | the same once those ranks' trainers are known dead | 60 |
 | ``DSTT_DEBUG`` | :func:`debug` | the CLI prints tracebacks | off |
+| ``DSTT_EXECUTOR`` | :func:`executor` | where scans over tensor data run: ``processes``, ``threads``, ``inline`` or ``dask://HOST:PORT`` | ``processes`` |
+| ``DSTT_WORKERS`` | :func:`workers` | workers of the local executor (0: one per core) | 0 |
 
 >>> with override(DSTT_PACK_CHUNK_BYTES="0"):
 ...     pack_chunk_bytes()
@@ -31,7 +33,8 @@ from pathlib import Path
 from dstt.errors import ConfigError
 
 #: The variables this module knows (``override`` refuses any other name).
-KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG")
+KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
+         "DSTT_EXECUTOR", "DSTT_WORKERS")
 
 PACK_CHUNK_BYTES_DEFAULT = 1 << 20
 
@@ -77,6 +80,17 @@ def rank_wait_dead_s() -> float:
 def debug() -> bool:
     """Whether the CLI prints tracebacks (``DSTT_DEBUG`` set and not ``0``)."""
     return _text("DSTT_DEBUG") not in ("", "0")
+
+
+def executor() -> str | None:
+    """Where scans over tensor data run (``DSTT_EXECUTOR``), None if unset;
+    checked by :func:`dstt.format.scan.parse_executor`."""
+    return _text("DSTT_EXECUTOR") or None
+
+
+def workers() -> int:
+    """Workers of the local executor (``DSTT_WORKERS``); 0: one per core."""
+    return int(_number("DSTT_WORKERS", 0, integer=True))
 
 
 @contextlib.contextmanager
