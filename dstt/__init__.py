@@ -44,6 +44,8 @@ _LAZY: dict[str, str] = {
     "verify": "dstt.format.verify",
     "prune": "dstt.format.gc",
     "gc": "dstt.api",
+    "to_dask": "dstt.integrations.dask",
+    "to_xarray": "dstt.integrations.dask",
 }
 
 _EXCEPTIONS = [n for n, v in vars(_errors).items()
@@ -72,6 +74,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from dstt.format.index import TensorInfo  # noqa: F401
     from dstt.format.refs import Ref, StepRef  # noqa: F401
     from dstt.format.verify import verify  # noqa: F401
+    from dstt.integrations.dask import to_dask, to_xarray  # noqa: F401
     from dstt.store.shards import ShardedTensor  # noqa: F401
     from dstt.store.state import optimizer_state, rng_state, state_of  # noqa: F401
     from dstt.store.writer import CommitInfo, Writer  # noqa: F401
