@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from dstt.analysis.select import match_names
+from dstt.analysis.select import match_names, step_filter
 from dstt.errors import ConfigError, TensorNotFoundError
 from dstt.format.layout import STATS_COLUMNS
 
@@ -181,7 +181,7 @@ def _points(run: "Run", names: Iterable[str], steps: Any, branch: str | None,
     pats = [names] if isinstance(names, str) else list(names)
     if not pats:
         raise ConfigError("map needs at least one tensor name or glob")
-    want = _step_filter(steps)
+    want = step_filter(steps)
     out: list[tuple[str, int, str, int, dict[str, float]]] = []
     seen: set[str] = set()
     cols = {c: STATS_COLUMNS.index(c) for c in STATS_COLUMNS}
@@ -200,23 +200,6 @@ def _points(run: "Run", names: Iterable[str], steps: Any, branch: str | None,
         raise TensorNotFoundError(f"no tensor matches {', '.join(map(repr, pats))} "
                                   f"on branch {branch or run.default_branch!r} at the steps asked")
     return out
-
-
-def _step_filter(steps: Any) -> Callable[[int], bool]:
-    if steps is None:
-        return lambda s: True
-    if isinstance(steps, range):
-        return steps.__contains__
-    if isinstance(steps, slice):
-        lo, hi = steps.start, steps.stop
-        return lambda s: (lo is None or s >= lo) and (hi is None or s < hi)
-    if isinstance(steps, int) and not isinstance(steps, bool):
-        return lambda s: s == steps
-    try:
-        wanted = {int(s) for s in steps}
-    except (TypeError, ValueError):
-        raise ConfigError(f"steps must be a step, a list of steps, a range or a slice, got {steps!r}") from None
-    return wanted.__contains__
 
 
 def map_tensors(run: "Run", fn: Any, names: Any = "*", steps: Any = None, branch: str | None = None, *,

@@ -93,6 +93,39 @@ def open_other(run: "Run", store: str) -> "Run":
     return type(run)(store)  # the same kind of reader (index only, or tensors too)
 
 
+def step_filter(steps: Any) -> Any:
+    """A test of step numbers from ``steps``: None (every step), a step, a
+    list of steps, a ``range`` or a ``slice`` (``stop`` excluded)."""
+    from dstt.errors import ConfigError
+
+    if steps is None:
+        return lambda s: True
+    if isinstance(steps, range):
+        return steps.__contains__
+    if isinstance(steps, slice):
+        lo, hi = steps.start, steps.stop
+        return lambda s: (lo is None or s >= lo) and (hi is None or s < hi)
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        return lambda s: s == steps
+    try:
+        wanted = {int(s) for s in steps}
+    except (TypeError, ValueError):
+        raise ConfigError(f"steps must be a step, a list of steps, a range or a slice, got {steps!r}") from None
+    return wanted.__contains__
+
+
+def lineage_points(run: "Run", steps: Any, branch: str | None) -> list[tuple[str, int]]:
+    """(branch, step) of the selected steps (:func:`step_filter`) of the
+    branch's lineage, in step order; ConfigError when none is selected."""
+    from dstt.errors import ConfigError
+
+    want = step_filter(steps)
+    pts = [(b, s) for b, ss in run.lineage(branch) for s in ss if want(s)]
+    if not pts:
+        raise ConfigError(f"no committed step of branch {branch or run.default_branch!r} matches steps={steps!r}")
+    return pts
+
+
 def parse_slice(text: str) -> tuple[Any, ...]:
     """Parse a NumPy-style index such as ``"0:4,:"``, ``"3"``, ``"...,-1"``
     into a tuple of ints, slices and Ellipsis.

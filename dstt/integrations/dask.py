@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dstt.analysis.select import lineage_points
 from dstt.errors import ConfigError, CorruptStoreError, TensorNotFoundError
 from dstt.format.scan import StoreSpec, opened
 
@@ -62,17 +63,6 @@ def _open(store: Any, storage_options: dict[str, Any] | None) -> "RunIndex":
     if isinstance(store, RunIndex):
         return store
     return RunIndex(store, storage_options=storage_options)
-
-
-def _points(run: "RunIndex", steps: Any, branch: str | None) -> list[tuple[str, int]]:
-    """(branch, step) of the selected steps of the branch's lineage, in step order."""
-    from dstt.analysis.metrics import _step_filter
-
-    want = _step_filter(steps)
-    pts = [(b, s) for b, ss in run.lineage(branch) for s in ss if want(s)]
-    if not pts:
-        raise ConfigError(f"no committed step of branch {branch or run.default_branch!r} matches steps={steps!r}")
-    return pts
 
 
 @dataclass
@@ -171,7 +161,7 @@ def to_dask(store: Any, name: str, steps: Any = None, branch: str | None = None,
     if not isinstance(steps_per_chunk, int) or steps_per_chunk < 1:
         raise ConfigError(f"steps_per_chunk must be a positive integer, got {steps_per_chunk!r}")
     run = _open(store, storage_options)
-    stack, chunk_shape = _stack(run, name, _points(run, steps, branch), bits)
+    stack, chunk_shape = _stack(run, name, lineage_points(run, steps, branch), bits)
     return _as_dask(da, run, stack, chunk_shape, steps_per_chunk)
 
 
@@ -199,7 +189,7 @@ def to_xarray(store: Any, names: Any, steps: Any = None, branch: str | None = No
     from dstt.analysis.select import is_glob, require_matches
 
     run = _open(store, storage_options)
-    points = _points(run, steps, branch)
+    points = lineage_points(run, steps, branch)
     commits = [run.record(s, branch=b).commit for b, s in points]
     coords = {"step": ("step", np.array([s for _, s in points], dtype=np.int64)),
               "time": ("step", np.array([float(c.get("time", np.nan)) for c in commits])),
