@@ -75,9 +75,12 @@ def _l1(x: np.ndarray) -> float:
 
 def _matrix(t: "torch.Tensor") -> np.ndarray | None:
     """A tensor of 2+ dimensions as a (rows, rest) float64 matrix; None otherwise."""
-    if t.dim() < 2:
+    import torch
+
+    if t.dim() < 2 or t.numel() == 0:
         return None
-    return _flat64(t).reshape(t.shape[0], -1)
+    x = t.detach().reshape(t.shape[0], -1)
+    return x.to(torch.complex128 if x.is_complex() else torch.float64).numpy()
 
 
 def _spectral_norm(t: "torch.Tensor") -> float:
@@ -95,7 +98,7 @@ def _stable_rank(t: "torch.Tensor") -> float:
     if m is None or m.size == 0 or not np.isfinite(m).all():
         return NAN
     s = float(np.linalg.norm(m, ord=2))
-    return float(np.vdot(m, m).real) / (s * s) if s else NAN
+    return float(np.vdot(m, m).real) / (s * s) if s else NAN  # (vdot: Σ|w|², complex included)
 
 
 #: Metrics of the data by name: tensor (torch) -> float, computed in float64.
