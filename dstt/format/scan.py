@@ -114,6 +114,20 @@ def opened(spec: StoreSpec, cls: Callable[..., R]) -> R:
     return made
 
 
+def forget_opened() -> int:
+    """Close and forget the stores this process opened for tasks (e.g. run
+    on every worker before a cluster stops: ``client.run(forget_opened)``);
+    how many."""
+    with _OPEN_LOCK:
+        items = list(_OPEN.values())
+        _OPEN.clear()
+    for r in items:
+        close = getattr(r, "close", None)
+        if close is not None:
+            close()
+    return len(items)
+
+
 def parse_executor(text: str) -> str:
     """Check an executor name (``processes``, ``threads``, ``inline`` or
     ``dask://HOST:PORT``); ConfigError otherwise."""
@@ -295,5 +309,5 @@ def groups_by_bytes(sizes: Sequence[int], target: int = TASK_BYTES, min_groups: 
     return out
 
 
-__all__ = ["StoreSpec", "opened", "parse_executor", "default_workers", "scan_executor", "run_tasks", "run_placed",
+__all__ = ["StoreSpec", "opened", "forget_opened", "parse_executor", "default_workers", "scan_executor", "run_tasks", "run_placed",
            "groups_by_bytes", "Placement", "SMALL_SCAN_BYTES", "TASK_BYTES"]

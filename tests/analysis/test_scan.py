@@ -1,10 +1,12 @@
 """Scans over tensor data as tasks on an executor (issue 28): verify, diff,
 run.map / history --metric and export --format zarr give exactly the
-single-process answer on a real local process pool and a thread pool; a
-killed worker fails the scan with a clear error (never a wrong answer); a
-Ctrl-C stops a scan promptly and leaves nothing behind.
-
-The Dask cluster's tests are in tests/integrations/test_dask.py (same store).
+single-process answer on a real local process pool, a thread pool and a
+real ``dask.distributed.LocalCluster`` with worker processes (also through
+``dask://HOST:PORT``); a killed worker fails the scan with a clear error
+or is retried by Dask, never a wrong answer; a Ctrl-C stops a scan
+promptly and leaves nothing behind; to_dask/to_xarray read every step
+exactly, on the cluster too, and a store on the local S3 server is read by
+the workers with its storage_options.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,11 +30,15 @@ import numpy as np
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import s3_server
+
 import dstt
 from dstt import knobs
 from dstt.errors import ConfigError, ScanError
 from dstt.format.codecs import keyframes
-from dstt.format.scan import groups_by_bytes, parse_executor, run_tasks
+from dstt.format.scan import forget_opened, groups_by_bytes, parse_executor, run_tasks
 from dstt.format.verify import verify
 from dstt.store.writer import Writer
 from dstt.timetravel.zarr_export import export_zarr
@@ -88,6 +95,16 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def inline(store: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every scan, run in this process: the answer the others must give."""
+    got = scans(dstt.open(store), store, tmp_path_factory.mktemp("inline") / "out.zarr", executor="inline")
+    assert got["verify"]["ok"] and got["verify"]["chunks"] > 20
+    assert any(r["status"] == "changed" for r in got["diff 0 3"])
+    assert got["export"][0]["notes"]  # 'late' and 'kind' reported
+    return got
+
+
+@pytest.fixture(scope="module")
 def pool() -> Iterator[cf.ProcessPoolExecutor]:
     """A real local process pool (spawn), shared by the module's tests."""
     with cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as ex:
@@ -126,13 +143,9 @@ def zarr_arrays(out: Path) -> dict[str, Any]:
         for gname, grp in g.groups() for name, a in grp.arrays()}
 
 
-def test_every_scan_equals_the_single_process_one_on_processes_and_threads(store: Path, tmp_path: Path,
-                                                                           pool: cf.ProcessPoolExecutor) -> None:
+def test_every_scan_equals_the_single_process_one_on_processes_and_threads(
+        store: Path, tmp_path: Path, pool: cf.ProcessPoolExecutor, inline: dict[str, Any]) -> None:
     run = dstt.open(store)
-    inline = scans(run, store, tmp_path / "inline.zarr", executor="inline")
-    assert inline["verify"]["ok"] and inline["verify"]["chunks"] > 20
-    assert any(r["status"] == "changed" for r in inline["diff 0 3"])
-    assert inline["export"][0]["notes"]  # 'late' and 'kind' reported
     procs = scans(run, store, tmp_path / "procs.zarr", executor=pool)
     threads = scans(run, store, tmp_path / "threads.zarr", executor="threads", workers=2)
     for key in inline:
@@ -295,3 +308,115 @@ def test_a_killed_local_worker_fails_the_scan_with_a_clear_error(store: Path, po
     run = dstt.open(store)
     with pytest.raises(ScanError, match="worker process died"):
         run.map(_die_on_emb, "model/*", executor=pool)
+
+
+# ----------------------------------------------------------------------------- on a Dask cluster
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real LocalCluster: 2 worker processes, 1 thread each (the module's tests share it)."""
+    distributed = pytest.importorskip("distributed")
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                       worker_dashboard_address=None,
+                                       local_directory=str(tmp_path_factory.mktemp("dask")))
+    c = distributed.Client(cluster, set_as_default=False)
+    try:
+        yield c
+    finally:
+        c.run(forget_opened)
+        c.close()
+        cluster.close()
+
+
+def test_every_scan_on_the_cluster_equals_the_single_process_one(client: Any, store: Path, tmp_path: Path,
+                                                                  inline: dict[str, Any]) -> None:
+    run = dstt.open(store)
+    on_dask = scans(run, store, tmp_path / "dask.zarr", executor=client.get_executor())
+    for key in inline:
+        assert same(on_dask[key], inline[key]), key
+    # the same through the scheduler's address, as --executor / DSTT_EXECUTOR give it
+    url = "dask://" + client.scheduler.address.split("://", 1)[1]
+    assert same(verify(store, executor=url).to_dict(), verify(store, executor="inline").to_dict())
+    assert same(run.diff(0, 3, executor=url), inline["diff 0 3"])
+
+
+def test_to_dask_and_xarray_compute_on_the_cluster(client: Any, store: Path) -> None:
+    run = dstt.open(store)
+    x = dstt.to_dask(store, "model/w", branch="b")
+    got = client.compute(x).result(timeout=60)
+    want = np.stack([run.read_array("model/w", s, branch=b) for b, ss in run.lineage("b") for s in ss])
+    assert got.tobytes() == want.tobytes()
+    ds = dstt.to_xarray(store, "optim/*", steps=slice(1, 4))
+    mean = client.compute(ds["optim/m"].mean("step", skipna=False).data).result(timeout=60)
+    m = np.stack([run.read_array("optim/m", s) for s in (1, 2, 3)])
+    assert np.allclose(mean, m.mean(axis=0), rtol=1e-6, equal_nan=True)
+
+
+def _l1(t: Any) -> float:
+    return float(t.double().abs().sum())
+
+
+def _slow_l1(t: Any) -> float:
+    time.sleep(0.25)
+    return _l1(t)
+
+
+def test_a_worker_killed_mid_scan_never_gives_a_wrong_answer(client: Any, store: Path) -> None:
+    """SIGKILL one worker process while its tasks run: Dask retries them on
+    the other (or the restarted) worker and the rows equal the
+    single-process ones; if it cannot, the scan fails with ScanError."""
+    run = dstt.open(store)
+    names = ["model/w", "optim/*"]
+    want = run.map(_l1, names, executor="inline")
+    pids = list(client.run(os.getpid).values())
+    started = threading.Event()
+    result: dict[str, Any] = {}
+
+    def scan() -> None:
+        try:
+            result["rows"] = run.map(_slow_l1, names, executor=client.get_executor(),
+                                     progress=lambda n: started.set())
+        except dstt.ScanError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=scan)
+    t.start()
+    assert started.wait(60)
+    os.kill(pids[0], signal.SIGKILL)
+    t.join(120)
+    assert not t.is_alive()
+    if "error" in result:  # allowed: a clear error, never a partial answer
+        assert "worker" in str(result["error"])
+    else:
+        assert same(result["rows"], want)
+    client.wait_for_workers(2, timeout=60)  # the nanny restarted it
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[s3_server.S3Server]:
+    s3_server.require()
+    with s3_server.serve() as server:
+        yield server
+
+
+def test_an_s3_store_is_read_by_the_workers_with_its_storage_options(client: Any, s3: s3_server.S3Server,
+                                                                     tmp_path: Path) -> None:
+    """The workers were started before the server: only the store's
+    storage_options (carried by every task) tell them where it is."""
+    url = s3.url()
+    opts = {**s3.storage_options, "client_kwargs": {"region_name": "us-east-1"}}  # (nothing looked up elsewhere)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 48, generator=g)
+    with Writer(url, compression="delta", max_chunk_bytes=4096, storage_options=opts) as wr:
+        for s in range(2):
+            wr.write(s, {"w": w + s * 0.01, "h": w[:8].to(torch.bfloat16)})
+    run = dstt.open(url, storage_options=opts)
+    x = dstt.to_dask(url, "w", storage_options=opts)
+    got = client.compute(x).result(timeout=60)
+    assert got.tobytes() == np.stack([run.read_array("w", s) for s in run.steps()]).tobytes()
+    ex = client.get_executor()
+    assert same(run.diff(0, 1, executor=ex), run.diff(0, 1, executor="inline"))
+    assert same(run.map("sparsity", "*", executor=ex), run.map("sparsity", "*", executor="inline"))
+    backend = run.backend
+    assert same(verify(backend, executor=ex).to_dict(), verify(backend, executor="inline").to_dict())
