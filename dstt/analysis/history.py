@@ -97,8 +97,8 @@ def history(run: "Run", names: str | Iterable[str], stat: str = "norm", branch: 
         from dstt.analysis.metrics import METRICS, map_tensors
 
         if stat in METRICS:
-            rows = map_tensors(run, stat, names, None, branch, ancestry=ancestry, **scan_kw)
-            return _deltas(rows) if delta else rows
+            found = map_tensors(run, stat, names, None, branch, ancestry=ancestry, **scan_kw)  # type: ignore[arg-type]
+            return _deltas(found) if delta else found
     col = stat_column(stat)
     pats = [names] if isinstance(names, str) else list(names)
     if not pats:

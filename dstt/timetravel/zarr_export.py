@@ -105,12 +105,13 @@ def _plan(run: "RunIndex", pts: list[tuple[str, int]], patterns: list[str] | Non
 def export_zarr(store: Any, out: str | os.PathLike[str], steps: Any = None, branch: str | None = None, *,
                 points: list[tuple[str | None, Any]] | None = None, names: Any = None, overwrite: bool = False,
                 executor: Any = None, workers: int | None = None, progress: Callable[[int, int], None] | None = None,
-                storage_options: dict[str, Any] | None = None) -> ZarrExportInfo:
+                storage_options: dict[str, Any] | None = None, compression: str = "zstd") -> ZarrExportInfo:
     """Write the tensors matching ``names`` (globs; all by default) at the
     chosen steps -- ``points`` (``(branch, step)`` pairs, steps as any
     reference accepts) or ``steps`` of ``branch``'s lineage (None: all, a
     list, a ``range`` or a ``slice``) -- as a Zarr v3 group at ``out``
-    (a local directory). ``progress(done_bytes, total_bytes)``."""
+    (a local directory). ``progress(done_bytes, total_bytes)``.
+    ``compression``: ``"zstd"`` (zarr-python's default codec) or ``"none"``."""
     from dstt.format.index import RunIndex
     from dstt.format.outpath import temp_path
     from dstt.format.scan import StoreSpec, groups_by_bytes, run_tasks
@@ -119,6 +120,8 @@ def export_zarr(store: Any, out: str | os.PathLike[str], steps: Any = None, bran
         import zarr
     except ImportError:  # pragma: no cover - a dependency of dstt
         raise ConfigError("exporting to zarr needs zarr-python") from None
+    if compression not in ("zstd", "none"):
+        raise ConfigError(f"compression must be 'zstd' or 'none', got {compression!r}")
     out_path = Path(out).absolute()
     if out_path.exists() and not overwrite:
         raise ConfigError(f"cannot export to {os.fspath(out)!r}: it exists (pass overwrite to replace it)")
@@ -133,7 +136,7 @@ def export_zarr(store: Any, out: str | os.PathLike[str], steps: Any = None, bran
         raise ConfigError(f"no tensor matches {pats!r} at the steps chosen")
     tmp = temp_path(out_path)
     try:
-        tasks = _create(zarr, tmp, run, pts, plan)
+        tasks = _create(zarr, tmp, run, pts, plan, None if compression == "none" else "auto")
         spec = StoreSpec.of(run)
         sizes = [t[-1] for t in tasks]
         groups = groups_by_bytes(sizes, min_groups=16)
@@ -183,7 +186,7 @@ def math_prod(xs: tuple[int, ...]) -> int:
 
 
 def _create(zarr: Any, root: str, run: "RunIndex", pts: list[tuple[str, int]],
-            plan: dict[str, tuple["TensorEntry", list[int]]]) -> list[tuple[Any, ...]]:
+            plan: dict[str, tuple["TensorEntry", list[int]]], compressors: Any) -> list[tuple[Any, ...]]:
     """Create the group and its arrays; the chunk writes to do: (tensor,
     branch, step, step index, box offset, box shape, bytes), a box being
     one chunk of the output (one of dstt's at the first step)."""
@@ -205,6 +208,7 @@ def _create(zarr: Any, root: str, run: "RunIndex", pts: list[tuple[str, int]],
                     arr[...] = values
         chunks = (1, *(max(1, c) for c in e.chunk_shape))
         g.create_array(n, shape=(len(pts), *e.shape), chunks=chunks, dtype=e.dtype.storage, fill_value=0,
+                       compressors=compressors,
                        dimension_names=("step", *(f"{leaf}.{k}" for k in range(len(e.shape)))),
                        attributes={"dtype": e.dtype.logical, "dstt_name": n,
                                    **({} if "time" in here_names(plan, parent) else {"coordinates": "time"})})
@@ -245,7 +249,7 @@ def _write(run: "RunIndex", root: str, items: list[tuple[Any, ...]]) -> int:
             arr = _OUT[root, name] = zarr.open_array(root, path=name, mode="r+")
         region = tuple(slice(o, o + m) for o, m in zip(off, shape))
         data = run.read_array(name, s, branch=b, index=region if region else None)
-        arr[(k, *region)] = data
+        arr[(k,) + region] = data
         n += data.nbytes
     return n
 
