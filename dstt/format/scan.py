@@ -260,11 +260,27 @@ def run_tasks(fn: Callable[..., R], payloads: Sequence[tuple[Any, ...]], *, exec
 
 
 def run_placed(place: Placement, fn: Callable[..., R], payloads: Sequence[tuple[Any, ...]],
-            weights: Sequence[int] | None, progress: Callable[[int], None] | None) -> list[R]:
-    """Submit with at most ``place.inflight`` tasks outstanding (memory and
-    Ctrl-C stay bounded); cancel everything left on any error or interrupt."""
-    assert place.executor is not None
+               weights: Sequence[int] | None, progress: Callable[[int], None] | None) -> list[R]:
+    """All results of :func:`iter_placed`, in payload order."""
     results: list[Any] = [None] * len(payloads)
+    for k, r in iter_placed(place, fn, payloads, weights, progress):
+        results[k] = r
+    return results
+
+
+def iter_placed(place: Placement, fn: Callable[..., R], payloads: Sequence[tuple[Any, ...]],
+                weights: Sequence[int] | None, progress: Callable[[int], None] | None) -> Iterator[tuple[int, R]]:
+    """``(index, fn(*payloads[index]))`` as tasks complete, with at most
+    ``place.inflight`` tasks outstanding (memory and Ctrl-C stay bounded);
+    everything left is cancelled on any error, interrupt, or when the
+    caller stops iterating."""
+    if place.executor is None:
+        for k, p in enumerate(payloads):
+            got = fn(*p)
+            if progress is not None:
+                progress(weights[k] if weights is not None else 1)
+            yield k, got
+        return
     pending: dict[cf.Future[R], int] = {}
     todo: deque[int] = deque(range(len(payloads)))
     try:
@@ -275,17 +291,18 @@ def run_placed(place: Placement, fn: Callable[..., R], payloads: Sequence[tuple[
             done, _ = cf.wait(list(pending), timeout=1.0, return_when=cf.FIRST_COMPLETED)
             for f in done:
                 k = pending.pop(f)
-                results[k] = f.result()
+                got = f.result()
                 if progress is not None:
                     progress(weights[k] if weights is not None else 1)
+                yield k, got
     except BaseException as exc:
-        for f in pending:
-            f.cancel()
         lost = _lost(exc)
         if lost is not None:
             raise lost from exc
         raise
-    return results
+    finally:
+        for f in pending:
+            f.cancel()
 
 
 def groups_by_bytes(sizes: Sequence[int], target: int = TASK_BYTES, min_groups: int = 1) -> list[list[int]]:
@@ -309,5 +326,5 @@ def groups_by_bytes(sizes: Sequence[int], target: int = TASK_BYTES, min_groups: 
     return out
 
 
-__all__ = ["StoreSpec", "opened", "forget_opened", "parse_executor", "default_workers", "scan_executor", "run_tasks", "run_placed",
+__all__ = ["StoreSpec", "opened", "forget_opened", "parse_executor", "default_workers", "scan_executor", "run_tasks", "run_placed", "iter_placed",
            "groups_by_bytes", "Placement", "SMALL_SCAN_BYTES", "TASK_BYTES"]

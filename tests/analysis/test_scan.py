@@ -296,6 +296,36 @@ def test_to_dask_and_to_xarray_read_every_step_exactly(store: Path) -> None:
     assert dstt.to_dask(store, "model/late", steps=slice(1, None)).shape == (3, 3, 3)
 
 
+def test_icechunk_export_commits_each_step_and_tags_it(store: Path, tmp_path: Path,
+                                                       pool: cf.ProcessPoolExecutor) -> None:
+    """One commit per step holding exactly that step's tensors, tagged
+    <branch>.<step>; a branch starts at its parent's fork commit; unchanged
+    chunks are not rewritten; exporting again adds only what is missing."""
+    icechunk = pytest.importorskip("icechunk")
+    import zarr
+
+    from dstt.timetravel.icechunk_export import export_icechunk
+
+    out = tmp_path / "repo"
+    first = export_icechunk(store, out, branch="main", executor="inline")
+    assert first.tags == ["main.0", "main.1", "main.2", "main.3"] and first.chunks_kept > 0
+    second = export_icechunk(store, out, branch="b", executor=pool)
+    assert second.tags == ["b.3", "b.4"] and second.skipped == ["main.0", "main.1", "main.2"]
+    run = dstt.open(store)
+    repo = icechunk.Repository.open(icechunk.local_filesystem_storage(str(out)))
+    assert sorted(repo.list_branches()) == ["b", "main"]
+    for b in ("main", "b"):
+        for br, steps in run.lineage(b):
+            for s in steps:
+                g = zarr.open_group(repo.readonly_session(tag=f"{br}.{s}").store, mode="r")
+                rec = run.record(s, branch=br)
+                arrays = {n: a for n, a in g.members(max_depth=None) if isinstance(a, zarr.Array)}
+                assert sorted(arrays) == sorted(rec.names), (br, s)
+                for n in rec.names:
+                    assert arrays[n][...].tobytes() == run.read_array(n, s, branch=br).tobytes(), (br, s, n)
+    assert export_icechunk(store, out, branch="b").tags == []
+
+
 def _die_on_emb(t: torch.Tensor) -> float:
     if t.dtype == torch.bfloat16:
         os.kill(os.getpid(), signal.SIGKILL)
