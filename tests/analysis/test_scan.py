@@ -12,6 +12,7 @@ the workers with its storage_options.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -324,6 +325,58 @@ def test_icechunk_export_commits_each_step_and_tags_it(store: Path, tmp_path: Pa
                 for n in rec.names:
                     assert arrays[n][...].tobytes() == run.read_array(n, s, branch=br).tobytes(), (br, s, n)
     assert export_icechunk(store, out, branch="b").tags == []
+
+
+def cli(*args: Any) -> tuple[int, str, str]:
+    from typer.testing import CliRunner
+
+    from dstt.cli.main import app
+
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.stdout + r.stderr
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_the_commands_take_workers_and_executor(store: Path, tmp_path: Path) -> None:
+    """verify, diff, history --metric and export --format zarr|icechunk from
+    the command line: the same output inline, on threads and on processes."""
+    outs = {}
+    for where in (["--executor", "inline"], ["--executor", "threads", "--workers", "2"], ["--workers", "2"]):
+        rc, verify_out, _ = cli("verify", store, "--json", *where)
+        assert rc == 0
+        rc, diff_out, _ = cli("diff", f"{store}:0", ":3", "--json", *where)
+        assert rc == 0
+        rc, hist_out, _ = cli("history", f"{store}@b", "model/*", "--metric", "sparsity", "--json", *where)
+        assert rc == 0, hist_out
+        outs[tuple(where)] = (json.loads(verify_out) | {"store": None}, json.loads(diff_out), json.loads(hist_out))
+    first = next(iter(outs.values()))
+    assert all(same(v, first) for v in outs.values())
+    series = {s["tensor"]: [p["value"] for p in s["points"]] for s in first[2]["series"]}
+    assert series["model/mask"][0] == 0.5 and len(series["model/w"]) == 5  # main:0..2 then b:3, 4
+
+    rc, out, err = cli("export", f"{store}:1", f"{store}@b:4", "--format", "zarr", "--out", tmp_path / "two.zarr",
+                       "--only", "model", "--workers", "2", "--json")
+    assert rc == 0, err
+    import zarr
+
+    g = zarr.open_group(tmp_path / "two.zarr", mode="r")
+    run = dstt.open(store)
+    assert g["model/w"][1].tobytes() == run.read_array("model/w", 4, branch="b").tobytes()
+    assert list(g["model/step"][:]) == [1, 4] and "optim" not in g
+    rc, _, _ = cli("export", store, "--format", "zarr", "--steps", "1:3", "--out", tmp_path / "range.zarr")
+    assert rc == 0 and list(zarr.open_group(tmp_path / "range.zarr", mode="r")["model/step"][:]) == [1, 2]
+    if importlib.util.find_spec("icechunk"):
+        rc, out, err = cli("export", store, "--format", "icechunk", "--out", tmp_path / "repo", "--json")
+        assert rc == 0, err
+        assert json.loads(out)["tags"] == ["main.0", "main.1", "main.2", "main.3"]
+    for bad in (["--executor", "cluster"], ["--workers", "0"]):
+        rc, out, err = cli("verify", store, *bad)
+        assert rc in (1, 2) and ("executor" in err or "workers" in err), (rc, out, err)
+    rc, _, err = cli("history", store, "model/w", "--metric", "entropy")
+    assert rc == 1 and "entropy" in err
+    rc, _, err = cli("export", store, "--format", "zarr", "--out", tmp_path / "x.zarr", "--steps", "9:")
+    assert rc == 1 and "steps" in err
 
 
 def _die_on_emb(t: torch.Tensor) -> float:
