@@ -75,12 +75,16 @@ class StoreSpec:
 
     url: str
     storage_options: dict[str, Any] = field(default_factory=dict, hash=False)
+    #: The store's creation time (its root document): a store removed and
+    #: made again at the same URL is another store, never served from a
+    #: worker's cache of the old one.
+    created: float | None = None
 
     @classmethod
     def of(cls, reader: Any) -> "StoreSpec | None":
         """The spec of an open reader (a :class:`~dstt.format.index.RunIndex`
-        or anything with ``backend``), None when another process could not
-        open it (a zarr Store object, ``memory://``)."""
+        or a Backend), None when another process could not open it (a zarr
+        Store object, ``memory://``)."""
         backend = getattr(reader, "backend", reader)
         url = str(getattr(backend, "url", ""))
         protocol = getattr(backend, "protocol", None)
@@ -89,10 +93,12 @@ class StoreSpec:
         if type(backend).__name__ == "ZarrStoreBackend":
             return None
         opts = getattr(backend, "storage_options", None) or getattr(reader, "storage_options", None) or {}
-        return cls(url, dict(opts))
+        attrs = getattr(reader, "attrs", None)
+        created = attrs.get("created") if isinstance(attrs, dict) else None
+        return cls(url, dict(opts), created if isinstance(created, (int, float)) else None)
 
 
-_OPEN: OrderedDict[tuple[Any, str, str], Any] = OrderedDict()
+_OPEN: OrderedDict[tuple[Any, str, str, float | None], Any] = OrderedDict()
 _OPEN_LOCK = threading.Lock()
 
 
@@ -100,13 +106,18 @@ def opened(spec: StoreSpec, cls: Callable[..., R]) -> R:
     """``cls(spec.url, storage_options=...)`` (a reader class, or any
     function taking those) opened once per process and kept (the last
     :data:`OPEN_CACHE`): tasks of one scan share it."""
-    key = (cls, spec.url, repr(sorted(spec.storage_options.items())))
+    key = (cls, spec.url, repr(sorted(spec.storage_options.items())), spec.created)
     with _OPEN_LOCK:
         got = _OPEN.get(key)
         if got is not None:
             _OPEN.move_to_end(key)
             return got  # type: ignore[no-any-return]
     made = cls(spec.url, storage_options=spec.storage_options or None)
+    attrs = getattr(made, "attrs", None)
+    if spec.created is not None and isinstance(attrs, dict) and attrs.get("created") != spec.created:
+        from dstt.errors import StoreNotFoundError
+
+        raise StoreNotFoundError(f"{spec.url}: the store was removed and made again since the scan began")
     with _OPEN_LOCK:
         _OPEN[key] = made
         while len(_OPEN) > OPEN_CACHE:

@@ -327,6 +327,17 @@ def test_icechunk_export_commits_each_step_and_tags_it(store: Path, tmp_path: Pa
     assert export_icechunk(store, out, branch="b").tags == []
 
 
+def test_a_store_made_again_at_the_same_path_is_not_served_from_a_workers_cache(
+        tmp_path: Path, pool: cf.ProcessPoolExecutor) -> None:
+    """Workers keep stores open between tasks: a store removed and made
+    again at the same path (same keys, other bytes) must be read afresh."""
+    path = tmp_path / "again"
+    for k in (1.0, 2.0):
+        shutil.rmtree(path, ignore_errors=True)
+        dstt.save(path, 0, {"w": torch.full((1000,), k)})
+        assert [r["value"] for r in dstt.open(path).map("l1", "w", executor=pool)] == [1000 * k]
+
+
 def cli(*args: Any) -> tuple[int, str, str]:
     from typer.testing import CliRunner
 
