@@ -81,16 +81,16 @@ def main() -> None:
     run = dstt.open(store)
     res: dict[str, Any] = {"state_gb": nbytes / 1e9, "repeat": args.repeat, "torch": torch.__version__,
                            "cpus": os.cpu_count(), "machine": platform.machine()}
-    res["dstt.timetravel.restore"] = best_of(with_dstt, args.repeat)
+    res["dstt.restore"] = best_of(with_dstt, args.repeat)
     res["torch.load+load_state_dict"] = best_of(with_torch, args.repeat)
     res["dcp.load"] = best_of(with_dcp, args.repeat)
     res["run.state_dict"] = best_of(lambda: dstt.open(store).state_dict(1), args.repeat)
     res["export.safetensors"] = best_of(lambda: dstt.export(f"{store}:1", sf), args.repeat)
     del run
-    for k in ("dstt.timetravel.restore", "torch.load+load_state_dict", "dcp.load", "run.state_dict", "export.safetensors"):
+    for k in ("dstt.restore", "torch.load+load_state_dict", "dcp.load", "run.state_dict", "export.safetensors"):
         res[k + " GB/s"] = nbytes / 1e9 / res[k]
-    res["restore / torch.load"] = res["dstt.timetravel.restore"] / res["torch.load+load_state_dict"]
-    res["restore / dcp.load"] = res["dstt.timetravel.restore"] / res["dcp.load"]
+    res["restore / torch.load"] = res["dstt.restore"] / res["torch.load+load_state_dict"]
+    res["restore / dcp.load"] = res["dstt.restore"] / res["dcp.load"]
     res["export / state_dict"] = res["export.safetensors"] / res["run.state_dict"]
     print(json.dumps(res, indent=2))
     shutil.rmtree(args.dir, ignore_errors=True)

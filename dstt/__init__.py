@@ -67,16 +67,26 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-if TYPE_CHECKING:  # what type checkers and IDEs see
-    from dstt.api import Run, gc, open, save  # noqa: F401
-    from dstt.capture import Capture, CaptureConfig  # noqa: F401
-    from dstt.format.gc import prune  # noqa: F401
-    from dstt.format.index import TensorInfo  # noqa: F401
-    from dstt.format.refs import Ref, StepRef  # noqa: F401
-    from dstt.format.verify import verify  # noqa: F401
-    from dstt.integrations.dask import to_dask, to_xarray  # noqa: F401
-    from dstt.store.shards import ShardedTensor  # noqa: F401
-    from dstt.store.state import optimizer_state, rng_state, state_of  # noqa: F401
-    from dstt.store.writer import CommitInfo, Writer  # noqa: F401
-    from dstt.timetravel.export import export  # noqa: F401
-    from dstt.timetravel.restore import branch, restore  # noqa: F401
+if TYPE_CHECKING:  # what type checkers and IDEs see ("X as X": re-exported)
+    from dstt.api import Run as Run
+    from dstt.api import gc as gc
+    from dstt.api import open as open
+    from dstt.api import save as save
+    from dstt.capture import Capture as Capture
+    from dstt.capture import CaptureConfig as CaptureConfig
+    from dstt.format.gc import prune as prune
+    from dstt.format.index import TensorInfo as TensorInfo
+    from dstt.format.refs import Ref as Ref
+    from dstt.format.refs import StepRef as StepRef
+    from dstt.format.verify import verify as verify
+    from dstt.integrations.dask import to_dask as to_dask
+    from dstt.integrations.dask import to_xarray as to_xarray
+    from dstt.store.committer import CommitInfo as CommitInfo
+    from dstt.store.shards import ShardedTensor as ShardedTensor
+    from dstt.store.state import optimizer_state as optimizer_state
+    from dstt.store.state import rng_state as rng_state
+    from dstt.store.state import state_of as state_of
+    from dstt.store.writer import Writer as Writer
+    from dstt.timetravel.export import export as export
+    from dstt.timetravel.restore import branch as branch
+    from dstt.timetravel.restore import restore as restore

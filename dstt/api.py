@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dstt.format.backends import open_backend
 from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY
@@ -13,7 +13,10 @@ from dstt.format.incidents import Incident
 from dstt.format.layout import validate_step
 from dstt.format.refs import StepRef
 from dstt.store.reader import TensorReader
-from dstt.store.writer import CommitInfo, Writer
+from dstt.store.writer import Writer
+
+if TYPE_CHECKING:  # (defined there; dstt.store.writer returns it)
+    from dstt.store.committer import CommitInfo
 
 
 class Run(TensorReader):

@@ -107,7 +107,12 @@ class CaptureError(DsttError, RuntimeError):
 
 
 class RestoreMismatchError(DsttError, ValueError):
-    """A stored step does not match the live objects it is restored into."""
+    """A stored step does not match the live objects it is restored into;
+    ``problems`` lists every mismatch (the message spells out the first few)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems: list[str] = list(problems or ())
 
 
 class ConfigError(DsttError, ValueError):

@@ -36,18 +36,21 @@ alone prove nothing and are not used);
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
-from dstt.analysis.select import Point, match_names, resolve_point
+from dstt.analysis.select import match_names, resolve_point
 from dstt.store.torch_dtypes import from_storage
 
 if TYPE_CHECKING:
     from dstt.format.manifest import TensorEntry
     from dstt.store.reader import TensorReader as Run
+
+#: A point of a run to compare: (reader with tensors, branch, step).
+Point = tuple["Run", str, int]
 
 #: Diff row keys, in output order.
 DIFF_KEYS = ("name", "status", "l2_delta", "rel_change", "cosine", "max_abs_delta", "frac_changed")
@@ -238,8 +241,10 @@ def _row(name: str, status: str, ea: "TensorEntry | None", eb: "TensorEntry | No
 
 def _chunk(run: "Run", e: "TensorEntry", i: int) -> torch.Tensor:
     """Chunk ``i`` of an entry, edge padding trimmed, in its logical dtype."""
+    from dstt.format.chunks import chunk_array
+
     region = tuple(slice(0, n) for n in e.chunk_grid.box(e.coords(i))[1])
-    arr = run._chunk(e, i, False)
+    arr = chunk_array(run.backend, e, i)
     if not arr.flags.writeable:  # bytes from an object store; never written here, but torch warns
         arr = arr.copy()
     return from_storage(torch.from_numpy(arr[region] if region else arr), e.dtype)
@@ -306,7 +311,7 @@ def _run_aligned(pa: Point, pb: Point, jobs: list[_Job], pool: ThreadPoolExecuto
         job, i = t
         return _chunk(pa[0], job.ea, i), _chunk(pb[0], job.eb, i)
 
-    ahead: deque = deque()
+    ahead: deque[Future[tuple[torch.Tensor, torch.Tensor]]] = deque()
     nxt = 0
     for k in range(len(tasks)):
         while nxt < len(tasks) and len(ahead) <= depth:
@@ -453,7 +458,7 @@ def diff_points(pa: Point, pb: Point, patterns: Iterable[str] | None = None, *,
     ra, rb = pa[0].record(pa[2], branch=pa[1]), pb[0].record(pb[2], branch=pb[1])
     names = ra.names + [n for n in rb.names if n not in ra.by_name]
     names = match_names(names, patterns)
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any] | _Job] = []  # a job: its row once its chunks are compared
     jobs: list[_Job] = []
     for name in names:
         ea, eb = ra.by_name.get(name), rb.by_name.get(name)
@@ -464,7 +469,7 @@ def diff_points(pa: Point, pb: Point, patterns: Iterable[str] | None = None, *,
         else:
             job = _Job(name, ea, eb, _Acc())
             jobs.append(job)
-            rows.append(job)  # type: ignore[arg-type]  # replaced below
+            rows.append(job)
     aligned = [j for j in jobs if j.aligned]
     if not _run_aligned_tasks(pa, pb, aligned, progress, executor, workers):
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dstt-diff") as pool:
@@ -472,13 +477,14 @@ def diff_points(pa: Point, pb: Point, patterns: Iterable[str] | None = None, *,
     for j in jobs:
         if not j.aligned:
             _run_rows(pa, pb, j, progress)
-    out = []
+    out: list[dict[str, Any]] = []
     for r in rows:
         if isinstance(r, _Job):
             m = _metrics(r.acc, r.ea.stats.get("norm", NAN), math.prod(r.ea.shape))
             status = "dtype_changed" if not r.same_dtype else ("changed" if m["frac_changed"] else "unchanged")
-            r = _row(r.name, status, r.ea, r.eb, m)
-        out.append(r)
+            out.append(_row(r.name, status, r.ea, r.eb, m))
+        else:
+            out.append(r)
     return out
 
 

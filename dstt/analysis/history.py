@@ -25,6 +25,7 @@ from dstt.format.layout import STATS_COLUMNS
 
 if TYPE_CHECKING:
     from dstt.format.index import RunIndex as Run
+    from dstt.store.reader import TensorReader
 
 #: Stats a history can follow (columns of the step index's stats table).
 STATS = ("norm", "mean", "std", "min", "max", "nonfinite", "numel", "update_norm", "update_ratio")
@@ -143,7 +144,7 @@ def to_series(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"tensor": t, "points": pts} for t, pts in series.items()]
 
 
-def histogram(run: "Run", name: str, step: Any = None, branch: str | None = None, bins: int = 20) -> dict[str, Any]:
+def histogram(run: "TensorReader", name: str, step: Any = None, branch: str | None = None, bins: int = 20) -> dict[str, Any]:
     """Counts of a tensor's finite values in ``bins`` equal bins between its
     finite min and max, streamed chunk by chunk:
     ``{"edges": [...], "counts": [...], "nonfinite": n}``."""

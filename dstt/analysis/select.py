@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 from dstt.errors import InvalidReferenceError, TensorNotFoundError
 
 if TYPE_CHECKING:
-    from dstt.format.index import RunIndex as Run
+    from dstt.format.index import RunIndex
+
+#: A reader of a run: the step index alone (RunIndex) or with tensors (TensorReader).
+R = TypeVar("R", bound="RunIndex")
 
 # Chunks are read-only buffers that analysis only ever reads; torch's warning
 # about wrapping non-writable arrays would be noise on stderr.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
-#: A point of a run: (run, branch, step).
-Point = tuple["Run", str, int]
-
 
 def is_glob(pattern: str) -> bool:
+    """Is ``pattern`` a glob (``*``, ``?`` or ``[``) rather than a name?
+
+    >>> is_glob("model/*"), is_glob("model/w")
+    (True, False)
+    """
     return any(c in pattern for c in "*?[")
 
 
@@ -50,8 +55,10 @@ def require_matches(names: Sequence[str], patterns: Iterable[str] | None, where:
     return out
 
 
-def resolve_point(run: "Run", spec: Any) -> Point:
-    """Resolve one side of a comparison against ``run``.
+def resolve_point(run: R, spec: Any) -> tuple[R, str, int]:
+    """Resolve one side of a comparison against ``run``: a point ``(run,
+    branch, step)``, whose run is ``run`` or a reader of the same kind on
+    another store.
 
     ``spec`` may be a step (``100``, ``"latest"``, ``"~2"``, ``None``) on the
     run's default branch, a ``(branch, step)`` pair, a reference string
@@ -82,7 +89,7 @@ def resolve_point(run: "Run", spec: Any) -> Point:
     return other, b, s
 
 
-def open_other(run: "Run", store: str) -> "Run":
+def open_other(run: R, store: str) -> R:
     """``run`` itself when ``store`` names the same place, else a new Run."""
     import os
 
@@ -93,9 +100,14 @@ def open_other(run: "Run", store: str) -> "Run":
     return type(run)(store)  # the same kind of reader (index only, or tensors too)
 
 
-def step_filter(steps: Any) -> Any:
+def step_filter(steps: Any) -> Callable[[int], bool]:
     """A test of step numbers from ``steps``: None (every step), a step, a
-    list of steps, a ``range`` or a ``slice`` (``stop`` excluded)."""
+    list of steps, a ``range`` or a ``slice`` (``stop`` excluded; a slice's
+    step keeps every k-th step number from ``start``, 0 by default).
+
+    >>> [s for s in range(10) if step_filter(slice(2, 9, 3))(s)]
+    [2, 5, 8]
+    """
     from dstt.errors import ConfigError
 
     if steps is None:
@@ -103,8 +115,11 @@ def step_filter(steps: Any) -> Any:
     if isinstance(steps, range):
         return steps.__contains__
     if isinstance(steps, slice):
-        lo, hi = steps.start, steps.stop
-        return lambda s: (lo is None or s >= lo) and (hi is None or s < hi)
+        lo, hi, k = steps.start, steps.stop, steps.step
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise ConfigError(f"a slice of steps needs a positive step, got {k!r}")
+        return lambda s: ((lo is None or s >= lo) and (hi is None or s < hi)
+                          and (k is None or (s - (lo or 0)) % k == 0))
     if isinstance(steps, int) and not isinstance(steps, bool):
         return lambda s: s == steps
     try:
@@ -114,7 +129,7 @@ def step_filter(steps: Any) -> Any:
     return wanted.__contains__
 
 
-def lineage_points(run: "Run", steps: Any, branch: str | None) -> list[tuple[str, int]]:
+def lineage_points(run: "RunIndex", steps: Any, branch: str | None) -> list[tuple[str, int]]:
     """(branch, step) of the selected steps (:func:`step_filter`) of the
     branch's lineage, in step order; ConfigError when none is selected."""
     from dstt.errors import ConfigError

@@ -31,7 +31,7 @@ def run_demo(store: Path, steps: int, seed: int) -> dict[str, Any]:
         for step in range(steps):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             sched.step()
             losses.append(float(loss.detach()))
@@ -93,7 +93,7 @@ def register(app: typer.Typer) -> None:
         stderr.print("\nnext, try:\n" + _hints(store, steps // 2))
 
 
-def _hints(store: str, mid: int) -> str:
+def _hints(store: Path, mid: int) -> str:
     """Commands worth trying on the demo store, their descriptions in one column."""
     plots = importlib.util.find_spec("matplotlib") is not None
     needs = "" if plots else " (pip install 'dstt[plot]')"

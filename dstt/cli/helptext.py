@@ -11,6 +11,17 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+#: The typer functions already replaced (by qualified name): ``apply`` is idempotent.
+PATCHED: set[str] = set()
+
+
+def _first_time(name: str) -> bool:
+    """True the first time ``name`` is patched (and it is marked patched)."""
+    if name in PATCHED:
+        return False
+    PATCHED.add(name)
+    return True
+
 
 def apply() -> None:
     """Install both conventions (idempotent).
@@ -25,15 +36,14 @@ def apply() -> None:
     from typer.core import TyperCommand, TyperGroup
 
     for cls in (TyperCommand, TyperGroup):
-        original = cls.format_help
-        if getattr(original, "_dstt_patched", False):
+        if not _first_time(f"{cls.__name__}.format_help"):
             continue
+        original = cls.format_help
 
         def format_help(self: Any, ctx: Any, formatter: Any, _original: Any = original) -> Any:
             literal_help_text()
             return _original(self, ctx, formatter)
 
-        format_help._dstt_patched = True  # type: ignore[attr-defined]
         cls.format_help = format_help  # type: ignore[method-assign]
 
 
@@ -41,31 +51,30 @@ def hide_flag_types() -> None:
     """Make typer print no type next to boolean flags in ``--help``."""
     from typer.core import TyperOption
 
-    original = TyperOption.display_type_rich
-    if getattr(original, "_dstt_patched", False):
+    if not _first_time("TyperOption.display_type_rich"):
         return
+    original = TyperOption.display_type_rich
 
     def display_type_rich(self: Any, ctx: Any) -> str | None:
         if getattr(self, "is_flag", False) or getattr(self, "is_bool_flag", False):
             return None
         return original(self, ctx)
 
-    display_type_rich._dstt_patched = True  # type: ignore[attr-defined]
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
 def literal_help_text() -> None:
     """Render help strings as plain text (no rich markup parsing)."""
     import typer.rich_utils as ru
+    from rich.text import Text
 
-    original = ru._make_rich_text
-    if getattr(original, "_dstt_patched", False):
+    if not _first_time("rich_utils._make_rich_text"):
         return
+    original = ru._make_rich_text
 
     def make_rich_text(*, text: str, style: str = "", markup_mode: Any) -> Any:
         if markup_mode != "rich":
             return original(text=text, style=style, markup_mode=markup_mode)
-        return ru.highlighter(ru.Text(inspect.cleandoc(text), style=style))
+        return ru.highlighter(Text(inspect.cleandoc(text), style=style))
 
-    make_rich_text._dstt_patched = True  # type: ignore[attr-defined]
-    ru._make_rich_text = make_rich_text  # type: ignore[assignment]
+    ru._make_rich_text = make_rich_text

@@ -1,35 +1,47 @@
-"""The ``dstt`` command: one typer app, one module per command group.
+"""The ``dstt`` command: one typer app, one module per command.
 
-Each command module exposes ``register(app)``; this module only wires them
-up, lazily: :data:`COMMANDS` says which module defines each command, and a
-command's module is imported only when that command runs (or ``--help``
-lists it). Commands are thin: they parse, call the library and hand data to
-:mod:`dstt.cli.output`. Read-only commands never import torch.
+Each command lives in the module named after it (``dstt ls`` in
+:mod:`dstt.cli.ls`, ``dstt gc`` in :mod:`dstt.cli.gc`, ...), which exposes
+``register(app)``; this module only wires them up, lazily: :data:`COMMANDS`
+says which module defines each command, and a command's module is imported
+only when that command runs (or ``--help`` lists it). Commands are thin:
+they parse, call the library and hand data to :mod:`dstt.cli.output` (and
+the renderings of :mod:`dstt.cli.render` and :mod:`dstt.cli.values`); what
+several commands share is there or in :mod:`dstt.cli.targets`. Read-only
+commands never import torch.
+
+>>> COMMANDS["ls"], COMMANDS["gc"]
+('ls', 'gc')
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, ClassVar
 
 import typer
 from typer.core import TyperGroup
 
-#: Command -> the module (under dstt.cli) defining it, in help order.
+if TYPE_CHECKING:  # the click typer runs on (vendored by typer 0.29)
+    from typer._click import Command, Context
+
+#: Command -> the module (under dstt.cli) defining it, in help order. A new
+#: command gets a module of its own, named after it (``import-dcp`` would be
+#: ``import_dcp``), and a row here.
 COMMANDS: dict[str, str] = {
     "demo": "demo",
     "verify": "verify",
-    "unlock": "verify",
-    "ls": "inspect",
-    "show": "inspect",
-    "diff": "inspect",
-    "history": "inspect",
-    "find": "inspect",
-    "export": "timetravel",
-    "restore": "timetravel",
-    "branch": "timetravel",
-    "prune": "timetravel",
-    "gc": "timetravel",
+    "unlock": "unlock",
+    "ls": "ls",
+    "show": "show",
+    "diff": "diff",
+    "history": "history",
+    "find": "find",
+    "export": "export",
+    "restore": "restore",
+    "branch": "branch",
+    "prune": "prune",
+    "gc": "gc",
     "report": "report",
 }
 
@@ -40,9 +52,10 @@ COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 class LazyGroup(TyperGroup):
     """A typer group that imports a command's module on first use."""
 
-    _loaded: dict[str, Any] = {}
+    #: Module name -> the click group of the commands it registered (built once).
+    _loaded: ClassVar[dict[str, TyperGroup]] = {}
 
-    def _module_commands(self, module: str) -> Any:
+    def _module_commands(self, module: str) -> TyperGroup:
         group = self._loaded.get(module)
         if group is None:
             sub = typer.Typer(pretty_exceptions_enable=False, add_completion=False)
@@ -52,10 +65,10 @@ class LazyGroup(TyperGroup):
             self._loaded[module] = group
         return group
 
-    def list_commands(self, ctx: Any) -> list[str]:
+    def list_commands(self, ctx: Context) -> list[str]:
         return [*COMMANDS, *(n for n in self.commands if n not in COMMANDS)]
 
-    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+    def get_command(self, ctx: Context, cmd_name: str) -> Command | None:
         module = COMMANDS.get(cmd_name)
         if module is None:
             return self.commands.get(cmd_name)
@@ -95,6 +108,7 @@ def _root(
 
 
 def main() -> None:
+    """The ``dstt`` console script."""
     app()
 
 

@@ -14,7 +14,7 @@ import math
 import os
 import re
 import sys
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
@@ -28,7 +28,8 @@ from dstt.errors import (
     InvalidReferenceError,
 )
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+T = TypeVar("T")
 
 #: DsttError subclasses that are the user's usage mistakes (exit code 2).
 USAGE_ERRORS: tuple[type[BaseException], ...] = (InvalidReferenceError, InvalidNameError, ConfigError)
@@ -106,6 +107,10 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+#: ``--json`` of the inspection commands (ls, show, diff, history, find).
+JSON_OPT = typer.Option(False, "--json", help="Machine-readable output on stdout.")
+
+
 def fail(message: str, code: int = 1) -> "typer.Exit":
     stderr.print(Text.assemble(("error:", "bold red"), " ", message))
     return typer.Exit(code)
@@ -121,11 +126,11 @@ def _quiet_stdout() -> None:
         pass
 
 
-def handle_errors(fn: F) -> F:
+def handle_errors(fn: Callable[P, T]) -> Callable[P, T]:
     """Turn dstt errors into one line on stderr and an exit code."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
@@ -143,7 +148,7 @@ def handle_errors(fn: F) -> F:
             msg = str(e) if isinstance(e, DsttError) else f"{type(e).__name__}: {e}"
             raise fail(msg.splitlines()[0] if msg else type(e).__name__, code) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def human_bytes(n: float) -> str:

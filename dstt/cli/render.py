@@ -8,6 +8,7 @@ import math
 import time
 from typing import Any, Callable, Iterator
 
+from rich.console import JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -151,9 +152,11 @@ def captured_text(b: dict[str, Any]) -> str:
 def incidents_table(title: str, incidents: list[dict[str, Any]]) -> None:
     """Recorded incidents (step, time, source, reason, ring steps persisted, tensors)."""
     table = Table(title=printable(title), title_justify="left")
-    for col, just in (("branch", "left"), ("step", "right"), ("time", "left"), ("source", "left"),
-                      ("reason", "left"), ("persisted", "left"), ("tensors", "left")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("branch", "left"), ("step", "right"), ("time", "left"), ("source", "left"),
+        ("reason", "left"), ("persisted", "left"), ("tensors", "left"))
+    for col, just in columns:
+        table.add_column(col, justify=just)
     for i in incidents:
         steps = i["steps"]
         tensors = i.get("tensors") or []
@@ -195,9 +198,10 @@ def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
     for b in branches:
         steps = b["steps"] if limit <= 0 else b["steps"][-limit:]
         table = Table(title=f"branch {printable(b['name'])}", title_justify="left")
-        for col, just in (("step", "right"), ("time", "left"), ("tensors", "right"),
-                          ("written", "right"), ("referenced", "right")):
-            table.add_column(col, justify=just)  # type: ignore[arg-type]
+        columns: tuple[tuple[str, JustifyMethod], ...] = (
+            ("step", "right"), ("time", "left"), ("tensors", "right"), ("written", "right"), ("referenced", "right"))
+        for col, just in columns:
+            table.add_column(col, justify=just)
         for s in steps:
             table.add_row(str(s["step"]), _time(s["time"]), str(s["n_tensors"]),
                           human_bytes(s["bytes_written"] or 0), human_bytes(s["bytes_referenced"] or 0))
@@ -248,11 +252,11 @@ def show(data: dict[str, Any], values: Any) -> None:
     import torch
 
     with_printopts = torch._tensor_str.PRINT_OPTS.threshold  # noqa: SLF001 - restore after printing
-    torch.set_printoptions(threshold=200)
+    torch.set_printoptions(threshold=200)  # type: ignore[no-untyped-call]
     try:
         stdout.print(str(values))
     finally:
-        torch.set_printoptions(threshold=with_printopts)
+        torch.set_printoptions(threshold=with_printopts)  # type: ignore[no-untyped-call]
 
 
 def diff_table(a: str, b: str, rows: list[dict[str, Any]], all_rows: list[dict[str, Any]]) -> None:

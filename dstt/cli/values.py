@@ -1,7 +1,8 @@
 """Non-tensor values in ``dstt show``, ``dstt diff`` and ``dstt history``:
 learning rates and every other hyperparameter, scheduler state, ``extra``
-values. The commands in :mod:`dstt.cli.inspect` call these when a name is a
-value path (``optim/param_groups/0/lr``) rather than a tensor. Torch-free.
+values. The commands (:mod:`dstt.cli.show`, :mod:`dstt.cli.diff`,
+:mod:`dstt.cli.history`) call these when a name is a value path
+(``optim/param_groups/0/lr``) rather than a tensor. Torch-free.
 """
 
 from __future__ import annotations

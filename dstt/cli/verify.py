@@ -1,10 +1,39 @@
-"""``dstt verify`` (integrity check) and ``dstt unlock`` (break a writer lock)."""
+"""``dstt verify``: check every committed step -- manifests, chunk
+CRC-32C, sha256 per chunk and per tensor (:func:`dstt.format.verify.verify`);
+exit code 1 when anything is corrupt or missing. Torch-free."""
 
 from __future__ import annotations
 
 import typer
 
 from dstt.cli.output import emit_json, handle_errors, stderr, stdout
+
+
+def cmd_verify(ref: str, json_out: bool, quiet: bool) -> None:
+    """Verify ``ref`` and print the problems and the verdict; exit 1 unless it is OK."""
+    from dstt.cli.render import progress
+    from dstt.format.verify import verify as run_verify
+
+    with progress("verifying", enabled=not quiet, unit="items") as update:
+        report = run_verify(ref, progress=lambda done, total, what: update(done, total, f"verifying {what}"))
+    if json_out:
+        emit_json(report.to_dict())
+    else:
+        for p in report.problems:
+            stdout.print(f"CORRUPT {p}")
+        if report.partial:
+            stderr.print(f"{len(report.partial)} uncommitted step(s) left by an interrupted writer "
+                         f"(invisible to readers; dstt gc removes them): {', '.join(report.partial[:5])}")
+        orphans = report.orphans or {}
+        if orphans.get("chunks") or orphans.get("arrays"):
+            stderr.print(f"{orphans['chunks']} chunk(s) in {orphans['arrays']} array(s) no committed step "
+                         f"references ({orphans['bytes']} bytes; left by interrupted writers or prune; "
+                         "no step reads them; dstt gc removes them)")
+        verdict = "OK" if report.ok else f"{len(report.problems)} problem(s)"
+        stdout.print(f"{verdict}: {report.steps} steps, {report.tensors} tensors, "
+                     f"{report.chunks} chunks ({report.bytes} bytes) checked in {report.store}")
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
@@ -19,74 +48,4 @@ def register(app: typer.Typer) -> None:
 
         Exits 1 when anything is corrupt or missing, naming the step and tensor.
         """
-        from dstt.cli.render import progress
-        from dstt.format.verify import verify as run_verify
-
-        with progress("verifying", enabled=not quiet, unit="items") as update:
-            report = run_verify(ref, progress=lambda done, total, what: update(done, total, f"verifying {what}"))
-        if json_out:
-            emit_json(report.to_dict())
-        else:
-            for p in report.problems:
-                stdout.print(f"CORRUPT {p}")
-            if report.partial:
-                stderr.print(f"{len(report.partial)} uncommitted step(s) left by an interrupted writer "
-                             f"(invisible to readers; dstt gc removes them): {', '.join(report.partial[:5])}")
-            orphans = report.orphans or {}
-            if orphans.get("chunks") or orphans.get("arrays"):
-                stderr.print(f"{orphans['chunks']} chunk(s) in {orphans['arrays']} array(s) no committed step "
-                             f"references ({orphans['bytes']} bytes; left by interrupted writers or prune; "
-                             "no step reads them; dstt gc removes them)")
-            verdict = "OK" if report.ok else f"{len(report.problems)} problem(s)"
-            stdout.print(f"{verdict}: {report.steps} steps, {report.tensors} tensors, "
-                         f"{report.chunks} chunks ({report.bytes} bytes) checked in {report.store}")
-        if not report.ok:
-            raise typer.Exit(1)
-
-    @app.command()
-    @handle_errors
-    def unlock(
-        ref: str = typer.Argument(..., help="STORE@BRANCH whose writer lock to break."),
-        force: bool = typer.Option(
-            False, "--force",
-            help="Break the lock even though its holder is alive (its flock is held, or its lease "
-                 "has not expired). Risky: that writer, if it runs on, overwrites the chunks of the step "
-                 "the next writer is writing until it notices (at its next step or commit, which then "
-                 "fails); only for a holder you know will never run again."),
-        json_out: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    ) -> None:
-        """Remove a branch's writer lock left by a writer that is gone.
-
-        A crashed local writer's lock is released by the kernel anyway; a lock
-        whose holder is alive is refused (exit 1) unless --force."""
-        from dstt.errors import InvalidReferenceError
-        from dstt.format.backends import open_backend
-        from dstt.format.lock import break_lock, lock_holder
-        from dstt.format.refs import Ref
-        from dstt.format.root import check_root, load_branch
-
-        r = Ref.parse(ref)
-        if r.branch is None or r.step is not None:
-            raise InvalidReferenceError(f"expected STORE@BRANCH, got {ref!r}")
-        backend = open_backend(r.store)
-        check_root(backend)
-        load_branch(backend, r.branch)
-        live = lock_holder(backend, r.branch)
-        info = break_lock(backend, r.branch, force=force)
-        if json_out:
-            emit_json({"branch": r.branch, "broken": info is not None, "was_held": live is not None,
-                       "holder_gone": info.gone() if info is not None else None,
-                       "holder": info.to_dict() if info else None})
-        elif info is None:
-            stdout.print(f"branch {r.branch!r} was not locked")
-        else:
-            if live is not None:
-                state = "held by the live writer"
-            elif info.gone():
-                state = "stale: its holder is gone,"
-            else:
-                state = "last held by"
-            stdout.print(f"broke the lock of branch {r.branch!r} ({state} {info.describe()})")
-            if live is not None:
-                stderr.print("that writer fails its next step or commit when it notices; "
-                             "run dstt verify once it has stopped")
+        cmd_verify(ref, json_out, quiet)

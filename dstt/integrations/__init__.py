@@ -24,45 +24,33 @@ if TYPE_CHECKING:
     from dstt.capture import Capture
 
 
-class CallbackCore:
-    """What both trainer callbacks share: their options (checked), the live
-    Capture, and the temporary directory a resume wrote; ``close()`` ends both.
+def check_callback_options(every: Any, capture_options: dict[str, Any]) -> None:
+    """Check what both trainer callbacks take (``every``, and capture options
+    that are no argument of the callback itself); raise ConfigError if not.
 
-    >>> CallbackCore("runs/x", every=2, branch=None, rng=True, capture_options={"compression": "zstd"}).every
-    2
-    >>> CallbackCore("runs/x", every=1, branch=None, rng=True, capture_options={"branch": "b"})
+    >>> check_callback_options(2, {"compression": "zstd"})
+    >>> check_callback_options(1, {"branch": "b"})
     Traceback (most recent call last):
     ...
     dstt.errors.ConfigError: branch= is an argument of DsttCallback itself, not a capture option
     """
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ConfigError(f"every must be a positive integer, got {every!r}")
+    for k in ("branch", "parent", "every"):
+        if k in capture_options:
+            raise ConfigError(f"{k}= is an argument of DsttCallback itself, not a capture option")
 
-    def __init__(self, store: Any, *, every: Any, branch: str | None, rng: bool,
-                 capture_options: dict[str, Any]) -> None:
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ConfigError(f"every must be a positive integer, got {every!r}")
-        for k in ("branch", "parent", "every"):
-            if k in capture_options:
-                raise ConfigError(f"{k}= is an argument of DsttCallback itself, not a capture option")
-        self.store = os.fspath(store)
-        self.every = every
-        self.branch = branch
-        self.parent: tuple[str, int] | None = None
-        self.rng = rng
-        self.capture_options = capture_options
-        self.capture: Capture | None = None
-        self._resume_dir: str | None = None
 
-    def close(self) -> None:
-        """Wait until every captured step is committed, release the capture,
-        remove the temporary resume directory. Idempotent."""
-        cap, self.capture = self.capture, None
-        try:
-            if cap is not None:
-                cap.close()
-        finally:
-            if self._resume_dir is not None:
-                shutil.rmtree(self._resume_dir, ignore_errors=True)
-                self._resume_dir = None
+def close_capture(capture: Capture | None, resume_dir: str | None) -> None:
+    """What ending a callback does: wait until every captured step is
+    committed and release the capture, then remove the temporary resume
+    directory (if any), even when closing failed."""
+    try:
+        if capture is not None:
+            capture.close()
+    finally:
+        if resume_dir is not None:
+            shutil.rmtree(resume_dir, ignore_errors=True)
 
 
 def plain_values(obj: Any, depth: int = 0) -> Any:
@@ -181,7 +169,6 @@ def optimizer_state_dict(saved: dict[str, Any]) -> dict[str, Any]:
 
 def same_store(a: str, b: str) -> bool:
     """Do two store strings name the same place?"""
-    import os
 
     if "://" in a + b:
         return a.rstrip("/") == b.rstrip("/")

@@ -42,15 +42,17 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
+import lightning
 import lightning.pytorch as pl
 import torch
 
 from dstt.capture import Capture
 from dstt.errors import RestoreMismatchError
 from dstt.integrations import (
-    CallbackCore,
+    check_callback_options,
+    close_capture,
     numbers_only,
     optimizer_state_dict,
     plain_values,
@@ -60,7 +62,7 @@ from dstt.integrations import (
 from dstt.store.state import optimizer_state, set_rng_state
 
 
-class DsttCallback(CallbackCore, pl.Callback):  # type: ignore[misc]
+class DsttCallback(pl.Callback):
     """Capture a Lightning ``Trainer.fit`` run into a dstt store.
 
     ``store``: path or URL; ``every``: capture when ``global_step % every ==
@@ -71,10 +73,25 @@ class DsttCallback(CallbackCore, pl.Callback):  # type: ignore[misc]
 
     def __init__(self, store: Any, *, every: int = 1, branch: str | None = None, rng: bool = True,
                  **capture_options: Any) -> None:
-        CallbackCore.__init__(self, store, every=every, branch=branch, rng=rng, capture_options=capture_options)
+        check_callback_options(every, capture_options)
+        self.store = os.fspath(store)
+        self.every = every
+        self.branch = branch
+        self.parent: tuple[str, int] | None = None
+        self.rng = rng
+        self.capture_options = capture_options
+        self.capture: Capture | None = None
+        self._resume_dir: str | None = None
         self._last_step = -1
         self._resume_rng: Any = None
         self._resume_at: dict[str, Any] | None = None  # extra/lightning of the step resumed from
+
+    def close(self) -> None:
+        """Wait until every captured step is committed, release the capture,
+        remove the temporary resume directory. Idempotent."""
+        capture, self.capture = self.capture, None
+        resume_dir, self._resume_dir = self._resume_dir, None
+        close_capture(capture, resume_dir)
 
     # ------------------------------------------------------------------ resume
 
@@ -145,15 +162,16 @@ class DsttCallback(CallbackCore, pl.Callback):  # type: ignore[misc]
         self.close()
 
 
-class _SkipOnce(torch.utils.data.Sampler):  # type: ignore[type-arg]
+class _SkipOnce(torch.utils.data.Sampler[list[int]]):
     """A batch sampler that drops its first ``n`` batches once (indices only:
     no data is loaded for them) and is its inner sampler otherwise."""
 
     def __init__(self, inner: Any, n: int) -> None:
         self.inner, self.n = inner, n
 
-    def __iter__(self) -> Any:
-        it, n = iter(self.inner), self.n
+    def __iter__(self) -> Iterator[list[int]]:
+        it: Iterator[list[int]] = iter(self.inner)
+        n = self.n
         self.n = 0
         for _ in range(n):
             next(it, None)
@@ -236,9 +254,11 @@ def to_checkpoint(ref: str, path: str) -> tuple[str, Any, dict[str, Any]]:
     state = run.state_dict(step, branch=branch)
     if not isinstance(state, dict) or "model" not in state:
         raise RestoreMismatchError(f"step {step} of branch {branch!r} holds no model state")
-    extra = state.get("extra") if isinstance(state.get("extra"), dict) else {}
-    info = extra.get("lightning") if isinstance(extra.get("lightning"), dict) else None
-    if info is None:
+    extra = state.get("extra")
+    if not isinstance(extra, dict):
+        extra = {}
+    info = extra.get("lightning")
+    if not isinstance(info, dict):
         raise RestoreMismatchError(
             f"step {step} of branch {branch!r} was not captured by dstt.integrations.lightning (no extra/lightning)")
     optimizers = []
@@ -251,7 +271,7 @@ def to_checkpoint(ref: str, path: str) -> tuple[str, Any, dict[str, Any]]:
     ckpt = {
         "epoch": info["epoch"],
         "global_step": info["global_step"],
-        "pytorch-lightning_version": pl.__version__,
+        "pytorch-lightning_version": lightning.__version__,  # what lightning.pytorch reports
         "state_dict": state["model"],
         "loops": info["loops"],
         "callbacks": {},

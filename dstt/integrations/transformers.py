@@ -48,7 +48,8 @@ from transformers import TrainerCallback
 from dstt.capture import Capture
 from dstt.errors import RestoreMismatchError
 from dstt.integrations import (
-    CallbackCore,
+    check_callback_options,
+    close_capture,
     dumps,
     numbers_only,
     optimizer_state_dict,
@@ -61,7 +62,7 @@ from dstt.integrations import (
 _SKIPPED_STATE = ("log_history",)
 
 
-class DsttCallback(CallbackCore, TrainerCallback):  # type: ignore[misc]
+class DsttCallback(TrainerCallback):
     """Capture a ``transformers.Trainer`` run into a dstt store.
 
     ``store``: path or URL; ``every``: capture when ``global_step % every ==
@@ -77,8 +78,23 @@ class DsttCallback(CallbackCore, TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, store: Any, *, every: int = 1, branch: str | None = None, rng: bool = True,
                  **capture_options: Any) -> None:
-        CallbackCore.__init__(self, store, every=every, branch=branch, rng=rng, capture_options=capture_options)
+        check_callback_options(every, capture_options)
+        self.store = os.fspath(store)
+        self.every = every
+        self.branch = branch
+        self.parent: tuple[str, int] | None = None
+        self.rng = rng
+        self.capture_options = capture_options
+        self.capture: Capture | None = None
+        self._resume_dir: str | None = None
         self._logs: dict[str, float | int] = {}
+
+    def close(self) -> None:
+        """Wait until every captured step is committed, release the capture,
+        remove the temporary resume directory. Idempotent."""
+        capture, self.capture = self.capture, None
+        resume_dir, self._resume_dir = self._resume_dir, None
+        close_capture(capture, resume_dir)
 
     # ------------------------------------------------------------------ resume
 
@@ -164,7 +180,9 @@ def to_checkpoint(ref: str, directory: str) -> str:
     if "scheduler" in state:
         torch.save(state["scheduler"], os.path.join(directory, "scheduler.pt"))
     _write_rng(state.get("rng"), directory)
-    extra = state.get("extra") if isinstance(state.get("extra"), dict) else {}
+    extra = state.get("extra")
+    if not isinstance(extra, dict):
+        extra = {}
     trainer = dict(extra.get("trainer") or {"global_step": step})
     trainer["log_history"] = []
     with open(os.path.join(directory, "trainer_state.json"), "w", encoding="utf-8") as f:

@@ -148,7 +148,7 @@ def _weights_only_safe(v: Any, notes: list[str], path: str) -> Any:
         out = {}
         for k, x in v.items():
             if isinstance(k, _PLAIN) or isinstance(k, np.generic):
-                out[k.item() if isinstance(k, np.generic) else k] = _weights_only_safe(x, notes, f"{path}/{k}")
+                out[k.item() if isinstance(k, np.generic) else k] = _weights_only_safe(x, notes, f"{path}/{k!s}")
             else:
                 notes.append(f"dropped {path}/{k!r}: key type {type(k).__name__} is not weights_only-loadable")
         return out

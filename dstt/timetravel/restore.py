@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -163,9 +164,9 @@ def apply_step(rec: Any, read: ReadTensor, where: str, *, model: torch.nn.Module
     small = _small_reader(read)
     got = {k: _materialize(tree[k], (k,), data, small, plan.skipped)
            for k, want in wanted.items() if want and k in tree and (k,) not in plan.skipped}
-    if isinstance(got.get("model"), dict):
+    if model is not None and isinstance(got.get("model"), dict):
         _apply_model(model, got["model"], strict)
-    if isinstance(got.get("optim"), dict):
+    if optimizer is not None and isinstance(got.get("optim"), dict):
         _apply_optimizer(optimizer, model, got["optim"])
     if isinstance(got.get("scheduler"), dict):
         scheduler.load_state_dict(got["scheduler"])
@@ -200,12 +201,9 @@ def branch(ref: Any, name: str) -> StepRef:
 def mismatch_error(where: str, problems: list[str]) -> RestoreMismatchError:
     shown = "; ".join(problems[:MAX_LISTED])
     more = f"; ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-    err = RestoreMismatchError(
+    return RestoreMismatchError(
         f"{where} does not match the live objects ({len(problems)} problem"
-        f"{'s' if len(problems) != 1 else ''}; nothing was restored): {shown}{more}"
-    )
-    err.problems = list(problems)  # type: ignore[attr-defined]
-    return err
+        f"{'s' if len(problems) != 1 else ''}; nothing was restored): {shown}{more}", problems)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -389,7 +387,7 @@ def read_whole(run: TensorReader, rec: StepRecord, name: str) -> torch.Tensor:
         return run.read(name, rec.step, branch=rec.branch)
     buf = torch.empty(e.nbytes, dtype=torch.uint8)
     with run.removed_meanwhile(rec.branch, rec.step):  # pruned meanwhile: StepNotFoundError
-        read_whole_into(run.backend, e, memoryview(buf.numpy()))
+        read_whole_into(run.backend, e, buf.numpy().data)
     return buf.view(torch_storage(e.dtype)).view(torch_dtype(e.dtype)).reshape(e.shape)
 
 
@@ -417,7 +415,7 @@ def _small_reader(read: ReadTensor) -> Callable[[Stored], Any]:
 
 
 def _materialize(tree: Any, path: tuple[str, ...], data: dict[tuple[str, ...], Any],
-                 read: Callable[[Stored], Any], skipped: set[tuple[str, ...]] = frozenset()) -> Any:
+                 read: Callable[[Stored], Any], skipped: AbstractSet[tuple[str, ...]] = frozenset()) -> Any:
     """Decode a subtree, taking planned tensors from ``data``, reading the
     rest, and :data:`SKIPPED` for the tensors that do not fit."""
     def walk(v: Any, p: tuple[str, ...]) -> Any:

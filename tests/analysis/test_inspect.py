@@ -21,7 +21,9 @@ from dstt.analysis.diff import sort_rows
 from dstt.analysis.select import parse_slice
 from dstt.cli.main import app
 from dstt.cli.render import sparkline
-from dstt.errors import ConfigError, InvalidReferenceError, TensorNotFoundError
+from dstt.errors import ConfigError, CorruptStoreError, InvalidReferenceError, TensorNotFoundError
+from dstt.format.backends import LocalBackend
+from dstt.format.chunks import chunk_key_of
 
 runner = CliRunner()
 
@@ -107,23 +109,45 @@ def test_diff_bitwise_semantics(pair: tuple[Path, dict, dict]) -> None:
     assert cast["l2_delta"] == pytest.approx(float(exp), abs=1e-12)
 
 
-def test_diff_skips_referenced_chunks(pair: tuple[Path, dict, dict], monkeypatch: pytest.MonkeyPatch) -> None:
+class ReadLog(LocalBackend):
+    """A local store that logs the key of every read: a real backend,
+    handed to ``dstt.open`` like any other."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.keys: list[str] = []
+
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytearray | None:  # type: ignore[override]
+        self.keys.append(key)
+        return super().get(key, max_bytes=max_bytes)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        self.keys.append(key)
+        return super().get_range(key, start, length)
+
+    def readinto(self, key: str, out: memoryview | list[memoryview]) -> int | None:
+        self.keys.append(key)
+        return super().readinto(key, out)
+
+    def chunk_reads(self, run: dstt.Run, name: str, *points: tuple[str, int]) -> list[tuple[int, int]]:
+        """(point, chunk index) of each chunk read of tensor ``name`` at the
+        ``(branch, step)`` points, in read order (a read per occurrence)."""
+        keys = {chunk_key_of(run.entry(name, s, branch=b), i): (k, i)
+                for k, (b, s) in enumerate(points) for i in range(run.entry(name, s, branch=b).nchunks)}
+        return [keys[k] for k in self.keys if k in keys]
+
+
+def test_diff_skips_referenced_chunks(pair: tuple[Path, dict, dict]) -> None:
     path, _, _ = pair
-    run = dstt.open(path)
-    read: list[tuple[str, int]] = []
-    orig = run._chunk
-
-    def spy(e, i, verify):  # type: ignore[no-untyped-def]
-        read.append((e.name, i))
-        return orig(e, i, verify)
-
-    monkeypatch.setattr(run, "_chunk", spy)
+    log = ReadLog(path)
+    run = dstt.open(log)
     rows = {r["name"]: r for r in run.diff(0, 1, ["big", "same"])}
-    assert not [n for n, _ in read if n == "same"]
+    assert not log.chunk_reads(run, "same", ("main", 0), ("main", 1))
     big = run.entry("big", 1)
     changed_chunks = {i for i in range(big.nchunks) if big.slots[i] != run.entry("big", 0).slots[i]}
     assert 0 < len(changed_chunks) < big.nchunks
-    assert {i for n, i in read if n == "big"} == changed_chunks  # each side once per changed chunk
+    read = log.chunk_reads(run, "big", ("main", 0), ("main", 1))
+    assert sorted(read) == sorted((k, i) for k in (0, 1) for i in changed_chunks)  # each side once per changed chunk
     assert rows["big"]["status"] == "changed"
 
 
@@ -444,15 +468,17 @@ def test_cli_diff_progress_counts_to_its_total(pair: tuple[Path, dict, dict], mo
     assert total == a["big"].numel() * 4 and shown == [True, True]
 
 
-def test_index_only_commands_read_no_tensor_data(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """history, find and `ls REF` come from the step index: a tensor-data read fails them."""
+def test_index_only_commands_read_no_tensor_data(store: Path) -> None:
+    """history, find and `ls REF` come from the step index: they work on a
+    store whose tensor data (every chunk file) is gone."""
     _series_store(store)
-    from dstt.format.index import RunIndex
-
-    def boom(self, e, i, verify):  # type: ignore[no-untyped-def]
-        raise AssertionError(f"read chunk {i} of {e.name}")
-
-    monkeypatch.setattr(RunIndex, "_chunk", boom)
+    run = dstt.open(store)
+    chunks = {chunk_key_of(e, i) for b in run.branches() for s in run.steps(b)
+              for e in run.record(s, branch=b).entries for i in range(e.nchunks)}
+    for key in chunks:
+        (store / key).unlink()
+    with pytest.raises(CorruptStoreError, match="missing"):  # the data is really gone
+        dstt.open(store).read("model/w", 0)
     run = dstt.open(store)
     assert len(run.history("model/*", stat="mean", branch="alt")) == 8
     assert find(run, branch="alt")[0]["reason"] == "nonfinite"
@@ -474,14 +500,13 @@ def test_cli_ls_sort_and_reverse(pair: tuple[Path, dict, dict]) -> None:
     assert maxes == sorted(maxes)
 
 
-def test_diff_across_branches_skips_what_the_branch_references(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_diff_across_branches_skips_what_the_branch_references(store: Path) -> None:
     ws = _series_store(store)
-    run = dstt.open(store)
-    read: list[str] = []
-    orig = run._chunk
-    monkeypatch.setattr(run, "_chunk", lambda e, i, verify: read.append(e.name) or orig(e, i, verify))
+    log = ReadLog(store)
+    run = dstt.open(log)
     rows = {r["name"]: r for r in run.diff(("main", 2), "@alt:3")}
-    assert rows["model/b"]["status"] == "unchanged" and "model/b" not in read
+    assert rows["model/b"]["status"] == "unchanged" and not log.chunk_reads(run, "model/b", ("main", 2), ("alt", 3))
+    assert log.chunk_reads(run, "model/w", ("main", 2), ("alt", 3))  # (what is read is seen)
     w = rows["model/w"]
     assert w["status"] == "changed" and w["frac_changed"] == 1 / 8 and math.isnan(w["l2_delta"])
     assert math.isnan(w["max_abs_delta"]) and math.isnan(w["rel_change"])  # a changed NaN propagates

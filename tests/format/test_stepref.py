@@ -12,8 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 import dstt
+from dstt.cli.branch import from_ref
 from dstt.cli.main import app
-from dstt.cli.timetravel import from_ref
 from dstt.format.refs import split_in_store
 
 

@@ -1,0 +1,106 @@
+"""``dstt history``: a stat of tensors across steps -- or the values of
+hyperparameters, scheduler state and ``extra`` values -- from the step
+index (no tensor reads, torch-free), as a table, JSON or a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import typer
+
+from dstt.cli.output import JSON_OPT, emit_json, handle_errors, stderr
+from dstt.cli.targets import open_index
+
+if TYPE_CHECKING:
+    from dstt.format.index import RunIndex
+
+
+def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,
+                plot: Optional[Path], points: bool, ancestry: bool, json_out: bool,
+                log_y: bool = False, panels: bool = False, marks: bool = True) -> None:
+    """The history of TENSOR... (names, globs or value paths) on each branch."""
+    from dstt.analysis.history import stat_column
+    from dstt.cli import values as V
+    from dstt.errors import InvalidReferenceError
+
+    stat_column(stat)
+    if plot is not None:  # a bad path, format or a missing matplotlib: one line, before any work
+        _check_plot(plot)
+    run, ref = open_index(target)
+    if ref.step is not None:
+        raise InvalidReferenceError(f"history takes STORE[@BRANCH], not a step: got {target!r}")
+    branches = branches or [run.default_branch]
+    value_names, tensors = V.value_paths(run, branches[0], tensors)
+    if value_names:  # learning rates, scheduler state, extra values: their values over the steps
+        vseries = V.value_series(run, value_names, branches, ancestry)
+        if plot is not None and not tensors:
+            from dstt.analysis.plot import line_plot
+
+            line_plot(V.plot_points(vseries), str(plot), title=f"value - {run.url}", log_y=log_y)
+            stderr.print(f"wrote {plot}")
+        if not tensors:
+            if json_out:
+                emit_json({"stat": "value", "delta": False, "series": vseries})
+            else:
+                V.render_value_history(vseries, points)
+            return
+        if not json_out:
+            V.render_value_history(vseries, points)
+    series = tensor_series(run, tensors, stat, branches, delta, ancestry)
+    label = f"{'relative change of ' if delta else ''}{stat}"
+    if plot is not None:
+        from dstt.analysis.plot import history_plot
+
+        history_plot(run, series, plot, label=label, log_y=log_y, panels=panels, marks=marks)
+        stderr.print(f"wrote {plot}")
+    if json_out:
+        emit_json({"stat": stat, "delta": delta, "series": series})
+    else:
+        from dstt.cli import render
+
+        render.history(label, series, points)
+
+
+def _check_plot(plot: Path) -> None:
+    """Refuse a plot file we could not write, before any work."""
+    from dstt.analysis.plot import plot_format, require_matplotlib
+    from dstt.format.outpath import check_output_file
+
+    check_output_file(plot, "plot")
+    plot_format(plot)
+    require_matplotlib()
+
+
+def tensor_series(run: RunIndex, tensors: list[str], stat: str, branches: list[str], delta: bool,
+                  ancestry: bool) -> list[dict[str, Any]]:
+    """``[{"tensor", "branch", "points"}]``: one series per tensor and branch."""
+    from dstt.analysis.history import history, to_series
+
+    series = []
+    for b in branches:
+        for s in to_series(history(run, tensors, stat, b, delta=delta, ancestry=ancestry)):
+            series.append({"tensor": s["tensor"], "branch": b, "points": s["points"]})
+    return series
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("history")
+    @handle_errors
+    def history(
+        target: str = typer.Argument(..., metavar="STORE", help="STORE[@BRANCH]."),
+        tensors: List[str] = typer.Argument(..., metavar="TENSOR...", help="Tensor names or globs."),
+        stat: str = typer.Option("norm", help="norm, mean, std, min, max, nonfinite, numel, update_norm (|θ_k - θ_k-1|) or update_ratio (update_norm / norm)."),
+        branches: Optional[List[str]] = typer.Option(None, "--branch", "-b", help="Branch (repeatable; default: the reference's or main)."),
+        delta: bool = typer.Option(False, "--delta", help="Relative change between consecutive captured steps."),
+        plot: Optional[Path] = typer.Option(None, "--plot", help="Also write a line plot here: .png, .svg or .pdf (needs matplotlib: pip install 'dstt[plot]')."),
+        log_y: bool = typer.Option(False, "--log-y", help="Plot with a logarithmic y axis."),
+        panels: bool = typer.Option(False, "--panels", help="Plot one panel per tensor instead of overlaying them."),
+        marks: bool = typer.Option(True, "--marks/--no-marks", help="Mark fork points and find's detections on the plot."),
+        points: bool = typer.Option(False, "--points", help="Print every point, not just the summary."),
+        ancestry: bool = typer.Option(True, "--ancestry/--no-ancestry", help="Include parent branches' steps up to the fork."),
+        json_out: bool = JSON_OPT,
+    ) -> None:
+        """A stat of tensors across steps, from the step index (no tensor reads)."""
+        cmd_history(target, tensors, stat, branches or [], delta, plot, points, ancestry, json_out,
+                    log_y=log_y, panels=panels, marks=marks)
