@@ -129,6 +129,13 @@ def from_stats(metric: str, row: dict[str, float]) -> float:
 FROM_STATS = ("rms", "absmax")
 
 
+def check_metric(name: str) -> str:
+    """``name`` if it is one of :data:`METRICS`, else a one-line ConfigError."""
+    if name not in METRICS:
+        raise ConfigError(f"unknown metric {name!r}; choose one of {', '.join(METRICS)} (or --stat for a stat)")
+    return name
+
+
 def _encode(fn: Any) -> tuple[str, Any]:
     """How ``fn`` travels to a worker: a metric's name, or its pickle."""
     if isinstance(fn, str):

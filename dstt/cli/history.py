@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import typer
 
 from dstt.cli.output import JSON_OPT, emit_json, handle_errors, stderr
+from dstt.cli.scanopts import EXECUTOR_OPT, WORKERS_OPT, scan_args
 from dstt.cli.targets import open_index
 
 if TYPE_CHECKING:
@@ -18,16 +19,27 @@ if TYPE_CHECKING:
 
 def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,
                 plot: Optional[Path], points: bool, ancestry: bool, json_out: bool,
-                log_y: bool = False, panels: bool = False, marks: bool = True) -> None:
-    """The history of TENSOR... (names, globs or value paths) on each branch."""
+                log_y: bool = False, panels: bool = False, marks: bool = True,
+                metric: Optional[str] = None, scan: Optional[dict[str, Any]] = None) -> None:
+    """The history of TENSOR... (names, globs or value paths) on each branch;
+    with ``metric``, of a metric of the data (read where the stats hold it)."""
     from dstt.analysis.history import stat_column
     from dstt.cli import values as V
     from dstt.errors import InvalidReferenceError
 
-    stat_column(stat)
+    if metric is not None:
+        from dstt.analysis.metrics import check_metric
+
+        stat = check_metric(metric)
+    else:
+        stat_column(stat)
     if plot is not None:  # a bad path, format or a missing matplotlib: one line, before any work
         _check_plot(plot)
     run, ref = open_index(target)
+    if metric is not None:  # reads tensor data: the torch reader
+        from dstt.cli.targets import open_tensors
+
+        run = open_tensors(target)
     if ref.step is not None:
         raise InvalidReferenceError(f"history takes STORE[@BRANCH], not a step: got {target!r}")
     branches = branches or [run.default_branch]
@@ -47,7 +59,7 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
             return
         if not json_out:
             V.render_value_history(vseries, points)
-    series = tensor_series(run, tensors, stat, branches, delta, ancestry)
+    series = tensor_series(run, tensors, stat, branches, delta, ancestry, scan)
     label = f"{'relative change of ' if delta else ''}{stat}"
     if plot is not None:
         from dstt.analysis.plot import history_plot
@@ -73,13 +85,14 @@ def _check_plot(plot: Path) -> None:
 
 
 def tensor_series(run: RunIndex, tensors: list[str], stat: str, branches: list[str], delta: bool,
-                  ancestry: bool) -> list[dict[str, Any]]:
-    """``[{"tensor", "branch", "points"}]``: one series per tensor and branch."""
+                  ancestry: bool, scan: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """``[{"tensor", "branch", "points"}]``: one series per tensor and branch
+    (``scan``: where a metric of the data is computed)."""
     from dstt.analysis.history import history, to_series
 
     series = []
     for b in branches:
-        for s in to_series(history(run, tensors, stat, b, delta=delta, ancestry=ancestry)):
+        for s in to_series(history(run, tensors, stat, b, delta=delta, ancestry=ancestry, **(scan or {}))):
             series.append({"tensor": s["tensor"], "branch": b, "points": s["points"]})
     return series
 
@@ -99,8 +112,14 @@ def register(app: typer.Typer) -> None:
         marks: bool = typer.Option(True, "--marks/--no-marks", help="Mark fork points and find's detections on the plot."),
         points: bool = typer.Option(False, "--points", help="Print every point, not just the summary."),
         ancestry: bool = typer.Option(True, "--ancestry/--no-ancestry", help="Include parent branches' steps up to the fork."),
+        metric: Optional[str] = typer.Option(
+            None, "--metric",
+            help="A metric of the data instead of a stat: rms, absmax (from the stats where they hold it), "
+                 "sparsity, l1, spectral_norm, stable_rank (read from the tensors, on --workers/--executor)."),
+        workers: Optional[int] = WORKERS_OPT,
+        executor: Optional[str] = EXECUTOR_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:
-        """A stat of tensors across steps, from the step index (no tensor reads)."""
+        """A stat of tensors across steps, from the step index (no tensor reads); --metric reads the data."""
         cmd_history(target, tensors, stat, branches or [], delta, plot, points, ancestry, json_out,
-                    log_y=log_y, panels=panels, marks=marks)
+                    log_y=log_y, panels=panels, marks=marks, metric=metric, scan=scan_args(workers, executor))
