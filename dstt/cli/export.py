@@ -79,8 +79,8 @@ def export_format(out: str, fmt: Optional[str]) -> str:
     for kind, suffixes in FORMATS.items():
         if suffix in suffixes:
             return kind
-    raise ConfigError(f"cannot tell the format of {out!r}: name it .pt, .safetensors, .zarr or .icechunk, "
-                      "or pass --format")
+    raise ConfigError(f"cannot export to {out!r}: the name must end in .pt, .pth, .safetensors, .zarr or "
+                      ".icechunk (or pass --format)")
 
 
 def parse_steps(text: Optional[str]) -> Any:
