@@ -59,7 +59,19 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
             return
         if not json_out:
             V.render_value_history(vseries, points)
-    series = tensor_series(run, tensors, stat, branches, delta, ancestry, scan)
+    if metric is None:
+        series = tensor_series(run, tensors, stat, branches, delta, ancestry, scan)
+    else:  # reads tensor data: a progress bar while it does
+        from dstt.cli import render
+
+        with render.progress(f"computing {metric}", enabled=not json_out) as update:
+            done = [0]
+
+            def advance(nbytes: int) -> None:
+                done[0] += nbytes
+                update(done[0])
+
+            series = tensor_series(run, tensors, stat, branches, delta, ancestry, {**(scan or {}), "progress": advance})
     label = f"{'relative change of ' if delta else ''}{stat}"
     if plot is not None:
         from dstt.analysis.plot import history_plot
