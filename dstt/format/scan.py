@@ -185,7 +185,7 @@ def scan_executor(executor: Any = None, workers: int | None = None, *, total_byt
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise ConfigError(f"workers must be a positive integer, got {workers!r}")
     if isinstance(executor, cf.Executor):
-        yield Placement(executor, max(4, 4 * (workers or default_workers())), "given")
+        yield Placement(executor, 4 * (workers or _slots(executor) or default_workers()), "given")
         return
     if executor is not None and not isinstance(executor, str):
         raise ConfigError(f"executor must be a concurrent.futures.Executor or a name, got {type(executor).__name__}")
@@ -227,14 +227,27 @@ def _dask_executor(url: str) -> Iterator[tuple[cf.Executor, int]]:
     except (OSError, TimeoutError) as e:
         raise ScanError(f"cannot reach the Dask scheduler at {address}: {e}") from None
     try:
-        nworkers = max(1, len(client.scheduler_info().get("workers", {})))
         ex = client.get_executor(pure=False)
+        nworkers = _slots(ex) or 1
         try:
             yield ex, nworkers
         finally:
             ex.shutdown(wait=False)
     finally:
         client.close()
+
+
+def _slots(executor: cf.Executor) -> int | None:
+    """Tasks ``executor`` runs at once, where it says: a Dask client's
+    executor (its cluster's threads), a local pool (its workers)."""
+    client = getattr(executor, "_client", None)
+    if client is not None and hasattr(client, "nthreads"):
+        try:
+            return max(1, int(sum(client.nthreads().values())))
+        except Exception:  # noqa: BLE001 - a cluster that cannot say: the default
+            return None
+    n = getattr(executor, "_max_workers", None)
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def _lost(exc: BaseException) -> ScanError | None:
