@@ -130,12 +130,13 @@ def export_icechunk(store: Any, out: str | os.PathLike[str], steps: Any = None, 
 
     from dstt.analysis.select import match_names
     from dstt.format.index import RunIndex
-    from dstt.timetravel.zarr_export import _points
+    from dstt.timetravel.zarr_export import _points, check_not_the_store
 
     run = store if isinstance(store, RunIndex) else RunIndex(store, storage_options=storage_options)
     pts = _points(run, points, steps, branch)
     pats = None if names is None else ([names] if isinstance(names, str) else list(names))
     path = Path(out).absolute()
+    check_not_the_store(run, path)
     storage = icechunk.local_filesystem_storage(str(path))
     repo = icechunk.Repository.open_or_create(storage)
     info = IcechunkExportInfo(os.fspath(out), "icechunk")

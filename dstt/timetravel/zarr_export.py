@@ -128,6 +128,7 @@ def export_zarr(store: Any, out: str | os.PathLike[str], steps: Any = None, bran
     if not out_path.parent.is_dir() or not os.access(out_path.parent, os.W_OK):
         raise ConfigError(f"cannot export to {os.fspath(out)!r}: {out_path.parent} is not a writable directory")
     run = store if isinstance(store, RunIndex) else RunIndex(store, storage_options=storage_options)
+    check_not_the_store(run, out_path)
     pts = _points(run, points, steps, branch)
     pats = None if names is None else ([names] if isinstance(names, str) else list(names))
     notes: list[str] = []
@@ -165,6 +166,17 @@ def export_zarr(store: Any, out: str | os.PathLike[str], steps: Any = None, bran
             shutil.rmtree(tmp, ignore_errors=True)
     return ZarrExportInfo(os.fspath(out), "zarr", [s for _, s in pts], [b for b, _ in pts], len(plan),
                           sum(math_prod(e.shape) * e.dtype.itemsize * len(ks) for e, ks in plan.values()), notes)
+
+
+def check_not_the_store(run: "RunIndex", out: Path) -> None:
+    """Refuse an output at, inside or around the store being read (an
+    ``--overwrite`` there would remove the run)."""
+    if "://" in run.url:
+        return
+    store = Path(run.url).absolute().resolve()
+    target = out.resolve()
+    if target == store or store in target.parents or target in store.parents:
+        raise ConfigError(f"cannot export to {os.fspath(out)!r}: it is, holds or is inside the store {run.url!r}")
 
 
 def _consolidate(zarr: Any, root: str) -> None:

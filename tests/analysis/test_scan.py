@@ -391,6 +391,10 @@ def test_the_commands_take_workers_and_executor(store: Path, tmp_path: Path) -> 
     assert rc in (1, 2) and "entropy" in err
     rc, _, err = cli("export", store, "--format", "zarr", "--out", tmp_path / "x.zarr", "--steps", "9:")
     assert rc in (1, 2) and "steps" in err
+    for inside in (store, store / "x.zarr", store.parent):  # --overwrite there would remove the run
+        rc, _, err = cli("export", store, "--format", "zarr", "--out", inside, "--overwrite")
+        assert rc in (1, 2) and "the store" in err, err
+    assert verify(store).ok
 
 
 def _die_on_emb(t: torch.Tensor) -> float:
