@@ -66,6 +66,8 @@ TASK_BYTES = 64 << 20
 LOCAL_KINDS = ("processes", "threads", "inline")
 #: Open stores a worker process keeps (:func:`opened`).
 OPEN_CACHE = 8
+#: How long stopping a pool waits for its running tasks before killing its processes.
+STOP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,26 @@ def scan_executor(executor: Any = None, workers: int | None = None, *, total_byt
     try:
         yield Placement(pool, 4 * n, kind)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        stop_pool(pool)
+
+
+def stop_pool(pool: cf.Executor, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop a pool this module started: tasks not started are cancelled,
+    running ones are waited for at most ``timeout_s`` (each reads a few
+    chunks: well under a second), then its worker processes are killed
+    (threads cannot be: they are left to finish their one task)."""
+    import time
+
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # (shutdown forgets them)
+    workers = procs or list(getattr(pool, "_threads", None) or ())
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        w.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
 
 
 @contextlib.contextmanager
@@ -315,7 +336,7 @@ def iter_placed(place: Placement, fn: Callable[..., R], payloads: Sequence[tuple
             done, _ = cf.wait(list(pending), timeout=1.0, return_when=cf.FIRST_COMPLETED)
             for f in done:
                 k = pending.pop(f)
-                got = f.result()
+                got = f.result(timeout=0)  # (done: cf.wait said so)
                 if progress is not None:
                     progress(weights[k] if weights is not None else 1)
                 yield k, got
