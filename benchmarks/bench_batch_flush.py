@@ -1,6 +1,6 @@
 """Issue 16: the flush phase of a step of many small chunks, one chunk at a
 time (``Writer.flush_chunk``, what every path did before) vs in groups
-(``Writer.flush_chunks``, dstt/store/batchflush.py), in the same process,
+(``Writer.flush_chunks``, dstt/store/flusher.py), in the same process,
 alternating, best of ``--repeat``: first step (everything written into
 packs) and a fully unchanged second step (everything deduplicated).
 

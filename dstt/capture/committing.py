@@ -8,7 +8,7 @@ stager hands each step to the helper as soon as it has sealed it
 (CrashSafe._seal), without waiting for the previous step's answer, and the
 committer thread takes the answers in order. So while the helper commits
 one step, the next ones queue up in its pipe, and it commits those as a
-group, with one round of syncs (store/groupcommit.py): a loop faster than
+group, with one round of syncs (format/groupcommit.py): a loop faster than
 one commit's syncs no longer runs at the commit rate. A step is counted as
 committed only once the helper answered that it is durable. (The stager,
 not a thread of its own, hands steps over: every thread of the trainer's

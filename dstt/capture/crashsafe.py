@@ -29,9 +29,9 @@ from dstt.capture.helper import start as start_helper
 from dstt.capture.keeper import SealKeeper
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import Ring, RingUnavailable, recover, seal_record, shm_free_bytes
-from dstt.capture.ringowner import StagingRingWarning, root_problem
+from dstt.capture.ringowner import root_problem
 from dstt.capture.staging import HostPool
-from dstt.errors import CaptureError, ConfigError, StoreLockedError
+from dstt.errors import CaptureError, ConfigError, HelperLostWarning, StagingRingWarning, StoreLockedError
 from dstt.format.backends import LocalBackend
 from dstt.format.localio import pid_alive
 from dstt.format.lock import lock_holder
@@ -216,7 +216,7 @@ class CrashSafe:
                 "threads, as with helper=False): no step is lost, and a step sealed in /dev/shm still survives a crash "
                 "(the next Capture or dstt gc commits it)")
         log.error("%s", text)
-        warnings.warn(text, RuntimeWarning, stacklevel=2)
+        warnings.warn(text, HelperLostWarning, stacklevel=2)
 
     def _record_failure(self, job: Job, e: BaseException) -> None:
         """Tell rank 0's helper that this rank's part of a step failed (it
@@ -375,7 +375,7 @@ class CrashSafe:
             if pool is None:
                 if self.config.shm is True:
                     raise CaptureError(f"shm=True: {warning}")
-                warnings.warn(f"dstt: {warning}", RuntimeWarning, stacklevel=5)
+                warnings.warn(f"dstt: {warning}", StagingRingWarning, stacklevel=5)
         if old is not None and was_ring:
             if old.retired is None:  # (a retired pool may still be copied into by steps in flight)
                 old.unregister()

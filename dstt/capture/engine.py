@@ -55,7 +55,7 @@ from dstt.capture.recorder import FlightRecorder
 from dstt.capture.rewind import Rewinder
 from dstt.capture.stager import Stager
 from dstt.capture.staging import CudaCopier, HostPool
-from dstt.errors import CaptureError, ConfigError
+from dstt.errors import CaptureError, ConfigError, SkippedStepWarning
 from dstt.format.layout import validate_step
 from dstt.format.pygc import paused_gc
 from dstt.store.coord import new_coordinator
@@ -442,7 +442,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
 
     def _queue_skip(self, job: Job, why: str) -> None:
         job.skip = why
-        warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", SkippedStepWarning, stacklevel=3)
         with self._cond:
             self._pending += 1
         self.skipped.append(job.plan.step)

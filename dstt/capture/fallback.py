@@ -26,8 +26,8 @@ from typing import Any
 from dstt.capture.pipeline import Job
 from dstt.capture.seals import encode_record, plan_of, read_record, seal_record
 from dstt.format import layout as L
+from dstt.format.commit import CommitInfo
 from dstt.format.manifest import parse_commit
-from dstt.store.committer import CommitInfo
 from dstt.store.writer import Writer
 
 

@@ -337,7 +337,6 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     from dstt.capture import ring as R
     from dstt.capture.ringowner import hold
     from dstt.format.lock import BranchLock
-    from dstt.store.groupcommit import commit_group
     from dstt.store.writer import Writer, batches
 
     hold(ring_dir)  # the ring is this helper's too while it lives: never adopted under it (ringowner.py)
@@ -423,7 +422,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     def commit_steps(steps: list[int]) -> list[Any]:
         """Commit the steps handed over, in order: each step's CommitInfo or
         its error. Several steps queued at once (the writer is behind) are
-        committed as a group, with one round of syncs (store/groupcommit.py);
+        committed as a group, with one round of syncs (format/groupcommit.py);
         a distributed Capture's steps one by one (their records)."""
         if records is not None or len(steps) == 1:
             out: list[Any] = []
@@ -440,7 +439,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             except Exception as e:  # noqa: BLE001
                 prepared[step] = e
         ready = [(step, p) for step, p in prepared.items() if not isinstance(p, BaseException)]
-        done = dict(zip([s for s, _ in ready], commit_group(writer, [p for _, p in ready])))
+        done = dict(zip([s for s, _ in ready], writer.commit_group([p for _, p in ready])))
         for step, outcome in done.items():
             if not isinstance(outcome, BaseException):
                 R.unseal_file(ring_dir, step)

@@ -3,14 +3,8 @@ per-rank durable records in the store, gathered by one helper (issue 12).
 
 Each rank's capture helper (helper.py) writes its rank's chunks of a
 sealed step, makes them durable, then records them in the step's
-directory::
-
-    meta/steps/<branch>/<step:020d>/rank-<rank:05d>.json
-        {"format": "dstt-rank-record", "run": "<capture run id>", "branch": ..., "step": k,
-         "seq": s, "rank": r, "world": W, "error": null | "why",
-         "results": [[name, index, crc, sha256 hex | null, slot, written, nbytes, partial,
-                      keyframe, pack], ...],
-         "plan": {...}}          # rank 0 only: layouts and value tree (ring.py's seal form)
+directory (a *rank record*: its document and keys are the format's,
+:mod:`dstt.format.rankparts`).
 
 Rank 0's helper (which shares the trainer's branch lock) waits until every
 rank's record of the step is there, builds the index and commit marker
@@ -33,49 +27,43 @@ but not recorded are recorded first by that rank (:func:`record_rings`).
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
-import typing
 from collections.abc import Callable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from dstt import knobs
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.capture.sealcheck import check_record
-from dstt.errors import CorruptStoreError, DsttError
+from dstt.errors import DsttError
 from dstt.format import layout as L
-from dstt.format.manifest import parse_commit
+from dstt.format.commit import CommitInfo
+from dstt.format.rankparts import (
+    MAX_WORLD,
+    commit_doc,
+    payload,
+    plan_doc,
+    read_fail,
+    read_record,
+    record_key,
+    recorded_steps,
+    remove_records,
+    write_fail,
+    write_record,
+)
 from dstt.store.coord import Coordinator
 from dstt.store.plan import StepPlan
-from dstt.store.writer import ChunkResult, CommitInfo, Writer
+from dstt.store.writer import Writer
 
-RECORD_FORMAT = "dstt-rank-record"
-FAIL_FILE = "rank-fail.json"
-#: A record is ~200 bytes per chunk; anything bigger is not ours.
-RECORD_MAX_BYTES = 256 << 20
 #: The longest pause between two looks for records or the commit marker
 #: (from 2 ms, doubling): a few stat() calls per step on a local store.
 POLL_MAX_S = 0.01
-#: Ranks a record may name (a hostile record must not make rank 0 read forever).
-MAX_WORLD = 1 << 20
 #: How long rank 0's helper waits for another rank's record of a step (and
 #: another rank's helper for the commit) while the trainers live, and after
-#: they died (the helpers then finish what was sealed, bounded).
-RANK_WAIT_S = float(os.environ.get("DSTT_RANK_WAIT_S", "300"))
-RANK_WAIT_DEAD_S = float(os.environ.get("DSTT_RANK_WAIT_DEAD_S", "60"))
-
-
-def record_key(branch: str, step: int, rank: int) -> str:
-    """``meta/steps/<branch>/<step>/rank-<rank:05d>.json``."""
-    return f"{L.step_dir(branch, step)}/rank-{rank:05d}.json"
-
-
-def fail_key(branch: str, step: int) -> str:
-    return f"{L.step_dir(branch, step)}/{FAIL_FILE}"
+#: they died (the helpers then finish what was sealed, bounded): read when a
+#: wait starts, :func:`dstt.knobs.rank_wait_s` and :func:`dstt.knobs.rank_wait_dead_s`
+#: (``$DSTT_RANK_WAIT_S``, ``$DSTT_RANK_WAIT_DEAD_S``).
 
 
 class FixedRank(Coordinator):
@@ -91,57 +79,6 @@ class FixedRank(Coordinator):
         self.rank, self.world = rank, world
 
 
-# ----------------------------------------------------------------------------- (de)coding
-
-_FIELDS = [f.name for f in fields(ChunkResult) if f.name != "pending"]
-
-
-def encode_result(r: ChunkResult) -> list[Any]:
-    """A settled ChunkResult as a JSON list (field order of the dataclass)."""
-    out: list[Any] = []
-    for name in _FIELDS:
-        v = getattr(r, name)
-        if isinstance(v, bytes):
-            v = v.hex()
-        elif isinstance(v, tuple):  # a NamedTuple of ints (packs.PackRange)
-            v = list(v)
-        elif name == "partial":
-            v = [x if math.isfinite(x) else repr(x) for x in v]  # strict JSON: inf/nan as text
-        out.append(v)
-    return out
-
-
-def decode_result(row: Any, where: str) -> ChunkResult:
-    """The inverse of :func:`encode_result`, validated (a record is untrusted)."""
-    if not isinstance(row, list) or len(row) != len(_FIELDS):
-        raise CorruptStoreError(f"{where}: a chunk result must be a list of {len(_FIELDS)} values")
-    hints = typing.get_type_hints(ChunkResult)
-    kw: dict[str, Any] = {}
-    for name, v in zip(_FIELDS, row):
-        if name == "sha256":
-            kw[name] = None if v is None else bytes.fromhex(str(v))
-        elif name == "partial":
-            if not isinstance(v, list):
-                raise CorruptStoreError(f"{where}: bad partial stats")
-            kw[name] = [float(x) for x in v]
-        elif v is None or isinstance(v, (int, str)) and not isinstance(v, bool):
-            kw[name] = v
-        elif isinstance(v, list):  # a NamedTuple field: its class from the annotation
-            cls = next(a for a in typing.get_args(hints[name]) if a is not type(None))
-            kw[name] = cls(*(int(x) for x in v))
-        else:
-            raise CorruptStoreError(f"{where}: bad value for {name}")
-    for name in ("index", "crc", "slot", "written", "nbytes"):
-        if not isinstance(kw[name], int):
-            raise CorruptStoreError(f"{where}: {name} must be an integer")
-    return ChunkResult(**kw)
-
-
-def plan_doc(record: dict[str, Any]) -> dict[str, Any]:
-    """What rank 0's record keeps of its seal record to commit without it."""
-    return {k: record[k] for k in ("step", "seq", "tree", "layouts", "meta")} | {"tasks": [], "pool": ""}
-
-
 def plan_from_doc(doc: dict[str, Any], step: int | None = None) -> StepPlan:
     """A plan with the layouts and tree of ``doc`` (no tasks: commit only);
     CorruptRing if any field of it does not check out (it is read from the
@@ -155,65 +92,6 @@ def plan_from_doc(doc: dict[str, Any], step: int | None = None) -> StepPlan:
 
 
 # ----------------------------------------------------------------------------- records
-
-
-def write_record(backend: Any, branch: str, step: int, seq: int, run: str, rank: int, world: int, *,
-                 results: list[ChunkResult] | None = None, error: str | None = None,
-                 plan: dict[str, Any] | None = None) -> None:
-    """Record this rank's part of ``step`` as durable (or failed: ``error``)."""
-    doc = {"format": RECORD_FORMAT, "run": run, "branch": branch, "step": step, "seq": seq, "rank": rank,
-           "world": world, "error": error,
-           "results": [encode_result(r) for r in results or []], "plan": plan}
-    backend.put_atomic(record_key(branch, step, rank), json.dumps(doc, allow_nan=False).encode())
-
-
-def write_fail(backend: Any, branch: str, step: int, seq: int, run: str, error: str) -> None:
-    """Rank 0: ``step`` of ``run`` will not be committed (the other ranks' helpers wait for this or the marker)."""
-    backend.put_atomic(fail_key(branch, step), json.dumps({"run": run, "seq": seq, "error": error[:4000]}).encode())
-
-
-def read_record(backend: Any, branch: str, step: int, rank: int) -> dict[str, Any] | None:
-    """Rank ``rank``'s record of ``step``, validated; None if absent."""
-    key = record_key(branch, step, rank)
-    data = backend.get(key, max_bytes=RECORD_MAX_BYTES)
-    if data is None:
-        return None
-    try:
-        doc: Any = json.loads(data)
-    except ValueError as e:
-        raise CorruptStoreError(f"{key}: not JSON ({e})") from None
-    ok = (isinstance(doc, dict) and doc.get("format") == RECORD_FORMAT and doc.get("step") == step
-          and doc.get("rank") == rank and doc.get("branch") == branch and isinstance(doc.get("seq"), int)
-          and isinstance(doc.get("world"), int) and rank < doc["world"] <= MAX_WORLD
-          and isinstance(doc.get("run"), str)
-          and isinstance(doc.get("results"), list) and (doc.get("error") is None or isinstance(doc["error"], str)))
-    if not ok:
-        raise CorruptStoreError(f"{key}: not a rank record of step {step}, rank {rank}")
-    out: dict[str, Any] = doc
-    return out
-
-
-def _payload(doc: dict[str, Any], where: str) -> tuple[list[ChunkResult] | None, str | None]:
-    """A record as the (results, error) pair Writer.commit gathers."""
-    if doc["error"] is not None:
-        return None, str(doc["error"])[:2000]
-    return [decode_result(row, where) for row in doc["results"]], None
-
-
-def remove_records(backend: Any, branch: str, step: int, world: int) -> None:
-    """Once the step is committed (its marker durable), its records are not needed."""
-    for rank in range(world):
-        backend.delete(record_key(branch, step, rank))
-    backend.delete(fail_key(branch, step))
-
-
-def _commit_info(backend: Any, branch: str, step: int) -> dict[str, Any] | None:
-    key = f"{L.step_dir(branch, step)}/{L.COMMIT_FILE}"
-    data = backend.get(key, max_bytes=L.MAX_DOC_BYTES)
-    if data is None:
-        return None
-    doc: dict[str, Any] = parse_commit(data, key)
-    return doc
 
 
 class Recorded(BaseException):  # noqa: N818 - a signal, not an error
@@ -250,7 +128,7 @@ class RecordCoordinator(Coordinator):
     def fail_unrecorded(self, step: int, seq: int | None, error: BaseException) -> None:
         """This rank's part of ``step`` failed before its commit (its seal
         unreadable, its chunks not written): record the failure, so rank 0's
-        helper fails the step now instead of waiting RANK_WAIT_S for a record
+        helper fails the step now instead of waiting DSTT_RANK_WAIT_S for a record
         that never comes; rank 0 also tells the other ranks' helpers. Best
         effort (a store that refuses the record too: the waits stay bounded)."""
         if seq is None or self.mode == "collect":
@@ -267,14 +145,15 @@ class RecordCoordinator(Coordinator):
     def _deadline(self) -> Callable[[], bool]:
         start = time.monotonic()
         dead_since: list[float] = []
+        wait_s, wait_dead_s = knobs.rank_wait_s(), knobs.rank_wait_dead_s()
 
         def passed() -> bool:
             now = time.monotonic()
             if not dead_since and not self._alive():
                 dead_since.append(now)
             if dead_since:
-                return now - dead_since[0] > RANK_WAIT_DEAD_S
-            return now - start > RANK_WAIT_S
+                return now - dead_since[0] > wait_dead_s
+            return now - start > wait_s
         return passed
 
     def _matching(self, rank: int) -> dict[str, Any] | None:
@@ -304,7 +183,7 @@ class RecordCoordinator(Coordinator):
                     try:
                         doc = self._matching(r)
                         if doc is not None:
-                            out[r] = _payload(doc, record_key(self.branch, self.step, r))
+                            out[r] = payload(doc, record_key(self.branch, self.step, r))
                     except (OSError, DsttError, ValueError, TypeError) as e:
                         # An unreadable record fails the step; raised here, it
                         # left the other ranks' helpers waiting for the outcome.
@@ -330,7 +209,7 @@ class RecordCoordinator(Coordinator):
                     write_fail(self.backend, self.branch, self.step, self.seq, self.run, str(value))
             except Exception as e:  # noqa: BLE001 - the outcome stands: a committed step stays committed
                 # (records left in a committed step's directory: dstt gc removes them; a fail
-                # note not written: the other ranks' helpers wait for it until RANK_WAIT_S)
+                # note not written: the other ranks' helpers wait for it until DSTT_RANK_WAIT_S)
                 R.log.error("dstt: step %d: could not %s: %s", self.step,
                             "remove its rank records" if kind == "ok" else "tell the other ranks it failed", e)
             return obj
@@ -338,18 +217,13 @@ class RecordCoordinator(Coordinator):
         passed = self._deadline()
         pause = 0.002
         while True:
-            doc = _commit_info(self.backend, self.branch, self.step)
+            doc = commit_doc(self.backend, self.branch, self.step)
             if doc is not None and doc.get("seq") == self.seq:
                 return ("ok", CommitInfo(self.branch, self.step, self.seq, int(doc["n_tensors"]),
                                          int(doc["bytes_written"]), int(doc["bytes_referenced"])))
-            fail = self.backend.get(fail_key(self.branch, self.step), max_bytes=1 << 16)
-            if fail is not None:
-                try:
-                    note = json.loads(fail)
-                except ValueError:
-                    note = {}
-                if isinstance(note, dict) and note.get("run") == self.run and note.get("seq") == self.seq:
-                    return ("error", str(note.get("error")))
+            note = read_fail(self.backend, self.branch, self.step)
+            if note is not None and note.get("run") == self.run and note.get("seq") == self.seq:
+                return ("error", str(note.get("error")))
             if passed():
                 return ("error", f"step {self.step} on branch {self.branch!r}: rank 0's capture helper did not "
                                  "commit it in time (records stay: the next Capture or dstt gc commits it "
@@ -359,20 +233,6 @@ class RecordCoordinator(Coordinator):
 
 
 # ----------------------------------------------------------------------------- recovery
-
-
-def recorded_steps(backend: Any, branch: str, after: int | None) -> list[int]:
-    """Uncommitted steps after ``after`` with rank 0's record, ascending."""
-    prefix = L.steps_prefix(branch).rstrip("/")
-    out = []
-    for d in backend.list_dir(prefix):
-        if not (d.isdigit() and len(d) == L.STEP_DIGITS):
-            continue
-        step = int(d)
-        if (after is None or step > after) and not backend.exists(f"{prefix}/{d}/{L.COMMIT_FILE}") \
-                and backend.exists(record_key(branch, step, 0)):
-            out.append(step)
-    return sorted(out)
 
 
 def commit_recorded(writer: Writer, *, dry_run: bool = False) -> list[int]:
@@ -488,7 +348,7 @@ def record_plan(writer: Writer, plan: StepPlan, run: str, world: int, doc: dict[
     coord = RecordCoordinator(writer.backend, writer.branch.name, writer.rank, world, run, mode="record")
     coord.begin(plan.step, plan.seq, doc)
     writer.ensure_arrays(plan)
-    results, error = writer.flush_chunks(plan, plan.tasks)  # small chunks in groups (store/batchflush.py)
+    results, error = writer.flush_chunks(plan, plan.tasks)  # small chunks in groups (store/flusher.py)
     if error is not None:
         raise error
     saved = writer.commit_coord

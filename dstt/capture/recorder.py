@@ -46,7 +46,7 @@ import torch
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import seal_record
 from dstt.capture.staging import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
-from dstt.errors import CaptureError
+from dstt.errors import CaptureError, MemoryTierWarning
 from dstt.format.layout import step_ranges
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import ChunkResult, Writer, batches
@@ -514,7 +514,7 @@ class FlightRecorder:
         self._release(freed)
         if dropped:
             warnings.warn(f"dstt: {why}: the memory tier's steps {dropped[0]}..{dropped[-1]} (memory only) are "
-                          "dropped", RuntimeWarning, stacklevel=4)
+                          "dropped", MemoryTierWarning, stacklevel=4)
 
     def _tier_wait(self) -> None:
         with self._cond:

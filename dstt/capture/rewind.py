@@ -22,8 +22,9 @@ import torch
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError
 from dstt.format import args as A
+from dstt.format.geometry import TensorLayout
 from dstt.format.layout import StepRef, validate_branch, validate_step
-from dstt.store.plan import ChunkTask, TensorLayout
+from dstt.store.plan import ChunkTask
 from dstt.store.reader import TensorReader
 from dstt.store.state import check_objects
 from dstt.store.torch_dtypes import torch_dtype

@@ -50,11 +50,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from dstt import knobs
+from dstt.errors import StagingRingWarning
+
 log = logging.getLogger("dstt.capture")
 
 SHM_ROOT = Path("/dev/shm")
 #: Where rings live instead of /dev/shm (a directory holding ``dstt-<uid>``):
-#: for tests and for machines whose shared memory is mounted elsewhere.
+#: for tests and for machines whose shared memory is mounted elsewhere
+#: (read through :func:`dstt.knobs.shm_dir`).
 SHM_ENV = "DSTT_SHM_DIR"
 OWNER_FILE = "owner.json"
 LOCK_FILE = "owner.lock"
@@ -67,12 +71,6 @@ GROUP_RE = re.compile(r"[0-9a-f]{24}")
 RING_RE = re.compile(r"[0-9]{1,10}-[0-9a-f]{12}")
 
 
-
-class StagingRingWarning(RuntimeWarning):
-    """A staging ring was set aside, or could not be used (the message says
-    which and why)."""
-
-
 #: Lock descriptors this process holds (closed in a forked child: see _forget_in_child).
 _HELD: set[int] = set()
 
@@ -81,8 +79,7 @@ def shm_base(base: Path | None = None) -> Path:
     """The directory holding ``dstt-<uid>``: ``base``, else $DSTT_SHM_DIR, else /dev/shm."""
     if base is not None:
         return base
-    env = os.environ.get(SHM_ENV)
-    return Path(env) if env else SHM_ROOT
+    return knobs.shm_dir() or SHM_ROOT
 
 
 def ring_root(base: Path | None = None) -> Path:

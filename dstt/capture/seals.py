@@ -44,12 +44,12 @@ import google_crc32c
 import numpy as np
 import torch
 
+from dstt import knobs
 from dstt.errors import CaptureError
 from dstt.format.codecs.spec import CodecSpec, crc32c
 from dstt.format.dtypes import info_for_name
-from dstt.format.packs import default_pack_chunk_bytes
-from dstt.store.plan import ChunkTask, StepPlan, TensorLayout
-from dstt.store.shards import Region
+from dstt.format.geometry import Region, TensorLayout
+from dstt.store.plan import ChunkTask, StepPlan
 
 SEAL_FORMAT = "dstt-ring-seal"
 #: The format :func:`seal_record` writes (see the module docstring).
@@ -459,7 +459,7 @@ def _layout_of(d: dict[str, Any]) -> TensorLayout:
     content (a layout is never changed once built)."""
     packing = d.get("pack_chunk_bytes")
     key = (d["name"], d["kind"], d["dtype"], tuple(d["shape"]), tuple(d["chunk_shape"]), d["compression"],
-           d["level"], packing if isinstance(packing, int) else ("env", default_pack_chunk_bytes()),
+           d["level"], packing if isinstance(packing, int) else ("env", knobs.pack_chunk_bytes()),
            tuple((tuple(o), tuple(s), tuple(h)) for o, s, h in d["regions"]))
     layout = _LAYOUTS.get(key)
     if layout is None:

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.segment import Segment
 from rich.text import Text
 
+from dstt import knobs
 from dstt.errors import (
     ConfigError,
     DsttError,
@@ -77,7 +78,7 @@ stderr = _SafeConsole(stderr=True, highlight=False, soft_wrap=True, markup=False
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("DSTT_DEBUG", "") not in ("", "0")
+    return knobs.debug()
 
 
 def _json_default(o: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Chunks of a stored tensor: the chunk grid, and the ONE place a chunk is
-read and checked (torch-free format layer).
+"""Chunks of a stored tensor: the ONE place a chunk is read and checked
+(torch-free format layer; the chunk grid is :class:`dstt.format.geometry.ChunkGrid`).
 
 Every reader of chunk bytes -- :class:`~dstt.format.index.RunIndex` (and so
 ``Run.read``, ``state_dict``, diff, export), restore, verify and the writer's
@@ -13,19 +13,13 @@ the same way:
 4. with ``sha256=True``, its sha256 equals the index's, where one is recorded.
 
 A new codec (delta encoding) plugs into :func:`decode_raw`.
-
->>> g = ChunkGrid((5, 3), (2, 3))
->>> g.grid, g.nchunks, g.coords(2), g.region(2)
-((3, 1), 3, (2, 0), (slice(4, 5, None), slice(0, 3, None)))
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
-from itertools import product
-from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import google_crc32c
 import numpy as np
@@ -34,84 +28,11 @@ from dstt.errors import ChecksumMismatchError, CorruptStoreError
 from dstt.format import layout as L
 from dstt.format.codecs.keyframes import read_delta
 from dstt.format.codecs.spec import CodecSpec, crc32c, decode_chunk, max_stored_bytes
+from dstt.format.entries import TensorEntry
 from dstt.format.packs import pack_key, read_range
 
 if TYPE_CHECKING:
     from dstt.format.backends import Backend
-    from dstt.format.manifest import TensorEntry
-
-
-@dataclass(frozen=True)
-class ChunkGrid:
-    """The regular chunk grid of a tensor: chunk ``i`` (C order over the
-    grid) covers ``region(i)``; edge chunks are padded to ``chunk_shape``."""
-
-    shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-
-    # grid and nchunks are computed once, at construction: asked several
-    # times per chunk, and functools.cached_property takes a lock on first
-    # use of each instance (Python 3.11), which cost more than the value
-    # for tens of thousands of one-chunk tensors (issue 16).
-    def __post_init__(self) -> None:
-        grid = tuple(-(-s // c) if s else 0 for s, c in zip(self.shape, self.chunk_shape))
-        object.__setattr__(self, "grid", grid)
-        object.__setattr__(self, "nchunks", math.prod(grid))
-
-    grid: tuple[int, ...] = field(init=False, repr=False, compare=False)  # chunks along each dimension
-    nchunks: int = field(init=False, repr=False, compare=False)
-
-    @property
-    def chunk_numel(self) -> int:
-        """Elements of a (padded) chunk."""
-        return math.prod(self.chunk_shape)
-
-    def coords(self, index: int) -> tuple[int, ...]:
-        """Grid coordinates of chunk ``index``."""
-        out = []
-        for g in reversed(self.grid):
-            out.append(index % g)
-            index //= g
-        return tuple(reversed(out))
-
-    def index(self, coords: tuple[int, ...]) -> int:
-        """Linear (C order) index of the chunk at ``coords``."""
-        i = 0
-        for c, g in zip(coords, self.grid):
-            i = i * g + c
-        return i
-
-    def box(self, coords: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(offset, shape) of the chunk at ``coords``, edge chunks trimmed."""
-        off = tuple(c * k for c, k in zip(coords, self.chunk_shape))
-        return off, tuple(min(k, s - o) for k, s, o in zip(self.chunk_shape, self.shape, off))
-
-    def region(self, index: int) -> tuple[slice, ...]:
-        """The global region chunk ``index`` covers (edge chunks trimmed)."""
-        off, shp = self.box(self.coords(index))
-        return tuple(slice(o, o + n) for o, n in zip(off, shp))
-
-    def valid_numel(self, index: int) -> int:
-        """Elements of chunk ``index`` inside the tensor (padding excluded)."""
-        return math.prod(self.box(self.coords(index))[1])
-
-    def overlapping(self, off: tuple[int, ...], shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-        """Coordinates of every chunk overlapping the box ``off``/``shape``."""
-        if math.prod(shape) == 0 or self.nchunks == 0:
-            return iter(())
-        return product(*[range(o // c, -(-(o + n) // c)) for o, n, c in zip(off, shape, self.chunk_shape)])
-
-    def copy_slices(self, coords: tuple[int, ...], off: tuple[int, ...],
-                    shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
-        """(inside the chunk, inside the box) slices of where chunk ``coords``
-        and the box ``off``/``shape`` overlap."""
-        src, dst = [], []
-        for c, k, o, n, s in zip(coords, self.chunk_shape, off, shape, self.shape):
-            lo = max(c * k, o)
-            hi = min((c + 1) * k, o + n, s)
-            src.append(slice(lo - c * k, hi - c * k))
-            dst.append(slice(lo - o, hi - o))
-        return tuple(src), tuple(dst)
 
 
 def chunk_where(e: TensorEntry, i: int) -> str:

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from dstt.errors import CorruptStoreError
-from dstt.format.chunks import ChunkGrid
 from dstt.format.codecs.delta import DELTA_ITEMSIZES
 from dstt.format.codecs.spec import CodecSpec
 from dstt.format.dtypes import DtypeInfo, info_for_name
+from dstt.format.geometry import ChunkGrid, LogicalTensor
 from dstt.format.layout import DELTA_SUFFIX, MAX_ARRAY_PATH, MAX_SLOTS, STATS_COLUMNS, TENSORS
 from dstt.format.packs import PackRange
 
@@ -60,15 +60,11 @@ _U32 = 0xFFFFFFFF
 
 
 @dataclass
-class TensorEntry:
-    """One logical tensor of a committed step, as recorded in index.json."""
+class TensorEntry(LogicalTensor):
+    """One logical tensor of a committed step, as recorded in index.json:
+    its layout (:class:`~dstt.format.geometry.LogicalTensor`) and where its
+    chunks are."""
 
-    name: str
-    kind: str
-    dtype: DtypeInfo
-    shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    codec: CodecSpec
     array: str
     #: Per chunk (C order over the chunk grid): the slot holding it, the
     #: CRC-32C of its raw bytes (before compression), and its sha256 where the
@@ -121,32 +117,6 @@ class TensorEntry:
         """Attach this tensor's row of its step's stats table (STATS_COLUMNS order)."""
         self.__dict__["_stats_row"] = row
         self.__dict__.pop("_stats", None)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    @property
-    def chunk_grid(self) -> ChunkGrid:
-        # Cached by hand (functools.cached_property locks on first use, per
-        # instance): asked several times per chunk read; shape and
-        # chunk_shape are never changed once an entry is built. Parsers set
-        # it to a grid shared by the entries of one shape.
-        grid = self.__dict__.get("_chunk_grid")
-        if grid is None:
-            grid = self.__dict__["_chunk_grid"] = ChunkGrid(self.shape, self.chunk_shape)
-        return cast(ChunkGrid, grid)
-
-    @property
-    def grid(self) -> tuple[int, ...]:
-        return self.chunk_grid.grid
-
-    @property
-    def nchunks(self) -> int:
-        return self.chunk_grid.nchunks
-
-    def coords(self, index: int) -> tuple[int, ...]:
-        return self.chunk_grid.coords(index)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -353,7 +323,7 @@ class EntryParser:
         e = TensorEntry(name, kind, dtype, shape, shape, codec, array, [slot], [crc], [sha],
                         hashlib.sha256(crc.to_bytes(4, "little")).hexdigest(), written,
                         None, None, [PackRange(rank, n, off, length)])
-        e.__dict__["_chunk_grid"] = grid
+        e.share_grid(grid)
         return e
 
     def _row_problem(self, r: list[Any]) -> None:
@@ -403,7 +373,7 @@ class EntryParser:
                             [check_int(s, w, "slot", hi=MAX_SLOTS - 1) for s in slots],
                             [check_int(c, w, "crc", hi=_U32) for c in crcs], shas,
                             check_str(raw.get("checksum"), w, "checksum"), check_int(raw.get("written"), w, "written"))
-        entry.__dict__["_chunk_grid"] = grid
+        entry.share_grid(grid)
         if "delta" in raw:
             _parse_delta(entry, raw["delta"], w)
         if "pack" in raw:

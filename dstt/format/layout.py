@@ -61,6 +61,8 @@ MAX_STEP = 10**STEP_DIGITS - 1
 #: read up to that size).
 MAX_DOC_BYTES = 1 << 20
 
+#: The Zarr v3 document of a group or an array (``zarr.json`` at the root: the store's).
+ZARR_JSON = "zarr.json"
 COMMIT_FILE = "commit.json"
 INDEX_FILE = "index.json"
 NAMES_FILE = "names.json"
@@ -230,6 +232,15 @@ def validate_step(step: object, what: str = "step") -> int:
 
 def step_dir(branch: str, step: int) -> str:
     return f"{META}/steps/{branch}/{step:0{STEP_DIGITS}d}"
+
+
+def zarr_json_key(path: str) -> str:
+    """The key of the Zarr document of the group or array at ``path`` (``""``: the root).
+
+    >>> zarr_json_key("tensors/model"), zarr_json_key("")
+    ('tensors/model/zarr.json', 'zarr.json')
+    """
+    return f"{path}/{ZARR_JSON}" if path else ZARR_JSON
 
 
 def steps_prefix(branch: str) -> str:

@@ -71,7 +71,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from dstt.errors import CorruptStoreError, StoreLockedError
+from dstt.errors import CorruptStoreError, StoreLockedError, StoreWarning
 from dstt.format import args as A
 from dstt.format import layout as L
 from dstt.format.backends import Backend, open_backend
@@ -432,7 +432,7 @@ def _check_atomic_create(backend: Backend) -> None:
 
         warnings.warn(f"{backend.url}: this store's conditional create is not atomic; two writers "
                       f"starting together could both take a branch lock (see docs/object-stores.md)",
-                      stacklevel=4)
+                      StoreWarning, stacklevel=4)
 
 
 def _same_inode(fd: int, path: str) -> bool:

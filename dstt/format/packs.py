@@ -2,8 +2,10 @@
 (torch-free format layer; docs/format.md "Packs").
 
 A step of tens of thousands of small tensors used to create a file (and an
-array document) per tensor. Chunks up to :data:`PACK_MAX_CHUNK_BYTES` are
-instead appended, each encoded exactly as its chunk file would be (codec
+array document) per tensor. Chunks up to :func:`dstt.knobs.pack_chunk_bytes`
+(``$DSTT_PACK_CHUNK_BYTES``, else 1 MiB; ``Writer(pack_chunk_bytes=)``
+overrides it, 0 packs nothing; larger chunks stay chunk files of their zarr
+array, readable by plain zarr-python) are instead appended, each encoded exactly as its chunk file would be (codec
 body + CRC-32C trailer), to a *pack*: ``packs/p.<slot>.<rank>.<n>``, written
 once, whole, by the one rank (one writer) that filled it, sealed at
 :data:`PACK_TARGET_BYTES`. So files per step grow with bytes, not with
@@ -27,11 +29,11 @@ True
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from dstt.errors import CaptureError, ConfigError, CorruptStoreError
+from dstt import knobs
+from dstt.errors import CaptureError, CorruptStoreError
 from dstt.format.layout import PACK_FORMAT_VERSION
 
 if TYPE_CHECKING:
@@ -40,28 +42,9 @@ if TYPE_CHECKING:
 #: Top-level folder of pack objects (a zarr group, so plain zarr listings
 #: stay quiet; the packs themselves are not zarr nodes).
 PACKS = "packs"
-#: Chunks of at most this many raw bytes are packed by default (the
-#: environment variable DSTT_PACK_CHUNK_BYTES or Writer(pack_chunk_bytes=)
-#: override it; 0 packs nothing). Larger chunks stay chunk files of their
-#: zarr array, readable by plain zarr-python.
-PACK_MAX_CHUNK_BYTES = 1 << 20
-PACK_ENV = "DSTT_PACK_CHUNK_BYTES"
-
-
-def default_pack_chunk_bytes() -> int:
-    """The packing threshold in effect: ``$DSTT_PACK_CHUNK_BYTES`` if set
-    (read at each call: a capture helper process inherits it), else
-    :data:`PACK_MAX_CHUNK_BYTES`.
-
-    >>> default_pack_chunk_bytes() == int(os.environ.get(PACK_ENV) or PACK_MAX_CHUNK_BYTES)
-    True
-    """
-    text = os.environ.get(PACK_ENV, "").strip()
-    if not text:
-        return PACK_MAX_CHUNK_BYTES
-    if not text.isdigit():
-        raise ConfigError(f"{PACK_ENV} must be a non-negative number of bytes, got {text!r}")
-    return int(text)
+#: The default packing threshold (:func:`dstt.knobs.pack_chunk_bytes`): a
+#: new pack has room for its target and one more chunk this large.
+PACK_MAX_CHUNK_BYTES = knobs.PACK_CHUNK_BYTES_DEFAULT
 #: A pack is sealed (written) once it holds at least this many bytes.
 PACK_TARGET_BYTES = 8 << 20
 
@@ -349,5 +332,5 @@ class StepPacks:
                                    f"{'not written' if f.state == 'failed' else 'never completed'}")
 
 
-__all__ = ["PACK_ENV", "default_pack_chunk_bytes", "PACKS", "PACK_FORMAT_VERSION", "PACK_MAX_CHUNK_BYTES", "PACK_TARGET_BYTES", "PackFile", "PackRange",
+__all__ = ["PACKS", "PACK_FORMAT_VERSION", "PACK_MAX_CHUNK_BYTES", "PACK_TARGET_BYTES", "PackFile", "PackRange",
            "StepPacks", "pack_key", "parse_pack_key", "read_range"]

@@ -16,13 +16,11 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dstt.errors import InvalidReferenceError, StepNotFoundError
+from dstt.format.backends import Backend
 from dstt.format.layout import StepRef
-
-if TYPE_CHECKING:
-    from dstt.format.index import RunIndex as Run
 
 _STEP_RE = re.compile(r":(latest|\d+|~\d+)$")
 _BRANCH_RE = re.compile(r"@([A-Za-z0-9][A-Za-z0-9._-]{0,127})$")
@@ -31,6 +29,16 @@ _RELATIVE_RE = re.compile(r"(?:@([A-Za-z0-9][A-Za-z0-9._-]{0,127}))?(?::(latest|
 StepSpec = int | str | None
 
 __all__ = ["Ref", "StepRef", "StepSpec", "resolve_step"]
+
+
+class Run(Protocol):
+    """What resolving a step asks of an open run
+    (:class:`dstt.format.index.RunIndex` is one)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    def lineage(self, branch: str | None = None, ancestry: bool = True) -> list[tuple[str, list[int]]]: ...
 
 
 @dataclass(frozen=True)
@@ -176,7 +184,7 @@ def parent_arg(value: object) -> StepRef | str | None:
     return StepRef(A.branch(value[0]), A.step(value[1], "parent step"))
 
 
-def resolve_step(run: "Run", branch: str, spec: StepSpec) -> StepRef:
+def resolve_step(run: Run, branch: str, spec: StepSpec) -> StepRef:
     """The (branch, step) a step spec (number, 'latest', '~N', None = latest)
     names on ``branch``'s trajectory: its own steps, after its ancestors'
     steps up to each fork point (:meth:`Run.lineage`)."""

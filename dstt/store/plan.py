@@ -6,7 +6,10 @@ chunk has exactly one writer (Megatron-LM #1053 lost optimizer state when two
 ranks wrote one chunk). Replicated regions are spread over their holders by a
 deterministic hash, so replicated tensors are written once with the work
 shared. Everything here is a pure function of the inputs, so every rank
-computes the same layout without talking to the others.
+computes the same layout without talking to the others. The layout itself
+(:class:`~dstt.format.geometry.TensorLayout`, the chunk shape, the regions)
+is torch-free: :mod:`dstt.format.geometry`; this module holds the torch side
+(local tensors, chunk tasks viewing their data, the step plan).
 """
 
 from __future__ import annotations
@@ -14,56 +17,21 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, TypeVar, overload
+from typing import Any, Callable
 
 import torch
 
+from dstt import knobs
 from dstt.errors import ShardingError, UnsupportedValueError
-from dstt.format.chunks import ChunkGrid
-from dstt.format.codecs.delta import DELTA_ITEMSIZES
 from dstt.format.codecs.spec import CodecSpec
-from dstt.format.dtypes import DtypeInfo, info_for_name
-from dstt.format.layout import DELTA_SUFFIX, array_path
-from dstt.format.packs import default_pack_chunk_bytes
+from dstt.format.geometry import Region, TensorLayout, build_layout
 from dstt.format.pygc import paused_gc
-from dstt.store.shards import (
-    Region,
-    ShardedTensor,
-    check_tiling,
-    dtensor_regions,
-    interior_boundaries,
-    is_dtensor,
-)
+from dstt.store.shards import ShardedTensor, dtensor_regions, is_dtensor
 from dstt.store.torch_dtypes import info_for_torch
 from dstt.store.tree import flatten
 
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
-
-_T = TypeVar("_T")
-
-
-class _cached(Generic[_T]):
-    """A computed-once attribute without functools.cached_property's lock
-    (Python 3.11 takes it on the first use per instance, which cost more
-    than the values for tens of thousands of one-chunk tensors: issue 16).
-    The value lands in the instance ``__dict__``, which wins from then on.
-    A race computes a pure value twice, harmlessly."""
-
-    def __init__(self, fn: Callable[[Any], _T]) -> None:
-        self.fn = fn
-        self.name = fn.__name__
-
-    @overload
-    def __get__(self, obj: None, cls: Any) -> _cached[_T]: ...
-    @overload
-    def __get__(self, obj: object, cls: Any) -> _T: ...
-    def __get__(self, obj: Any, cls: Any) -> Any:
-        if obj is None:
-            return self
-        value = obj.__dict__[self.name] = self.fn(obj)
-        return value
 
 
 @dataclass
@@ -87,93 +55,6 @@ class LocalTensor:
             self.mode,
             [(r.offset, r.shape, tuple(r.holders)) for r in self.regions],
         )
-
-
-@dataclass
-class TensorLayout:
-    """The global, rank-independent layout of one logical tensor in one step."""
-
-    name: str
-    kind: str
-    dtype: DtypeInfo
-    shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    codec: CodecSpec
-    regions: list[Region]
-    #: Chunks of at most this many raw bytes are packed (packs.py); 0: none.
-    pack_chunk_bytes: int = field(default_factory=default_pack_chunk_bytes)
-
-    # Cached: a layout is not changed once built, and these are asked for
-    # several times per chunk (tens of thousands of tensors: issue 16).
-    @_cached
-    def array(self) -> str:
-        return array_path(self.name, self.sig)
-
-    @_cached
-    def sig(self) -> str:
-        shape = "x".join(map(str, self.shape)) or "scalar"
-        chunk = "x".join(map(str, self.chunk_shape)) or "scalar"
-        return f"{self.dtype.logical}_{shape}_c{chunk}_{self.codec.tag}"
-
-    @_cached
-    def packed(self) -> bool:
-        """Chunks are appended to the step's packs, not chunk files (docs/format.md "Packs")."""
-        return self.nchunks > 0 and self.chunk_nbytes <= self.pack_chunk_bytes
-
-    @_cached
-    def delta(self) -> bool:
-        """Chunks may be stored as differences to a keyframe (docs/format.md
-        "Delta chunks"); never packed ones (small: a delta would save little)."""
-        return self.codec.delta and self.dtype.itemsize in DELTA_ITEMSIZES and not self.packed
-
-    @property
-    def delta_array(self) -> str:
-        return self.array + DELTA_SUFFIX
-
-    @_cached
-    def chunk_grid(self) -> ChunkGrid:
-        return ChunkGrid(self.shape, self.chunk_shape)
-
-    @_cached
-    def grid(self) -> tuple[int, ...]:
-        return self.chunk_grid.grid
-
-    @_cached
-    def nchunks(self) -> int:
-        return self.chunk_grid.nchunks
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    @property
-    def chunk_nbytes(self) -> int:
-        return self.chunk_grid.chunk_numel * self.dtype.itemsize
-
-    def linear(self, coords: tuple[int, ...]) -> int:
-        return self.chunk_grid.index(coords)
-
-    def coords(self, index: int) -> tuple[int, ...]:
-        return self.chunk_grid.coords(index)
-
-    def chunk_box(self, coords: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return self.chunk_grid.box(coords)
-
-    def owner(self, region: Region, index: int) -> int:
-        h = zlib.crc32(self.name.encode()) + index
-        return region.holders[h % len(region.holders)]
-
-    @_cached
-    def meta_owner_rank(self) -> int:
-        return self.meta_owner()
-
-    def meta_owner(self) -> int:
-        """The rank that writes this array's zarr.json (the owner of chunk 0)."""
-        if len(self.regions) == 1 and len(self.regions[0].holders) == 1:
-            return self.regions[0].holders[0]  # (owner() of a single holder)
-        region = next((r for r in self.regions if math.prod(r.shape) > 0), self.regions[0])
-        first = tuple(o // c for o, c in zip(region.offset, self.chunk_shape))
-        return self.owner(region, self.linear(first) if self.nchunks else 0)
 
 
 @dataclass(slots=True)
@@ -304,63 +185,6 @@ def merge_trees(trees: list[Any]) -> Any:
     return out
 
 
-def choose_chunk_shape(
-    shape: tuple[int, ...], itemsize: int, boundaries: list[set[int]], max_chunk_bytes: int
-) -> tuple[int, ...]:
-    """Largest chunks ≤ max_chunk_bytes whose edges fall on every shard boundary."""
-    chunk = []
-    constrained = []
-    for s, b in zip(shape, boundaries):
-        if b:
-            chunk.append(math.gcd(*b))
-            constrained.append(True)
-        else:
-            chunk.append(max(s, 1))
-            constrained.append(False)
-    for d in range(len(chunk)):
-        rest = math.prod(chunk[d + 1 :]) * itemsize
-        if chunk[d] * rest <= max_chunk_bytes:
-            break
-        limit = max(1, max_chunk_bytes // max(rest, 1))
-        if constrained[d]:
-            chunk[d] = max(x for x in _divisors(chunk[d]) if x <= limit) if limit < chunk[d] else chunk[d]
-        else:
-            parts = -(-chunk[d] // limit)
-            chunk[d] = -(-chunk[d] // parts)
-    return tuple(chunk)
-
-
-def _divisors(n: int) -> list[int]:
-    small = [i for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0]
-    return small + [n // i for i in small]
-
-
-def build_layout(
-    name: str, desc: tuple[Any, ...], codec: CodecSpec, max_chunk_bytes: int,
-    pack_chunk_bytes: int | None = None,
-) -> TensorLayout:
-    kind, dtype, shape, _mode, regions_raw = desc
-    info = info_for_name(dtype)
-    shape = tuple(shape)
-    if len(regions_raw) == 1 and not any(regions_raw[0][0]) and tuple(regions_raw[0][1]) == shape:
-        # One region covering the whole tensor (a single process's tensor, a
-        # replicated one): it tiles the tensor, and has no interior boundary.
-        o, _, h = regions_raw[0]
-        regions = [Region(tuple(o), shape, sorted(h))]
-        bounds: list[set[int]] = [set()] * len(shape)
-    else:
-        regions = [Region(tuple(o), tuple(s), sorted(h)) for o, s, h in regions_raw]
-        check_tiling(shape, regions, name)
-        bounds = interior_boundaries(shape, regions)
-    chunk = choose_chunk_shape(shape, info.itemsize, bounds, max_chunk_bytes)
-    packing = default_pack_chunk_bytes() if pack_chunk_bytes is None else pack_chunk_bytes
-    layout = TensorLayout(name, kind, info, shape, chunk, codec, regions, packing)
-    layout.__dict__["array"] = array_path(name, layout.sig)  # InvalidNameError now, before anything is written
-    if layout.delta:
-        array_path(name, layout.sig + DELTA_SUFFIX)
-    return layout
-
-
 def region_tasks(layout: TensorLayout, region: Region, data: torch.Tensor, rank: int) -> list[ChunkTask]:
     """Chunk tasks of one region that ``rank`` owns; ``data`` is the region's local data."""
     if math.prod(region.shape) == 0:
@@ -404,7 +228,7 @@ def plan_step(
     unchanged: a layout is a pure function of it (and of codec and chunk
     size), and building one per tensor per step dominated planning of small
     tensors (issue 16). Chunks of at most ``pack_chunk_bytes`` raw bytes
-    (default: :func:`dstt.format.packs.default_pack_chunk_bytes`) are packed."""
+    (default: :func:`dstt.knobs.pack_chunk_bytes`) are packed."""
     # Planning builds a few objects per tensor and keeps them: with the
     # collector on, tens of thousands of them trigger full collections that
     # walk every live object (most of an unchanged step's planning time at
@@ -461,7 +285,7 @@ def _plan_step(step: int, state: Any, rank: int, exchange: Callable[[Any], list[
                max_chunk_bytes: int, allow_pickle: bool, layout_cache: dict[Any, TensorLayout] | None,
                pack_chunk_bytes: int | None) -> StepPlan:
     if pack_chunk_bytes is None:
-        pack_chunk_bytes = default_pack_chunk_bytes()
+        pack_chunk_bytes = knobs.pack_chunk_bytes()
     # (the layout cache also keeps, under "$"-tuples and strings, what the
     # next step of the same writer compares with: _plan_local, flatten)
     memos: dict[Any, Any] | None = layout_cache

@@ -9,21 +9,21 @@ Three inputs produce regions:
 * a DTensor (FSDP2, tensor parallel) -- regions follow its placements with
   ``torch.chunk`` semantics (uneven shards and empty shards included);
 * a :class:`ShardedTensor` -- explicit local pieces with global offsets.
+
+Regions and the rules they follow (they tile the tensor exactly) are torch-free:
+:mod:`dstt.format.geometry`.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from dstt.errors import ShardingError
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
+from dstt.format.geometry import Box, Region
 
 
 class ShardedTensor:
@@ -88,19 +88,6 @@ def is_dtensor(v: Any) -> bool:
     return isinstance(v, DTensor)
 
 
-@dataclass
-class Region:
-    """A box of the logical tensor and the ranks that hold it."""
-
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    holders: list[int] = field(default_factory=list)
-
-    @property
-    def box(self) -> Box:
-        return (self.offset, self.shape)
-
-
 def _chunk_bounds(n: int, k: int, i: int) -> tuple[int, int]:
     """torch.chunk / DTensor Shard semantics: piece i of k over n elements."""
     c = -(-n // k) if k else n
@@ -142,36 +129,3 @@ def dtensor_regions(t: Any) -> tuple[list[Region], tuple[int, ...], torch.Tensor
     if my_offset is None:
         raise ShardingError("this rank is not part of the DTensor's device mesh")
     return list(regions.values()), my_offset, local
-
-
-def check_tiling(shape: tuple[int, ...], regions: list[Region], name: str) -> None:
-    """Regions must cover the global box exactly once: no gap, no overlap."""
-    total = math.prod(shape)
-    vol = 0
-    for r in regions:
-        if len(r.offset) != len(shape):
-            raise ShardingError(f"{name}: shard offset {r.offset} has the wrong rank for shape {shape}")
-        for o, n, s in zip(r.offset, r.shape, shape):
-            if o < 0 or n < 0 or o + n > s:
-                raise ShardingError(f"{name}: shard {r.offset}+{r.shape} lies outside {shape}")
-        vol += math.prod(r.shape)
-    nonempty = [r for r in regions if math.prod(r.shape) > 0]
-    for a, b in itertools.combinations(nonempty, 2):
-        if all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a.offset, a.shape, b.offset, b.shape)):
-            raise ShardingError(f"{name}: shards at {a.offset} and {b.offset} overlap")
-    if vol != total:
-        raise ShardingError(
-            f"{name}: shards cover {vol} of {total} elements of shape {shape}; gaps are not allowed"
-        )
-
-
-def interior_boundaries(shape: tuple[int, ...], regions: list[Region]) -> list[set[int]]:
-    out: list[set[int]] = [set() for _ in shape]
-    for r in regions:
-        if math.prod(r.shape) == 0:
-            continue
-        for d, (o, n) in enumerate(zip(r.offset, r.shape)):
-            for b in (o, o + n):
-                if 0 < b < shape[d]:
-                    out[d].add(b)
-    return out

@@ -4,7 +4,8 @@ Each chunk yields mergeable partials (count, mean, M2, sum of squares, min,
 max, non-finite count, and the sum of squares of the update since the
 previous captured step); partials from chunks written by different threads or
 ranks are merged with Chan's parallel update, so the step index has exact
-whole-tensor stats without a second pass over the data.
+whole-tensor stats without a second pass over the data (the arithmetic of
+partials is torch-free: :mod:`dstt.format.partials`).
 
 Stats columns of ``stats.npy`` (float64, one row per tensor, index order):
 ``numel, nonfinite, norm, mean, std, min, max, update_norm, update_ratio``.
@@ -26,36 +27,14 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dstt.format.layout import STATS_COLUMNS  # noqa: F401 - re-exported: the columns these stats fill
-
-NAN = float("nan")
-
-
-@dataclass
-class Partial:
-    n: int = 0
-    mean: float = 0.0
-    m2: float = 0.0
-    sumsq: float = 0.0
-    min: float = math.inf
-    max: float = -math.inf
-    nonfinite: int = 0
-    #: Sum of squares of (x - prev) over the chunk's values; NaN when the
-    #: previous value is unknown (merged: NaN if any part's is).
-    usq: float = NAN
-
-    def to_list(self) -> list[float]:
-        return [self.n, self.mean, self.m2, self.sumsq, self.min, self.max, self.nonfinite, self.usq]
-
-    @classmethod
-    def from_list(cls, v: list[float]) -> "Partial":
-        """Inverse of :meth:`to_list` (a 7-item list, from before ``usq``: NaN)."""
-        return cls(int(v[0]), v[1], v[2], v[3], v[4], v[5], int(v[6]), v[7] if len(v) > 7 else NAN)
+# The columns these stats fill, and the torch-free arithmetic of partials
+# (dstt.format.partials): this module computes partials from tensors.
+from dstt.format.layout import STATS_COLUMNS  # noqa: F401 - re-exported
+from dstt.format.partials import NAN, Partial, finalize, merge  # noqa: F401 - finalize: re-exported
 
 
 def _as_float(x: torch.Tensor) -> torch.Tensor:
@@ -290,61 +269,3 @@ def _scratch() -> tuple[torch.Tensor, torch.Tensor]:
         bufs = _SCRATCH.bufs = (torch.empty(BATCH_BLOCK, dtype=torch.float64),
                                 torch.empty(BATCH_BLOCK, dtype=torch.float64))
     return bufs
-
-
-def merge(parts: list[Partial]) -> Partial:
-    out = Partial()
-    # The update sum: NaN as soon as one part lacks it (an empty merge too).
-    usq = sum(p.usq for p in parts) if parts else NAN
-    for p in parts:
-        if p.n == 0:
-            continue
-        if out.n == 0:
-            out = Partial(p.n, p.mean, p.m2, p.sumsq, p.min, p.max, p.nonfinite)
-            continue
-        n = out.n + p.n
-        delta = p.mean - out.mean
-        mean = out.mean + delta * p.n / n
-        m2 = out.m2 + p.m2 + delta * delta * out.n * p.n / n
-        out = Partial(
-            n,
-            mean,
-            m2,
-            out.sumsq + p.sumsq,
-            _nanmin(out.min, p.min),
-            _nanmax(out.max, p.max),
-            out.nonfinite + p.nonfinite,
-        )
-    out.usq = usq
-    return out
-
-
-def _nanmin(a: float, b: float) -> float:
-    return NAN if (a != a or b != b) else min(a, b)
-
-
-def _nanmax(a: float, b: float) -> float:
-    return NAN if (a != a or b != b) else max(a, b)
-
-
-def finalize(p: Partial) -> list[float]:
-    """Row of ``STATS_COLUMNS`` for a merged partial."""
-    update_norm = math.sqrt(p.usq) if p.usq == p.usq and p.usq >= 0 else NAN
-    if p.n == 0:
-        return [0.0, 0.0, 0.0, NAN, NAN, NAN, NAN, update_norm, _ratio(update_norm, 0.0)]
-    std = math.sqrt(max(p.m2, 0.0) / (p.n - 1)) if p.n > 1 else (NAN if p.m2 != p.m2 else 0.0)
-    if p.m2 != p.m2:
-        std = NAN
-    norm = math.sqrt(p.sumsq) if p.sumsq == p.sumsq and p.sumsq >= 0 else NAN
-    return [float(p.n), float(p.nonfinite), norm, p.mean, std, p.min, p.max, update_norm,
-            _ratio(update_norm, norm)]
-
-
-def _ratio(update_norm: float, norm: float) -> float:
-    """update_norm / norm: 0 when both are 0, inf when only norm is, NaN
-    when either is unknown."""
-    if update_norm != update_norm or norm != norm:
-        return NAN
-    if norm == 0:
-        return 0.0 if update_norm == 0 else math.inf
-    return update_norm / norm

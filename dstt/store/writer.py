@@ -24,12 +24,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-import numpy as np
 import torch
 
+from dstt import knobs
 from dstt.errors import (
     CaptureError,
     ChecksumMismatchError,
@@ -43,15 +42,16 @@ from dstt.errors import (
 from dstt.format import args as A
 from dstt.format import layout as L
 from dstt.format.backends import Backend, open_backend
-from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY, ChunkRef, Link, code_chunk
+from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY, Link, resolved_tails
 from dstt.format.codecs.spec import (
     COMPRESSIONS,
     CodecSpec,
     array_metadata,
-    crc32c,
     delta_array_metadata,
     group_metadata,
 )
+from dstt.format.commit import ChunkResult, CommitInfo, CommitPhase, CommitPlan
+from dstt.format.groupcommit import commit_group
 from dstt.format.heads import latest_committed
 from dstt.format.index import resolve_parent
 from dstt.format.lock import acquire as acquire_lock
@@ -60,7 +60,7 @@ from dstt.format.manifest import (
     parse_index_checked,
     sha256_hex,
 )
-from dstt.format.packs import PACKS, StepPacks, default_pack_chunk_bytes
+from dstt.format.packs import PACKS, StepPacks
 from dstt.format.pygc import paused_gc
 from dstt.format.refs import parent_arg
 from dstt.format.root import (
@@ -70,12 +70,9 @@ from dstt.format.root import (
     load_branch,
     raise_root_version,
 )
-from dstt.store.batchflush import BatchFlush, chunk_place
-from dstt.store.committer import ChunkResult, CommitInfo, CommitPhase, resolved_tails
 from dstt.store.coord import Coordinator, default_coordinator
+from dstt.store.flusher import Flusher
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, plan_step
-from dstt.store.stats import chunk_partial
-from dstt.store.torch_dtypes import as_storage_view
 
 #: Planned, uncommitted steps a writer tracks references for (see Writer._link).
 MAX_OPEN_PLANS = 64
@@ -88,27 +85,7 @@ AUTO_BEHIND = 2
 AUTO_CPU_CORES = 0.5
 
 
-def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryview:
-    """The chunk as stored before encoding: C-order bytes of the full chunk
-    shape in the storage dtype, edge chunks zero-padded."""
-    src = staged if staged is not None else task.source
-    if src.device.type != "cpu":
-        src = src.cpu()
-    # A conjugate or negative view (complex .conj()) is lazy: materialize the
-    # values it stands for; numpy refuses such tensors.
-    src = as_storage_view(src.detach().resolve_conj().resolve_neg())
-    if task.padded:
-        full = torch.zeros(task.layout.chunk_shape, dtype=src.dtype)
-        full[tuple(slice(0, n) for n in task.shape)] = src
-        src = full
-    elif not src.is_contiguous():
-        src = src.contiguous()
-    if src.dim() == 0:
-        src = src.reshape(1)
-    return src.numpy().data.cast("B")
-
-
-class Writer(BatchFlush, CommitPhase):
+class Writer:
     """Writes committed steps to one branch.
 
     >>> import tempfile, torch
@@ -149,27 +126,28 @@ class Writer(BatchFlush, CommitPhase):
         A.flag("dedup", dedup)
         A.options("storage_options", storage_options)
         if pack_chunk_bytes is None:
-            pack_chunk_bytes = default_pack_chunk_bytes()
+            pack_chunk_bytes = knobs.pack_chunk_bytes()
         A.non_negative_int("pack_chunk_bytes", pack_chunk_bytes)
         #: Chunks of at most this many raw bytes go into packs (packs.py; 0:
         #: none; default: $DSTT_PACK_CHUNK_BYTES, else 1 MiB).
         self.pack_chunk_bytes = pack_chunk_bytes
-        self._packs_version_raised = False
         self.codec = CodecSpec(compression, zstd_level)
         self.max_chunk_bytes = max_chunk_bytes
         self.allow_pickle = allow_pickle
         self.dedup = dedup
-        self.coord = coordinator or default_coordinator()
-        # Commits may run on another thread than planning; it needs its own group.
-        self.commit_coord = commit_coordinator or self.coord
-        self.rank = self.coord.rank
+        coord = coordinator or default_coordinator()
+        self.rank = coord.rank
         # A lock already held for this branch (a capture helper inherits its
         # trainer's: capture/helper.py); else rank 0 takes it below.
         self._given_lock = lock
         self._branch_lock: Any = None  # rank 0 holds the branch write lock (lock.py)
         self._storage_options = storage_options
-        self.backend: Backend = self._setup(store, branch, parent)
+        self.backend: Backend = self._setup(store, branch, parent, coord)
         self.branch: BranchInfo = load_branch(self.backend, branch)
+        #: The commit phase (dstt.format.commit): commits may run on another
+        #: thread than planning, with their own coordinator.
+        self.commits = CommitPhase(self.backend, self.branch, self.rank, coord, commit_coordinator or coord,
+                                   check_lock=self.check_lock, settle_links=self._settle_links)
         self._known_arrays: set[str] = set()
         self._known_groups: set[str] = set()
         # Layouts of the tensors planned so far, reused while unchanged
@@ -182,11 +160,11 @@ class Writer(BatchFlush, CommitPhase):
         # of earlier ones that never will be (a skipped step).
         self._open_plans: dict[int, list[Link]] = {}
         self._open_lock = threading.Lock()
-        # compression="auto": CPU seconds spent coding chunks, and (time, that
-        # total) at the previous planned step (guarded by _open_lock).
-        self._encode_cpu_s = 0.0
+        # compression="auto": (time, CPU seconds the flusher spent coding
+        # chunks) at the previous planned step (guarded by _open_lock).
         self._rate_mark = (0.0, 0.0)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
+        #: The flush phase (store/flusher.py): stats, checksums, dedup, coding, writes of chunks.
+        self.flusher = Flusher(self.backend, dedup=dedup, keyframe_every=self.keyframe_every, threads=threads)
         self._closed = False
         if self.codec.delta and self.rank == 0:
             # Readers that know only format 1 must refuse this store, not
@@ -196,8 +174,6 @@ class Writer(BatchFlush, CommitPhase):
         # with the commit markers, a listing of the steps otherwise.
         head = latest_committed(self.backend, branch)
         self.last_step: int | None = head.step
-        #: (step, seq) of the latest step committed on this branch.
-        self.last_commit: tuple[int, int] | None = None
         self.next_seq = 0
         if head.step is not None and head.seq is not None:
             self.last_commit = (head.step, head.seq)
@@ -206,9 +182,38 @@ class Writer(BatchFlush, CommitPhase):
         elif self.branch.parent is not None:
             self._load_prev(*self.branch.parent)
 
+    # ------------------------------------------------------------------ the commit phase's state
+
+    @property
+    def coord(self) -> Coordinator:
+        """This writer's coordinator (planning; the commit records its world size)."""
+        return cast(Coordinator, self.commits.coord)
+
+    @coord.setter
+    def coord(self, value: Coordinator) -> None:
+        self.commits.coord = value
+
+    @property
+    def commit_coord(self) -> Coordinator:
+        """The coordinator commits talk through."""
+        return cast(Coordinator, self.commits.exchange)
+
+    @commit_coord.setter
+    def commit_coord(self, value: Coordinator) -> None:
+        self.commits.exchange = value
+
+    @property
+    def last_commit(self) -> tuple[int, int] | None:
+        """(step, seq) of the latest step committed on this branch."""
+        return self.commits.last_commit
+
+    @last_commit.setter
+    def last_commit(self, value: tuple[int, int] | None) -> None:
+        self.commits.last_commit = value
+
     # ------------------------------------------------------------------ setup
 
-    def _setup(self, store: Any, branch: str, parent: L.StepRef | str | None) -> Backend:
+    def _setup(self, store: Any, branch: str, parent: L.StepRef | str | None, coord: Coordinator) -> Backend:
         error = None
         backend = None
         if self.rank == 0:
@@ -221,8 +226,8 @@ class Writer(BatchFlush, CommitPhase):
                 error = e
                 if self._branch_lock is not None:
                     self._branch_lock.release()
-        if self.coord.distributed:
-            error = self.coord.broadcast(error)
+        if coord.distributed:
+            error = coord.broadcast(error)
         if error is not None:
             raise error
         if backend is None:
@@ -371,9 +376,10 @@ class Writer(BatchFlush, CommitPhase):
         """Cores' worth of CPU spent coding chunks since the previous planned
         step (caller holds ``_open_lock``); 0 for the first."""
         now = time.perf_counter()
-        used = self._encode_cpu_s - self._rate_mark[1]
+        spent = self.flusher.encode_cpu_s
+        used = spent - self._rate_mark[1]
         rate = used / (now - self._rate_mark[0]) if self._rate_mark[0] else 0.0
-        self._rate_mark = (now, self._encode_cpu_s)
+        self._rate_mark = (now, spent)
         return rate
 
     def _link(self, plan: StepPlan) -> None:
@@ -425,7 +431,7 @@ class Writer(BatchFlush, CommitPhase):
                     layout.dtype, layout.shape, layout.chunk_shape, layout.name))
 
     def _ensure_doc(self, path: str, doc: bytes) -> None:
-        key = f"{path}/zarr.json"
+        key = L.zarr_json_key(path)
         if self._differs(key, doc):
             self.backend.put(key, doc)
         self._known_arrays.add(path)
@@ -447,8 +453,8 @@ class Writer(BatchFlush, CommitPhase):
         array documents; checked once per writer."""
         doc = group_metadata()
         if PACKS not in self._known_groups and any(layout.packed for layout in plan.layouts):
-            if self._differs(f"{PACKS}/zarr.json", doc):
-                self.backend.put(f"{PACKS}/zarr.json", doc)
+            if self._differs(L.zarr_json_key(PACKS), doc):
+                self.backend.put(L.zarr_json_key(PACKS), doc)
             self._known_groups.add(PACKS)
         for layout in plan.layouts:
             if layout.packed:
@@ -458,68 +464,36 @@ class Writer(BatchFlush, CommitPhase):
                 group = "/".join([L.TENSORS, *parts[:depth]])
                 if group in self._known_groups:
                     continue
-                key = f"{group}/zarr.json"
+                key = L.zarr_json_key(group)
                 if self._differs(key, doc):
                     self.backend.put(key, doc)
                 self._known_groups.add(group)
 
     def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None,
                     prev_staged: torch.Tensor | None = None) -> ChunkResult:
-        """Stats, checksum, dedup and write of one chunk. Thread-safe.
+        """Stats, checksum, dedup and write of one chunk (thread-safe;
+        :meth:`dstt.store.flusher.Flusher.flush_chunk`)."""
+        return self.flusher.flush_chunk(plan, task, staged, prev_staged)
 
-        ``prev_staged``: the same chunk of the previous captured step, still in host
-        memory (the capture's memory tier), for the update statistics
-        (``update_norm``/``update_ratio``; NaN without it).
+    def flush_chunks(self, plan: StepPlan, tasks: list[ChunkTask], staged: list[torch.Tensor | None] | None = None,
+                     prev_staged: list[torch.Tensor | None] | None = None,
+                     ) -> tuple[list[ChunkResult], BaseException | None]:
+        """Flush several chunks, small ones in groups (thread-safe;
+        :meth:`dstt.store.flusher.Flusher.flush_chunks`): the results of the
+        chunks flushed and the first error.
 
-        Dedup costs nothing for changed chunks: their CRC-32C (needed anyway
-        for the chunk trailer) differs from the previous step's. Only on a CRC
-        match is equality proven exactly -- by sha256 when the previous chunk
-        has one, else by comparing with the stored bytes -- and the sha256 is
-        recorded so a frozen tensor is proven by hash from then on.
+        >>> import tempfile, torch
+        >>> w = Writer(tempfile.mkdtemp() + "/run")
+        >>> plan = w.plan(0, {"a": torch.ones(3), "b": torch.arange(4)}); w.ensure_arrays(plan)
+        >>> results, error = w.flush_chunks(plan, plan.tasks); len(results), error
+        (2, None)
+        >>> w.commit(plan, results).n_tensors
+        2
+        >>> w.close()
         """
-        link = plan.links.get((task.layout.array, task.index)) or Link(None)
-        link.started = True
-        try:
-            src = staged if staged is not None else task.source
-            partial = chunk_partial(src if src.device.type == "cpu" else src.cpu(), prev_staged).to_list()
-            raw = chunk_bytes(task, src)
-            crc = crc32c(raw)
-            result = ChunkResult(task.layout.name, task.index, crc, None, plan.slot, 0, len(raw), partial)
-            prev = link.prev
-            done, value = (True, None) if prev is None else prev.peek()
-            if prev is None or done:
-                return self._store(plan, task, raw, result, link, value)
-            # The same chunk of the previous planned step is not stored yet
-            # (its flush was queued after this one): finish when it is, on
-            # this writer's own thread, from a private copy of the bytes --
-            # the staging block goes back to the pool now. commit() waits.
-            self._wait_for(plan, task, np.frombuffer(raw, dtype=np.uint8).copy().data, result, link, prev)
-            return result
-        except BaseException:
-            link.pass_through()  # later steps compare with what was there before
-            raise
+        return self.flusher.flush_chunks(plan, tasks, staged, prev_staged, one=self.flush_chunk)
 
-    def _store(self, plan: StepPlan, task: ChunkTask, raw: memoryview, result: ChunkResult, link: Link,
-               prev: ChunkRef | None) -> ChunkResult:
-        """Dedup, delta code or write one chunk against ``prev``; resolves ``link``."""
-        cpu = time.thread_time()
-        try:
-            packs = plan.packs if task.layout.packed else None
-            coded = code_chunk(self.backend, chunk_place(task), plan.slot, raw, result.crc, prev,
-                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast, packs=packs)
-            if coded.written == 0 and coded.ref.pack_file is not None and plan.packs is not None:
-                plan.packs.refer(coded.ref.pack_file)  # commit checks it was written
-        except BaseException:
-            link.pass_through()
-            raise
-        with self._open_lock:
-            self._encode_cpu_s += time.thread_time() - cpu
-        link.resolve(coded.ref)
-        result.slot, result.keyframe, result.pack = coded.ref.slot, coded.ref.keyframe, coded.ref.pack
-        result.written, result.sha256 = coded.written, coded.sha256
-        return result
-
-    def _settle_links(self, plan: StepPlan, *, earlier: bool) -> None:
+    def _settle_links(self, plan: CommitPlan, earlier: bool) -> None:
         """Links of ``plan`` (or, ``earlier``: of every open plan before it)
         whose chunk was never flushed -- a failed or skipped step -- pass
         their predecessor's value on, so no later chunk waits for them."""
@@ -535,7 +509,7 @@ class Writer(BatchFlush, CommitPhase):
         """Steps planned before ``plan`` and not flushed yet will not be
         stored now (the capture's memory tier passed over them): later
         chunks compare with what came before them, without waiting."""
-        self._settle_links(plan, earlier=True)
+        self._settle_links(plan, True)
 
     def relink(self, plan: StepPlan) -> None:
         """Prepare a plan passed over earlier (its links settled) to be
@@ -546,6 +520,30 @@ class Writer(BatchFlush, CommitPhase):
             if plan.seq in self._open_plans:
                 return  # still open: its links are live
         plan.links = {k: Link(v) for k, v in plan.links.items()}
+
+    def commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None = None, *,
+               memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
+        """Commit a planned step from its chunk results (collective under
+        torch.distributed; :meth:`dstt.format.commit.CommitPhase.commit`)."""
+        return self.commits.commit(plan, results, error, memory_only=memory_only)
+
+    def commit_group(self, items: list[tuple[StepPlan, list[ChunkResult]]]) -> list[CommitInfo | BaseException]:
+        """Commit several planned steps (in step order) with one round of
+        syncs where the backend can (:mod:`dstt.format.groupcommit`); each
+        step's CommitInfo, or the error that kept it from being committed.
+
+        >>> import tempfile, torch
+        >>> w = Writer(tempfile.mkdtemp() + "/run")
+        >>> items = []
+        >>> for step in range(3):
+        ...     plan = w.plan(step, {"w": torch.full((4,), float(step))})
+        ...     w.ensure_arrays(plan)
+        ...     items.append((plan, [w.flush_chunk(plan, t) for t in plan.tasks]))
+        >>> [info.step for info in w.commit_group(items)]
+        [0, 1, 2]
+        >>> w.close()
+        """
+        return commit_group(self.commits, items)
 
     # ------------------------------------------------------------------ sync API
 
@@ -567,7 +565,7 @@ class Writer(BatchFlush, CommitPhase):
         error: BaseException | None = None
         try:
             self.ensure_arrays(plan)
-            futures = [self._pool.submit(self._flush_batch, plan, batch) for batch in batches(plan.tasks)]
+            futures = [self.flusher.pool.submit(self._flush_batch, plan, batch) for batch in batches(plan.tasks)]
             for f in futures:
                 try:
                     done, err = f.result()  # unbounded wait: a chunk write of this writer's own threads
@@ -585,7 +583,7 @@ class Writer(BatchFlush, CommitPhase):
     def _flush_batch(self, plan: StepPlan, tasks: list[ChunkTask]) -> tuple[list[ChunkResult], BaseException | None]:
         """Flush several chunks on one pool thread: one task per chunk cost
         more than a small chunk's own work (tens of thousands of tensors);
-        small ones are flushed in groups (batchflush.py)."""
+        small ones are flushed in groups (flusher.py)."""
         return self.flush_chunks(plan, tasks)
 
     def check_lock(self) -> None:
@@ -600,7 +598,7 @@ class Writer(BatchFlush, CommitPhase):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._pool.shutdown(wait=True)  # unbounded wait: this writer's own flush threads, drained by then
+            self.flusher.close()
             if self._branch_lock is not None:
                 self._branch_lock.release()
             self.backend.close()

@@ -150,11 +150,11 @@ def test_unchanged_after_a_change_while_the_pack_is_unwritten_is_stored_anew(tmp
 
 def test_a_group_block_is_reused_but_never_under_a_waiting_chunk(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Group blocks (batchflush: the values a group concatenates) are reused
+    """Group blocks (the flusher: the values a group concatenates) are reused
     from group to group; a chunk waiting for its predecessor keeps a slice of
     its block, which then is not reused: step 2 flushed before step 1 (its
     chunks wait), step 1's group must not overwrite step 2's bytes."""
-    from dstt.store import batchflush as B
+    from dstt.store import flusher as B
 
     blocks = B._Blocks(2 * B.GROUP_BYTES)
     monkeypatch.setattr(B, "_GROUP_BUFFERS", blocks)

@@ -56,7 +56,7 @@ def _enospc(key: str) -> OSError:
 
 def install() -> None:
     from dstt.format.backends import LocalBackend
-    from dstt.store.committer import ChunkResult
+    from dstt.format.commit import ChunkResult
 
     put, put_atomic, sync, settled = (LocalBackend.put, LocalBackend.put_atomic, LocalBackend.sync,
                                       ChunkResult.settled)

@@ -1,87 +1,91 @@
 """One contract, every backend: a local directory, zarr's MemoryStore (through
-ZarrStoreBackend) and an fsspec ``memory://`` URL behave the same for every
-operation dstt uses, and a whole store -- save, read, prune, gc, verify --
+ZarrStoreBackend) and an fsspec ``memory://`` URL pass the backend contract
+dstt ships (:class:`dstt.testing.backends.BackendTests`: every operation dstt
+uses), and a whole store -- save, read, prune, gc, verify --
 works on the non-local ones too (they had two tests before)."""
 
 from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
 
 import dstt
 from dstt.format.backends import Backend, LocalBackend, ZarrStoreBackend, open_backend
+from dstt.testing.backends import BackendTests
 
 
 def _memory_url() -> str:
     return f"memory://dstt-contract-{uuid.uuid4().hex}"
 
 
-@pytest.fixture(params=["local", "zarr-memory", "fsspec-memory"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    if request.param == "local":
-        b: Backend = LocalBackend(tmp_path / "store", create=True)
-    elif request.param == "zarr-memory":
+class TestLocalBackend(BackendTests):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Iterator[Backend]:
+        b = LocalBackend(tmp_path / "store", create=True)
+        yield b
+        b.close()
+
+
+class TestZarrMemoryStore(BackendTests):
+    @pytest.fixture
+    def backend(self) -> Iterator[Backend]:
         from zarr.storage import MemoryStore
 
         b = open_backend(MemoryStore())
         assert isinstance(b, ZarrStoreBackend)
+        yield b
+        b.close()
+
+
+class TestFsspecMemory(BackendTests):
+    @pytest.fixture
+    def backend(self) -> Iterator[Backend]:
+        pytest.importorskip("fsspec")
+        b = open_backend(_memory_url(), create=True)
+        yield b
+        b.close()
+
+
+@pytest.mark.parametrize("kind", ["local", "zarr-memory", "fsspec-memory"])
+def test_file_capabilities_are_the_local_backends(kind: str, tmp_path: Path) -> None:
+    """flock and real directories: a local directory's, no other backend's."""
+    if kind == "local":
+        b: Backend = LocalBackend(tmp_path / "store", create=True)
+    elif kind == "zarr-memory":
+        from zarr.storage import MemoryStore
+
+        b = open_backend(MemoryStore())
     else:
         pytest.importorskip("fsspec")
         b = open_backend(_memory_url(), create=True)
-    yield b
+    assert isinstance(b, LocalBackend) == b.flock == b.directories
     b.close()
 
 
-class TestBackendContract:
-    def test_put_get_exists_size(self, backend: Backend) -> None:
-        assert backend.get("a/b/c.bin") is None and not backend.exists("a/b/c.bin")
-        backend.put("a/b/c.bin", b"hello")
-        assert bytes(backend.get("a/b/c.bin") or b"") == b"hello"
-        assert backend.exists("a/b/c.bin") and backend.size("a/b/c.bin") == 5
-        backend.put("a/b/c.bin", [b"ab", memoryview(b"cd")])  # several buffers, overwriting
-        assert bytes(backend.get("a/b/c.bin") or b"") == b"abcd"
-        assert bytes(backend.get_range("a/b/c.bin", 1, 2) or b"") == b"bc"
-        assert backend.size("missing") is None
+def test_the_contract_suite_fails_a_backend_that_breaks_it(tmp_path: Path) -> None:
+    """The shipped suite is not vacuous: a backend whose put_if_absent
+    overwrites, or that says it can group syncs and cannot rename, fails it."""
 
-    def test_atomic_put_and_put_if_absent(self, backend: Backend) -> None:
-        backend.put_atomic("meta/doc.json", b"{}")
-        backend.put_atomic("meta/doc.json", b'{"v": 2}')
-        assert bytes(backend.get("meta/doc.json") or b"") == b'{"v": 2}'
-        assert backend.put_if_absent("meta/claim", b"me") is True
-        assert backend.put_if_absent("meta/claim", b"you") is False
-        assert bytes(backend.get("meta/claim") or b"") == b"me"
+    class Overwrites(LocalBackend):
+        def put_if_absent(self, key: str, data: Any) -> bool:
+            self.put(key, data)
+            return True
 
-    def test_list_and_delete(self, backend: Backend) -> None:
-        for k in ("t/x/c.0", "t/x/c.1", "t/y/c.0", "top"):
-            backend.put(k, b"1")
-        assert backend.list_dir("t") == ["x", "y"]
-        assert sorted(backend.list_dir("t/x")) == ["c.0", "c.1"]
-        assert sorted(backend.list_prefix("t")) == ["t/x/c.0", "t/x/c.1", "t/y/c.0"]
-        backend.delete("t/x/c.0")
-        backend.delete("t/x/c.0")  # idempotent
-        assert sorted(backend.list_prefix("t")) == ["t/x/c.1", "t/y/c.0"]
-        backend.delete_prefix("t")
-        assert backend.list_prefix("t") == [] and backend.exists("top")
+    class Boasts(LocalBackend):
+        group_sync = True
 
-    def test_unsafe_keys_refused(self, backend: Backend) -> None:
-        for key in ("../x", "/abs", "a//b", "a/./b", ""):
-            with pytest.raises(dstt.CorruptStoreError):
-                backend.put(key, b"x")
+        def rename(self, src: str, dst: str) -> None:
+            raise NotImplementedError
 
-    def test_capabilities_are_honest(self, backend: Backend) -> None:
-        if backend.can_readinto:
-            backend.put("r", b"abcdef")
-            a, b = bytearray(4), bytearray(2)
-            assert backend.readinto("r", [memoryview(a), memoryview(b)]) == 6 and bytes(a + b) == b"abcdef"
-        else:
-            with pytest.raises(NotImplementedError):
-                backend.readinto("r", memoryview(bytearray(1)))
-        assert isinstance(backend, LocalBackend) == backend.flock == backend.directories
-        backend.sync()  # always callable
+    suite = BackendTests()
+    with pytest.raises(AssertionError):
+        suite.test_atomic_put_and_put_if_absent(Overwrites(tmp_path / "a", create=True))
+    with pytest.raises(NotImplementedError):
+        suite.test_rename_where_it_says_it_can_group_syncs(Boasts(tmp_path / "b", create=True))
 
 
 @pytest.fixture(params=["fsspec-memory", "zarr-memory"])

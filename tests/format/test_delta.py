@@ -25,6 +25,7 @@ from dstt.format.codecs import keyframes
 from dstt.format.codecs.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta
 from dstt.format.gc import prune
 from dstt.format.verify import verify
+from dstt.store.flusher import Flusher
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import Writer
 from tests.conftest import bits_equal
@@ -340,13 +341,13 @@ def _train_and_capture(path: Path, jitter: bool, monkeypatch: pytest.MonkeyPatch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if jitter:  # even steps' flushes finish after the next step's: out of order
         rnd = random.Random(1)
-        original = Writer.flush_chunk
+        original = Flusher.flush_chunk
 
-        def slow(self: Writer, plan: StepPlan, task: ChunkTask, *a: object, **k: object):  # type: ignore[no-untyped-def]
+        def slow(self: Flusher, plan: StepPlan, task: ChunkTask, *a: object, **k: object):  # type: ignore[no-untyped-def]
             time.sleep(0.05 if plan.step % 2 == 0 and task in plan.tasks[:2] else rnd.random() * 0.002)
             return original(self, plan, task, *a, **k)
 
-        monkeypatch.setattr(Writer, "flush_chunk", slow)
+        monkeypatch.setattr(Flusher, "flush_chunk", slow)
     with dstt.Capture(path, compression="delta", flush_threads=3 if jitter else 1,
                       max_chunk_bytes=2048) as cap:
         for step in range(8):

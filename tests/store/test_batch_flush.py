@@ -1,4 +1,4 @@
-"""Batched flush of small chunks (issue 16; dstt/store/batchflush.py):
+"""Batched flush of small chunks (issue 16; dstt/store/flusher.py):
 Writer.flush_chunks stores exactly what flush_chunk stores -- bit-exact round
 trips (mixed dtypes, padded, non-contiguous, conjugate and negative views),
 dedup of unchanged steps, pending predecessors, failures in the middle of a
@@ -19,8 +19,9 @@ from dstt.errors import CaptureError
 from dstt.format import layout as L
 from dstt.format.manifest import parse_index
 from dstt.format.packs import StepPacks
-from dstt.store.batchflush import batchable
-from dstt.store.stats import batch_partials, chunk_partial, finalize, merge
+from dstt.format.partials import finalize, merge
+from dstt.store.flusher import Flusher, batchable
+from dstt.store.stats import batch_partials, chunk_partial
 from dstt.store.writer import Writer
 
 #: This module runs with packing on (tests/conftest.py turns it off elsewhere).
@@ -204,7 +205,7 @@ def _assert_rows(got: list[list[float]], want: list[list[float]]) -> None:
 
 
 def _p(row: list[float]) -> Any:
-    from dstt.store.stats import Partial
+    from dstt.format.partials import Partial
 
     return Partial.from_list(row)
 
@@ -359,19 +360,19 @@ def test_chunk_file_failure_mid_group_fails_the_step_only(store: Path, monkeypat
 
 def test_a_store_error_before_the_write_still_settles_the_link(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A grouped chunk whose store fails before anything is written (here:
-    Writer._store raising at once) passes its link through: the next step's
+    Flusher._store raising at once) passes its link through: the next step's
     same chunk does not wait for it forever."""
     import threading
 
     state = {f"t{i}": torch.randn(16) for i in range(50)}
-    real_store = Writer._store
+    real_store = Flusher._store
 
-    def failing_store(self: Writer, plan: Any, task: Any, *args: Any) -> Any:
+    def failing_store(self: Flusher, plan: Any, task: Any, *args: Any) -> Any:
         if plan.step == 1 and task.layout.name == "t20":
             raise OSError("no")
         return real_store(self, plan, task, *args)
 
-    monkeypatch.setattr(Writer, "_store", failing_store)
+    monkeypatch.setattr(Flusher, "_store", failing_store)
     with Writer(store, pack_chunk_bytes=0) as w:
         w.write(0, state)
         changed = {k: v + 1 for k, v in state.items()}
@@ -396,7 +397,7 @@ def test_a_result_that_waited_for_its_predecessor_settles_picklable() -> None:
     import pickle
     from concurrent.futures import Future
 
-    from dstt.store.committer import ChunkResult
+    from dstt.format.commit import ChunkResult
 
     r = ChunkResult("a", 0, 1, None, 0, 4, 4, [1.0] * 8)
     f: Future[ChunkResult] = Future()

@@ -1,6 +1,6 @@
 """Group commit (issue 16): several steps committed with one round of syncs,
 each with its own index and commit marker, none acknowledged before it is
-durable -- in the Writer (store/groupcommit.py) and through the capture
+durable -- in the Writer (format/groupcommit.py) and through the capture
 helper, whose trainer hands steps over without waiting for the previous
 answer (capture/committing.py)."""
 
@@ -25,7 +25,6 @@ from dstt.errors import CaptureError
 from dstt.format import layout as L
 from dstt.format.backends import LocalBackend
 from dstt.format.verify import verify
-from dstt.store.groupcommit import commit_group
 from dstt.store.writer import Writer
 from tests.conftest import bits_equal
 
@@ -73,7 +72,7 @@ def test_group_of_steps_committed_with_one_round_of_syncs(tmp_path: Path, monkey
     w = Writer(path)
     items = _prepared(w, range(5))
     syncs, renames = _count(monkeypatch, "sync"), _count(monkeypatch, "rename")
-    infos = commit_group(w, items)
+    infos = w.commit_group(items)
     assert [getattr(i, "step", i) for i in infos] == [0, 1, 2, 3, 4]
     assert syncs[0] == 2 and renames[0] == 5  # one commit by one: 2 syncs per step
     assert w.last_commit == (4, items[-1][0].seq)
@@ -83,6 +82,29 @@ def test_group_of_steps_committed_with_one_round_of_syncs(tmp_path: Path, monkey
         assert L.COMMIT_FILE in files and L.INDEX_FILE in files and not any(".tmp-" in f for f in files), files
     _assert_steps_exact(path, list(range(5)))
     assert dstt.open(path).latest() == 4
+
+
+@pytest.mark.parametrize("group_sync", [True, False])
+def test_grouping_asks_the_backends_capability_not_its_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             group_sync: bool) -> None:
+    """A backend of another class that says it can (``group_sync``) commits
+    a group with one round of syncs; one that says it cannot, one by one
+    (the group commit tested ``type(backend) is LocalBackend`` before)."""
+
+    class Mine(LocalBackend):
+        pass
+
+    Mine.group_sync = group_sync and LocalBackend.group_sync
+    if group_sync and not LocalBackend.group_sync:
+        pytest.skip("no syncfs(2) here: no backend can group")
+    path = tmp_path / "run"
+    w = Writer(Mine(path, create=True))
+    items = _prepared(w, range(4))
+    syncs = _count(monkeypatch, "sync")
+    assert [getattr(i, "step", i) for i in w.commit_group(items)] == [0, 1, 2, 3]
+    assert syncs[0] == (2 if group_sync else 4)  # one step alone: its one sync (a single writer)
+    w.close()
+    _assert_steps_exact(path, [0, 1, 2, 3])
 
 
 def test_a_group_writes_the_branch_head_once_naming_its_last_step(tmp_path: Path,
@@ -95,7 +117,7 @@ def test_a_group_writes_the_branch_head_once_naming_its_last_step(tmp_path: Path
     keys: list[str] = []
     real_put = LocalBackend.put
     monkeypatch.setattr(LocalBackend, "put", lambda self, key, data: (keys.append(key), real_put(self, key, data))[1])
-    commit_group(w, items)
+    w.commit_group(items)
     assert keys.count(head_key("main")) == 1  # each step rewrote it: only the last is ever durable
     assert keys.index(head_key("main")) < min(i for i, k in enumerate(keys) if ".tmp-" in k)  # before the sync
     head = head_record(LocalBackend(str(path)), "main")
@@ -109,7 +131,7 @@ def test_a_failed_step_does_not_take_its_group_down(tmp_path: Path) -> None:
     w = Writer(path)
     items = _prepared(w, range(4))
     items[2] = (items[2][0], items[2][1][:-1])  # a chunk result missing: step 2 cannot be committed
-    out = commit_group(w, items)
+    out = w.commit_group(items)
     assert isinstance(out[2], CaptureError) and "chunks were written" in str(out[2])
     assert [o.step for i, o in enumerate(out) if i != 2] == [0, 1, 3]
     w.close()
@@ -127,7 +149,7 @@ def test_nothing_is_acknowledged_when_publishing_fails(tmp_path: Path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(LocalBackend, "rename", refuse)
-    out = commit_group(w, items)
+    out = w.commit_group(items)
     assert all(isinstance(o, OSError) for o in out)
     monkeypatch.undo()
     assert dstt.open(path).steps() == []

@@ -16,8 +16,8 @@ import dstt
 from dstt.errors import InvalidNameError
 from dstt.format import layout as L
 from dstt.format.codecs.spec import CodecSpec
-from dstt.store.plan import build_layout, choose_chunk_shape, describe_local, plan_step
-from dstt.store.shards import check_tiling, interior_boundaries
+from dstt.format.geometry import build_layout, check_tiling, choose_chunk_shape, interior_boundaries
+from dstt.store.plan import describe_local, plan_step
 
 
 def _slow_escape(part: str) -> str:
@@ -69,7 +69,7 @@ def _general_layout(name: str, desc: tuple[Any, ...], codec: CodecSpec, max_byte
     """What build_layout computed before its one-region fast path."""
     kind, dtype, shape, _mode, raw = desc
     from dstt.format.dtypes import info_for_name
-    from dstt.store.shards import Region
+    from dstt.format.geometry import Region
     regions = [Region(tuple(o), tuple(s), sorted(h)) for o, s, h in raw]
     check_tiling(tuple(shape), regions, name)
     chunk = choose_chunk_shape(tuple(shape), info_for_name(dtype).itemsize,

@@ -22,6 +22,7 @@ import dstt
 from dstt.capture import ranks
 from dstt.capture.ring import ring_root
 from dstt.format import layout as L
+from dstt.format import rankparts
 from dstt.format.localio import pid_alive
 from dstt.format.verify import verify
 from dstt.store.writer import Writer
@@ -232,16 +233,16 @@ def test_a_chunk_result_survives_its_record() -> None:
     every field, a sha256, a keyframe, a pack range and non-finite stats."""
     import math
 
+    from dstt.format.commit import ChunkResult
     from dstt.format.packs import PackRange
-    from dstt.store.writer import ChunkResult
 
     r = ChunkResult("model/w", 3, 0xDEADBEEF, bytes(range(32)), 5 << 24 | 7, 120, 256,
                     [1.5, float("inf"), float("-inf"), float("nan"), -0.0], keyframe=(5 << 24) | 1,
                     pack=PackRange(1, 0, 64, 120))
-    back = ranks.decode_result(ranks.encode_result(r), "test")
+    back = rankparts.decode_result(rankparts.encode_result(r), "test")
     assert (back.name, back.index, back.crc, back.sha256, back.slot, back.written, back.nbytes, back.keyframe,
             back.pack) == (r.name, r.index, r.crc, r.sha256, r.slot, r.written, r.nbytes, r.keyframe, r.pack)
     assert back.partial[:3] == [1.5, float("inf"), float("-inf")] and math.isnan(back.partial[3])
     assert math.copysign(1.0, back.partial[4]) == -1.0
     with pytest.raises(dstt.errors.CorruptStoreError):
-        ranks.decode_result(["model/w", "3"], "test")
+        rankparts.decode_result(["model/w", "3"], "test")

@@ -22,6 +22,8 @@ from typer.testing import CliRunner
 import dstt
 from dstt.cli.main import app
 from dstt.errors import CorruptStoreError, StoreLockedError
+from dstt.format.backends import Backend
+from dstt.testing.backends import BackendTests
 
 runner = CliRunner()
 
@@ -37,6 +39,16 @@ def _backend(url: str):  # type: ignore[no-untyped-def]
     from dstt.format.backends import open_backend
 
     return open_backend(url, create=True)
+
+
+class TestS3Backend(BackendTests):
+    """The backend contract dstt ships, on a real S3-compatible server."""
+
+    @pytest.fixture
+    def backend(self, s3: S3Server) -> Iterator[Backend]:
+        b = _backend(s3.url())
+        yield b
+        b.close()
 
 
 def test_backend_contract(s3: S3Server) -> None:

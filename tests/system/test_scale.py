@@ -13,6 +13,7 @@ import torch
 import dstt
 from dstt.errors import CaptureError
 from dstt.format.backends.local import LocalBackend
+from dstt.store.flusher import Flusher
 from dstt.store.writer import Writer
 from tests.conftest import bits_equal, small_state
 
@@ -71,18 +72,18 @@ def test_flush_error_inside_a_batch_is_raised_and_nothing_committed(
     path = tmp_path / "run"
     state = {f"t{i:03d}": torch.full((8,), float(i)) for i in range(300)}
     # (the chunk-file write of one chunk: flush_chunk and the grouped path,
-    # Writer.flush_chunks, both store through Writer._store; packing is off here)
-    real_store = Writer._store
+    # Writer.flush_chunks, both store through Flusher._store; packing is off here)
+    real_store = Flusher._store
 
-    def failing_store(self: Writer, plan: Any, task: Any, *args: Any) -> Any:
+    def failing_store(self: Flusher, plan: Any, task: Any, *args: Any) -> Any:
         if task.layout.name == "t150":
             raise OSError("disk on fire")
         return real_store(self, plan, task, *args)
 
-    monkeypatch.setattr(Writer, "_store", failing_store)
+    monkeypatch.setattr(Flusher, "_store", failing_store)
     with pytest.raises(CaptureError, match="step 3.*disk on fire"):
         dstt.save(path, 3, state)
-    monkeypatch.setattr(Writer, "_store", real_store)
+    monkeypatch.setattr(Flusher, "_store", real_store)
     assert dstt.open(path).steps() == []
     dstt.save(path, 3, state)  # the failed step left nothing in the way
     assert bits_equal(dstt.open(path).read("t150", 3), state["t150"])

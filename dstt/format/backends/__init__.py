@@ -3,7 +3,7 @@
 (:class:`LocalBackend`) or any zarr store (:class:`ZarrStoreBackend`).
 
 Each backend says what it can do with capability flags (``durable_sync``,
-``flock``, ``atomic_create``, ``readinto``, ``directories``); callers test
+``flock``, ``atomic_create``, ``readinto``, ``directories``, ``group_sync``); callers test
 those, never the class. :func:`open_backend` turns a path, URL or zarr Store
 into a backend.
 """

@@ -51,6 +51,11 @@ class Backend(ABC):
     #: Keys are files in real directories: the store's root exists apart from
     #: its keys, and ``remove_empty_dirs(prefix)`` has empty ones to sweep.
     directories: bool = False
+    #: One ``sync()`` makes every earlier put and ``rename`` of the store
+    #: durable at once (``syncfs(2)``), and ``rename(src, dst)`` moves a key
+    #: atomically: several steps can be committed with one round of syncs
+    #: (:mod:`dstt.format.groupcommit`).
+    group_sync: bool = False
     #: A human/URL description of where the store lives.
     url: str = ""
 
@@ -108,6 +113,11 @@ class Backend(ABC):
 
     def sync(self) -> None:
         """Make every put so far durable."""
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst`` atomically (replacing it); durable at the
+        next :meth:`sync`. Only where ``group_sync``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rename")
 
     def size(self, key: str) -> int | None:
         data = self.get(key)  # (backends that can, answer without reading)

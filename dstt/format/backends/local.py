@@ -85,6 +85,7 @@ class LocalBackend(Backend):
     atomic_create = True  # O_CREAT | O_EXCL
     can_readinto = True
     directories = True
+    group_sync = _SYNCFS is not None  # (without syncfs, sync() fsyncs file by file)
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = False, direct_io: bool = True) -> None:
         self.root = Path(root).absolute()
@@ -216,7 +217,7 @@ class LocalBackend(Backend):
 
     def rename(self, src: str, dst: str) -> None:
         """Move ``src`` to ``dst`` atomically (replacing it); durable at the
-        next :meth:`sync` (store/groupcommit.py publishes commit markers so)."""
+        next :meth:`sync` (format/groupcommit.py publishes commit markers so)."""
         os.replace(self._path(src), self._path(dst))
         if _SYNCFS is None:
             with self._lock:

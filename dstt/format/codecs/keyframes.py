@@ -41,11 +41,11 @@ from dstt.errors import DsttError
 from dstt.format import layout as L
 from dstt.format.codecs.delta import undo_delta, zigzag_delta
 from dstt.format.codecs.spec import CodecSpec, decode_chunk, encode_chunk, max_stored_bytes
+from dstt.format.entries import TensorEntry
 from dstt.format.packs import PackFile, PackRange, StepPacks, pack_key, read_range
 
 if TYPE_CHECKING:
     from dstt.format.backends import Backend
-    from dstt.format.manifest import TensorEntry
 
 #: A delta is kept only if its coded size is below this fraction of the
 #: coded size of the keyframe it refers to; else the chunk becomes a keyframe.
@@ -349,5 +349,24 @@ def _get(backend: Backend, key: str, where: str, codec: CodecSpec, nbytes: int) 
     return data
 
 
+def resolved_tails(entries: list[TensorEntry]) -> dict[tuple[str, int], Link]:
+    """Resolved links to the chunks of a stored step's ``entries``, by
+    (array, chunk index): what the next step dedups against (Writer._load_prev). One-chunk
+    tensors (most of them, by count) take a shorter path."""
+    out: dict[tuple[str, int], Link] = {}
+    for e in entries:
+        kf, packs = e.keyframes, e.packs
+        if kf is None and len(e.slots) == 1:
+            h = e.sha256[0]
+            out[(e.array, 0)] = Link(None, ChunkRef(e.crcs[0], None if h is None else bytes.fromhex(h), e.slots[0],
+                                                    None, None, 0, None if packs is None else packs[0]), True)
+            continue
+        for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots)):
+            out[(e.array, i)] = Link.resolved(ChunkRef(
+                c, None if h is None else bytes.fromhex(h), s,
+                None if kf is None else (s if kf[i] is None else kf[i]), pack=None if packs is None else packs[i]))
+    return out
+
+
 __all__ = ["ChunkPlace", "ChunkRef", "Coded", "DEFAULT_KEYFRAME_EVERY", "DELTA_MAX_RATIO", "Link",
-           "code_chunk", "read_coded", "read_delta"]
+           "code_chunk", "read_coded", "read_delta", "resolved_tails"]

@@ -2,7 +2,7 @@
 round of syncs (issue 16: a small model captured every iteration commits a
 step every ~12 ms, and each commit's syncs took longer than the iteration).
 
-Each step is committed as :meth:`Writer.commit` commits it -- its own index
+Each step is committed as :meth:`CommitPhase.commit` commits it -- its own index
 files, head and commit marker, written in step order -- but the syncs inside
 are deferred and the commit markers held back; then, for the whole group:
 
@@ -19,35 +19,23 @@ So no marker is visible before everything its step references is durable
 this returns it (after the second sync). A crash before the renames leaves
 the group's steps uncommitted (their seals stay for recovery); a crash
 between renames and the sync may leave any subset of the group committed,
-each one complete. Only for single-process writers on a backend that
-syncs the whole store at once (``LocalBackend`` with ``syncfs``); anything
-else commits the steps one by one.
-
->>> import tempfile, torch
->>> from dstt.store.writer import Writer
->>> w = Writer(tempfile.mkdtemp() + "/run")
->>> items = []
->>> for step in range(3):
-...     plan = w.plan(step, {"w": torch.full((4,), float(step))})
-...     w.ensure_arrays(plan)
-...     items.append((plan, [w.flush_chunk(plan, t) for t in plan.tasks]))
->>> [info.step for info in commit_group(w, items)]
-[0, 1, 2]
->>> w.close()
+each one complete. Only for single-process writers on a backend whose
+one ``sync`` makes the whole store durable and that can ``rename`` a key
+(the ``group_sync`` capability: ``LocalBackend`` with ``syncfs``); anything
+else commits the steps one by one. (``Writer.commit_group`` runs it on a
+writer's commit phase.)
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
 from dstt.format import layout as L
-from dstt.format.backends import Backend, LocalBackend
-from dstt.format.backends.local import _SYNCFS
+from dstt.format.backends import Backend
+from dstt.format.commit import ChunkResult, CommitInfo, CommitPhase, CommitPlan
 from dstt.format.heads import HEADS
-from dstt.store.committer import ChunkResult, CommitInfo
-from dstt.store.plan import StepPlan
 
 _HEADS = HEADS + "/"
 
@@ -82,46 +70,47 @@ class _Deferred:
             self.real.put_atomic(key, data)
 
 
-def can_group(writer: Any) -> bool:
-    """Whether ``writer``'s steps can be committed as a group."""
-    return (type(writer.backend) is LocalBackend and _SYNCFS is not None and not writer.coord.distributed
-            and not writer.commit_coord.distributed)
+def can_group(phase: CommitPhase) -> bool:
+    """Whether the steps of ``phase``'s writer can be committed as a group:
+    a single process, on a backend with the ``group_sync`` capability."""
+    return phase.backend.group_sync and not phase.coord.distributed and not phase.exchange.distributed
 
 
-def commit_group(writer: Any, items: list[tuple[StepPlan, list[ChunkResult]]]) -> list[CommitInfo | BaseException]:
-    """Commit ``items`` (each a planned step of ``writer`` and its chunk
-    results, in step order) as a group (module docstring); each step's
+def commit_group(phase: CommitPhase, items: Sequence[tuple[CommitPlan, list[ChunkResult]]]
+                 ) -> list[CommitInfo | BaseException]:
+    """Commit ``items`` (each a planned step of ``phase``'s writer and its
+    chunk results, in step order) as a group (module docstring); each step's
     CommitInfo, or the error that kept it from being committed."""
-    if len(items) <= 1 or not can_group(writer):
-        return [_one(writer, plan, results) for plan, results in items]
-    real: Backend = writer.backend
+    if len(items) <= 1 or not can_group(phase):
+        return [_one(phase, plan, results) for plan, results in items]
+    real: Backend = phase.backend
     deferred = _Deferred(real)
-    last_commit = writer.last_commit
+    last_commit = phase.last_commit
     out: list[CommitInfo | BaseException] = []
-    writer.backend = cast(Backend, deferred)
+    phase.backend = cast(Backend, deferred)
     try:
         for plan, results in items:
-            out.append(_one(writer, plan, results))
+            out.append(_one(phase, plan, results))
     finally:
-        writer.backend = real
+        phase.backend = real
     published = [i for i, o in enumerate(out) if not isinstance(o, BaseException)]
     if len(deferred.markers) != len(published):  # never expected: one marker per step committed
         error = RuntimeError(f"group commit: {len(deferred.markers)} commit markers for {len(published)} steps")
-        writer.last_commit = last_commit
+        phase.last_commit = last_commit
         return [error if i in published else o for i, o in enumerate(out)]
     try:
         if deferred.head is not None:
             real.put(*deferred.head)
         publish(real, deferred.markers)
     except BaseException as e:  # noqa: BLE001 - reported per step; none is acknowledged
-        writer.last_commit = last_commit
+        phase.last_commit = last_commit
         return [e if i in published else o for i, o in enumerate(out)]
     return out
 
 
-def _one(writer: Any, plan: StepPlan, results: list[ChunkResult]) -> CommitInfo | BaseException:
+def _one(phase: CommitPhase, plan: CommitPlan, results: list[ChunkResult]) -> CommitInfo | BaseException:
     try:
-        return cast(CommitInfo, writer.commit(plan, results))
+        return phase.commit(plan, results)
     except Exception as e:  # noqa: BLE001 - this step's outcome; the others go on
         return e
 
@@ -138,7 +127,7 @@ def publish(backend: Backend, markers: list[tuple[str, bytes]]) -> None:
             temps.append((tmp, key))
         backend.sync()
         for tmp, key in temps:
-            cast(LocalBackend, backend).rename(tmp, key)
+            backend.rename(tmp, key)
         backend.sync()
     finally:
         for tmp, _ in temps:

@@ -1,23 +1,35 @@
-"""The commit phase of :class:`~dstt.store.writer.Writer`: settle a step's
-chunk results, make them durable, and (rank 0) write the step's index files,
-the branch head and the commit marker -- in that order, so a step is visible
-only once everything it references is durable. A mixin: the state (backend,
-branch, coordinators, the open plans' links) lives on the Writer.
+"""The commit phase: settle a step's chunk results, make them durable, and
+(rank 0) write the step's index files, the branch head and the commit
+marker -- in that order, so a step is visible only once everything it
+references is durable (torch-free format layer).
+
+:class:`CommitPhase` is a component of :class:`dstt.store.writer.Writer`
+(and of the group commit, :mod:`dstt.format.groupcommit`); what it needs of
+the writer arrives through its constructor: the backend, the branch, the
+coordinators, and two callbacks (the branch lock check, the settling of the
+open plans' links). The phase protocol, per planned step:
+
+1. the flush threads produce a :class:`ChunkResult` per chunk this rank
+   wrote (``Writer.flush_chunk`` / ``flush_chunks``);
+2. one thread (the caller's, or a capture's committer) calls
+   :meth:`CommitPhase.commit` with them, on every rank, for every planned
+   step -- passing its flush error if any, so no rank waits forever on a
+   failed peer: the rank's packs are closed and synced, the results
+   gathered on rank 0, which writes the index, the head and the marker;
+3. the outcome (:class:`CommitInfo`, or the error) is broadcast to every rank.
 """
 
 from __future__ import annotations
 
-import math
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, Callable, Protocol, cast
 
 from dstt.errors import CaptureError
 from dstt.format import layout as L
 from dstt.format.backends import Backend
-from dstt.format.codecs.keyframes import ChunkRef, Link
+from dstt.format.geometry import TensorLayout
 from dstt.format.heads import write_head
 from dstt.format.manifest import (
     TensorEntry,
@@ -31,12 +43,37 @@ from dstt.format.manifest import (
     tensor_checksum,
 )
 from dstt.format.packs import PackRange, StepPacks
+from dstt.format.partials import Partial, finalize, merge
 from dstt.format.pygc import paused_gc
 from dstt.format.root import BranchInfo, raise_root_version
-from dstt.store.coord import Coordinator
-from dstt.store.plan import StepPlan, TensorLayout
-from dstt.store.stats import Partial, finalize, merge
-from dstt.store.tree import tree_has_pickle
+from dstt.format.valuetree import has_pickle
+
+
+class CommitPlan(Protocol):
+    """What the commit phase reads of a planned step
+    (:class:`dstt.store.plan.StepPlan` is one)."""
+
+    step: int
+    seq: int
+    tree: Any
+    layouts: list[TensorLayout]
+    fast: bool
+    packs: Any  # this rank's StepPacks of the step, or None
+
+
+class Coordination(Protocol):
+    """What the commit phase asks of the ranks' coordinator
+    (:class:`dstt.store.coord.Coordinator` is one)."""
+
+    rank: int
+    world: int
+
+    @property
+    def distributed(self) -> bool: ...
+
+    def gather(self, obj: Any) -> list[Any] | None: ...
+
+    def broadcast(self, obj: Any) -> Any: ...
 
 
 @dataclass
@@ -78,40 +115,46 @@ class CommitInfo:
     bytes_referenced: int
 
 
-
 class CommitPhase:
-    """``commit`` and what it needs (a mixin of Writer)."""
+    """``commit``: the commit phase of one writer of one branch (module docstring).
 
-    backend: Backend
-    branch: BranchInfo
-    rank: int
-    coord: Coordinator
-    commit_coord: Coordinator
-    last_commit: tuple[int, int] | None
-    _open_lock: threading.Lock
-    _packs_version_raised: bool
+    ``coord``: the writer's coordinator (the commit records its world size);
+    ``exchange``: the one commits talk through (another thread than
+    planning needs its own group; a capture helper's records); both may be
+    replaced between commits. ``check_lock`` raises if the writer lost its
+    branch lock; ``settle_links(plan, earlier)`` settles the links of
+    ``plan`` (or of the open plans before it) that were never flushed.
+    ``last_commit``: (step, seq) of the branch's latest committed step."""
 
-    def _settle_links(self, plan: StepPlan, *, earlier: bool) -> None:
-        raise NotImplementedError
+    def __init__(self, backend: Backend, branch: BranchInfo, rank: int, coord: Coordination,
+                 exchange: Coordination, *, check_lock: Callable[[], None],
+                 settle_links: Callable[[CommitPlan, bool], None],
+                 last_commit: tuple[int, int] | None = None) -> None:
+        self.backend = backend
+        self.branch = branch
+        self.rank = rank
+        self.coord = coord
+        self.exchange = exchange
+        self.check_lock = check_lock
+        self.settle_links = settle_links
+        self.last_commit = last_commit
+        self.packs_version_raised = False
 
-    def check_lock(self) -> None:
-        raise NotImplementedError
-
-    def commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None = None, *,
+    def commit(self, plan: CommitPlan, results: list[ChunkResult], error: BaseException | None = None, *,
                memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
         """Make this rank's chunks durable, then (rank 0) write the index and
         the commit marker. Collective under torch.distributed: every rank calls
         it for every planned step, passing its flush error if any, so no rank
         waits forever on a failed peer."""
-        self._settle_links(plan, earlier=True)
+        self.settle_links(plan, True)
         try:
             results, error = self._settled(results, error)
             error = self._close_packs(plan, error)
             return self._commit(plan, results, error, memory_only)
         finally:
-            self._settle_links(plan, earlier=False)
+            self.settle_links(plan, False)
 
-    def _close_packs(self, plan: StepPlan, error: BaseException | None) -> BaseException | None:
+    def _close_packs(self, plan: CommitPlan, error: BaseException | None) -> BaseException | None:
         """Write this rank's last pack of the step (also when the step failed:
         a later step may reference its ranges), and check that the earlier
         packs the step references were written."""
@@ -140,9 +183,9 @@ class CommitPhase:
                 error = error or e
         return out, error
 
-    def _commit(self, plan: StepPlan, results: list[ChunkResult], error: BaseException | None,
+    def _commit(self, plan: CommitPlan, results: list[ChunkResult], error: BaseException | None,
                 memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
-        if error is None and (self.commit_coord.distributed or self.rank != 0):
+        if error is None and (self.exchange.distributed or self.rank != 0):
             # Each rank's chunks are durable before rank 0 may commit them. A
             # single writer needs no sync here: the one in _write_commit
             # (after the index files, before the marker) makes its chunks
@@ -153,7 +196,7 @@ class CommitPhase:
             except Exception as e:  # any: raised before the exchange, it left rank 0 waiting forever
                 error = e
         payload = (results if error is None else None, None if error is None else _describe(error))
-        gathered = self._gather(plan.step, payload) if self.commit_coord.distributed else [payload]
+        gathered = self._gather(plan.step, payload) if self.exchange.distributed else [payload]
         outcome: Any = None
         if self.rank == 0:
             assert gathered is not None
@@ -168,8 +211,8 @@ class CommitPhase:
                 except Exception as e:  # reported to every rank below
                     outcome = ("error", f"step {plan.step} on branch {self.branch.name!r} not committed: {_describe(e)}")
                     error = error or e
-        if self.commit_coord.distributed:
-            outcome = self.commit_coord.broadcast(outcome)
+        if self.exchange.distributed:
+            outcome = self.exchange.broadcast(outcome)
         kind, value = outcome
         if kind != "ok":
             if error is not None:
@@ -178,7 +221,6 @@ class CommitPhase:
         if self.last_commit is None or plan.step > self.last_commit[0]:  # (a backfill leaves the head)
             self.last_commit = (plan.step, plan.seq)
         return cast(CommitInfo, value)
-
 
     def _gather(self, step: int, payload: tuple[list[ChunkResult] | None, str | None]) -> list[Any] | None:
         """Every rank's ``payload`` on rank 0 (None elsewhere), reached by
@@ -189,18 +231,18 @@ class CommitPhase:
         commits another step at the same time (the ranks out of step) fails
         the step instead of mixing two steps' chunks in one index."""
         try:
-            gathered = self.commit_coord.gather((step, payload))
+            gathered = self.exchange.gather((step, payload))
         except Exception as e:  # noqa: BLE001 - sent on as this rank's failure
             # (gather_object pickles before it communicates; a rank record is
             # encoded before it is written: nothing was sent yet)
             why = f"this rank's part could not be sent: {_describe(e)}"
-            gathered = self.commit_coord.gather((step, (None, why)))
+            gathered = self.exchange.gather((step, (None, why)))
         if gathered is None:
             return None
         return [got if at == step else (None, f"it committed step {at} meanwhile (the ranks are out of step)")
                 for at, got in gathered]
 
-    def _write_commit(self, plan: StepPlan, results: list[ChunkResult],
+    def _write_commit(self, plan: CommitPlan, results: list[ChunkResult],
                       memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
         tensors, names, rows, (written, referenced, bytes_total) = _entries(plan, results)
         where = L.step_dir(self.branch.name, plan.step)
@@ -213,9 +255,9 @@ class CommitPhase:
             # store raised to 4 with the first (once per writer): older
             # readers refuse it, never misread it.
             version = L.ROWS_FORMAT_VERSION if has_rows(tensors) else L.PACK_FORMAT_VERSION
-            if not self._packs_version_raised:
+            if not self.packs_version_raised:
                 raise_root_version(self.backend, L.ROWS_FORMAT_VERSION)
-                self._packs_version_raised = True
+                self.packs_version_raised = True
         index = index_document(version, self.branch.name, plan.step, tensors, plan.tree)
         names_b = encode_json(names)
         stats_b = encode_stats(rows)
@@ -244,7 +286,7 @@ class CommitPhase:
         commit = commit_document(
             version=version, branch=self.branch.name, step=plan.step, seq=plan.seq, time=time.time(),
             world_size=self.coord.world, n_tensors=len(tensors), bytes_total=bytes_total,
-            bytes_written=written, bytes_referenced=referenced, has_pickle=tree_has_pickle(plan.tree), files=files,
+            bytes_written=written, bytes_referenced=referenced, has_pickle=has_pickle(plan.tree), files=files,
             coding="fast" if plan.fast else None, memory_only=memory_only or None)
         # The lock may have been broken while this step was written (dstt
         # unlock --force, a lease lost while paused): then another writer may
@@ -254,26 +296,7 @@ class CommitPhase:
         return CommitInfo(self.branch.name, plan.step, plan.seq, len(tensors), written, referenced)
 
 
-def resolved_tails(entries: list[TensorEntry]) -> dict[tuple[str, int], Link]:
-    """Resolved links to the chunks of a stored step's ``entries``, by
-    (array, chunk index): what the next step dedups against (Writer._load_prev). One-chunk
-    tensors (most of them, by count) take a shorter path."""
-    out: dict[tuple[str, int], Link] = {}
-    for e in entries:
-        kf, packs = e.keyframes, e.packs
-        if kf is None and len(e.slots) == 1:
-            h = e.sha256[0]
-            out[(e.array, 0)] = Link(None, ChunkRef(e.crcs[0], None if h is None else bytes.fromhex(h), e.slots[0],
-                                                    None, None, 0, None if packs is None else packs[0]), True)
-            continue
-        for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots)):
-            out[(e.array, i)] = Link.resolved(ChunkRef(
-                c, None if h is None else bytes.fromhex(h), s,
-                None if kf is None else (s if kf[i] is None else kf[i]), pack=None if packs is None else packs[i]))
-    return out
-
-
-def _entries(plan: StepPlan, results: list[ChunkResult]
+def _entries(plan: CommitPlan, results: list[ChunkResult]
              ) -> tuple[list[TensorEntry], list[str], list[list[float]], tuple[int, int, int]]:
     """The index entries, names and stats rows of a step from its chunk
     results (CaptureError for a missing, repeated or out-of-grid chunk),
@@ -305,7 +328,7 @@ def _entries(plan: StepPlan, results: list[ChunkResult]
             tensors.append(_one_chunk_entry(layout, c))
             written += c.written
             if c.written == 0:
-                referenced += nbytes if layout.chunk_shape == layout.shape else _valid_bytes(layout, 0)
+                referenced += nbytes if layout.chunk_shape == layout.shape else layout.valid_bytes(0)
             p = Partial.from_list(c.partial)
             rows.append(finalize(p if p.n else merge([p])))  # (merge of one part: itself)
             names.append(name)
@@ -320,7 +343,7 @@ def _entries(plan: StepPlan, results: list[ChunkResult]
         for c in chunks:
             written += c.written
             if c.written == 0:  # the tensor's bytes in that chunk, not the edge padding
-                referenced += _valid_bytes(layout, c.index)
+                referenced += layout.valid_bytes(c.index)
         rows.append(finalize(merge([Partial.from_list(c.partial) for c in chunks])))
         tensors.append(TensorEntry(
             name, layout.kind, layout.dtype, tuple(layout.shape), tuple(layout.chunk_shape),
@@ -349,14 +372,8 @@ def _one_chunk_entry(layout: TensorLayout, c: ChunkResult) -> TensorEntry:
                     layout.codec, layout.array, [c.slot], [c.crc], [None if c.sha256 is None else c.sha256.hex()],
                     tensor_checksum([c.crc]), c.written, [c.keyframe] if delta else None,
                     layout.delta_array if delta else None, None if c.pack is None else [c.pack])
-    e.__dict__["_chunk_grid"] = layout.chunk_grid  # (equal shapes: the same grid)
+    e.share_grid(layout.chunk_grid)  # (equal shapes: the same grid)
     return e
-
-
-def _valid_bytes(layout: TensorLayout, index: int) -> int:
-    """Bytes of chunk ``index`` inside the tensor (edge padding excluded)."""
-    _, shape = layout.chunk_box(layout.coords(index))
-    return math.prod(shape) * layout.dtype.itemsize
 
 
 def _describe(e: BaseException) -> str:

@@ -1,9 +1,13 @@
-"""Batched flush of small chunks (issue 16: tens of thousands of tensors).
+"""The flush phase of :class:`~dstt.store.writer.Writer`: stats, checksum,
+dedup, coding and write of each chunk of a planned step (:class:`Flusher`,
+a component the writer holds; thread-safe), chunk by chunk
+(:meth:`Flusher.flush_chunk`) or small chunks in groups
+(:meth:`Flusher.flush_chunks`; issue 16: tens of thousands of tensors).
 
-``Writer.flush_chunk`` costs ~40 us of Python and torch calls per chunk
+``flush_chunk`` costs ~40 us of Python and torch calls per chunk
 whatever its size (~6 torch reductions for the stats, a numpy view for the
 bytes, a ChunkRef, a pack append under a lock): for 100,000 1-KiB tensors
-that is seconds, for a step whose data is 100 MB. :meth:`BatchFlush.flush_chunks`
+that is seconds, for a step whose data is 100 MB. :meth:`Flusher.flush_chunks`
 flushes a batch of chunks with the same result per chunk as ``flush_chunk``
 (same stats within float rounding, same bytes, same links, dedup and pack
 references), grouping the small CPU chunks of one dtype:
@@ -19,7 +23,7 @@ references), grouping the small CPU chunks of one dtype:
 
 Anything else -- padded edge chunks, complex or float8 values, non-CPU
 tensors, large chunks -- takes ``flush_chunk`` itself; unpacked chunks of a
-group take ``Writer._store`` (delta coding, chunk files).
+group take ``Flusher._store`` (delta coding, chunk files).
 
 Invariants kept from ``flush_chunk``: every chunk of the batch is flushed,
 waits for its predecessor (``ChunkResult.pending``), or failed -- a failed
@@ -33,24 +37,54 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import google_crc32c
 import numpy as np
 import torch
 
-from dstt.format.codecs.keyframes import ChunkPlace, ChunkRef, Link, live_ref, packed_sha256, proven_equal
-from dstt.format.codecs.spec import encode_chunk
+from dstt.format.backends import Backend
+from dstt.format.codecs.keyframes import (
+    ChunkPlace,
+    ChunkRef,
+    Link,
+    code_chunk,
+    live_ref,
+    packed_sha256,
+    proven_equal,
+)
+from dstt.format.codecs.spec import crc32c, encode_chunk
+from dstt.format.commit import ChunkResult
+from dstt.format.packs import StepPacks
 from dstt.format.pygc import paused_gc
-from dstt.store.committer import ChunkResult
-from dstt.store.stats import BATCH_DTYPES, batch_partials
+from dstt.store.plan import ChunkTask, StepPlan
+from dstt.store.stats import BATCH_DTYPES, batch_partials, chunk_partial
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.torchthreads import single_threaded
 
-if TYPE_CHECKING:
-    from dstt.format.backends import Backend
-    from dstt.format.packs import StepPacks
-    from dstt.store.plan import ChunkTask, StepPlan
+
+def chunk_bytes(task: ChunkTask, staged: torch.Tensor | None = None) -> memoryview:
+    """The chunk as stored before encoding: C-order bytes of the full chunk
+    shape in the storage dtype, edge chunks zero-padded."""
+    src = staged if staged is not None else task.source
+    if src.device.type != "cpu":
+        src = src.cpu()
+    # A conjugate or negative view (complex .conj()) is lazy: materialize the
+    # values it stands for; numpy refuses such tensors.
+    src = as_storage_view(src.detach().resolve_conj().resolve_neg())
+    if task.padded:
+        full = torch.zeros(task.layout.chunk_shape, dtype=src.dtype)
+        full[tuple(slice(0, n) for n in task.shape)] = src
+        src = full
+    elif not src.is_contiguous():
+        src = src.contiguous()
+    if src.dim() == 0:
+        src = src.reshape(1)
+    return src.numpy().data.cast("B")
+
+
+#: Flushes one chunk: ``(plan, task, staged, prev_staged) -> result`` (:meth:`Flusher.flush_chunk`).
+FlushOne = Callable[[StepPlan, ChunkTask, "torch.Tensor | None", "torch.Tensor | None"], ChunkResult]
 
 #: Chunks of at most this many bytes are flushed in groups.
 BATCH_CHUNK_BYTES = 1 << 20
@@ -74,25 +108,90 @@ def chunk_place(task: ChunkTask) -> ChunkPlace:
                       layout.codec, layout.dtype.itemsize, task.coords)
 
 
-class BatchFlush:
-    """``flush_chunks`` (a mixin of Writer; its state lives there)."""
+class Flusher:
+    """Flushes the chunks of planned steps to ``backend`` (module docstring).
 
-    backend: Backend
-    dedup: bool
-    _open_lock: threading.Lock
-    _encode_cpu_s: float
-    _pool: ThreadPoolExecutor
+    ``dedup``: a chunk equal to the same chunk of the previous planned step
+    is referenced, not rewritten; ``keyframe_every``: delta coding's
+    keyframe interval; ``threads``: the pool a chunk waiting for its
+    predecessor finishes on (the writer's ``write()`` flushes on it too)."""
+
+    def __init__(self, backend: Backend, *, dedup: bool, keyframe_every: int, threads: int) -> None:
+        self.backend = backend
+        self.dedup = dedup
+        self.keyframe_every = keyframe_every
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
+        self._lock = threading.Lock()
+        self._encode_cpu_s = 0.0  # CPU seconds spent coding chunks (guarded by _lock)
+
+    @property
+    def encode_cpu_s(self) -> float:
+        """CPU seconds spent coding chunks so far (compression="auto" paces by it)."""
+        with self._lock:
+            return self._encode_cpu_s
+
+    def close(self) -> None:
+        """Wait for the pool's threads (a waiting chunk's finish included) and stop them."""
+        self.pool.shutdown(wait=True)  # unbounded wait: this writer's own flush threads, drained by then
 
     def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None,
                     prev_staged: torch.Tensor | None = None) -> ChunkResult:
-        raise NotImplementedError  # Writer's
+        """Stats, checksum, dedup and write of one chunk. Thread-safe.
+
+        ``prev_staged``: the same chunk of the previous captured step, still in host
+        memory (the capture's memory tier), for the update statistics
+        (``update_norm``/``update_ratio``; NaN without it).
+
+        Dedup costs nothing for changed chunks: their CRC-32C (needed anyway
+        for the chunk trailer) differs from the previous step's. Only on a CRC
+        match is equality proven exactly -- by sha256 when the previous chunk
+        has one, else by comparing with the stored bytes -- and the sha256 is
+        recorded so a frozen tensor is proven by hash from then on.
+        """
+        link = plan.links.get((task.layout.array, task.index)) or Link(None)
+        link.started = True
+        try:
+            src = staged if staged is not None else task.source
+            partial = chunk_partial(src if src.device.type == "cpu" else src.cpu(), prev_staged).to_list()
+            raw = chunk_bytes(task, src)
+            crc = crc32c(raw)
+            result = ChunkResult(task.layout.name, task.index, crc, None, plan.slot, 0, len(raw), partial)
+            prev = link.prev
+            done, value = (True, None) if prev is None else prev.peek()
+            if prev is None or done:
+                return self._store(plan, task, raw, result, link, value)
+            # The same chunk of the previous planned step is not stored yet
+            # (its flush was queued after this one): finish when it is, on
+            # this writer's own thread, from a private copy of the bytes --
+            # the staging block goes back to the pool now. commit() waits.
+            self._wait_for(plan, task, np.frombuffer(raw, dtype=np.uint8).copy().data, result, link, prev)
+            return result
+        except BaseException:
+            link.pass_through()  # later steps compare with what was there before
+            raise
 
     def _store(self, plan: StepPlan, task: ChunkTask, raw: memoryview, result: ChunkResult, link: Link,
                prev: ChunkRef | None) -> ChunkResult:
-        raise NotImplementedError  # Writer's
+        """Dedup, delta code or write one chunk against ``prev``; resolves ``link``."""
+        cpu = time.thread_time()
+        try:
+            packs = plan.packs if task.layout.packed else None
+            coded = code_chunk(self.backend, chunk_place(task), plan.slot, raw, result.crc, prev,
+                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast, packs=packs)
+            if coded.written == 0 and coded.ref.pack_file is not None and plan.packs is not None:
+                plan.packs.refer(coded.ref.pack_file)  # commit checks it was written
+        except BaseException:
+            link.pass_through()
+            raise
+        with self._lock:
+            self._encode_cpu_s += time.thread_time() - cpu
+        link.resolve(coded.ref)
+        result.slot, result.keyframe, result.pack = coded.ref.slot, coded.ref.keyframe, coded.ref.pack
+        result.written, result.sha256 = coded.written, coded.sha256
+        return result
 
     def flush_chunks(self, plan: StepPlan, tasks: list[ChunkTask], staged: list[torch.Tensor | None] | None = None,
-                     prev_staged: list[torch.Tensor | None] | None = None,
+                     prev_staged: list[torch.Tensor | None] | None = None, *, one: FlushOne | None = None,
                      ) -> tuple[list[ChunkResult], BaseException | None]:
         """Flush ``tasks`` (``staged[i]``: task i's staged copy, else its
         source; ``prev_staged[i]``: the same chunk at the previous captured
@@ -100,24 +199,20 @@ class BatchFlush:
         flushed and the first error; a chunk that failed has no result.
         Thread-safe like ``flush_chunk``; never raises for a chunk's error.
 
-        >>> import tempfile, torch
-        >>> from dstt.store.writer import Writer
-        >>> w = Writer(tempfile.mkdtemp() + "/run")
-        >>> plan = w.plan(0, {"a": torch.ones(3), "b": torch.arange(4)}); w.ensure_arrays(plan)
-        >>> results, error = w.flush_chunks(plan, plan.tasks); len(results), error
-        (2, None)
-        >>> w.commit(plan, results).n_tensors
-        2
-        >>> w.close()
+        ``one``: what flushes a chunk that is not grouped (default
+        :meth:`flush_chunk`); the writer passes its own ``flush_chunk``, so
+        a hook there sees every chunk flushed alone, whichever way it came.
+
+        (``Writer.flush_chunks`` shows it.)
         """
         # The collector paused: the few objects per chunk (results, refs,
         # ranges, rows) hold no cycles, and their burst would trigger full
         # collections that walk every live object -- ~1 s of a 100,000-tensor step.
         with paused_gc():
-            return self._flush_chunks(plan, tasks, staged, prev_staged)
+            return self._flush_chunks(plan, tasks, staged, prev_staged, one or self.flush_chunk)
 
     def _flush_chunks(self, plan: StepPlan, tasks: list[ChunkTask], staged: list[torch.Tensor | None] | None,
-                      prev_staged: list[torch.Tensor | None] | None,
+                      prev_staged: list[torch.Tensor | None] | None, one: FlushOne,
                       ) -> tuple[list[ChunkResult], BaseException | None]:
         results: list[ChunkResult] = []
         error: BaseException | None = None
@@ -131,7 +226,7 @@ class BatchFlush:
                 groups.setdefault(src.dtype, []).append((i, src.nbytes))
                 continue
             try:
-                results.append(self.flush_chunk(plan, t, s, None if prev_staged is None else prev_staged[i]))
+                results.append(one(plan, t, s, None if prev_staged is None else prev_staged[i]))
             except BaseException as e:  # every chunk flushed or failed: none left running
                 error = error or e
         for members in groups.values():
@@ -215,7 +310,7 @@ class BatchFlush:
                 out.append(result)
                 continue
             if not (layout.packed and packs is not None):
-                later.append((j, result, value))  # a chunk file: Writer._store
+                later.append((j, result, value))  # a chunk file: _store
                 continue
             ref, parts = self._code_packed(plan, t, raw, result, value)
             if ref is not None:  # unchanged: references the previous step's bytes
@@ -226,7 +321,7 @@ class BatchFlush:
                 packed.append((j, result, parts))
         if packed:
             error = self._add_packed(plan, packed, links, settled, out)
-        with self._open_lock:
+        with self._lock:
             self._encode_cpu_s += time.thread_time() - cpu
         for j, result, value in later:
             settled[j] = True  # _store resolves the link or passes it through (or we do, below)
@@ -293,7 +388,7 @@ class BatchFlush:
                     pending.set_result(self._store(plan, task, raw, result, link, value))
                 except BaseException as e:
                     pending.set_exception(e)
-            self._pool.submit(run)
+            self.pool.submit(run)
 
         prev.then(finish)
 
@@ -348,4 +443,4 @@ def _split(members: list[tuple[int, int]]) -> list[list[int]]:
     return out
 
 
-__all__ = ["BATCH_CHUNK_BYTES", "BatchFlush", "GROUP_BYTES", "batchable", "chunk_place"]
+__all__ = ["BATCH_CHUNK_BYTES", "Flusher", "GROUP_BYTES", "batchable", "chunk_bytes", "chunk_place"]

@@ -1,0 +1,8 @@
+"""Contract suites shipped with dstt: an outside implementation of one of
+dstt's interfaces subclasses the suite and runs it under pytest (as zarr
+ships ``zarr.testing.store.StoreTests``). Needs pytest; never imported by
+dstt itself.
+
+* :class:`dstt.testing.backends.BackendTests`: the backend contract
+  (:class:`dstt.format.backends.Backend`).
+"""
