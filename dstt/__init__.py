@@ -74,6 +74,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see ("X as X": re-exported)
     from dstt.api import save as save
     from dstt.capture import Capture as Capture
     from dstt.capture import CaptureConfig as CaptureConfig
+    from dstt.format.commit import CommitInfo as CommitInfo
     from dstt.format.gc import prune as prune
     from dstt.format.index import TensorInfo as TensorInfo
     from dstt.format.refs import Ref as Ref
@@ -81,7 +82,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see ("X as X": re-exported)
     from dstt.format.verify import verify as verify
     from dstt.integrations.dask import to_dask as to_dask
     from dstt.integrations.dask import to_xarray as to_xarray
-    from dstt.store.committer import CommitInfo as CommitInfo
     from dstt.store.shards import ShardedTensor as ShardedTensor
     from dstt.store.state import optimizer_state as optimizer_state
     from dstt.store.state import rng_state as rng_state

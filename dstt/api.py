@@ -16,7 +16,7 @@ from dstt.store.reader import TensorReader
 from dstt.store.writer import Writer
 
 if TYPE_CHECKING:  # (defined there; dstt.store.writer returns it)
-    from dstt.store.committer import CommitInfo
+    from dstt.format.commit import CommitInfo
 
 
 class Run(TensorReader):

@@ -105,7 +105,7 @@ def _write_capture(store: str, branch: str, n_steps: int, pause: float, staged: 
             cap.snapshot(step, rng=False, extra=user_state(step))
             if staged and (step - start) % 4 == (os.getpid() % 4):
                 cap.wait_staged()  # from here on the steps up to `step` must survive a SIGKILL
-                helper = cap._helper.pid if getattr(cap, "_helper", None) is not None else 0
+                helper = cap.parts.helper.pid if cap.parts.helper is not None else 0
                 with open(f"{store}.staged", "a") as f:
                     f.write(f"{step} {helper}\n")
                 os.kill(os.getpid(), signal.SIGSTOP)  # the whole process, threads included

@@ -75,7 +75,7 @@ class CaptureConfig:
     #: Options for fsspec when the store is a URL such as ``s3://``
     #: (endpoint, credentials; docs/object-stores.md).
     storage_options: dict[str, Any] | None = None
-    #: The flight recorder's memory tier (capture/recorder.py): keep the last
+    #: The flight recorder's memory tier (capture/tier.py): keep the last
     #: this many captured steps in host memory (the /dev/shm ring where it
     #: fits), persisted or not. Host memory used: (memory_steps + 4) x one
     #: step (K kept, one being staged, one being written and the step before

@@ -23,14 +23,16 @@ from collections.abc import Callable
 from typing import Any
 
 from dstt.capture import policy, ranks
+from dstt.capture.committers import HAND_OVER_LOCK
 from dstt.capture.fallback import HereCommitter
 from dstt.capture.helper import HelperHandle
 from dstt.capture.helper import start as start_helper
+from dstt.capture.hostpool import HostPool
 from dstt.capture.keeper import SealKeeper
+from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import Ring, RingUnavailable, recover, seal_record, shm_free_bytes
 from dstt.capture.ringowner import root_problem
-from dstt.capture.staging import HostPool
 from dstt.errors import CaptureError, ConfigError, HelperLostWarning, StagingRingWarning, StoreLockedError
 from dstt.format.backends import LocalBackend
 from dstt.format.localio import pid_alive
@@ -40,9 +42,6 @@ from dstt.store.writer import CommitInfo, Writer
 log = logging.getLogger("dstt.capture")
 
 _KEEPER_LOCK = threading.Lock()
-#: Held by the stager while it hands a step to the capture helper, and by the
-#: committer while it stops that (_retire_helper): no write to a closed pipe.
-_HAND_OVER_LOCK = threading.Lock()
 
 #: How long a new Capture waits for a dead trainer's helper to finish
 #: committing its sealed steps (it holds the branch lock until then).
@@ -85,6 +84,7 @@ class CrashSafe:
 
     config: Any
     writer: Writer
+    ledger: Ledger
     pool: HostPool | None
     _ring: Ring | None
     _helper: HelperHandle | None
@@ -157,12 +157,11 @@ class CrashSafe:
                 self._record_failure(job, e)  # left rank 0's helper waiting RANK_WAIT_S; a no-op if it did)
             raise
 
-    def _refuse_without_helper(self, step: int) -> None:
-        """Under torch.distributed, once this rank's helper is gone, a new
+    def _refuse_without_helper(self, helper: HelperHandle, step: int) -> None:
+        """Under torch.distributed, once this rank's ``helper`` is gone, a new
         step is not staged at all (it would fail anyway, and the pool keeps
         the sealed steps it did not commit): CaptureError."""
-        helper = self._helper
-        if helper is not None and helper.lost and self._plan_coord.distributed:
+        if helper.lost and self._plan_coord.distributed:
             raise CaptureError(f"step {step} not captured: this rank's capture helper (pid {helper.pid}) "
                                f"{self._helper_end(helper)}; close this Capture (the next one, or dstt gc, commits "
                                "the steps it left sealed)")
@@ -173,7 +172,8 @@ class CrashSafe:
             return None
         if not job.sealed:
             return f"step {job.plan.step} could not be sealed for the capture helper: {job.seal_error}"
-        if self._helper is not None and self._helper.closed:  # (committing here failed to start before)
+        assert self._helper is not None  # (helper mode: HelperCommitter.commit)
+        if self._helper.closed:  # (committing here failed to start before)
             return "the capture helper was stopped at an earlier step it could not take"
         return f"step {job.plan.step} came after one that could not be sealed"
 
@@ -206,7 +206,7 @@ class CrashSafe:
             raise CaptureError(f"step {job.plan.step} not committed: {why}")
         with contextlib.suppress(OSError):
             helper.proc.kill()  # (first: a send blocked on its full pipe ends with EPIPE)
-        with _HAND_OVER_LOCK:  # no send is under way, none starts (its pipe's descriptor goes now)
+        with HAND_OVER_LOCK:  # no send is under way, none starts (its pipe's descriptor goes now)
             self._hand_over = False
         helper.close()
         options = self._writer_options()
@@ -341,7 +341,7 @@ class CrashSafe:
         self._hand_over = True
         return start_helper(options, str(self.writer.backend.url), self._ring.dir, fd, cfg.background_nice, dist,
                             idle=cfg.background_idle, timeout_s=cfg.background_timeout_s,
-                            on_progress=self._bump)  # type: ignore[attr-defined]
+                            on_progress=self.ledger.bump)
 
     def _writer_options(self) -> dict[str, Any]:
         """The options of a Writer storing this Capture's steps elsewhere (the helper's, fallback.py's)."""
@@ -400,7 +400,6 @@ class CrashSafe:
         crash-safe, said when that starts and when it ends); with the
         capture helper, which takes sealed steps only, this process commits
         it and every later one (:meth:`_commit_by_helper`)."""
-        step = job.plan.step
         try:
             for ev in job.cuda_eager:
                 ev.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
@@ -414,16 +413,6 @@ class CrashSafe:
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             job.seal_error = str(e)
         self._note_sealing(job)
-        helper = self._helper
-        if helper is not None and not self._plan_coord.distributed:
-            if not job.sealed:
-                self._hand_over = False  # in stage order: no later step reaches the helper before this one
-            # Pipelined (committing.py): handed over now, in stage order -- the
-            # order of the commit queue -- and its answer read by the committer.
-            with _HAND_OVER_LOCK, contextlib.suppress(CaptureError):  # (gone: the committer finds out, commits here)
-                if job.sealed and self._hand_over and not helper.lost:
-                    helper.send(step)
-                    job.sent = True
 
     def _note_sealing(self, job: Job) -> None:
         """Log when steps stop being sealed (why), and when they are again."""
@@ -438,15 +427,17 @@ class CrashSafe:
                         "not yet committed is lost if the trainer dies", job.plan.step, why)
         self._seal_trouble = why
 
-    def _settle(self, job: Job) -> None:
+    def _settle(self, job: Job, keep: bool = False) -> None:
         """After a step's commit (or failure): its seal settled by the keeper,
-        its held blocks freed if the keeper says they may be reused."""
+        its held blocks freed if the keeper says they may be reused; ``keep``:
+        its seal is kept for the next Capture, its blocks never reused
+        (a step a lost helper did not commit under torch.distributed:
+        HelperCommitter.settle)."""
         release = job.hold and job.pool is not None
         keeper = self._keeper
         if job.sealed and keeper is not None and job.pool is not None:
             step, pool = job.plan.step, job.pool
-            helper = self._helper
-            if job.info is None and helper is not None and helper.lost and self._plan_coord.distributed:
+            if keep:
                 keeper.keep(step)  # for the next Capture: never reused (_commit_by_helper said so)
                 release = False
             else:
@@ -465,6 +456,22 @@ class CrashSafe:
             job.pool.release_many([block for _, block in job.groups] + [view for _, view in job.views])
         job.views = []
         job.groups = []
+
+    def _leave_branch(self) -> None:
+        """Without the memory tier, a rewind: everything is stored; let go of
+        the old branch's ring (per branch; its helper: Committer.leave_branch)."""
+        self._helper = None
+        pool = self.pool
+        if pool is not None and self._pool_in_ring:
+            pool.unregister()
+        self.pool = None
+        self._pool_in_ring = False
+        self._close_ring()
+        self._ring = None
+
+    def _rejoin_branch(self) -> None:
+        """A ring for the new branch, as the constructor makes it (its helper: make_committer)."""
+        self._ring = self._open_ring()
 
     def _close_ring(self) -> None:
         """Let go of the ring (close, or a rewind leaving the branch): it is

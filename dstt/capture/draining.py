@@ -2,11 +2,11 @@
 
 A mixin (the state lives on the Capture). ``wait_staged``, ``wait``,
 ``close`` and the internal waits of the trainer's calls go through
-:meth:`Draining._await`: they wait while the capture makes progress (a
+:meth:`Ledger.wait <dstt.capture.ledger.Ledger.wait>`: they wait while the capture makes progress (a
 step settled, a chunk written, a staging block or slot freed, the capture
-helper using CPU time or doing I/O: :meth:`Draining._bump`) and give up
+helper using CPU time or doing I/O: ``Ledger.bump``) and give up
 after ``background_timeout_s`` without any (capture/waits.py). The trainer's
-waits get a little longer than the helper's own bound (:data:`GRACE_S`), so
+waits get a little longer than the helper's own bound (ledger.GRACE_S), so
 a helper that stopped answering is named and killed by the committer
 first, and the trainer's wait then ends with that step's error.
 
@@ -28,18 +28,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dstt.capture.committers import Committer
+from dstt.capture.ledger import Ledger, steps_text
 from dstt.capture.lifecycle import LIVE
-from dstt.capture.waits import POLL_S, Stalled, until
+from dstt.capture.rewind import Rewinder
+from dstt.capture.waits import Stalled
 from dstt.errors import CaptureError
-from dstt.store.writer import CommitInfo
+
+if TYPE_CHECKING:
+    from dstt.format.commit import CommitInfo
 
 log = logging.getLogger("dstt.capture")
 
-#: The trainer's waits give up this much later than the committer's wait on
-#: the helper, so the helper's own bound (which names and kills it) fires first.
-GRACE_S = 4 * POLL_S
 
 
 class Draining:
@@ -48,16 +50,16 @@ class Draining:
     config: Any
     writer: Any
     pool: Any
-    _cond: threading.Condition
-    _pending: int
-    _queued_steps: set[int]
-    _errors: list[CaptureError]
+    ledger: Ledger
     _closed: bool
     _last: Any
     _helper: Any
     _ring: Any
-    _tier: bool
-    _fork: Any
+    committer: Committer
+    rewinder: Rewinder
+    # (the facade's, engine.py; the crash-safe part's, crashsafe.py)
+    _scan_guard: Callable[[], None]
+    _close_ring: Callable[[], None]
     _stage_q: Any
     _commit_q: Any
     _stager: threading.Thread
@@ -68,36 +70,6 @@ class Draining:
     _plan_coord: Any
     _commit_coord: Any
     _copier: Any
-    _progress: int = 0  # bumped by everything that finishes in the background (see _bump)
-
-    # ------------------------------------------------------------ bounded waits
-
-    def _bump(self) -> None:
-        """Something in the background finished: every bounded wait restarts its clock."""
-        self._progress += 1
-
-    def _await(self, done: Callable[[float], bool], what: str | Callable[[], str]) -> None:
-        """Wait until ``done(t)`` (waiting at most ``t`` s) says so, while the
-        capture makes progress; Stalled (a CaptureError) after
-        ``background_timeout_s`` without any."""
-        until(done, limit_s=self.config.background_timeout_s + GRACE_S, what=what, progress=lambda: self._progress)
-
-    def _await_event(self, event: threading.Event, what: str | Callable[[], str]) -> None:
-        if not event.is_set():
-            self._await(event.wait, what)
-
-    def _await_cond(self, predicate: Callable[[], Any], what: str | Callable[[], str]) -> None:
-        """:meth:`_await` of ``predicate`` on ``_cond`` (held by the caller)."""
-        if not predicate():
-            self._await(lambda t: self._cond.wait_for(predicate, t), what)
-
-    def _await_thread(self, thread: threading.Thread | None, what: str) -> None:
-        if thread is not None and thread.is_alive():
-            self._await(lambda t: _joined(thread, t), what)
-
-    def _pending_text(self) -> str:
-        steps = sorted(self._queued_steps)
-        return f"{len(steps)} queued step(s) ({_steps_text(steps)}) to be committed on branch {self.config.branch!r}"
 
     # ------------------------------------------------------------ the trainer's waits
 
@@ -110,7 +82,7 @@ class Draining:
         failure (such as the mutation guard's)."""
         job = self._last
         if job is not None:  # copied, and sealed in the ring where it has one
-            self._await_event(job.submitted, f"step {job.plan.step} to be staged")
+            self.ledger.wait_event(job.submitted, f"step {job.plan.step} to be staged")
         self.raise_pending()
 
     def wait(self, timeout: float | None = None) -> list[CommitInfo]:
@@ -118,20 +90,19 @@ class Draining:
         first background failure as :class:`CaptureError`. Returns the
         commits so far. ``timeout``: give up after that many seconds; without
         it, after ``background_timeout_s`` in which no step progressed."""
-        with self._cond:
+        with self.ledger.cond:
             if timeout is None:
-                self._await_cond(lambda: self._pending == 0, self._pending_text)
-            elif not self._cond.wait_for(lambda: self._pending == 0, timeout):
-                raise CaptureError(f"timed out after {timeout} s waiting for {self._pending} step(s) to commit")
+                self.ledger.wait_cond(lambda: self.ledger.pending == 0, self.ledger.pending_text)
+            elif not self.ledger.cond.wait_for(lambda: self.ledger.pending == 0, timeout):
+                raise CaptureError(f"timed out after {timeout} s waiting for {self.ledger.pending} step(s) to commit")
         self.raise_pending()
-        return self.committed  # type: ignore[attr-defined,no-any-return]
+        return self.ledger.commits()  # (Capture.committed)
 
     def raise_pending(self) -> None:
         """Raise the first background failure not yet reported, if any
         (a lazily copied tensor already changed in place counts: the step fails)."""
-        self._scan_guard()  # type: ignore[attr-defined]
-        with self._cond:
-            errors, self._errors = self._errors, []
+        self._scan_guard()
+        errors = self.ledger.take_errors()
         if errors:
             more = f" (and {len(errors) - 1} later failure(s))" if len(errors) > 1 else ""
             raise CaptureError(f"{errors[0]}{more}") from errors[0].__cause__
@@ -149,12 +120,10 @@ class Draining:
         LIVE.discard(self)
         gave_up: Stalled | None = None
         try:
-            if self._fork is not None:
-                self._switch_branch()  # type: ignore[attr-defined]  # a rewind with no snapshot after it
-            if self._tier:
-                self._tier_close_last()  # type: ignore[attr-defined]
-            with self._cond:
-                self._await_cond(lambda: self._pending == 0, self._pending_text)
+            self.rewinder.switch_if_forked()  # a rewind with no snapshot after it
+            self.committer.before_drain()  # (the memory tier: every step checked, the last one stored)
+            with self.ledger.cond:
+                self.ledger.wait_cond(lambda: self.ledger.pending == 0, self.ledger.pending_text)
         except Stalled as e:
             gave_up = e
         finally:
@@ -172,43 +141,36 @@ class Draining:
         """Stop the stager, committer and watcher threads (bounded); the names
         of those that did not stop. A drain that gave up kills the helper
         first: the committer may be waiting for its answer."""
-        if gave_up is not None and self._helper is not None and not self._helper.lost:
-            self._helper.kill(f"did not finish the steps handed to it before close() gave up ({gave_up})")
+        if gave_up is not None:
+            self.committer.on_gave_up(gave_up)
         self._stage_q.put(None)
         self._commit_q.put(None)
         threads = {"stager": self._stager, "committer": self._committer}
         stuck: list[str] = []
         try:
-            self._await_thread(self._stager, "the stager thread to stop")
+            self.ledger.wait_thread(self._stager, "the stager thread to stop")
         except Stalled:
             stuck.append("stager")
-        if self._tier:
-            with self._cond:
-                self._stopping = True
-                self._cond.notify_all()
-            watcher = getattr(self, "_watcher", None)
-            if watcher is not None:
-                threads["NaN/Inf watcher"] = watcher
+        threads.update(self.committer.stop_threads())  # (the memory tier's NaN/Inf watcher)
         for name, thread in threads.items():
             if name in stuck:
                 continue
             try:
-                self._await_thread(thread, f"the {name} thread to stop")
+                self.ledger.wait_thread(thread, f"the {name} thread to stop")
             except Stalled:
                 stuck.append(name)
-        if self._tier and not stuck:
-            self._tier_stop()  # type: ignore[attr-defined]  # (its threads are gone: frees the ring's slots)
+        if not stuck:
+            self.committer.after_threads()
         # Every flush of a committed or failed step was drained by the committer.
         self._flush.shutdown(wait=not stuck)  # unbounded wait: none left once the committer stopped
         return stuck
 
     def _release_all(self) -> None:
         """Everything is settled: let go of the helper, pool, ring, writer (its lock) and groups."""
-        if self._helper is not None:
-            self._helper.close()
+        self.committer.release()  # (the capture helper)
         if self.pool is not None and self._pool_in_ring:
             self.pool.unregister()
-        self._close_ring()  # type: ignore[attr-defined]  # removed, unless a seal in it must outlive this Capture
+        self._close_ring()  # removed, unless a seal in it must outlive this Capture
         self.writer.close()
         self._plan_coord.close()
         self._commit_coord.close()
@@ -219,15 +181,14 @@ class Draining:
     def _leave_to_reaper(self, stuck: list[str]) -> None:
         """Threads that do not stop may still use the writer, the pool and
         the ring: a daemon thread finishes closing once they return."""
-        threads = [t for t in (self._stager, self._committer, getattr(self, "_watcher", None))
+        threads = [t for t in (self._stager, self._committer, *self.committer.threads().values())
                    if t is not None and t.is_alive()]
 
         def reap() -> None:
             for t in threads:
                 t.join()  # unbounded wait: a daemon nobody waits for; it ends with the stuck thread
             try:
-                if self._tier:
-                    self._tier_stop()  # type: ignore[attr-defined]
+                self.committer.after_threads()
                 self._flush.shutdown(wait=True)  # unbounded wait: (as above)
                 self._release_all()
                 log.warning("dstt: the Capture on %s@%s finished closing (its %s thread(s) returned)",
@@ -239,17 +200,14 @@ class Draining:
 
     def _close_error(self, gave_up: Stalled | None, stuck: list[str]) -> CaptureError:
         """One error naming what did not answer, what was left and where."""
-        with self._cond:
-            steps = sorted(self._queued_steps)
-            errors, self._errors = self._errors, []
+        with self.ledger.cond:
+            steps = sorted(self.ledger.queued_steps)
+        errors = self.ledger.take_errors()
         parts = [f"close() of the Capture on branch {self.config.branch!r} gave up: "
                  f"{gave_up if gave_up is not None else 'its threads did not stop'}"]
         if steps:
-            parts.append(f"{len(steps)} step(s) not committed: {_steps_text(steps)}")
-        helper = self._helper
-        if helper is not None and helper.lost:
-            parts.append(f"the capture helper (pid {helper.pid}) "
-                         f"{'was killed' if helper._killed_why is not None else 'is gone'}")
+            parts.append(f"{len(steps)} step(s) not committed: {steps_text(steps)}")
+        parts.extend(self.committer.close_notes())
         if self._ring is not None:
             parts.append(f"steps sealed in {self._ring.dir} stay there for the next Capture on this branch "
                          "or `dstt gc`")
@@ -263,13 +221,4 @@ class Draining:
         return err
 
 
-def _joined(thread: threading.Thread, timeout: float) -> bool:
-    thread.join(timeout)
-    return not thread.is_alive()
-
-
-def _steps_text(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[:20])) + (f" ... ({len(steps)} in all)" if len(steps) > 20 else "")
-
-
-__all__ = ["Draining", "GRACE_S"]
+__all__ = ["Draining"]

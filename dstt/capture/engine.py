@@ -19,6 +19,24 @@ Threads and what they may touch:
   collectives never interleave with planning's) for every planned step in
   order, passing the step's first error: under torch.distributed every rank
   then learns the step failed and nobody waits forever.
+
+The parts, built once by the constructor (``Capture.parts`` shows them):
+
+* ``ledger`` (ledger.py): the pipeline's bookkeeping and its one lock --
+  pending and queued steps, errors, counters, progress, the bounded waits;
+* ``committer`` (committers.py): one per mode, chosen once by
+  ``make_committer`` -- in process, the capture helper, the memory tier
+  (which owns ``MemoryTier``, tier.py, and its ``NanWatch``) -- the only
+  place the modes are told apart;
+* the crash-safe ring and helper (crashsafe.py: ``_ring``, ``_helper``,
+  the seal keeper), the stager's pool and copies (stager.py, hostpool.py)
+  -- still mixins of this class;
+* ``watcher`` (watcher.py): ``incident()``; ``rewinder`` (rewind.py):
+  ``rewind()`` and the switch to its branch.
+
+One ``snapshot()`` reads top to bottom in :meth:`Capture.snapshot`,
+:meth:`Capture._snapshot_state` and :meth:`Capture._prepare` here, then
+``Committer.place``/``enqueue``/``staged``/``run`` of its mode.
 """
 
 from __future__ import annotations
@@ -36,14 +54,17 @@ from typing import Any
 import torch
 
 from dstt.capture import policy
-from dstt.capture.committing import Committing
+from dstt.capture.committers import Committer, make_committer
 from dstt.capture.config import CaptureConfig, make_config
 from dstt.capture.crashsafe import CrashSafe, after_helpers
 from dstt.capture.draining import Draining
 from dstt.capture.guard import VersionGuard
+from dstt.capture.helper import HelperHandle
 from dstt.capture.hooks import StepFence
-from dstt.capture.incidents import Incidents
+from dstt.capture.hostpool import CudaCopier, HostPool
+from dstt.capture.ledger import Ledger
 from dstt.capture.lifecycle import LIVE
+from dstt.capture.parts import Parts
 from dstt.capture.pipeline import (
     GuardTripped,
     Job,
@@ -51,11 +72,11 @@ from dstt.capture.pipeline import (
     lower_thread_priority,
     task_bytes,
 )
-from dstt.capture.recorder import FlightRecorder
 from dstt.capture.rewind import Rewinder
 from dstt.capture.stager import Stager
-from dstt.capture.staging import CudaCopier, HostPool
+from dstt.capture.watcher import Watcher
 from dstt.errors import CaptureError, ConfigError, SkippedStepWarning
+from dstt.format.incidents import Incident
 from dstt.format.layout import validate_step
 from dstt.format.pygc import paused_gc
 from dstt.store.coord import new_coordinator
@@ -63,19 +84,17 @@ from dstt.store.plan import ChunkTask
 from dstt.store.state import state_of
 from dstt.store.writer import ChunkResult, CommitInfo, Writer
 
-__all__ = ["Capture", "lower_thread_priority"]
+__all__ = ["Capture", "Parts", "lower_thread_priority"]
 
 log = logging.getLogger("dstt.capture")
 
 
-#: Commits kept for :attr:`Capture.committed` (the counters count them all).
-RECENT_COMMITS = 1024
 #: Steps remembered per branch as captured by this Capture (older ones are
 #: found in the store: committed, or recorded as memory-only).
 CAPTURED_LOG = 4096
 
 
-class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents, Rewinder):
+class Capture(Draining, Stager, CrashSafe):
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -105,6 +124,8 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         self._store_by_name = isinstance(store, (str, os.PathLike))
         self._store_arg = store  # a rewind opens a writer of the new branch on it
         cfg = self.config
+        self.ledger = Ledger(branch=lambda: self.config.branch, limit_s=cfg.background_timeout_s)
+        self.watcher = Watcher(self)  # incident() (the NaN/Inf watcher is the memory tier's)
         # Two coordinators: planning runs on this thread, commits on the
         # committer thread; sharing one gloo group would interleave them.
         self._plan_coord = new_coordinator()
@@ -129,9 +150,9 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         self.recovered: list[int] = []  # steps sealed by a dead trainer, committed at construction
         self._ring = self._open_ring()  # before any thread: recovery commits on this thread
         try:
-            # The memory tier (recorder.py) writes in this process: no helper.
-            self._helper = None if cfg.memory_steps is not None else self._start_helper()
-            self._tier_init()
+            self._helper: HelperHandle | None = None  # started by make_committer where it can run
+            # The one choice of mode (committers.py): in this process, the capture helper, the memory tier.
+            self.committer: Committer = make_committer(self)
         except BaseException:
             if self._ring is not None:
                 self._ring.close()
@@ -145,32 +166,25 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         # variables cost the trainer tens of microseconds per step: issue 16)
         self._stage_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._commit_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._cond = threading.Condition()
-        self._pending = 0  # jobs queued and not yet committed (or failed)
-        self._queued_bytes = 0  # lazy bytes queued for staging, not yet allocated
-        self._errors: list[CaptureError] = []
         self._last: Job | None = None  # the latest job with lazy copies
         self._copying: collections.deque[Job] = collections.deque()  # lazy CPU jobs not yet copied, in order
-        self._recent: collections.deque[CommitInfo] = collections.deque(maxlen=RECENT_COMMITS)
-        self.n_committed = 0  # steps committed by this Capture
-        self.bytes_written = 0  # encoded bytes those commits wrote
-        self.last_commit: CommitInfo | None = None
         self.skipped: list[int] = []
-        self._captured_log: dict[str, collections.deque[int]] = {}  # branch -> the latest steps queued on it
-        self._queued_steps: set[int] = set()  # queued, not yet committed or failed (under _cond)
         self._closed = False
         self._pid = os.getpid()  # a forked child holds a copy of this object, never the pipeline
         #: Injection point for tests and tools: called on the stager thread as
         #: ``before_copy(step, index, lazy)`` before each copy into the pool
         #: (on the stager thread for lazy copies); an exception fails the step.
         self.before_copy: Callable[[int, int, bool], Any] | None = None
+        #: Injection point for tests and tools: called on the stager thread as
+        #: ``after_seal(job)`` once a held step is sealed in the ring (before
+        #: it is handed to the capture helper); an exception fails the step.
+        self.after_seal: Callable[[Job], Any] | None = None
         self._stager = threading.Thread(target=self._stage_loop, name="dstt-stager", daemon=True)
-        self._fork: Any = None  # a rewind's branch, opened at the next snapshot (rewind.py)
-        loop = self._tier_loop if self._tier else self._commit_loop
-        self._committer = threading.Thread(target=loop, name="dstt-committer", daemon=True)
+        self.rewinder = Rewinder(self)  # rewind(), and the switch to its branch
+        self._committer = threading.Thread(target=self.committer.run, name="dstt-committer", daemon=True)
         self._stager.start()
         self._committer.start()
-        self._tier_start()
+        self.committer.start()
         LIVE.add(self)
 
     # ================================================================ trainer API
@@ -196,8 +210,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         if not policy.is_due(step, self.config.every):
             self.raise_pending()
             return False
-        if self._fork is not None:
-            self._switch_branch()
+        self.rewinder.switch_if_forked()  # (a rewind's branch, opened at the next snapshot)
         state = state_of(model=model, optimizer=optimizer, scheduler=scheduler, rng=rng, extra=extra)
         # Planning, splitting and staging build objects per tensor, none in
         # cycles: the cyclic GC, which walks every live object, waits (issue 16).
@@ -207,7 +220,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
     def _snapshot_state(self, step: int, state: Any, optimizer: torch.optim.Optimizer | None) -> bool:
         # With the capture helper the step is stored by the helper's writer
         # (it adopts the plan): this one keeps no reference chain for it.
-        plan = self.writer.plan(step, state, track=self._helper is None)  # collective under torch.distributed
+        plan = self.writer.plan(step, state, track=self.committer.track_plan)  # collective under torch.distributed
         # The step is planned on every rank. Whatever fails from here on, it
         # is queued, so that its (collective) commit runs and fails on every
         # rank instead of leaving a peer waiting. An interrupt (Ctrl-C) fails
@@ -222,7 +235,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             why = self._skip_reason(job)  # collective under torch.distributed
             if why is not None:
                 if job.error is not None and not is_interrupt(job.error):
-                    self._fail(step, job.error)
+                    self.ledger.fail(step, job.error)
                 self._queue_skip(job, why)
                 return self._after_queueing(job, queued=False)
         if job.error is None:
@@ -249,22 +262,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         # One pass each over the tasks (tens of thousands of them: issue 16),
         # none for the task list of an earlier step (Stager._task_sizes).
         sizes, cuda, held_bytes = self._task_sizes(job.plan.tasks)
-        if self._tier:
-            self._tier_pool(job.plan, job)  # a whole slot, held until no one needs the step
-        else:
-            self._refuse_without_helper(job.plan.step)
-            self._ensure_pool(sizes, cuda)
-            assert self.pool is not None
-            job.pool = self.pool
-            # (with the helper also in process memory: a step it cannot take is
-            # committed here from its blocks, crashsafe._commit_by_helper)
-            job.hold = (self._pool_in_ring or self._helper is not None) and held_bytes <= self.pool.capacity
-        assert job.pool is not None
-        if self._helper is not None and not job.hold:
-            raise CaptureError(
-                f"step {job.plan.step} does not fit the {self.pool.capacity}-byte staging pool whole, and the "
-                "capture helper takes whole sealed steps only: raise host_buffer_bytes, or use helper=False "
-                "to stage larger steps in parts")
+        self.committer.place(job, sizes, cuda, held_bytes)  # the pool (or slot); held until committed?
         job.lazy_bytes = split.lazy_bytes
         devices = {t.source.device for t in job.plan.tasks if t.source.is_cuda} if cuda else set()
         if devices:
@@ -272,31 +270,19 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         return eager
 
     def _enqueue(self, job: Job) -> None:
-        log_ = self._captured_log.get(job.writer.branch.name)  # (incident(step=) takes the steps captured)
+        captured = self.watcher.captured  # (incident(step=) takes the steps captured)
+        log_ = captured.get(job.writer.branch.name)
         if log_ is None:
-            log_ = self._captured_log[job.writer.branch.name] = collections.deque(maxlen=CAPTURED_LOG)
+            log_ = captured[job.writer.branch.name] = collections.deque(maxlen=CAPTURED_LOG)
         log_.append(job.plan.step)
-        if self._tier:
-            self._tier_enqueue(job, lazy=bool(job.lazy) and job.error is None)
-            return
-        staged_later = (bool(job.lazy) or job.hold) and job.error is None  # held steps are sealed by the stager
-        with self._cond:
-            self._pending += 1
-            self._queued_steps.add(job.plan.step)
-            if staged_later:
-                self._queued_bytes += job.lazy_bytes
-        if staged_later:
-            self._queue_lazy(job)
-        else:
-            job.finish_staging()
-        self._commit_q.put(job)
+        self.committer.enqueue(job)
 
     def _queue_lazy(self, job: Job) -> None:
         """Hand a job with lazy copies to the stager (in queue order)."""
         self._last = job
         if job.lazy and job.cpu_lazy:
             job.copies_left = len(job.lazy)
-            with self._cond:
+            with self.ledger.cond:
                 self._copying.append(job)
         else:
             job.copies_done.set()
@@ -309,11 +295,128 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         return queued
 
     @property
+    def parts(self) -> Parts:
+        """The components of this Capture as they are now, for tests and
+        tools (a view: a rewind gives the new branch its own ring, helper and
+        committer). Read them; inject faults only through their documented
+        hooks (``Ring.before_op``, ``Capture.before_copy``, ``Capture.after_seal``)."""
+        tier = self.committer.memory_tier
+        threads = {"stager": self._stager, "committer": self._committer}
+        threads.update((t.name, t) for t in self._flush._threads)
+        threads.update(self.committer.threads())
+        split = getattr(self, "_split", None)
+        with self.ledger.cond:
+            held = () if tier is None else tuple(tier._held)
+        slots = None if tier is None else tier._slots
+        return Parts(ledger=self.ledger, committer=self.committer, ring=self._ring, helper=self._helper,
+                     pool=self.pool, pool_in_ring=self._pool_in_ring, slots=slots, tier_held=held,
+                     last_job=self._last, lazy_split=None if split is None else split[3], threads=threads,
+                     coordinators=(self._plan_coord, self._commit_coord))
+
+    @property
     def committed(self) -> list[CommitInfo]:
         """The latest commits (at most :data:`RECENT_COMMITS`; ``n_committed``
         counts them all, ``last_commit`` is the newest)."""
-        with self._cond:
-            return list(self._recent)
+        return self.ledger.commits()
+
+    def rewind(
+        self,
+        step: int,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        rng: bool = True,
+        branch: str | None = None,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Restore ``model``/``optimizer``/``scheduler``/RNG to captured
+        ``step`` and continue on a new branch forked there (``branch``, or
+        ``<branch>-rewind-<step>``); returns the step's ``extra`` (where the
+        trainer keeps its data position, to skip the batches that caused a
+        spike). Validated all or nothing like :func:`dstt.restore`, and every
+        argument before anything changes: a refused rewind (a bad argument,
+        ``branch`` the one being captured or one that exists --
+        BranchExistsError --, a step neither in the memory tier nor stored,
+        a step that does not fit the live objects) leaves the live objects,
+        the store and the memory tier as they were and records no incident.
+
+        From the memory tier when the step is still there (milliseconds),
+        else from the store. The ring's steps are stored on the old branch
+        (an incident, source "rewind").
+
+        >>> import tempfile, torch, dstt
+        >>> m = torch.nn.Linear(2, 1)
+        >>> path = tempfile.mkdtemp() + "/run"
+        >>> with dstt.Capture(path, memory_steps=4) as cap:
+        ...     for s in range(3):
+        ...         with torch.no_grad(): m.weight += 1
+        ...         _ = cap.snapshot(s, model=m, extra={"batch": s})
+        ...     cap.rewind(1, model=m, branch="retry")
+        ...     _ = cap.snapshot(2, model=m)
+        {'batch': 1}
+        >>> dstt.open(path).branch_info("retry").parent
+        StepRef(branch='main', step=1)
+        """
+        self._check_open()
+        return self.rewinder.rewind(step, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
+                                    branch=branch, strict=strict)
+
+    def incident(self, reason: str, *, step: int | None = None) -> Incident:
+        """Something went wrong (a loss spike, a bad batch): store every step
+        still in the memory tier -- the steps that led up to it -- and record
+        the incident (``dstt ls``, ``dstt find`` and the report show it).
+
+        ``step``: the step it concerns (default: the latest captured one): a
+        step this branch captured -- queued, in the memory tier, stored, or
+        passed over as memory-only -- else StepNotFoundError, and nothing is
+        recorded or stored. Returns the recorded
+        :class:`~dstt.format.incidents.Incident`. Without ``memory_steps``
+        only the record is written.
+
+        >>> import tempfile, torch, dstt
+        >>> m = torch.nn.Linear(2, 2)
+        >>> path = tempfile.mkdtemp() + "/run"
+        >>> with dstt.Capture(path, memory_steps=4, persist=2) as cap:
+        ...     for s in range(4):
+        ...         _ = cap.snapshot(s, model=m)
+        ...     cap.wait_staged()
+        ...     print(cap.incident("loss spike").steps)
+        (0, 1, 2, 3)
+        >>> dstt.open(path).steps()
+        [0, 1, 2, 3]
+        """
+        self._check_open()
+        return self.watcher.incident(reason, step)
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Host memory the memory tier holds: (memory_steps + 4) step slots,
+        sized at the first snapshot (None before it, and without
+        ``memory_steps``). With ``host_buffer_bytes`` it never exceeds that.
+
+        >>> import tempfile, torch, dstt
+        >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2) as cap:
+        ...     _ = cap.snapshot(0, model=torch.nn.Linear(4, 4))
+        ...     cap.memory_bytes == 6 * cap.parts.slots.slot_bytes
+        True
+        """
+        return self.committer.memory_bytes()
+
+    @property
+    def n_committed(self) -> int:
+        """Steps committed by this Capture."""
+        return self.ledger.n_committed
+
+    @property
+    def bytes_written(self) -> int:
+        """Encoded bytes this Capture's commits wrote."""
+        return self.ledger.bytes_written
+
+    @property
+    def last_commit(self) -> CommitInfo | None:
+        """The newest commit of this Capture."""
+        return self.ledger.last_commit
 
     def __enter__(self) -> Capture:
         return self
@@ -347,22 +450,21 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             self._report_once(job, CaptureError(f"step {job.plan.step} not captured: {violation}"))
 
     def _report_once(self, job: Job, e: BaseException) -> None:
-        with self._cond:
+        with self.ledger.cond:
             if job.reported:
                 return
             job.reported = True
-        self._fail(job.plan.step, e)
+        self.ledger.fail(job.plan.step, e)
 
     def _after_fork_in_child(self) -> None:
         """os.fork() copied this object but none of its threads: the child
         must neither wait for them nor release what the parent holds (the
         branch lock is forgotten by lock.py's own at-fork hook)."""
         self._closed = True
-        self._cond = threading.Condition()
+        self.ledger.cond = threading.Condition()
         self._fence = StepFence(lambda: None)  # the parent's hooks stay on the parent's optimizers
-        if self._helper is not None:  # the helper must see end-of-file when the parent dies
-            self._helper.abandon()
-            self._helper = None
+        self.committer.abandon_in_child()
+        self._helper = None
 
     def _cuda(self) -> CudaCopier:
         if self._copier is None:
@@ -380,24 +482,24 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         job = self._last
         if job is None or job.staged.is_set() or self._pid != os.getpid():
             return  # (in a forked child the stager does not exist: never wait for it)
-        with self._cond:
+        with self.ledger.cond:
             copying = list(self._copying)
         if copying and all(j.cpu_lazy for j in copying) and job in copying:
             for j in copying:  # in queue order: an earlier step's sources change too
                 self._copy_lazy_cpu(j)
                 # (a copy the stager claimed may still be running)
-                self._await_event(j.copies_done, lambda j=j: self._copies_text(j))
+                self.ledger.wait_event(j.copies_done, lambda j=j: self._copies_text(j))
                 j.issued.set()
                 j.staged.set()  # the stager seals and hands it on when it runs
             return
-        self._await_event(job.issued, lambda: self._copies_text(job))
+        self.ledger.wait_event(job.issued, lambda: self._copies_text(job))
         if job.cuda_done and job.error is None:
             # GPU-side ordering: the update kernels queue behind the copies;
             # the host does not wait for the device.
             for idx, ev in job.cuda_done.items():
                 torch.cuda.current_stream(idx).wait_event(ev)
         else:
-            self._await_event(job.staged, lambda: self._copies_text(job))
+            self.ledger.wait_event(job.staged, lambda: self._copies_text(job))
 
     @staticmethod
     def _copies_text(job: Job) -> str:
@@ -418,8 +520,8 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
                 return
             job = self._last
             if job is not None:
-                self._await_event(job.staged, f"step {job.plan.step} to be staged before the pool grows")
-            self._await(pool.wait_idle, "every staging block to be freed before the pool grows")
+                self.ledger.wait_event(job.staged, f"step {job.plan.step} to be staged before the pool grows")
+            self.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
         want = policy.pool_bytes(need_bytes=need, biggest_bytes=biggest, limit_bytes=limit)
         self.pool = self._new_pool(want, pin)
 
@@ -432,8 +534,8 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         why = None
         if pool is not None and job.error is None:
             need = policy.step_need_bytes([pool.block_bytes(task_bytes(t)) for t in job.plan.tasks])
-            with self._cond:
-                outstanding = pool.in_use + self._queued_bytes
+            with self.ledger.cond:
+                outstanding = pool.in_use + self.ledger.queued_bytes
             why = policy.skip_reason(capacity_bytes=pool.capacity, outstanding_bytes=outstanding, need_bytes=need)
         if self._plan_coord.distributed:
             reasons = [r for r in self._plan_coord.all_gather(why) if r is not None]
@@ -443,8 +545,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
     def _queue_skip(self, job: Job, why: str) -> None:
         job.skip = why
         warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", SkippedStepWarning, stacklevel=3)
-        with self._cond:
-            self._pending += 1
+        self.ledger.queued(None)
         self.skipped.append(job.plan.step)
         job.finish_staging()
         self._commit_q.put(job)
@@ -464,7 +565,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             try:
                 if job.copies_left >= 0:  # lazy CPU copies: claimed, shared with the trainer
                     self._copy_lazy_cpu(job)
-                    self._await_event(job.copies_done, lambda job=job: self._copies_text(job))
+                    self.ledger.wait_event(job.copies_done, lambda job=job: self._copies_text(job))
                     if job.error is not None and not isinstance(job.error, CaptureError):
                         raise job.error
                 else:
@@ -475,22 +576,19 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             except BaseException as e:
                 job.error = job.error or e
             finally:
-                with self._cond:
+                with self.ledger.cond:
                     if job in self._copying:
                         self._copying.remove(job)
                 if job.guard is not None:
                     job.guard.release()
                 job.issued.set()
                 job.staged.set()  # copies landed: the optimizer may update the sources
-                with self._cond:
-                    self._queued_bytes -= job.lazy_bytes
+                with self.ledger.cond:
+                    self.ledger.queued_bytes -= job.lazy_bytes
                     job.lazy_bytes = 0
-                if self._tier:
-                    self._tier_staged(job)  # into the ring, sealed; then wait_staged() returns
-                elif job.hold and job.error is None:
-                    self._seal(job)  # then wait_staged() returns (submitted, below)
+                self.committer.staged(job)  # sealed, or into the memory tier; then wait_staged() returns
                 job.finish_staging()
-                self._bump()
+                self.ledger.bump()
 
     def _flush_one(
         self, pool: HostPool, job: Job, task: ChunkTask, staged: torch.Tensor, ready: Any
@@ -504,7 +602,7 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
         finally:
             if not job.hold:  # a held block is the ring's copy until the step is committed
                 pool.release(staged)
-            self._bump()
+            self.ledger.bump()
 
     def _flush_many(self, pool: HostPool, job: Job, tasks: list[ChunkTask], staged: list[torch.Tensor],
                     ) -> tuple[list[ChunkResult], BaseException | None]:
@@ -519,4 +617,4 @@ class Capture(Draining, Stager, Committing, CrashSafe, FlightRecorder, Incidents
             if not job.hold:  # a held block is the ring's copy until the step is committed
                 for s in staged:
                     pool.release(s)
-            self._bump()
+            self.ledger.bump()

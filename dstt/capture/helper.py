@@ -208,6 +208,11 @@ class HelperHandle:
             self._seen = act
         return None if self._seen is None else (self._seen.cpu_ticks, self._seen.io_bytes)
 
+    @property
+    def killed_why(self) -> str | None:
+        """Why this process killed the helper (:meth:`kill`); None if it did not."""
+        return self._killed_why
+
     def kill(self, why: str) -> None:
         """Kill the helper (``why`` goes into every error about it from now
         on). Its sealed steps stay in the ring: the next Capture on the

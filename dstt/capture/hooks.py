@@ -24,7 +24,8 @@ from dstt.store.shards import is_dtensor
 
 
 def _local(t: Any) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
+    local: torch.Tensor = t.to_local() if is_dtensor(t) else t
+    return local
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:

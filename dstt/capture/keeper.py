@@ -7,7 +7,7 @@ is trusted as it is by recovery -- so while it exists, the bytes it names
 must stay exactly as they were. Every path of this process that frees
 staging memory a sealed step used asks the keeper first, and reuses it only
 on a yes: the commit loop with or without the capture helper
-(crashsafe.py), the flight recorder's slots (recorder.py), failed steps,
+(crashsafe.py), the flight recorder's slots (tier.py), failed steps,
 pool growth and close. The answer, for one step:
 
 * its seal removed (the step is committed, or given up): yes;

@@ -19,6 +19,8 @@ import threading
 import weakref
 from typing import Any
 
+from dstt.capture.ledger import steps_text
+
 #: Captures not closed yet in this process (fork and exit hooks walk it).
 LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -36,24 +38,21 @@ def _drain_at_exit() -> None:
         if cap._pid != os.getpid() or cap._closed:
             continue
         limit = cap.config.exit_drain_s
-        with cap._cond:
-            drained = cap._cond.wait_for(lambda c=cap: c._pending == 0, limit)
-            lost = sorted(cap._queued_steps)
+        led = cap.ledger
+        with led.cond:
+            drained = led.cond.wait_for(lambda led=led: led.pending == 0, limit)
+            lost = sorted(led.queued_steps)
         if not drained:
             cap._closed = True
             print(f"dstt: a Capture on {cap.writer.backend.url}@{cap.config.branch} was never closed; "
                   f"at exit {len(lost)} queued step(s) were not committed within exit_drain_s={limit} s "
-                  f"and are lost unless they commit before the process ends: steps {_steps_text(lost)} "
+                  f"and are lost unless they commit before the process ends: steps {steps_text(lost)} "
                   "(call Capture.close(), or use it as a context manager)", file=sys.stderr, flush=True)
             continue
         try:
             cap.close()
         except Exception as e:  # noqa: BLE001 - exit must go on; say it loudly
             print(f"dstt: a Capture closed at exit failed: {e}", file=sys.stderr, flush=True)
-
-
-def _steps_text(steps: list[int]) -> str:
-    return ", ".join(map(str, steps[:20])) + (f" ... ({len(steps)} in all)" if len(steps) > 20 else "")
 
 
 if hasattr(os, "register_at_fork"):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dstt.capture.guard import VersionGuard
-from dstt.capture.staging import HostPool
+from dstt.capture.hostpool import HostPool
 from dstt.errors import CaptureError
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.torchthreads import limit_this_thread
@@ -37,7 +37,7 @@ class Job:
     ready: dict[int, Any] = field(default_factory=dict)  # CUDA: compute-stream events at snapshot()
     lazy_bytes: int = 0
     skip: str | None = None  # why the step is skipped (then nothing else is set)
-    futures: list[Future] = field(default_factory=list)
+    futures: list[Future[Any]] = field(default_factory=list)
     error: BaseException | None = None
     cuda_done: dict[int, Any] = field(default_factory=dict)  # CUDA: copy-stream events after lazy copies
     issued: threading.Event = field(default_factory=threading.Event)  # lazy copies enqueued
@@ -55,26 +55,17 @@ class Job:
     hold: bool = False
     sealed: bool = False
     seal_error: str | None = None  # why a held step could not be sealed (crashsafe._seal)
-    sent: bool = False  # handed to the capture helper, its answer not read yet (committing.py)
+    sent: bool = False  # handed to the capture helper, its answer not read yet (committers.py)
     cuda_eager: list[Any] = field(default_factory=list)  # events after eager CUDA copies
-    reported: bool = False  # its failure was already queued for the trainer (under Capture._cond)
-    # The memory tier (capture/recorder.py); all under Capture._cond.
+    reported: bool = False  # its failure was already queued for the trainer (under the ledger's lock)
     writer: Any = None  # the Writer that stores it (a rewind switches writers)
-    slot: Any = None  # its slot of the recorder's SlotPool
-    refs: int = 0  # holders of the slot: the ring, a pending persist, a pinned successor, the watcher
-    decision: str = ""  # "" undecided, "persist", "memory" (passed over), "done", "failed"
-    forced: bool = False  # an incident or rewind wants it stored
-    prev_job: Any = None  # the step captured just before it, pinned while this one is written
-    tier_staged: bool = False  # staged and in the ring
-    # Each copy's destination in the slot (a group's block, or one task's),
-    # what the NaN/Inf watcher reads: a few reductions per step, not one per
-    # tensor (incidents.py). Appended by whoever copies (under ``claim``).
-    spans: list[torch.Tensor] = field(default_factory=list)
-    checking: bool = False  # the NaN/Inf watcher (or the trainer) is checking it (under Capture._cond)
-    nonfinite: tuple[str, ...] | None = None  # the check's result: the non-finite tensors (under Capture._cond)
-    watched: bool = False  # checked and settled, in step order (under Capture._cond)
-    done: threading.Event = field(default_factory=threading.Event)  # stored, failed or passed over
     info: Any = None  # its CommitInfo once stored
+    # Each copy's destination in the pool (a group's block, or one task's),
+    # what the NaN/Inf watcher reads: a few reductions per step, not one per
+    # tensor (watcher.py). Appended by whoever copies (under ``claim``), when
+    # the mode asks for them (committers.StagingNeeds.keep_spans).
+    spans: list[torch.Tensor] = field(default_factory=list)
+    tier: TierState = field(default_factory=lambda: TierState())  # the memory tier's part (tier.py)
     # Lazy CPU copies are claimed one by one, by the stager or -- when the
     # optimizer would otherwise wait for a stager starved of CPU -- by the
     # trainer in the optimizer pre-hook (Capture._copy_lazy_cpu).
@@ -98,6 +89,23 @@ class Job:
         self.issued.set()
         self.staged.set()
         self.submitted.set()
+
+
+@dataclass
+class TierState:
+    """The memory tier's part of a :class:`Job` (tier.py, watcher.NanWatch;
+    all under the ledger's lock). Untouched in the other modes."""
+
+    slot: Any = None  # its slot of the tier's SlotPool
+    refs: int = 0  # holders of the slot: the ring, a pending persist, a pinned successor, the watcher, a rewind
+    decision: str = ""  # "" undecided, "persist", "memory" (passed over), "done", "failed"
+    forced: bool = False  # an incident or rewind wants it stored
+    prev_job: Job | None = None  # the step captured just before it, pinned while this one is written
+    staged: bool = False  # staged and in the ring
+    checking: bool = False  # the NaN/Inf watcher (or the trainer) is checking it
+    nonfinite: tuple[str, ...] | None = None  # the check's result: the non-finite tensors
+    watched: bool = False  # checked and settled, in step order
+    done: threading.Event = field(default_factory=threading.Event)  # stored, failed or passed over
 
 
 def lower_thread_priority(nice: int, idle: bool = False) -> None:

@@ -38,7 +38,7 @@ def pool_bytes(*, need_bytes: int, biggest_bytes: int, limit_bytes: int | None) 
     Two steps (step k+1 is staged while step k is written and committed),
     and for small steps up to SMALL_STEPS of them within SMALL_POOL_BYTES (a
     fast loop's steps queue up while one is committed, and are then
-    committed as a group: capture/committing.py), at least the largest
+    committed as a group: capture/committers.py), at least the largest
     chunk and 1 MiB, rounded up to a MiB, and never above an explicit
     ``limit_bytes`` (a hard bound set by the user).
 

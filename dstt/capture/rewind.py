@@ -13,7 +13,6 @@ forward and backward overlap that write.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,6 +29,9 @@ from dstt.store.state import check_objects
 from dstt.store.torch_dtypes import torch_dtype
 from dstt.store.writer import Writer
 from dstt.timetravel.restore import apply_step, store_read
+
+#: The facade (dstt.capture.engine.Capture), typed loosely: engine imports this module.
+Capture = Any
 
 log = logging.getLogger("dstt.capture")
 
@@ -106,12 +108,25 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None) -> Any:
 
 
 class Rewinder:
-    """``rewind`` and the branch switch of :class:`~dstt.capture.engine.Capture` (a mixin)."""
+    """``rewind`` and the branch switch of a :class:`~dstt.capture.engine.Capture`
+    (built once by it; ``cap`` is the facade, whose writer and config a
+    switch replaces).
 
-    config: Any
-    writer: Writer
-    _cond: threading.Condition
-    _fork: Any
+    Phase protocol (all on the trainer's thread):
+
+    1. ``Capture.rewind``: :meth:`rewind` restores the live objects (from
+       the committer's memory -- ``Committer.rewind_job`` -- or the store)
+       and decides the new branch (:attr:`fork`); ``Committer.after_rewind``
+       switches now, or (the memory tier) at the next ``snapshot()``;
+    2. ``snapshot()`` and ``close()``: :meth:`switch_if_forked` --
+       ``Committer.leave_branch``, the new branch's writer,
+       ``Committer.joined_branch``.
+    """
+
+    def __init__(self, cap: Capture) -> None:
+        self.cap = cap
+        #: A rewind's branch (name, fork point, the fork step's job if still in memory), opened at the next snapshot.
+        self.fork: tuple[str, StepRef, Job | None] | None = None
 
     def rewind(
         self,
@@ -124,35 +139,7 @@ class Rewinder:
         branch: str | None = None,
         strict: bool = True,
     ) -> dict[str, Any]:
-        """Restore ``model``/``optimizer``/``scheduler``/RNG to captured
-        ``step`` and continue on a new branch forked there (``branch``, or
-        ``<branch>-rewind-<step>``); returns the step's ``extra`` (where the
-        trainer keeps its data position, to skip the batches that caused a
-        spike). Validated all or nothing like :func:`dstt.restore`, and every
-        argument before anything changes: a refused rewind (a bad argument,
-        ``branch`` the one being captured or one that exists --
-        BranchExistsError --, a step neither in the memory tier nor stored,
-        a step that does not fit the live objects) leaves the live objects,
-        the store and the memory tier as they were and records no incident.
-
-        From the memory tier when the step is still there (milliseconds),
-        else from the store. The ring's steps are stored on the old branch
-        (an incident, source "rewind").
-
-        >>> import tempfile, torch, dstt
-        >>> m = torch.nn.Linear(2, 1)
-        >>> path = tempfile.mkdtemp() + "/run"
-        >>> with dstt.Capture(path, memory_steps=4) as cap:
-        ...     for s in range(3):
-        ...         with torch.no_grad(): m.weight += 1
-        ...         _ = cap.snapshot(s, model=m, extra={"batch": s})
-        ...     cap.rewind(1, model=m, branch="retry")
-        ...     _ = cap.snapshot(2, model=m)
-        {'batch': 1}
-        >>> dstt.open(path).branch_info("retry").parent
-        StepRef(branch='main', step=1)
-        """
-        self._check_open()  # type: ignore[attr-defined]
+        """:meth:`Capture.rewind <dstt.capture.engine.Capture.rewind>` (see its docstring), the Capture open."""
         # Every argument first: a refused rewind changes nothing -- not the
         # live objects, not the store, not the memory tier -- and records no incident.
         validate_step(step)
@@ -161,22 +148,17 @@ class Rewinder:
         check_objects(model, optimizer, scheduler, restoring=True)
         A.flag("rng", rng)
         A.flag("strict", strict)
-        self.raise_pending()  # type: ignore[attr-defined]
-        if self._fork is not None:
-            self._switch_branch()  # (an earlier rewind's branch: decided then)
-        cur = self.writer
+        self.cap.raise_pending()
+        if self.fork is not None:
+            self.switch_branch()  # (an earlier rewind's branch: decided then)
+        cur = self.cap.writer
         self._check_new_branch(cur, branch)
         # The live objects are about to change in place: every queued lazy
         # copy must have read them first (what the optimizer hook ensures
         # before an optimizer step), and every queued step be in the ring.
-        self._before_optimizer_step()  # type: ignore[attr-defined]
-        with self._cond:
-            if self._tier:  # type: ignore[attr-defined]
-                self._await_cond(lambda: not self._unstaged,  # type: ignore[attr-defined]
-                                 "the steps queued before the rewind to be staged")
-            job = self._ring_job(step)
-            if job is not None:
-                job.refs += 1  # the rewind's: the slot stays while it is read
+        self.cap._before_optimizer_step()
+        with self.cap.ledger.cond:
+            job = self.cap.committer.rewind_job(step)  # (the memory tier's: its slot held while it is read)
         try:
             if job is not None:
                 rec: Any = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
@@ -186,20 +168,14 @@ class Rewinder:
                 rec, read, where, parent = self._stored_step(step)
             # A rewind is an incident (the tier's steps are stored on the old
             # branch) -- once the step is known to fit the live objects.
-            incident = None if not self._tier else (  # type: ignore[attr-defined]
-                lambda: self._raise_incident(f"rewind to step {step}", step, "rewind"))  # type: ignore[attr-defined]
             extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
-                               strict=strict, validated=incident)
+                               strict=strict, validated=lambda: self.cap.committer.rewind_incident(step))
         finally:
             if job is not None:
-                freed: list[Job] = []
-                with self._cond:
-                    self._unref(job, freed)  # type: ignore[attr-defined]
-                self._release(freed)  # type: ignore[attr-defined]
+                self.cap.committer.rewind_done(job)
         name = branch or self._rewind_name(cur, step)
-        self._fork = (name, parent, job if job is not None and job.writer is cur else None)
-        if not self._tier:  # type: ignore[attr-defined]
-            self._switch_branch()
+        self.fork = (name, parent, job if job is not None and job.writer is cur else None)
+        self.cap.committer.after_rewind()  # (the memory tier switches at the next snapshot)
         log.warning("dstt: rewound to step %d of branch %r; capturing continues on branch %r", step,
                     parent.branch, name)
         return extra
@@ -219,22 +195,12 @@ class Rewinder:
         if branch in list_branches(cur.backend):
             raise BranchExistsError(f"rewind: branch {branch!r} already exists ({hint})")
 
-    def _ring_job(self, step: int) -> Job | None:
-        """The staged job of ``step`` on the current branch still in memory (under _cond)."""
-        if not self._tier:  # type: ignore[attr-defined]
-            return None
-        for job in reversed(self._held):  # type: ignore[attr-defined]
-            if job.plan.step == step and job.writer is self.writer and job.slot is not None \
-                    and job.error is None and job.decision != "failed":
-                return job
-        return None
-
     def _stored_step(self, step: int) -> tuple[Any, Any, str, StepRef]:
         """(record, reader, description, fork point) of ``step`` in the store,
         after waiting for what is queued to be stored; StepNotFoundError if
         the current branch has no such step (nothing changed then)."""
-        self.wait()  # type: ignore[attr-defined]  # bounded: Capture.wait (background_timeout_s)
-        cur = self.writer
+        self.cap.wait()  # bounded: Capture.wait (background_timeout_s)
+        cur = self.cap.writer
         run = TensorReader(cur.backend)
         try:
             ref = run.resolve(step, branch=cur.branch.name)
@@ -255,56 +221,34 @@ class Rewinder:
             name, n = f"{base}-{n}", n + 1
         return name
 
-    def _switch_branch(self) -> None:
+    def switch_branch(self) -> None:
         """Open the writer of a rewind's branch (its fork step stored first)."""
-        name, parent, job = self._fork
-        self._fork = None
+        assert self.fork is not None
+        name, parent, job = self.fork
+        self.fork = None
         if job is not None:
-            self._await_event(job.done, f"step {parent.step} (the fork point of branch {name!r}) "  # type: ignore[attr-defined]
+            self.cap.ledger.wait_event(job.tier.done, f"step {parent.step} (the fork point of branch {name!r}) "
                               "to be stored")
-            if job.decision != "done":
+            if job.tier.decision != "done":
                 raise CaptureError(f"rewind: step {parent.step} of branch {parent.branch!r} could not be stored, "
                                    f"so branch {name!r} cannot fork there (see the earlier error)")
-        old = self.writer
-        cfg = self.config
-        if not self._tier:  # type: ignore[attr-defined]
-            self.wait()  # type: ignore[attr-defined]  # bounded: Capture.wait (background_timeout_s)
-            self._leave_branch()
-        new = Writer(self._store_arg, branch=name, parent=parent,  # type: ignore[attr-defined]
+        old = self.cap.writer
+        cfg = self.cap.config
+        self.cap.committer.leave_branch()  # (without the memory tier: everything stored, the old ring let go of)
+        new = Writer(self.cap._store_arg, branch=name, parent=parent,
                      compression=cfg.compression, zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every,
                      max_chunk_bytes=cfg.max_chunk_bytes, allow_pickle=cfg.allow_pickle, dedup=cfg.dedup,
-                     threads=1, coordinator=self._plan_coord,  # type: ignore[attr-defined]
-                     commit_coordinator=self._commit_coord,  # type: ignore[attr-defined]
+                     threads=1, coordinator=self.cap._plan_coord,
+                     commit_coordinator=self.cap._commit_coord,
                      storage_options=cfg.storage_options)
-        self.config = replace(cfg, branch=name, parent=None)
-        with self._cond:
-            self.writer = new
-            if self._tier:  # type: ignore[attr-defined]
-                self._retired.append(old)  # type: ignore[attr-defined]
-                self._cond.notify_all()
-        if not self._tier:  # type: ignore[attr-defined]
-            old.close()
-            self._rejoin_branch()
+        self.cap.config = replace(cfg, branch=name, parent=None)
+        with self.cap.ledger.cond:
+            self.cap.writer = new
+        self.cap.committer.joined_branch(old)  # (closed; or, with the memory tier, once its steps are stored)
 
-    def _leave_branch(self) -> None:
-        """Without the memory tier: everything is stored; let go of the old
-        branch's ring and helper (both are per branch)."""
-        helper = self._helper  # type: ignore[attr-defined]
-        if helper is not None:
-            helper.close()
-            self._helper = None
-        pool = self.pool  # type: ignore[attr-defined]
-        if pool is not None and self._pool_in_ring:  # type: ignore[attr-defined]
-            pool.unregister()
-        self.pool = None
-        self._pool_in_ring = False
-        self._close_ring()  # type: ignore[attr-defined]
-        self._ring = None
-
-    def _rejoin_branch(self) -> None:
-        """A ring and helper for the new branch, as the constructor makes them."""
-        self._ring = self._open_ring()  # type: ignore[attr-defined]
-        self._helper = self._start_helper()  # type: ignore[attr-defined]
-
+    def switch_if_forked(self) -> None:
+        """Open the branch of a rewind decided earlier, if any."""
+        if self.fork is not None:
+            self.switch_branch()
 
 __all__ = ["Rewinder", "RingRecord", "ring_reader"]

@@ -184,7 +184,7 @@ def _layout(d: Any) -> int:
     need(type(name) is str and 0 < len(name) <= L.MAX_ARRAY_PATH and "\0" not in name, "bad tensor name")
     need(d.get("kind") in KINDS, f"{name[:80]}: unknown kind")
     try:
-        info_for_name(d.get("dtype"))  # type: ignore[arg-type]
+        info_for_name(d.get("dtype"))
     except DsttError:
         raise CorruptRing(f"{name[:80]}: unknown dtype {_short(d.get('dtype'))}") from None
     shape = ints(d.get("shape"), "shape", 0, MAX_ELEMENTS)

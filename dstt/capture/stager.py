@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from dstt.capture import policy
+from dstt.capture.committers import Committer
 from dstt.capture.hooks import optimizer_storages, storage_key
+from dstt.capture.hostpool import HostPool
+from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import GuardTripped, Job, check_guard, task_bytes
-from dstt.capture.staging import HostPool
 from dstt.store.plan import ChunkTask
 
 log = logging.getLogger("dstt.capture")
@@ -35,10 +37,9 @@ class Stager:
     pool: HostPool | None
     before_copy: Any
     _helper: Any
-    _tier: bool
-    _cond: Any
+    committer: Committer
+    ledger: Ledger
     _flush: Any
-    _queued_bytes: int
     _grouping: tuple[list[ChunkTask], list[StagedGroup], list[ChunkTask]]  # (see _stage_grouped)
     _sizes: tuple[list[ChunkTask], list[int], bool, int]  # (see _task_sizes)
     _split: tuple[list[ChunkTask], Any, list[Any], LazySplit]  # (see _split_lazy)
@@ -104,7 +105,7 @@ class Stager:
         """
         pool = job.pool or self.pool
         assert pool is not None
-        flush_now = self._helper is None and not self._tier  # the memory tier writes later, if at all
+        flush_now = self.committer.needs.flush_now  # (the helper, the memory tier write later, if at all)
         if not lazy and job.hold and self.before_copy is None:
             tasks = self._stage_grouped(job, pool, tasks, flush_now)  # small CPU tensors: copied in groups
         batch: list[tuple[ChunkTask, torch.Tensor]] = []  # CUDA copies issued, not handed over
@@ -121,8 +122,8 @@ class Stager:
                         self._hand_over_cuda(job, batch, lazy, last=False)
                     block = self._allocate(pool, nbytes, job)  # backpressure: wait for earlier chunks' writes
                 if lazy:
-                    with self._cond:
-                        self._queued_bytes -= pool.block_bytes(nbytes)
+                    with self.ledger.cond:
+                        self.ledger.queued_bytes -= pool.block_bytes(nbytes)
                         job.lazy_bytes -= pool.block_bytes(nbytes)
                 dst = pool.view_as(block, t.source, t.shape)
                 if t.source.device.type == "cuda":
@@ -134,7 +135,7 @@ class Stager:
                     dst.copy_(t.source)
                     check_guard(job, guard, i)  # completed: a change before now is in the copy
                     job.views.append((t, dst))
-                    if self._tier:
+                    if self.committer.needs.keep_spans:
                         job.spans.append(dst)
                     if flush_now:
                         job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
@@ -160,7 +161,7 @@ class Stager:
                 got.append(block)
             return block is not None
 
-        self._await(placed, lambda: f"{nbytes} bytes of staging pool for step {job.plan.step} (freed as earlier "  # type: ignore[attr-defined]
+        self.ledger.wait(placed, lambda: f"{nbytes} bytes of staging pool for step {job.plan.step} (freed as earlier "
                     f"steps are written and committed; {pool.in_use} of {pool.capacity} bytes in use)")
         return got[0]
 
@@ -200,7 +201,7 @@ class Stager:
             if keep:
                 job.groups.append((g, dst))
                 continue
-            if self._tier:
+            if self.committer.needs.keep_spans:
                 job.spans.append(dst)
             dsts = g.views(dst)
             job.views.extend(zip(g.tasks, dsts))
@@ -215,7 +216,7 @@ class Stager:
         groups) and the release of the step's blocks need them (issue 16:
         88 views per step of a small loop were ~0.2 ms of the stager's
         Python, which the trainer's own Python waits for)."""
-        return self._helper is not None and not self._tier
+        return self.committer.needs.keep_groups
 
     def _copy_lazy_cpu(self, job: Job) -> None:
         """Copy the lazy CPU tasks of ``job`` no one has claimed yet (the
@@ -227,7 +228,7 @@ class Stager:
         the optimizer hook made ~66 copies of a small model one by one)."""
         pool = job.pool or self.pool
         assert pool is not None
-        flush_now = self._helper is None and not self._tier
+        flush_now = self.committer.needs.flush_now
         grouped = job.hold and self.before_copy is None
         n = len(job.lazy)
         while True:
@@ -276,15 +277,15 @@ class Stager:
             block = pool.try_allocate(nbytes)
             if block is None:
                 block = self._allocate(pool, nbytes, job)  # backpressure: wait for earlier chunks' writes
-            with self._cond:
-                self._queued_bytes -= pool.block_bytes(nbytes)
+            with self.ledger.cond:
+                self.ledger.queued_bytes -= pool.block_bytes(nbytes)
                 job.lazy_bytes -= pool.block_bytes(nbytes)
             dst = pool.view_as(block, t.source, t.shape)
             dst.copy_(t.source)
             check_guard(job, job.guard, i)  # completed: a change before now is in the copy
             with job.claim:
                 job.views.append((t, dst))
-                if self._tier:
+                if self.committer.needs.keep_spans:
                     job.spans.append(dst)
                 if flush_now:
                     job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
@@ -307,8 +308,8 @@ class Stager:
             return False
         handed = False
         try:
-            with self._cond:
-                self._queued_bytes -= group.block_bytes
+            with self.ledger.cond:
+                self.ledger.queued_bytes -= group.block_bytes
                 job.lazy_bytes -= group.block_bytes
             dst = group.fill(block)
             check_guard(job, job.guard, i, j)  # completed: a change before now is in the copy
@@ -318,7 +319,7 @@ class Stager:
                     job.groups.append((group, dst))
                 else:
                     job.views.extend(zip(group.tasks, dsts))
-                    if self._tier:
+                    if self.committer.needs.keep_spans:
                         job.spans.append(dst)
                     if flush_now:
                         job.futures.append(self._flush.submit(self._flush_many, pool, job, group.tasks, dsts))
@@ -351,10 +352,10 @@ class Stager:
         while batch:
             t, dst = batch[0]
             job.views.append((t, dst))
-            if self._tier:
+            if self.committer.needs.keep_spans:
                 job.spans.append(dst)
             ready = None if lazy else done[t.source.device.index]
-            if self._helper is None and not self._tier:
+            if self.committer.needs.flush_now:
                 job.futures.append(self._flush.submit(self._flush_one, job.pool, job, t, dst, ready))
             batch.pop(0)
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from dstt.errors import RestoreMismatchError
+from dstt.errors import RestoreMismatchError, RestoreWarning
 from dstt.format import args as A
 from dstt.format.chunks import read_whole_into
 from dstt.format.index import StepRecord
@@ -152,7 +152,8 @@ def apply_step(rec: Any, read: ReadTensor, where: str, *, model: torch.nn.Module
     if plan.problems:
         if strict:
             raise mismatch_error(where, plan.problems)
-        warnings.warn(f"partial restore of {where}: " + "; ".join(plan.problems[:MAX_LISTED]), stacklevel=2)
+        warnings.warn(f"partial restore of {where}: " + "; ".join(plan.problems[:MAX_LISTED]), RestoreWarning,
+                      stacklevel=2)
     if validated is not None:
         validated()
     data = _read_all(read, plan, threads)
@@ -483,7 +484,7 @@ def _apply_rng(tree: Any) -> None:
         if key not in tree:
             warnings.warn(
                 f"the step holds RNG states of {len(per_rank)} ranks, none for rank {rank}; "
-                "its RNG state is left as is", stacklevel=3,
+                "its RNG state is left as is", RestoreWarning, stacklevel=3,
             )
             return
         tree = tree[key]

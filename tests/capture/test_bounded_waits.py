@@ -81,7 +81,7 @@ def test_close_behind_a_stopped_helper_returns_and_commits_the_step_here(tmp_pat
     committed bit-exact by this Capture, nothing left in /dev/shm."""
     store = tmp_path / "run"
     cap = dstt.Capture(store, helper=True, max_chunk_bytes=1024, background_timeout_s=2)
-    pid = cap._helper.pid  # type: ignore[union-attr]
+    pid = cap.parts.helper.pid  # type: ignore[union-attr]
     stopped = False
     try:
         cap.snapshot(0, extra={"w": torch.full((1024,), 0.0)}, rng=False)
@@ -139,7 +139,7 @@ def test_a_helper_stopped_mid_commit_is_killed_and_the_step_committed_once(
     (hook / "sitecustomize.py").write_text(STOP_MID_COMMIT)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     cap = dstt.Capture(store, helper=True, max_chunk_bytes=1024, background_timeout_s=2)
-    pid = cap._helper.pid  # type: ignore[union-attr]
+    pid = cap.parts.helper.pid  # type: ignore[union-attr]
     try:
         cap.snapshot(0, extra={"w": torch.full((1024,), 5.0)}, rng=False)
         cap.wait()
@@ -211,7 +211,7 @@ def test_a_loop_and_wait_behind_a_stopped_helper_end_within_the_bound(tmp_path: 
     later one -- is committed by this Capture, bit-exact."""
     store = tmp_path / "run"
     cap = dstt.Capture(store, helper=True, max_chunk_bytes=1024, background_timeout_s=2)
-    pid = cap._helper.pid  # type: ignore[union-attr]
+    pid = cap.parts.helper.pid  # type: ignore[union-attr]
     try:
         cap.snapshot(0, extra={"w": torch.zeros(1024)}, rng=False)
         cap.wait()

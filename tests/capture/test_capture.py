@@ -20,7 +20,7 @@ from conftest import bits_equal
 import dstt
 from dstt.capture import CaptureConfig, skipped_steps
 from dstt.capture.engine import Capture
-from dstt.capture.staging import HostPool
+from dstt.capture.hostpool import HostPool
 from dstt.errors import CaptureError, ConfigError, StepOrderError
 from dstt.format.backends import LocalBackend
 
@@ -337,7 +337,7 @@ def test_optimizer_step_waits_for_staging(store: Path, monkeypatch: pytest.Monke
     seen = []
     with deadline(60), dstt.Capture(store) as cap:
         cap.snapshot(0, model=model, optimizer=opt)
-        job = cap._last
+        job = cap.parts.last_job
         assert job is not None and not job.staged.is_set()  # snapshot() did not wait for the copy
         opt.register_step_pre_hook(lambda *a: seen.append(job.staged.is_set()))
         train_step(model, opt)
@@ -445,7 +445,7 @@ def test_commit_failure_raised_by_next_snapshot_and_close_returns(tmp_path: Path
         cap = dstt.Capture(backend)
         cap.snapshot(0, model=model, optimizer=opt)
         cap.snapshot(1, model=model, optimizer=opt)
-        while cap._pending:  # let the failure happen in the background
+        while cap.parts.ledger.pending:  # let the failure happen in the background
             time.sleep(0.01)
         with pytest.raises(CaptureError, match="step 1.*Permission denied"):
             cap.snapshot(2, model=model, optimizer=opt)
@@ -502,7 +502,7 @@ def test_background_threads_yield_the_cpu_to_the_trainer(tmp_path: Path) -> None
         train_step(model, opt)
         cap.snapshot(0, model=model, optimizer=opt)
         cap.wait()
-        threads = [cap._stager, cap._committer, *cap._flush._threads]
+        threads = list(cap.parts.threads.values())
         nices = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads}
     assert all(n == max(7, mine) for n in nices.values()), nices
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
@@ -524,8 +524,8 @@ def test_background_threads_and_helper_run_under_sched_idle(tmp_path: Path) -> N
             train_step(model, opt)
             cap.snapshot(0, model=model, optimizer=opt)
             cap.wait()
-            ours = {t.name: os.sched_getscheduler(t.native_id) for t in (cap._stager, cap._committer)}
-            helper = [os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{cap._helper.pid}/task")]
+            ours = {t.name: os.sched_getscheduler(t.native_id) for t in (cap.parts.threads["stager"], cap.parts.threads["committer"])}
+            helper = [os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{cap.parts.helper.pid}/task")]
             policies[idle] = (ours, helper)
         assert_same(dstt.state_of(model=model, optimizer=opt, rng=False), stored(tmp_path / f"run{idle}", 0), "")
     (ours, helper), (ours_off, helper_off) = policies[True], policies[False]

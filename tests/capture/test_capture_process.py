@@ -267,7 +267,7 @@ def test_helper_runs_in_its_own_session_and_reports_write_failures(tmp_path: Pat
     nothing is committed with missing data, and close() reaps the helper."""
     cap = dstt.Capture(tmp_path / "run", helper=True, max_chunk_bytes=1024)
     try:
-        helper = cap._helper.pid  # type: ignore[union-attr]
+        helper = cap.parts.helper.pid  # type: ignore[union-attr]
         assert helper != os.getpid() and os.getsid(helper) == helper != os.getsid(0)
         cap.snapshot(0, extra={"w": torch.ones(1024)}, rng=False)
         assert cap.wait()[-1].step == 0
@@ -298,7 +298,7 @@ def test_helper_needs_a_store_path(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="helper=True: .*Mine"):
         dstt.Capture(Mine(tmp_path / "run", create=True), helper=True)
     with dstt.Capture(Mine(tmp_path / "run", create=True)) as cap:
-        assert cap._helper is None
+        assert cap.parts.helper is None
         cap.snapshot(0, extra={"w": torch.ones(4)}, rng=False)
     assert dstt.open(tmp_path / "run").steps() == [0]
 
@@ -312,7 +312,7 @@ def test_a_helper_killed_under_a_live_trainer_commits_here_and_loses_no_step(tmp
     try:
         cap.snapshot(0, extra={"w": torch.full((1024,), 0.0)}, rng=False)
         cap.wait()
-        os.kill(cap._helper.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        os.kill(cap.parts.helper.pid, signal.SIGKILL)  # type: ignore[union-attr]
         cap.snapshot(1, extra={"w": torch.full((1024,), 1.0)}, rng=False)
         with pytest.warns(RuntimeWarning, match=r"capture helper \(pid \d+\) .*from step 1 on, this Capture commits in"):
             cap.wait()
@@ -346,10 +346,10 @@ def test_helper_is_a_fresh_process_not_a_fork_of_the_trainer(tmp_path: Path) -> 
     state_kib = 3 * model.weight.numel() * 4 // 1024
     trainer_before = _status_kib(os.getpid(), "RssAnon")
     with dstt.Capture(tmp_path / "run", helper=True) as cap:
-        helper = cap._helper.pid  # type: ignore[union-attr]
+        helper = cap.parts.helper.pid  # type: ignore[union-attr]
         with open(f"/proc/{helper}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        assert b"dstt.capture.helper" in argv, (argv, cap._helper.proc.poll())  # type: ignore[union-attr]
+        assert b"dstt.capture.helper" in argv, (argv, cap.parts.helper.proc.poll())  # type: ignore[union-attr]
         for step in range(2):
             model(torch.randn(2, 4096)).sum().backward()
             opt.step()  # the first one after the helper started: no copy on write of the state
@@ -380,7 +380,7 @@ def test_a_helper_that_never_comes_up_never_hangs_and_loses_no_step(
         m.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
         m.setattr(helper_module, "HELPER_START_S", 1.0)
         cap = dstt.Capture(store, helper=True, max_chunk_bytes=1024)
-        pid = cap._helper.pid  # type: ignore[union-attr]
+        pid = cap.parts.helper.pid  # type: ignore[union-attr]
         cap.snapshot(0, extra={"w": torch.full((1024,), 7.0)}, rng=False)
         with pytest.warns(RuntimeWarning, match=rf"the capture helper \(pid {pid}\) {why}.*from step 0 on"):
             cap.wait()
@@ -396,8 +396,8 @@ from dstt.format.localio import pid_alive
 cap = dstt.Capture(sys.argv[1], helper=True, max_chunk_bytes=1024)
 cap.snapshot(0, extra={"w": torch.full((1024,), 1.0)}, rng=False)
 cap.wait()
-os.kill(cap._helper.pid, signal.SIGKILL)  # the helper dies first: step 1 stays sealed in the ring
-while pid_alive(cap._helper.pid):
+os.kill(cap.parts.helper.pid, signal.SIGKILL)  # the helper dies first: step 1 stays sealed in the ring
+while pid_alive(cap.parts.helper.pid):
     time.sleep(0.01)
 cap._retire_helper = lambda *a: time.sleep(600)  # this trainer dies before it commits step 1 itself
 try:
@@ -405,7 +405,7 @@ try:
     cap.wait_staged()
 except dstt.CaptureError:
     pass  # (its helper is gone: the step fails here, sealed all the same)
-assert cap._last.sealed
+assert cap.parts.last_job.sealed
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dstt
-from dstt.capture.recorder import EXTRA_SLOTS
+from dstt.capture.tier import EXTRA_SLOTS
 from dstt.errors import CaptureError, ConfigError, RestoreMismatchError, StepNotFoundError
 from dstt.format.backends import open_backend
 from dstt.format.incidents import list_incidents
@@ -131,7 +131,7 @@ def test_newest_never_waits_for_the_writer_and_records_memory_only_steps(tmp_pat
         ref[s] = _weights(m)
     cap.wait_staged()
     assert gate.entered.wait(10)
-    assert cap._slots is not None and cap._slots.nslots == 4 + EXTRA_SLOTS
+    assert cap.parts.slots is not None and cap.parts.slots.nslots == 4 + EXTRA_SLOTS
     gate.release()
     cap.close()
     stored = _stored(path)
@@ -342,9 +342,9 @@ def test_ring_holds_at_most_k_steps(tmp_path):
         for s in range(15):
             _steps(cap, m, opt, range(s, s + 1))
             cap.wait_staged()
-            assert len(cap._held) <= 3
-            assert cap._slots is not None and cap._slots.free_slots >= 0
-        in_use = cap._slots.nslots - cap._slots.free_slots
+            assert len(cap.parts.tier_held) <= 3
+            assert cap.parts.slots is not None and cap.parts.slots.free_slots >= 0
+        in_use = cap.parts.slots.nslots - cap.parts.slots.free_slots
         assert in_use <= 3 + EXTRA_SLOTS
 
 

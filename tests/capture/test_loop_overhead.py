@@ -12,7 +12,7 @@ import torch
 
 import dstt
 from dstt.capture import ring as R
-from dstt.capture.staging import HostPool
+from dstt.capture.hostpool import HostPool
 from dstt.store.writer import Writer
 
 
@@ -105,7 +105,7 @@ def test_helper_stores_every_step_of_a_fast_loop_bit_exact(tmp_path: Path) -> No
             cap.snapshot(step, model=model, optimizer=opt, scheduler=sched, rng=False)
             expect[step] = ({k: v.clone() for k, v in model.state_dict().items()}, sched.get_last_lr()[0])
         cap.wait()
-        assert cap._helper is not None
+        assert cap.parts.helper is not None
     run = dstt.open(tmp_path / "run")
     assert run.steps() == list(range(12))
     for step, (params, lr) in expect.items():

@@ -9,15 +9,15 @@ import logging
 import pytest
 import torch
 
-from dstt.capture import staging
-from dstt.capture.staging import HostPool
+from dstt.capture import hostpool
+from dstt.capture.hostpool import HostPool
 
 
 def test_blocks_straddling_two_pieces_bounce_and_others_do_not(monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(staging, "REGISTER_PIECE_BYTES", 64 << 10)
-    raw = torch.empty((1 << 20) + staging.PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % staging.PAGE
+    monkeypatch.setattr(hostpool, "REGISTER_PIECE_BYTES", 64 << 10)
+    raw = torch.empty((1 << 20) + hostpool.PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % hostpool.PAGE
     with caplog.at_level(logging.WARNING):
         pool = HostPool(1 << 20, pin=True, buffer=raw[skip:skip + (1 << 20)])
         assert pool.registered.wait(30)

@@ -65,8 +65,8 @@ TRAINER = """
 import json, os, sys, time, torch, dstt
 store, stop = sys.argv[1], sys.argv[2]
 cap = dstt.Capture(store)
-assert cap._ring is not None and cap._helper is not None, "no ring or no helper"
-print("ring", json.dumps([str(cap._ring.dir), os.getpid()]), flush=True)
+assert cap.parts.ring is not None and cap.parts.helper is not None, "no ring or no helper"
+print("ring", json.dumps([str(cap.parts.ring.dir), os.getpid()]), flush=True)
 w = torch.zeros(256)
 step = 0
 while step < 10 or not os.path.exists(stop):
@@ -357,7 +357,7 @@ def test_a_ring_root_that_is_not_ours_is_never_used_and_never_fatal(tmp_path: Pa
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with dstt.Capture(store) as cap:
-            assert cap._ring is None and cap._helper is None  # in process memory
+            assert cap.parts.ring is None and cap.parts.helper is None  # in process memory
             for step in range(1, 4):
                 cap.snapshot(step, extra={"w": torch.full((64,), float(step))}, rng=False)
         dstt.gc(store)

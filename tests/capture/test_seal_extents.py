@@ -22,8 +22,8 @@ import torch
 
 import dstt
 from dstt.capture import ring as R
+from dstt.capture.hostpool import HostPool
 from dstt.capture.stager import group_tasks
-from dstt.capture.staging import HostPool
 from dstt.store.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,18 +188,16 @@ def test_the_capture_helper_path_seals_groups_without_per_task_views(tmp_path: P
     seen: list[tuple[int, int]] = []
     expect = {}
     with dstt.Capture(tmp_path / "run", helper=True) as cap:
-        seal = cap._seal
-        assert cap._ring is not None
-        ring_dir = cap._ring.dir
+        assert cap.parts.ring is not None
+        ring_dir = cap.parts.ring.dir
 
         def spy(job):
             seen.append((len(job.groups), len(job.views)))
-            seal(job)
             record = R.read_record(R.read_bounded(ring_dir / f"seal-{job.plan.step:020d}.json"))
             # no CRC pass on the trainer: its blocks are held until the seal is gone
             assert all(crc is None for _, crc, _ in record["tasks"]["extents"])
 
-        cap._seal = spy  # type: ignore[method-assign]
+        cap.after_seal = spy
         for step in range(6):
             model(torch.randn(4, 16)).square().mean().backward()
             opt.step()
@@ -235,9 +233,9 @@ try:
     cap.wait()
 except dstt.CaptureError:
     pass  # (the helper failed it: sealed all the same)
-assert cap._last.sealed and cap.pool.in_use == 0  # settled: its blocks may be reused from now on
-os.kill(cap._helper.pid, signal.SIGKILL)  # the whole job dies: step 1 stays sealed in the ring
-while pid_alive(cap._helper.pid):
+assert cap.parts.last_job.sealed and cap.pool.in_use == 0  # settled: its blocks may be reused from now on
+os.kill(cap.parts.helper.pid, signal.SIGKILL)  # the whole job dies: step 1 stays sealed in the ring
+while pid_alive(cap.parts.helper.pid):
     time.sleep(0.01)
 torch.save({k: v.clone() for k, v in model.state_dict().items()}, sys.argv[2])
 os.kill(os.getpid(), signal.SIGKILL)
@@ -384,8 +382,8 @@ def test_a_step_the_helper_failed_is_resealed_with_crcs_before_its_blocks_go_bac
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     cap = dstt.Capture(tmp_path / "run", helper=True)
     try:
-        assert cap._ring is not None
-        seals = cap._ring.dir
+        assert cap.parts.ring is not None
+        seals = cap.parts.ring.dir
         state = {f"t{i}": torch.full((8,), float(i)) for i in range(6)}
         outcomes = {}
         import dstt.capture.crashsafe as crashsafe
@@ -402,7 +400,7 @@ def test_a_step_the_helper_failed_is_resealed_with_crcs_before_its_blocks_go_bac
             if "seal" in breaks:
                 monkeypatch.setattr(crashsafe, "seal_record", no_crc_seal)
             if "unseal" in breaks:
-                monkeypatch.setattr(cap._ring, "unseal", refused)
+                monkeypatch.setattr(cap.parts.ring, "unseal", refused)
             cap.snapshot(step, extra=state, rng=False)
             with pytest.raises(dstt.CaptureError, match=rf"step {step} .*No space left"):
                 cap.wait()
@@ -412,7 +410,7 @@ def test_a_step_the_helper_failed_is_resealed_with_crcs_before_its_blocks_go_bac
             outcomes[step] = (record is not None and all(isinstance(c, int) for _, c, _ in
                                                          record["tasks"]["extents"]), cap.pool.in_use)
             monkeypatch.setattr(crashsafe, "seal_record", R.seal_record)
-            monkeypatch.setattr(cap._ring, "unseal", type(cap._ring).unseal.__get__(cap._ring))
+            monkeypatch.setattr(cap.parts.ring, "unseal", type(cap.parts.ring).unseal.__get__(cap.parts.ring))
         assert outcomes[0] == (True, 0)  # rewritten with CRCs, then freed
         assert outcomes[1][1] == 0 and not (seals / f"seal-{1:020d}.json").exists()  # removed, then freed
         assert outcomes[2][1] > 0  # neither: its blocks stay reserved

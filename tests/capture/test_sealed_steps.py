@@ -114,9 +114,9 @@ def test_a_helper_killed_under_a_live_trainer_loses_no_sealed_step(tmp_path: Pat
             for step in range(40):
                 if step == 4:
                     cap.wait()
-                    assert cap._helper is not None
-                    os.kill(cap._helper.pid, signal.SIGKILL)
-                    cap._helper.proc.wait(30)
+                    assert cap.parts.helper is not None
+                    os.kill(cap.parts.helper.pid, signal.SIGKILL)
+                    cap.parts.helper.proc.wait(30)
                 try:
                     cap.snapshot(step, extra=state(step), rng=False)
                     cap.wait_staged()
@@ -158,8 +158,8 @@ def test_eio_on_a_ring_operation_loses_no_step_and_stores_none_wrong(tmp_path: P
     store = tmp_path / "run"
     faults = Faults(ops)
     cap = dstt.Capture(store, **capture_kwargs(mode))
-    assert cap._ring is not None
-    cap._ring.before_op = faults
+    assert cap.parts.ring is not None
+    cap.parts.ring.before_op = faults
     errors: list[str] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the fallbacks warn; what they say is tested below)
@@ -193,9 +193,9 @@ def test_a_seal_neither_removed_nor_rewritten_keeps_its_bytes(tmp_path: Path) ->
     store = tmp_path / "run"
     faults = Faults({"unseal", "reseal"})
     cap = dstt.Capture(store, helper=False)
-    assert cap._ring is not None
-    cap._ring.before_op = faults
-    ring_dir = cap._ring.dir
+    assert cap.parts.ring is not None
+    cap.parts.ring.before_op = faults
+    ring_dir = cap.parts.ring.dir
     try:
         for step in range(3):
             cap.snapshot(step, extra=state(step), rng=False)
@@ -231,7 +231,7 @@ def test_a_seal_that_cannot_be_written_names_its_cause_and_loses_no_step(
     host_buffer_bytes."""
     store = tmp_path / "run"
     cap = dstt.Capture(store, helper=True)
-    assert cap._ring is not None
+    assert cap.parts.ring is not None
     errors: list[str] = []
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, "dstt"):
         warnings.simplefilter("always")
@@ -240,10 +240,10 @@ def test_a_seal_that_cannot_be_written_names_its_cause_and_loses_no_step(
                 if step == 3:
                     cap.wait()
                     if cause == "ENOENT":  # something cleaned /dev/shm under the trainer
-                        shutil.rmtree(cap._ring.dir)
+                        shutil.rmtree(cap.parts.ring.dir)
                     else:
-                        cap._ring.before_op = Faults({"seal"}, errno.ENOSPC)
-                        cap._ring.before_op.on = True  # type: ignore[attr-defined]
+                        cap.parts.ring.before_op = Faults({"seal"}, errno.ENOSPC)
+                        cap.parts.ring.before_op.on = True  # type: ignore[attr-defined]
                 try:
                     cap.snapshot(step, extra=state(step), rng=False)
                 except CaptureError as e:
@@ -273,8 +273,8 @@ def test_the_pool_file_is_backed_when_it_is_made(tmp_path: Path) -> None:
     with dstt.Capture(tmp_path / "run", helper=False) as cap:
         cap.snapshot(0, extra=state(0), rng=False)
         cap.wait()
-        assert cap._ring is not None and cap.pool is not None
-        st = os.stat(cap._ring.dir / cap._ring.pool_name)
+        assert cap.parts.ring is not None and cap.pool is not None
+        st = os.stat(cap.parts.ring.dir / cap.parts.ring.pool_name)
         assert st.st_size >= cap.pool.capacity
         assert st.st_blocks * 512 >= st.st_size, (st.st_blocks * 512, st.st_size)
 
@@ -285,17 +285,17 @@ def test_no_room_for_the_pool_falls_back_to_process_memory(tmp_path: Path, mode:
     process memory, with a warning that says why; nothing fails."""
     store = tmp_path / "run"
     cap = dstt.Capture(store, **capture_kwargs(mode))
-    assert cap._ring is not None
+    assert cap.parts.ring is not None
     faults = Faults({"pool"}, errno.ENOSPC)
     faults.on = True
-    cap._ring.before_op = faults
+    cap.parts.ring.before_op = faults
     with pytest.warns(RuntimeWarning, match="No space left on device"):
         try:
             for step in range(6):
                 cap.snapshot(step, extra=state(step), rng=False)
         finally:
             cap.close()
-    assert not cap._pool_in_ring
+    assert not cap.parts.pool_in_ring
     assert assert_exact(store) == list(range(6))
 
 
@@ -520,7 +520,7 @@ def test_pinned_blocks_are_never_handed_out_and_do_not_stall_the_ring() -> None:
     waited forever)."""
     import random
 
-    from dstt.capture.staging import HostPool
+    from dstt.capture.hostpool import HostPool
 
     rng = random.Random(5)
     pool = HostPool(1 << 16)

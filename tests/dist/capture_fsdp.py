@@ -99,7 +99,7 @@ def run_mode(out: Path, mode: str) -> None:
         os.environ["DSTT_PACK_CHUNK_BYTES"] = "0"  # chunks this small would be packed: never delta coded
     cap = dstt.Capture(store, max_chunk_bytes=64, compression="delta" if mode == "delta" else "none")
     # A store given by path: a capture helper per rank (ranks.py); a Backend object (mode fail): none.
-    (out / f"helper{rank}.txt").write_text(str(cap._helper is not None))
+    (out / f"helper{rank}.txt").write_text(str(cap.parts.helper is not None))
     errors: list[str] = []
     try:
         cap.snapshot(0, model=model, optimizer=opt, extra=extra)
@@ -126,7 +126,7 @@ def run_mode(out: Path, mode: str) -> None:
     # close() lets go of dstt's gloo groups even though the Capture object may
     # live on (a cycle, a traceback): freed at interpreter exit, a group can
     # abort the process ("terminate called without an active exception").
-    assert cap._plan_coord.group is None and cap._commit_coord.group is None
+    assert all(c.group is None for c in cap.parts.coordinators)
     if errors:
         (out / f"error{rank}.txt").write_text("\n".join(errors))
     if rank == 0 and mode in ("ok", "delta"):

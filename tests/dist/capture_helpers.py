@@ -45,8 +45,8 @@ def main(out: Path, mode: str) -> None:
     torch.manual_seed(100 + rank)
     extra = {"shared": torch.arange(12.0).reshape(3, 4)}
     cap = dstt.Capture(out / "run", max_chunk_bytes=256)
-    assert cap._helper is not None, "no capture helper on this rank"
-    (out / f"helper{rank}.pid").write_text(str(cap._helper.pid))
+    assert cap.parts.helper is not None, "no capture helper on this rank"
+    (out / f"helper{rank}.pid").write_text(str(cap.parts.helper.pid))
     (out / f"trainer{rank}.pid").write_text(str(os.getpid()))
     expected: dict[int, Any] = {}
     if mode == "resume":
@@ -66,8 +66,8 @@ def main(out: Path, mode: str) -> None:
 
                 faults.arm(Path(os.environ["DSTT_TEST_FAULTS"]), "index-put", 0, "helper")
             if mode == "killall":
-                os.kill(cap._helper.pid, signal.SIGKILL)
-                while pid_alive(cap._helper.pid):
+                os.kill(cap.parts.helper.pid, signal.SIGKILL)
+                while pid_alive(cap.parts.helper.pid):
                     time.sleep(0.01)
         try:
             cap.snapshot(step, model=model, optimizer=opt, extra=extra)
@@ -81,7 +81,7 @@ def main(out: Path, mode: str) -> None:
         except CaptureError:
             if mode != "killall":
                 raise
-        assert cap._last is not None and cap._last.submitted.is_set() and cap._last.sealed
+        assert cap.parts.last_job is not None and cap.parts.last_job.submitted.is_set() and cap.parts.last_job.sealed
         dist.barrier()
         if rank == 0:
             torch.save(expected, out / "expected.pt")

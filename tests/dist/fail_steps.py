@@ -140,9 +140,9 @@ def run_mode(out: Path, where: Path, mode: str) -> None:
     model, _ = build()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     cap = dstt.Capture(where / "run", max_chunk_bytes=64, helper=helper)
-    assert (cap._helper is not None) == helper, (mode, cap._helper)
-    if cap._helper is not None:
-        (where / f"helper{rank}.pid").write_text(str(cap._helper.pid))
+    assert (cap.parts.helper is not None) == helper, (mode, cap.parts.helper)
+    if cap.parts.helper is not None:
+        (where / f"helper{rank}.pid").write_text(str(cap.parts.helper.pid))
     expected: dict[int, Any] = {}
     result: dict[str, Any] = {"step2": None, "step3": None, "close": None}
     for k in (0, 1):

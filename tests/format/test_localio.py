@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dstt.capture.staging import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
+from dstt.capture.hostpool import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
 from dstt.errors import CaptureError
 from dstt.format.localio import DIRECT_ALIGN, DIRECT_MIN_BYTES, DirectState, address, direct_prefix, write_file
 

@@ -85,8 +85,8 @@ def main() -> None:
         kw = {"memory_steps": spec.get("k", 3), "persist": "newest"}
     cap = dstt.Capture(store, **kw)
     faults = Faults(set(spec.get("faults", [])))
-    if cap._ring is not None:
-        cap._ring.before_op = faults
+    if cap.parts.ring is not None:
+        cap.parts.ring.before_op = faults
     if spec.get("slow_writer_s"):
         inner, pause = cap.writer.flush_chunks, float(spec["slow_writer_s"])
 
@@ -100,8 +100,8 @@ def main() -> None:
         faults.on = step >= spec.get("faults_from", 0)
         if step == spec.get("kill_helper_at"):
             cap.wait()
-            os.kill(cap._helper.pid, signal.SIGKILL)  # type: ignore[union-attr]
-            cap._helper.proc.wait(30)  # type: ignore[union-attr]
+            os.kill(cap.parts.helper.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            cap.parts.helper.proc.wait(30)  # type: ignore[union-attr]
         if step == spec.get("fill_at"):
             fill(root)
         if step == spec.get("unfill_at"):
@@ -114,7 +114,7 @@ def main() -> None:
                 failed.add(report(e, step))
         if step in failed:
             continue
-        ring = cap._ring
+        ring = cap.parts.ring
         sealed = ring is not None and os.path.exists(ring.dir / f"seal-{step:020d}.json")
         print("sealed" if sealed or committed(store, step) else "unsealed", step, flush=True)
         if step == spec.get("kill_at"):

@@ -2,7 +2,7 @@
 each with its own index and commit marker, none acknowledged before it is
 durable -- in the Writer (format/groupcommit.py) and through the capture
 helper, whose trainer hands steps over without waiting for the previous
-answer (capture/committing.py)."""
+answer (capture/committers.py)."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def test_capture_helper_pipelines_and_groups_steps_bit_exact(tmp_path: Path,
     monkeypatch.setattr(HelperHandle, "receive", receive)
     path = tmp_path / "run"
     with dstt.Capture(path) as cap:
-        assert cap._helper is not None
+        assert cap.parts.helper is not None
         for step in range(40):
             cap.snapshot(step, extra=state(step), rng=False)
         cap.wait()
@@ -206,7 +206,7 @@ WORKER = textwrap.dedent("""
     store, acked = sys.argv[1], sys.argv[2]
     cap = dstt.Capture(store)
     with open(acked + ".helper", "w") as f:
-        f.write(str(cap._helper.pid))
+        f.write(str(cap.parts.helper.pid))
     start = 0 if cap.writer.last_step is None else cap.writer.last_step + 1
     with open(acked, "a") as out:
         for step in range(start, start + 10000):

@@ -161,7 +161,7 @@ TRAINER = textwrap.dedent("""
             t.fill_(step * 100 + i)
         cap.snapshot(step, extra=state, rng=False)
         cap.wait_staged()
-    print(cap._helper.pid if cap._helper is not None else 0, flush=True)
+    print(cap.parts.helper.pid if cap.parts.helper is not None else 0, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
@@ -198,9 +198,9 @@ def test_a_pool_registered_in_pieces_copies_bit_exact(tmp_path: Path, monkeypatc
     """The /dev/shm pool is page-locked piece by piece (so the trainer's CUDA
     calls never wait behind one long cudaHostRegister); blocks that straddle
     two pieces are copied bit-exact, before and after registration ends."""
-    from dstt.capture import staging
+    from dstt.capture import hostpool
 
-    monkeypatch.setattr(staging, "REGISTER_PIECE_BYTES", 1 << 20)
+    monkeypatch.setattr(hostpool, "REGISTER_PIECE_BYTES", 1 << 20)
     g = torch.Generator(device="cuda").manual_seed(1)
     state = {f"w{i}": torch.randn(70_001 + i, device="cuda", generator=g) for i in range(12)}  # ~280 KB, odd sizes
     refs = {}

@@ -306,7 +306,7 @@ def test_lazy_split_follows_the_optimizer_and_stays_bit_exact(tmp_path: Path) ->
             opt.step()
             cap.snapshot(step, model=model, optimizer=opt, rng=False)
             expected[step] = {k: _bits(v) for k, v in model.state_dict().items()}
-            lazy = set(cap._split[3].names)
+            lazy = set(cap.parts.lazy_split.names)
             assert ("model/1.weight" in lazy) == (step >= 3), step
         cap.wait()
     run = dstt.open(path)

@@ -1,4 +1,4 @@
-"""The flight recorder (issue 14): every captured step kept in host memory,
+"""The memory tier of the flight recorder (issue 14): every captured step kept in host memory,
 persisted at the pace the disk allows, the ring dumped on incidents.
 
 With ``Capture(memory_steps=K)`` the staging pool becomes a :class:`SlotPool`
@@ -12,14 +12,14 @@ policy decides which steps the writer stores:
   a step passed over stays in memory only until it is evicted;
 * ``N``: every N-th captured step (waiting for those, like "all").
 
-An incident (:meth:`FlightRecorder.incident`, a non-finite value seen by the
+An incident (:meth:`MemoryTier.incident`, a non-finite value seen by the
 watcher thread, a rewind) stores every step still in the ring -- older ones
 after newer ones: the writer *backfills* them (``Writer.relink``) -- and
 records the incident in the store (``dstt.format.incidents``).
 
 Invariants (all state under ``Capture._cond``):
 
-* a slot is reused only once no one holds its step: ``job.refs`` counts the
+* a slot is reused only once no one holds its step: ``job.tier.refs`` counts the
   ring, a decided-but-unwritten persist, the watcher, a successor being
   written (which reads it for the update statistics) and a rewind;
 * the committer thread is the only one that writes: one step at a time,
@@ -36,31 +36,37 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import threading
 import warnings
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt.capture.hostpool import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool, SlotPool
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import seal_record
-from dstt.capture.staging import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool
+from dstt.capture.watcher import NanWatch
 from dstt.errors import CaptureError, MemoryTierWarning
 from dstt.format.layout import step_ranges
 from dstt.store.plan import ChunkTask, StepPlan
-from dstt.store.writer import ChunkResult, Writer, batches
+from dstt.store.writer import Writer, batches
+
+if TYPE_CHECKING:
+    from dstt.format.commit import ChunkResult
+
+#: The facade (dstt.capture.engine.Capture), typed loosely: engine imports this module.
+Capture = Any
 
 log = logging.getLogger("dstt.capture")
 
 #: Slots beyond K: the step being staged, one being written after it left the
 #: ring, the step before that one (read for the update statistics), and the
 #: one the NaN/Inf watcher is checking (with the K checked steps before it
-#: kept: FlightRecorder._tier_evict; a watcher further behind makes the
+#: kept: MemoryTier.evict; a watcher further behind makes the
 #: trainer wait for a slot, or check steps itself: _tier_pool).
 EXTRA_SLOTS = 4
 #: How often a trainer waiting for a slot looks for a staged step the
-#: watcher has not checked yet (FlightRecorder._tier_pool).
+#: watcher has not checked yet (MemoryTier.place).
 WATCH_POLL_S = 0.02
 
 
@@ -90,110 +96,32 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-class SlotPool:
-    """``nslots`` slots of ``slot_bytes`` in one host buffer, handed out whole
-    and returned in any order (a ring allocator would wait for the oldest
-    step, and the oldest may be the one being written).
-
-    >>> master = HostPool(4 * 8192)
-    >>> pool = SlotPool(master, 8192)
-    >>> a = pool.acquire(); b = pool.acquire()
-    >>> pool.free_slots, a.capacity
-    (2, 8192)
-    >>> pool.release(a); pool.free_slots
-    3
-    """
-
-    def __init__(self, master: HostPool, slot_bytes: int) -> None:
-        if slot_bytes % PAGE or slot_bytes <= 0:
-            raise CaptureError(f"slot size {slot_bytes} is not a positive multiple of {PAGE}")
-        self.master = master
-        self.slot_bytes = slot_bytes
-        self.nslots = master.capacity // slot_bytes
-        self._free = list(range(self.nslots))[::-1]
-        self._cond = threading.Condition()
-        self._extra: dict[int, torch.Tensor] = {}  # slots in process memory replacing retired ones (retire)
-
-    @property
-    def free_slots(self) -> int:
-        with self._cond:
-            return len(self._free)
-
-    def acquire(self, timeout: float | None = None) -> HostPool | None:
-        """A free slot (a HostPool over it), waiting while none is free (at
-        most ``timeout`` s: then None)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: bool(self._free), timeout):
-                return None
-            i = self._free.pop()
-            extra = self._extra.get(i)
-        buf = self.master.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes] if extra is None else extra
-        slot = HostPool(self.slot_bytes, buffer=buf)
-        slot.pinned = self.master.pinned and extra is None
-        slot.slot_index = i  # type: ignore[attr-defined]
-        slot.ring_name = self.master.ring_name if extra is None else None  # (a step in it can be sealed)
-        return slot
-
-    def retire(self, slot: HostPool) -> None:
-        """``slot`` is never handed out again: a seal that could be neither
-        removed nor rewritten describes its bytes (capture/keeper.py). A
-        slot in process memory takes its place, so the tier keeps its size
-        (the keeper stops sealing at the first such seal: this happens at
-        most once per slot sealed then)."""
-        raw = torch.empty(self.slot_bytes + PAGE, dtype=torch.uint8)
-        skip = -raw.data_ptr() % PAGE
-        with self._cond:
-            i = self.nslots + len(self._extra)
-            while i in self._extra:
-                i += 1
-            self._extra[i] = raw[skip:skip + self.slot_bytes]
-            self._free.append(i)
-            self._cond.notify_all()
-
-    def release(self, slot: HostPool) -> None:
-        with self._cond:
-            self._free.append(slot.slot_index)  # type: ignore[attr-defined]
-            self._cond.notify_all()
-
-    def wait_free(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for a free slot; whether one is."""
-        with self._cond:
-            return self._cond.wait_for(lambda: bool(self._free), timeout)
-
-    def wait_all_free(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: len(self._free) == self.nslots, timeout)
-
-
 def _took(slot: HostPool | None, into: list[HostPool]) -> bool:
     if slot is not None:
         into.append(slot)
     return slot is not None
 
 
-class FlightRecorder:
-    """The memory tier's methods of :class:`~dstt.capture.engine.Capture`
-    (a mixin: the state lives on the Capture, under its ``_cond``)."""
+class MemoryTier:
+    """The memory tier of a :class:`~dstt.capture.engine.Capture` with
+    ``memory_steps`` (owned by its TierCommitter, committers.py): the slots,
+    the ring of the last K staged steps, the persist decisions, the commit
+    loop; and, with ``watch_nonfinite``, the NaN/Inf watcher
+    (watcher.NanWatch). Its state is under the ledger's lock.
 
-    config: Any
-    writer: Writer
-    _cond: threading.Condition
-    _ring: Any
-    _flush: Any
-    _pending: int
-    _queued_steps: set[int]
+    ``cap`` is the facade: its ``config`` and ``writer`` change with a
+    rewind; its ring, keeper and pool are the crash-safe part's."""
 
-    # ------------------------------------------------------------ set-up
-
-    def _tier_init(self) -> None:
-        cfg = self.config
-        self._tier = cfg.memory_steps is not None
+    def __init__(self, cap: Capture) -> None:
+        self.cap = cap
+        self.ledger = cap.ledger
+        cfg = cap.config
         self._policy = cfg.persist_policy
         self._slots: SlotPool | None = None
         self._held: deque[Job] = deque()  # the ring: the last K staged steps, oldest first
         # Steps that left the ring and are kept for the NaN/Inf watcher: not
         # checked yet, or among the K checked before the oldest unchecked one
-        # (_tier_evict); each keeps the ring's ref. Older than the ring, oldest first.
+        # (evict); each keeps the ring's ref. Older than the ring, oldest first.
         self._watch_tail: deque[Job] = deque()
         self._candidate: Job | None = None  # persist="newest": the newest staged, undecided step
         self._decided: deque[Job] = deque()  # to be stored, in step order
@@ -205,78 +133,61 @@ class FlightRecorder:
         self._latest_step: int | None = None  # the latest captured (queued) step
         self._stopping = False
         self._retired: list[Writer] = []  # writers of branches left by a rewind, closed once drained
-        self._watch_q: deque[Job] = deque()  # staged steps the watcher has not checked yet, oldest first
-        self._nonfinite_seen = False
-        self._watcher: threading.Thread | None = None
+        self.watch = NanWatch(self) if cfg.watch_nonfinite else None  # the NaN/Inf watcher
         self._ring_writer: Writer | None = None  # the writer whose branch the /dev/shm ring is of
-        if self._tier and cfg.host_buffer_bytes is not None:
-            avail = available_memory_bytes()
-            if avail is not None and cfg.host_buffer_bytes > avail:
-                raise CaptureError(
-                    f"memory_steps={cfg.memory_steps}: host_buffer_bytes={cfg.host_buffer_bytes} is more than "
-                    f"the {avail} bytes of memory available; lower memory_steps or host_buffer_bytes")
 
     @property
     def memory_bytes(self) -> int | None:
-        """Host memory the memory tier holds: (memory_steps + 4) step slots,
-        sized at the first snapshot (None before it, and without
-        ``memory_steps``). With ``host_buffer_bytes`` it never exceeds that.
-
-        >>> import tempfile, torch, dstt
-        >>> with dstt.Capture(tempfile.mkdtemp() + "/r", memory_steps=2) as cap:
-        ...     _ = cap.snapshot(0, model=torch.nn.Linear(4, 4))
-        ...     cap.memory_bytes == 6 * cap._slots.slot_bytes
-        True
-        """
+        """Host memory the slots hold (None before the first snapshot sized them)."""
         slots = self._slots
         return None if slots is None else slots.nslots * slots.slot_bytes
 
-    def _tier_start(self) -> None:
+    def start(self) -> None:
         """Start the watcher thread (after everything else is set up)."""
-        self._ring_writer = self.writer
-        if self._tier and self.config.watch_nonfinite:
-            self._watcher = threading.Thread(target=self._watch_loop, name="dstt-watch", daemon=True)
-            self._watcher.start()
+        self._ring_writer = self.cap.writer
+        if self.watch is not None:
+            self.watch.start()
 
-    def _tier_stop(self) -> None:
+    def stop(self) -> None:
         """Stop the committer and watcher (everything stored), free the ring."""
-        with self._cond:
+        with self.ledger.cond:
             self._stopping = True
-            self._cond.notify_all()
-        self._await_thread(self._watcher, "the NaN/Inf watcher to stop")  # type: ignore[attr-defined]
+            self.ledger.cond.notify_all()
+        self.ledger.wait_thread(None if self.watch is None else self.watch.thread, "the NaN/Inf watcher to stop")
         freed: list[Job] = []
-        with self._cond:
+        with self.ledger.cond:
             for ring in (self._watch_tail, self._held):
                 while ring:
-                    self._unref(ring.popleft(), freed)
-        self._release(freed)
+                    self.unref(ring.popleft(), freed)
+        self.release(freed)
 
-    def _tier_close_last(self) -> None:
+    def close_last(self) -> None:
         """close(): every step is checked for NaN/Inf (here, not waiting for
         the watcher: an incident may still store the ring), and the last
         captured step is stored whatever the policy."""
-        with self._cond:
-            self._await_cond(lambda: not self._unstaged, "the queued steps to be staged")  # type: ignore[attr-defined]
-        self._watch_all()  # type: ignore[attr-defined]
-        with self._cond:
+        with self.ledger.cond:
+            self.ledger.wait_cond(lambda: not self._unstaged, "the queued steps to be staged")
+        self.check_all()
+        with self.ledger.cond:
             job = self._latest_job
-            if job is not None and job.decision == "memory" and job.slot is not None:
-                self._force(job)
-                self._cond.notify_all()
+            if job is not None and job.tier.decision == "memory" and job.tier.slot is not None:
+                self.force(job)
+                self.ledger.cond.notify_all()
 
-    def _tier_pool(self, plan: StepPlan, job: Job) -> None:
+    def place(self, plan: StepPlan, job: Job) -> None:
         """Give ``job`` a slot (waiting for one: backpressure), making or
         growing the slot pool first where the step does not fit."""
         need = slot_bytes_for(plan)
         pool = self._slots
         if pool is None or need > pool.slot_bytes:
             if pool is not None:
-                self._watch_all()  # type: ignore[attr-defined]
-                self._tier_drop_ring("the captured state grew")
-                self._watch_all()  # type: ignore[attr-defined]  # (steps staged while it drained)
-                self._await(pool.wait_all_free, "every memory-tier slot to be freed")  # type: ignore[attr-defined]
+                self.check_all()
+                self._drop_ring("the captured state grew")
+                self.check_all()  # (steps staged while it drained)
+                self.ledger.wait(pool.wait_all_free, "every memory-tier slot to be freed")
             self._slots = self._make_slots(need, pin=any(t.source.is_cuda for t in plan.tasks))
         slots = self._slots
+        assert slots is not None
         got: list[HostPool] = []
 
         def slot_free(t: float) -> bool:
@@ -287,18 +198,23 @@ class FlightRecorder:
             # meanwhile is seen within WATCH_POLL_S.
             if _took(slots.acquire(0), got):
                 return True
-            if self._watch_next():  # type: ignore[attr-defined]
-                self._bump()  # type: ignore[attr-defined]  # (progress: checked a step; look again)
+            if self.watch is not None and self.watch.next():
+                self.ledger.bump()  # (progress: checked a step; look again)
                 return False
             return _took(slots.acquire(min(t, WATCH_POLL_S)), got)
 
-        self._await(slot_free, f"a free memory-tier slot for step {plan.step} (the writer frees them)")  # type: ignore[attr-defined]
-        job.slot = got[0]
-        job.pool = job.slot
+        self.ledger.wait(slot_free, f"a free memory-tier slot for step {plan.step} (the writer frees them)")
+        job.tier.slot = got[0]
+        job.pool = job.tier.slot
         job.hold = True
 
+    def check_all(self) -> None:
+        """Check every staged step not checked yet for NaN/Inf, on this thread (without a watcher: none)."""
+        if self.watch is not None:
+            self.watch.check_all()
+
     def _make_slots(self, need: int, pin: bool) -> SlotPool:
-        cfg = self.config
+        cfg = self.cap.config
         slot = _round(int(need * 1.25), PAGE) if self._slots is not None else need  # room to grow a little
         nslots = cfg.memory_steps + EXTRA_SLOTS
         total = slot * nslots
@@ -312,184 +228,219 @@ class FlightRecorder:
             raise CaptureError(
                 f"memory_steps={cfg.memory_steps} needs {nslots} slots x {slot} bytes = {total} bytes of host "
                 f"memory for this state; {avail} bytes are available: lower memory_steps")
-        master = self._new_pool(total, pin)  # type: ignore[attr-defined]
+        master = self.cap._new_pool(total, pin)
         log.info("dstt: memory tier of %d steps: %d slots x %d bytes = %.1f MB (%s)", cfg.memory_steps, nslots,
-                 slot, total / 1e6, "/dev/shm ring" if self._pool_in_ring else "process memory")  # type: ignore[attr-defined]
-        self.pool = master  # type: ignore[assignment]
+                 slot, total / 1e6, "/dev/shm ring" if self.cap._pool_in_ring else "process memory")
+        self.cap.pool = master
         return SlotPool(master, slot)
 
     # ------------------------------------------------------------ trainer side
 
-    def _tier_enqueue(self, job: Job, lazy: bool) -> None:
+    def enqueue(self, job: Job, lazy: bool) -> None:
         """Queue a planned, eagerly staged job (trainer thread)."""
-        with self._cond:
-            self._pending += 1
-            self._queued_steps.add(job.plan.step)
+        with self.ledger.cond:
+            self.ledger.pending += 1
+            self.ledger.queued_steps.add(job.plan.step)
             self._captured += 1
             self._latest_step = job.plan.step
             policy = self._policy
             if policy == "all" or (isinstance(policy, int) and (self._captured - 1) % policy == 0):
-                job.decision = "persist"
-                job.refs += 1  # the persist's
+                job.tier.decision = "persist"
+                job.tier.refs += 1  # the persist's
             if lazy:
                 self._unstaged.append(job)
         if lazy:
-            self._queue_lazy(job)  # type: ignore[attr-defined]
+            self.cap._queue_lazy(job)
         else:
             job.finish_staging()
-            self._tier_staged(job)
+            self.staged(job)
 
-    def _tier_staged(self, job: Job) -> None:
+    def staged(self, job: Job) -> None:
         """Every copy of ``job`` landed (stager or trainer thread): into the
         ring, evicting the oldest; decide what "newest" passes over."""
         failed = job.error is not None
         # Sealed only in the ring of its own branch: a ring is recovered onto
         # the branch it was made for (after a rewind, the new branch's steps
         # are not sealed in the old branch's ring).
-        if not failed and self._ring is not None and self._pool_in_ring and job.writer is self._ring_writer:  # type: ignore[attr-defined]
-            self._tier_seal(job)
+        if not failed and self.cap._ring is not None and self.cap._pool_in_ring and job.writer is self._ring_writer:
+            self._seal(job)
         freed: list[Job] = []
-        with self._cond:
+        with self.ledger.cond:
             if job in self._unstaged:
                 self._unstaged.remove(job)
             if failed:
-                self._tier_fail(job, freed)
+                self._fail_step(job, freed)
             else:
-                job.tier_staged = True
-                job.refs += 1  # the ring's
+                job.tier.staged = True
+                job.tier.refs += 1  # the ring's
                 prev = self._held[-1] if self._held else None
-                if prev is not None and prev.writer is job.writer and prev.refs > 0:
-                    job.prev_job = prev
-                    prev.refs += 1  # read by job's flush for the update statistics
+                if prev is not None and prev.writer is job.writer and prev.tier.refs > 0:
+                    job.tier.prev_job = prev
+                    prev.tier.refs += 1  # read by job's flush for the update statistics
                 self._held.append(job)
-                if self._watcher is not None:  # checked in step order, never skipped
-                    job.refs += 1
-                    self._watch_q.append(job)
-                self._tier_evict(freed)
+                if self.watch is not None:  # checked in step order, never skipped
+                    job.tier.refs += 1
+                    self.watch.queue.append(job)
+                self.evict(freed)
                 self._latest_job = job
-                if job.forced and job.decision != "persist":
-                    self._force(job)
-                elif job.decision == "persist":
+                if job.tier.forced and job.tier.decision != "persist":
+                    self.force(job)
+                elif job.tier.decision == "persist":
                     self._decided.append(job)
                 elif self._policy == "newest":
                     if self._candidate is not None:
                         self._pass_over(self._candidate, freed)
                     self._candidate = job
-                    job.refs += 1  # the candidate's
+                    job.tier.refs += 1  # the candidate's
                 else:
                     self._pass_over(job, freed)
-            self._cond.notify_all()
-        self._release(freed)
+            self.ledger.cond.notify_all()
+        self.release(freed)
 
-    def _tier_seal(self, job: Job) -> None:
+    def _seal(self, job: Job) -> None:
         """Seal a staged step in the ring (a crash is an incident too). No CRC
         pass: a held step's slot is reused only once the keeper said so
-        (:meth:`_release`, capture/keeper.py) -- its seal removed, or
+        (:meth:`release`, capture/keeper.py) -- its seal removed, or
         rewritten with CRCs -- so a seal never describes other bytes."""
-        keeper = self._keeper  # type: ignore[attr-defined]
+        keeper = self.cap._keeper
         slots = self._slots
         try:
-            if slots is None or job.slot is None or job.slot.ring_name is None:
+            if slots is None or job.tier.slot is None or job.tier.slot.ring_name is None:
                 raise RuntimeError("its slot is in process memory, not in the /dev/shm ring")
-            keeper.seal(seal_record(job.plan, slots.master.ring_name, slots.master.buffer, job.views, crc=False))
+            name = slots.master.ring_name
+            # (sealed only with a ring, whose keeper exists; a slot's ring_name is its master's)
+            assert keeper is not None and name is not None
+            keeper.seal(seal_record(job.plan, name, slots.master.buffer, job.views, crc=False))
             job.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             job.seal_error = str(e)
-        self._note_sealing(job)  # type: ignore[attr-defined]
+        self.cap._note_sealing(job)
 
     # ------------------------------------------------------------ bookkeeping (under _cond)
 
-    def _tier_evict(self, freed: list[Job]) -> None:
+    def evict(self, freed: list[Job]) -> None:
         """Let the oldest steps leave the ring (the last K staged steps).
         With the NaN/Inf watcher they stay in memory, in ``_watch_tail``,
         until it has checked K steps after them: every step it has not
         checked is kept, and the K checked ones before the oldest of those,
         so a non-finite step's incident stores the K steps before it however
-        far behind the watcher is (Incidents._force_all)."""
-        held, tail, k = self._held, self._watch_tail, self.config.memory_steps
+        far behind the watcher is (Watcher._force_all)."""
+        held, tail, k = self._held, self._watch_tail, self.cap.config.memory_steps
         while len(held) > k:
             old = held.popleft()
-            if self._watcher is None:
-                self._unref(old, freed)
+            if self.watch is None:
+                self.unref(old, freed)
             else:
                 tail.append(old)
         if not tail:
             return
         checked = 0  # (checked in step order: the checked steps are the oldest ones)
         for job in (*tail, *held):
-            if not job.watched:
+            if not job.tier.watched:
                 break
             checked += 1
         while checked > k and tail:
-            self._unref(tail.popleft(), freed)
+            self.unref(tail.popleft(), freed)
             checked -= 1
+
+    def force_all(self, at: Job | None = None) -> list[int]:
+        """Force every step in the ring (the last K staged) -- with ``at``,
+        the watcher's non-finite step, the K before it and every later one,
+        from the steps kept for the watcher (:meth:`evict`) -- and every
+        queued one (under the ledger's lock); their numbers."""
+        kept = [*self._watch_tail, *self._held]  # (in step order)
+        i = next((n for n, job in enumerate(kept) if job is at), None)
+        ring = list(self._held) if i is None else kept[max(0, i - self.cap.config.memory_steps):]
+        steps = []
+        for job in [*ring, *self._unstaged]:
+            if job.writer is not self.cap.writer or job.tier.decision == "failed":
+                continue
+            if job.tier.staged:
+                self.force(job)
+            else:
+                job.tier.forced = True
+            steps.append(job.plan.step)
+        return sorted(set(steps))
+
+    def ring_job(self, step: int) -> Job | None:
+        """The staged job of ``step`` on the current branch still in the ring (under the ledger's lock)."""
+        for job in reversed(self._held):
+            if job.plan.step == step and job.writer is self.cap.writer and job.tier.slot is not None \
+                    and job.error is None and job.tier.decision != "failed":
+                return job
+        return None
+
+    def passed_over(self, writer: Writer) -> list[int]:
+        """Steps of ``writer``'s branch passed over, not yet recorded in a commit (under the ledger's lock)."""
+        return self._memory_only.get(id(writer), [])
 
     def _pass_over(self, job: Job, freed: list[Job]) -> None:
         """``job`` stays in memory only (unless an incident forces it later)."""
-        job.decision = "memory"
+        job.tier.decision = "memory"
         self._memory_only.setdefault(id(job.writer), []).append(job.plan.step)
-        self._pending -= 1
-        self._queued_steps.discard(job.plan.step)
+        self.ledger.pending -= 1
+        self.ledger.queued_steps.discard(job.plan.step)
         if self._candidate is job:
             self._candidate = None
-            self._unref(job, freed)
-        if job.prev_job is not None:
-            prev, job.prev_job = job.prev_job, None
-            self._unref(prev, freed)
-        job.done.set()
+            self.unref(job, freed)
+        if job.tier.prev_job is not None:
+            prev, job.tier.prev_job = job.tier.prev_job, None
+            self.unref(prev, freed)
+        job.tier.done.set()
 
-    def _force(self, job: Job) -> None:
+    def force(self, job: Job) -> None:
         """Store ``job`` after all (an incident); the caller holds _cond."""
-        job.forced = True
-        if job.decision in ("persist", "done", "failed") or job in self._forced or not job.tier_staged:
+        job.tier.forced = True
+        if job.tier.decision in ("persist", "done", "failed") or job in self._forced or not job.tier.staged:
             return  # stored, being stored, or failed: nothing to add
-        if job.prev_job is None:  # passed over, it let its predecessor go: take it again if still held
+        if job.tier.prev_job is None:  # passed over, it let its predecessor go: take it again if still held
             held = [*self._watch_tail, *self._held]
             i = held.index(job) if job in held else -1
-            if i > 0 and held[i - 1].writer is job.writer and held[i - 1].slot is not None:
-                job.prev_job = held[i - 1]
-                held[i - 1].refs += 1
+            if i > 0 and held[i - 1].writer is job.writer and held[i - 1].tier.slot is not None:
+                job.tier.prev_job = held[i - 1]
+                held[i - 1].tier.refs += 1
         if self._candidate is job:
             self._candidate = None  # its candidate ref becomes the persist's
         else:
-            job.refs += 1
-            if job.decision == "memory":
-                self._pending += 1
-                self._queued_steps.add(job.plan.step)
-                job.done.clear()
-        job.decision = "persist"
+            job.tier.refs += 1
+            if job.tier.decision == "memory":
+                self.ledger.pending += 1
+                self.ledger.queued_steps.add(job.plan.step)
+                job.tier.done.clear()
+        job.tier.decision = "persist"
         self._forced.append(job)
         self._forced.sort(key=lambda j: j.plan.step)
 
-    def _tier_fail(self, job: Job, freed: list[Job]) -> None:
+    def _fail_step(self, job: Job, freed: list[Job]) -> None:
         """A step whose staging failed: reported, its slot freed (it holds at
         most the persist's ref: it never entered the ring)."""
-        had_persist = job.decision == "persist"
-        job.decision = "failed"
+        had_persist = job.tier.decision == "persist"
+        job.tier.decision = "failed"
         if not job.reported:
             job.reported = True
-            self._fail(job.plan.step, job.error)  # type: ignore[attr-defined,arg-type]
-        self._pending -= 1
-        self._queued_steps.discard(job.plan.step)
+            assert job.error is not None  # (staged() calls it for a failed step only)
+            self.ledger.fail(job.plan.step, job.error)
+        self.ledger.pending -= 1
+        self.ledger.queued_steps.discard(job.plan.step)
         if had_persist:
-            job.refs -= 1
-        if job.refs <= 0 and job.slot is not None:
+            job.tier.refs -= 1
+        if job.tier.refs <= 0 and job.tier.slot is not None:
             freed.append(job)
-        job.done.set()
+        job.tier.done.set()
 
-    def _unref(self, job: Job, freed: list[Job]) -> None:
-        job.refs -= 1
-        if job.refs <= 0 and job.slot is not None:
+    def unref(self, job: Job, freed: list[Job]) -> None:
+        job.tier.refs -= 1
+        if job.tier.refs <= 0 and job.tier.slot is not None:
             freed.append(job)
 
-    def _release(self, freed: list[Job]) -> None:
+    def release(self, freed: list[Job]) -> None:
         """Return the slots of jobs no one holds (outside _cond)."""
         for job in freed:
-            slot, job.slot = job.slot, None
+            slot, job.tier.slot = job.tier.slot, None
             if slot is None:
                 continue
             slots = self._slots
-            keeper = self._keeper  # type: ignore[attr-defined]
+            keeper = self.cap._keeper
             if job.sealed and keeper is not None and slots is not None:
                 master = slots.master
                 checked = functools.partial(seal_record, job.plan, master.ring_name or "", master.buffer, job.views)
@@ -500,82 +451,82 @@ class FlightRecorder:
             job.views = []
             if slots is not None:
                 slots.release(slot)
-                self._bump()  # type: ignore[attr-defined]  # (a waiting snapshot() sees a slot come free)
+                self.ledger.bump()  # (a waiting snapshot() sees a slot come free)
 
-    def _tier_drop_ring(self, why: str) -> None:
+    def _drop_ring(self, why: str) -> None:
         """Drain what is to be stored, then forget the ring's memory-only steps."""
-        self._tier_wait()
+        self._wait_stored()
         freed: list[Job] = []
-        with self._cond:
-            dropped = [j.plan.step for j in (*self._watch_tail, *self._held) if j.decision == "memory"]
+        with self.ledger.cond:
+            dropped = [j.plan.step for j in (*self._watch_tail, *self._held) if j.tier.decision == "memory"]
             for ring in (self._watch_tail, self._held):
                 while ring:
-                    self._unref(ring.popleft(), freed)
-        self._release(freed)
+                    self.unref(ring.popleft(), freed)
+        self.release(freed)
         if dropped:
             warnings.warn(f"dstt: {why}: the memory tier's steps {dropped[0]}..{dropped[-1]} (memory only) are "
                           "dropped", MemoryTierWarning, stacklevel=4)
 
-    def _tier_wait(self) -> None:
-        with self._cond:
-            self._await_cond(lambda: self._pending == 0, "the steps to be stored")  # type: ignore[attr-defined]
+    def _wait_stored(self) -> None:
+        with self.ledger.cond:
+            self.ledger.wait_cond(lambda: self.ledger.pending == 0, "the steps to be stored")
 
     # ------------------------------------------------------------ the committer
 
-    def _tier_next(self) -> Job | None:
-        with self._cond:
+    def _next(self) -> Job | None:
+        with self.ledger.cond:
             while True:
                 if self._forced:
                     return self._forced.pop(0)
-                if self._decided and self._decided[0].tier_staged:
+                if self._decided and self._decided[0].tier.staged:
                     return self._decided.popleft()
                 if self._candidate is not None:
                     job, self._candidate = self._candidate, None
-                    job.decision = "persist"  # its candidate ref becomes the persist's
+                    job.tier.decision = "persist"  # its candidate ref becomes the persist's
                     return job
                 if self._stopping and not self._unstaged and not self._decided:
                     return None
                 self._close_retired_locked()
-                self._cond.wait()  # unbounded wait: the committer waiting for work; close() wakes it
+                self.ledger.cond.wait()  # unbounded wait: the committer waiting for work; close() wakes it
 
-    def _tier_loop(self) -> None:
-        self._lower_priority()  # type: ignore[attr-defined]
+    def run(self) -> None:
+        self.cap._lower_priority()
         while True:
-            job = self._tier_next()
+            job = self._next()
             if job is None:
                 self._close_retired_locked(final=True)
                 return
             freed: list[Job] = []
             try:
-                info = self._tier_persist(job)
-                with self._cond:
+                info = self._persist(job)
+                with self.ledger.cond:
                     job.info = info
-                    self._recent.append(info)  # type: ignore[attr-defined]
-                    self.n_committed += 1  # type: ignore[attr-defined]
-                    self.bytes_written += info.bytes_written  # type: ignore[attr-defined]
-                    if self.last_commit is None or info.step >= self.last_commit.step:  # type: ignore[attr-defined]
-                        self.last_commit = info  # type: ignore[attr-defined]
-                    job.decision = "done"
+                    self.ledger.recent.append(info)
+                    self.ledger.n_committed += 1
+                    self.ledger.bytes_written += info.bytes_written
+                    if self.ledger.last_commit is None or info.step >= self.ledger.last_commit.step:
+                        self.ledger.last_commit = info
+                    job.tier.decision = "done"
             except BaseException as e:
-                with self._cond:
-                    job.decision = "failed"
+                with self.ledger.cond:
+                    job.tier.decision = "failed"
                     reported, job.reported = job.reported, True
                 if not reported:
-                    self._fail(job.plan.step, e)  # type: ignore[attr-defined]
+                    self.ledger.fail(job.plan.step, e)
             finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._queued_steps.discard(job.plan.step)
-                    self._unref(job, freed)
-                    if job.prev_job is not None:
-                        prev, job.prev_job = job.prev_job, None
-                        self._unref(prev, freed)
-                    job.done.set()
-                    self._cond.notify_all()
-                self._release(freed)
-                self._bump()  # type: ignore[attr-defined]
+                with self.ledger.cond:
+                    self.ledger.pending -= 1
+                    self.ledger.queued_steps.discard(job.plan.step)
+                    self.unref(job, freed)
+                    if job.tier.prev_job is not None:
+                        prev, job.tier.prev_job = job.tier.prev_job, None
+                        self.unref(prev, freed)
+                    job.tier.done.set()
+                    self.ledger.cond.notify_all()
+                self.release(freed)
+                self.ledger.bump()
 
-    def _tier_persist(self, job: Job) -> Any:
+    def _persist(self, job: Job) -> Any:
         """Write and commit one staged step (committer thread)."""
         w: Writer = job.writer
         plan = job.plan
@@ -584,13 +535,13 @@ class FlightRecorder:
         w.relink(plan)  # a step passed over and stored after all (an incident)
         w.settle_before(plan)  # steps passed over before it: compared with what came before them
         prev: dict[tuple[str, int], torch.Tensor] = {}
-        if job.prev_job is not None:
-            prev = {(t.layout.array, t.index): v for t, v in job.prev_job.views}
+        if job.tier.prev_job is not None:
+            prev = {(t.layout.array, t.index): v for t, v in job.tier.prev_job.views}
         error: BaseException | None = None
         results: list[ChunkResult] = []
         try:
             w.ensure_arrays(plan)
-            futures = [self._flush.submit(self._flush_views, w, plan, batch, prev)
+            futures = [self.cap._flush.submit(self._flush_views, w, plan, batch, prev)
                        for batch in batches(job.views, lambda item: item[0].nbytes)]
             for f in futures:
                 try:
@@ -602,7 +553,7 @@ class FlightRecorder:
         except BaseException as e:
             error = error or e
         backfill = w.last_commit is not None and plan.step < w.last_commit[0]
-        with self._cond:
+        with self.ledger.cond:
             ranges = None if backfill else self._take_memory_only(w, plan.step)
         return w.commit(plan, results, error, memory_only=ranges)
 
@@ -627,7 +578,7 @@ class FlightRecorder:
         if not self._retired:
             return
         busy = {id(j.writer) for j in [*self._forced, *self._decided, *self._unstaged]
-                if j.decision not in ("done", "failed", "memory")}
+                if j.tier.decision not in ("done", "failed", "memory")}
         for w in list(self._retired):
             if final or id(w) not in busy:
                 self._retired.remove(w)
@@ -637,4 +588,4 @@ class FlightRecorder:
                     log.warning("dstt: closing the writer of branch %r: %s", w.branch.name, e)
 
 
-__all__ = ["FlightRecorder", "SlotPool"]
+__all__ = ["MemoryTier"]

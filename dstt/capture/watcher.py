@@ -1,8 +1,21 @@
-"""Incidents of the flight recorder (issue 14): ``Capture.incident`` from the
-trainer, and the watcher thread that raises one when a captured step holds
-NaN or Inf. An incident stores every step still in the memory tier
-(recorder.py forces them) and is recorded in the store
-(``dstt.format.incidents``). A mixin of :class:`~dstt.capture.engine.Capture`.
+"""The incident watcher of the flight recorder (issue 14): ``Capture.incident``
+from the trainer (:class:`Watcher`), and the thread that raises one when a
+captured step holds NaN or Inf (:class:`NanWatch`, the memory tier's). An
+incident stores every step still in the memory tier (tier.py forces them)
+and is recorded in the store (``dstt.format.incidents``).
+
+Phase protocol (who calls what, on which thread):
+
+1. trainer, ``snapshot()``: the step is appended to ``Watcher.captured``;
+2. stager: ``MemoryTier.staged`` appends a staged step to ``NanWatch.queue``;
+3. watcher thread (or the trainer waiting for a slot: ``MemoryTier.place``):
+   ``NanWatch.next`` checks the oldest unchecked step and settles the
+   checked ones in step order, forcing the ring's steps at the first
+   non-finite one (``MemoryTier.force_all``);
+4. trainer, ``incident()`` or ``rewind()``: ``Watcher.raise_incident`` forces
+   what the committer keeps in memory and records the incident;
+5. trainer, ``close()``: ``MemoryTier.close_last`` checks every step left
+   (``NanWatch.check_all``); ``MemoryTier.stop`` ends the thread.
 """
 
 from __future__ import annotations
@@ -23,7 +36,9 @@ from dstt.format.incidents import Incident, record_incident
 from dstt.format.manifest import memory_only_of, parse_commit
 from dstt.format.root import committed_steps
 from dstt.store.plan import ChunkTask
-from dstt.store.writer import Writer
+
+#: The facade (dstt.capture.engine.Capture), typed loosely: engine imports this module.
+Capture = Any
 
 log = logging.getLogger("dstt.capture")
 
@@ -33,72 +48,46 @@ MAX_NAMED = 8
 MAX_REASON = 1000
 
 
-class Incidents:
-    """``incident`` and the NaN/Inf watcher (a mixin; state on the Capture)."""
+class Watcher:
+    """``incident()`` of a :class:`~dstt.capture.engine.Capture` (every mode:
+    without the memory tier only the record is written). Built once by the
+    Capture; asks its committer which steps an incident stores
+    (``Committer.force_all``, the memory tier's)."""
 
-    config: Any
-    writer: Writer
-    _cond: threading.Condition
-    _tier: bool
-    _held: deque[Job]
-    _watch_tail: deque[Job]
-    _unstaged: list[Job]
-    _watch_q: deque[Job]
-    _nonfinite_seen: bool
-    _stopping: bool
-    _latest_step: int | None
-    _captured_log: dict[str, deque[int]]
+    def __init__(self, cap: Capture) -> None:
+        self.cap = cap
+        #: branch -> the latest steps queued on it by this Capture (appended by snapshot())
+        self.captured: dict[str, deque[int]] = {}
 
-    def incident(self, reason: str, *, step: int | None = None) -> Incident:
-        """Something went wrong (a loss spike, a bad batch): store every step
-        still in the memory tier -- the steps that led up to it -- and record
-        the incident (``dstt ls``, ``dstt find`` and the report show it).
-
-        ``step``: the step it concerns (default: the latest captured one): a
-        step this branch captured -- queued, in the memory tier, stored, or
-        passed over as memory-only -- else StepNotFoundError, and nothing is
-        recorded or stored. Returns the recorded
-        :class:`~dstt.format.incidents.Incident`. Without ``memory_steps``
-        only the record is written.
-
-        >>> import tempfile, torch, dstt
-        >>> m = torch.nn.Linear(2, 2)
-        >>> path = tempfile.mkdtemp() + "/run"
-        >>> with dstt.Capture(path, memory_steps=4, persist=2) as cap:
-        ...     for s in range(4):
-        ...         _ = cap.snapshot(s, model=m)
-        ...     cap.wait_staged()
-        ...     print(cap.incident("loss spike").steps)
-        (0, 1, 2, 3)
-        >>> dstt.open(path).steps()
-        [0, 1, 2, 3]
-        """
-        self._check_open()  # type: ignore[attr-defined]
+    def incident(self, reason: str, step: int | None) -> Incident:
+        """Capture.incident, its arguments checked here (see its docstring)."""
+        cap = self.cap
         A.text("reason", reason, MAX_REASON)
         if step is not None:
             A.step(step)
-        self.raise_pending()  # type: ignore[attr-defined]
-        branch = self.writer.branch.name
+        cap.raise_pending()
+        branch = cap.writer.branch.name
         if step is None:
-            log_ = self._captured_log.get(branch)
-            step = log_[-1] if log_ else self.writer.last_step
+            log_ = self.captured.get(branch)
+            step = log_[-1] if log_ else cap.writer.last_step
             if step is None:
                 raise CaptureError("an incident needs a step: nothing was captured yet")
         elif not self._was_captured(branch, step):
             raise StepNotFoundError(f"incident: step {step} was never captured on branch {branch!r}; nothing was "
                                     "recorded (give a step this branch captured, or none for the latest)")
-        return self._raise_incident(reason, step, "trainer")
+        return self.raise_incident(reason, step, "trainer")
 
     def _was_captured(self, branch: str, step: int) -> bool:
         """Whether this branch captured ``step``: this Capture queued it
         (recently), or the store has it committed or recorded as memory-only
         (in the commit of the first step stored after it)."""
-        if step in self._captured_log.get(branch, ()):
+        cap = self.cap
+        if step in self.captured.get(branch, ()):
             return True
-        with self._cond:  # passed over by the memory tier, not yet recorded in a commit
-            if step in getattr(self, "_memory_only", {}).get(id(self.writer), ()):
+        with cap.ledger.cond:  # passed over by the memory tier, not yet recorded in a commit
+            if step in cap.committer.passed_over(cap.writer):
                 return True
-        backend = self.writer.backend
+        backend = cap.writer.backend
         if backend.exists(f"{L.step_dir(branch, step)}/{L.COMMIT_FILE}"):
             return True
         later = [s for s in committed_steps(backend, branch) if s > step]
@@ -108,107 +97,106 @@ class Incidents:
         raw = backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
         return raw is not None and any(a <= step <= b for a, b in memory_only_of(parse_commit(raw, where)))
 
-    def _raise_incident(self, reason: str, step: int | None, source: str,
-                        tensors: tuple[str, ...] = ()) -> Incident:
-        with self._cond:
-            at = step if step is not None else self._latest_step
-            steps = self._force_all()
-            self._cond.notify_all()
+    def raise_incident(self, reason: str, step: int | None, source: str) -> Incident:
+        """Store what the committer keeps in memory (the memory tier's ring)
+        and record the incident at ``step`` (default: the latest captured)."""
+        cap = self.cap
+        with cap.ledger.cond:
+            at = step if step is not None else cap.committer.latest_step()
+            steps = cap.committer.force_all()
+            cap.ledger.cond.notify_all()
         if at is None:
-            last = self.writer.last_step
+            last = cap.writer.last_step
             if last is None:
                 raise CaptureError("an incident needs a step: nothing was captured yet")
             at = last
-        inc = Incident(branch=self.writer.branch.name, step=at, reason=reason[:MAX_REASON], source=source,
-                       time=time.time(), steps=tuple(steps), tensors=tensors)
-        record_incident(self.writer.backend, inc)
+        inc = Incident(branch=cap.writer.branch.name, step=at, reason=reason[:MAX_REASON], source=source,
+                       time=time.time(), steps=tuple(steps), tensors=())
+        record_incident(cap.writer.backend, inc)
         log.warning("dstt: incident at step %d (%s): %r; storing steps %s", at, source, reason,
                     ", ".join(map(str, steps)) or "none")
         return inc
 
-    def _force_all(self, at: Job | None = None) -> list[int]:
-        """Force every step in the ring (the last K staged) -- with ``at``,
-        the watcher's non-finite step, the K before it and every later one,
-        from the steps kept for the watcher (FlightRecorder._tier_evict) --
-        and every queued one (under _cond)."""
-        if not self._tier:
-            return []
-        kept = [*self._watch_tail, *self._held]  # (in step order)
-        i = next((n for n, job in enumerate(kept) if job is at), None)
-        ring = list(self._held) if i is None else kept[max(0, i - self.config.memory_steps):]
-        steps = []
-        for job in [*ring, *self._unstaged]:
-            if job.writer is not self.writer or job.decision == "failed":
-                continue
-            if job.tier_staged:
-                self._force(job)
-            else:
-                job.forced = True
-            steps.append(job.plan.step)
-        return sorted(set(steps))
 
-    # ------------------------------------------------------------ the watcher
+class NanWatch:
+    """The NaN/Inf watcher of a memory tier (``watch_nonfinite``): checks
+    every staged step, in step order, on its own thread (or the trainer's,
+    when it would wait for a slot), and raises an incident at the first
+    non-finite step after a clean one. Its queue is under the ledger's lock."""
 
-    def _watch_loop(self) -> None:
+    def __init__(self, tier: Any) -> None:  # (a tier.MemoryTier: tier.py imports this module)
+        self.tier = tier
+        self.ledger = tier.ledger
+        self.queue: deque[Job] = deque()  # staged steps not checked yet, oldest first
+        self.nonfinite_seen = False
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="dstt-watch", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
         """Check every staged step for NaN/Inf, never skipping one: a step
         keeps its slot until it is checked, and the K checked steps before the
-        oldest unchecked one are kept too (FlightRecorder._tier_evict), so an
+        oldest unchecked one are kept too (MemoryTier.evict), so an
         incident at the first non-finite step stores the K steps that led up
         to it however far behind the watcher fell. A trainer that would wait
-        for a slot checks the oldest steps itself (FlightRecorder._tier_pool),
+        for a slot checks the oldest steps itself (MemoryTier.place),
         even one this thread is still on: it never waits for a low-priority
         thread a busy machine may not schedule."""
-        self._lower_priority()  # type: ignore[attr-defined]
+        self.tier.cap._lower_priority()
+        tier = self.tier
         while True:
-            with self._cond:
-                # unbounded wait: the watcher waiting for work; close() wakes it (_stopping)
-                self._cond.wait_for(lambda: self._stopping or _to_check(self._watch_q, False) is not None)
-                if _to_check(self._watch_q, False) is None:
+            with self.ledger.cond:
+                # unbounded wait: the watcher waiting for work; close() wakes it (MemoryTier._stopping)
+                self.ledger.cond.wait_for(lambda: tier._stopping or _to_check(self.queue, False) is not None)
+                if _to_check(self.queue, False) is None:
                     return
-            self._watch_next(steal=False)
+            self.next(steal=False)
 
-    def _watch_next(self, steal: bool = True) -> bool:
+    def next(self, steal: bool = True) -> bool:
         """Check the oldest staged step nobody checks yet -- with ``steal``
         (the trainer), else the oldest one not checked yet even if the
         watcher is on it -- then settle the checked steps in step order.
         False if there was none to check."""
-        with self._cond:
-            job = _to_check(self._watch_q, steal)
+        with self.ledger.cond:
+            job = _to_check(self.queue, steal)
             if job is None:
                 return False
-            job.checking = True
+            job.tier.checking = True
         try:
             bad = tuple(_nonfinite_tensors(job))
         except Exception as e:  # noqa: BLE001 - a watcher failure must not stop capture
             log.warning("dstt: could not check step %d for non-finite values: %s", job.plan.step, e)
             bad = ()
         freed: list[Job] = []
-        with self._cond:
-            if job.nonfinite is None:  # (the first of two checkers to finish)
-                job.nonfinite = bad
-            fired = self._watch_settle(freed)
-            self._cond.notify_all()
-        self._release(freed)  # type: ignore[attr-defined]
+        with self.ledger.cond:
+            if job.tier.nonfinite is None:  # (the first of two checkers to finish)
+                job.tier.nonfinite = bad
+            fired = self._settle(freed)
+            self.ledger.cond.notify_all()
+        self.tier.release(freed)
         for at, names, steps in fired:
             self._record_nonfinite(at, names, steps)
         return True
 
-    def _watch_settle(self, freed: list[Job]) -> list[tuple[Job, tuple[str, ...], list[int]]]:
+    def _settle(self, freed: list[Job]) -> list[tuple[Job, tuple[str, ...], list[int]]]:
         """Settle the checked steps at the head of the queue, in step order
-        (under _cond): the first non-finite step after a clean one forces
+        (under the ledger's lock): the first non-finite step after a clean one forces
         the K steps before it and every later one -- before the ring lets go
         of anything -- and is returned to be recorded."""
+        tier = self.tier
         fired = []
-        while self._watch_q and self._watch_q[0].nonfinite is not None:
-            job = self._watch_q.popleft()
-            bad = job.nonfinite or ()
-            job.watched = True
+        while self.queue and self.queue[0].tier.nonfinite is not None:
+            job = self.queue.popleft()
+            bad = job.tier.nonfinite or ()
+            job.tier.watched = True
             job.spans = []
-            if bad and not self._nonfinite_seen and not self._stopping:
-                fired.append((job, bad, self._force_all(job)))
-            self._nonfinite_seen = bool(bad)
-            self._unref(job, freed)  # type: ignore[attr-defined]
-        self._tier_evict(freed)  # type: ignore[attr-defined]
+            if bad and not self.nonfinite_seen and not tier._stopping:
+                fired.append((job, bad, tier.force_all(job)))
+            self.nonfinite_seen = bool(bad)
+            tier.unref(job, freed)
+        tier.evict(freed)
         return fired
 
     def _record_nonfinite(self, job: Job, bad: tuple[str, ...], steps: list[int]) -> None:
@@ -221,14 +209,14 @@ class Incidents:
                            time=time.time(), steps=tuple(steps), tensors=names)
             record_incident(job.writer.backend, inc)
         except BaseException as e:  # noqa: BLE001 - reported to the trainer's next call
-            self._fail(job.plan.step, e)  # type: ignore[attr-defined]
+            self.ledger.fail(job.plan.step, e)
             return
         log.warning("dstt: incident at step %d (non-finite): %r; storing steps %s", job.plan.step, reason,
                     ", ".join(map(str, steps)) or "none")
 
-    def _watch_all(self) -> None:
+    def check_all(self) -> None:
         """Check every staged step not settled yet, on this thread."""
-        while self._watch_next():
+        while self.next():
             pass
 
 
@@ -236,11 +224,11 @@ def _to_check(queue: deque[Job], steal: bool) -> Job | None:
     """The oldest step of ``queue`` nobody checks yet, or (``steal``) the
     oldest one not checked yet."""
     for job in queue:
-        if job.nonfinite is None and not job.checking:
+        if job.tier.nonfinite is None and not job.tier.checking:
             return job
     if steal:
         for job in queue:
-            if job.nonfinite is None:
+            if job.tier.nonfinite is None:
                 return job
     return None
 
@@ -280,4 +268,4 @@ def _nonfinite(views: list[tuple[ChunkTask, torch.Tensor]]) -> list[str]:
     return bad
 
 
-__all__ = ["Incidents", "MAX_NAMED"]
+__all__ = ["MAX_NAMED", "NanWatch", "Watcher"]

@@ -111,6 +111,7 @@ class HostPool:
         self._error: str | None = None
         #: The /dev/shm ring's file this pool maps (ring.py), None in process memory.
         self.ring_name: str | None = None
+        self.slot_index = -1  # its slot of a memory tier's SlotPool (tier.py); -1: not a slot
         #: Why no new step should be staged here (:meth:`retire`), None while it may.
         self.retired: str | None = None
         #: Ranges [start, end) of blocks that are never released (:meth:`pin`).
@@ -489,3 +490,78 @@ class CudaCopier:
             ev.record(self.stream(d))
             events[d.index] = ev
         return events
+
+
+class SlotPool:
+    """``nslots`` slots of ``slot_bytes`` in one host buffer, handed out whole
+    and returned in any order (a ring allocator would wait for the oldest
+    step, and the oldest may be the one being written).
+
+    >>> master = HostPool(4 * 8192)
+    >>> pool = SlotPool(master, 8192)
+    >>> a = pool.acquire(); b = pool.acquire()
+    >>> pool.free_slots, a.capacity
+    (2, 8192)
+    >>> pool.release(a); pool.free_slots
+    3
+    """
+
+    def __init__(self, master: HostPool, slot_bytes: int) -> None:
+        if slot_bytes % PAGE or slot_bytes <= 0:
+            raise CaptureError(f"slot size {slot_bytes} is not a positive multiple of {PAGE}")
+        self.master = master
+        self.slot_bytes = slot_bytes
+        self.nslots = master.capacity // slot_bytes
+        self._free = list(range(self.nslots))[::-1]
+        self._cond = threading.Condition()
+        self._extra: dict[int, torch.Tensor] = {}  # slots in process memory replacing retired ones (retire)
+
+    @property
+    def free_slots(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def acquire(self, timeout: float | None = None) -> HostPool | None:
+        """A free slot (a HostPool over it), waiting while none is free (at
+        most ``timeout`` s: then None)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._free), timeout):
+                return None
+            i = self._free.pop()
+            extra = self._extra.get(i)
+        buf = self.master.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes] if extra is None else extra
+        slot = HostPool(self.slot_bytes, buffer=buf)
+        slot.pinned = self.master.pinned and extra is None
+        slot.slot_index = i
+        slot.ring_name = self.master.ring_name if extra is None else None  # (a step in it can be sealed)
+        return slot
+
+    def retire(self, slot: HostPool) -> None:
+        """``slot`` is never handed out again: a seal that could be neither
+        removed nor rewritten describes its bytes (capture/keeper.py). A
+        slot in process memory takes its place, so the tier keeps its size
+        (the keeper stops sealing at the first such seal: this happens at
+        most once per slot sealed then)."""
+        raw = torch.empty(self.slot_bytes + PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % PAGE
+        with self._cond:
+            i = self.nslots + len(self._extra)
+            while i in self._extra:
+                i += 1
+            self._extra[i] = raw[skip:skip + self.slot_bytes]
+            self._free.append(i)
+            self._cond.notify_all()
+
+    def release(self, slot: HostPool) -> None:
+        with self._cond:
+            self._free.append(slot.slot_index)
+            self._cond.notify_all()
+
+    def wait_free(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for a free slot; whether one is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._free), timeout)
+
+    def wait_all_free(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._free) == self.nslots, timeout)
