@@ -16,6 +16,14 @@ storage mode in lockstep, so every mode stores exactly the same states:
 * write time per step of each mode (one flush thread, fsync included);
 * reading one random step (``state_dict``) and a diff of two steps from the
   delta store vs the uncompressed one, with the results checked identical;
+* ``predictive`` at several keyframe spacings (issue 27: parameters and
+  optimizer state predicted by the optimizer's update rule, the rest
+  chained deltas; ``--pred-keyframes``), every step of every mode read
+  back and compared bit-exact with ``none``;
+* reading one tensor at a step in the middle of a chain vs at a keyframe
+  step, and ``history`` with data (one tensor over every step) vs ``none``;
+* ``--small``: the same on a model of many small tensors (4 layers, d=96,
+  vocab 512: every tensor under 1 MiB, all in packs);
 * ``dstt.Capture`` every iteration with ``compression="none"`` vs
   ``"delta"`` vs no capture, end to end, in two regimes: the CPU trains (the
   iteration is the real forward/backward/AdamW on this CPU) and the CPU is
@@ -159,7 +167,11 @@ def main() -> None:
     ap.add_argument("--capture-iters", type=int, default=16, help="iterations per Capture run (0: skip)")
     ap.add_argument("--idle-s", type=float, default=0.5, help="stand-in accelerator time per iteration")
     ap.add_argument("--only-capture", action="store_true", help="only the Capture comparison")
+    ap.add_argument("--pred-keyframes", default="8,16,32", help="keyframe spacings of the predictive modes")
+    ap.add_argument("--small", action="store_true", help="many small tensors: 4 layers, d=96, vocab 512")
     args = ap.parse_args()
+    if args.small:
+        args.vocab, args.d_model, args.layers = 512, 96, 4
     root = fresh_dir(args.dir)
     torch.set_num_threads(1)
     if args.only_capture:
@@ -174,6 +186,8 @@ def main() -> None:
     modes: dict[str, dict[str, Any]] = {"none": {}, "zstd": {}, "shuffle-zstd": {}}
     for k in (int(x) for x in args.keyframes.split(",")):
         modes[f"delta K={k}"] = {"compression": "delta", "keyframe_every": k}
+    for k in (int(x) for x in args.pred_keyframes.split(",") if x):
+        modes[f"predictive K={k}"] = {"compression": "predictive", "keyframe_every": k}
     writers = {m: Writer(os.path.join(root, m.replace(" ", "_").replace("=", "")),
                          compression=kw.get("compression", m), threads=1,
                          **{k: v for k, v in kw.items() if k != "compression"})
@@ -220,7 +234,7 @@ def main() -> None:
     a, b = sorted(rng.sample(range(args.steps), 2))
     reads: dict[str, Any] = {"step": step, "diff": [a, b]}
     ref_state = ref_diff = None
-    for m in ("none", "shuffle-zstd", *(m for m in modes if m.startswith("delta"))):
+    for m in ("none", "shuffle-zstd", *(m for m in modes if m.startswith(("delta", "predictive")))):
         run = dstt.open(writers[m].backend.url)
         t = time.perf_counter()
         sd = run.state_dict(step)
@@ -237,6 +251,7 @@ def main() -> None:
         same = flat.keys() == ref_state.keys() and all(torch.equal(flat[n], ref_state[n]) for n in flat)
         reads[m] = {"state_dict_ms": 1e3 * t_read, "diff_ms": 1e3 * t_diff, "identical": bool(same and rows == ref_diff)}
     result["reads"] = reads
+    result["chain_reads"] = chain_reads(writers, modes, args.steps)
     if args.capture_iters:
         result["capture"] = capture_runs(args, root)
     print(report(result))
@@ -245,6 +260,38 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def chain_reads(writers: dict[str, Writer], modes: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Per mode: one large tensor read at a keyframe step and at the step
+    just before the next keyframe (the longest chain), each from a fresh
+    reader, and the tensor at every step in order (history with data)."""
+    out: dict[str, Any] = {}
+    ref: list[torch.Tensor] | None = None
+    for m in ("none", *(m for m in modes if m.startswith(("predictive", "delta")))):
+        path = writers[m].backend.url
+        run = dstt.open(path)
+        name = max(run.tensors(0), key=lambda t: t.nbytes).name
+        k = modes[m].get("keyframe_every", 8) if m != "none" else 8
+        key_step = min(k, steps - 1) if k < steps else 0
+        mid = min(key_step + k - 1, steps - 1)
+        t = time.perf_counter()
+        dstt.open(path).read(name, key_step)
+        key_ms = 1e3 * (time.perf_counter() - t)
+        t = time.perf_counter()
+        dstt.open(path).read(name, mid)
+        mid_ms = 1e3 * (time.perf_counter() - t)
+        fresh = dstt.open(path)
+        t = time.perf_counter()
+        series = [fresh.read(name, s) for s in fresh.steps()]
+        hist_ms = 1e3 * (time.perf_counter() - t)
+        bits = [v.reshape(-1).view(torch.uint8) for v in series]
+        if ref is None:
+            ref = bits
+        same = len(bits) == len(ref) and all(torch.equal(a, b) for a, b in zip(bits, ref))
+        out[m] = {"tensor": name, "keyframe_step": key_step, "keyframe_ms": key_ms, "mid_step": mid, "mid_ms": mid_ms,
+                  "history_ms": hist_ms, "identical": bool(same)}
+    return out
 
 
 def report_capture(c: dict[str, Any]) -> str:
@@ -272,6 +319,13 @@ def report(r: dict[str, Any]) -> str:
                      f"| **{q['total']:.3f}** | {v['write_ms_per_step']:.0f} |")
     lines += ["", "| codec (fp32, one core) | MB/s of raw bytes |", "|---|---|"]
     lines += [f"| {k} | {v:.0f} |" for k, v in r["codec_mb_s_per_core"].items()]
+    cr = r.get("chain_reads", {})
+    if cr:
+        lines += ["", "| read one tensor | keyframe step ms | mid-chain step ms | history with data ms (all steps) "
+                  "| identical to none |", "|---|---|---|---|---|"]
+        lines += [f"| {m} ({v['tensor']}) | {v['keyframe_ms']:.1f} (step {v['keyframe_step']}) | "
+                  f"{v['mid_ms']:.1f} (step {v['mid_step']}) | {v['history_ms']:.0f} | {v['identical']} |"
+                  for m, v in cr.items()]
     rd = r["reads"]
     lines += ["", f"| read (step {rd['step']}; diff {rd['diff'][0]} vs {rd['diff'][1]}) | state_dict ms | diff ms "
               "| identical to none |", "|---|---|---|---|"]

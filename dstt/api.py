@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dstt.format.backends import open_backend
 from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY
 from dstt.format.gc import GcReport
 from dstt.format.incidents import Incident
@@ -146,17 +145,9 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
     >>> report.chunks_removed, report.committed
     (2, {})
     """
-    from dstt.capture.salvage import salvage
-    from dstt.format.gc import collect_garbage
-    from dstt.format.root import check_root
+    from dstt.capture.collect import gc as collect
 
-    check_root(open_backend(store, create=False))
-    if progress:
-        progress("committing the steps dead trainers sealed")
-    saved = salvage(store, dry_run=dry_run)
-    report = collect_garbage(store, dry_run=dry_run, progress=progress)
-    report.committed, report.records_removed = saved.committed, saved.records_removed
-    return report
+    return collect(store, dry_run=dry_run, progress=progress)
 
 
 def open(store: Any, *, storage_options: dict[str, Any] | None = None) -> Run:  # noqa: A001 - mirrors zarr.open

@@ -14,6 +14,7 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_DEBUG`` | :func:`debug` | the CLI prints tracebacks | off |
 | ``DSTT_EXECUTOR`` | :func:`executor` | where scans over tensor data run: ``processes``, ``threads``, ``inline`` or ``dask://HOST:PORT`` | ``processes`` |
 | ``DSTT_WORKERS`` | :func:`workers` | workers of the local executor (0: one per core) | 0 |
+| ``DSTT_OBJECT_CLIENT`` | :func:`object_client` | the client of ``s3://``, ``gs://``, ``az://`` stores: ``obstore`` or ``fsspec`` | obstore where installed |
 
 >>> with override(DSTT_PACK_CHUNK_BYTES="0"):
 ...     pack_chunk_bytes()
@@ -34,7 +35,9 @@ from dstt.errors import ConfigError
 
 #: The variables this module knows (``override`` refuses any other name).
 KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
-         "DSTT_EXECUTOR", "DSTT_WORKERS")
+         "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT")
+#: Clients an object store URL may be served by (DSTT_OBJECT_CLIENT).
+OBJECT_CLIENTS = ("obstore", "fsspec")
 
 PACK_CHUNK_BYTES_DEFAULT = 1 << 20
 
@@ -91,6 +94,28 @@ def executor() -> str | None:
 def workers() -> int:
     """Workers of the local executor (``DSTT_WORKERS``); 0: one per core."""
     return int(_number("DSTT_WORKERS", 0, integer=True))
+
+
+def object_client() -> str:
+    """Which client serves ``s3://``, ``gs://`` and ``az://`` stores:
+    ``"obstore"`` or ``"fsspec"`` (s3fs, gcsfs, adlfs); empty when not set
+    (then obstore where it is installed: benchmarks/bench_s3.py).
+
+    >>> with override(DSTT_OBJECT_CLIENT="fsspec"):
+    ...     object_client()
+    'fsspec'
+    """
+    text = _text("DSTT_OBJECT_CLIENT").lower()
+    if text and text not in OBJECT_CLIENTS:
+        raise ConfigError(f"DSTT_OBJECT_CLIENT={text!r}: expected one of {', '.join(OBJECT_CLIENTS)}")
+    return text
+
+
+def s3_endpoint() -> str:
+    """The S3 endpoint the standard AWS variables name (``AWS_ENDPOINT_URL_S3``,
+    else ``AWS_ENDPOINT_URL``; empty: AWS itself). Read by the obstore
+    backend only to allow plain ``http://`` to such a server."""
+    return _text("AWS_ENDPOINT_URL_S3") or _text("AWS_ENDPOINT_URL")
 
 
 @contextlib.contextmanager

@@ -16,6 +16,10 @@ Inf ones); NaN/Inf in changed elements propagate into the metrics. When the
 dtypes differ (``status: dtype_changed``) values are compared after
 conversion to float64 instead, NaN equal to NaN.
 
+Torch-free: chunks are compared as numpy arrays (bfloat16 and float8
+widened exactly by :func:`dstt.format.dtypes.decode`, their bits compared
+as stored), so ``dstt diff`` never imports torch.
+
 Data is streamed chunk pair by chunk pair (or, when the two sides were
 chunked differently, by aligned blocks of leading-axis rows), so memory is a
 few chunks, never a tensor. A chunk whose slot and array are the same on both
@@ -40,14 +44,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-import torch
+import numpy as np
 
 from dstt.analysis.select import match_names, resolve_point
-from dstt.store.torch_dtypes import from_storage
+from dstt.format.dtypes import DtypeInfo, decode
 
 if TYPE_CHECKING:
+    from dstt.format.index import RunIndex as Run
     from dstt.format.manifest import TensorEntry
-    from dstt.store.reader import TensorReader as Run
 
 #: A point of a run to compare: (reader with tensors, branch, step).
 Point = tuple["Run", str, int]
@@ -58,9 +62,7 @@ DIFF_KEYS = ("name", "status", "l2_delta", "rel_change", "cosine", "max_abs_delt
 SORT_KEYS = {"l2_delta": True, "rel_change": True, "max_abs_delta": True, "frac_changed": True,
              "cosine": False, "name": False, "status": False}
 #: Elements per computation block: temporaries stay in L2 cache, so the
-#: several passes per block cost little more than one, and blocks stay below
-#: torch's parallel grain (32768) so no op wakes a thread pool (on a busy
-#: machine that costs milliseconds per call).
+#: several passes per block cost little more than one.
 BLOCK = 1 << 15
 #: Upper bound on an aligned row block when the two sides' chunk shapes differ.
 MAX_BLOCK_BYTES = 256 << 20
@@ -92,22 +94,21 @@ class _Acc:
         self.max_abs = max(self.max_abs, other.max_abs)
 
 
-def _bits_ne(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per element: do the stored bits differ? (same dtype, flat inputs)"""
-    if a.dtype == torch.bool:
-        return a != b
-    size = a.element_size()
+def _bits_ne(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per element: do the stored bits differ? (same storage dtype, flat inputs)"""
+    if a.dtype == np.bool_:
+        return np.asarray(a != b)
+    size = a.dtype.itemsize
     if size == 16:  # complex128: two int64 words per element
-        return (a.view(torch.int64) != b.view(torch.int64)).reshape(-1, 2).any(dim=1)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    return a.view(ints) != b.view(ints)
+        return np.asarray((a.view(np.int64) != b.view(np.int64)).reshape(-1, 2).any(axis=1))
+    ints = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[size]
+    return np.asarray(a.view(ints) != b.view(ints))
 
 
-def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Σ x·y without BLAS: BLAS dot spins up its own threads, which costs
-    milliseconds per call on a busy machine; a cache-sized multiply and sum
-    stays on this thread."""
-    return float(torch.mul(x, y).sum())
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    """Σ x·y without BLAS (BLAS dot may spin up its own threads): a
+    cache-sized multiply and a pairwise sum, on this thread."""
+    return float(np.multiply(x, y).sum(dtype=x.dtype))
 
 
 #: float32 block sums of squares below this may have lost terms to underflow
@@ -116,8 +117,10 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
 F32_TINY = 2.0 ** -80
 
 
-def compare_block(a: torch.Tensor, b: torch.Tensor, same_dtype: bool = True, finite: bool = False) -> _Acc:
-    """Sums of one aligned block pair (same shape), in sub-blocks small
+def compare_block(a: np.ndarray, b: np.ndarray, same_dtype: bool = True, finite: bool = False,
+                  info_a: DtypeInfo | None = None, info_b: DtypeInfo | None = None) -> _Acc:
+    """Sums of one aligned block pair (same shape; arrays of the storage
+    dtypes ``info_a``/``info_b``, native when None), in sub-blocks small
     enough that the passes over them stay in cache.
 
     ``finite=True`` (both tensors' stats say: no NaN/Inf) takes the fast
@@ -128,17 +131,19 @@ def compare_block(a: torch.Tensor, b: torch.Tensor, same_dtype: bool = True, fin
     overflowed is redone in float64. Sums are accumulated in float64 across
     sub-blocks.
     """
-    acc = _Acc(n=a.numel(), n_read=a.numel())
-    a, b = a.reshape(-1), b.reshape(-1)
-    cplx = a.is_complex() or b.is_complex()
+    acc = _Acc(n=a.size, n_read=a.size)
+    a, b = np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1)
+    cplx = np.iscomplexobj(a) or np.iscomplexobj(b)
     fast = finite and same_dtype and not cplx
-    f32 = fast and a.dtype == torch.float32
-    for lo in range(0, a.numel(), BLOCK):
-        sa, sb = a[lo:lo + BLOCK], b[lo:lo + BLOCK]
-        part = _sub_block(sa, sb, torch.float32 if f32 else torch.float64, same_dtype, cplx, fast)
-        if f32 and not _f32_exact_enough(part):
-            part = _sub_block(sa, sb, torch.float64, same_dtype, cplx, fast)
-        acc.add(part)
+    f32 = fast and a.dtype == np.float32 and (info_a is None or not info_a.is_bits)
+    with np.errstate(all="ignore"):  # inf - inf, NaN compares: the metrics carry them
+        for lo in range(0, a.size, BLOCK):
+            sa, sb = a[lo:lo + BLOCK], b[lo:lo + BLOCK]
+            work = np.float32 if f32 else np.float64
+            part = _sub_block(sa, sb, work, same_dtype, cplx, fast, info_a, info_b)
+            if f32 and not _f32_exact_enough(part):
+                part = _sub_block(sa, sb, np.float64, same_dtype, cplx, fast, info_a, info_b)
+            acc.add(part)
     return acc
 
 
@@ -150,42 +155,44 @@ def _f32_exact_enough(p: _Acc) -> bool:
     return p.aa_read >= F32_TINY and (not p.changed or p.dd >= F32_TINY)
 
 
-def _sub_block(sa: torch.Tensor, sb: torch.Tensor, work: torch.dtype, same_dtype: bool, cplx: bool,
-               fast: bool) -> _Acc:
+def _sub_block(sa: np.ndarray, sb: np.ndarray, work: Any, same_dtype: bool, cplx: bool,
+               fast: bool, info_a: DtypeInfo | None, info_b: DtypeInfo | None) -> _Acc:
     """Sums of one cache-sized flat sub-block pair, computed in ``work``."""
     acc = _Acc()
 
-    def vals(t: torch.Tensor) -> torch.Tensor:
+    def vals(t: np.ndarray, info: DtypeInfo | None) -> np.ndarray:
+        v = decode(t, info) if info is not None else t
         if cplx:  # (re, im) pairs, flattened
-            return torch.view_as_real(t.to(torch.complex128)).reshape(-1)
-        return t.to(work)
+            return np.ascontiguousarray(v.astype(np.complex128)).view(np.float64).reshape(-1)
+        return v.astype(work)
 
-    fa, fb = vals(sa), None
+    fa, fb = vals(sa, info_a), None
     if same_dtype:
         ne = _bits_ne(sa, sb)
     else:
-        fb = vals(sb)
-        ne = (fa != fb) & ~(torch.isnan(fa) & torch.isnan(fb))
+        fb = vals(sb, info_b)
+        ne = (fa != fb) & ~(np.isnan(fa) & np.isnan(fb))
         if cplx:
-            ne = ne.reshape(-1, 2).any(dim=1)
+            ne = ne.reshape(-1, 2).any(axis=1)
     acc.aa_read = _dot(fa, fa)
-    acc.changed = int(torch.count_nonzero(ne))
+    acc.changed = int(np.count_nonzero(ne))
     if acc.changed == 0:
         return acc
-    fb = vals(sb) if fb is None else fb
+    fb = vals(sb, info_b) if fb is None else fb
     if fast:
         d = fb - fa
     else:
-        mask = ne.repeat_interleave(2) if cplx else ne
-        d = torch.where(mask, fb - fa, 0.0)
-        fa = torch.where(mask, fa, 0.0)
+        mask = np.repeat(ne, 2) if cplx else ne
+        zero = np.zeros((), dtype=fa.dtype)
+        d = np.where(mask, fb - fa, zero)
+        fa = np.where(mask, fa, zero)
     acc.dd = _dot(d, d)
     acc.ad = _dot(fa, d)
     if cplx:
-        m = float(d.reshape(-1, 2).norm(dim=1).max())
+        pairs = d.reshape(-1, 2)
+        m = float(np.hypot(pairs[:, 0], pairs[:, 1]).max())
     else:
-        lo_d, hi_d = torch.aminmax(d)
-        m = max(-float(lo_d), float(hi_d))
+        m = max(-float(d.min()), float(d.max()))
     if m != m:
         acc.nan = True
     else:
@@ -239,15 +246,13 @@ def _row(name: str, status: str, ea: "TensorEntry | None", eb: "TensorEntry | No
 # --------------------------------------------------------------------------- streaming
 
 
-def _chunk(run: "Run", e: "TensorEntry", i: int) -> torch.Tensor:
-    """Chunk ``i`` of an entry, edge padding trimmed, in its logical dtype."""
+def _chunk(run: "Run", e: "TensorEntry", i: int) -> np.ndarray:
+    """Chunk ``i`` of an entry, edge padding trimmed, in its storage dtype."""
     from dstt.format.chunks import chunk_array
 
     region = tuple(slice(0, n) for n in e.chunk_grid.box(e.coords(i))[1])
     arr = chunk_array(run.backend, e, i)
-    if not arr.flags.writeable:  # bytes from an object store; never written here, but torch warns
-        arr = arr.copy()
-    return from_storage(torch.from_numpy(arr[region] if region else arr), e.dtype)
+    return arr[region] if region else arr
 
 
 def _digests(e: "TensorEntry") -> list[str | None] | None:
@@ -307,11 +312,11 @@ def _run_aligned(pa: Point, pb: Point, jobs: list[_Job], pool: ThreadPoolExecuto
             else:
                 tasks.append((job, i))
 
-    def load(t: tuple[_Job, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def load(t: tuple[_Job, int]) -> tuple[np.ndarray, np.ndarray]:
         job, i = t
         return _chunk(pa[0], job.ea, i), _chunk(pb[0], job.eb, i)
 
-    ahead: deque[Future[tuple[torch.Tensor, torch.Tensor]]] = deque()
+    ahead: deque[Future[tuple[np.ndarray, np.ndarray]]] = deque()
     nxt = 0
     for k in range(len(tasks)):
         while nxt < len(tasks) and len(ahead) <= depth:
@@ -319,8 +324,8 @@ def _run_aligned(pa: Point, pb: Point, jobs: list[_Job], pool: ThreadPoolExecuto
             nxt += 1
         a, b = ahead.popleft().result()
         job = tasks[k][0]
-        job.acc.n += a.numel()
-        job.acc.add(compare_block(a, b, True, job.finite))
+        job.acc.n += a.size
+        job.acc.add(compare_block(a, b, True, job.finite, job.ea.dtype, job.eb.dtype))
         del a, b
         if progress is not None:
             progress(job.ea.chunk_grid.valid_numel(tasks[k][1]) * job.ea.dtype.itemsize)
@@ -356,7 +361,7 @@ def _run_aligned_tasks(pa: Point, pb: Point, jobs: list[_Job], progress: Progres
             last = -1
             for k, i in (work[x] for x in g):
                 if k != last:
-                    items.append((jobs[k].ea, jobs[k].eb, jobs[k].finite, []))
+                    items.append((_unattached(jobs[k].ea), _unattached(jobs[k].eb), jobs[k].finite, []))
                     last = k
                 items[-1][3].append(i)
             payloads.append((sa, pa[1], pa[2], sb, pb[1], pb[2], items))
@@ -373,29 +378,45 @@ def _run_aligned_tasks(pa: Point, pb: Point, jobs: list[_Job], progress: Progres
     return True
 
 
+def _unattached(e: "TensorEntry") -> "TensorEntry":
+    """``e`` without the chain reader its step's reader attached to a
+    predictive entry (a reader of this process: neither picklable nor the
+    worker's; the task attaches its own)."""
+    if "_chain" not in e.__dict__:
+        return e
+    import copy
+
+    e = copy.copy(e)
+    del e.__dict__["_chain"]
+    return e
+
+
 def compare_chunks(sa: Any, branch_a: str, step_a: int, sb: Any, branch_b: str, step_b: int,
                    items: list[tuple["TensorEntry", "TensorEntry", bool, list[int]]]) -> list[tuple[int, _Acc]]:
     """A task of a diff scan (runs in a worker): (elements, sums) of each
     chunk pair, read and compared exactly as :func:`_run_aligned` does."""
+    from dstt.format.chains import attach
+    from dstt.format.index import RunIndex
     from dstt.format.scan import opened
-    from dstt.store.reader import TensorReader
 
-    ra, rb = opened(sa, TensorReader), opened(sb, TensorReader)
+    ra, rb = opened(sa, RunIndex), opened(sb, RunIndex)
     out = []
     for ea, eb, finite, indices in items:
+        # predictive chunks decode through this process's chain readers
+        (ea,), (eb,) = attach([ea], ra.chains, branch_a, step_a), attach([eb], rb.chains, branch_b, step_b)
         for i in indices:
             with ra.removed_meanwhile(branch_a, step_a):
                 a = _chunk(ra, ea, i)
             with rb.removed_meanwhile(branch_b, step_b):
                 b = _chunk(rb, eb, i)
-            out.append((a.numel(), compare_block(a, b, True, finite)))
+            out.append((a.size, compare_block(a, b, True, finite, ea.dtype, eb.dtype)))
     return out
 
 
-def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """Aligned blocks of leading-axis rows when the chunk shapes differ."""
     if not ea.shape:
-        a, b = pa[0].read(ea.name, pa[2], branch=pa[1]), pb[0].read(eb.name, pb[2], branch=pb[1])
+        a, b = pa[0].read_array(ea.name, pa[2], branch=pa[1]), pb[0].read_array(eb.name, pb[2], branch=pb[1])
         yield 1, a, b
         return
     rows = ea.shape[0]
@@ -406,16 +427,16 @@ def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> I
         step = max(ca, cb)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        a = pa[0].read(ea.name, pa[2], branch=pa[1], index=(slice(lo, hi),))
-        b = pb[0].read(eb.name, pb[2], branch=pb[1], index=(slice(lo, hi),))
-        yield a.numel(), a, b
+        a = pa[0].read_array(ea.name, pa[2], branch=pa[1], index=(slice(lo, hi),))
+        b = pb[0].read_array(eb.name, pb[2], branch=pb[1], index=(slice(lo, hi),))
+        yield a.size, a, b
 
 
 def _run_rows(pa: Point, pb: Point, job: _Job, progress: Progress | None) -> None:
     """Compare a tensor whose sides differ in chunking or dtype, by aligned row blocks."""
     for n, a, b in _pairs_rows(pa, pb, job.ea, job.eb):
         job.acc.n += n
-        job.acc.add(compare_block(a, b, job.same_dtype, job.finite))
+        job.acc.add(compare_block(a, b, job.same_dtype, job.finite, job.ea.dtype, job.eb.dtype))
         if progress is not None:
             progress(n * job.ea.dtype.itemsize)
 

@@ -25,7 +25,6 @@ from dstt.format.layout import STATS_COLUMNS
 
 if TYPE_CHECKING:
     from dstt.format.index import RunIndex as Run
-    from dstt.store.reader import TensorReader
 
 #: Stats a history can follow (columns of the step index's stats table).
 STATS = ("norm", "mean", "std", "min", "max", "nonfinite", "numel", "update_norm", "update_ratio")
@@ -144,11 +143,12 @@ def to_series(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"tensor": t, "points": pts} for t, pts in series.items()]
 
 
-def histogram(run: "TensorReader", name: str, step: Any = None, branch: str | None = None, bins: int = 20) -> dict[str, Any]:
+def histogram(run: "Run", name: str, step: Any = None, branch: str | None = None, bins: int = 20) -> dict[str, Any]:
     """Counts of a tensor's finite values in ``bins`` equal bins between its
     finite min and max, streamed chunk by chunk:
-    ``{"edges": [...], "counts": [...], "nonfinite": n}``."""
-    import torch
+    ``{"edges": [...], "counts": [...], "nonfinite": n}``. Torch-free
+    (numpy; bfloat16 and float8 through :func:`dstt.format.dtypes.decode`)."""
+    from dstt.format.dtypes import decode
 
     if bins < 1:
         raise ConfigError(f"bins must be at least 1, got {bins}")
@@ -156,22 +156,23 @@ def histogram(run: "TensorReader", name: str, step: Any = None, branch: str | No
     rec = run.record(step, branch=branch)
     lo, hi = e.stats.get("min", NAN), e.stats.get("max", NAN)
 
-    def values() -> Iterator[torch.Tensor]:
-        for _, t in run.iter_chunks(name, rec.step, branch=rec.branch):
-            v = (t.abs() if t.is_complex() else t).reshape(-1).to(torch.float64)
-            yield v[torch.isfinite(v)]
+    def values() -> Iterator[np.ndarray]:
+        for _, arr in run.iter_chunk_arrays(name, rec.step, branch=rec.branch):
+            a = decode(arr, e.dtype)
+            v = (np.abs(a) if np.iscomplexobj(a) else a).reshape(-1).astype(np.float64)
+            yield v[np.isfinite(v)]
 
     if not (np.isfinite(lo) and np.isfinite(hi)):
         lo, hi = np.inf, -np.inf
         for v in values():
-            if v.numel():
+            if v.size:
                 lo, hi = min(lo, float(v.min())), max(hi, float(v.max()))
     if not lo <= hi:
         return {"edges": [], "counts": [], "nonfinite": int(e.stats.get("nonfinite", 0))}
     width = hi - lo if hi > lo else 1.0
     counts = np.zeros(bins, dtype=np.int64)
     for v in values():
-        idx = ((v - lo) / width * bins).floor().clamp(0, bins - 1).to(torch.int64)
-        counts += np.bincount(idx.numpy(), minlength=bins)
+        idx = np.clip(np.floor((v - lo) / width * bins), 0, bins - 1).astype(np.int64)
+        counts += np.bincount(idx, minlength=bins)
     edges = [lo + width * i / bins for i in range(bins + 1)]
     return {"edges": edges, "counts": counts.tolist(), "nonfinite": int(e.stats.get("nonfinite", 0))}

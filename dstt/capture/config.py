@@ -44,13 +44,21 @@ class CaptureConfig:
     parent: StepRef | tuple[str, int] | str | None = None
     host_buffer_bytes: int | None = None
     on_full: str = "wait"
-    compression: str = "none"
+    #: None (the default): ``"auto"`` (predictive coding in the capture
+    #: helper, off the trainer's process, stored fast when the helper falls
+    #: behind) where the helper runs, ``"none"`` where the capture writes in
+    #: this process (its encoding would share the trainer's CPU and GIL)
+    #: and under torch.distributed (predictive chunks are not coded there yet).
+    compression: str | None = None
     zstd_level: int = 1
     #: With ``compression="delta"`` (or ``"auto"``): a chunk is stored whole
     #: (a keyframe) at least every this many steps; deltas reference it.
     keyframe_every: int = DEFAULT_KEYFRAME_EVERY
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     flush_threads: int = 2
+    #: Threads the capture helper codes a step's predictive chunks on
+    #: (``compression="predictive"``/``"auto"``; docs/format.md "Predictive chunks").
+    encode_threads: int = 2
     allow_pickle: bool = False
     dedup: bool = True
     #: Nice value of dstt's background threads (Linux): the trainer's threads
@@ -108,11 +116,12 @@ class CaptureConfig:
 
     def __post_init__(self) -> None:
         """Every field through its validator (dstt.format.args), before anything is built."""
-        for name in ("every", "max_chunk_bytes", "flush_threads", "keyframe_every"):
+        for name in ("every", "max_chunk_bytes", "flush_threads", "keyframe_every", "encode_threads"):
             A.positive_int(name, getattr(self, name))
         A.branch(self.branch)
         self.parent = parent_arg(self.parent)
-        A.choice("compression", self.compression, COMPRESSIONS)
+        if self.compression is not None:
+            A.choice("compression", self.compression, COMPRESSIONS)
         A.zstd_level(self.zstd_level)
         A.choice("on_full", self.on_full, ON_FULL)
         for name in ("allow_pickle", "dedup", "background_idle", "watch_nonfinite"):

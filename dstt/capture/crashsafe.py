@@ -309,6 +309,18 @@ class CrashSafe:
         self.recovered = list(done)
         return ring
 
+    def _default_compression(self, compression: str) -> None:
+        """Settle the default compression (CaptureConfig.compression None)
+        once the helper is decided, before any step is planned."""
+        from dataclasses import replace
+
+        from dstt.format.codecs.spec import CodecSpec
+
+        self.config = replace(self.config, compression=compression)
+        if self.writer.codec.compression != compression:
+            self.writer.codec = CodecSpec(compression, self.config.zstd_level)
+            self.writer.coder = None
+
     def _start_helper(self) -> HelperHandle | None:
         """The helper process (helper.py) where it can run: a ring, a local
         store (a shared flock), Linux. Started, not waited for. Under
@@ -346,9 +358,10 @@ class CrashSafe:
     def _writer_options(self) -> dict[str, Any]:
         """The options of a Writer storing this Capture's steps elsewhere (the helper's, fallback.py's)."""
         cfg = self.config
-        return {"branch": cfg.branch, "compression": cfg.compression, "zstd_level": cfg.zstd_level,
+        return {"branch": cfg.branch, "compression": cfg.compression or self.writer.codec.compression,
+                "zstd_level": cfg.zstd_level,
                 "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes,
-                "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup}
+                "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup, "threads": cfg.encode_threads}
 
     def _new_pool(self, capacity: int, pin: bool) -> HostPool:
         """A pool in a new /dev/shm file of the ring where it fits

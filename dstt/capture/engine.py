@@ -138,7 +138,10 @@ class Capture(Draining, Stager, CrashSafe):
             raise ConfigError("memory_steps: the flight recorder runs in a single process for now; under "
                               "torch.distributed capture with persist='all' (no memory_steps)")
         self.writer = after_helpers(lambda: Writer(
-            store, branch=cfg.branch, parent=cfg.parent, compression=cfg.compression,
+            store, branch=cfg.branch, parent=cfg.parent,
+            # the default (None): predictive where the helper codes -- settled below, once it is known;
+            # under torch.distributed steps are stored whole (no shared chain yet): no compression
+            compression=cfg.compression or ("none" if self._plan_coord.distributed else "auto"),
             zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every, max_chunk_bytes=cfg.max_chunk_bytes,
             allow_pickle=cfg.allow_pickle, dedup=cfg.dedup, threads=1,
             coordinator=self._plan_coord, commit_coordinator=self._commit_coord,
@@ -153,6 +156,9 @@ class Capture(Draining, Stager, CrashSafe):
             self._helper: HelperHandle | None = None  # started by make_committer where it can run
             # The one choice of mode (committers.py): in this process, the capture helper, the memory tier.
             self.committer: Committer = make_committer(self)
+            if cfg.compression is None:  # the default: predictive where the helper codes (config.py)
+                self._default_compression("auto" if self._helper is not None and not self._plan_coord.distributed
+                                          else "none")
         except BaseException:
             if self._ring is not None:
                 self._ring.close()

@@ -55,7 +55,7 @@ class HereCommitter:
 
     def __init__(self, planner: Writer, options: dict[str, Any]) -> None:
         lock = _BorrowedLock(getattr(planner, "_branch_lock", None))
-        self.writer = Writer(str(planner.backend.url), lock=lock, threads=1, **options)
+        self.writer = Writer(str(planner.backend.url), lock=lock, **{"threads": 1, **options})
 
     def commit(self, job: Job) -> CommitInfo:
         """Commit ``job`` (staged whole in ``job.pool``, held); its CommitInfo,
@@ -73,6 +73,7 @@ class HereCommitter:
         results: list[Any] = []
         try:
             w.ensure_arrays(plan)
+            w.prepare_pred(plan)  # (predictive coding: store/predflush.py)
             results, error = w.flush_chunks(plan, plan.tasks)  # (store/batchflush.py: every chunk flushed or failed)
         except BaseException as e:
             error = e

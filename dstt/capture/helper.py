@@ -54,6 +54,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import select
 import subprocess
@@ -349,15 +350,27 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
     records: ranks.RecordCoordinator | None = None
     if dist is None:
-        writer = Writer(store, lock=lock, threads=1, **writer_options)
+        writer = Writer(store, lock=lock, **{"threads": 1, **writer_options})
     else:
         # One rank of a distributed Capture: this rank's chunks, then a record
         # in the store; rank 0's helper commits once every rank's is there.
         rank, world = int(dist["rank"]), int(dist["world"])
-        writer = Writer(store, lock=lock, threads=1, coordinator=ranks.FixedRank(rank, world), **writer_options)
+        writer = Writer(store, lock=lock, coordinator=ranks.FixedRank(rank, world), **{"threads": 1, **writer_options})
         records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
                                           alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
         writer.commit_coord = records
+    # compression="auto": the helper's threads run below the trainer's
+    # priority (nice, SCHED_IDLE), so its encoding takes no core the trainer
+    # wants: a step is stored fast only when steps queue up (commit_steps).
+    writer.auto_cpu_cores = math.inf
+    if writer.coder is not None:
+        # Predictive coding keeps the previous step's chunks (one copy of the
+        # state): at most a quarter of the memory available now; beyond it a
+        # parameter's chunks are stored whole (store/predflush.py).
+        from dstt.capture.tier import available_memory_bytes
+
+        avail = available_memory_bytes()
+        writer.coder.memory_limit = None if avail is None else avail // 4
     # What start-up made (torch's modules and the like: hundreds of
     # thousands of objects) lives as long as this process: moved out of the
     # collector's generations, so the full collections a step's garbage
@@ -406,6 +419,10 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
         plan = writer.adopt(R.plan_of(record, pools[name], verify=verify))
         writer.ensure_arrays(plan)
+        # predictive coding (compression "predictive"/"auto"): the step's
+        # chunks coded against the previous step here, off the trainer's
+        # process, on the writer's encode_threads (store/predflush.py)
+        writer.prepare_pred(plan)
         # small chunks in groups (store/batchflush.py), large ones one per task;
         # a step of one batch (a small model) on this thread: no hand-over
         parts = batches(plan.tasks)
@@ -438,11 +455,13 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
                     out.append(e)
             return out
         prepared: dict[int, Any] = {}
-        for step in steps:
+        for i, step in enumerate(steps):
+            writer.backlog = len(steps) - 1 - i  # (steps queued behind it: the helper is behind)
             try:
                 prepared[step] = prepare(step, verify=False)[:2]
             except Exception as e:  # noqa: BLE001
                 prepared[step] = e
+        writer.backlog = 0
         ready = [(step, p) for step, p in prepared.items() if not isinstance(p, BaseException)]
         done = dict(zip([s for s, _ in ready], writer.commit_group([p for _, p in ready])))
         for step, outcome in done.items():

@@ -36,7 +36,6 @@ the moment they are needed.
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import mmap
 import os
@@ -52,6 +51,7 @@ import torch
 
 from dstt.capture import ringowner as O
 from dstt.capture.ringowner import SHM_ROOT as SHM_ROOT
+from dstt.capture.ringowner import group_dir as group_dir  # (defined there: torch-free, for gc's check)
 from dstt.capture.ringowner import ring_root as ring_root
 from dstt.capture.sealcheck import check_record
 from dstt.capture.seals import SEAL_FORMAT as SEAL_FORMAT  # the ring's records (seals.py), used as ring.X too
@@ -85,14 +85,6 @@ def shm_free_bytes(base: Path | None = None) -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
-
-
-def group_dir(store_url: str, branch: str, base: Path | None = None, rank: int | None = None) -> Path:
-    """The directory of the rings of a store's branch (of one rank of a
-    distributed Capture: each rank's rings apart, so one rank's recovery
-    never judges another rank's ring)."""
-    text = f"{store_url}\0{branch}" + ("" if rank is None else f"\0rank{rank}")
-    return ring_root(base) / hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def group_of(identity: dict[str, Any], base: Path | None = None) -> Path:

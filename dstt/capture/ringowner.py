@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -85,6 +86,13 @@ def shm_base(base: Path | None = None) -> Path:
 def ring_root(base: Path | None = None) -> Path:
     return shm_base(base) / f"dstt-{os.getuid()}"
 
+
+def group_dir(store_url: str, branch: str, base: Path | None = None, rank: int | None = None) -> Path:
+    """The directory of the rings of a store's branch (of one rank of a
+    distributed Capture: each rank's rings apart, so one rank's recovery
+    never judges another rank's ring)."""
+    text = f"{store_url}\0{branch}" + ("" if rank is None else f"\0rank{rank}")
+    return ring_root(base) / hashlib.sha256(text.encode()).hexdigest()[:24]
 
 # ----------------------------------------------------------------------------- ownership of directories
 

@@ -24,8 +24,8 @@ from typing import Any
 from dstt.capture import ranks
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
-from dstt.format import layout as L
 from dstt.format.backends import open_backend
+from dstt.format.gc import leftover_records as _leftover_records
 from dstt.format.root import list_branches
 
 
@@ -103,20 +103,3 @@ def salvage(store: Any, *, dry_run: bool = False, base: Path | None = None) -> S
 
 def _has_single_rings(url: str, branch: str, base: Path | None) -> bool:
     return bool(O.rings_in(R.group_dir(url, branch, base)))
-
-
-def _leftover_records(backend: Any, branch: str, dry_run: bool) -> int:
-    """Remove per-rank records from committed step directories; how many."""
-    prefix = L.steps_prefix(branch).rstrip("/")
-    n = 0
-    for d in backend.list_dir(prefix):
-        where = f"{prefix}/{d}"
-        names = backend.list_dir(where)
-        if L.COMMIT_FILE not in names:
-            continue  # uncommitted: gc removes the directory whole
-        for name in names:
-            if name.startswith("rank-") and name.endswith(".json"):
-                n += 1
-                if not dry_run:
-                    backend.delete(f"{where}/{name}")
-    return n

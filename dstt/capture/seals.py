@@ -449,7 +449,10 @@ def _layout_doc(l: TensorLayout) -> dict[str, Any]:
 
 def _make_layout_doc(l: TensorLayout) -> dict[str, Any]:
     return {"name": l.name, "kind": l.kind, "dtype": l.dtype.logical, "shape": list(l.shape),
-            "chunk_shape": list(l.chunk_shape), "compression": l.codec.compression, "level": l.codec.level,
+            "chunk_shape": list(l.chunk_shape),
+            # ("auto" is a writer's choice per step, not a layout's: its layouts are predictive ones)
+            "compression": "predictive" if l.codec.compression == "auto" else l.codec.compression,
+            "level": l.codec.level,
             "regions": [[list(r.offset), list(r.shape), list(r.holders)] for r in l.regions],
             "pack_chunk_bytes": l.pack_chunk_bytes}
 

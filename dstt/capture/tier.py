@@ -541,6 +541,8 @@ class MemoryTier:
         results: list[ChunkResult] = []
         try:
             w.ensure_arrays(plan)
+            views = {(t.layout.array, t.index): v for t, v in job.views}
+            w.prepare_pred(plan, lambda t: views.get((t.layout.array, t.index)))  # (store/predflush.py)
             futures = [self.cap._flush.submit(self._flush_views, w, plan, batch, prev)
                        for batch in batches(job.views, lambda item: item[0].nbytes)]
             for f in futures:

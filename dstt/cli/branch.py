@@ -1,5 +1,6 @@
 """``dstt branch``: create a branch forking at a step; no data is copied
-(:func:`dstt.timetravel.restore.branch`)."""
+(:func:`dstt.format.root.create_branch`, what :func:`dstt.branch` runs;
+torch-free)."""
 
 from __future__ import annotations
 
@@ -43,14 +44,17 @@ def same_store(a: str, b: str) -> bool:
 def create(store: str, name: str, from_: Optional[str], json_out: bool) -> None:
     """Create branch ``name`` in ``store`` at ``--from`` (default: latest step of main)."""
     from dstt.errors import InvalidReferenceError
+    from dstt.format.index import RunIndex
     from dstt.format.refs import Ref
-    from dstt.timetravel.restore import branch as make_branch
+    from dstt.format.root import create_branch
 
     store = store_arg(store, "branch", "; give the fork point with --from")
     ref = from_ref(store, from_)
     if not same_store(Ref.parse(ref).store, store):
         raise InvalidReferenceError(f"--from {from_!r} names another store than {store!r}")
-    parent = make_branch(ref, name)
+    with RunIndex(ref) as run:
+        parent = run.resolve()
+        create_branch(run.backend, name, parent)
     if json_out:
         emit_json({"branch": name, "parent": {"branch": parent[0], "step": parent[1]}})
     else:

@@ -1,7 +1,7 @@
 """``dstt diff``: per-tensor difference between two steps, branches or
 stores, and the values (hyperparameters, scheduler, extra) that changed.
 
-Reads tensor data (imports torch), with a progress bar on stderr for long
+Reads tensor data as numpy arrays (torch-free), with a progress bar on stderr for long
 diffs; rendering lives in :mod:`dstt.cli.render` and :mod:`dstt.cli.values`.
 """
 
@@ -13,7 +13,7 @@ import typer
 
 from dstt.cli.output import JSON_OPT, emit_json, handle_errors, stderr
 from dstt.cli.scanopts import EXECUTOR_OPT, WORKERS_OPT, scan_args
-from dstt.cli.targets import open_tensors, target_text
+from dstt.cli.targets import open_index, target_text
 
 
 def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], sort: str,
@@ -24,7 +24,7 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
     from dstt.analysis.select import resolve_point
     from dstt.cli.values import diff_values, render_value_diff
 
-    run = open_tensors(ref_a)
+    run, _ = open_index(ref_a)
     pa = resolve_point(run, run.default_step)
     pb = resolve_point(run, ref_b)
     if pa == pb:

@@ -1,7 +1,8 @@
 """``dstt gc``: commit what dead trainers sealed, then remove the chunks,
 arrays and uncommitted step directories no committed step references --
-through :func:`dstt.gc`, the API's one gc path, so the command is never
-less safe than the API."""
+through :func:`dstt.capture.collect.gc`, the one gc path :func:`dstt.gc`
+runs too, so the command is never less safe than the API. Torch-free
+unless a dead trainer left something to commit."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dstt.cli.targets import store_arg
 
 def cmd_gc(store: str, dry_run: bool, json_out: bool) -> None:
     """Collect ``store`` (salvage first, then collect) and say what was freed."""
-    from dstt.api import gc as run_gc
+    from dstt.capture.collect import gc as run_gc
 
     path = store_arg(store, "gc", " (gc works on the whole store)")
     report = run_gc(path, dry_run=dry_run)  # (salvage first, then collect: the API's one path)

@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "history": "history",
     "find": "find",
     "export": "export",
+    "import-dcp": "import_dcp",
     "restore": "restore",
     "branch": "branch",
     "prune": "prune",

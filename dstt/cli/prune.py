@@ -29,6 +29,10 @@ def cmd_prune(store: str, keep_last: Optional[int], keep_every: Optional[int], b
     freed = f", freeing {human_bytes(report.bytes_freed)} with a following gc" if report.bytes_freed else ""
     stdout.print(f"{verb} {len(report.removed)} step(s){freed}; kept "
                  + ", ".join(f"{b}: {len(s)}" for b, s in report.kept.items()))
+    for b, steps in report.chained.items():
+        shown = ", ".join(map(str, steps[:20])) + (" ..." if len(steps) > 20 else "")
+        stdout.print(f"kept {len(steps)} step(s) of {b} that kept steps' predictive chunks are decoded from "
+                     f"(steps {shown})")
     if report.removed and not dry_run:
         stderr.print("run `dstt gc STORE` to free the data they no longer reference")
 

@@ -249,14 +249,9 @@ def show(data: dict[str, Any], values: Any) -> None:
     if h["nonfinite"]:
         stdout.print(f"  {h['nonfinite']} NaN/Inf values", style="red")
     stdout.print(f"values [{data['slice']}]:")
-    import torch
+    import numpy as np
 
-    with_printopts = torch._tensor_str.PRINT_OPTS.threshold  # noqa: SLF001 - restore after printing
-    torch.set_printoptions(threshold=200)  # type: ignore[no-untyped-call]
-    try:
-        stdout.print(str(values))
-    finally:
-        torch.set_printoptions(threshold=with_printopts)  # type: ignore[no-untyped-call]
+    stdout.print(np.array2string(np.asarray(values), threshold=200), markup=False)
 
 
 def diff_table(a: str, b: str, rows: list[dict[str, Any]], all_rows: list[dict[str, Any]]) -> None:

@@ -1,34 +1,34 @@
 """``dstt show``: one tensor's stats, a value histogram and some of its
 values; or a value (``optim/param_groups/0/lr``, ``extra/loss``) and its
-subtree (:mod:`dstt.cli.values`)."""
+subtree (:mod:`dstt.cli.values`). Torch-free: tensors are read as numpy
+arrays (bfloat16 and float8 widened exactly, :func:`dstt.format.dtypes.decode`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+import numpy as np
 import typer
 
 from dstt.cli.output import JSON_OPT, emit_json, handle_errors
-from dstt.cli.targets import open_tensors
-
-if TYPE_CHECKING:
-    import torch
+from dstt.cli.targets import open_index
 
 
 def cmd_show(target: str, tensor: str, slice_text: Optional[str], bins: int, json_out: bool) -> None:
-    """Show a tensor (reads its values: imports torch) or a value path (torch-free)."""
+    """Show a tensor or a value path."""
     from dstt.analysis.history import histogram
     from dstt.analysis.select import parse_slice
     from dstt.cli import render
     from dstt.cli.values import show_value
+    from dstt.format.dtypes import decode
 
     if show_value(target, tensor, json_out):  # a value path: optim/param_groups/0/lr, extra/loss, ...
         return
-    run = open_tensors(target)
+    run, _ = open_index(target)
     branch, step = run.resolve()
     e = run.entry(tensor, step, branch=branch)
     index: Any = parse_slice(slice_text) if slice_text else preview_index(e.shape)
-    values = run.read(tensor, step, branch=branch, index=index)
+    values = decode(run.read_array(tensor, step, branch=branch, index=index), e.dtype)
     hist = histogram(run, tensor, step, branch, bins)
     data = {"store": run.url, "branch": branch, "step": step, "name": tensor, "shape": list(e.shape),
             "dtype": e.dtype.logical, "nbytes": e.nbytes, "written": e.written, "stats": dict(e.stats),
@@ -69,19 +69,25 @@ def index_text(index: tuple[Any, ...]) -> str:
     return ",".join(one(x) for x in index)
 
 
-def to_list(t: torch.Tensor) -> Any:
-    """A tensor's values as JSON-ready lists: complex as ``[re, im]`` pairs,
-    low-precision floats widened, unsigned integers as int64 (uint64 as
-    float64)."""
-    import torch
+def to_list(a: np.ndarray) -> Any:
+    """An array's values as JSON-ready lists: complex as ``[re, im]`` pairs,
+    floats as float64, unsigned integers as int64 (uint64 as float64).
 
-    if t.is_complex():
-        return [[float(z.real), float(z.imag)] for z in t.reshape(-1).tolist()] if t.dim() else [t.real.item(), t.imag.item()]
-    if t.dtype not in (torch.float64, torch.float32, torch.bool) and t.is_floating_point():
-        t = t.to(torch.float64)
-    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
-        t = t.to(torch.int64) if t.dtype != torch.uint64 else t.to(torch.float64)
-    return t.tolist()
+    >>> to_list(np.array([1 + 2j])), to_list(np.array(3, dtype=np.uint64)), to_list(np.float32([0.5]))
+    ([[1.0, 2.0]], 3.0, [0.5])
+    """
+    a = np.asarray(a)
+    if np.iscomplexobj(a):
+        if a.ndim == 0:
+            return [float(a.real), float(a.imag)]
+        return [[float(z.real), float(z.imag)] for z in a.reshape(-1).tolist()]
+    if a.dtype.kind == "f":
+        a = a.astype(np.float64)
+    elif a.dtype == np.uint64:
+        a = a.astype(np.float64)
+    elif a.dtype.kind == "u":
+        a = a.astype(np.int64)
+    return a.tolist()
 
 
 def register(app: typer.Typer) -> None:

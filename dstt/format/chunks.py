@@ -84,7 +84,10 @@ def packed_key_of(e: TensorEntry, i: int) -> str | None:
 
 def read_chunk(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False) -> memoryview:
     """The raw bytes of chunk ``i`` of ``e``, checked against its trailer and
-    the step index (and its recorded sha256 with ``sha256=True``)."""
+    the step index (and its recorded sha256 with ``sha256=True``). A
+    predictive chunk is decoded through its chain (dstt/format/chains.py)."""
+    if e.pred is not None and e.pred.chunks[i] is not None:
+        return _read_pred_chunk(e, i, sha256=sha256)
     p = e.pack(i)
     if p is not None:  # a range of a pack (docs/format.md "Packs"): exactly that range read
         nbytes = e.chunk_grid.chunk_numel * e.dtype.itemsize
@@ -96,6 +99,19 @@ def read_chunk(backend: Backend, e: TensorEntry, i: int, *, sha256: bool = False
     nbytes = e.chunk_grid.chunk_numel * e.dtype.itemsize
     return read_chunk_raw(backend, chunk_key_of(e, i), e.codec, nbytes, chunk_where(e, i),
                           crc=e.crcs[i], sha256=e.sha256[i] if sha256 else None)
+
+
+def _read_pred_chunk(e: TensorEntry, i: int, *, sha256: bool = False) -> memoryview:
+    """The raw bytes of predictive chunk ``i`` of ``e``, decoded through its
+    chain by the chain reader its step's reader attached
+    (dstt/format/chains.py ``attach``: ``(reader, branch, step)``)."""
+    ctx = e.__dict__.get("_chain")
+    if ctx is None:
+        raise CorruptStoreError(f"{e.name} chunk {e.coords(i)}: a predictive chunk read without its step "
+                                "(open the store with dstt.open to read it)")
+    reader, branch, step = ctx
+    got: memoryview = reader.chunk(branch, step, e, i, sha256=sha256)
+    return got
 
 
 #: Bytes of adjacent pack ranges read with one request at most (read_packed).
@@ -111,7 +127,11 @@ def read_packed(backend: Backend, items: list[tuple[TensorEntry, int]], *,
     MAX_PACK_RUN_BYTES at a time, instead of a request per chunk (a
     state_dict of 100,000 small tensors: issue 16)."""
     by_pack: dict[tuple[int, int, int], list[tuple[int, int, int, int]]] = {}
+    out: list[memoryview | None] = [None] * len(items)
     for k, (e, i) in enumerate(items):
+        if e.pred is not None and e.pred.chunks[i] is not None:  # decoded through its chain
+            out[k] = read_chunk(backend, e, i, sha256=sha256)
+            continue
         p = e.pack(i)
         if p is None:
             raise ValueError(f"{chunk_where(e, i)} is not packed")
@@ -120,7 +140,6 @@ def read_packed(backend: Backend, items: list[tuple[TensorEntry, int]], *,
             raise CorruptStoreError(f"{chunk_where(e, i)}: packed range of {p.length} bytes, "
                                     f"at most {max_stored_bytes(e.codec, nbytes)} possible")
         by_pack.setdefault((e.slots[i], p.rank, p.n), []).append((p.offset, p.length, k, nbytes))
-    out: list[memoryview | None] = [None] * len(items)
 
     def read_run(key: str, run: list[tuple[int, int, int, int]]) -> None:
         start, end = run[0][0], run[-1][0] + run[-1][1]

@@ -29,6 +29,8 @@ from typing import Any, Callable, Protocol, cast
 from dstt.errors import CaptureError
 from dstt.format import layout as L
 from dstt.format.backends import Backend
+from dstt.format.codecs.predictors import Coding
+from dstt.format.codecs.spec import array_metadata, encode_chunk
 from dstt.format.geometry import TensorLayout
 from dstt.format.heads import write_head
 from dstt.format.manifest import (
@@ -44,6 +46,8 @@ from dstt.format.manifest import (
 )
 from dstt.format.packs import PackRange, StepPacks
 from dstt.format.partials import Partial, finalize, merge
+from dstt.format.predcommit import dangling, decision_raw, pred_info
+from dstt.format.predindex import ChunkPred
 from dstt.format.pygc import paused_gc
 from dstt.format.root import BranchInfo, raise_root_version
 from dstt.format.valuetree import has_pickle
@@ -59,6 +63,7 @@ class CommitPlan(Protocol):
     layouts: list[TensorLayout]
     fast: bool
     packs: Any  # this rank's StepPacks of the step, or None
+    pred: Any  # the step coder's decisions (format.predcommit.PredStep), or None
 
 
 class Coordination(Protocol):
@@ -88,6 +93,9 @@ class ChunkResult:
     partial: list[float]
     keyframe: int | None = None  # delta coded: the keyframe slot it is the difference to
     pack: PackRange | None = None  # packed: its range in a pack of the step at ``slot`` (packs.py)
+    #: A predictive chunk: its pred record and coding (docs/format.md "Predictive chunks").
+    pred: ChunkPred | None = None
+    coding: Coding | None = None
     #: Set while the chunk waits for the previous step's same chunk to be
     #: stored (its flush came first); ``Writer.commit`` waits for it.
     pending: Future[ChunkResult] | None = None
@@ -139,6 +147,10 @@ class CommitPhase:
         self.settle_links = settle_links
         self.last_commit = last_commit
         self.packs_version_raised = False
+        self.pred_version_raised = False
+        #: Steps this writer committed lately, and the step a new writer read
+        #: back (predictive chunks are coded against those only: predflush.py).
+        self.committed_recent: set[int] = set()
 
     def commit(self, plan: CommitPlan, results: list[ChunkResult], error: BaseException | None = None, *,
                memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
@@ -220,6 +232,9 @@ class CommitPhase:
             raise CaptureError(value)
         if self.last_commit is None or plan.step > self.last_commit[0]:  # (a backfill leaves the head)
             self.last_commit = (plan.step, plan.seq)
+        self.committed_recent.add(plan.step)
+        if len(self.committed_recent) > 4096:  # (a chain reaches back keyframe_every steps)
+            self.committed_recent.discard(min(self.committed_recent))
         return cast(CommitInfo, value)
 
     def _gather(self, step: int, payload: tuple[list[ChunkResult] | None, str | None]) -> list[Any] | None:
@@ -242,8 +257,39 @@ class CommitPhase:
         return [got if at == step else (None, f"it committed step {at} meanwhile (the ranks are out of step)")
                 for at, got in gathered]
 
+    def _store_dangling(self, plan: CommitPlan, results: list[ChunkResult]) -> None:
+        """Store whole the predictive chunks of ``plan`` coded against a step
+        that is not committed (it failed after this one was coded): a
+        chunk file of the tensor's array, from the raw bytes the step coder
+        kept, so no committed step depends on a missing one (predflush.py)."""
+        bad = dangling(results, plan.step, self.committed_recent.__contains__)
+        if not bad:
+            return
+        layouts = {lay.name: lay for lay in plan.layouts}
+        for r in bad:
+            layout = layouts[r.name]
+            raw = decision_raw(plan.pred, layout.array, r.index)
+            if raw is None:
+                raise CaptureError(f"{r.name} chunk {r.index}: coded against step {r.pred and r.pred.prev}, "
+                                   "which was not committed, and its bytes are gone")
+            if layout.packed:  # its first chunk file: the array's document
+                self._ensure_array_doc(layout)
+            parts = encode_chunk(raw.data, layout.codec, raw_crc=r.crc, itemsize=layout.dtype.itemsize)
+            self.backend.put(L.chunk_key(layout.array, r.slot, layout.coords(r.index)), parts)
+            r.pred = r.coding = r.pack = None
+            r.written = sum(len(memoryview(p).cast("B")) for p in parts)
+
+    def _ensure_array_doc(self, layout: TensorLayout) -> None:
+        """The array document of a tensor whose chunks are packed (it has
+        none), for a chunk stored as a file after all."""
+        doc = array_metadata(layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name)
+        key = f"{layout.array}/zarr.json"
+        if self.backend.get(key, max_bytes=len(doc)) != doc:
+            self.backend.put(key, doc)
+
     def _write_commit(self, plan: CommitPlan, results: list[ChunkResult],
                       memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
+        self._store_dangling(plan, results)
         tensors, names, rows, (written, referenced, bytes_total) = _entries(plan, results)
         where = L.step_dir(self.branch.name, plan.step)
         # Format 2 only where a step uses delta coding: other steps stay
@@ -258,6 +304,13 @@ class CommitPhase:
             if not self.packs_version_raised:
                 raise_root_version(self.backend, L.ROWS_FORMAT_VERSION)
                 self.packs_version_raised = True
+        if any(t.pred is not None for t in tensors):
+            # Format 5 where a step has predictive chunks, the store raised
+            # with the first: older readers refuse it, never misread it.
+            version = L.PRED_FORMAT_VERSION
+            if not self.pred_version_raised:
+                raise_root_version(self.backend, L.PRED_FORMAT_VERSION)
+                self.pred_version_raised = True
         index = index_document(version, self.branch.name, plan.step, tensors, plan.tree)
         names_b = encode_json(names)
         stats_b = encode_stats(rows)
@@ -326,6 +379,9 @@ def _entries(plan: CommitPlan, results: list[ChunkResult]
             nbytes = layout.nbytes
             bytes_total += nbytes
             tensors.append(_one_chunk_entry(layout, c))
+            if c.pred is not None:
+                tensors[-1].pred = pred_info(plan.pred, layout.name, layout.delta_array, [c])
+                tensors[-1].delta_array = layout.delta_array
             written += c.written
             if c.written == 0:
                 referenced += nbytes if layout.chunk_shape == layout.shape else layout.valid_bytes(0)
@@ -353,7 +409,10 @@ def _entries(plan: CommitPlan, results: list[ChunkResult]
             keyframes=[c.keyframe for c in chunks] if layout.delta else None,
             delta_array=layout.delta_array if layout.delta else None,
             packs=[c.pack for c in chunks] if any(c.pack is not None for c in chunks) else None,
+            pred=pred_info(plan.pred, layout.name, layout.delta_array, chunks),
         ))
+        if tensors[-1].pred is not None:
+            tensors[-1].delta_array = layout.delta_array
         names.append(name)
     if len(by_chunk) != expected:  # chunks past a planned tensor's grid (others' are ignored)
         planned = {layout.name: layout.nchunks for layout in plan.layouts}

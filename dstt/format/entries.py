@@ -44,6 +44,7 @@ from dstt.format.dtypes import DtypeInfo, info_for_name
 from dstt.format.geometry import ChunkGrid, LogicalTensor
 from dstt.format.layout import DELTA_SUFFIX, MAX_ARRAY_PATH, MAX_SLOTS, STATS_COLUMNS, TENSORS
 from dstt.format.packs import PackRange
+from dstt.format.predindex import PredInfo, parse_pred
 
 #: What array paths written by dstt look like: ``tensors/<escaped name
 #: components>/@<sig>`` in layout.escape_component's alphabet plus '@'; no
@@ -88,6 +89,10 @@ class TensorEntry(LogicalTensor):
     #: pack (written for the step at ``slots[i]``) that holds it. None when
     #: no chunk of the tensor is packed.
     packs: list[PackRange | None] | None = None
+    #: Predictive coding (format version 5; docs/format.md "Predictive
+    #: chunks", dstt/format/predindex.py): per chunk, how it was predicted,
+    #: or None where it is stored whole. None for tensors never coded so.
+    pred: PredInfo | None = None
 
     def keyframe(self, index: int) -> int | None:
         """The keyframe slot chunk ``index`` is coded against, None if stored whole."""
@@ -135,6 +140,7 @@ class TensorEntry(LogicalTensor):
             **({} if self.keyframes is None else
                {"delta": {"array": self.delta_array, "keyframes": self.keyframes}}),
             **({} if self.packs is None else {"pack": [None if p is None else list(p) for p in self.packs]}),
+            **({} if self.pred is None else {"pred": self.pred.to_json()}),
         }
 
 
@@ -160,7 +166,7 @@ def is_row(e: TensorEntry) -> bool:
     whole chunk (``chunk_shape == shape``), packed, not delta coded."""
     packs = e.packs
     return (packs is not None and len(packs) == 1 and packs[0] is not None and e.keyframes is None
-            and e.chunk_shape == e.shape)
+            and e.pred is None and e.chunk_shape == e.shape)
 
 
 class TypeTable:
@@ -376,6 +382,11 @@ class EntryParser:
         entry.share_grid(grid)
         if "delta" in raw:
             _parse_delta(entry, raw["delta"], w)
+        if "pred" in raw:
+            need("delta" not in raw, w, "an entry is delta coded or predictively coded, not both")
+            entry.pred = parse_pred(raw["pred"], w, name=name, array=array, dtype=dtype.logical, nchunks=n,
+                                    itemsize=dtype.itemsize, step=None, blosc=codec.blosc)
+            entry.delta_array = entry.pred.array
         if "pack" in raw:
             _parse_packs(entry, raw["pack"], w)
         return entry

@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from dstt.errors import ConfigError
+from dstt.errors import ConfigError, DsttError
 from dstt.format import layout as L
 from dstt.format.backends import Backend, open_backend
 from dstt.format.localio import pid_alive
@@ -52,6 +52,10 @@ class PruneReport:
     #: branch references; a chunk several removed steps share counts once, at
     #: the first). None without ``dry_run`` (not computed).
     step_bytes: dict[tuple[str, int], int] | None = None
+    #: Per branch, steps outside the policy kept because a kept step's
+    #: predictive chunks are decoded from them (docs/format.md "Predictive
+    #: chunks"): removing them would leave a dangling chain. Also in ``kept``.
+    chained: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def bytes_freed(self) -> int | None:
@@ -61,7 +65,7 @@ class PruneReport:
         sb = self.step_bytes
         return {"removed": [{"branch": b, "step": s, **({} if sb is None else {"bytes": sb.get((b, s), 0)})}
                             for b, s in self.removed],
-                "kept": self.kept, "dry_run": self.dry_run, "bytes_freed": self.bytes_freed}
+                "kept": self.kept, "chained": self.chained, "dry_run": self.dry_run, "bytes_freed": self.bytes_freed}
 
 
 @dataclass
@@ -158,6 +162,10 @@ def prune(
         for b in branches:
             steps = committed_steps(backend, b)
             keep = keep_set(steps, keep_last, keep_every, parents.get(b, set()))
+            chained = chain_closure(backend, b, keep) - keep
+            if chained:
+                report.chained[b] = sorted(chained)
+            keep |= chained
             report.kept[b] = sorted(keep)
             doomed += [(b, s) for s in steps if s not in keep]
         if dry_run:
@@ -169,14 +177,52 @@ def prune(
     return report
 
 
+def chain_closure(backend: Backend, branch: str, keep: set[int]) -> set[int]:
+    """The steps of ``branch`` the predictive chunks of the steps ``keep``
+    are decoded from, transitively (``keep`` included): the steps each
+    chunk's ``pred`` record names (``cur`` and ``prev``), theirs, and so on
+    back to keyframes. Steps a branch inherited from its parent are the
+    parent's to keep (a fork point is always kept, and so its chain)."""
+    from dstt.format.index import RunIndex
+
+    run = RunIndex(backend, cache_steps=1)
+    seen = set(keep)
+    own = set(keep)
+    todo = sorted(keep)
+    while todo:
+        s = todo.pop()
+        try:
+            rec = run.record(s, branch=branch)
+        except DsttError:  # a chain already broken (verify names it): nothing to keep there
+            continue
+        if rec.branch != branch:
+            continue
+        own.add(s)
+        for e in rec.entries:
+            if e.pred is None:
+                continue
+            for c in e.pred.chunks:
+                if c is None:
+                    continue
+                for dep in (c.cur, c.prev):
+                    if dep not in seen:
+                        seen.add(dep)
+                        todo.append(dep)
+    return own
+
+
 def entry_chunks(e: Any) -> Iterator[tuple[str, int, tuple[int, ...]]]:
     """(array, slot, coords) of every chunk file a tensor entry of a step
     references: its chunks, and for a delta chunk its keyframe too. The one
     definition of "referenced" that gc (what it keeps) and verify (what it
     counts and what it calls an orphan) share."""
+    pred = e.pred
     for i, slot in enumerate(e.slots):
         if e.pack(i) is not None:
             continue  # in a pack: entry_packs
+        if pred is not None and pred.chunks[i] is not None:  # a predictive chunk: its inputs are
+            yield pred.array, slot, e.coords(i)            # kept by the steps prune keeps for it
+            continue
         key = e.keyframe(i)
         if key is None:
             yield e.array, slot, e.coords(i)
@@ -441,4 +487,24 @@ def _collect_temp_files(backend: Backend, report: GcReport, dry_run: bool) -> No
                 backend.delete(key)
 
 
-__all__ = ["prune", "collect_garbage", "keep_set", "entry_chunks", "entry_packs", "PruneReport", "GcReport", "remove_step", "branch_parents"]
+def leftover_records(backend: Any, branch: str, dry_run: bool) -> int:
+    """Remove per-rank records (``rank-*.json``, left by a capture helper
+    killed between the commit marker and their removal) from committed step
+    directories; how many (gc, through dstt.capture.collect)."""
+    prefix = L.steps_prefix(branch).rstrip("/")
+    n = 0
+    for d in backend.list_dir(prefix):
+        where = f"{prefix}/{d}"
+        names = backend.list_dir(where)
+        if L.COMMIT_FILE not in names:
+            continue  # uncommitted: gc removes the directory whole
+        for name in names:
+            if name.startswith("rank-") and name.endswith(".json"):
+                n += 1
+                if not dry_run:
+                    backend.delete(f"{where}/{name}")
+    return n
+
+
+__all__ = ["prune", "collect_garbage", "keep_set", "entry_chunks", "entry_packs", "PruneReport", "GcReport", "remove_step", "branch_parents",
+           "leftover_records"]

@@ -96,16 +96,27 @@ def commit_group(phase: CommitPhase, items: Sequence[tuple[CommitPlan, list[Chun
     published = [i for i, o in enumerate(out) if not isinstance(o, BaseException)]
     if len(deferred.markers) != len(published):  # never expected: one marker per step committed
         error = RuntimeError(f"group commit: {len(deferred.markers)} commit markers for {len(published)} steps")
-        phase.last_commit = last_commit
+        _unpublished(phase, items, published, last_commit)
         return [error if i in published else o for i, o in enumerate(out)]
     try:
         if deferred.head is not None:
             real.put(*deferred.head)
-        publish(real, deferred.markers)
+        # A step predicted from an earlier step of the group (predflush.py)
+        # must never be committed without it: its marker only once the
+        # earlier ones are durable.
+        publish(real, deferred.markers, ordered=any(plan.pred is not None for plan, _ in items))
     except BaseException as e:  # noqa: BLE001 - reported per step; none is acknowledged
-        phase.last_commit = last_commit
+        _unpublished(phase, items, published, last_commit)
         return [e if i in published else o for i, o in enumerate(out)]
     return out
+
+
+def _unpublished(phase: CommitPhase, items: Sequence[tuple[CommitPlan, list[ChunkResult]]], published: list[int],
+                 last_commit: Any) -> None:
+    """The commit phase's record of its commits, without the group's steps
+    that were not published after all."""
+    phase.last_commit = last_commit
+    phase.committed_recent.difference_update(items[i][0].step for i in published)
 
 
 def _one(phase: CommitPhase, plan: CommitPlan, results: list[ChunkResult]) -> CommitInfo | BaseException:
@@ -115,10 +126,12 @@ def _one(phase: CommitPhase, plan: CommitPlan, results: list[ChunkResult]) -> Co
         return e
 
 
-def publish(backend: Backend, markers: list[tuple[str, bytes]]) -> None:
+def publish(backend: Backend, markers: list[tuple[str, bytes]], *, ordered: bool = False) -> None:
     """Write ``markers`` (key, document) so each appears atomically, all
     durable on return, with two syncs of the whole store (module docstring);
-    the first also makes everything written before it durable."""
+    the first also makes everything written before it durable. ``ordered``:
+    a sync after each rename, so a crash leaves a prefix of the markers
+    committed, never a later step without an earlier one."""
     temps = []
     try:
         for key, data in markers:
@@ -128,7 +141,10 @@ def publish(backend: Backend, markers: list[tuple[str, bytes]]) -> None:
         backend.sync()
         for tmp, key in temps:
             backend.rename(tmp, key)
-        backend.sync()
+            if ordered:
+                backend.sync()
+        if not ordered:
+            backend.sync()
     finally:
         for tmp, _ in temps:
             if backend.exists(tmp):

@@ -39,6 +39,7 @@ from dstt.errors import (
 )
 from dstt.format import layout as L
 from dstt.format.backends import Backend, open_backend
+from dstt.format.chains import ChainReader, attach
 from dstt.format.chunks import chunk_array, read_box
 from dstt.format.manifest import (
     TensorEntry,
@@ -120,6 +121,8 @@ class RunIndex:
         self._cache_size = cache_steps
         self._names_cache: tuple[str, list[str]] | None = None  # (sha256 of names.json, names)
         self._lock = threading.Lock()
+        #: Decodes predictive chunks (format version 5), each once while cached.
+        self.chains = ChainReader(self.backend, self._entries_at)
 
     @property
     def url(self) -> str:
@@ -231,12 +234,19 @@ class RunIndex:
                              stats_columns_of(commit))
         for e, row in zip(entries, stats):
             e.set_stats_row(row)  # (the dict is built when asked for)
+        entries = attach(entries, self.chains, branch, step)
         rec = StepRecord(branch, step, commit, entries, {e.name: e for e in entries}, objects, stats, names)
         with self._lock:
             self._cache[key] = rec
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return rec
+
+    def _entries_at(self, branch: str, step: int) -> tuple[str, int, dict[str, TensorEntry]]:
+        """(branch holding it, step, entries by name) of a step of ``branch``'s
+        lineage: what a predictive chunk's chain reads its inputs from."""
+        rec = self.record(step, branch=branch)
+        return rec.branch, rec.step, rec.by_name
 
     def step_stats(self, step: int, *, branch: str | None = None) -> tuple[list[str], np.ndarray]:
         """Names and the raw stats table of a step, reading only names.json

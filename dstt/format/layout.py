@@ -36,7 +36,11 @@ PACK_FORMAT_VERSION = 3
 #: one-chunk tensors (docs/format.md "Index rows") are format version 4:
 #: raised when the first is committed.
 ROWS_FORMAT_VERSION = 4
-READ_VERSIONS = (1, 2, 3, 4)
+#: Steps (and stores) with predictive chunks (docs/format.md "Predictive
+#: chunks": index entries with a ``pred`` record) are format version 5:
+#: raised when the first is committed.
+PRED_FORMAT_VERSION = 5
+READ_VERSIONS = (1, 2, 3, 4, 5)
 #: A delta-coded tensor's difference chunks live in the sibling array
 #: ``<array>`` + DELTA_SUFFIX (docs/format.md "Delta chunks").
 DELTA_SUFFIX = ".delta"

@@ -30,6 +30,7 @@ from dstt.format.entries import tensor_checksum as tensor_checksum
 from dstt.format.layout import (
     LEGACY_STATS_COLUMNS,
     MAX_BRANCHES,
+    PRED_FORMAT_VERSION,
     READ_VERSIONS,
     ROWS_FORMAT_VERSION,
     SLOTS_PER_BRANCH,
@@ -243,6 +244,13 @@ def parse_index(data: bytes, where: str) -> tuple[list[TensorEntry], Any]:
         parser = EntryParser(doc.get("types"), where,
                              rows=version in READ_VERSIONS and version >= ROWS_FORMAT_VERSION)
         entries = [parser.entry(r) for r in raw]
+    step = doc.get("step")
+    for e in entries:
+        if e.pred is not None:
+            _need(isinstance(version, int) and version >= PRED_FORMAT_VERSION, where,
+                  f"tensor {e.name!r}: a pred record in an index of format version {version!r}")
+            _need(all(c is None or c.cur <= step for c in e.pred.chunks) if type(step) is int else False, where,
+                  f"tensor {e.name!r}: a pred chunk coded after this step")
     names = {e.name for e in entries}
     _need(len(names) == len(entries), where, "duplicate tensor names")
     objects = doc.get("objects")

@@ -51,7 +51,7 @@ from dstt.format.manifest import (
     sha256_hex,
     tensor_checksum,
 )
-from dstt.format.packs import PACKS, parse_pack_key
+from dstt.format.packs import PACKS, pack_key, parse_pack_key
 from dstt.format.root import check_root, committed_steps, list_branches, load_branch
 from dstt.format.scan import StoreSpec, groups_by_bytes, opened, run_placed, scan_executor
 from dstt.format.valuetree import tensor_refs as tree_refs
@@ -128,6 +128,7 @@ class _Verifier:
         self.referenced_packs: set[str] = set()
         self.arrays: set[str] = set()  # arrays of the entries checked (empty tensors' included)
         self.ranges: set[tuple[str, int]] = set()
+        self.run: Any = None  # a RunIndex, made for the first predictive chunk: its chain reader
 
     def problem(self, branch: str, step: int | None, tensor: str | None, kind: str, msg: str) -> None:
         self.r.problems.append(Problem(branch, step, tensor, kind, msg))
@@ -203,6 +204,25 @@ class _Verifier:
             return (packed, rng, e.crcs[i], e.sha256[i], e.codec, e.dtype.itemsize * _prod(e.chunk_shape))
         return (L.chunk_key(e.array, e.slots[i], e.coords(i)), e.keyframe(i), e.crcs[i], e.sha256[i])
 
+    def pred_chunk(self, branch: str, step: int, e: TensorEntry, i: int) -> str | None:
+        """The error of predictive chunk i of a tensor, or None: its stored
+        residual read and checked, then the chunk decoded through its chain
+        end to end (each link checked against its step's index; a failure
+        names the link) and compared with the index's CRC-32C and sha256."""
+        if self.run is None:
+            from dstt.format.index import RunIndex
+
+            self.run = RunIndex(self.b, cache_steps=64)
+        p = e.pack(i)
+        if p is not None:
+            self.ranges.add((pack_key(e.slots[i], p.rank, p.n), p.offset))
+            self.r.bytes += p.length
+        try:
+            self.run.chains.chunk(branch, step, e, i, sha256=True)
+        except (OSError, DsttError) as exc:
+            return str(exc)
+        return None
+
     def chunk(self, e: TensorEntry, i: int) -> str | None:
         """The error of chunk i of a tensor, or None; cached by key and checksums."""
         packed = packed_key_of(e, i)
@@ -261,7 +281,9 @@ class _Verifier:
         # (gc removes a delta array no kept step has a chunk in).
         if e.packs is not None and all(p is not None for p in e.packs):
             return None  # every chunk in packs: no zarr array (docs/format.md "Packs")
-        uses_delta = e.delta_array is not None and any(k is not None for k in e.keyframes or [])
+        uses_delta = e.delta_array is not None and (
+            any(k is not None for k in e.keyframes or [])
+            or (e.pred is not None and any(c is not None and e.pack(i) is None for i, c in enumerate(e.pred.chunks))))
         cache = f"{e.array}{L.DELTA_SUFFIX}" if uses_delta else e.array
         if cache not in self.seen_arrays:
             docs = [(e.array, array_metadata(e.dtype, e.shape, e.chunk_shape, e.codec, e.name))]
@@ -291,7 +313,8 @@ class _Verifier:
         if err is not None:
             self.problem(branch, step, e.name, "array", err)
         for i in range(e.nchunks):
-            err = self.chunk(e, i)
+            coded = e.pred is not None and e.pred.chunks[i] is not None
+            err = self.pred_chunk(branch, step, e, i) if coded else self.chunk(e, i)
             if err is not None:
                 kind = "chunk" if err.endswith("missing") or "unreadable" in err else "checksum"
                 self.problem(branch, step, e.name, kind, err)
@@ -318,7 +341,8 @@ def _prefetched_groups(v: _Verifier, entries: list[TensorEntry]) -> Iterator[lis
         size += e.nbytes
     for group in groups:
         if prefetch is not None and group:
-            prefetch([key for x in group for i in range(x.nchunks) if x.keyframe(i) is None and x.pack(i) is None
+            prefetch([key for x in group for i in range(x.nchunks)
+                      if x.keyframe(i) is None and x.pack(i) is None and (x.pred is None or x.pred.chunks[i] is None)
                       for key in (L.chunk_key(x.array, x.slots[i], x.coords(i)),)
                       if (key, None, x.crcs[i], x.sha256[i]) not in v.seen])
         yield group
@@ -398,12 +422,16 @@ def _check_chunks_on_executor(v: _Verifier, loaded: list[tuple[str, int, list[Te
                               workers: int | None, progress: Progress | None) -> None:
     """Check every distinct chunk of the loaded steps as tasks (each chunk
     once: the same definition as :meth:`_Verifier.chunk`), filling
-    ``v.seen`` so that the per-tensor pass that follows reads nothing."""
+    ``v.seen`` so that the per-tensor pass that follows reads nothing but
+    the predictive chunks: those are left to it, each decoded through its
+    chain by :meth:`_Verifier.pred_chunk` (its stored residual alone does
+    not match the index's checksums of the decoded chunk)."""
     work: dict[tuple[Any, ...], tuple[TensorEntry, int]] = {}
     for _, _, entries in loaded:
         for e in entries:
             for i in range(e.nchunks):
-                work.setdefault(v.cache_key(e, i), (e, i))
+                if e.pred is None or e.pred.chunks[i] is None:
+                    work.setdefault(v.cache_key(e, i), (e, i))
     if not work:
         return
     items = list(work.values())

@@ -58,6 +58,7 @@ from dstt.format.commit import ChunkResult
 from dstt.format.packs import StepPacks
 from dstt.format.pygc import paused_gc
 from dstt.store.plan import ChunkTask, StepPlan
+from dstt.store.predflush import decision_of, pred_layout
 from dstt.store.stats import BATCH_DTYPES, batch_partials, chunk_partial
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.torchthreads import single_threaded
@@ -104,8 +105,9 @@ def batchable(task: ChunkTask, src: torch.Tensor) -> bool:
 def chunk_place(task: ChunkTask) -> ChunkPlace:
     """Where ``task``'s chunk is stored (keyframes.ChunkPlace)."""
     layout = task.layout
-    return ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta else None,
-                      layout.codec, layout.dtype.itemsize, task.coords)
+    pred = pred_layout(layout)
+    return ChunkPlace(layout.name, layout.array, layout.delta_array if layout.delta or pred else None,
+                      layout.codec, layout.dtype.itemsize, task.coords, pred)
 
 
 class Flusher:
@@ -177,7 +179,8 @@ class Flusher:
         try:
             packs = plan.packs if task.layout.packed else None
             coded = code_chunk(self.backend, chunk_place(task), plan.slot, raw, result.crc, prev,
-                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast, packs=packs)
+                               dedup=self.dedup, keyframe_every=self.keyframe_every, fast=plan.fast, packs=packs,
+                               decision=decision_of(plan, task))
             if coded.written == 0 and coded.ref.pack_file is not None and plan.packs is not None:
                 plan.packs.refer(coded.ref.pack_file)  # commit checks it was written
         except BaseException:
@@ -187,6 +190,7 @@ class Flusher:
             self._encode_cpu_s += time.thread_time() - cpu
         link.resolve(coded.ref)
         result.slot, result.keyframe, result.pack = coded.ref.slot, coded.ref.keyframe, coded.ref.pack
+        result.pred, result.coding = coded.ref.pred, coded.ref.coding
         result.written, result.sha256 = coded.written, coded.sha256
         return result
 
@@ -344,7 +348,7 @@ class Flusher:
         is proven equal by reading that range back (keyframes.proven_equal)
         or, its pack not written yet, stored anew with its hash."""
         value = live_ref(value)
-        candidate = value is not None and value.crc == result.crc
+        candidate = value is not None and value.crc == result.crc and value.pred is None
         sha = packed_sha256(raw, value, result.crc)
         result.sha256 = sha
         if (self.dedup and candidate and value is not None and sha is not None
@@ -353,6 +357,10 @@ class Flusher:
                 plan.packs.refer(value.pack_file)  # commit checks it was written
             result.slot, result.keyframe, result.pack = value.slot, value.keyframe, value.pack
             return (value if value.sha256 == sha else replace(value, sha256=sha)), []
+        decision = decision_of(plan, t)
+        if decision is not None:  # predflush.prepare encoded it: a residual, or the chunk whole
+            result.pred, result.coding = decision.rec, decision.coding
+            return None, decision.parts
         layout = t.layout
         return None, encode_chunk(raw, layout.codec, raw_crc=result.crc, itemsize=layout.dtype.itemsize, fast=plan.fast)
 
@@ -367,7 +375,8 @@ class Flusher:
         for (j, result, _), (f, rng) in zip(packed, placed):
             if f.state == "failed":
                 continue  # passed through by the caller; the error is returned
-            links[j].resolve(ChunkRef(result.crc, result.sha256, slot, pack=rng, pack_file=f))
+            links[j].resolve(ChunkRef(result.crc, result.sha256, slot, pack=rng, pack_file=f,
+                                      pred=result.pred, coding=result.coding))
             settled[j] = True
             result.pack, result.written = rng, rng.length
             out.append(result)

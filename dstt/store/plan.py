@@ -102,6 +102,9 @@ class StepPlan:
     #: This rank's packs of the step (packs.StepPacks; set by the writer
     #: that stores the step, in Writer._reserve).
     packs: Any = None
+    #: Predictive coding of the step's chunks (store/predflush.PredStep; set
+    #: by predflush.prepare before the flush), or None.
+    pred: Any = None
 
     @property
     def local_bytes(self) -> int:

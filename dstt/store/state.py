@@ -100,6 +100,30 @@ def optimizer_state_dict_from(
     return {"state": state, "param_groups": out_groups}
 
 
+def indexed_optimizer_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """A stored (name-keyed) optimizer state in ``optimizer.state_dict()``'s
+    own form, without a live optimizer: the parameter order is the one
+    recorded at capture (each group's ``params``, names in state_dict index
+    order: :func:`optimizer_state`). What ``.pt`` exports hold, so
+    ``optimizer.load_state_dict`` takes them.
+
+    >>> m = torch.nn.Linear(2, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    >>> m(torch.ones(1, 2)).sum().backward(); opt.step()
+    >>> back = indexed_optimizer_state(optimizer_state(opt, m))
+    >>> back["param_groups"][0]["params"], sorted(back["state"])
+    ([0, 1], [0, 1])
+    """
+    groups = saved.get(PARAM_GROUPS)
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        raise RestoreMismatchError("stored optimizer state has no param_groups with params")
+    names = [n for g in groups for n in g["params"]]
+    index = {n: i for i, n in enumerate(names)}
+    state = {index[n]: dict(v) for n, v in saved.items() if n != PARAM_GROUPS and v and n in index}
+    out_groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
+    return {"state": dict(sorted(state.items())), "param_groups": out_groups}
+
+
 def rng_state() -> dict[str, Any]:
     """RNG states of torch (CPU and CUDA), numpy and Python ``random``."""
     out: dict[str, Any] = {

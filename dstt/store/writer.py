@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from dstt.format.codecs.spec import (
     delta_array_metadata,
     group_metadata,
 )
+from dstt.format.codecs.stepcoder import StepCoder
 from dstt.format.commit import ChunkResult, CommitInfo, CommitPhase, CommitPlan
 from dstt.format.groupcommit import commit_group
 from dstt.format.heads import latest_committed
@@ -70,9 +72,13 @@ from dstt.format.root import (
     load_branch,
     raise_root_version,
 )
+from dstt.store import predflush
 from dstt.store.coord import Coordinator, default_coordinator
-from dstt.store.flusher import Flusher
+from dstt.store.flusher import Flusher, chunk_bytes
 from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, plan_step
+from dstt.store.predflush import pred_layout
+
+log = logging.getLogger(__name__)
 
 #: Planned, uncommitted steps a writer tracks references for (see Writer._link).
 MAX_OPEN_PLANS = 64
@@ -132,6 +138,9 @@ class Writer:
         #: none; default: $DSTT_PACK_CHUNK_BYTES, else 1 MiB).
         self.pack_chunk_bytes = pack_chunk_bytes
         self.codec = CodecSpec(compression, zstd_level)
+        #: Predictive coding (compression="predictive"/"auto"): what this
+        #: writer remembers of the previous step's chunks (store/predflush.py).
+        self.coder: StepCoder | None = StepCoder(self.keyframe_every, self.codec) if self.codec.predictive else None
         self.max_chunk_bytes = max_chunk_bytes
         self.allow_pickle = allow_pickle
         self.dedup = dedup
@@ -163,6 +172,12 @@ class Writer:
         # compression="auto": (time, CPU seconds the flusher spent coding
         # chunks) at the previous planned step (guarded by _open_lock).
         self._rate_mark = (0.0, 0.0)
+        #: compression="auto": the CPU budget of encoding (AUTO_CPU_CORES; the
+        #: capture helper, whose threads run below the trainer's priority, has
+        #: none), and steps waiting to be stored besides the open plans (the
+        #: helper's queue): they count towards AUTO_BEHIND.
+        self.auto_cpu_cores = AUTO_CPU_CORES
+        self.backlog = 0
         #: The flush phase (store/flusher.py): stats, checksums, dedup, coding, writes of chunks.
         self.flusher = Flusher(self.backend, dedup=dedup, keyframe_every=self.keyframe_every, threads=threads)
         self._closed = False
@@ -174,6 +189,8 @@ class Writer:
         # with the commit markers, a listing of the steps otherwise.
         head = latest_committed(self.backend, branch)
         self.last_step: int | None = head.step
+        self._stored_latest = head.step  # (predictive coding of the first step: Writer.prepare_pred)
+        self._warmed = False
         self.next_seq = 0
         if head.step is not None and head.seq is not None:
             self.last_commit = (head.step, head.seq)
@@ -394,7 +411,7 @@ class Writer:
             # the trainer wait for, or share its CPU with, the encoder
             # (recorded per step in commit.json).
             plan.fast = self.codec.compression == "auto" and (
-                len(self._open_plans) >= AUTO_BEHIND or self._encode_rate() > AUTO_CPU_CORES)
+                len(self._open_plans) + self.backlog >= AUTO_BEHIND or self._encode_rate() > self.auto_cpu_cores)
             self._open_plans[plan.seq] = list(plan.links.values())
             # A safety net for a writer whose plans are stored elsewhere
             # (helper process) or never committed: the oldest open plan is
@@ -426,9 +443,39 @@ class Writer:
                     layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name))
             # Checked once per writer: gc removes a delta array none of whose
             # chunks a step references, while its keyframe array stays.
-            if layout.delta and layout.delta_array not in self._known_arrays:
+            if (layout.delta or pred_layout(layout)) and layout.delta_array not in self._known_arrays:
                 self._ensure_doc(layout.delta_array, delta_array_metadata(
                     layout.dtype, layout.shape, layout.chunk_shape, layout.name))
+
+    def prepare_pred(self, plan: StepPlan, staged: Callable[[ChunkTask], torch.Tensor | None] | None = None) -> None:
+        """Predictively code ``plan``'s chunks before they are flushed
+        (store/predflush.py), on this writer's pool; ``staged(task)``: the
+        chunk's staged copy, else its source is read. A no-op unless this
+        writer codes predictively; a fast step (the writer behind) is only
+        remembered (its chunks are stored whole, uncompressed: the next
+        step's keyframes) and steps under torch.distributed keep their
+        chunks whole (one writer per chunk, no shared chain)."""
+        if self.coder is None or self.coord.world > 1 or not plan.tasks:
+            return
+
+        def raw_of(task: ChunkTask) -> memoryview:
+            return chunk_bytes(task, None if staged is None else staged(task))
+
+        if not self._warmed:  # a new writer of a branch with steps: its latest is the previous step
+            self._warmed = True
+            latest = self.last_commit[0] if self.last_commit is not None else self._stored_latest
+            if latest is None and self.branch.parent is not None:  # a new branch: its fork step
+                latest = self.branch.parent[1]
+            if latest is not None and latest < plan.step and not self.coder.memory:
+                try:
+                    predflush.warm_start(self.coder, self.backend, self.branch.name, latest)
+                    self.commits.committed_recent.add(latest)  # (committed: read back from the store)
+                except DsttError as e:  # unreadable: keyframes, as a first step
+                    self.coder.forget()
+                    log.warning("dstt: step %s not read back for predictive coding (%s): keyframes instead",
+                                latest, e)
+
+        predflush.prepare(self.coder, plan, raw_of, self.flusher.pool, remember_only=plan.fast)
 
     def _ensure_doc(self, path: str, doc: bytes) -> None:
         key = L.zarr_json_key(path)
@@ -565,6 +612,7 @@ class Writer:
         error: BaseException | None = None
         try:
             self.ensure_arrays(plan)
+            self.prepare_pred(plan)
             futures = [self.flusher.pool.submit(self._flush_batch, plan, batch) for batch in batches(plan.tasks)]
             for f in futures:
                 try:

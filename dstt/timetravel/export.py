@@ -1,14 +1,18 @@
-"""Export a captured step to a standalone file: ``.pt`` or ``.safetensors``.
+"""Export a captured step to a standalone file: ``.pt``, ``.safetensors`` or ``.npz``.
 
-* ``.pt`` -- ``torch.save`` of the nested state exactly as captured, tensors as
-  CPU tensors in their original dtype. It is written so that
+* ``.pt`` -- ``torch.save`` of the nested state as captured, tensors as
+  CPU tensors in their original dtype; the optimizer state (``optim``) in
+  ``optimizer.state_dict()``'s own form (integer ids in the parameter order
+  recorded at capture), so ``optimizer.load_state_dict(torch.load(f)["optim"])``
+  takes it. It is written so that
   ``torch.load(path, weights_only=True)`` reads it: numpy arrays (e.g. the
   numpy RNG state) become tensors and numpy scalars Python numbers; anything
   else weights_only would refuse is dropped and reported.
-* ``.safetensors`` -- tensors only, flat, named by their dstt path relative to
-  ``only`` (``model/layers.0.weight``, or ``layers.0.weight`` with
-  ``only="model"``). Non-tensor values are dropped (reported as one note); the
-  file metadata records the store, branch and step.
+* ``.safetensors`` and ``.npz`` -- tensors only, flat, named by their dstt
+  path relative to ``only`` (``model/layers.0.weight``, or
+  ``layers.0.weight`` with ``only="model"``), written without torch by
+  :mod:`dstt.format.flatexport`. Non-tensor values are dropped (reported as
+  one note); safetensors metadata records the store, branch and step.
 """
 
 from __future__ import annotations
@@ -16,39 +20,24 @@ from __future__ import annotations
 import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from dstt.errors import ConfigError, TensorNotFoundError
+from dstt.errors import ConfigError
+from dstt.format.flatexport import FLAT_FORMATS, ExportInfo, export_flat, subtree
 from dstt.format.index import StepRecord
 from dstt.format.outpath import check_output_file, temp_path
 from dstt.store.reader import TensorReader as Run
 from dstt.store.reader import packed_groups
+from dstt.store.state import PARAM_GROUPS, indexed_optimizer_state
 from dstt.store.tree import unflatten
 from dstt.timetravel.restore import read_whole
 
-FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}
+FORMATS = {".pt": "pt", ".pth": "pt", **FLAT_FORMATS}
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype)
-
-
-@dataclass
-class ExportInfo:
-    """What :func:`export` wrote."""
-
-    path: str
-    format: str
-    branch: str
-    step: int
-    n_tensors: int
-    nbytes: int
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def export(
@@ -73,11 +62,14 @@ def export(
     """
     fmt = FORMATS.get(Path(path).suffix.lower())
     if fmt is None:
-        raise ConfigError(f"cannot export to {os.fspath(path)!r}: the name must end in .pt, .pth or .safetensors")
+        raise ConfigError(f"cannot export to {os.fspath(path)!r}: the name must end in "
+                          f"{', '.join(FORMATS)}")
     check_output_file(path, "export")
     run = ref if isinstance(ref, Run) else Run(os.fspath(ref))
+    if fmt in FLAT_FORMATS.values():
+        return export_flat(run, path, fmt, only, progress=progress, threads=threads)
     rec = run.record()
-    tree = _subtree(rec, only)
+    tree = subtree(rec, only)
     names: list[str] = []
     unflatten(tree, lambda n, k: names.append(n))
     tensors = _read_tensors(run, rec, names, progress, threads)
@@ -85,29 +77,14 @@ def export(
                       sum(t.numel() * t.element_size() for t in tensors.values()))
     tmp = temp_path(path)  # (removes what a killed export of this path left)
     try:
-        if fmt == "pt":
-            state = _weights_only_safe(unflatten(tree, lambda n, k: tensors[n]), info.notes, only or "")
-            torch.save(state, tmp)
-        else:
-            _save_safetensors(tensors, tree, only, tmp, run, rec, info.notes)
+        state = _torch_optimizer_form(unflatten(tree, lambda n, k: tensors[n]), only)
+        state = _weights_only_safe(state, info.notes, only or "")
+        torch.save(state, tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return info
-
-
-def _subtree(rec: StepRecord, only: str | None) -> Any:
-    tree = rec.objects
-    if only:
-        for part in only.strip("/").split("/"):
-            if not isinstance(tree, dict) or part not in tree:
-                have = ", ".join(sorted(rec.objects)) if isinstance(rec.objects, dict) else "nothing"
-                raise TensorNotFoundError(
-                    f"no subtree {only!r} at step {rec.step} of branch {rec.branch!r} (top level: {have})"
-                )
-            tree = tree[part]
-    return tree
 
 
 def _read_tensors(run: Run, rec: StepRecord, names: list[str], progress: Callable[[int, int], None] | None,
@@ -136,6 +113,19 @@ def _read_tensors(run: Run, rec: StepRecord, names: list[str], progress: Callabl
     return out
 
 
+def _torch_optimizer_form(state: Any, only: str | None) -> Any:
+    """``state`` with its optimizer state (``optim``, or the whole state
+    when ``only`` is ``"optim"``) re-keyed as ``optimizer.state_dict()`` is."""
+    def is_optim(v: Any) -> bool:
+        return isinstance(v, dict) and isinstance(v.get(PARAM_GROUPS), list)
+
+    if (only or "").strip("/") == "optim":
+        return indexed_optimizer_state(state) if is_optim(state) else state
+    if not only and isinstance(state, dict) and is_optim(state.get("optim")):
+        return {**state, "optim": indexed_optimizer_state(state["optim"])}
+    return state
+
+
 def _weights_only_safe(v: Any, notes: list[str], path: str) -> Any:
     """Make the state loadable by ``torch.load(weights_only=True)``."""
     if isinstance(v, torch.Tensor) or isinstance(v, _PLAIN):
@@ -157,39 +147,6 @@ def _weights_only_safe(v: Any, notes: list[str], path: str) -> Any:
         return items if isinstance(v, list) else tuple(items)
     notes.append(f"dropped {path}: a {type(v).__name__} is not weights_only-loadable")
     return None
-
-
-def _save_safetensors(tensors: dict[str, torch.Tensor], tree: Any, only: str | None, path: str, run: Run,
-                      rec: StepRecord, notes: list[str]) -> None:
-    try:
-        from safetensors.torch import save_file
-    except ImportError:  # pragma: no cover - declared in the export extra
-        raise ConfigError("exporting .safetensors needs the safetensors package: pip install 'dstt[export]'") from None
-    prefix = only.strip("/") + "/" if only else ""
-    flat = {n[len(prefix):] if n.startswith(prefix) else n: t.contiguous() for n, t in tensors.items()}
-    n_values = _count_values(tree)
-    if n_values:
-        notes.append(f"{n_values} non-tensor leaf value(s) not written (safetensors holds tensors only)")
-    meta = {"dstt_store": run.url, "dstt_branch": rec.branch, "dstt_step": str(rec.step)}
-    if only:
-        meta["dstt_only"] = only
-    save_file(flat, path, metadata=meta)
-
-
-def _count_values(tree: Any) -> int:
-    if isinstance(tree, list):
-        return sum(_count_values(x) for x in tree)
-    if isinstance(tree, dict):
-        if len(tree) == 1:
-            (tag, arg), = tree.items()
-            if tag in ("$tensor", "$ndarray"):
-                return 0
-            if tag in ("$tuple",):
-                return _count_values(arg)
-            if tag.startswith("$"):
-                return 1
-        return sum(_count_values(x) for x in tree.values())
-    return 1
 
 
 __all__ = ["export", "ExportInfo", "FORMATS"]

@@ -75,11 +75,12 @@ CAPTURE_OPTIONS: list[tuple[str, list[Any], type[DsttError] | tuple[type[DsttErr
     ("parent", PARENTS, PARENT_ERRORS),
     ("host_buffer_bytes", [1.5e9, 0, "1", True], ConfigError),
     ("on_full", ["drop", None, 1], ConfigError),
-    ("compression", ["bogus", None, 3], ConfigError),
+    ("compression", ["bogus", 3, ""], ConfigError),  # (None: the default, predictive where the helper runs)
     ("zstd_level", ["x", 1.5, 99, -8, True, None], ConfigError),
     ("keyframe_every", [0, 2.0, "8"], ConfigError),
     ("max_chunk_bytes", [0, "64", 1.5], ConfigError),
     ("flush_threads", [0, 1.5, "2"], ConfigError),
+    ("encode_threads", [0, 1.5, "2"], ConfigError),
     ("allow_pickle", ["no", 1, None], ConfigError),
     ("dedup", ["x", 0], ConfigError),
     ("background_nice", [20, -1, 1.5, True], ConfigError),

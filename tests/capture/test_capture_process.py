@@ -338,14 +338,17 @@ def test_helper_is_a_fresh_process_not_a_fork_of_the_trainer(tmp_path: Path) -> 
     trainer's first optimizer step after it paid copy-on-write for all of
     them, and peak memory doubled. The helper is an exec'ed interpreter
     (its command line runs dstt.capture.helper) and holds no copy of the
-    trainer's state (coarse: anonymous memory, not a timing)."""
+    trainer's state (coarse: anonymous memory, not a timing). (Without
+    predictive coding: that keeps one copy of the previous step in the
+    helper by design, bounded by a quarter of the available memory --
+    tests/format/test_predchain.py.)"""
     model = torch.nn.Linear(4096, 8192, bias=False)  # 128 MiB of parameters
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 4096)).sum().backward()
     opt.step()  # gradients and momentum exist: 384 MiB of state in this process
     state_kib = 3 * model.weight.numel() * 4 // 1024
     trainer_before = _status_kib(os.getpid(), "RssAnon")
-    with dstt.Capture(tmp_path / "run", helper=True) as cap:
+    with dstt.Capture(tmp_path / "run", helper=True, compression="none") as cap:
         helper = cap.parts.helper.pid  # type: ignore[union-attr]
         with open(f"/proc/{helper}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")

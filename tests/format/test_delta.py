@@ -505,7 +505,7 @@ def test_restore_and_export_of_delta_steps_equal_uncompressed(tmp_path: Path) ->
     a = torch.load(tmp_path / "none.pt", weights_only=True)
     b = torch.load(tmp_path / "delta.pt", weights_only=True)
     assert bits_equal(a["model"]["0.weight"], b["model"]["0.weight"])
-    assert bits_equal(a["optim"]["0.weight"]["exp_avg"], b["optim"]["0.weight"]["exp_avg"])
+    assert bits_equal(a["optim"]["state"][0]["exp_avg"], b["optim"]["state"][0]["exp_avg"])  # (state_dict form: id 0 is 0.weight)
 
 
 def test_plain_zarr_lists_every_array(tmp_path: Path) -> None:
@@ -547,9 +547,10 @@ def test_hostile_delta_entries_are_refused_with_a_clear_error(tmp_path: Path, fo
 
 def test_auto_stores_fast_while_the_writer_is_behind(tmp_path: Path, forced: None,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """compression="auto": delta coding, except for steps planned while two
-    earlier ones are still being written -- stored without compression (the
-    same Blosc chain, readable by any reader), and recorded in commit.json."""
+    """compression="auto": predictive coding, except for steps planned while
+    two earlier ones are still being written -- stored without compression
+    (the same Blosc chain, readable by any reader), recorded in commit.json,
+    and the step after it predicted from it."""
     from dstt.store import writer as W
     from dstt.store.writer import AUTO_BEHIND
 
@@ -564,6 +565,7 @@ def test_auto_stores_fast_while_the_writer_is_behind(tmp_path: Path, forced: Non
         plans = [w.plan(s, states[s]) for s in range(1, AUTO_BEHIND + 2)]  # nothing committed meanwhile
         assert [p.fast for p in plans] == [False] * AUTO_BEHIND + [True]
         for p in plans:
+            w.prepare_pred(p)
             w.commit(p, [w.flush_chunk(p, t) for t in p.tasks])
         w.write(AUTO_BEHIND + 2, states[-1])
     run = dstt.open(path)
@@ -574,8 +576,9 @@ def test_auto_stores_fast_while_the_writer_is_behind(tmp_path: Path, forced: Non
         [None] * fast + ["fast"] + [None]
     raw = 64 * 32 * 4
     assert run.tensors(fast)[0].written > raw  # stored whole, uncompressed (Blosc header and CRC)
-    assert run.entry("w", fast).keyframes == [None]
-    assert run.entry("w", fast + 1).keyframes == [run.entry("w", fast).slots[0]]  # the next delta uses it
+    assert run.entry("w", fast).pred is None  # stored whole
+    assert run.entry("w", 1).pred.chunks == [(0, 1, 0)]  # (a chained delta: no optimizer)
+    assert run.entry("w", fast + 1).pred.chunks == [(0, fast + 1, fast)]  # the next step is predicted from it
     root = zarr.open_group(path, mode="r")  # plain zarr decodes the uncompressed Blosc chunk too
     e = run.entry("w", fast)
     assert np.array_equal(root[e.array][e.slots[0]], states[fast]["w"].numpy())

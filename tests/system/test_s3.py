@@ -328,3 +328,13 @@ def test_a_lease_whose_holder_died_on_this_host_is_stale_not_a_live_writer(s3: S
     acquire(url, "main").release()  # a dead holder's unexpired lease is taken over at once
     dstt.save(url, 1, {"w": torch.zeros(2)})
     assert dstt.open(url).steps() == [0, 1]
+
+
+@pytest.mark.parametrize("client", ["obstore", "fsspec"])
+def test_both_object_clients_keep_the_contract(s3: S3Server, monkeypatch: pytest.MonkeyPatch, client: str) -> None:
+    """obstore (the default where installed) and fsspec/s3fs (DSTT_OBJECT_CLIENT=fsspec)
+    serve s3:// alike: the backend contract and the branch-lock race."""
+    monkeypatch.setenv("DSTT_OBJECT_CLIENT", client)
+    assert type(_backend(s3.url())).__name__ == {"obstore": "ObstoreBackend", "fsspec": "FsspecBackend"}[client]
+    test_backend_contract(s3)
+    test_racing_writers_never_both_get_the_branch_lock(s3)

@@ -83,7 +83,7 @@ def test_export_pt_and_safetensors(store: Path, tmp_path: Path) -> None:
     assert isinstance(back["rng"]["numpy"][1], torch.Tensor)  # numpy array → tensor, weights_only-safe
     for k, v in st["model"].items():
         assert bits_equal(back["model"][k], v), k
-    assert bits_equal(back["optim"]["weight"]["exp_avg"], opt.state[m.weight]["exp_avg"])
+    assert bits_equal(back["optim"]["state"][0]["exp_avg"], opt.state[m.weight]["exp_avg"])  # state_dict form
 
     sf = tmp_path / "model.safetensors"
     code, out = invoke("restore", f"{store}:4", "-o", str(sf), "--only", "model", "--json")

@@ -60,6 +60,9 @@ def open_backend(store: Any, *, create: bool = False, storage_options: Mapping[s
         if s.startswith("file://"):
             return LocalBackend(s[len("file://"):], create=create)
         if "://" in s:
+            obstore = _obstore_backend(s, storage_options)
+            if obstore is not None:
+                return obstore
             from dstt.format.backends.objectstore import FsspecBackend
 
             return FsspecBackend(s, storage_options)
@@ -67,3 +70,28 @@ def open_backend(store: Any, *, create: bool = False, storage_options: Mapping[s
     raise StoreNotFoundError(
         f"expected a store path, URL or zarr Store, got {type(store).__name__}"
     )
+
+
+def _obstore_backend(url: str, storage_options: Mapping[str, Any] | None) -> Backend | None:
+    """An obstore backend for ``s3://``, ``gs://``, ``az://`` URLs unless
+    DSTT_OBJECT_CLIENT=fsspec, obstore is missing (then fsspec, unless
+    obstore was asked for) or ``storage_options`` has no obstore spelling."""
+    import importlib.util
+
+    from dstt import knobs
+    from dstt.format.backends.obstore_backend import SCHEMES, translate_options
+
+    client = knobs.object_client()
+    if client == "fsspec" or url.split("://", 1)[0] not in SCHEMES:
+        return None
+    if importlib.util.find_spec("obstore") is None:
+        if client == "obstore":
+            raise StoreNotFoundError(f"cannot open {url!r} with DSTT_OBJECT_CLIENT=obstore: "
+                                     "obstore is not installed (pip install 'dstt[obstore]')")
+        return None
+    config = translate_options(storage_options)
+    if config is None:
+        return None
+    from dstt.format.backends.obstore_backend import ObstoreBackend
+
+    return ObstoreBackend(url, config, storage_options=storage_options)

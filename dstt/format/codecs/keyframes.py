@@ -46,6 +46,8 @@ from dstt.format.packs import PackFile, PackRange, StepPacks, pack_key, read_ran
 
 if TYPE_CHECKING:
     from dstt.format.backends import Backend
+    from dstt.format.codecs.predictors import Coding
+    from dstt.format.predindex import ChunkPred
 
 #: A delta is kept only if its coded size is below this fraction of the
 #: coded size of the keyframe it refers to; else the chunk becomes a keyframe.
@@ -69,11 +71,35 @@ class ChunkRef:
     #: and while that pack may still be unwritten (this writer's), the pack.
     pack: PackRange | None = None
     pack_file: PackFile | None = None
+    #: A predictive chunk (docs/format.md "Predictive chunks"): its pred
+    #: record and coding, carried by every later step that references it.
+    pred: ChunkPred | None = None
+    coding: Coding | None = None
 
     @property
     def keyframe(self) -> int | None:
         """The keyframe slot this chunk is the difference to; None if stored whole."""
         return None if self.key_slot is None or self.key_slot == self.slot else self.key_slot
+
+
+@dataclass
+class Decision:
+    """How the step coder (stepcoder.py) stores one chunk of a step:
+    ``parts`` (its encoded bytes, the residual for a predictive chunk, else
+    the whole chunk) and, for a predictive chunk, its coding and pred record."""
+
+    parts: list[Any]
+    coding: Coding | None = None
+    rec: ChunkPred | None = None
+    exact: int = 0
+    #: The chunk's raw bytes (what the coder remembers): a predictive chunk
+    #: whose previous step fails is stored whole from them.
+    raw: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(len(memoryview(p).cast("B")) for p in self.parts)
+
 
 
 _LINK_LOCKS = [threading.Lock() for _ in range(64)]
@@ -162,6 +188,9 @@ class ChunkPlace:
     codec: CodecSpec
     itemsize: int
     coords: tuple[int, ...]
+    #: Predictively coded tensor: ``delta_array`` holds its predictive
+    #: chunks (never star deltas).
+    pred: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,24 +208,41 @@ HASH_ON_WRITE_BYTES = 64 << 10
 
 def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, crc: int,
                prev: ChunkRef | None, *, dedup: bool, keyframe_every: int, fast: bool = False,
-               packs: StepPacks | None = None) -> Coded:
+               packs: StepPacks | None = None, decision: Decision | None = None) -> Coded:
     """Store one chunk of the step at ``slot`` (or reference ``prev``); see
     the module doc. ``fast`` (the writer is behind, ``compression="auto"``):
     no delta, the chunk stored whole without compression -- a keyframe.
     ``packs``: the chunk is appended to this step's packs (packs.py), never
-    delta coded."""
+    star-delta coded. ``decision``: the chunk's bytes as the step coder
+    encoded them (stepcoder.py: a predictive chunk, or the chunk whole),
+    stored unless it equals ``prev``."""
     prev = live_ref(prev)
     sha = None
-    if dedup and prev is not None and prev.crc == crc:
+    # (never a predictive chunk: a reference would depend on the step it was
+    # coded against, which a later failure could leave uncommitted)
+    if dedup and prev is not None and prev.crc == crc and prev.pred is None:
         sha = hashlib.sha256(raw).digest()
         if proven_equal(backend, prev, raw, sha, lambda: place):
             return Coded(replace(prev, sha256=sha), 0, sha)
+    if decision is not None and decision.coding is not None:
+        if packs is not None:
+            f, rng = packs.add(decision.parts)
+            return Coded(ChunkRef(crc, None, slot, pack=rng, pack_file=f, pred=decision.rec,
+                                  coding=decision.coding), rng.length, None)
+        if place.delta_array is None:
+            raise ValueError(f"{place.name}: a predictive chunk of a tensor without a .delta array")
+        backend.put(L.chunk_key(place.delta_array, slot, place.coords), decision.parts)
+        return Coded(ChunkRef(crc, None, slot, pred=decision.rec, coding=decision.coding), decision.size, None)
     if packs is not None:
+        if decision is not None:  # stored whole, as the step coder encoded it
+            f, rng = packs.add(decision.parts)
+            packed_digest = sha if sha is not None else packed_sha256(raw, prev, crc)
+            return Coded(ChunkRef(crc, packed_digest, slot, pack=rng, pack_file=f), rng.length, packed_digest)
         parts = encode_chunk(raw, place.codec, raw_crc=crc, itemsize=place.itemsize, fast=fast)
         f, rng = packs.add(parts)
         packed_digest = sha if sha is not None else packed_sha256(raw, prev, crc)
         return Coded(ChunkRef(crc, packed_digest, slot, pack=rng, pack_file=f), rng.length, packed_digest)
-    if place.delta_array is not None:
+    if place.delta_array is not None and not place.pred:
         key = None if fast else _keyframe_for(backend, place, prev, slot, len(raw), keyframe_every)
         if key is not None:
             z = zigzag_delta(raw, key.key_raw, place.itemsize)
@@ -212,7 +258,8 @@ def code_chunk(backend: Backend, place: ChunkPlace, slot: int, raw: memoryview, 
         # A copy: ``raw`` may be a staging block that goes back to the pool.
         key_raw = np.frombuffer(raw, dtype=np.uint8).copy()
         return Coded(ChunkRef(crc, None, slot, slot, key_raw, size), size, None)
-    parts = encode_chunk(raw, place.codec, raw_crc=crc, itemsize=place.itemsize)
+    parts = decision.parts if decision is not None else encode_chunk(raw, place.codec, raw_crc=crc,
+                                                                     itemsize=place.itemsize, fast=fast)
     backend.put(L.chunk_key(place.array, slot, place.coords), parts)
     # A small chunk's sha256 costs less than reading it back: recorded now,
     # the next step's dedup proves equality by hash, not by a read per chunk
@@ -275,6 +322,8 @@ def proven_equal(backend: Backend, prev: ChunkRef, raw: memoryview, sha: bytes,
     never prove equal bytes."""
     if prev.sha256 is not None:
         return prev.sha256 == sha
+    if prev.pred is not None:  # its stored bytes are a residual: equal only by hash
+        return False
     return _equals_stored(backend, place(), prev, raw)
 
 
@@ -356,6 +405,13 @@ def resolved_tails(entries: list[TensorEntry]) -> dict[tuple[str, int], Link]:
     out: dict[tuple[str, int], Link] = {}
     for e in entries:
         kf, packs = e.keyframes, e.packs
+        if e.pred is not None:  # predictive chunks: their records travel with them
+            pred = e.pred
+            for i, (c, h, s) in enumerate(zip(e.crcs, e.sha256, e.slots)):
+                out[(e.array, i)] = Link.resolved(ChunkRef(
+                    c, None if h is None else bytes.fromhex(h), s, pack=None if packs is None else packs[i],
+                    pred=pred.chunks[i], coding=pred.coding(i)))
+            continue
         if kf is None and len(e.slots) == 1:
             h = e.sha256[0]
             out[(e.array, 0)] = Link(None, ChunkRef(e.crcs[0], None if h is None else bytes.fromhex(h), e.slots[0],

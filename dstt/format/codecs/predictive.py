@@ -175,11 +175,20 @@ def encode(coding: Coding, actual: Any, inputs: Mapping[tuple[str, str], Any], w
 def decode(coding: Coding, blob: Any, n: int, inputs: Mapping[tuple[str, str], Any], where: str = "chunk") -> np.ndarray:
     """The raw bits (unsigned integers) of a chunk of ``n`` elements coded
     with :func:`encode`, from the same inputs."""
+    _checked(coding, where)  # an unknown predictor is refused before anything is decoded
+    return undo(coding, blosc_decode(blob, n * itemsize(coding), where), n, inputs, where)
+
+
+def undo(coding: Coding, residual_bytes: Any, n: int, inputs: Mapping[tuple[str, str], Any],
+         where: str = "chunk") -> np.ndarray:
+    """:func:`decode` of a residual already out of its container: the raw
+    bytes of ``zigzag(bits - predicted)`` (a writable buffer of ``n``
+    elements, turned into the chunk's raw bits in place)."""
     check_ieee()
     pred = _checked(coding, where)
     size = itemsize(coding)
     ins = _inputs(coding, inputs, n, where)
-    z = np.frombuffer(blosc_decode(blob, n * size, where), dtype=_UINT[size])
+    z = _uint(residual_bytes, size, n, f"{where}: residual")
     s = _scratch()
     guess = np.empty(min(n, BLOCK), _UINT[size])
     tmp = np.empty(min(n, BLOCK), _UINT[size])
@@ -271,4 +280,4 @@ def closure(step: Hashable, role: str, coding_at: Callable[[Hashable, str], Codi
     return order
 
 
-__all__ = ["Encoded", "closure", "decode", "encode", "itemsize", "pick", "plan", "residual"]
+__all__ = ["Encoded", "closure", "decode", "encode", "itemsize", "pick", "plan", "residual", "undo"]

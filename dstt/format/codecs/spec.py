@@ -40,10 +40,13 @@ from dstt.format.layout import CHUNK_SEPARATOR, MAX_SLOTS
 _CRC = struct.Struct("<I")
 
 
-#: What ``compression=`` accepts. ``"auto"``: ``"delta"``, except that a
-#: step planned while earlier ones are still being written (the writer is
-#: behind) is stored without compression in the same Blosc container.
-COMPRESSIONS = ("none", "zstd", "shuffle-zstd", "delta", "auto")
+#: What ``compression=`` accepts. ``"predictive"``: parameters and optimizer
+#: state predicted from the previous step by the optimizer's update rule,
+#: everything else a chained delta (docs/format.md "Predictive chunks").
+#: ``"auto"``: ``"predictive"``, except that a step planned while earlier
+#: ones are still being written (the writer is behind) is stored without
+#: compression in the same Blosc container.
+COMPRESSIONS = ("none", "zstd", "shuffle-zstd", "delta", "predictive", "auto")
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,17 @@ class CodecSpec:
     @property
     def blosc(self) -> bool:
         """Chunks are Blosc containers (shuffle + zstd-1): ``shuffle-zstd`` and ``delta``."""
-        return self.compression in ("shuffle-zstd", "delta", "auto")
+        return self.compression in ("shuffle-zstd", "delta", "predictive", "auto")
 
     @property
     def delta(self) -> bool:
-        return self.compression in ("delta", "auto")
+        """Star deltas to keyframes (docs/format.md "Delta chunks")."""
+        return self.compression == "delta"
+
+    @property
+    def predictive(self) -> bool:
+        """Predictive chunks (docs/format.md "Predictive chunks")."""
+        return self.compression in ("predictive", "auto")
 
     @property
     def array_codec(self) -> "CodecSpec":

@@ -1,0 +1,150 @@
+"""Predictive coding of a planned step before its chunks are flushed (the
+writer's half of docs/format.md "Predictive chunks"; issue 27).
+
+:func:`prepare` runs the writer's :class:`~dstt.format.codecs.stepcoder.StepCoder`
+over a step's chunks -- group by group (a parameter and its optimizer
+state, chunk by chunk), in parallel on the given pool -- and leaves a
+:class:`PredStep` on the plan: the encoded bytes of every chunk of a
+predictively coded tensor (its residual, or the chunk whole at a keyframe).
+The flush then stores those bytes (keyframes.code_chunk, batchflush) and
+the commit records each predictive chunk's coding in the step index
+(:func:`pred_info`).
+
+Where it runs: on whichever thread flushes the step (``Writer.write``; the
+capture helper, off the trainer's process; the in-process committer), once
+per step and in plan order (the coder remembers the previous step's chunks).
+A step it did not run on (a fast step, a chunk flushed alone) is stored as
+before, its chunks whole.
+
+A step is committed only when every step its predictive chunks were coded
+against is committed (:func:`dangling`): a chunk coded against a step that
+failed is stored whole instead, from the raw bytes the coder kept
+(``Writer`` does it before the index is written), so no committed step
+depends on a step that is not there.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from dstt.format.codecs.delta import DELTA_ITEMSIZES
+from dstt.format.codecs.predictors import Coding
+from dstt.format.codecs.stepcoder import Decision, Group, StepCoder, counter_value, groups_of
+from dstt.format.predcommit import PredStep
+
+if TYPE_CHECKING:
+    from dstt.format.backends import Backend
+    from dstt.format.geometry import TensorLayout
+    from dstt.store.plan import ChunkTask, StepPlan
+
+
+def pred_layout(layout: TensorLayout) -> bool:
+    """Whether a tensor's chunks may be predictively coded: a predictive
+    codec (``compression="predictive"`` or ``"auto"``) and an item size of
+    1, 2, 4 or 8 bytes (complex128 never is)."""
+    return (layout.codec.predictive and layout.dtype.itemsize in DELTA_ITEMSIZES
+            and not layout.dtype.logical.startswith("complex"))
+
+
+RawOf = Callable[["ChunkTask"], memoryview]
+
+
+def prepare(coder: StepCoder, plan: StepPlan, raw_of: RawOf, pool: Executor | None = None, *,
+            remember_only: bool = False) -> PredStep:
+    """Code every chunk of ``plan``'s predictively coded tensors (see the
+    module doc); ``raw_of(task)`` gives a chunk's raw bytes (its staged
+    copy's). Sets and returns ``plan.pred``. ``remember_only``: a fast step
+    (stored whole, uncompressed): its chunks are only remembered, as the
+    keyframes the next step is coded against."""
+    step = PredStep()
+    tasks = {(t.layout.name, t.index): t for t in plan.tasks}
+    layouts = {lay.name: lay for lay in plan.layouts}
+    codable = {n: (lay.dtype.logical, tuple(lay.shape), tuple(lay.chunk_shape)) for n, lay in layouts.items()
+               if pred_layout(lay)}
+    groups = groups_of(plan.tree, codable)
+    work: list[tuple[Group, dict[str, list[Coding]], int]] = []
+    for g in groups:
+        nchunks = layouts[g.members[0].name].nchunks
+        if not all((m.name, i) in tasks for m in g.members for i in range(nchunks)):
+            coder.forget_group(g)  # another rank holds part of it: stored whole
+            continue
+        value = None
+        if g.counter is not None and (g.counter, 0) in tasks:
+            value = counter_value(raw_of(tasks[g.counter, 0]), layouts[g.counter].dtype.logical)
+        codings = coder.codings(g, value)
+        for m in g.members:
+            step.inputs[m.name] = g.inputs
+        work.extend((g, codings, i) for i in range(nchunks))
+
+    def run(item: tuple[Group, dict[str, list[Coding]], int]) -> list[tuple[tuple[str, int], Decision]]:
+        g, codings, i = item
+        raws = {m.role: raw_of(tasks[m.name, i]) for m in g.members}
+        out = coder.code_group(g, i, plan.step, raws, codings, remember_only=remember_only)
+        return [((layouts[m.name].array, i), out[m.role]) for m in g.members if m.role in out]
+
+    with torch.no_grad():
+        done = map(run, work) if pool is None or len(work) < 2 else pool.map(run, work)
+        for pairs in done:
+            step.decisions.update(pairs)
+    if not remember_only:
+        plan.pred = step
+    return step
+
+
+def warm_start(coder: StepCoder, backend: Backend, branch: str, step: int) -> None:
+    """Remember ``step`` of ``branch`` (the latest committed step, read back
+    and decoded) as the previous coded step: a new writer of a branch
+    (``dstt.save`` makes one per call, a restarted capture) codes its first
+    step against it instead of storing keyframes. Each chunk's depth is its
+    chain's length in the store, so keyframes still come every K steps."""
+    from dstt.format.chunks import read_chunk
+    from dstt.format.codecs.optimspec import ParamState
+    from dstt.format.codecs.stepcoder import Prev
+    from dstt.format.index import RunIndex
+
+    run = RunIndex(backend, cache_steps=max(8, coder.keyframe_every + 2))
+    rec = run.record(step, branch=branch)
+    by_name = rec.by_name
+    codable = {e.name: (e.dtype.logical, tuple(e.shape), tuple(e.chunk_shape)) for e in rec.entries
+               if e.dtype.itemsize in DELTA_ITEMSIZES and not e.dtype.logical.startswith("complex")}
+
+    def depth(name: str, i: int) -> int:
+        d, at = 0, rec
+        while d < coder.keyframe_every:
+            e = at.by_name.get(name)
+            c = None if e is None or e.pred is None else e.pred.chunks[i]
+            if c is None:
+                return d
+            d += 1
+            at = run.record(c.prev, branch=at.branch)
+        return d
+
+    for g in groups_of(rec.objects, codable):
+        value = None
+        if g.counter is not None and g.counter in by_name:
+            value = counter_value(read_chunk(backend, by_name[g.counter], 0), by_name[g.counter].dtype.logical)
+        dtypes = {m.role: m.dtype for m in g.members}
+        with coder.lock:
+            coder.states[g.key] = (ParamState(dtypes.get("param", ""), {r: d for r, d in dtypes.items()
+                                                                        if r != "param"}, value), g.hyper)
+        for m in g.members:
+            e = by_name[m.name]
+            for i in range(e.nchunks):
+                raw = np.frombuffer(read_chunk(backend, e, i), np.uint8).copy()
+                with coder.lock:
+                    coder.remember((m.name, i), Prev(rec.step, raw, depth(m.name, i), raw.nbytes))
+
+
+def decision_of(plan: StepPlan, task: ChunkTask) -> Decision | None:
+    """The chunk's decision, if :func:`prepare` ran on the step (not fast)."""
+    pred: PredStep | None = plan.pred
+    if pred is None or plan.fast:
+        return None
+    return pred.decisions.get((task.layout.array, task.index))
+
+
+__all__ = ["PredStep", "decision_of", "pred_layout", "prepare", "warm_start"]
