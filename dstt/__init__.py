@@ -46,6 +46,8 @@ _LAZY: dict[str, str] = {
     "gc": "dstt.api",
     "resume": "dstt.api",
     "Resumed": "dstt.api",
+    "to_dask": "dstt.integrations.dask",
+    "to_xarray": "dstt.integrations.dask",
 }
 
 _EXCEPTIONS = [n for n, v in vars(_errors).items()
@@ -80,6 +82,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see ("X as X": re-exported)
     from dstt.format.refs import Ref as Ref
     from dstt.format.refs import StepRef as StepRef
     from dstt.format.verify import verify as verify
+    from dstt.integrations.dask import to_dask as to_dask
+    from dstt.integrations.dask import to_xarray as to_xarray
     from dstt.store.shards import ShardedTensor as ShardedTensor
     from dstt.store.state import optimizer_state as optimizer_state
     from dstt.store.state import rng_state as rng_state

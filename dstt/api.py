@@ -44,6 +44,17 @@ class Run(TensorReader):
 
         return history(self, names, stat=stat, branch=branch, **kw)
 
+    def map(self, fn: Any, names: Any = "*", steps: Any = None, branch: str | None = None,
+            **kw: Any) -> list[dict[str, Any]]:
+        """``fn(tensor)`` of every matching (tensor, step), in parallel, as
+        rows ``{"tensor", "branch", "step", "value"}``; ``fn`` may be a metric
+        name (``"sparsity"``, ``"spectral_norm"``, ...); ``executor=`` and
+        ``workers=`` choose where it runs. See
+        :func:`dstt.analysis.metrics.map_tensors`."""
+        from dstt.analysis.metrics import map_tensors
+
+        return map_tensors(self, fn, names, steps, branch, **kw)
+
     def find(self, patterns: Any = None, branch: str | None = None, **kw: Any) -> list[dict[str, Any]]:
         """The first step where something went wrong (NaN/Inf, a norm jump, a stat threshold),
         from the step index; see :func:`dstt.analysis.anomaly.find`."""

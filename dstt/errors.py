@@ -119,6 +119,11 @@ class ConfigError(DsttError, ValueError):
     """An invalid configuration value."""
 
 
+class ScanError(DsttError, RuntimeError):
+    """A scan over tensor data could not finish: a worker died or its
+    executor failed. Nothing partial is returned (docs/analysis.md)."""
+
+
 # ----------------------------------------------------------------------------- warnings
 
 class DsttWarning(UserWarning):

@@ -12,6 +12,8 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_RANK_WAIT_S`` | :func:`rank_wait_s` | how long rank 0's helper waits for the other ranks' records of a step | 300 |
 | ``DSTT_RANK_WAIT_DEAD_S`` | :func:`rank_wait_dead_s` | the same once those ranks' trainers are known dead | 60 |
 | ``DSTT_DEBUG`` | :func:`debug` | the CLI prints tracebacks | off |
+| ``DSTT_EXECUTOR`` | :func:`executor` | where scans over tensor data run: ``processes``, ``threads``, ``inline`` or ``dask://HOST:PORT`` | ``processes`` |
+| ``DSTT_WORKERS`` | :func:`workers` | workers of the local executor (0: one per core) | 0 |
 | ``DSTT_OBJECT_CLIENT`` | :func:`object_client` | the client of ``s3://``, ``gs://``, ``az://`` stores: ``obstore`` or ``fsspec`` | obstore where installed |
 
 >>> with override(DSTT_PACK_CHUNK_BYTES="0"):
@@ -33,7 +35,7 @@ from dstt.errors import ConfigError
 
 #: The variables this module knows (``override`` refuses any other name).
 KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
-         "DSTT_OBJECT_CLIENT")
+         "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT")
 #: Clients an object store URL may be served by (DSTT_OBJECT_CLIENT).
 OBJECT_CLIENTS = ("obstore", "fsspec")
 
@@ -81,6 +83,17 @@ def rank_wait_dead_s() -> float:
 def debug() -> bool:
     """Whether the CLI prints tracebacks (``DSTT_DEBUG`` set and not ``0``)."""
     return _text("DSTT_DEBUG") not in ("", "0")
+
+
+def executor() -> str | None:
+    """Where scans over tensor data run (``DSTT_EXECUTOR``), None if unset;
+    checked by :func:`dstt.format.scan.parse_executor`."""
+    return _text("DSTT_EXECUTOR") or None
+
+
+def workers() -> int:
+    """Workers of the local executor (``DSTT_WORKERS``); 0: one per core."""
+    return int(_number("DSTT_WORKERS", 0, integer=True))
 
 
 def object_client() -> str:

@@ -331,6 +331,88 @@ def _run_aligned(pa: Point, pb: Point, jobs: list[_Job], pool: ThreadPoolExecuto
             progress(job.ea.chunk_grid.valid_numel(tasks[k][1]) * job.ea.dtype.itemsize)
 
 
+def _run_aligned_tasks(pa: Point, pb: Point, jobs: list[_Job], progress: Progress | None, executor: Any,
+                       workers: int | None) -> bool:
+    """Compare the chunk pairs of chunk-aligned jobs as scan tasks; False
+    (nothing done) when the scan runs inline (then :func:`_run_aligned`)."""
+    from dstt.format.scan import StoreSpec, groups_by_bytes, run_placed, scan_executor
+
+    work: list[tuple[int, int]] = []  # (job, chunk) pairs to read
+    skipped: list[tuple[int, int]] = []
+    for k, job in enumerate(jobs):
+        for i, same in enumerate(_known_same(pa, pb, job.ea, job.eb)):
+            (skipped if same else work).append((k, i))
+    sizes = [jobs[k].ea.chunk_grid.valid_numel(i) * jobs[k].ea.dtype.itemsize for k, i in work]
+    sa, sb = StoreSpec.of(pa[0]), StoreSpec.of(pb[0])
+    with scan_executor(executor, workers, total_bytes=sum(sizes), n_tasks=len(work),
+                       portable=sa is not None and sb is not None) as place:
+        if place.executor is None:
+            return False
+        assert sa is not None and sb is not None
+        for k, i in skipped:
+            n = jobs[k].ea.chunk_grid.valid_numel(i)
+            jobs[k].acc.n += n
+            if progress is not None:
+                progress(n * jobs[k].ea.dtype.itemsize)
+        groups = groups_by_bytes(sizes, min_groups=place.inflight)
+        payloads = []
+        for g in groups:
+            items: list[tuple["TensorEntry", "TensorEntry", bool, list[int]]] = []
+            last = -1
+            for k, i in (work[x] for x in g):
+                if k != last:
+                    items.append((_unattached(jobs[k].ea), _unattached(jobs[k].eb), jobs[k].finite, []))
+                    last = k
+                items[-1][3].append(i)
+            payloads.append((sa, pa[1], pa[2], sb, pb[1], pb[2], items))
+        results = run_placed(place, compare_chunks, payloads, [sum(sizes[x] for x in g) for g in groups],
+                             progress)
+    got: dict[tuple[int, int], tuple[int, _Acc]] = {}
+    for g, res in zip(groups, results):
+        for x, r in zip(g, res):
+            got[work[x]] = r
+    for k, i in sorted(got):  # each tensor's sums in chunk order: the inline order
+        n, acc = got[k, i]
+        jobs[k].acc.n += n
+        jobs[k].acc.add(acc)
+    return True
+
+
+def _unattached(e: "TensorEntry") -> "TensorEntry":
+    """``e`` without the chain reader its step's reader attached to a
+    predictive entry (a reader of this process: neither picklable nor the
+    worker's; the task attaches its own)."""
+    if "_chain" not in e.__dict__:
+        return e
+    import copy
+
+    e = copy.copy(e)
+    del e.__dict__["_chain"]
+    return e
+
+
+def compare_chunks(sa: Any, branch_a: str, step_a: int, sb: Any, branch_b: str, step_b: int,
+                   items: list[tuple["TensorEntry", "TensorEntry", bool, list[int]]]) -> list[tuple[int, _Acc]]:
+    """A task of a diff scan (runs in a worker): (elements, sums) of each
+    chunk pair, read and compared exactly as :func:`_run_aligned` does."""
+    from dstt.format.chains import attach
+    from dstt.format.index import RunIndex
+    from dstt.format.scan import opened
+
+    ra, rb = opened(sa, RunIndex), opened(sb, RunIndex)
+    out = []
+    for ea, eb, finite, indices in items:
+        # predictive chunks decode through this process's chain readers
+        (ea,), (eb,) = attach([ea], ra.chains, branch_a, step_a), attach([eb], rb.chains, branch_b, step_b)
+        for i in indices:
+            with ra.removed_meanwhile(branch_a, step_a):
+                a = _chunk(ra, ea, i)
+            with rb.removed_meanwhile(branch_b, step_b):
+                b = _chunk(rb, eb, i)
+            out.append((a.size, compare_block(a, b, True, finite, ea.dtype, eb.dtype)))
+    return out
+
+
 def _pairs_rows(pa: Point, pb: Point, ea: "TensorEntry", eb: "TensorEntry") -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """Aligned blocks of leading-axis rows when the chunk shapes differ."""
     if not ea.shape:
@@ -373,22 +455,26 @@ def bytes_to_read(pa: Point, pb: Point, patterns: Iterable[str] | None = None) -
 
 def diff(run: "Run", a: Any, b: Any, patterns: Iterable[str] | None = None, *,
          other: "Run | None" = None, progress: Progress | None = None,
-         threads: int = 2) -> list[dict[str, Any]]:
+         threads: int = 2, executor: Any = None, workers: int | None = None) -> list[dict[str, Any]]:
     """Per-tensor diff rows (see the module docstring), in A's tensor order
     followed by tensors only B has.
 
     ``a`` and ``b`` are anything :func:`dstt.analysis.select.resolve_point`
     accepts (a step, ``(branch, step)``, a reference, ``":STEP"``); ``b`` is
     resolved against ``other`` when given. ``patterns`` are name globs.
-    ``progress(nbytes)`` is called as data is compared.
+    ``progress(nbytes)`` is called as data is compared. Chunk pairs are
+    compared as tasks on ``executor`` with ``workers``
+    (:mod:`dstt.format.scan`); the rows are the same bit for bit whichever
+    ran them (each tensor's sums are added in chunk order).
     """
     pa = resolve_point(run, a)
     pb = resolve_point(other or run, b)
-    return diff_points(pa, pb, patterns, progress=progress, threads=threads)
+    return diff_points(pa, pb, patterns, progress=progress, threads=threads, executor=executor, workers=workers)
 
 
 def diff_points(pa: Point, pb: Point, patterns: Iterable[str] | None = None, *,
-                progress: Progress | None = None, threads: int = 2) -> list[dict[str, Any]]:
+                progress: Progress | None = None, threads: int = 2, executor: Any = None,
+                workers: int | None = None) -> list[dict[str, Any]]:
     """:func:`diff` between two resolved ``(run, branch, step)`` points."""
     ra, rb = pa[0].record(pa[2], branch=pa[1]), pb[0].record(pb[2], branch=pb[1])
     names = ra.names + [n for n in rb.names if n not in ra.by_name]
@@ -405,8 +491,10 @@ def diff_points(pa: Point, pb: Point, patterns: Iterable[str] | None = None, *,
             job = _Job(name, ea, eb, _Acc())
             jobs.append(job)
             rows.append(job)
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dstt-diff") as pool:
-        _run_aligned(pa, pb, [j for j in jobs if j.aligned], pool, max(1, threads), progress)
+    aligned = [j for j in jobs if j.aligned]
+    if not _run_aligned_tasks(pa, pb, aligned, progress, executor, workers):
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dstt-diff") as pool:
+            _run_aligned(pa, pb, aligned, pool, max(1, threads), progress)
     for j in jobs:
         if not j.aligned:
             _run_rows(pa, pb, j, progress)

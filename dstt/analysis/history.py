@@ -33,7 +33,10 @@ NAN = float("nan")
 
 def stat_column(stat: str) -> int:
     if stat not in STATS:
-        raise ConfigError(f"unknown stat {stat!r}; choose one of {', '.join(STATS)}")
+        from dstt.analysis.metrics import METRICS
+
+        raise ConfigError(f"unknown stat {stat!r}; choose one of {', '.join(STATS)} "
+                          f"(or a metric of the data: {', '.join(METRICS)})")
     return STATS_COLUMNS.index(stat)
 
 
@@ -81,14 +84,26 @@ class _Matcher:
 
 
 def history(run: "Run", names: str | Iterable[str], stat: str = "norm", branch: str | None = None, *,
-            delta: bool = False, ancestry: bool = True) -> list[dict[str, Any]]:
+            delta: bool = False, ancestry: bool = True, **scan_kw: Any) -> list[dict[str, Any]]:
     """One row ``{"tensor", "branch", "step", "value"}`` per tensor and step
     (pandas-ready: ``pd.DataFrame(run.history("model/*"))``).
 
     ``names`` are tensor names or globs; ``delta=True`` gives the relative
     change from the previous captured point of the same tensor,
     ``(v - prev) / |prev|`` (NaN for the first point).
+
+    ``stat`` may also be a metric of the data
+    (:data:`dstt.analysis.metrics.METRICS`: ``sparsity``, ``rms``,
+    ``absmax``, ``spectral_norm``, ...): read from the stats where they
+    determine it, else computed from the tensors as scan tasks (``executor=``,
+    ``workers=``, ``progress=`` go to :func:`dstt.analysis.metrics.map_tensors`).
     """
+    if stat not in STATS:
+        from dstt.analysis.metrics import METRICS, map_tensors
+
+        if stat in METRICS:
+            found = map_tensors(run, stat, names, None, branch, ancestry=ancestry, **scan_kw)  # type: ignore[arg-type]
+            return _deltas(found) if delta else found
     col = stat_column(stat)
     pats = [names] if isinstance(names, str) else list(names)
     if not pats:
@@ -105,6 +120,16 @@ def history(run: "Run", names: str | Iterable[str], stat: str = "norm", branch: 
                 v = NAN if p is None else _rel(v, p)
             rows.append({"tensor": n, "branch": b, "step": s, "value": v})
     match.check(f"on branch {branch or run.default_branch!r}")
+    return rows
+
+
+def _deltas(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's value as the relative change from the tensor's previous row."""
+    prev: dict[str, float] = {}
+    for r in rows:
+        p = prev.get(r["tensor"])
+        prev[r["tensor"]] = r["value"]
+        r["value"] = NAN if p is None else _rel(r["value"], p)
     return rows
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypeVar
 
 from dstt.errors import InvalidReferenceError, TensorNotFoundError
 
@@ -98,6 +98,47 @@ def open_other(run: R, store: str) -> R:
         if cand == here or cand.rstrip("/") == str(here).rstrip("/"):
             return run
     return type(run)(store)  # the same kind of reader (index only, or tensors too)
+
+
+def step_filter(steps: Any) -> Callable[[int], bool]:
+    """A test of step numbers from ``steps``: None (every step), a step, a
+    list of steps, a ``range`` or a ``slice`` (``stop`` excluded; a slice's
+    step keeps every k-th step number from ``start``, 0 by default).
+
+    >>> [s for s in range(10) if step_filter(slice(2, 9, 3))(s)]
+    [2, 5, 8]
+    """
+    from dstt.errors import ConfigError
+
+    if steps is None:
+        return lambda s: True
+    if isinstance(steps, range):
+        return steps.__contains__
+    if isinstance(steps, slice):
+        lo, hi, k = steps.start, steps.stop, steps.step
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise ConfigError(f"a slice of steps needs a positive step, got {k!r}")
+        return lambda s: ((lo is None or s >= lo) and (hi is None or s < hi)
+                          and (k is None or (s - (lo or 0)) % k == 0))
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        return lambda s: s == steps
+    try:
+        wanted = {int(s) for s in steps}
+    except (TypeError, ValueError):
+        raise ConfigError(f"steps must be a step, a list of steps, a range or a slice, got {steps!r}") from None
+    return wanted.__contains__
+
+
+def lineage_points(run: "RunIndex", steps: Any, branch: str | None) -> list[tuple[str, int]]:
+    """(branch, step) of the selected steps (:func:`step_filter`) of the
+    branch's lineage, in step order; ConfigError when none is selected."""
+    from dstt.errors import ConfigError
+
+    want = step_filter(steps)
+    pts = [(b, s) for b, ss in run.lineage(branch) for s in ss if want(s)]
+    if not pts:
+        raise ConfigError(f"no committed step of branch {branch or run.default_branch!r} matches steps={steps!r}")
+    return pts
 
 
 def parse_slice(text: str) -> tuple[Any, ...]:

@@ -12,11 +12,13 @@ from typing import Any, List, Optional
 import typer
 
 from dstt.cli.output import JSON_OPT, emit_json, handle_errors, stderr
+from dstt.cli.scanopts import EXECUTOR_OPT, WORKERS_OPT, scan_args
 from dstt.cli.targets import open_index, target_text
 
 
 def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], sort: str,
-             changed_only: bool, threads: int, progress: bool, json_out: bool) -> None:
+             changed_only: bool, threads: int, progress: bool, json_out: bool,
+             scan: Optional[dict[str, Any]] = None) -> None:
     """Compare REF_A with REF_B (``REF_B`` may be relative to REF_A's store)."""
     from dstt.analysis.diff import sort_rows
     from dstt.analysis.select import resolve_point
@@ -27,7 +29,7 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
     pb = resolve_point(run, ref_b)
     if pa == pb:
         stderr.print("note: both references name the same step")
-    rows = _tensor_rows(pa, pb, patterns, threads, progress)
+    rows = _tensor_rows(pa, pb, patterns, threads, progress, scan or {})
     value_rows = diff_values(pa, pb, patterns)
     if patterns and not rows and not value_rows:
         from dstt.errors import TensorNotFoundError
@@ -48,7 +50,8 @@ def cmd_diff(ref_a: str, ref_b: str, patterns: list[str], top: Optional[int], so
         render_value_diff(value_rows)
 
 
-def _tensor_rows(pa: Any, pb: Any, patterns: list[str], threads: int, progress: bool) -> list[dict[str, Any]]:
+def _tensor_rows(pa: Any, pb: Any, patterns: list[str], threads: int, progress: bool,
+                 scan: dict[str, Any]) -> list[dict[str, Any]]:
     """The diff rows of every tensor, with the progress bar when the diff
     reads enough bytes to show one."""
     from dstt.analysis.diff import bytes_to_read, diff_points
@@ -62,7 +65,7 @@ def _tensor_rows(pa: Any, pb: Any, patterns: list[str], threads: int, progress: 
             done[0] += nbytes
             update(done[0], total)
 
-        return diff_points(pa, pb, patterns, progress=advance, threads=threads)
+        return diff_points(pa, pb, patterns, progress=advance, threads=threads, **scan)
 
 
 def _shown(rows: list[dict[str, Any]], sort: str, top: Optional[int]) -> list[dict[str, Any]]:
@@ -86,9 +89,12 @@ def register(app: typer.Typer) -> None:
         top: Optional[int] = typer.Option(None, "--top", min=0, help="Show only the N most changed."),
         sort: str = typer.Option("rel_change", help="rel_change, l2_delta, max_abs_delta, frac_changed, cosine, name or status."),
         changed_only: bool = typer.Option(False, "--changed", help="Hide unchanged tensors."),
-        threads: int = typer.Option(2, min=1, help="Reader threads."),
+        threads: int = typer.Option(2, min=1, help="Reader threads (when the diff runs in this process)."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr for long diffs."),
+        workers: Optional[int] = WORKERS_OPT,
+        executor: Optional[str] = EXECUTOR_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:
         """Per-tensor difference between two steps, branches or stores."""
-        cmd_diff(ref_a, ref_b, patterns or [], top, sort, changed_only, threads, progress, json_out)
+        cmd_diff(ref_a, ref_b, patterns or [], top, sort, changed_only, threads, progress, json_out,
+                 scan_args(workers, executor))

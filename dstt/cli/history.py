@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import typer
 
 from dstt.cli.output import JSON_OPT, emit_json, handle_errors, stderr
+from dstt.cli.scanopts import EXECUTOR_OPT, WORKERS_OPT, scan_args
 from dstt.cli.targets import open_index
 
 if TYPE_CHECKING:
@@ -19,12 +20,19 @@ if TYPE_CHECKING:
 def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,
                 plot: Optional[Path], points: bool, ancestry: bool, json_out: bool,
                 log_y: bool = False, panels: bool = False, marks: bool = True, stores: list[str] | None = None,
-                rewrite_plot: bool = False) -> None:
+                rewrite_plot: bool = False, metric: Optional[str] = None,
+                scan: Optional[dict[str, Any]] = None) -> None:
     """The history of TENSOR... (names, globs or value paths) on each branch,
-    of STORE and of every ``--store`` beside it (each series then names its store)."""
+    of STORE and of every ``--store`` beside it (each series then names its store);
+    with ``metric``, of a metric of the data (read where the stats hold it)."""
     from dstt.analysis.history import stat_column
 
-    stat_column(stat)
+    if metric is not None:
+        from dstt.analysis.metrics import check_metric
+
+        stat = check_metric(metric)
+    else:
+        stat_column(stat)
     if plot is not None and not rewrite_plot:  # a bad path, format or a missing matplotlib: one line, before any work
         _check_plot(plot)
     targets = [target, *(stores or [])]
@@ -32,7 +40,7 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
     vseries: list[dict[str, Any]] = []
     tseries: list[dict[str, Any]] = []
     for t in targets:
-        run, got_v, got_t = _one_store(t, tensors, stat, branches, delta, ancestry)
+        run, got_v, got_t = _one_store(t, tensors, stat, branches, delta, ancestry, metric, scan, json_out)
         label = store_label(run.url, [r.url for r in runs.values()] + [run.url]) if len(targets) > 1 else ""
         runs[label] = run
         vseries += [{**s, "store": label} if label else s for s in got_v]
@@ -87,19 +95,38 @@ def store_label(url: str, urls: list[str]) -> str:
 
 
 def _one_store(target: str, tensors: list[str], stat: str, branches: list[str], delta: bool,
-               ancestry: bool) -> tuple[RunIndex, list[dict[str, Any]], list[dict[str, Any]]]:
-    """(run, value series, tensor series) of one STORE[@BRANCH]."""
+               ancestry: bool, metric: Optional[str] = None, scan: Optional[dict[str, Any]] = None,
+               json_out: bool = False) -> tuple[RunIndex, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(run, value series, tensor series) of one STORE[@BRANCH]; with
+    ``metric``, the tensors' series are computed from their data (a progress
+    bar while it reads)."""
     from dstt.cli import values as V
     from dstt.errors import InvalidReferenceError
 
     run, ref = open_index(target)
     if ref.step is not None:
         raise InvalidReferenceError(f"history takes STORE[@BRANCH], not a step: got {target!r}")
+    if metric is not None:  # reads tensor data: the torch reader
+        from dstt.cli.targets import open_tensors
+
+        run = open_tensors(target)
     bs = branches or [ref.branch or run.default_branch]
     value_names, names = V.value_paths(run, bs[0], tensors)
     vseries = V.value_series(run, value_names, bs, ancestry) if value_names else []
-    tseries = tensor_series(run, names, stat, bs, delta, ancestry) if names else []
-    return run, vseries, tseries
+    if not names:
+        return run, vseries, []
+    if metric is None:
+        return run, vseries, tensor_series(run, names, stat, bs, delta, ancestry, scan)
+    from dstt.cli import render
+
+    with render.progress(f"computing {metric}", enabled=not json_out) as update:
+        done = [0]
+
+        def advance(nbytes: int) -> None:
+            done[0] += nbytes
+            update(done[0])
+
+        return run, vseries, tensor_series(run, names, stat, bs, delta, ancestry, {**(scan or {}), "progress": advance})
 
 
 def _check_plot(plot: Path) -> None:
@@ -113,13 +140,14 @@ def _check_plot(plot: Path) -> None:
 
 
 def tensor_series(run: RunIndex, tensors: list[str], stat: str, branches: list[str], delta: bool,
-                  ancestry: bool) -> list[dict[str, Any]]:
-    """``[{"tensor", "branch", "points"}]``: one series per tensor and branch."""
+                  ancestry: bool, scan: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """``[{"tensor", "branch", "points"}]``: one series per tensor and branch
+    (``scan``: where a metric of the data is computed)."""
     from dstt.analysis.history import history, to_series
 
     series = []
     for b in branches:
-        for s in to_series(history(run, tensors, stat, b, delta=delta, ancestry=ancestry)):
+        for s in to_series(history(run, tensors, stat, b, delta=delta, ancestry=ancestry, **(scan or {}))):
             series.append({"tensor": s["tensor"], "branch": b, "points": s["points"]})
     return series
 
@@ -142,6 +170,12 @@ def register(app: typer.Typer) -> None:
         follow: bool = typer.Option(False, "--follow", "-F", help="Show it again (and rewrite --plot) each time a step commits; Ctrl-C to stop."),
         interval: float = typer.Option(2.0, "--interval", help="With --follow: seconds between looks at the store."),
         ancestry: bool = typer.Option(True, "--ancestry/--no-ancestry", help="Include parent branches' steps up to the fork."),
+        metric: Optional[str] = typer.Option(
+            None, "--metric",
+            help="A metric of the data instead of a stat: rms, absmax (from the stats where they hold it), "
+                 "sparsity, l1, spectral_norm, stable_rank (read from the tensors, on --workers/--executor)."),
+        workers: Optional[int] = WORKERS_OPT,
+        executor: Optional[str] = EXECUTOR_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:
         """A stat of tensors (or values: extra/loss, learning rates) across steps, from the step index (no tensor reads); --store compares runs side by side."""
@@ -149,7 +183,8 @@ def register(app: typer.Typer) -> None:
 
         def show() -> None:  # following: the plot written the first time is rewritten, not refused
             cmd_history(target, tensors, stat, branches or [], delta, plot, points, ancestry, json_out,
-                        log_y=log_y, panels=panels, marks=marks, stores=stores or [], rewrite_plot=bool(shown))
+                        log_y=log_y, panels=panels, marks=marks, stores=stores or [], rewrite_plot=bool(shown),
+                        metric=metric, scan=scan_args(workers, executor))
             shown.append(True)
 
         if follow:

@@ -4,18 +4,22 @@ exit code 1 when anything is corrupt or missing. Torch-free."""
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import typer
 
 from dstt.cli.output import emit_json, handle_errors, stderr, stdout
+from dstt.cli.scanopts import EXECUTOR_OPT, WORKERS_OPT, scan_args
 
 
-def cmd_verify(ref: str, json_out: bool, quiet: bool) -> None:
+def cmd_verify(ref: str, json_out: bool, quiet: bool, scan: Optional[dict[str, Any]] = None) -> None:
     """Verify ``ref`` and print the problems and the verdict; exit 1 unless it is OK."""
     from dstt.cli.render import progress
     from dstt.format.verify import verify as run_verify
 
     with progress("verifying", enabled=not quiet, unit="items") as update:
-        report = run_verify(ref, progress=lambda done, total, what: update(done, total, f"verifying {what}"))
+        report = run_verify(ref, progress=lambda done, total, what: update(done, total, f"verifying {what}"),
+                            **(scan or {}))
     if json_out:
         emit_json(report.to_dict())
     else:
@@ -43,9 +47,11 @@ def register(app: typer.Typer) -> None:
         ref: str = typer.Argument(..., help="STORE[@BRANCH][:STEP]; without a branch, every branch."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+        workers: Optional[int] = WORKERS_OPT,
+        executor: Optional[str] = EXECUTOR_OPT,
     ) -> None:
         """Check every committed step: manifests, chunk CRC-32C, sha256 per chunk and per tensor.
 
         Exits 1 when anything is corrupt or missing, naming the step and tensor.
         """
-        cmd_verify(ref, json_out, quiet)
+        cmd_verify(ref, json_out, quiet, scan_args(workers, executor))

@@ -41,6 +41,8 @@ def remove_stale_temps(path: str | os.PathLike[str]) -> list[str]:
     """Remove the temporaries of ``path`` whose process is gone (a SIGKILLed
     export leaves one as large as the export) or that are over an hour old
     (the rule of ``dstt gc``: dstt.format.gc.is_stale_temp); the names removed."""
+    import shutil
+    import stat
     import time
 
     from dstt.format.gc import is_stale_temp
@@ -60,7 +62,10 @@ def remove_stale_temps(path: str | os.PathLike[str]) -> list[str]:
         try:
             st = os.lstat(f)
             if is_stale_temp(name, now - st.st_mtime, pid_alive):
-                os.unlink(f)
+                if stat.S_ISDIR(st.st_mode):  # a directory export (--format zarr)
+                    shutil.rmtree(f)
+                else:
+                    os.unlink(f)
                 removed.append(str(f))
         except OSError:
             continue

@@ -53,6 +53,7 @@ from dstt.format.manifest import (
 )
 from dstt.format.packs import PACKS, pack_key, parse_pack_key
 from dstt.format.root import check_root, committed_steps, list_branches, load_branch
+from dstt.format.scan import StoreSpec, groups_by_bytes, opened, run_placed, scan_executor
 from dstt.format.valuetree import tensor_refs as tree_refs
 
 #: progress(done, total, description) -- called once per tensor checked.
@@ -194,6 +195,15 @@ class _Verifier:
             except DsttError as e:
                 self.problem(branch, step, None, "stats", str(e))
 
+    @staticmethod
+    def cache_key(e: TensorEntry, i: int) -> tuple[Any, ...]:
+        """What makes two chunk checks the same check (read once)."""
+        packed = packed_key_of(e, i)
+        if packed is not None:
+            rng = e.pack(i)
+            return (packed, rng, e.crcs[i], e.sha256[i], e.codec, e.dtype.itemsize * _prod(e.chunk_shape))
+        return (L.chunk_key(e.array, e.slots[i], e.coords(i)), e.keyframe(i), e.crcs[i], e.sha256[i])
+
     def pred_chunk(self, branch: str, step: int, e: TensorEntry, i: int) -> str | None:
         """The error of predictive chunk i of a tensor, or None: its stored
         residual read and checked, then the chunk decoded through its chain
@@ -215,20 +225,17 @@ class _Verifier:
 
     def chunk(self, e: TensorEntry, i: int) -> str | None:
         """The error of chunk i of a tensor, or None; cached by key and checksums."""
-        coords = e.coords(i)
         packed = packed_key_of(e, i)
         if packed is not None:
             rng = e.pack(i)
             assert rng is not None  # packed_key_of says so
             self.ranges.add((packed, rng.offset))
-            pkey = (packed, rng, e.crcs[i], e.sha256[i], e.codec, e.dtype.itemsize * _prod(e.chunk_shape))
-            if pkey not in self.seen:
-                self.seen[pkey] = self._read_packed(e, i)
-            return self.seen[pkey]
-        key = L.chunk_key(e.array, e.slots[i], coords)
-        cache_key = (key, e.keyframe(i), e.crcs[i], e.sha256[i])
+        cache_key = self.cache_key(e, i)
         if cache_key not in self.seen:
-            self.seen[cache_key] = self._read_chunk(e, i, key, coords)
+            if packed is not None:
+                self.seen[cache_key] = self._read_packed(e, i)
+            else:
+                self.seen[cache_key] = self._read_chunk(e, i, cache_key[0], e.coords(i))
         return self.seen[cache_key]
 
     def _read_packed(self, e: TensorEntry, i: int) -> str | None:
@@ -359,7 +366,7 @@ def partial_steps(backend: Backend, branch: str) -> list[int]:
 
 
 def verify(store: Any, branch: str | None = None, step: int | str | None = None,
-           *, progress: Progress | None = None) -> VerifyReport:
+           *, progress: Progress | None = None, executor: Any = None, workers: int | None = None) -> VerifyReport:
     """Verify ``store`` (a path, URL, Backend or ``STORE[@BRANCH][:STEP]``
     reference): every committed step of every branch, or only ``branch``,
     or only one ``step`` of it. Problems are collected, never raised; errors
@@ -395,6 +402,7 @@ def verify(store: Any, branch: str | None = None, step: int | str | None = None,
         report.steps += 1
         if entries is not None:
             loaded.append((b, s, entries))
+    _check_chunks_on_executor(v, loaded, executor, workers, progress)
     total = sum(len(es) for _, _, es in loaded)
     done = 0
     for b, s, entries in loaded:
@@ -408,6 +416,77 @@ def verify(store: Any, branch: str | None = None, step: int | str | None = None,
     if branch is None and step is None and len(loaded) == len(plan):
         report.orphans = _orphans(backend, v.referenced, v.referenced_packs, v.arrays)
     return report
+
+
+def _check_chunks_on_executor(v: _Verifier, loaded: list[tuple[str, int, list[TensorEntry]]], executor: Any,
+                              workers: int | None, progress: Progress | None) -> None:
+    """Check every distinct chunk of the loaded steps as tasks (each chunk
+    once: the same definition as :meth:`_Verifier.chunk`), filling
+    ``v.seen`` so that the per-tensor pass that follows reads nothing but
+    the predictive chunks: those are left to it, each decoded through its
+    chain by :meth:`_Verifier.pred_chunk` (its stored residual alone does
+    not match the index's checksums of the decoded chunk)."""
+    work: dict[tuple[Any, ...], tuple[TensorEntry, int]] = {}
+    for _, _, entries in loaded:
+        for e in entries:
+            for i in range(e.nchunks):
+                if e.pred is None or e.pred.chunks[i] is None:
+                    work.setdefault(v.cache_key(e, i), (e, i))
+    if not work:
+        return
+    items = list(work.values())
+    sizes = [e.dtype.itemsize * _prod(e.chunk_shape) for e, _ in items]
+    spec = StoreSpec.of(v.b)
+    with scan_executor(executor, workers, total_bytes=sum(sizes), n_tasks=len(items),
+                       portable=spec is not None) as place:
+        if place.executor is None:
+            return  # the per-tensor pass reads them here
+        assert spec is not None
+        groups = groups_by_bytes(sizes, min_groups=4 * max(1, place.inflight // 4))
+        payloads = [(spec, _by_entry([items[k] for k in g])) for g in groups]
+        weights = [sum(sizes[k] for k in g) for g in groups]
+        total, done = sum(weights), 0
+
+        def tick(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, total, "chunks")
+
+        for results in run_placed(place, check_chunks, payloads, weights, tick):
+            for key, err, nbytes in results:
+                v.seen[key] = err
+                v.r.bytes += nbytes
+
+
+def _by_entry(items: list[tuple[TensorEntry, int]]) -> list[tuple[TensorEntry, list[int]]]:
+    """(entry, chunk indices) pairs, consecutive chunks of one entry together (each entry pickled once)."""
+    out: list[tuple[TensorEntry, list[int]]] = []
+    for e, i in items:
+        if out and out[-1][0] is e:
+            out[-1][1].append(i)
+        else:
+            out.append((e, [i]))
+    return out
+
+
+def _open_backend(url: str, storage_options: dict[str, Any] | None = None) -> Backend:
+    return open_backend(url, create=False, storage_options=storage_options)
+
+
+def check_chunks(spec: StoreSpec, items: list[tuple[TensorEntry, list[int]]]
+                 ) -> list[tuple[tuple[Any, ...], str | None, int]]:
+    """A task of a verify scan (runs in a worker): (check key, error or
+    None, bytes read) of each chunk, checked exactly as :meth:`_Verifier.chunk`."""
+    backend = opened(spec, _open_backend)
+    v = _Verifier(backend, VerifyReport(spec.url), None)
+    out = []
+    for e, indices in items:
+        for i in indices:
+            before = v.r.bytes
+            err = v.chunk(e, i)
+            out.append((v.cache_key(e, i), err, v.r.bytes - before))
+    return out
 
 
 def _orphans(backend: Backend, referenced: set[tuple[str, int, tuple[int, ...]]],

@@ -94,4 +94,4 @@ def _obstore_backend(url: str, storage_options: Mapping[str, Any] | None) -> Bac
         return None
     from dstt.format.backends.obstore_backend import ObstoreBackend
 
-    return ObstoreBackend(url, config)
+    return ObstoreBackend(url, config, storage_options=storage_options)

@@ -81,6 +81,8 @@ class FsspecBackend(Backend):
         except ImportError:  # pragma: no cover - fsspec comes with zarr
             raise StoreNotFoundError(f"cannot open {url!r}: fsspec is not installed") from None
         opts = dict(storage_options or {})
+        #: As given (what a scan's worker process needs to open the store again).
+        self.storage_options: dict[str, Any] = dict(opts)
         # Invariant: no listing is ever served from a cache (see module docstring).
         opts["use_listings_cache"] = False
         try:

@@ -67,7 +67,8 @@ class ObstoreBackend(Backend):
     can_readinto = False
     directories = False
 
-    def __init__(self, url: str, config: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, url: str, config: Mapping[str, Any] | None = None, *,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         try:
             import obstore
             from obstore.store import from_url
@@ -76,6 +77,9 @@ class ObstoreBackend(Backend):
         self._obs = obstore
         self.url = url.rstrip("/")
         self.protocol = url.split("://", 1)[0]
+        #: What it was opened with (fsspec's spelling): what a scan's tasks
+        #: open it with in another process (dstt.format.scan.StoreSpec).
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
         cfg: dict[str, Any] = dict(config or {})
         client: dict[str, Any] = {}
         if self.protocol == "s3":
