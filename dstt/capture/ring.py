@@ -296,7 +296,7 @@ class RingError(OSError):
 
     >>> import errno
     >>> print(RingError("writing the seal of step 3", "/dev/shm/x/seal-3.json", OSError(errno.ENOSPC, "No space left on device")))
-    writing the seal of step 3 (/dev/shm/x/seal-3.json) failed: [Errno 28] No space left on device; ... is full (the staging ring lives there) ...
+    writing the seal of step 3 (/dev/shm/x/seal-3.json) failed: [Errno 28] No space left on device; ... is full (the staging ring lives there):...
     """
 
     def __init__(self, what: str, path: str, cause: OSError) -> None:
