@@ -18,7 +18,8 @@ EX = ROOT / "examples"
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+                                 "TMPDIR": str(cwd)})  # (an example's own temporary store stays in tmp_path)
 
 
 def finish(proc: subprocess.Popen) -> str:
