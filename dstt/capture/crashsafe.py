@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dstt.capture import policy, ranks
+from dstt.capture import nodeloss, policy, ranks
 from dstt.capture.committers import HAND_OVER_LOCK
 from dstt.capture.fallback import HereCommitter
 from dstt.capture.helper import HelperHandle
@@ -281,6 +281,7 @@ class CrashSafe:
         error: str | None = None
         try:
             ring = Ring(identity, run=self._run_id)
+            nodeloss.recover_copies(self.writer, coord.world)  # a lost node's steps, from the copies here (issue 26)
             ranks.record_rings(self.writer, identity, exclude=ring.dir)
         except Exception as e:  # noqa: BLE001 - agreed on below, so no rank waits for another
             error = f"rank {coord.rank}: {type(e).__name__}: {e}"
@@ -292,6 +293,7 @@ class CrashSafe:
             if coord.rank == 0:
                 try:
                     done = ranks.commit_recorded(self.writer)
+                    nodeloss.report_unrebuilt(self.writer)  # (steps a lost node took: named once)
                     outcome = (done, self.writer.last_step, self.writer.last_commit, self.writer.next_seq)
                 except Exception as e:  # noqa: BLE001
                     outcome = f"rank 0: {type(e).__name__}: {e}"
