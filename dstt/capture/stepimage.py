@@ -26,6 +26,7 @@ import torch
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.capture.seals import encode_record
+from dstt.format.codecs.spec import crc32c
 from dstt.format.redundancy import BlockError
 
 _LEN = struct.Struct("<I")
@@ -57,13 +58,30 @@ def _ranges(plan: Any, pool: torch.Tensor) -> list[tuple[int, int]]:
     return out
 
 
+def _with_crcs(record: dict[str, Any], plan: Any, raw: Any) -> dict[str, Any]:
+    """``record`` with the CRC-32C of every extent's pool bytes filled in
+    (a live seal leaves them out: crashsafe.py): the rebuilt ring's bytes
+    are then checked at recovery like those of a ring a crash left."""
+    tasks = record.get("tasks")
+    extents = tasks.get("extents") if isinstance(tasks, dict) else None
+    if not isinstance(extents, list):
+        return record
+    out = []
+    for first, crc, positions in extents:
+        if crc is None:
+            n = sum(plan.tasks[p].source.numel() * plan.tasks[p].source.element_size() for p in positions)
+            crc = crc32c(raw[first:first + n])
+        out.append([first, crc, positions])
+    return {**record, "tasks": {**tasks, "extents": out}}  # type: ignore[dict-item]
+
+
 def image(record: dict[str, Any], plan: Any, pool: torch.Tensor, owner: dict[str, Any]) -> bytes:
     """The image of a held step: ``record`` (its seal record), ``plan`` (its
     plan adopted from ``pool``, the ring's mapped pool file), ``owner``
     (the ring's owner.json)."""
-    seal = encode_record(record)
-    ranges = _ranges(plan, pool)
     raw = pool.numpy()
+    seal = encode_record(_with_crcs(record, plan, raw))
+    ranges = _ranges(plan, pool)
     head = json.dumps({"pool": record["pool"], "pool_bytes": int(pool.numel()), "ranges": ranges,
                        "seal_bytes": len(seal), "step": int(record["step"]),
                        "owner": {k: owner[k] for k in OWNER_KEYS if k in owner}}).encode()

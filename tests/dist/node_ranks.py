@@ -39,6 +39,13 @@ def protected(out: Path) -> list[int]:
     return [s for a, b in ranges for s in range(a, b + 1)]
 
 
+def write(path: Path, doc: dict[str, Any]) -> None:
+    """``doc`` as JSON at ``path``, whole or not at all (the test polls for it)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.rename(path)
+
+
 def train(out: Path, scheme: str, steps: int) -> None:
     rank = dist.get_rank()
     model, _ = build()
@@ -62,8 +69,7 @@ def train(out: Path, scheme: str, steps: int) -> None:
     while scheme != "none" and not want <= set(protected(out)) and time.monotonic() < deadline:
         time.sleep(0.05)
     helper = cap._helper.pid if cap._helper is not None else None
-    (out / f"rank{rank}.json").write_text(json.dumps({"helper": helper, "trainer": os.getpid(),
-                                                      "protected": protected(out)}))
+    write(out / f"rank{rank}.json", {"helper": helper, "trainer": os.getpid(), "protected": protected(out)})
     time.sleep(600)  # the node is lost while its tier holds the steps
 
 
@@ -75,8 +81,8 @@ def recover(out: Path, scheme: str) -> None:
                            background_timeout_s=90)
     recovered = list(getattr(cap, "recovered", []) or [])
     cap.close()
-    (out / f"recovered{rank}.json").write_text(json.dumps({
-        "recovered": recovered, "warnings": [str(w.message) for w in seen if "NodeLoss" in type(w.message).__name__]}))
+    write(out / f"recovered{rank}.json", {
+        "recovered": recovered, "warnings": [str(w.message) for w in seen if "NodeLoss" in type(w.message).__name__]})
     dist.barrier()
 
 
