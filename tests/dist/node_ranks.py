@@ -30,6 +30,7 @@ from capture_fsdp import build, full
 
 import dstt
 from dstt.format import redundancy as RD
+from dstt.format import tier as T
 from dstt.format.backends import open_backend
 
 
@@ -37,6 +38,13 @@ def protected(out: Path) -> list[int]:
     backend = open_backend(str(out / "run"), create=False)
     _, ranges = RD.protected_steps(RD.read_protected(backend, "main"))
     return [s for a, b in ranges for s in range(a, b + 1)]
+
+
+def held_by_all(out: Path) -> set[int]:
+    """The steps every rank's tier says it holds (its published record)."""
+    records = T.read_held(open_backend(str(out / "run"), create=False), "main")
+    sets = [{s for a, b in r.steps for s in range(a, b + 1)} for r in records]
+    return set.intersection(*sets) if len(sets) == dist.get_world_size() else set()
 
 
 def write(path: Path, doc: dict[str, Any]) -> None:
@@ -66,7 +74,8 @@ def train(out: Path, scheme: str, steps: int) -> None:
         (out / "expected.pt.tmp").rename(out / "expected.pt")
     want = set(range(steps - 3, steps))
     deadline = time.monotonic() + 60
-    while scheme != "none" and not want <= set(protected(out)) and time.monotonic() < deadline:
+    while not (want <= held_by_all(out) and (scheme == "none" or want <= set(protected(out)))) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
     helper = cap._helper.pid if cap._helper is not None else None
     write(out / f"rank{rank}.json", {"helper": helper, "trainer": os.getpid(), "protected": protected(out)})
