@@ -7,7 +7,8 @@ Runs entirely in the helpers: the trainer only seals. Transport: the job's
 own c10d ``TCPStore`` (``MASTER_ADDR:MASTER_PORT``, or
 ``DSTT_REDUNDANCY_STORE``) as a mailbox, under a prefix of the run:
 ``node/<rank>`` (each helper's node), ``blk/<rank>/<n>`` (the n-th framed
-step image of a rank: dstt.format.redundancy.frame), ``ack/<rank>/<step>``
+step image of a rank, dstt.format.redundancy.frame: its part count, the
+parts under ``blk/<rank>/<n>/<i>``, 4 MiB each), ``ack/<rank>/<step>``
 (its holder kept it), ``low/<rank>`` (the oldest step a rank still holds:
 older copies are dropped). Every store call is bounded by its timeout;
 one that fails turns redundancy off for this helper with one warning (its
@@ -43,6 +44,10 @@ log = logging.getLogger("dstt.capture")
 MAX_INFLIGHT = 4
 #: Seconds every mailbox call may take, and the node exchange at the start.
 STORE_TIMEOUT_S = 30.0
+#: A block is posted in parts of this many bytes (the TCPStore's limit is 8 MiB a value).
+PART_BYTES = 4 << 20
+#: Parts a block may have (64 GiB).
+MAX_PARTS = 1 << 14
 #: How often the mailbox is looked at (seconds).
 POLL_S = 0.005
 #: How often the protection record is rewritten at most (seconds).
@@ -80,6 +85,26 @@ class Mailbox:
         if data is not None:
             self.store.delete_key(key)
         return data
+
+
+def post_block(box: Any, key: str, data: bytes) -> None:
+    """``data`` under ``key`` in parts of at most PART_BYTES (the TCPStore
+    refuses a value over 8 MiB), the part count last: a block is whole
+    once its count is there."""
+    parts = [data[i:i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
+    for i, part in enumerate(parts):
+        box.put(f"{key}/{i}", part)
+    box.put(key, str(len(parts)).encode())
+
+
+def take_block(box: Any, key: str) -> bytes | None:
+    """The block posted under ``key`` (its parts taken out), None if not
+    there yet; a part missing reads as a torn block (refused by its frame)."""
+    count = box.take(key)
+    if count is None:
+        return None
+    n = int(count) if count.isdigit() and int(count) <= MAX_PARTS else 0
+    return b"".join(box.take(f"{key}/{i}") or b"" for i in range(n))
 
 
 class PeerGuard:
@@ -193,7 +218,7 @@ class PeerGuard:
             pool = self.ops.pools[record["pool"]]
             data = RD.frame(stepimage.image(record, plan, pool, self._ring_owner()), run=self.run,
                             branch_id=self.branch_id, step=step, rank=self.rank)
-            self.box.put(f"blk/{self.rank}/{self.next_out}", data)
+            post_block(self.box, f"blk/{self.rank}/{self.next_out}", data)
             self.bytes_sent += len(data)
             self.pending.add(step)
             self.last_sent = step
@@ -231,7 +256,7 @@ class PeerGuard:
     def _receive(self) -> bool:
         did = False
         for src in self.sources:
-            data = self.box.take(f"blk/{src}/{self.next_in[src]}")
+            data = take_block(self.box, f"blk/{src}/{self.next_in[src]}")
             if data is None:
                 self._drop_below(src)
                 continue

@@ -116,9 +116,9 @@ def test_guards_copy_acknowledge_and_refuse_torn_or_stale(held: Any, caplog: pyt
     # a torn block and a stale one (another run): refused, never kept or acknowledged
     good = (g1.dir / "rank-0" / kept[-1]).read_bytes()
     n, bid = g1.next_in[0], int(writer.branch.id)
-    box.put(f"blk/0/{n}", good)  # a replay of a step already kept
-    box.put(f"blk/0/{n + 1}", RD.frame(b"y" * 100, run="run1", branch_id=bid, step=50, rank=0)[:-5])
-    box.put(f"blk/0/{n + 2}", RD.frame(b"x", run="run2", branch_id=bid, step=99, rank=0))
+    peerguard.post_block(box, f"blk/0/{n}", good)  # a replay of a step already kept
+    peerguard.post_block(box, f"blk/0/{n + 1}", RD.frame(b"y" * 100, run="run1", branch_id=bid, step=50, rank=0)[:-5])
+    peerguard.post_block(box, f"blk/0/{n + 2}", RD.frame(b"x", run="run2", branch_id=bid, step=99, rank=0))
     with caplog.at_level(logging.WARNING, logger="dstt.capture"):
         for _ in range(3):
             g1.pump([], force=True)
@@ -134,6 +134,17 @@ def test_guards_copy_acknowledge_and_refuse_torn_or_stale(held: Any, caplog: pyt
     assert not g1.dir.exists()
 
 
+def test_blocks_go_in_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TCPStore refuses values over 8 MiB: a block goes in parts, whole once its count is posted."""
+    monkeypatch.setattr(peerguard, "PART_BYTES", 10)
+    box = DictBox()
+    data = bytes(range(95))
+    peerguard.post_block(box, "blk/0/0", data)
+    assert max(len(v) for v in box.d.values()) <= 10 and len(box.d) == 11
+    assert peerguard.take_block(box, "blk/0/0") == data and not box.d
+    assert peerguard.take_block(box, "blk/0/0") is None
+
+
 def test_redundancy_option_is_validated(tmp_path: Path) -> None:
     from dstt.errors import ConfigError
 
@@ -145,3 +156,19 @@ def test_redundancy_option_is_validated(tmp_path: Path) -> None:
         dstt.Capture(tmp_path / "c", memory_steps=2, redundancy="parity:4")
     with pytest.raises(ConfigError, match="this Capture runs alone"):
         dstt.Capture(tmp_path / "d", memory_steps=2, redundancy="pair")
+
+
+def test_a_real_tcpstore_carries_a_block_over_its_value_limit() -> None:
+    """The job's c10d TCPStore (libuv) refuses a value over 8 MiB: a 9 MiB
+    block still goes through, in parts (found by bench_redundancy.py:
+    every copy of a 12.6 MB step was refused and redundancy turned off)."""
+    from datetime import timedelta
+
+    from torch._C._distributed_c10d import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    box = peerguard.Mailbox(("127.0.0.1", server.port), "run1", timeout_s=10)
+    data = os.urandom(9 << 20)
+    peerguard.post_block(box, "blk/0/0", data)
+    assert peerguard.take_block(box, "blk/0/0") == data
+    assert peerguard.take_block(box, "blk/0/0") is None
