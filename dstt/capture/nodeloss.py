@@ -30,7 +30,7 @@ from typing import Any
 from dstt.capture import ranks, stepimage
 from dstt.capture import ringowner as O
 from dstt.capture.peerguard import copies_group
-from dstt.errors import CaptureWarning, DsttError
+from dstt.errors import DsttError, NodeLossWarning
 from dstt.format import redundancy as RD
 from dstt.format import tier as T
 
@@ -41,12 +41,6 @@ MAX_COPY_BYTES = 64 << 30
 _RUN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _RANK_RE = re.compile(r"rank-([0-9]{1,7})")
 _STEP_RE = re.compile(r"step-([0-9]{20})\.blk")
-
-
-class NodeLossWarning(CaptureWarning):
-    """Steps held in memory by a lost node could not be rebuilt (more nodes
-    lost than the redundancy covers, or none asked for): the run goes on
-    from the newest step in the store."""
 
 
 class _Delegated:
