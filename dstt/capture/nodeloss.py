@@ -101,22 +101,53 @@ def recover_copies(writer: Any, world: int, base: Path | None = None) -> dict[in
 
 
 def report_unrebuilt(writer: Any) -> list[int]:
-    """Rank 0, after the recovery's commits: the steps an earlier run's
-    tiers held in memory (their last published records) that are newer
-    than the last commit and were not committed -- named once in a
-    :class:`NodeLossWarning`."""
-    try:
-        held = T.read_held(writer.backend, writer.branch.name)
-    except (DsttError, OSError):
-        return []
+    """Rank 0, after the recovery's commits: the steps newer than the last
+    commit that some rank sealed (its record is in the store) or that an
+    earlier run's tiers said they held (their last published records), and
+    that were not committed -- a node that is gone took its part of them,
+    and no copy rebuilt it. Named once in a :class:`NodeLossWarning`."""
     last = writer.last_step if writer.last_step is not None else -1
-    lost = sorted({s for r in held for a, b in r.steps for s in range(max(a, last + 1), b + 1)})[:10_000]
-    if lost:
+    held: set[int] = set()
+    steps: list[int] = []
+    try:
+        for r in T.read_held(writer.backend, writer.branch.name):
+            held.update(s for a, b in r.steps for s in range(max(a, last + 1), min(b, last + 100_000) + 1))
+        steps = _partly_recorded(writer.backend, writer.branch.name, last, held)[:10_000]
+    except (DsttError, OSError, KeyError, ValueError, TypeError):
+        pass
+    if steps:
         where = f"step {last}" if last >= 0 else "the start (nothing committed)"
-        warnings.warn(f"dstt: steps {_names(lost)} were held in memory by a node that is gone and could not be "
+        warnings.warn(f"dstt: steps {_names(steps)} were held in memory by a node that is gone and could not be "
                       f"rebuilt from any copy: the run goes on from {where} in the store", NodeLossWarning,
                       stacklevel=2)
-    return lost
+    return steps
+
+
+def _partly_recorded(backend: Any, branch: str, after: int, candidates: set[int]) -> list[int]:
+    """Uncommitted steps after ``after`` (those some rank recorded, and
+    ``candidates``) that fewer ranks recorded than the run had: a rank's
+    part is missing (a step every rank recorded, with an error on one, is
+    a failed step, not a lost one)."""
+    from dstt.format import layout as L
+    from dstt.format.rankparts import read_record
+
+    prefix = L.steps_prefix(branch).rstrip("/")
+    names = {int(d) for d in backend.list_dir(prefix)[:100_000]
+             if d.isdigit() and len(d) == L.STEP_DIGITS and int(d) > after}
+    out = []
+    for step in sorted(names | {s for s in candidates if s > after}):
+        d = f"{prefix}/{step:0{L.STEP_DIGITS}d}"
+        if backend.exists(f"{d}/{L.COMMIT_FILE}"):
+            continue
+        ranks_there = [int(n[5:-5]) for n in backend.list_dir(d) if re.fullmatch(r"rank-[0-9]{5,7}\.json", n)]
+        if not ranks_there:
+            if step in candidates:
+                out.append(step)  # held in memory, recorded by nobody
+            continue
+        rec = read_record(backend, branch, step, ranks_there[0])
+        if rec is not None and len(ranks_there) < int(rec["world"]):
+            out.append(step)
+    return out
 
 
 def _read_copy(path: Path) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -142,6 +143,18 @@ def lose_node_after_protection(tmp_path: Path, scheme: str, lost: int) -> tuple[
     return lose_nodes(tmp_path, scheme, [lost])
 
 
+def named_steps(warnings: object) -> set[int]:
+    """The steps one NodeLossWarning names ("steps 1-3, 5 were held ..."); every warning is one."""
+    assert isinstance(warnings, list) and len(warnings) == 1, warnings
+    m = re.search(r"steps ([0-9, -]+) were held in memory by a node that is gone", warnings[0])
+    assert m, warnings
+    out: set[int] = set()
+    for part in m.group(1).split(", "):
+        a, _, b = part.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
 def check_bits(tmp_path: Path, steps: list[int]) -> None:
     expected = torch.load(tmp_path / "expected.pt")
     run = dstt.open(tmp_path / "run")
@@ -171,7 +184,8 @@ def test_none_loses_the_steps_and_names_them(tmp_path: Path) -> None:
     nothing wrong is committed, and one warning names the steps."""
     nodes, recovered = lose_node_after_protection(tmp_path, "none", lost=1)
     assert recovered[0]["recovered"] == [], nodes.logs()
-    assert len(recovered[0]["warnings"]) == 1 and "steps 5-7" in recovered[0]["warnings"][0]
+    # (rank 0's ring may still hold older memory-only steps it had not evicted: named too)
+    assert {5, 6, 7} <= named_steps(recovered[0]["warnings"]) <= set(range(1, 8))
     check_bits(tmp_path, [0])
 
 
@@ -189,12 +203,13 @@ def test_pair_lose_a_node_while_copies_are_under_way(tmp_path: Path) -> None:
     each of steps 5-7 is either rebuilt bit-exact or named as lost, never
     committed wrong."""
     nodes, recovered = lose_nodes(tmp_path, "pair", [1], nowait=True)
-    got = recovered[0]["recovered"]
-    named = " ".join(recovered[0]["warnings"])  # type: ignore[arg-type]
-    assert set(got) <= {5, 6, 7}, nodes.logs()  # type: ignore[arg-type]
-    for step in {5, 6, 7} - set(got):  # type: ignore[arg-type]
-        assert str(step) in named, (got, named)
-    check_bits(tmp_path, [0, *sorted(got)])  # type: ignore[arg-type]
+    got = set(recovered[0]["recovered"])  # type: ignore[call-overload]
+    named = named_steps(recovered[0]["warnings"]) if recovered[0]["warnings"] else set()
+    assert got <= set(range(8)) and not got & named, (got, named, nodes.logs())
+    assert set(range(5, 8)) <= got | named, (got, named)  # each held step rebuilt or named
+    committed = dstt.open(tmp_path / "run").steps()
+    assert set(committed) - {0} == got - {0}
+    check_bits(tmp_path, committed)
 
 
 @pytest.mark.slow
@@ -212,5 +227,5 @@ def test_pair_two_neighbours_lost_falls_back_and_names_the_steps(tmp_path: Path)
     nothing wrong committed, one warning names the steps."""
     nodes, recovered = lose_nodes(tmp_path, "pair", [1, 2], n=3)
     assert recovered[0]["recovered"] == [], nodes.logs()
-    assert len(recovered[0]["warnings"]) == 1 and "steps 5-7" in recovered[0]["warnings"][0]  # type: ignore[index]
+    assert {5, 6, 7} <= named_steps(recovered[0]["warnings"]) <= set(range(1, 8))
     check_bits(tmp_path, [0])
