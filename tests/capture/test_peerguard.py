@@ -38,9 +38,14 @@ class DictBox:
         return self.d.pop(key, None)
 
 
-@pytest.fixture
-def held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A Capture's ring with steps sealed and held (memory tier), read as a helper reads them."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield from _held(tmp_path_factory.mktemp("held"), mp)
+
+
+def _held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     shm = tmp_path / "shm"
     shm.mkdir()
     monkeypatch.setenv("DSTT_SHM_DIR", str(shm))
