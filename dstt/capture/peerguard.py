@@ -115,8 +115,16 @@ class PeerGuard:
 
     def __init__(self, scheme: RD.Scheme, run: str, rank: int, world: int, ops: Any, writer: Any,
                  mailbox: Any) -> None:
+        """``mailbox``: a Mailbox, or a function making one -- then called on a
+        thread of its own (connecting never holds up the helper's loop: the
+        guard does nothing until it is connected)."""
         self.scheme, self.run, self.rank, self.world, self.ops, self.writer = scheme, run, rank, world, ops, writer
-        self.box = mailbox
+        self.box: Any = None if callable(mailbox) else mailbox
+        if callable(mailbox):
+            import threading
+
+            threading.Thread(target=self._connect, args=(mailbox,), name="dstt-redundancy-connect",
+                             daemon=True).start()
         self.branch_id = int(writer.branch.id)
         self.nodes: list[int] | None = None
         self.holder: int | None = None  # the rank keeping this rank's copies
@@ -143,7 +151,7 @@ class PeerGuard:
     def pump(self, held: list[int], force: bool = False) -> bool:
         """Send held steps not sent yet, take blocks for this rank to keep,
         read acknowledgements; whether anything was done."""
-        if self.failed is not None:
+        if self.failed is not None or self.box is None:
             return False
         now = time.monotonic()
         if not force and now < self._next_poll and not (held and held[-1] > self.last_sent):
@@ -171,6 +179,14 @@ class PeerGuard:
             _remove_tree(self.dir)
 
     # ------------------------------------------------------------ internals
+
+    def _connect(self, make: Any) -> None:
+        try:
+            self.box = make()
+        except Exception as e:  # noqa: BLE001 - unprotected, said once; the tier runs
+            self.failed = f"{type(e).__name__}: {e}"
+            log.warning("dstt helper (rank %d): peer redundancy off: %s (its steps are unprotected)", self.rank,
+                        self.failed)
 
     def _place(self) -> bool:
         """Learn every helper's node (bounded: STORE_TIMEOUT_S at most)."""
@@ -337,11 +353,11 @@ def start(tier_args: dict[str, Any], records: Any, writer: Any, ops: Any) -> Pee
         addr = knobs.redundancy_store()
         if addr is None:
             raise OSError("no MASTER_ADDR/MASTER_PORT or DSTT_REDUNDANCY_STORE to meet the other helpers at")
-        box = Mailbox(addr, str(tier_args["run"]))
     except Exception as e:  # noqa: BLE001 - unprotected, said once; the tier runs
         log.warning("dstt helper (rank %d): peer redundancy off: %s", records.rank, e)
         return None
-    return PeerGuard(scheme, str(tier_args["run"]), records.rank, records.world, ops, writer, box)
+    run = str(tier_args["run"])
+    return PeerGuard(scheme, run, records.rank, records.world, ops, writer, lambda: Mailbox(addr, run))
 
 
 __all__ = ["MAX_INFLIGHT", "Mailbox", "PeerGuard", "copies_group", "copies_root", "start"]

@@ -177,3 +177,25 @@ def test_a_real_tcpstore_carries_a_block_over_its_value_limit() -> None:
     peerguard.post_block(box, "blk/0/0", data)
     assert peerguard.take_block(box, "blk/0/0") == data
     assert peerguard.take_block(box, "blk/0/0") is None
+
+
+def test_a_mailbox_that_cannot_be_reached_turns_redundancy_off(held: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Connecting runs on a thread of its own (never holding up the helper's
+    loop); if it fails, the guard says so once and does nothing more."""
+    import time
+
+    ops, writer = held
+
+    def unreachable() -> Any:
+        time.sleep(0.2)
+        raise OSError("connection refused")
+
+    with caplog.at_level(logging.WARNING, logger="dstt.capture"):
+        t = time.monotonic()
+        g = peerguard.PeerGuard(RD.parse_scheme("pair"), "run1", 0, 2, ops, writer, unreachable)
+        assert g.pump(sorted(ops.steps), force=True) is False and time.monotonic() - t < 0.2
+        deadline = time.monotonic() + 10
+        while g.failed is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert g.failed == "OSError: connection refused" and g.pump([1], force=True) is False
+    assert "peer redundancy off: OSError: connection refused" in caplog.text
