@@ -153,7 +153,8 @@ def _launch(tmp: Path, phase: str, args: argparse.Namespace) -> dict[int, subpro
     for node in (0, 1):
         shm = tmp / f"shm{node}"
         shm.mkdir(exist_ok=True)
-        env = {**os.environ, "DSTT_SHM_DIR": str(shm), "DSTT_NODE_ID": f"node{node}", "OMP_NUM_THREADS": "1",
+        (tmp / "tmp").mkdir(exist_ok=True)
+        env = {**os.environ, "DSTT_SHM_DIR": str(shm), "TMPDIR": str(tmp / "tmp"), "DSTT_NODE_ID": f"node{node}", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
                "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", str(HERE),

@@ -43,13 +43,15 @@ class Nodes:
 
     def start(self, phase: str, scheme: str, steps: int = 8, **extra_env: str) -> None:
         port = free_port()
+        (self.tmp / "tmp").mkdir(exist_ok=True)  # (torchrun's own scratch: a killed agent leaves it behind)
         for node in range(self.n):
             self.shm(node).mkdir(exist_ok=True)
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.n}", f"--node-rank={node}",
                    "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER),
                    str(self.tmp), phase, scheme, str(steps)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]),
-                   "DSTT_SHM_DIR": str(self.shm(node)), "DSTT_NODE_ID": f"node{node}", "DSTT_RANK_WAIT_S": "30", **extra_env}
+                   "DSTT_SHM_DIR": str(self.shm(node)), "DSTT_NODE_ID": f"node{node}", "DSTT_RANK_WAIT_S": "30",
+                   "TMPDIR": str(self.tmp / "tmp"), **extra_env}
             log = open(self.tmp / f"{phase}-node{node}.log", "ab")  # noqa: SIM115 - closed with the process
             self.procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                 start_new_session=True)
