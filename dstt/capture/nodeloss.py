@@ -68,8 +68,8 @@ def recover_copies(writer: Any, world: int, base: Path | None = None) -> dict[in
             rank = int(_RANK_RE.fullmatch(rank_dir.name).group(1))  # type: ignore[union-attr]
             for path in sorted(rank_dir.iterdir()):
                 m = _STEP_RE.fullmatch(path.name)
-                if m is None:
-                    continue
+                if m is None or (writer.last_step is not None and int(m.group(1)) <= writer.last_step):
+                    continue  # (committed already: nothing to rebuild)
                 try:
                     data = _read_copy(path)
                     _, payload = RD.unframe(data, run=run_dir.name, branch_id=int(writer.branch.id),

@@ -110,7 +110,8 @@ def _killpg(pid: int) -> None:
 
 
 def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait: bool = False,
-               kill_recovery_after_s: float | None = None) -> tuple[Nodes, list[dict[str, object]]]:
+               kill_recovery_after_s: float | None = None, corrupt: bool = False
+               ) -> tuple[Nodes, list[dict[str, object]]]:
     """Train on ``n`` nodes x 1 rank until the held steps are protected
     (``nowait``: lose them at once, copies possibly under way), lose the
     nodes ``lost`` (the others' job dies with them: killed, their memory
@@ -127,6 +128,11 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
                 nodes.lose(node, remove=False)  # (the job is torn down: killed, not closed)
         for r in range(n):
             (tmp_path / f"rank{r}.json").unlink()
+        if corrupt:  # one bit of the newest copy flipped where it is kept
+            newest = sorted(nodes.shm(0).rglob("*.blk"))[-1]
+            data = bytearray(newest.read_bytes())
+            data[-7] ^= 0x04
+            newest.write_bytes(bytes(data))
         if kill_recovery_after_s is not None:
             nodes.start("recover", scheme)
             time.sleep(kill_recovery_after_s)
@@ -231,3 +237,15 @@ def test_pair_two_neighbours_lost_falls_back_and_names_the_steps(tmp_path: Path)
     assert recovered[0]["recovered"] == [], nodes.logs()
     assert {5, 6, 7} <= named_steps(recovered[0]["warnings"]) <= set(range(1, 8))
     check_bits(tmp_path, [0])
+
+
+@pytest.mark.slow
+def test_pair_a_corrupted_copy_is_never_used(tmp_path: Path) -> None:
+    """A bit of the copy of step 7 flipped on the node that keeps it: that
+    copy is refused (named in a warning on its node), step 7 is not
+    committed and is named; steps 5-6 are rebuilt bit-exact."""
+    nodes, recovered = lose_nodes(tmp_path, "pair", [1], corrupt=True)
+    assert recovered[0]["recovered"] == [5, 6], nodes.logs()
+    assert 7 in named_steps([w for w in recovered[0]["warnings"] if "were held" in w])  # type: ignore[union-attr]
+    assert any("is not used" in w and "CRC" in w for w in recovered[0]["warnings"])  # type: ignore[union-attr]
+    check_bits(tmp_path, [0, 5, 6])
