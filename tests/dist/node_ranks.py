@@ -89,6 +89,8 @@ def recover(out: Path, scheme: str) -> None:
         warnings.simplefilter("always")
         cap = dstt.Capture(out / "run", memory_steps=3, persist=1000, redundancy=scheme, max_chunk_bytes=256,
                            background_timeout_s=90)
+    if cap._helper is not None:
+        (out / f"pid-helper-{cap._helper.pid}").touch()
     recovered = list(getattr(cap, "recovered", []) or [])
     cap.close()
     write(out / f"recovered{rank}.json", {
@@ -97,6 +99,8 @@ def recover(out: Path, scheme: str) -> None:
 
 
 def main(out: Path, phase: str, scheme: str, steps: int) -> None:
+    # (torchrun starts each worker in a session of its own: the test kills it by this pid)
+    (out / f"pid-{phase}-{os.getpid()}").touch()
     dist.init_process_group("gloo")
     if phase == "train":
         train(out, scheme, steps)

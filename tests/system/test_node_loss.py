@@ -74,7 +74,7 @@ class Nodes:
         info = json.loads((self.tmp / f"rank{node}.json").read_text())
         for who in ("helper", "trainer"):  # (each a session of its own: torchrun starts workers so)
             if isinstance(info.get(who), int):
-                _killpg(int(info[who]))
+                self.kill_ours(int(info[who]))
         proc = self.procs.pop(node)
         _killpg(proc.pid)
         proc.wait()
@@ -93,10 +93,22 @@ class Nodes:
         self.procs.clear()
 
     def kill_all(self) -> None:
+        """Every agent's session, and every worker's and helper's (each a session of its own)."""
         for proc in self.procs.values():
             _killpg(proc.pid)
             proc.wait()
         self.procs.clear()
+        for f in self.tmp.glob("pid-*"):
+            self.kill_ours(int(f.name.rsplit("-", 1)[1]))
+
+    def kill_ours(self, pid: int) -> None:
+        """SIGKILL ``pid``'s session if it is still one of this test's processes (a pid may be reused)."""
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return
+        if str(self.tmp).encode() in cmdline:
+            _killpg(pid)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
