@@ -143,6 +143,12 @@ def lower_thread_priority(nice: int, idle: bool = False) -> None:
         set_idle_policy(tid)
 
 
+def lower_priority(config: Any) -> None:
+    """:func:`lower_thread_priority` as ``config`` (a CaptureConfig) asks:
+    run first on each background thread of a Capture."""
+    lower_thread_priority(config.background_nice, config.background_idle)
+
+
 def set_idle_policy(tid: int = 0) -> None:
     """Put thread ``tid`` (0: the caller) under SCHED_IDLE where Linux
     allows it (lowering one's own policy needs no privilege; a sandbox may

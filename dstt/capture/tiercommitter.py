@@ -79,18 +79,18 @@ class HelperTierCommitter(HelperCommitter):
     def place(self, job: Job, sizes: list[int], cuda: bool, held_bytes: int) -> None:
         cap = self.cap
         self.start()
-        cap._refuse_without_helper(self.helper, job.plan.step)
+        cap.crashsafe.refuse_without_helper(self.helper, job.plan.step)
         if self._ended is not None:
             raise CaptureError(f"step {job.plan.step} not captured: the capture helper's memory tier ended "
                                f"({self._ended}); sealed steps stay for the next Capture or `dstt gc`")
         step_bytes = held_bytes + STEP_SLACK_BYTES
         want = -(-step_bytes * (self.k + EXTRA_STEPS) // (1 << 20)) * (1 << 20)
-        pool = cap.pool
+        pool = cap.stager.pool
         if pool is None or pool.capacity < want or (cuda and not pool.wants_pin):
             if pool is not None:
                 cap.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
-            cap.pool = cap._new_pool(want, cuda)
-        job.pool = cap.pool
+            pool = cap.stager.replace_pool(want, cuda)
+        job.pool = pool
         job.hold = True
         with cap.ledger.cond:
             self._latest = job.plan.step
@@ -141,7 +141,7 @@ class HelperTierCommitter(HelperCommitter):
                 self._settled.add(step)
                 handed = job.sent
             if not handed:
-                cap._settle(job)  # never handed over: its blocks back now (else at "free")
+                cap.crashsafe.settle(job)  # never handed over: its blocks back now (else at "free")
             cap.ledger.settled(step)
 
     def commit(self, job: Job) -> CommitInfo:
@@ -218,7 +218,7 @@ class HelperTierCommitter(HelperCommitter):
                     self._replies.put((kind, step, rest))
                 cap.ledger.cond.notify_all()
             if freed is not None:
-                cap._settle(freed)
+                cap.crashsafe.settle(freed)
             cap.ledger.bump()
 
     def _reply(self, kind: str, what: str) -> tuple[int, str]:
@@ -260,8 +260,8 @@ class HelperTierCommitter(HelperCommitter):
         self.helper.send_command(f"hold {step}", step)
         _, rest = self._reply("held", f"the capture helper's answer to holding step {step}")
         held = rest.strip() == "yes"
-        if cap._plan_coord.distributed:  # collective: from memory only where every rank holds it
-            held = all(cap._plan_coord.all_gather(held))
+        if cap.plan_coord.distributed:  # collective: from memory only where every rank holds it
+            held = all(cap.plan_coord.all_gather(held))
         with cap.ledger.cond:
             job = self._jobs.get(step) if held else None
         if job is None and rest.strip() == "yes":
@@ -283,7 +283,7 @@ class HelperTierCommitter(HelperCommitter):
         return list(self._memory_only) if writer is self.cap.writer else []
 
     def memory_bytes(self) -> int | None:
-        pool = self.cap.pool
+        pool = self.cap.stager.pool
         return None if pool is None else pool.capacity
 
     def threads(self) -> dict[str, threading.Thread]:
@@ -313,7 +313,7 @@ class HelperTierCommitter(HelperCommitter):
             left = list(self._jobs.values())
             self._jobs.clear()
         for job in left:  # (the helper is gone: their seals stay for the next Capture)
-            self.cap._settle(job, keep=True)
+            self.cap.crashsafe.settle(job, keep=True)
 
     def stop_threads(self) -> dict[str, threading.Thread]:
         return {}

@@ -149,7 +149,7 @@ class NanWatch:
         for a slot checks the oldest steps itself (MemoryTier.place),
         even one this thread is still on: it never waits for a low-priority
         thread a busy machine may not schedule."""
-        self.tier.cap._lower_priority()
+        self.tier.cap.lower_priority()
         tier = self.tier
         while True:
             with self.ledger.cond:

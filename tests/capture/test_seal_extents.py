@@ -22,8 +22,8 @@ import torch
 
 import dstt
 from dstt.capture import ring as R
+from dstt.capture.copygroups import group_tasks
 from dstt.capture.hostpool import HostPool
-from dstt.capture.stager import group_tasks
 from dstt.store.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[2]
