@@ -108,8 +108,8 @@ class Committer(ABC):
         cap = self.cap
         cap.stager.ensure_pool(sizes, cuda)
         assert cap.stager.pool is not None
-        job.pool = cap.stager.pool
-        job.hold = self._holds() and held_bytes <= cap.stager.pool.capacity
+        job.ring.pool = cap.stager.pool
+        job.ring.hold = self._holds() and held_bytes <= cap.stager.pool.capacity
 
     def _holds(self) -> bool:
         """Whether a step that fits the pool whole is held (and sealed)."""
@@ -119,7 +119,7 @@ class Committer(ABC):
         """Count ``job`` and hand it to the stager (held or lazy copies
         left) and to the committer thread, in snapshot order."""
         cap = self.cap
-        staged_later = (bool(job.lazy) or job.hold) and job.error is None  # held steps are sealed by the stager
+        staged_later = (bool(job.lazy) or job.ring.hold) and job.error is None  # held steps are sealed by the stager
         cap.ledger.queued(job.plan.step, job.lazy_bytes if staged_later else 0)
         if staged_later:
             cap.stager.queue_lazy(job)
@@ -199,7 +199,7 @@ class Committer(ABC):
 
     def staged(self, job: Job) -> None:
         """Every copy of ``job`` landed (stager thread): a held step is sealed."""
-        if job.hold and job.error is None:
+        if job.ring.hold and job.error is None:
             self.cap.crashsafe.seal(job)
             hook = self.cap.after_seal
             if hook is not None:
@@ -319,10 +319,10 @@ class HelperCommitter(Committer):
     def place(self, job: Job, sizes: list[int], cuda: bool, held_bytes: int) -> None:
         self.cap.crashsafe.refuse_without_helper(self.helper, job.plan.step)
         super().place(job, sizes, cuda, held_bytes)
-        if not job.hold:
-            assert job.pool is not None
+        if not job.ring.hold:
+            assert job.ring.pool is not None
             raise CaptureError(
-                f"step {job.plan.step} does not fit the {job.pool.capacity}-byte staging pool whole, and the "
+                f"step {job.plan.step} does not fit the {job.ring.pool.capacity}-byte staging pool whole, and the "
                 "capture helper takes whole sealed steps only: raise host_buffer_bytes, or use helper=False "
                 "to stage larger steps in parts")
 
@@ -336,15 +336,15 @@ class HelperCommitter(Committer):
         order of the commit queue -- its answer read by the committer."""
         cap = self.cap
         super().staged(job)
-        if not job.hold or job.error is not None or cap.plan_coord.distributed:
+        if not job.ring.hold or job.error is not None or cap.plan_coord.distributed:
             return  # (under torch.distributed each rank's helper reads its ring by itself: ranks.py)
-        if not job.sealed:
+        if not job.ring.sealed:
             cap.crashsafe.hand_over = False  # in stage order: no later step reaches the helper before this one
         helper = self.helper
         with HAND_OVER_LOCK, contextlib.suppress(CaptureError):  # (gone: the committer finds out, commits here)
-            if job.sealed and cap.crashsafe.hand_over and not helper.lost:
+            if job.ring.sealed and cap.crashsafe.hand_over and not helper.lost:
                 helper.send(job.plan.step)
-                job.sent = True
+                job.ring.sent = True
 
     def commit(self, job: Job) -> CommitInfo:
         info: CommitInfo = self.cap.crashsafe.commit_by_helper(job)

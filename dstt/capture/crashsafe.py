@@ -154,7 +154,7 @@ class CrashSafe:
                 if why is None:
                     try:  # (pipelined: handed over by the stager once sealed, _seal)
                         # bounded: by the helper's progress (HelperHandle._answer: background_timeout_s, then killed)
-                        info = CommitInfo(**(helper.receive(step) if job.sent else helper.commit(step)))
+                        info = CommitInfo(**(helper.receive(step) if job.ring.sent else helper.commit(step)))
                         job.info = info
                         return info
                     except CaptureError as e:
@@ -188,10 +188,10 @@ class CrashSafe:
 
     def _why_not_handed(self, job: Job) -> str | None:
         """Why ``job`` cannot go to the capture helper; None if it can."""
-        if job.sealed and (job.sent or self.hand_over):
+        if job.ring.sealed and (job.ring.sent or self.hand_over):
             return None
-        if not job.sealed:
-            return f"step {job.plan.step} could not be sealed for the capture helper: {job.seal_error}"
+        if not job.ring.sealed:
+            return f"step {job.plan.step} could not be sealed for the capture helper: {job.ring.seal_error}"
         assert self.helper is not None  # (helper mode: HelperCommitter.commit)
         if self.helper.closed:  # (committing here failed to start before)
             return "the capture helper was stopped at an earlier step it could not take"
@@ -422,20 +422,20 @@ class CrashSafe:
         try:
             for ev in job.cuda_eager:
                 ev.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
-            assert self.ring is not None and self.keeper is not None and job.pool is not None
-            name = job.pool.ring_name
+            assert self.ring is not None and self.keeper is not None and job.ring.pool is not None
+            name = job.ring.pool.ring_name
             if name is None:
                 raise RuntimeError("the staging pool is in process memory, not in the /dev/shm ring (see the "
                                    "warning given when it was made)")
-            self.keeper.seal(seal_record(job.plan, name, job.pool.buffer, job.views, crc=False, groups=job.groups))
-            job.sealed = True
+            self.keeper.seal(seal_record(job.plan, name, job.ring.pool.buffer, job.ring.views, crc=False, groups=job.ring.groups))
+            job.ring.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
-            job.seal_error = str(e)
+            job.ring.seal_error = str(e)
         self.note_sealing(job)
 
     def note_sealing(self, job: Job) -> None:
         """Log when steps stop being sealed (why), and when they are again."""
-        why = job.seal_error
+        why = job.ring.seal_error
         if why == self._seal_trouble or (why is not None and self._seal_trouble is not None
                                           and self.keeper is not None and self.keeper.broken is not None):
             return
@@ -452,10 +452,10 @@ class CrashSafe:
         its seal is kept for the next Capture, its blocks never reused
         (a step a lost helper did not commit under torch.distributed:
         HelperCommitter.settle)."""
-        release = job.hold and job.pool is not None
+        release = job.ring.hold and job.ring.pool is not None
         keeper = self.keeper
-        if job.sealed and keeper is not None and job.pool is not None:
-            step, pool = job.plan.step, job.pool
+        if job.ring.sealed and keeper is not None and job.ring.pool is not None:
+            step, pool = job.plan.step, job.ring.pool
             if keep:
                 keeper.keep(step)  # for the next Capture: never reused (commit_by_helper said so)
                 release = False
@@ -464,17 +464,17 @@ class CrashSafe:
                 # it could not, the keeper tries), else rewritten with CRCs first.
                 release = release and keeper.settle(
                     step, recoverable=job.info is None,
-                    checked=lambda: seal_record(job.plan, pool.ring_name or "", pool.buffer, job.views,
-                                                groups=job.groups))
+                    checked=lambda: seal_record(job.plan, pool.ring_name or "", pool.buffer, job.ring.views,
+                                                groups=job.ring.groups))
             if not release:
-                pool.pin([block for _, block in job.groups] + [view for _, view in job.views])
+                pool.pin([block for _, block in job.ring.groups] + [view for _, view in job.ring.views])
                 pool.retire(f"step {step}'s sealed bytes in this staging pool stay reserved (its seal describes "
                             "them); later steps are staged in a new pool")
         if release:
-            assert job.pool is not None
-            job.pool.release_many([block for _, block in job.groups] + [view for _, view in job.views])
-        job.views = []
-        job.groups = []
+            assert job.ring.pool is not None
+            job.ring.pool.release_many([block for _, block in job.ring.groups] + [view for _, view in job.ring.views])
+        job.ring.views = []
+        job.ring.groups = []
 
     def leave_branch(self) -> None:
         """Without the memory tier, a rewind: everything is stored; let go of

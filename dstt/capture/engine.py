@@ -227,8 +227,8 @@ class Capture:
         split = stager.plans.split(job.plan.tasks, optimizer)
         if split.lazy:
             job.lazy = list(split.lazy)
-            job.lazy_on_cpu = split.on_cpu
-            job.lazy_runs = split.runs()
+            job.copies.on_cpu = split.on_cpu
+            job.copies.runs = split.runs()
             job.guard = VersionGuard(split.sources, split.names)
         # One pass each over the tasks (tens of thousands of them: issue 16),
         # none for the task list of an earlier step (TaskLists.sizes).

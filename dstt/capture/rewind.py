@@ -80,7 +80,7 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None) -> Any:
     the rewind goes ahead; fresh memory would be page-faulted in (slower
     than the copy itself on some machines)."""
     chunks: dict[str, list[tuple[ChunkTask, torch.Tensor]]] = {}
-    for t, view in job.views:
+    for t, view in job.ring.views:
         chunks.setdefault(t.layout.name, []).append((t, view))
 
     def read(name: str, box: tuple[slice, ...] | None) -> torch.Tensor:

@@ -164,11 +164,11 @@ class Stager:
         """Hand a job with lazy copies (or held whole) to the stager, in queue order."""
         self.last = job
         if job.lazy and job.cpu_lazy:
-            job.copies_left = len(job.lazy)
+            job.copies.left = len(job.lazy)
             with self.ledger.cond:
                 self._copying.append(job)
         else:
-            job.copies_done.set()
+            job.copies.done.set()
         self.queue.put(job)
 
     def after_compute(self, devices: set[torch.device]) -> dict[int, Any]:
@@ -210,7 +210,7 @@ class Stager:
             for j in copying:  # in queue order: an earlier step's sources change too
                 self.copy_lazy_cpu(j)
                 # (a copy the stager claimed may still be running)
-                self.ledger.wait_event(j.copies_done, lambda j=j: _copies_text(j))  # type: ignore[misc]
+                self.ledger.wait_event(j.copies.done, lambda j=j: _copies_text(j))  # type: ignore[misc]
                 j.issued.set()
                 j.staged.set()  # the stager seals and hands it on when it runs
             return
@@ -234,9 +234,9 @@ class Stager:
             try:
                 if job.lazy and self.before_lazy is not None:
                     self.before_lazy(job)
-                if job.copies_left >= 0:  # lazy CPU copies: claimed, shared with the trainer
+                if job.copies.left >= 0:  # lazy CPU copies: claimed, shared with the trainer
                     self.copy_lazy_cpu(job)
-                    self.ledger.wait_event(job.copies_done, lambda job=job: _copies_text(job))  # type: ignore[misc]
+                    self.ledger.wait_event(job.copies.done, lambda job=job: _copies_text(job))  # type: ignore[misc]
                     if job.error is not None and not isinstance(job.error, CaptureError):
                         raise job.error
                 else:
@@ -271,7 +271,7 @@ class Stager:
                 raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
             return self.current.writer.flush_chunk(job.plan, task, staged)
         finally:
-            if not job.hold:  # a held block is the ring's copy until the step is committed
+            if not job.ring.hold:  # a held block is the ring's copy until the step is committed
                 pool.release(staged)
             self.ledger.bump()
 
@@ -285,7 +285,7 @@ class Stager:
                 raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
             return self.current.writer.flush_chunks(job.plan, tasks, list(staged))
         finally:
-            if not job.hold:  # a held block is the ring's copy until the step is committed
+            if not job.ring.hold:  # a held block is the ring's copy until the step is committed
                 for s in staged:
                     pool.release(s)
             self.ledger.bump()
@@ -311,13 +311,13 @@ class Stager:
         A block is this function's until a flush thread owns it: on any
         failure it is released (after the copy stream is done with it), so
         a failed step never shrinks the pool. (The blocks of a held step --
-        ``job.views`` and ``job.groups`` -- go back when it is settled,
+        ``job.ring.views`` and ``job.ring.groups`` -- go back when it is settled,
         committed or failed: CrashSafe.settle.)
         """
-        pool = job.pool or self.pool
+        pool = job.ring.pool or self.pool
         assert pool is not None
         flush_now = self.current.committer.needs.flush_now  # (the helper, the memory tier write later, if at all)
-        if not lazy and job.hold and self.before_copy is None:
+        if not lazy and job.ring.hold and self.before_copy is None:
             tasks = self._stage_grouped(job, pool, tasks, flush_now)  # small CPU tensors: copied in groups
         batch: list[tuple[ChunkTask, torch.Tensor]] = []  # CUDA copies issued, not handed over
         block: torch.Tensor | None = None
@@ -345,7 +345,7 @@ class Stager:
                 else:
                     dst.copy_(t.source)
                     check_guard(job, guard, i)  # completed: a change before now is in the copy
-                    job.views.append((t, dst))
+                    job.ring.views.append((t, dst))
                     if self.current.committer.needs.keep_spans:
                         job.spans.append(dst)
                     if flush_now:
@@ -387,10 +387,10 @@ class Stager:
         The grouping of a task list is kept for the next step that brings
         the same list (plan.py reuses a step's plan when its tensors are laid
         out as before). With the capture helper and no memory tier, no
-        per-task view into a group is ever made (``job.groups``: the seal
+        per-task view into a group is ever made (``job.ring.groups``: the seal
         record takes each group's tasks as back to back from its block's
         start, and the step's settling releases whole blocks); otherwise the
-        views go to ``job.views`` (what the flush and the memory tier read)."""
+        views go to ``job.ring.views`` (what the flush and the memory tier read)."""
         groups, rest = self.plans.groups(tasks)
         keep = self._keep_groups()
         for g in groups:
@@ -404,18 +404,18 @@ class Stager:
                 pool.release(block)
                 raise
             if keep:
-                job.groups.append((g, dst))
+                job.ring.groups.append((g, dst))
                 continue
             if self.current.committer.needs.keep_spans:
                 job.spans.append(dst)
             dsts = g.views(dst)
-            job.views.extend(zip(g.tasks, dsts))
+            job.ring.views.extend(zip(g.tasks, dsts))
             if flush_now:  # (a held block is released at commit, not by its flush)
                 job.futures.append(self.flush.submit(self._flush_many, pool, job, g.tasks, dsts))
         return rest
 
     def _keep_groups(self) -> bool:
-        """Whether a staged group stays whole (``job.groups``), its tasks
+        """Whether a staged group stays whole (``job.ring.groups``), its tasks
         never given views of their own: with the capture helper and no
         memory tier, where only the seal record (ring.seal_record reads
         groups) and the release of the step's blocks need them (issue 16:
@@ -427,50 +427,51 @@ class Stager:
         """Copy the lazy CPU tasks of ``job`` no one has claimed yet (the
         stager, or the trainer in the optimizer pre-hook; both may run it at
         once). Never raises: a failure is the step's (``job.error``), the
-        guard's is reported at once; ``copies_done`` is set once every
+        guard's is reported at once; ``job.copies.done`` is set once every
         claimed copy finished. Small tasks of one dtype of a held step are
         claimed and copied in runs (one placement, one copy call; issue 16:
         the optimizer hook made ~66 copies of a small model one by one)."""
-        pool = job.pool or self.pool
+        pool = job.ring.pool or self.pool
         assert pool is not None
+        copies = job.copies
         flush_now = self.current.committer.needs.flush_now
-        grouped = job.hold and self.before_copy is None
+        grouped = job.ring.hold and self.before_copy is None
         n = len(job.lazy)
         while True:
-            with job.claim:
-                i = job.next_copy
+            with copies.claim:
+                i = copies.next
                 if i >= n:
                     return
                 if job.error is not None:  # the step failed: drop the rest unclaimed
-                    job.copies_left -= n - i
-                    job.next_copy = n
-                    if job.copies_left == 0:
-                        job.copies_done.set()
+                    copies.left -= n - i
+                    copies.next = n
+                    if copies.left == 0:
+                        copies.done.set()
                     return
                 group = None
                 if not grouped:
                     j = i + 1
-                elif job.lazy_runs is not None:  # (the runs of the step's LazySplit, made once)
-                    j, group = job.lazy_runs[i]
+                elif copies.runs is not None:  # (the runs of the step's LazySplit, made once)
+                    j, group = copies.runs[i]
                 else:
                     j = run_end(job.lazy, i)
-                job.next_copy = j
+                copies.next = j
             try:
                 if j - i == 1 or not self._copy_lazy_run(job, pool, i, j, flush_now, group):
                     for k in range(i, j):
                         self._copy_lazy_one(job, pool, k, flush_now)
             except GuardTripped as e:
-                with job.claim:
+                with copies.claim:
                     job.error = job.error or e.error
                 self.report_once(job, e.error)  # the trainer's next call raises it
             except BaseException as e:
-                with job.claim:
+                with copies.claim:
                     job.error = job.error or e
             finally:
-                with job.claim:
-                    job.copies_left -= j - i
-                    if job.copies_left == 0:
-                        job.copies_done.set()
+                with copies.claim:
+                    copies.left -= j - i
+                    if copies.left == 0:
+                        copies.done.set()
 
     def _copy_lazy_one(self, job: Job, pool: HostPool, i: int, flush_now: bool) -> None:
         """Copy lazy task ``i`` into a block of its own (waiting for room)."""
@@ -488,8 +489,8 @@ class Stager:
             dst = pool.view_as(block, t.source, t.shape)
             dst.copy_(t.source)
             check_guard(job, job.guard, i)  # completed: a change before now is in the copy
-            with job.claim:
-                job.views.append((t, dst))
+            with job.copies.claim:
+                job.ring.views.append((t, dst))
                 if self.current.committer.needs.keep_spans:
                     job.spans.append(dst)
                 if flush_now:
@@ -519,11 +520,11 @@ class Stager:
             dst = group.fill(block)
             check_guard(job, job.guard, i, j)  # completed: a change before now is in the copy
             dsts = None if self._keep_groups() else group.views(dst)
-            with job.claim:
+            with job.copies.claim:
                 if dsts is None:
-                    job.groups.append((group, dst))
+                    job.ring.groups.append((group, dst))
                 else:
-                    job.views.extend(zip(group.tasks, dsts))
+                    job.ring.views.extend(zip(group.tasks, dsts))
                     if self.current.committer.needs.keep_spans:
                         job.spans.append(dst)
                     if flush_now:
@@ -554,11 +555,11 @@ class Stager:
             for idx, ev in done.items():
                 torch.cuda.current_stream(idx).wait_event(ev)
             job.cuda_eager.extend(done.values())
-        pool = job.pool
+        pool = job.ring.pool
         assert pool is not None
         while batch:
             t, dst = batch[0]
-            job.views.append((t, dst))
+            job.ring.views.append((t, dst))
             if self.current.committer.needs.keep_spans:
                 job.spans.append(dst)
             ready = None if lazy else done[t.source.device.index]

@@ -209,8 +209,8 @@ class MemoryTier:
 
         self.ledger.wait(slot_free, f"a free memory-tier slot for step {plan.step} (the writer frees them)")
         job.tier.slot = got[0]
-        job.pool = job.tier.slot
-        job.hold = True
+        job.ring.pool = job.tier.slot
+        job.ring.hold = True
 
     def check_all(self) -> None:
         """Check every staged step not checked yet for NaN/Inf, on this thread (without a watcher: none)."""
@@ -313,10 +313,10 @@ class MemoryTier:
             name = slots.master.ring_name
             # (sealed only with a ring, whose keeper exists; a slot's ring_name is its master's)
             assert keeper is not None and name is not None
-            keeper.seal(seal_record(job.plan, name, slots.master.buffer, job.views, crc=False))
-            job.sealed = True
+            keeper.seal(seal_record(job.plan, name, slots.master.buffer, job.ring.views, crc=False))
+            job.ring.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
-            job.seal_error = str(e)
+            job.ring.seal_error = str(e)
         self.cap.crashsafe.note_sealing(job)
 
     # ------------------------------------------------------------ bookkeeping (under _cond)
@@ -444,14 +444,14 @@ class MemoryTier:
                 continue
             slots = self._slots
             keeper = self.cap.crashsafe.keeper
-            if job.sealed and keeper is not None and slots is not None:
+            if job.ring.sealed and keeper is not None and slots is not None:
                 master = slots.master
-                checked = functools.partial(seal_record, job.plan, master.ring_name or "", master.buffer, job.views)
+                checked = functools.partial(seal_record, job.plan, master.ring_name or "", master.buffer, job.ring.views)
                 if not keeper.settle(job.plan.step, recoverable=False, checked=checked):
                     slots.retire(slot)  # its bytes stay as its seal says, for good
-                    job.views = []
+                    job.ring.views = []
                     continue
-            job.views = []
+            job.ring.views = []
             if slots is not None:
                 slots.release(slot)
                 self.ledger.bump()  # (a waiting snapshot() sees a slot come free)
@@ -539,15 +539,15 @@ class MemoryTier:
         w.settle_before(plan)  # steps passed over before it: compared with what came before them
         prev: dict[tuple[str, int], torch.Tensor] = {}
         if job.tier.prev_job is not None:
-            prev = {(t.layout.array, t.index): v for t, v in job.tier.prev_job.views}
+            prev = {(t.layout.array, t.index): v for t, v in job.tier.prev_job.ring.views}
         error: BaseException | None = None
         results: list[ChunkResult] = []
         try:
             w.ensure_arrays(plan)
-            views = {(t.layout.array, t.index): v for t, v in job.views}
+            views = {(t.layout.array, t.index): v for t, v in job.ring.views}
             w.prepare_pred(plan, lambda t: views.get((t.layout.array, t.index)))  # (store/predflush.py)
             futures = [self.cap.stager.flush.submit(self._flush_views, w, plan, batch, prev)
-                       for batch in batches(job.views, lambda item: item[0].nbytes)]
+                       for batch in batches(job.ring.views, lambda item: item[0].nbytes)]
             for f in futures:
                 try:
                     done, err = f.result()  # unbounded wait: a chunk write of this process (its slot is in use)

@@ -90,8 +90,8 @@ class HelperTierCommitter(HelperCommitter):
             if pool is not None:
                 cap.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
             pool = cap.stager.replace_pool(want, cuda)
-        job.pool = pool
-        job.hold = True
+        job.ring.pool = pool
+        job.ring.hold = True
         with cap.ledger.cond:
             self._latest = job.plan.step
 
@@ -99,7 +99,7 @@ class HelperTierCommitter(HelperCommitter):
         """Sealed, then handed to the helper's tier at once (stager thread)."""
         cap = self.cap
         super(HelperCommitter, self).staged(job)  # (the seal: Committer.staged)
-        if job.error is not None or not job.sealed:
+        if job.error is not None or not job.ring.sealed:
             return  # (the committer fails it: the tier takes sealed steps only)
         with HAND_OVER_LOCK:
             try:
@@ -109,7 +109,7 @@ class HelperTierCommitter(HelperCommitter):
                 return
             with cap.ledger.cond:
                 self._jobs[job.plan.step] = job
-                job.sent = True
+                job.ring.sent = True
 
     # ------------------------------------------------------------ committer thread
 
@@ -120,9 +120,9 @@ class HelperTierCommitter(HelperCommitter):
             cap.ledger.wait_event(job.submitted, lambda: f"step {step} to be staged and sealed")
             if job.error is not None:
                 raise job.error
-            if not job.sent:
+            if not job.ring.sent:
                 raise CaptureError(f"step {step} not captured into the memory tier: it could not be sealed in the "
-                                   f"staging ring ({job.seal_error}); the capture helper takes sealed steps only")
+                                   f"staging ring ({job.ring.seal_error}); the capture helper takes sealed steps only")
             kind, rest = self._wait_outcome(step)
             if kind == "ok":
                 info = _commit_info(rest)
@@ -139,7 +139,7 @@ class HelperTierCommitter(HelperCommitter):
         finally:
             with cap.ledger.cond:
                 self._settled.add(step)
-                handed = job.sent
+                handed = job.ring.sent
             if not handed:
                 cap.crashsafe.settle(job)  # never handed over: its blocks back now (else at "free")
             cap.ledger.settled(step)

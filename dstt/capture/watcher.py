@@ -247,7 +247,7 @@ def _nonfinite_tensors(job: Job) -> list[str]:
         ev.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
     if not any(map(_span_nonfinite, job.spans)):
         return []
-    return _nonfinite(job.views)
+    return _nonfinite(job.ring.views)
 
 
 def _span_nonfinite(v: torch.Tensor) -> bool:

@@ -408,7 +408,7 @@ try:
     cap.wait_staged()
 except dstt.CaptureError:
     pass  # (its helper is gone: the step fails here, sealed all the same)
-assert cap.parts.last_job.sealed
+assert cap.parts.last_job.ring.sealed
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
