@@ -112,7 +112,7 @@ def worker_train(out: Path, mb: int, steps: int) -> None:
     copies = Path(os.environ["DSTT_SHM_DIR"]) / f"dstt-{os.getuid()}-copies"
     blks = sorted(copies.rglob("*.blk"))
     res.update(copies_bytes=_dir_bytes(copies), block_bytes=blks[-1].stat().st_size if blks else 0,
-               helper=cap._helper.pid if cap._helper is not None else None, trainer=os.getpid())
+               helper=cap.parts.helper.pid if cap.parts.helper is not None else None, trainer=os.getpid())
     tmp = out / f"train{rank}.tmp"
     tmp.write_text(json.dumps(res))
     tmp.rename(out / f"train{rank}.json")

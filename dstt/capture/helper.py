@@ -13,11 +13,8 @@ writes and the commit -- for each step the trainer hands it::
 How it is started and why that way:
 
 * A fresh, exec'ed interpreter (``python -m dstt.capture.helper``), not a
-  fork of the trainer: a forked helper keeps the trainer's pages alive, so
-  the trainer's first optimizer step after it paid copy-on-write for every
-  parameter, gradient and optimizer page (the first capture's stall went
-  from 0.5 s to 5 s and peak memory doubled; docs/benchmarks.md). It is
-  started in its own session (``start_new_session``): torchrun and job
+  fork of the trainer: with a fork the trainer's first optimizer step paid
+  copy-on-write for every page (docs/benchmarks.md). It is started in its own session (``start_new_session``): torchrun and job
   schedulers kill the trainer's process group, not the helper.
 * Its start-up (importing torch: seconds) is off the trainer's path:
   ``start`` returns as soon as the process exists. Steps sealed meanwhile
@@ -103,6 +100,7 @@ class HelperHandle:
         self.lost = False  # the helper died (or never came up) while the trainer lives
         self._killed_why: str | None = None  # why this process killed it (kill)
         self._seen: Activity | None = None  # its latest activity sample (_sample)
+        self._line: str | None = ""  # the latest line read (_next_line)
         self.lost_why: str | None = None  # how it was found lost, first ("exited (exit status -9...)")
 
     def _gone(self, step: int, why: str) -> CaptureError:
@@ -188,7 +186,7 @@ class HelperHandle:
             return self._line != ""
 
         self._seen = None  # (sampled only while an answer is late)
-        self._line: str | None = ""
+        self._line = ""
         try:
             until(arrived, limit_s=self.timeout_s, what=f"the capture helper's answer for step {step}",
                   progress=self._sample)
@@ -375,6 +373,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     from dstt.capture import ring as R
     from dstt.capture.ringowner import hold
     from dstt.format.lock import BranchLock
+    from dstt.format.rankparts import plan_doc
     from dstt.store.writer import Writer, batches
 
     hold(ring_dir)  # the ring is this helper's too while it lives: never adopted under it (ringowner.py)
@@ -432,7 +431,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
                 records.fail_unrecorded(step, _seal_seq(ring_dir, step), e)
             raise
         if records is not None:
-            records.begin(step, plan.seq, ranks.plan_doc(record) if records.rank == 0 else None)
+            records.begin(step, plan.seq, plan_doc(record) if records.rank == 0 else None)
         try:
             info = writer.commit(plan, results)
         except ranks.Recorded:  # (after the trainer died, ranks other than 0 only record)

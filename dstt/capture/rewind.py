@@ -80,7 +80,7 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None) -> Any:
     the rewind goes ahead; fresh memory would be page-faulted in (slower
     than the copy itself on some machines)."""
     chunks: dict[str, list[tuple[ChunkTask, torch.Tensor]]] = {}
-    for t, view in job.views:
+    for t, view in job.ring.views:
         chunks.setdefault(t.layout.name, []).append((t, view))
 
     def read(name: str, box: tuple[slice, ...] | None) -> torch.Tensor:
@@ -160,7 +160,7 @@ class Rewinder:
         # The live objects are about to change in place: every queued lazy
         # copy must have read them first (what the optimizer hook ensures
         # before an optimizer step), and every queued step be in the ring.
-        self.cap._before_optimizer_step()
+        self.cap.stager.before_optimizer_step()
         job = self.cap.committer.rewind_job(step)  # (the memory tier's: its slot held while it is read)
         try:
             if job is not None:
@@ -255,11 +255,11 @@ class Rewinder:
         old = self.cap.writer
         cfg = self.cap.config
         self.cap.committer.leave_branch()  # (without the memory tier: everything stored, the old ring let go of)
-        new = Writer(self.cap._store_arg, branch=name, parent=parent,
+        new = Writer(self.cap.store_arg, branch=name, parent=parent,
                      compression=cfg.compression, zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every,
                      max_chunk_bytes=cfg.max_chunk_bytes, allow_pickle=cfg.allow_pickle, dedup=cfg.dedup,
-                     threads=1, coordinator=self.cap._plan_coord,
-                     commit_coordinator=self.cap._commit_coord,
+                     threads=1, coordinator=self.cap.plan_coord,
+                     commit_coordinator=self.cap.commit_coord,
                      storage_options=cfg.storage_options)
         self.cap.config = replace(cfg, branch=name, parent=None)
         with self.cap.ledger.cond:

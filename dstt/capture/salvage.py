@@ -26,6 +26,7 @@ from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.format.backends import open_backend
 from dstt.format.gc import leftover_records as _leftover_records
+from dstt.format.rankparts import recorded_steps
 from dstt.format.root import list_branches
 
 
@@ -70,7 +71,7 @@ def salvage(store: Any, *, dry_run: bool = False, base: Path | None = None) -> S
     url = str(backend.url)
     for branch in list_branches(backend):
         dist = ranks.rings_of(url, branch, base)
-        if not (_has_single_rings(url, branch, base) or dist or ranks.recorded_steps(backend, branch, None)):
+        if not (_has_single_rings(url, branch, base) or dist or recorded_steps(backend, branch, None)):
             out.records_removed += _leftover_records(backend, branch, dry_run)
             continue
         with Writer(store, branch=branch) as writer:

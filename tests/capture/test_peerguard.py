@@ -56,7 +56,7 @@ def _held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
             m.weight += s
         cap.snapshot(s, model=m, rng=False)
     cap.wait_staged()
-    ring = cap._ring.dir
+    ring = cap.parts.ring.dir
     steps, pools = {}, {}
     for name in sorted(os.listdir(ring)):
         if name.startswith("seal-"):

@@ -22,8 +22,8 @@ import torch
 
 import dstt
 from dstt.capture import ring as R
+from dstt.capture.copygroups import group_tasks
 from dstt.capture.hostpool import HostPool
-from dstt.capture.stager import group_tasks
 from dstt.store.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,7 +192,7 @@ def test_the_capture_helper_path_seals_groups_without_per_task_views(tmp_path: P
         ring_dir = cap.parts.ring.dir
 
         def spy(job):
-            seen.append((len(job.groups), len(job.views)))
+            seen.append((len(job.ring.groups), len(job.ring.views)))
             record = R.read_record(R.read_bounded(ring_dir / f"seal-{job.plan.step:020d}.json"))
             # no CRC pass on the trainer: its blocks are held until the seal is gone
             assert all(crc is None for _, crc, _ in record["tasks"]["extents"])
@@ -233,7 +233,7 @@ try:
     cap.wait()
 except dstt.CaptureError:
     pass  # (the helper failed it: sealed all the same)
-assert cap.parts.last_job.sealed and cap.pool.in_use == 0  # settled: its blocks may be reused from now on
+assert cap.parts.last_job.ring.sealed and cap.pool.in_use == 0  # settled: its blocks may be reused from now on
 os.kill(cap.parts.helper.pid, signal.SIGKILL)  # the whole job dies: step 1 stays sealed in the ring
 while pid_alive(cap.parts.helper.pid):
     time.sleep(0.01)

@@ -78,7 +78,7 @@ def train(out: Path, scheme: str, steps: int) -> None:
     while not nowait and not (want <= held_by_all(out) and (scheme == "none" or want <= set(protected(out)))) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
-    helper = cap._helper.pid if cap._helper is not None else None
+    helper = cap.parts.helper.pid if cap.parts.helper is not None else None
     write(out / f"rank{rank}.json", {"helper": helper, "trainer": os.getpid(), "protected": protected(out)})
     time.sleep(600)  # the node is lost while its tier holds the steps
 
@@ -89,8 +89,8 @@ def recover(out: Path, scheme: str) -> None:
         warnings.simplefilter("always")
         cap = dstt.Capture(out / "run", memory_steps=3, persist=1000, redundancy=scheme, max_chunk_bytes=256,
                            background_timeout_s=90)
-    if cap._helper is not None:
-        (out / f"pid-helper-{cap._helper.pid}").touch()
+    if cap.parts.helper is not None:
+        (out / f"pid-helper-{cap.parts.helper.pid}").touch()
     recovered = list(getattr(cap, "recovered", []) or [])
     cap.close()
     write(out / f"recovered{rank}.json", {

@@ -283,7 +283,7 @@ def test_capture_memory_tier_batches_with_update_stats(store: Path) -> None:
 
 def test_in_thread_capture_flushes_staged_groups_together(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Capture(helper=False) with its staging ring: the small eager tensors
-    copied as a group are flushed by one flush_chunks call (engine._flush_many)."""
+    copied as a group are flushed by one flush_chunks call (Stager._flush_many)."""
     sizes: list[int] = []
     real = Writer.flush_chunks
 
