@@ -374,6 +374,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     from dstt.capture.ringowner import hold
     from dstt.format.lock import BranchLock
     from dstt.format.rankparts import plan_doc
+    from dstt.format.writeoptions import WriteOptions
     from dstt.store.writer import Writer, batches
 
     hold(ring_dir)  # the ring is this helper's too while it lives: never adopted under it (ringowner.py)
@@ -381,12 +382,12 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
     records: ranks.RecordCoordinator | None = None
     if dist is None:
-        writer = Writer(store, lock=lock, **{"threads": 1, **writer_options})
+        writer = Writer(store, WriteOptions(**writer_options), lock=lock)
     else:
         # One rank of a distributed Capture: this rank's chunks, then a record
         # in the store; rank 0's helper commits once every rank's is there.
         rank, world = int(dist["rank"]), int(dist["world"])
-        writer = Writer(store, lock=lock, coordinator=ranks.FixedRank(rank, world), **{"threads": 1, **writer_options})
+        writer = Writer(store, WriteOptions(**writer_options), lock=lock, coordinator=ranks.FixedRank(rank, world))
         records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
                                           alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
         writer.commit_coord = records

@@ -29,10 +29,10 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from dstt import knobs
 from dstt.errors import (
     CaptureError,
     ChecksumMismatchError,
+    ConfigError,
     CorruptStoreError,
     DsttError,
     InvalidNameError,
@@ -40,13 +40,10 @@ from dstt.errors import (
     StepNotFoundError,
     StepOrderError,
 )
-from dstt.format import args as A
 from dstt.format import layout as L
 from dstt.format.backends import Backend, open_backend
-from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY, Link, resolved_tails
+from dstt.format.codecs.keyframes import Link, resolved_tails
 from dstt.format.codecs.spec import (
-    COMPRESSIONS,
-    CodecSpec,
     array_metadata,
     delta_array_metadata,
     group_metadata,
@@ -64,7 +61,6 @@ from dstt.format.manifest import (
 )
 from dstt.format.packs import PACKS, StepPacks
 from dstt.format.pygc import paused_gc
-from dstt.format.refs import parent_arg
 from dstt.format.root import (
     BranchInfo,
     create_branch,
@@ -72,10 +68,11 @@ from dstt.format.root import (
     load_branch,
     raise_root_version,
 )
+from dstt.format.writeoptions import WriteOptions
 from dstt.store import predflush
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.flusher import Flusher, chunk_bytes
-from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, plan_step
+from dstt.store.plan import AgreedExchange, ChunkTask, StepPlan, plan_step
 from dstt.store.predflush import pred_layout
 
 log = logging.getLogger(__name__)
@@ -104,53 +101,41 @@ class Writer:
     def __init__(
         self,
         store: Any,
+        options: WriteOptions | None = None,
         *,
-        branch: str = "main",
-        parent: L.StepRef | tuple[str, int] | str | None = None,
-        compression: str = "none",
-        zstd_level: int = 1,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-        allow_pickle: bool = False,
-        dedup: bool = True,
-        threads: int = 2,
         coordinator: Coordinator | None = None,
         commit_coordinator: Coordinator | None = None,
         lock: Any = None,
-        keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
-        storage_options: dict[str, Any] | None = None,
-        pack_chunk_bytes: int | None = None,
     ) -> None:
-        # Every argument checked before anything is opened, locked or created (store/args.py).
-        A.branch(branch)
-        parent = parent_arg(parent)
-        A.choice("compression", compression, COMPRESSIONS)
-        A.zstd_level(zstd_level)
-        self.keyframe_every = A.positive_int("keyframe_every", keyframe_every)
-        A.positive_int("max_chunk_bytes", max_chunk_bytes)
-        A.positive_int("threads", threads)
-        A.flag("allow_pickle", allow_pickle)
-        A.flag("dedup", dedup)
-        A.options("storage_options", storage_options)
-        if pack_chunk_bytes is None:
-            pack_chunk_bytes = knobs.pack_chunk_bytes()
-        A.non_negative_int("pack_chunk_bytes", pack_chunk_bytes)
+        """``options``: what to store and how (:class:`~dstt.format.writeoptions.WriteOptions`,
+        validated when it was made; default: its defaults). ``coordinator``
+        (planning's) and ``commit_coordinator`` (the commits', default the
+        same): torch.distributed's; ``lock``: a branch lock already held (a
+        capture helper inherits its trainer's)."""
+        if options is None:
+            options = WriteOptions()
+        elif not isinstance(options, WriteOptions):
+            raise ConfigError(f"options must be a WriteOptions, got {type(options).__name__}")
+        self.options = options
+        branch, parent = options.branch, options.fork
+        self.keyframe_every = options.keyframe_every
         #: Chunks of at most this many raw bytes go into packs (packs.py; 0:
         #: none; default: $DSTT_PACK_CHUNK_BYTES, else 1 MiB).
-        self.pack_chunk_bytes = pack_chunk_bytes
-        self.codec = CodecSpec(compression, zstd_level)
+        self.pack_chunk_bytes = options.packs_below
+        self.codec = options.codec
         #: Predictive coding (compression="predictive"/"auto"): what this
         #: writer remembers of the previous step's chunks (store/predflush.py).
         self.coder: StepCoder | None = StepCoder(self.keyframe_every, self.codec) if self.codec.predictive else None
-        self.max_chunk_bytes = max_chunk_bytes
-        self.allow_pickle = allow_pickle
-        self.dedup = dedup
+        self.max_chunk_bytes = options.max_chunk_bytes
+        self.allow_pickle = options.allow_pickle
+        self.dedup = options.dedup
         coord = coordinator or default_coordinator()
         self.rank = coord.rank
         # A lock already held for this branch (a capture helper inherits its
         # trainer's: capture/helper.py); else rank 0 takes it below.
         self._given_lock = lock
         self._branch_lock: Any = None  # rank 0 holds the branch write lock (lock.py)
-        self._storage_options = storage_options
+        self._storage_options = options.storage_options
         self.backend: Backend = self._setup(store, branch, parent, coord)
         self.branch: BranchInfo = load_branch(self.backend, branch)
         #: The commit phase (dstt.format.commit): commits may run on another
@@ -179,7 +164,8 @@ class Writer:
         self.auto_cpu_cores = AUTO_CPU_CORES
         self.backlog = 0
         #: The flush phase (store/flusher.py): stats, checksums, dedup, coding, writes of chunks.
-        self.flusher = Flusher(self.backend, dedup=dedup, keyframe_every=self.keyframe_every, threads=threads)
+        self.flusher = Flusher(self.backend, dedup=self.dedup, keyframe_every=self.keyframe_every,
+                               threads=options.threads)
         self._closed = False
         if self.codec.delta and self.rank == 0:
             # Readers that know only format 1 must refuse this store, not

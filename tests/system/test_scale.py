@@ -13,6 +13,7 @@ import torch
 import dstt
 from dstt.errors import CaptureError
 from dstt.format.backends.local import LocalBackend
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.flusher import Flusher
 from dstt.store.writer import Writer
 from tests.conftest import bits_equal, small_state
@@ -95,7 +96,7 @@ def test_layouts_reused_only_while_the_tensor_is_unchanged(tmp_path: Path) -> No
     path = tmp_path / "run"
     steps = [torch.arange(4.0), torch.arange(4.0) + 1, torch.arange(6.0), torch.arange(6, dtype=torch.int16),
              torch.arange(6, dtype=torch.int16).reshape(2, 3)]
-    with Writer(path, max_chunk_bytes=8) as w:
+    with Writer(path, WriteOptions(max_chunk_bytes=8)) as w:
         for step, t in enumerate(steps):
             w.write(step, {"w": t, "b": torch.ones(3)})
     run = dstt.open(path)
