@@ -334,7 +334,7 @@ class CrashSafe:
         store (a shared flock), Linux. Started, not waited for. Under
         torch.distributed one per rank, on every rank or on none."""
         coord = self.coord
-        lock = getattr(self.current.writer, "_branch_lock", None)
+        lock = self.current.writer.branch_lock
         fd = lock.fileno() if lock is not None and hasattr(lock, "fileno") else None
         local = type(self.current.writer.backend) is LocalBackend  # the helper opens the store by its path
         able = self.ring is not None and (fd is not None or coord.rank != 0) and sys.platform.startswith("linux")

@@ -55,7 +55,7 @@ class HereCommitter:
     module docstring); one thread at a time (the committer's)."""
 
     def __init__(self, planner: Writer, options: WriteOptions) -> None:
-        lock = _BorrowedLock(getattr(planner, "_branch_lock", None))
+        lock = _BorrowedLock(planner.branch_lock)
         self.writer = Writer(str(planner.backend.url), options, lock=lock)
 
     def commit(self, job: Job) -> CommitInfo:

@@ -558,6 +558,18 @@ class Writer:
         small ones are flushed in groups (flusher.py)."""
         return self.flush_chunks(plan, tasks)
 
+    @property
+    def branch_lock(self) -> Any:
+        """The branch write lock this writer holds (rank 0; a capture helper
+        shares its trainer's), else None."""
+        return self._branch_lock
+
+    @property
+    def open_plans(self) -> int:
+        """Planned steps whose chunk references this writer still tracks (at most MAX_OPEN_PLANS)."""
+        with self._open_lock:
+            return len(self._open_plans)
+
     def check_lock(self) -> None:
         """StoreLockedError if this writer (rank 0) no longer holds its branch lock."""
         if self._branch_lock is not None:

@@ -471,11 +471,11 @@ def test_a_writer_that_only_plans_keeps_bounded_references(tmp_path: Path) -> No
 
     with Writer(tmp_path / "run", WriteOptions(compression="delta")) as w:
         plans = [w.plan(s, {"t": torch.full((4,), float(s))}) for s in range(MAX_OPEN_PLANS + 10)]
-        assert len(w._open_plans) == MAX_OPEN_PLANS
+        assert w.open_plans == MAX_OPEN_PLANS
         first = next(iter(plans[0].links.values()))
         assert first.peek() == (True, None)  # settled: nothing behind it stays reachable
         untracked = w.plan(MAX_OPEN_PLANS + 10, {"t": torch.zeros(4)}, track=False)
-        assert untracked.links == {} and len(w._open_plans) == MAX_OPEN_PLANS
+        assert untracked.links == {} and w.open_plans == MAX_OPEN_PLANS
 
 
 def test_restore_and_export_of_delta_steps_equal_uncompressed(tmp_path: Path) -> None:

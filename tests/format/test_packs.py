@@ -377,9 +377,9 @@ def test_a_writer_that_lost_its_lock_writes_no_last_pack(store: Path) -> None:
         def lost() -> None:
             raise StoreLockedError("lost the write lock (test)")
 
-        w._branch_lock.check = lost  # type: ignore[method-assign]
+        w.branch_lock.check = lost  # type: ignore[method-assign]
         with pytest.raises(CaptureError, match="lost the write lock"):
             w.commit(plan, results)
-        w._branch_lock.check = lambda: None  # type: ignore[method-assign]
+        w.branch_lock.check = lambda: None  # type: ignore[method-assign]
     assert packs_of(store) == ["packs/p.0.0.0"]
     assert dstt.open(store).steps() == [0]

@@ -261,7 +261,7 @@ def test_batch_partials_non_finite_and_cancellation() -> None:
 
 
 def test_capture_memory_tier_batches_with_update_stats(store: Path) -> None:
-    """The memory tier's flush (recorder._flush_views) passes the previous
+    """The memory tier's flush of its staged views passes the previous
     step's staged views: update_norm of a batch equals the exact value."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
@@ -284,7 +284,7 @@ def test_capture_memory_tier_batches_with_update_stats(store: Path) -> None:
 
 def test_in_thread_capture_flushes_staged_groups_together(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Capture(helper=False) with its staging ring: the small eager tensors
-    copied as a group are flushed by one flush_chunks call (Stager._flush_many)."""
+    copied as a group are flushed by one flush_chunks call (the stager's group flush)."""
     sizes: list[int] = []
     real = Writer.flush_chunks
 
@@ -314,7 +314,7 @@ def test_in_thread_capture_flushes_staged_groups_together(store: Path, monkeypat
 
 @pytest.mark.parametrize("compression", ["none", "zstd", "delta"])
 def test_unpacked_groups_store_chunk_files_with_every_codec(store: Path, compression: str) -> None:
-    """Packing off: a group's chunks go through Writer._store (chunk files,
+    """Packing off: a group's chunks go through the flusher's chunk-file store (chunk files,
     delta coding against keyframes) -- the same bytes over several steps."""
     g = torch.Generator().manual_seed(5)
     state = {f"t{i}": torch.randn(64, generator=g) for i in range(40)}
@@ -361,7 +361,7 @@ def test_chunk_file_failure_mid_group_fails_the_step_only(store: Path, monkeypat
 
 def test_a_store_error_before_the_write_still_settles_the_link(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A grouped chunk whose store fails before anything is written (here:
-    Flusher._store raising at once) passes its link through: the next step's
+    the flusher's chunk-file store raising at once) passes its link through: the next step's
     same chunk does not wait for it forever."""
     import threading
 

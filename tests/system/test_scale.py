@@ -73,7 +73,7 @@ def test_flush_error_inside_a_batch_is_raised_and_nothing_committed(
     path = tmp_path / "run"
     state = {f"t{i:03d}": torch.full((8,), float(i)) for i in range(300)}
     # (the chunk-file write of one chunk: flush_chunk and the grouped path,
-    # Writer.flush_chunks, both store through Flusher._store; packing is off here)
+    # Writer.flush_chunks, both store through the flusher's chunk-file store; packing is off here)
     real_store = Flusher._store
 
     def failing_store(self: Flusher, plan: Any, task: Any, *args: Any) -> Any:
