@@ -22,6 +22,7 @@ from typing import Any
 
 from dstt.capture import nodeloss, policy, ranks
 from dstt.capture.committers import HAND_OVER_LOCK
+from dstt.capture.config import write_options
 from dstt.capture.current import Current
 from dstt.capture.fallback import HereCommitter
 from dstt.capture.helper import HelperHandle
@@ -38,6 +39,7 @@ from dstt.format.commit import CommitInfo
 from dstt.format.localio import pid_alive
 from dstt.format.lock import lock_holder
 from dstt.format.rankparts import read_record, write_fail, write_record
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.coord import Coordinator
 from dstt.store.writer import Writer
 
@@ -229,9 +231,7 @@ class CrashSafe:
         with HAND_OVER_LOCK:  # no send is under way, none starts (its pipe's descriptor goes now)
             self.hand_over = False
         helper.close()
-        options = self._writer_options()
-        options.pop("branch")
-        self._here = HereCommitter(self.current.writer, {"branch": self.current.writer.branch.name, **options})
+        self._here = HereCommitter(self.current.writer, self._writer_options().but(branch=self.current.writer.branch.name))
         text = (f"dstt: {why}; from step {job.plan.step} on, this Capture commits in this process (its own "
                 "threads, as with helper=False): no step is lost, and a step sealed in /dev/shm still survives a crash "
                 "(the next Capture or dstt gc commits it)")
@@ -336,7 +336,7 @@ class CrashSafe:
         store (a shared flock), Linux. Started, not waited for. Under
         torch.distributed one per rank, on every rank or on none."""
         coord = self.coord
-        lock = getattr(self.current.writer, "_branch_lock", None)
+        lock = self.current.writer.branch_lock
         fd = lock.fileno() if lock is not None and hasattr(lock, "fileno") else None
         local = type(self.current.writer.backend) is LocalBackend  # the helper opens the store by its path
         able = self.ring is not None and (fd is not None or coord.rank != 0) and sys.platform.startswith("linux")
@@ -357,7 +357,7 @@ class CrashSafe:
                               f"{type(self.current.writer.backend).__name__} object cannot move into it (pass the path, "
                               "or use helper=False)")
         cfg = self.current.config
-        options = self._writer_options()
+        options = self._writer_options().shipped()
         dist = {"rank": coord.rank, "world": coord.world, "run": self.run_id} if coord.distributed else None
         assert self.ring is not None
         self.hand_over = True
@@ -365,13 +365,13 @@ class CrashSafe:
                             idle=cfg.background_idle, timeout_s=cfg.background_timeout_s,
                             on_progress=self.ledger.bump, tier=tier)
 
-    def _writer_options(self) -> dict[str, Any]:
-        """The options of a Writer storing this Capture's steps elsewhere (the helper's, fallback.py's)."""
+    def _writer_options(self) -> WriteOptions:
+        """The options of a Writer storing this Capture's steps elsewhere (the
+        helper's, fallback.py's): of the branch as it exists (no parent to fork
+        from), coding on ``encode_threads``."""
         cfg = self.current.config
-        return {"branch": cfg.branch, "compression": cfg.compression or self.current.writer.codec.compression,
-                "zstd_level": cfg.zstd_level,
-                "keyframe_every": cfg.keyframe_every, "max_chunk_bytes": cfg.max_chunk_bytes,
-                "allow_pickle": cfg.allow_pickle, "dedup": cfg.dedup, "threads": cfg.encode_threads}
+        return write_options(cfg, parent=None, compression=cfg.compression or self.current.writer.codec.compression,
+                             threads=cfg.encode_threads)
 
     def new_pool(self, capacity: int, pin: bool, old: HostPool | None) -> HostPool:
         """A pool in a new /dev/shm file of the ring where it fits

@@ -48,7 +48,7 @@ import torch
 
 from dstt.capture import policy
 from dstt.capture.committers import Committer
-from dstt.capture.config import CaptureConfig, make_config
+from dstt.capture.config import CaptureConfig, make_config, write_options
 from dstt.capture.crashsafe import CrashSafe, after_helpers
 from dstt.capture.draining import Drain
 from dstt.capture.guard import VersionGuard
@@ -117,14 +117,11 @@ class Capture:
         self.plan_coord = new_coordinator()
         self.commit_coord = new_coordinator()
         self.writer: Writer = after_helpers(lambda: Writer(
-            store, branch=cfg.branch, parent=cfg.parent,
-            # the default (None): predictive where the helper codes -- settled below, once it is known;
-            # under torch.distributed steps are stored whole (no shared chain yet): no compression
-            compression=cfg.compression or ("none" if self.plan_coord.distributed else "auto"),
-            zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every, max_chunk_bytes=cfg.max_chunk_bytes,
-            allow_pickle=cfg.allow_pickle, dedup=cfg.dedup, threads=1,
+            store, write_options(
+                # the default (None): predictive where the helper codes -- settled below, once it is known;
+                # under torch.distributed steps are stored whole (no shared chain yet): no compression
+                cfg, compression=cfg.compression or ("none" if self.plan_coord.distributed else "auto"), threads=1),
             coordinator=self.plan_coord, commit_coordinator=self.commit_coord,
-            storage_options=cfg.storage_options,
         ), store, cfg.branch)
         self.rank = self.plan_coord.rank
         # The ring, before any thread: recovery commits on this thread.

@@ -28,6 +28,7 @@ from dstt.capture.seals import encode_record, plan_of, read_record, seal_record
 from dstt.format import layout as L
 from dstt.format.commit import CommitInfo
 from dstt.format.manifest import parse_commit
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.writer import Writer
 
 
@@ -53,9 +54,9 @@ class HereCommitter:
     """Commits held steps in this process, from their records (see the
     module docstring); one thread at a time (the committer's)."""
 
-    def __init__(self, planner: Writer, options: dict[str, Any]) -> None:
-        lock = _BorrowedLock(getattr(planner, "_branch_lock", None))
-        self.writer = Writer(str(planner.backend.url), lock=lock, **{"threads": 1, **options})
+    def __init__(self, planner: Writer, options: WriteOptions) -> None:
+        lock = _BorrowedLock(planner.branch_lock)
+        self.writer = Writer(str(planner.backend.url), options, lock=lock)
 
     def commit(self, job: Job) -> CommitInfo:
         """Commit ``job`` (staged whole in ``job.ring.pool``, held); its CommitInfo,

@@ -41,8 +41,7 @@ How it is started and why that way:
   left in the ring, in step order, removes the ring and exits, releasing
   the lock. No orphan, no lock left held.
 
-If the helper dies too (the whole job killed), the ring stays in /dev/shm
-and the next Capture on the store and branch commits it (ring.recover).
+If the helper dies too, the ring stays in /dev/shm: the next Capture on the branch commits it (ring.recover).
 """
 
 from __future__ import annotations
@@ -71,9 +70,8 @@ log = logging.getLogger("dstt.capture")
 #: How long the trainer waits for a new helper to say it is ready (its
 #: interpreter and torch start-up) before failing the steps handed to it.
 HELPER_START_S = 120.0
-#: The helper's cyclic-GC thresholds (Python's default: 700, 10, 10): a
-#: step allocates thousands of acyclic objects, each 700 of them a
-#: generation-0 pass (~0.3 ms of a small step's ~7 ms).
+#: The helper's cyclic-GC thresholds (Python's default: 700, 10, 10): a step allocates
+#: thousands of acyclic objects, each 700 a generation-0 pass (~0.3 ms of a small step's ~7 ms).
 HELPER_GC_THRESHOLDS = (20_000, 20, 50)
 
 
@@ -374,19 +372,21 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     from dstt.capture.ringowner import hold
     from dstt.format.lock import BranchLock
     from dstt.format.rankparts import plan_doc
-    from dstt.store.writer import Writer, batches
+    from dstt.format.writeoptions import WriteOptions
+    from dstt.store.flusher import batches
+    from dstt.store.writer import Writer
 
     hold(ring_dir)  # the ring is this helper's too while it lives: never adopted under it (ringowner.py)
     torch.set_num_threads(1)
     lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
     records: ranks.RecordCoordinator | None = None
     if dist is None:
-        writer = Writer(store, lock=lock, **{"threads": 1, **writer_options})
+        writer = Writer(store, WriteOptions(**writer_options), lock=lock)
     else:
         # One rank of a distributed Capture: this rank's chunks, then a record
         # in the store; rank 0's helper commits once every rank's is there.
         rank, world = int(dist["rank"]), int(dist["world"])
-        writer = Writer(store, lock=lock, coordinator=ranks.FixedRank(rank, world), **{"threads": 1, **writer_options})
+        writer = Writer(store, WriteOptions(**writer_options), lock=lock, coordinator=ranks.FixedRank(rank, world))
         records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
                                           alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
         writer.commit_coord = records

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture.config import write_options
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError, StepOrderError
 from dstt.format import args as A
@@ -255,12 +256,8 @@ class Rewinder:
         old = self.cap.writer
         cfg = self.cap.config
         self.cap.committer.leave_branch()  # (without the memory tier: everything stored, the old ring let go of)
-        new = Writer(self.cap.store_arg, branch=name, parent=parent,
-                     compression=cfg.compression, zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every,
-                     max_chunk_bytes=cfg.max_chunk_bytes, allow_pickle=cfg.allow_pickle, dedup=cfg.dedup,
-                     threads=1, coordinator=self.cap.plan_coord,
-                     commit_coordinator=self.cap.commit_coord,
-                     storage_options=cfg.storage_options)
+        new = Writer(self.cap.store_arg, write_options(cfg, branch=name, parent=parent, threads=1),
+                     coordinator=self.cap.plan_coord, commit_coordinator=self.cap.commit_coord)
         self.cap.config = replace(cfg, branch=name, parent=None)
         with self.cap.ledger.cond:
             self.cap.writer = new

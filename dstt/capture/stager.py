@@ -27,6 +27,7 @@ Phase protocol (who calls what, on which thread):
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import queue
@@ -210,7 +211,7 @@ class Stager:
             for j in copying:  # in queue order: an earlier step's sources change too
                 self.copy_lazy_cpu(j)
                 # (a copy the stager claimed may still be running)
-                self.ledger.wait_event(j.copies.done, lambda j=j: _copies_text(j))  # type: ignore[misc]
+                self.ledger.wait_event(j.copies.done, functools.partial(_copies_text, j))
                 j.issued.set()
                 j.staged.set()  # the stager seals and hands it on when it runs
             return
@@ -236,7 +237,7 @@ class Stager:
                     self.before_lazy(job)
                 if job.copies.left >= 0:  # lazy CPU copies: claimed, shared with the trainer
                     self.copy_lazy_cpu(job)
-                    self.ledger.wait_event(job.copies.done, lambda job=job: _copies_text(job))  # type: ignore[misc]
+                    self.ledger.wait_event(job.copies.done, functools.partial(_copies_text, job))
                     if job.error is not None and not isinstance(job.error, CaptureError):
                         raise job.error
                 else:

@@ -48,8 +48,9 @@ from dstt.capture.ring import seal_record
 from dstt.capture.watcher import NanWatch
 from dstt.errors import CaptureError, MemoryTierWarning
 from dstt.format.layout import step_ranges
+from dstt.store.flusher import batches
 from dstt.store.plan import ChunkTask, StepPlan
-from dstt.store.writer import Writer, batches
+from dstt.store.writer import Writer
 
 if TYPE_CHECKING:
     from dstt.format.commit import ChunkResult
