@@ -87,10 +87,11 @@ def recover_copies(writer: Any, world: int, base: Path | None = None) -> dict[in
         if rank == writer.rank:
             done[rank] = ranks.record_rings(writer, identity, base=base)
             continue
+        from dstt.format.writeoptions import WriteOptions
         from dstt.store.writer import Writer
 
         lock = _Delegated() if rank == 0 else None
-        with Writer(str(writer.backend.url), branch=writer.branch.name, lock=lock,
+        with Writer(str(writer.backend.url), WriteOptions(branch=writer.branch.name), lock=lock,
                     coordinator=ranks.FixedRank(rank, world)) as other:
             done[rank] = ranks.record_rings(other, identity, base=base)
     if done:
