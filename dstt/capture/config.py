@@ -102,6 +102,12 @@ class CaptureConfig:
     #: NaN/Inf in the background and raise an incident (persist the ring)
     #: at the first step that has some (and again only after a clean step).
     watch_nonfinite: bool = True
+    #: Peer redundancy of the memory tier (issue 26, docs/flight-recorder.md
+    #: "Surviving a node"): ``"none"``, or ``"pair"`` -- under
+    #: torch.distributed with ``memory_steps``, each node's held steps are
+    #: copied by its capture helpers to the next node's, so the loss of one
+    #: node (its processes and its /dev/shm) loses no step the tier held.
+    redundancy: str = "none"
 
     #: Every wait of the capture (the capture helper's answer for a step, a
     #: staging block, a background thread, ``wait()``, ``close()``...) gives
@@ -129,6 +135,7 @@ class CaptureConfig:
         A.auto_flag("shm", self.shm)
         A.auto_flag("helper", self.helper)
         self._check_memory_tier()
+        self._check_redundancy()
         if self.host_buffer_bytes is not None:
             A.positive_int("host_buffer_bytes", self.host_buffer_bytes)
             if self.host_buffer_bytes < self.max_chunk_bytes:
@@ -153,6 +160,17 @@ class CaptureConfig:
         if p != "all" and self.memory_steps is None:
             raise ConfigError(f"persist={p!r} keeps the other steps in memory only: it needs memory_steps=K "
                               "(how many captured steps the memory tier holds)")
+
+    def _check_redundancy(self) -> None:
+        from dstt.format.redundancy import parse_scheme
+
+        scheme = parse_scheme(self.redundancy)
+        if scheme.kind in ("replicas", "parity"):
+            raise ConfigError(f"redundancy={self.redundancy!r} is not built in the capture helpers yet; "
+                              "use 'pair' (docs/flight-recorder.md, 'Surviving a node')")
+        if scheme.kind != "none" and self.memory_steps is None:
+            raise ConfigError(f"redundancy={self.redundancy!r} protects the steps the memory tier holds: "
+                              "it needs memory_steps=K")
 
     @property
     def persist_policy(self) -> str | int:

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dstt.capture import policy, ranks
+from dstt.capture import nodeloss, policy, ranks
 from dstt.capture.committers import HAND_OVER_LOCK
 from dstt.capture.config import write_options
 from dstt.capture.current import Current
@@ -301,6 +301,7 @@ class CrashSafe:
         error: str | None = None
         try:
             ring = Ring(identity, run=self.run_id)
+            nodeloss.recover_copies(self.current.writer, coord.world)  # a lost node's steps, from copies here (issue 26)
             ranks.record_rings(self.current.writer, identity, exclude=ring.dir)
         except Exception as e:  # noqa: BLE001 - agreed on below, so no rank waits for another
             error = f"rank {coord.rank}: {type(e).__name__}: {e}"
@@ -312,6 +313,7 @@ class CrashSafe:
             if coord.rank == 0:
                 try:
                     done = ranks.commit_recorded(self.current.writer)
+                    nodeloss.report_unrebuilt(self.current.writer)  # (steps a lost node took: named once)
                     outcome = (done, self.current.writer.last_step, self.current.writer.last_commit, self.current.writer.next_seq)
                 except Exception as e:  # noqa: BLE001
                     outcome = f"rank 0: {type(e).__name__}: {e}"

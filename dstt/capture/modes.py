@@ -31,7 +31,10 @@ def make_committer(cap: Any) -> Committer:
     cfg = cap.config
     if cfg.memory_steps is not None:
         tier = {"k": cfg.memory_steps, "policy": cfg.persist_policy, "watch": cfg.watch_nonfinite,
-                "run": cap.crashsafe.run_id or uuid.uuid4().hex}
+                "run": cap.crashsafe.run_id or uuid.uuid4().hex, "redundancy": cfg.redundancy}
+        if cfg.redundancy != "none" and not cap.plan_coord.distributed:
+            raise ConfigError(f"redundancy={cfg.redundancy!r} copies steps between the nodes of a "
+                              "torch.distributed job; this Capture runs alone")
         helper = None if cfg.helper is False else cap.crashsafe.start_helper(tier=tier)
         if helper is not None:
             cap.crashsafe.helper = helper
