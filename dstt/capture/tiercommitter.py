@@ -247,6 +247,7 @@ class HelperTierCommitter(HelperCommitter):
         """The helper's tier stores its steps and records the incident
         (rank 0's helper under torch.distributed, for every rank)."""
         at = "-" if step is None else str(step)
+        self._handed_over()
         self.helper.send_command(f"incident {at} {reason.encode().hex()} {source}", step or 0)
         got, rest = self._reply("incident", "the capture helper's incident record")
         doc = json.loads(rest)
@@ -257,6 +258,7 @@ class HelperTierCommitter(HelperCommitter):
 
     def rewind_job(self, step: int) -> Job | None:
         cap = self.cap
+        self._handed_over()
         self.helper.send_command(f"hold {step}", step)
         _, rest = self._reply("held", f"the capture helper's answer to holding step {step}")
         held = rest.strip() == "yes"
@@ -268,11 +270,28 @@ class HelperTierCommitter(HelperCommitter):
             self.helper.send_command(f"unhold {step}", step)
         return job
 
+    def _handed_over(self) -> None:
+        """Wait (bounded) until every step queued so far is handed to the
+        helper: a command about a step (``hold``, ``incident``) must reach
+        it after the step's ``tier`` command, else the helper answers "not
+        held" for a step the trainer just captured (a rewind to it raised
+        StepNotFoundError)."""
+        last = self.cap._last
+        if last is not None:
+            self.cap.ledger.wait_event(last.submitted, f"step {last.plan.step} to be staged and handed to the "
+                                       "capture helper")
+
     def rewind_done(self, job: Job) -> None:
         self.helper.send_command(f"unhold {job.plan.step}", job.plan.step)
 
     def rewind_incident(self, step: int) -> None:
         self.incident_here(f"rewind to step {step}", step, "rewind")
+
+    def after_rewind(self) -> None:
+        """(The branch switches at the next snapshot, as with the in-process
+        tier: the helper stores the fork step and the incident's steps while
+        the trainer computes its next step; the old branch's helper is
+        closed and the new branch's started then -- Rewinder.switch_branch.)"""
 
     # ------------------------------------------------------------ what it keeps
 
