@@ -129,6 +129,7 @@ class HelperTier:
         self._memory_only: list[int] = []  # passed over, not recorded in a commit yet
         self._nonfinite_seen = False
         self._seen_requests: set[str] = set()
+        self._rewinds = 0  # rewinds asked of this helper (the same count on every rank: a rewind is collective)
         self._decided_upto = -1  # rank 0 ("newest"): the last step decided about
         self._decided_persist: list[int] = []
         self.incidents: list[Incident] = []  # recorded here (rank 0 / single)
@@ -175,7 +176,12 @@ class HelperTier:
         steps = self._dump_set(at)
         if self.peers is None:
             return self._act(at, reason, source, steps, tensors, ident=None, origin=0)
-        req = self.peers.request(new_id(source, at), at, reason, source, steps, tensors)
+        if source == "rewind":  # collective: every rank's helper makes the same request, recorded once
+            self._rewinds += 1
+            ident = f"rewind-{at}-{self._rewinds}"
+        else:
+            ident = new_id(source, at)
+        req = self.peers.request(ident, at, reason, source, steps, tensors)
         if not self.peers.publish_request(req):
             # Another rank raised the same one first (the same NaN seen on
             # two ranks): acted on as that rank's request, recorded once.

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from dstt.capture.committers import HAND_OVER_LOCK, HelperCommitter, StagingNeeds
 from dstt.capture.pipeline import Job
-from dstt.errors import CaptureError
+from dstt.errors import CaptureError, StepOrderError
 from dstt.format.incidents import Incident
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ class HelperTierCommitter(HelperCommitter):
         self._replies: queue.Queue[tuple[str, int, str]] = queue.Queue()
         self._ended: str | None = None  # why no more answers come
         self._reader = threading.Thread(target=self._read_loop, name="dstt-tier-answers", daemon=True)
+        #: Why the last rewind read its step from the store though some rank held it (its error says so).
+        self.rewind_note = ""
 
     def start(self) -> None:
         """The answers' reader (also started by the first :meth:`place`: a
@@ -262,13 +264,35 @@ class HelperTierCommitter(HelperCommitter):
         self.helper.send_command(f"hold {step}", step)
         _, rest = self._reply("held", f"the capture helper's answer to holding step {step}")
         held = rest.strip() == "yes"
+        self.rewind_note = ""
         if cap._plan_coord.distributed:  # collective: from memory only where every rank holds it
-            held = all(cap._plan_coord.all_gather(held))
+            held = self._agree(step, held)
         with cap.ledger.cond:
             job = self._jobs.get(step) if held else None
         if job is None and rest.strip() == "yes":
             self.helper.send_command(f"unhold {step}", step)
         return job
+
+    def _agree(self, step: int, held: bool) -> bool:
+        """Every rank's (step, held): the same step everywhere, else a
+        StepOrderError on every rank (nothing changed); from memory only if
+        every rank's helper holds it, else from the store on every rank
+        (:attr:`rewind_note` names the ranks that lost it)."""
+        got = [tuple(x) for x in self.cap._plan_coord.all_gather((step, held))]
+        asked = sorted({s for s, _ in got})
+        if len(asked) > 1:
+            if held:
+                self.helper.send_command(f"unhold {step}", step)
+            per = ", ".join(f"rank {r}: {s}" for r, (s, _) in enumerate(got))
+            raise StepOrderError(f"rewind is collective: every rank must rewind to the same step, but the ranks "
+                                 f"asked for different steps ({per}); nothing was changed on any rank")
+        lost = [r for r, (_, h) in enumerate(got) if not h]
+        if lost and len(lost) < len(got):
+            self.rewind_note = (f"step {step} is no longer in the memory tier of rank(s) "
+                                f"{', '.join(map(str, lost))} (the others still hold it), so every rank reads it "
+                                "from the store")
+            log.warning("dstt: rewind: %s", self.rewind_note)
+        return not lost
 
     def _handed_over(self) -> None:
         """Wait (bounded) until every step queued so far is handed to the
@@ -286,6 +310,10 @@ class HelperTierCommitter(HelperCommitter):
 
     def rewind_incident(self, step: int) -> None:
         self.incident_here(f"rewind to step {step}", step, "rewind")
+
+    def joined_branch(self, old: Writer) -> None:
+        super().joined_branch(old)
+        self.cap.committer.start()  # (the new branch's: its answers read before any snapshot, for a rewind)
 
     def after_rewind(self) -> None:
         """(The branch switches at the next snapshot, as with the in-process
@@ -315,6 +343,7 @@ class HelperTierCommitter(HelperCommitter):
         decided, frees every slot and exits; its answers are read to the end
         (bounded by its progress), then its process is waited for."""
         helper = self.helper
+        self.start()  # (a rewind's branch closed before any snapshot of it: its answers were never read)
         if not helper.lost and self._ended is None:
             try:
                 helper.send_command("close", self._latest or 0)

@@ -22,14 +22,15 @@ WORKER = Path(__file__).parents[1] / "dist" / "tier_ranks.py"
 pytestmark = pytest.mark.distributed
 
 
-def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = False) -> Path:
+def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = False, worker: Path = WORKER) -> Path:
     import os
     import signal
     import subprocess
     import sys
 
+    args = [layout, policy, *(["incident"] if incident else [])] if worker == WORKER else []
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(WORKER), str(out), layout, policy, *(["incident"] if incident else [])]
+           f"--master-port={free_port()}", str(worker), str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]),
            "DSTT_RANK_WAIT_S": "60"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -88,3 +89,38 @@ def test_every_policy_bit_exact_on_every_layout(tmp_path: Path, nproc: int, layo
         assert steps == list(range(10))
     elif policy == "3":
         assert steps == [0, 3, 6, 9]
+
+
+@pytest.mark.slow
+def test_collective_rewind_from_every_ranks_helper_tier(tmp_path: Path) -> None:
+    """tests/dist/tier_rewind.py: an incident on rank 1, then ``rewind(6)``
+    on both ranks (a step never persisted: read from both helpers' rings)
+    restores every rank's shards bit for bit and training continues on one
+    new branch -- its step 7 equal to the first run's step 7. A rewind to a
+    step no rank holds, to different steps per rank, or to a step one
+    rank's helper lost (and never stored) raises the same dstt error on
+    every rank and changes nothing; nothing hangs."""
+    out = run_tier(2, tmp_path, "", "", worker=WORKER.with_name("tier_rewind.py"))
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, s in enumerate(seen):
+        assert s["evicted"].startswith("StepNotFoundError: cannot rewind to step 1: it is neither in the memory "
+                                       "tier of every rank nor stored on branch 'main'"), (r, s)
+        assert s["different"].startswith("StepOrderError: rewind is collective") and "rank 0: 6, rank 1: 7" in \
+            s["different"], (r, s)
+        assert s["unchanged"] and s["restored"] and s["from_memory"], (r, s)
+        assert s["lost_on_one_rank"].startswith("StepNotFoundError: cannot rewind to step 3") and \
+            "no longer in the memory tier of rank(s) 1 (the others still hold it)" in s["lost_on_one_rank"], (r, s)
+    expected = torch.load(out / "expected.pt")
+    run = dstt.open(out / "run")
+    assert sorted(run.branches()) == ["main", "retry"]
+    assert run.branch_info("retry").parent == dstt.StepRef("main", 6)
+    assert run.steps("retry") == [7, 9]  # persist=100 on the new branch: its first step and the last (close)
+    for branch in ("main", "retry"):
+        for step in run.steps(branch):
+            got = run.state_dict(step, branch=branch)
+            assert_bits(expected[branch][step]["model"], got["model"], f"{branch} {step} model")
+            assert_bits(expected[branch][step]["optim"], got["optim"], f"{branch} {step} optim")
+    assert {0, 3, 4, 5, 6} <= set(run.steps("main"))  # the policy's, rank 1's incident's (2: if still held), the fork step
+    assert_bits(expected["main"][7], expected["retry"][7], "the retry's step 7 vs the first run's")
+    assert [(i.step, i.source) for i in run.incidents()] == [(5, "trainer"), (6, "rewind")]  # once each
+    assert verify(out / "run").ok
