@@ -124,3 +124,16 @@ def test_collective_rewind_from_every_ranks_helper_tier(tmp_path: Path) -> None:
     assert_bits(expected["main"][7], expected["retry"][7], "the retry's step 7 vs the first run's")
     assert [(i.step, i.source) for i in run.incidents()] == [(5, "trainer"), (6, "rewind")]  # once each
     assert verify(out / "run").ok
+
+
+@pytest.mark.slow
+def test_a_stopped_helper_fails_every_rank_within_the_bound(tmp_path: Path) -> None:
+    """tests/dist/tier_stopped.py: rank 0's helper SIGSTOPped with
+    ``background_timeout_s=4``: rank 0's trainer fails with a dstt error
+    within the bound (plus the ledger's grace and the time the steps took),
+    rank 1's never waits past it either (its helper, polling for rank 0's
+    decisions, does not count as progress), and the job ends."""
+    out = run_tier(2, tmp_path, "", "", worker=WORKER.with_name("tier_stopped.py"))
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen[0]["error"] and "no progress for" in seen[0]["error"], seen
+    assert all(0 <= s["after_s"] <= 4 + 2 + 10 for s in seen), seen  # bound + grace + the 37 steps' loop
