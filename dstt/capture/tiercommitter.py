@@ -68,6 +68,7 @@ class HelperTierCommitter(HelperCommitter):
         self._reader = threading.Thread(target=self._read_loop, name="dstt-tier-answers", daemon=True)
         #: Why the last rewind read its step from the store though some rank held it (its error says so).
         self.rewind_note = ""
+        self._unread_incidents = 0  # rewinds' incident answers not waited for (helper answers in order)
 
     def start(self) -> None:
         """The answers' reader (also started by the first :meth:`place`: a
@@ -240,6 +241,10 @@ class HelperTierCommitter(HelperCommitter):
             k, step, rest = got.pop()
             if k == "end":
                 raise CaptureError(f"{what}: the capture helper (pid {self.helper.pid}) {rest}")
+            if k == "incident" and self._unread_incidents > 0:  # a rewind's, not waited for: not this one
+                with self.cap.ledger.cond:
+                    self._unread_incidents -= 1
+                continue
             if k == kind:
                 return step, rest
 
@@ -309,7 +314,14 @@ class HelperTierCommitter(HelperCommitter):
         self.helper.send_command(f"unhold {job.plan.step}", job.plan.step)
 
     def rewind_incident(self, step: int) -> None:
-        self.incident_here(f"rewind to step {step}", step, "rewind")
+        """Asked, not waited for: the helper stores its tier's steps and
+        records the incident after the step it is writing now (waiting for
+        its answer was most of a rewind's time: a whole step's write); the
+        branch switch at the next snapshot waits for the fork step."""
+        reason = f"rewind to step {step}".encode().hex()
+        with self.cap.ledger.cond:
+            self._unread_incidents += 1  # (its answer is skipped by _reply)
+        self.helper.send_command(f"incident {step} {reason} rewind", step)
 
     def joined_branch(self, old: Writer) -> None:
         super().joined_branch(old)
