@@ -75,6 +75,12 @@ class TierOps(Protocol):
     def record(self, incident: Incident, ident: str | None) -> None:
         """Record ``incident`` in the store (one record per ``ident``)."""
 
+    def lost(self, step: int, why: str) -> None:
+        """An incident asks for ``step``, which this rank's tier no longer
+        holds: say so now (its rank record, as a failure), so rank 0 -- or,
+        where rank 0 lost it, every other rank -- stops waiting for this
+        rank's part of it at once instead of after ``DSTT_RANK_WAIT_S``."""
+
 
 class Peers(Protocol):
     """The other ranks' helpers (capture/tierpeers.py)."""
@@ -303,6 +309,10 @@ class HelperTier:
         if missing and self.world > 1:
             log.warning("dstt helper (rank %d): incident at step %d: steps %s are no longer in this rank's memory",
                         self.rank, at, ", ".join(map(str, missing)))
+            written = set(self.persisted)
+            for step in (m for m in missing if m not in written):  # (a step this rank wrote: its record went)
+                self.ops.lost(step, f"an incident at step {at} asked for step {step}, which rank {self.rank}'s "
+                                    "memory tier no longer held")
         if self.rank != 0:
             return None
         inc = Incident(self.branch, at, reason, source, time.time(), tuple(sorted(mine)), tensors,
