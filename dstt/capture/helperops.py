@@ -155,9 +155,10 @@ class HelperOps:
 
 def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: Any, pools: dict[str, Any],
                commands: Any, reply: Callable[[str], None], flush: Any) -> bool:
-    """The helper's loop with the memory tier; True if the trainer closed
-    it (``close``), False at end of file (the trainer died: every held
-    step stored as an incident)."""
+    """The helper's loop with the memory tier; False at end of file (the
+    trainer died) once every held step is stored as an incident -- the
+    ring may go then; True otherwise (``close``, or steps that could not be
+    stored left sealed in the ring)."""
     from dstt.capture.tierpeers import StorePeers
 
     ops = HelperOps(writer, ring_dir, pools, records, reply, flush)
@@ -174,7 +175,7 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
         batch = commands.available(0.0 if busy else IDLE_POLL_S)
         if batch is None:
             tier.trainer_died()
-            return False
+            return bool(tier.unstored())  # (steps left sealed: the ring stays for the next Capture or `dstt gc`)
         for cmd in batch:
             if _handle(cmd, tier, ops, reply):
                 tier.close()

@@ -135,6 +135,7 @@ class HelperTier:
         self._memory_only: list[int] = []  # passed over, not recorded in a commit yet
         self._nonfinite_seen = False
         self._seen_requests: set[str] = set()
+        self._kept: list[int] = []  # left sealed at the trainer's death (not stored)
         self._rewinds = 0  # rewinds asked of this helper (the same count on every rank: a rewind is collective)
         self._decided_upto = -1  # rank 0 ("newest"): the last step decided about
         self._decided_persist: list[int] = []
@@ -202,7 +203,14 @@ class HelperTier:
         if self.held:
             self.incident("the trainer died; the memory tier's steps are stored", source="crash")
         self.drain()
-        self.release_all()
+        # A step that could not be stored keeps its seal (its slot is never
+        # reused now): the next Capture on the branch, or `dstt gc`, commits it.
+        self.release_all(keep={s.step for s in self.held if s.decision == "persist" and
+                               (not s.written or s.error is not None)})
+
+    def unstored(self) -> list[int]:
+        """Steps kept sealed by :meth:`trainer_died` (not stored)."""
+        return list(self._kept)
 
     def close(self) -> None:
         """The trainer's ``close``: the last step is stored whatever the
@@ -253,10 +261,17 @@ class HelperTier:
                 continue
             time.sleep(0.01)
 
-    def release_all(self) -> None:
-        """Give every slot back (after :meth:`drain`)."""
+    def release_all(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Give every slot back (after :meth:`drain`), but those of ``keep``
+        (left sealed, for the next Capture or `dstt gc`)."""
         while self.held:
             s = self.held.popleft()
+            if s.step in keep:
+                self._kept.append(s.step)
+                log.error("dstt helper (rank %d): step %d could not be stored (%s); it stays sealed for the next "
+                          "Capture on branch %r or `dstt gc`", self.rank, s.step, s.error or "not written",
+                          self.branch)
+                continue
             if s.decision is None:
                 self._pass_over(s)
             self.ops.release(s.step)

@@ -228,6 +228,31 @@ def test_trainer_death_stores_every_held_step_as_a_crash_incident(tmp_path: Path
     assert sorted(ops.released) == list(range(7))
 
 
+def test_a_step_not_stored_at_the_trainers_death_stays_sealed(tmp_path: Path) -> None:
+    """The trainer died and step 5 could not be stored (its write failed):
+    its slot is not released -- its seal stays for the next Capture or
+    `dstt gc` (serve_tier then leaves the ring) -- where before every held
+    step was released, stored or not, and the ring removed."""
+    ops = StoreOps(tmp_path / "r")
+    tier = HelperTier(3, "newest", ops, branch="main")
+    for s in range(7):
+        ops.capture(tier, s)
+    tier.pump()
+    persist = ops.persist
+
+    def failing(step: int, prev: int | None, memory_only: list[tuple[int, int]] | None) -> Any:
+        if step == 5:
+            raise OSError(28, "No space left on device (injected)")
+        return persist(step, prev, memory_only)
+
+    ops.persist = failing  # type: ignore[method-assign]
+    tier.trainer_died()
+    ops.writer.close()
+    assert tier.unstored() == [5] and 5 not in ops.released
+    assert sorted(ops.released) == [0, 1, 2, 3, 4, 6]
+    assert isinstance(ops.answers[5], OSError)
+
+
 # ----------------------------------------------------------------------------- ranks
 
 
