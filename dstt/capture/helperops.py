@@ -96,7 +96,7 @@ class HelperOps:
     def persist(self, step: int, prev: int | None, memory_only: list[tuple[int, int]] | None) -> Any:
         from dstt.capture import ranks
         from dstt.format.rankparts import plan_doc
-        from dstt.store.writer import batches
+        from dstt.store.flusher import batches
 
         w = self.writer
         plan, record = self.steps[step]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture.config import write_options
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError, StepOrderError
 from dstt.format import args as A
@@ -88,8 +89,8 @@ def peer_parts(job: Job, coord: Any) -> Parts:
     it once the rewind reads from memory). A replicated tensor's chunks are
     spread over its holders (plan.py: written once), so each rank's ring
     holds only its share; a rewind from memory must restore all of it."""
-    mine = [(t.layout.name, t.offset, t.shape, view.clone()) for t, view in job.views if _replicated(t)]
-    have = {(t.layout.name, t.offset) for t, _ in job.views}
+    mine = [(t.layout.name, t.offset, t.shape, view.clone()) for t, view in job.ring.views if _replicated(t)]
+    have = {(t.layout.name, t.offset) for t, _ in job.ring.views}
     names = {l.name for l in job.plan.layouts}
     out: Parts = {}
     for r, theirs in enumerate(coord.all_gather(mine)):
@@ -114,7 +115,7 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None, more: Pa
     than the copy itself on some machines). ``more``: chunks other ranks'
     rings hold (:func:`peer_parts`)."""
     chunks: Parts = {k: list(v) for k, v in (more or {}).items()}
-    for t, view in job.views:
+    for t, view in job.ring.views:
         chunks.setdefault(t.layout.name, []).append((t.offset, t.shape, view))
     layouts = {l.name: l for l in job.plan.layouts}
 
@@ -195,12 +196,12 @@ class Rewinder:
         # The live objects are about to change in place: every queued lazy
         # copy must have read them first (what the optimizer hook ensures
         # before an optimizer step), and every queued step be in the ring.
-        self.cap._before_optimizer_step()
+        self.cap.stager.before_optimizer_step()
         job = self.cap.committer.rewind_job(step)  # (the memory tier's: its slot held while it is read)
         try:
             if job is not None:
                 rec: Any = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
-                more = peer_parts(job, self.cap._plan_coord) if self.cap._plan_coord.distributed else None
+                more = peer_parts(job, self.cap.plan_coord) if self.cap.plan_coord.distributed else None
                 read = ring_reader(job, live_optimizer_state(optimizer, model), more)
                 where, parent = f"step {step} in the memory tier", StepRef(cur.branch.name, step)
             else:
@@ -256,7 +257,7 @@ class Rewinder:
         after waiting for what is queued to be stored; StepNotFoundError if
         the current branch has no such step (nothing changed then)."""
         self.cap.wait()  # bounded: Capture.wait (background_timeout_s)
-        coord = self.cap._plan_coord
+        coord = self.cap.plan_coord
         if coord.distributed:  # every rank's wait is over: rank 0's commits of the steps queued are in
             coord.all_gather(step)
         cur = self.cap.writer
@@ -304,12 +305,8 @@ class Rewinder:
         old = self.cap.writer
         cfg = self.cap.config
         self.cap.committer.leave_branch()  # (without the memory tier: everything stored, the old ring let go of)
-        new = Writer(self.cap._store_arg, branch=name, parent=parent,
-                     compression=cfg.compression, zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every,
-                     max_chunk_bytes=cfg.max_chunk_bytes, allow_pickle=cfg.allow_pickle, dedup=cfg.dedup,
-                     threads=1, coordinator=self.cap._plan_coord,
-                     commit_coordinator=self.cap._commit_coord,
-                     storage_options=cfg.storage_options)
+        new = Writer(self.cap.store_arg, write_options(cfg, branch=name, parent=parent, threads=1),
+                     coordinator=self.cap.plan_coord, commit_coordinator=self.cap.commit_coord)
         self.cap.config = replace(cfg, branch=name, parent=None)
         with self.cap.ledger.cond:
             self.cap.writer = new

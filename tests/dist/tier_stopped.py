@@ -34,7 +34,7 @@ def main(out: Path) -> None:
     model = torch.nn.Linear(16, 16)
     opt = torch.optim.Adam(model.parameters())
     cap = dstt.Capture(out / "run", memory_steps=2, persist="newest", background_timeout_s=4)
-    assert cap._helper is not None
+    assert cap.parts.helper is not None
     for step in range(3):
         model(torch.randn(4, 16)).sum().backward()
         opt.step()
@@ -43,7 +43,7 @@ def main(out: Path) -> None:
     cap.wait()
     dist.barrier()
     if rank == 0:
-        os.kill(cap._helper.pid, signal.SIGSTOP)
+        os.kill(cap.parts.helper.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     seen: dict[str, object] = {"error": "", "after_s": -1.0}
     try:
@@ -60,7 +60,7 @@ def main(out: Path) -> None:
         seen = {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - t0}
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
-        os.kill(cap._helper.pid, signal.SIGCONT)
+        os.kill(cap.parts.helper.pid, signal.SIGCONT)
     try:
         cap.close()
     except DsttError:
