@@ -517,10 +517,13 @@ def test_a_group_commit_of_predicted_steps_publishes_its_markers_in_order(tmp_pa
     assert [run.entry("w", s).pred.chunks[0][1:] for s in (1, 2, 3)] == [(1, 0), (2, 1), (3, 2)]
 
 
-def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path) -> None:
+@pytest.mark.parametrize("helper", [True, False])
+def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path, helper: bool) -> None:
     """Capture(memory_steps=, persist="all", compression="predictive"): the
     steps the flight recorder persists go through the same codec (each
-    predicted from the previous persisted step) and read back bit-exact."""
+    predicted from the previous persisted step) and read back bit-exact,
+    with the tier in the capture helper (the default) and in the trainer's
+    process (helper=False)."""
     with torch.random.fork_rng():
         torch.manual_seed(6)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
@@ -528,9 +531,8 @@ def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path)
     g = torch.Generator().manual_seed(6)
     path = tmp_path / "run"
     states = []
-    # (the in-process tier: with the tier in the capture helper, its persisted steps are not coded yet)
     cap = dstt.Capture(path, compression="predictive", memory_steps=4, persist="all", keyframe_every=4,
-                       helper=False)
+                       helper=helper)
     try:
         for step in range(6):
             model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
@@ -544,6 +546,38 @@ def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path)
     assert run.steps() == list(range(6))
     check_reads(path, states)
     assert "adam" in predictors(path, range(6))
+    assert verify(path).ok
+
+
+def test_the_tier_in_the_helper_codes_against_a_step_whose_slot_was_reused(tmp_path: Path) -> None:
+    """persist=N with the tier in the capture helper: the previous persisted
+    step left the tier (its ring slot given back, then reused by the
+    trainer) before the next persisted step is coded against it. The coder
+    remembers ring views only while the tier holds the step; they are copied
+    before the slot goes back, so every persisted step reads back bit-exact."""
+    with torch.random.fork_rng():
+        torch.manual_seed(8)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Linear(1024, 512))  # 4.7 MB a step
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    g = torch.Generator().manual_seed(8)
+    path = tmp_path / "run"
+    states = {}
+    cap = dstt.Capture(path, compression="predictive", memory_steps=1, persist=6, keyframe_every=8)
+    try:
+        for step in range(13):
+            model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            cap.snapshot(step, model=model, optimizer=opt)
+            states[step] = snapshot(model, opt)
+    finally:
+        cap.close()
+    run = dstt.open(path)
+    assert run.steps() == [0, 6, 12]
+    # step 6 coded against step 0, whose ring bytes the trainer overwrote meanwhile (the ring holds 5 steps)
+    assert run.entry("model/1.weight", 6).pred is not None
+    for step in run.steps():
+        assert all(bits_equal(run.read(n, step), v) for n, v in states[step].items()), step
     assert verify(path).ok
 
 
