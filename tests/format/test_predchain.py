@@ -193,6 +193,24 @@ def test_chains_are_at_most_k_minus_1_steps_and_read_each_chunk_once(tmp_path: P
     assert run.chains.decoded == coded  # each predictive chunk decoded exactly once
 
 
+def test_reading_one_step_decodes_each_link_once_with_a_cache_smaller_than_the_chain(tmp_path: Path) -> None:
+    """Every tensor of a late step read in the store's order (parameters,
+    then optimizer state, as state_dict and restore read them) with a
+    decoded-link cache of two steps' chunks and chains eight times longer:
+    each link is decoded once (the chains' own older links leave the cache
+    first, the requested step's stay), every value bit-exact."""
+    path = tmp_path / "run"
+    states = train(path, "adamw", steps=8, keyframe_every=8, shapes=((256, 256), (256, 256)))
+    run = dstt.open(path)
+    step_bytes = sum(v.numel() * v.element_size() for v in states[7].values())
+    run.chains.cache_bytes = 2 * step_bytes
+    for name in sorted(states[7]):
+        assert bits_equal(run.read(name, 7), states[7][name]), name
+    coded = sum(1 for s in range(8) for t in entries(path, s) for c in (t.get("pred") or {}).get("chunks", [])
+                if c is not None)
+    assert run.chains.decoded == coded
+
+
 def test_a_forged_misprediction_costs_bytes_not_correctness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Codings with wrong constants (a forged lr) predict badly: the chunks
     are larger, and still decode bit-exact."""
