@@ -38,9 +38,8 @@ import os
 import random
 import sys
 import time
-from typing import Any
-
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
