@@ -599,6 +599,50 @@ def test_the_tier_in_the_helper_codes_against_a_step_whose_slot_was_reused(tmp_p
     assert verify(path).ok
 
 
+def run_chunk_recipe(store: Path, branch: str, step: int, name: str, i: int) -> tuple[np.ndarray, tuple[slice, ...]]:
+    """docs/format.md "Reading a predictive chunk without dstt", run as
+    written after "The prediction"'s block (its ``decode``)."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "format.md").read_text()
+    predict = re.search(r"```python\n(.*?)```", doc.split("**The prediction**", 1)[1], re.S)
+    recipe = re.search(r"```python\n(.*?)```", doc.split("**Reading a predictive chunk without dstt.**", 1)[1], re.S)
+    assert predict is not None and recipe is not None
+    first = "store, branch, step, name, i = "
+    code = recipe.group(1)
+    assert code.count(first) == 1
+    lines = [f"{first}{str(store)!r}, {branch!r}, {step}, {name!r}, {i}" if line.startswith(first) else line
+             for line in code.splitlines()]
+    scope: dict[str, Any] = {}
+    exec(predict.group(1), scope)  # noqa: S102 - the documented recipe itself
+    exec("\n".join(lines), scope)  # noqa: S102
+    return scope["bits"], scope["box"]
+
+
+def test_docs_predictive_chunk_recipe_reads_every_chunk_verbatim(tmp_path: Path) -> None:
+    """The document's numpy + zarr-python recipe for a predictive chunk
+    (find its pred record, walk the chain to the keyframes, add the
+    residuals) gives dstt's bits for every chunk of every tensor of a
+    mid-chain step, edge chunks included."""
+    path = tmp_path / "run"
+    states = train(path, "adamw", steps=4, keyframe_every=8, shapes=((40, 24), (24, 8)), pack_chunk_bytes=0,
+                   max_chunk_bytes=1024)
+    run = dstt.open(path)
+    assert run.entry("model/m.0.weight", 3).pred is not None and run.entry("model/m.0.weight", 3).nchunks > 2
+    seen = 0
+    for name, value in states[3].items():
+        e = run.entry(name, 3)
+        if e.pred is None:
+            continue
+        ints = value.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+            value.element_size()])
+        for i in range(e.nchunks):
+            bits, box = run_chunk_recipe(path, "main", 3, name, i)
+            assert np.array_equal(bits.view(ints.numpy().dtype), ints[box].reshape(-1).numpy()), (name, i)
+            seen += 1
+    assert seen > 6
+
+
 @pytest.mark.parametrize("damage", [
     lambda p: p["chunks"][0].__setitem__(2, p["chunks"][0][1]),  # prev not before cur
     lambda p: p["chunks"][0].__setitem__(0, 5),  # coding out of range
