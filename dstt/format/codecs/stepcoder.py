@@ -199,6 +199,8 @@ class StepCoder:
     #: remembered as views, not copied; borrowed bytes do not count
     #: against :attr:`memory_limit`.
     borrow: bool = False
+    #: The step coded (or remembered) last (store/predflush.py sets it).
+    last_step: int | None = None
 
     def remember(self, key: tuple[str, int], prev: Prev) -> None:
         """Keep ``prev`` for ``key`` within :attr:`memory_limit` (caller holds the lock)."""
@@ -240,6 +242,7 @@ class StepCoder:
             self.memory.clear()
             self.states.clear()
             self.held = 0
+            self.last_step = None
 
     def forget_group(self, g: Group) -> None:
         """Drop what is remembered of ``g``'s chunks (not coded this step)."""
