@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 
 import dstt
 from dstt.api import gc
-from dstt.errors import CaptureError, CorruptStoreError
+from dstt.errors import CaptureError, CaptureWarning, CorruptStoreError
 from dstt.format import layout as L
 from dstt.format.codecs import stepcoder
 from dstt.format.gc import prune
@@ -419,8 +420,8 @@ def test_sigkill_mid_encode_leaves_every_committed_step_readable(tmp_path: Path)
 def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) -> None:
     """Capture(compression="predictive"): the capture helper codes each step
     against the previous one (off the trainer's process); every step reads
-    back bit-exact. Without a helper the steps are stored whole (in-process
-    predictive coding is not wired yet)."""
+    back bit-exact. Without a helper the steps are stored whole (coding in
+    the trainer's process would share its CPU and GIL), and a warning says so."""
     with torch.random.fork_rng():
         torch.manual_seed(5)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
@@ -428,7 +429,10 @@ def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) 
     g = torch.Generator().manual_seed(5)
     path = tmp_path / "run"
     states = []
-    cap = dstt.Capture(path, compression="predictive", helper=helper, keyframe_every=4)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        cap = dstt.Capture(path, compression="predictive", helper=helper, keyframe_every=4)
+    assert any(issubclass(w.category, CaptureWarning) and "stored whole" in str(w.message) for w in said) != helper
     try:
         for step in range(6):
             model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
