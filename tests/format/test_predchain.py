@@ -605,12 +605,12 @@ def test_the_tier_in_the_helper_codes_against_a_step_whose_slot_was_reused(tmp_p
 
 def run_chunk_recipe(store: Path, branch: str, step: int, name: str, i: int) -> tuple[np.ndarray, tuple[slice, ...]]:
     """docs/format.md "Reading a predictive chunk without dstt", run as
-    written after "The prediction"'s block (its ``decode``)."""
+    written after "Predictive chunks"'s prediction block (its ``decode``)."""
     import re
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "format.md").read_text()
     predict = re.search(r"```python\n(.*?)```", doc.split("**The prediction**", 1)[1], re.S)
-    recipe = re.search(r"```python\n(.*?)```", doc.split("**Reading a predictive chunk without dstt.**", 1)[1], re.S)
+    recipe = re.search(r"```python\n(.*?)```", doc.split("### Reading a predictive chunk without dstt", 1)[1], re.S)
     assert predict is not None and recipe is not None
     first = "store, branch, step, name, i = "
     code = recipe.group(1)
