@@ -97,7 +97,7 @@ class HelperOps:
     def persist(self, step: int, prev: int | None, memory_only: list[tuple[int, int]] | None) -> Any:
         from dstt.capture import ranks
         from dstt.format.rankparts import plan_doc
-        from dstt.store.writer import batches
+        from dstt.store.flusher import batches
 
         w = self.writer
         plan, record = self.steps[step]
@@ -157,6 +157,7 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     """The helper's loop with the memory tier; True if the trainer closed
     it (``close``), False at end of file (the trainer died: every held
     step stored as an incident)."""
+    from dstt.capture import peerguard
     from dstt.capture.tierpeers import StorePeers
 
     ops = HelperOps(writer, ring_dir, pools, records, reply, flush)
@@ -168,17 +169,23 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     policy = tier_args["policy"]
     tier = HelperTier(int(tier_args["k"]), policy if policy in ("all", "newest") else int(policy), ops,
                       branch=writer.branch.name, peers=peers, watch=bool(tier_args.get("watch", True)))
+    guard = peerguard.start(tier_args, records, writer, ops)  # redundancy= (issue 26): None for "none"
     busy = False
     while True:
         batch = commands.available(0.0 if busy else IDLE_POLL_S)
         if batch is None:
             tier.trainer_died()
+            if guard is not None:
+                guard.close(clean=False)
             return False
         for cmd in batch:
             if _handle(cmd, tier, ops, reply):
                 tier.close()
+                if guard is not None:
+                    guard.close(clean=True)
                 return True
-        busy = tier.pump()
+        busy = guard is not None and guard.pump(tier.steps_held())
+        busy = tier.pump() or busy
 
 
 def _handle(cmd: list[str], tier: HelperTier, ops: HelperOps, reply: Callable[[str], None]) -> bool:

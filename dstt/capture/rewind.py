@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture.config import write_options
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError, StepOrderError
 from dstt.format import args as A
@@ -80,7 +81,7 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None) -> Any:
     the rewind goes ahead; fresh memory would be page-faulted in (slower
     than the copy itself on some machines)."""
     chunks: dict[str, list[tuple[ChunkTask, torch.Tensor]]] = {}
-    for t, view in job.views:
+    for t, view in job.ring.views:
         chunks.setdefault(t.layout.name, []).append((t, view))
 
     def read(name: str, box: tuple[slice, ...] | None) -> torch.Tensor:
@@ -160,7 +161,7 @@ class Rewinder:
         # The live objects are about to change in place: every queued lazy
         # copy must have read them first (what the optimizer hook ensures
         # before an optimizer step), and every queued step be in the ring.
-        self.cap._before_optimizer_step()
+        self.cap.stager.before_optimizer_step()
         job = self.cap.committer.rewind_job(step)  # (the memory tier's: its slot held while it is read)
         try:
             if job is not None:
@@ -255,12 +256,8 @@ class Rewinder:
         old = self.cap.writer
         cfg = self.cap.config
         self.cap.committer.leave_branch()  # (without the memory tier: everything stored, the old ring let go of)
-        new = Writer(self.cap._store_arg, branch=name, parent=parent,
-                     compression=cfg.compression, zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every,
-                     max_chunk_bytes=cfg.max_chunk_bytes, allow_pickle=cfg.allow_pickle, dedup=cfg.dedup,
-                     threads=1, coordinator=self.cap._plan_coord,
-                     commit_coordinator=self.cap._commit_coord,
-                     storage_options=cfg.storage_options)
+        new = Writer(self.cap.store_arg, write_options(cfg, branch=name, parent=parent, threads=1),
+                     coordinator=self.cap.plan_coord, commit_coordinator=self.cap.commit_coord)
         self.cap.config = replace(cfg, branch=name, parent=None)
         with self.cap.ledger.cond:
             self.cap.writer = new

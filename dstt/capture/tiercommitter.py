@@ -79,19 +79,19 @@ class HelperTierCommitter(HelperCommitter):
     def place(self, job: Job, sizes: list[int], cuda: bool, held_bytes: int) -> None:
         cap = self.cap
         self.start()
-        cap._refuse_without_helper(self.helper, job.plan.step)
+        cap.crashsafe.refuse_without_helper(self.helper, job.plan.step)
         if self._ended is not None:
             raise CaptureError(f"step {job.plan.step} not captured: the capture helper's memory tier ended "
                                f"({self._ended}); sealed steps stay for the next Capture or `dstt gc`")
         step_bytes = held_bytes + STEP_SLACK_BYTES
         want = -(-step_bytes * (self.k + EXTRA_STEPS) // (1 << 20)) * (1 << 20)
-        pool = cap.pool
+        pool = cap.stager.pool
         if pool is None or pool.capacity < want or (cuda and not pool.wants_pin):
             if pool is not None:
                 cap.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
-            cap.pool = cap._new_pool(want, cuda)
-        job.pool = cap.pool
-        job.hold = True
+            pool = cap.stager.replace_pool(want, cuda)
+        job.ring.pool = pool
+        job.ring.hold = True
         with cap.ledger.cond:
             self._latest = job.plan.step
 
@@ -99,7 +99,7 @@ class HelperTierCommitter(HelperCommitter):
         """Sealed, then handed to the helper's tier at once (stager thread)."""
         cap = self.cap
         super(HelperCommitter, self).staged(job)  # (the seal: Committer.staged)
-        if job.error is not None or not job.sealed:
+        if job.error is not None or not job.ring.sealed:
             return  # (the committer fails it: the tier takes sealed steps only)
         with HAND_OVER_LOCK:
             try:
@@ -109,7 +109,7 @@ class HelperTierCommitter(HelperCommitter):
                 return
             with cap.ledger.cond:
                 self._jobs[job.plan.step] = job
-                job.sent = True
+                job.ring.sent = True
 
     # ------------------------------------------------------------ committer thread
 
@@ -120,9 +120,9 @@ class HelperTierCommitter(HelperCommitter):
             cap.ledger.wait_event(job.submitted, lambda: f"step {step} to be staged and sealed")
             if job.error is not None:
                 raise job.error
-            if not job.sent:
+            if not job.ring.sent:
                 raise CaptureError(f"step {step} not captured into the memory tier: it could not be sealed in the "
-                                   f"staging ring ({job.seal_error}); the capture helper takes sealed steps only")
+                                   f"staging ring ({job.ring.seal_error}); the capture helper takes sealed steps only")
             kind, rest = self._wait_outcome(step)
             if kind == "ok":
                 info = _commit_info(rest)
@@ -139,9 +139,9 @@ class HelperTierCommitter(HelperCommitter):
         finally:
             with cap.ledger.cond:
                 self._settled.add(step)
-                handed = job.sent
+                handed = job.ring.sent
             if not handed:
-                cap._settle(job)  # never handed over: its blocks back now (else at "free")
+                cap.crashsafe.settle(job)  # never handed over: its blocks back now (else at "free")
             cap.ledger.settled(step)
 
     def commit(self, job: Job) -> CommitInfo:
@@ -218,7 +218,7 @@ class HelperTierCommitter(HelperCommitter):
                     self._replies.put((kind, step, rest))
                 cap.ledger.cond.notify_all()
             if freed is not None:
-                cap._settle(freed)
+                cap.crashsafe.settle(freed)
             cap.ledger.bump()
 
     def _reply(self, kind: str, what: str) -> tuple[int, str]:
@@ -260,8 +260,8 @@ class HelperTierCommitter(HelperCommitter):
         self.helper.send_command(f"hold {step}", step)
         _, rest = self._reply("held", f"the capture helper's answer to holding step {step}")
         held = rest.strip() == "yes"
-        if cap._plan_coord.distributed:  # collective: from memory only where every rank holds it
-            held = all(cap._plan_coord.all_gather(held))
+        if cap.plan_coord.distributed:  # collective: from memory only where every rank holds it
+            held = all(cap.plan_coord.all_gather(held))
         with cap.ledger.cond:
             job = self._jobs.get(step) if held else None
         if job is None and rest.strip() == "yes":
@@ -283,7 +283,7 @@ class HelperTierCommitter(HelperCommitter):
         return list(self._memory_only) if writer is self.cap.writer else []
 
     def memory_bytes(self) -> int | None:
-        pool = self.cap.pool
+        pool = self.cap.stager.pool
         return None if pool is None else pool.capacity
 
     def threads(self) -> dict[str, threading.Thread]:
@@ -313,7 +313,7 @@ class HelperTierCommitter(HelperCommitter):
             left = list(self._jobs.values())
             self._jobs.clear()
         for job in left:  # (the helper is gone: their seals stay for the next Capture)
-            self.cap._settle(job, keep=True)
+            self.cap.crashsafe.settle(job, keep=True)
 
     def stop_threads(self) -> dict[str, threading.Thread]:
         return {}

@@ -184,8 +184,8 @@ def test_a_killed_helper_fails_the_trainer_loudly(tmp_path: Path) -> None:
             _train(m, opt)
             cap.snapshot(s, model=m, optimizer=opt)
         cap.wait()
-        assert cap._helper is not None
-        os.kill(cap._helper.pid, signal.SIGKILL)
+        assert cap.parts.helper is not None
+        os.kill(cap.parts.helper.pid, signal.SIGKILL)
         with pytest.raises(CaptureError, match="capture helper"):
             for s in range(3, 12):
                 _train(m, opt)
