@@ -124,6 +124,7 @@ def save(
     validate_step(step)  # before the writer opens, locks or creates anything (its own arguments: Writer)
     with Writer(store, branch=branch, parent=parent, allow_pickle=allow_pickle, compression=compression,
                 storage_options=storage_options, keyframe_every=keyframe_every) as w:
+        w.flusher.prev_values.budget = 0  # one step: no next step here to take its values (no copy on the caller's thread)
         return w.write(step, state)
 
 

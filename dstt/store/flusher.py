@@ -59,6 +59,7 @@ from dstt.format.packs import StepPacks
 from dstt.format.pygc import paused_gc
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.predflush import decision_of, pred_layout
+from dstt.store.prevvalues import PrevValues, default_budget
 from dstt.store.stats import BATCH_DTYPES, batch_partials, chunk_partial
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.torchthreads import single_threaded
@@ -125,6 +126,9 @@ class Flusher:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
         self._lock = threading.Lock()
         self._encode_cpu_s = 0.0  # CPU seconds spent coding chunks (guarded by _lock)
+        #: The previous step's chunks, for the update statistics where the
+        #: caller gives none (dstt.store.prevvalues).
+        self.prev_values = PrevValues(default_budget())
 
     @property
     def encode_cpu_s(self) -> float:
@@ -150,11 +154,17 @@ class Flusher:
         has one, else by comparing with the stored bytes -- and the sha256 is
         recorded so a frozen tensor is proven by hash from then on.
         """
-        link = plan.links.get((task.layout.array, task.index)) or Link(None)
+        key = (task.layout.array, task.index)
+        link = plan.links.get(key) or Link(None)
         link.started = True
         try:
             src = staged if staged is not None else task.source
-            partial = chunk_partial(src if src.device.type == "cpu" else src.cpu(), prev_staged).to_list()
+            host = src if src.device.type == "cpu" else src.cpu()
+            if not plan.prev_told:
+                prev_staged = self.prev_values.take(key, link)
+            partial = chunk_partial(host, prev_staged).to_list()
+            if not plan.prev_told and self.prev_values.room(host.nbytes):
+                self.prev_values.keep(key, link, plan.step, host.detach().clone() if host is src else host)
             raw = chunk_bytes(task, src)
             crc = crc32c(raw)
             result = ChunkResult(task.layout.name, task.index, crc, None, plan.slot, 0, len(raw), partial)
@@ -212,6 +222,8 @@ class Flusher:
         # The collector paused: the few objects per chunk (results, refs,
         # ranges, rows) hold no cycles, and their burst would trigger full
         # collections that walk every live object -- ~1 s of a 100,000-tensor step.
+        if prev_staged is not None:
+            plan.prev_told = True  # (the memory tier: it gives every chunk's, or None)
         with paused_gc():
             return self._flush_chunks(plan, tasks, staged, prev_staged, one or self.flush_chunk)
 
@@ -247,6 +259,8 @@ class Flusher:
         links = [plan.links.get((t.layout.array, t.index)) or Link(None) for t in tasks]
         for link in links:
             link.started = True
+        if not plan.prev_told:
+            prevs = [self.prev_values.take((t.layout.array, t.index), link) for t, link in zip(tasks, links)]
         settled = [False] * len(tasks)  # each link is resolved, waits, or passes through exactly once
         # Single-threaded torch for this batch's small operations: an OpenMP
         # team per call costs more than it saves on 64K values, and its
@@ -274,12 +288,23 @@ class Flusher:
             counts = [f.numel() for f in flats]
             block = _GROUP_BUFFERS.take(flats[0].dtype, sum(counts))
             buf = torch.cat(flats, out=block[:sum(counts)])  # private: the bytes of every chunk, stats read it too
+            if not plan.prev_told and self.prev_values.room(buf.nbytes):
+                self._keep_group(plan, tasks, links, buf.clone(), counts)
         waits = [False]
         try:
             return self._code_buffer(plan, tasks, buf, counts, prevs, links, settled, out, waits)
         finally:
             if not waits[0]:  # no chunk keeps a slice of it (_wait_for): the next group's
                 _GROUP_BUFFERS.give(block)
+
+    def _keep_group(self, plan: StepPlan, tasks: list[ChunkTask], links: list[Link], held: torch.Tensor,
+                    counts: list[int]) -> None:
+        """Hold a group's values (one copy, a view per chunk) for the next
+        step's update statistics."""
+        at = 0
+        for t, link, c in zip(tasks, links, counts):
+            self.prev_values.keep((t.layout.array, t.index), link, plan.step, held[at:at + c])
+            at += c
 
     def _code_buffer(self, plan: StepPlan, tasks: list[ChunkTask], buf: torch.Tensor, counts: list[int],
                      prevs: list[torch.Tensor | None] | None, links: list[Link], settled: list[bool],
