@@ -19,6 +19,7 @@ import pytest
 
 import dstt
 from dstt.api import gc
+from dstt.errors import DsttError
 from dstt.format import layout as L
 from dstt.format.packs import pack_key
 from dstt.format.verify import partial_steps, verify
@@ -102,14 +103,39 @@ def check_store(store: Path, checked: set[int], branch: str = "main") -> list[in
     return steps
 
 
+def newest_step(store: Path, branch: str = "main") -> int:
+    """The newest committed step of ``branch`` (-1: none yet); read while a writer runs."""
+    try:
+        run = dstt.open(store)
+        steps = run.steps(branch) if branch in run.branches() else []
+    except (DsttError, OSError):
+        return -1  # the store is being created
+    return steps[-1] if steps else -1
+
+
+def wait_for_commit(store: Path, after: int, pid: int, timeout_s: float = 60.0) -> None:
+    """Until a step newer than ``after`` is committed (or the writer died)."""
+    deadline = time.monotonic() + timeout_s
+    while newest_step(store) <= after and alive(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no step after {after} committed within {timeout_s} s")
+        time.sleep(0.02)
+
+
 def kill_trials(zygote: Zygote, store: Path, trials: int, seed: int, max_delay: float,
-                gc_every: int = 0, mode: str = "auto", pause_s: float = 0.0) -> dict[str, int]:
+                gc_every: int = 0, mode: str = "auto", pause_s: float = 0.0,
+                after_commit_every: int = 0) -> dict[str, int]:
+    """``trials`` writers killed at random moments; every ``after_commit_every``-th
+    one only once it committed a new step (then at a random moment after it),
+    so kills after commits are trialled however slow the machine is."""
     rng = random.Random(seed)
     checked: set[int] = set()
     outcome = {"killed": 0, "finished_before_kill": 0, "steps": 0, "trials_with_progress": 0}
     before = -1
-    for _ in range(trials):
+    for trial in range(trials):
         pid = zygote.fork(store, mode=mode, pause_s=pause_s)
+        if after_commit_every and trial % after_commit_every == after_commit_every - 1:
+            wait_for_commit(store, before, pid)
         time.sleep(rng.uniform(0.0, max_delay))
         try:
             os.kill(pid, signal.SIGKILL)
@@ -192,7 +218,8 @@ def test_sigkill_random_moments_quick(zygote: Zygote, tmp_path: Path) -> None:
     # 10 ms of "training" between steps: kills land in snapshot, staging and
     # background commits alike, and the store stays ~100 steps, not ~1000
     # (every trial verifies the whole store). 240 trials without pauses: -m slow.
-    out = kill_trials(zygote, store, trials=16, seed=6, max_delay=0.6, gc_every=4, pause_s=0.01)
+    out = kill_trials(zygote, store, trials=16, seed=6, max_delay=0.6, gc_every=4, pause_s=0.01,
+                      after_commit_every=4)
     print("kill trials:", out)
     assert out["killed"] >= 13, out  # a writer never finishes on its own (infinite loop)
     assert out["trials_with_progress"] >= 3, out  # kills landed after commits, not only at startup
@@ -204,7 +231,8 @@ def test_sigkill_random_moments_with_delta_coding(zygote: Zygote, tmp_path: Path
     back exactly (deltas against keyframes a killed writer wrote, and a new
     writer's keyframes), gc keeps what kept deltas need."""
     store = tmp_path / "run"
-    out = kill_trials(zygote, store, trials=12, seed=8, max_delay=0.5, gc_every=4, mode="delta", pause_s=0.01)
+    out = kill_trials(zygote, store, trials=12, seed=8, max_delay=0.5, gc_every=4, mode="delta", pause_s=0.01,
+                      after_commit_every=4)
     # (progress across trials is the quick trial's subject; here: committed delta steps survive)
     assert out["killed"] >= 10 and out["steps"] >= 2, out
     run = dstt.open(store)
