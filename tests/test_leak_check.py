@@ -1,6 +1,7 @@
 """The suite's leak check (issue 29 item 7, tests/conftest.py): a run that
 leaves a file in its temporary directory fails, naming the file, even when
-every test passed -- a real pytest run in a subprocess, with this conftest."""
+every test passed -- the hook on a directory of its own (quick), and a real
+pytest run in a subprocess with this conftest (slow: it imports torch)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,39 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests import conftest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_the_session_hook_fails_a_run_that_left_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    own = tmp_path / "run-tmp"
+    (own / "dask-scratch-space").mkdir(parents=True)
+    (own / "dask-scratch-space" / "global.lock").write_text("")
+    (own / "empty-dir").mkdir()  # empty directories are no leak
+    monkeypatch.setattr(conftest, "SUITE_TMP", own)
+    monkeypatch.setattr(conftest, "SUITE_SHM", None)
+    monkeypatch.setattr(conftest, "_MADE_HERE", [own])
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    session = SimpleNamespace(exitstatus=pytest.ExitCode.OK)
+    conftest.pytest_sessionfinish(session, 0)  # type: ignore[arg-type]
+    assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
+    assert "dask-scratch-space/global.lock" in capsys.readouterr().err and not own.exists()
+    clean = tmp_path / "clean"
+    (clean / "empty-dir").mkdir(parents=True)
+    monkeypatch.setattr(conftest, "SUITE_TMP", clean)
+    monkeypatch.setattr(conftest, "_MADE_HERE", [clean])
+    session = SimpleNamespace(exitstatus=pytest.ExitCode.OK)
+    conftest.pytest_sessionfinish(session, 0)  # type: ignore[arg-type]
+    assert session.exitstatus == pytest.ExitCode.OK
+
+
+@pytest.mark.slow
 def test_a_run_that_leaves_a_file_in_tmp_fails(tmp_path: Path) -> None:
     (tmp_path / "test_leaky.py").write_text(
         "import os, tempfile\n"

@@ -139,7 +139,7 @@ def rename_branch(backend: Backend, old: str, new: str, *, dry_run: bool = False
     with acquire_all(backend):
         resuming = _check(backend, old, new)  # (again, under the locks)
         journal = encode_json({"format": RENAME_FORMAT, "from": old, "to": new})
-        for name in (old, new):
+        for name in (new, old):  # the new name's first (and removed last): never a window where it is free
             backend.put_atomic(rename_key(name), journal)
         backend.sync()
         if backend.exists(L.branch_key(old)):
@@ -155,8 +155,9 @@ def rename_branch(backend: Backend, old: str, new: str, *, dry_run: bool = False
         for child in _children(backend, old):
             _repoint(backend, child, new)
         _remove_old(backend, old)
-        for name in (old, new):
-            backend.delete(rename_key(name))
+        backend.delete(rename_key(old))
+        backend.sync()
+        backend.delete(rename_key(new))
         backend.sync()
     return plan
 
