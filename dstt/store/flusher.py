@@ -419,12 +419,24 @@ class Flusher:
         def finish(value: ChunkRef | None) -> None:
             def run() -> None:
                 try:
+                    self._late_update(plan, task, result, link)
                     pending.set_result(self._store(plan, task, raw, result, link, value))
                 except BaseException as e:
                     pending.set_exception(e)
             self.pool.submit(run)
 
         prev.then(finish)
+
+
+    def _late_update(self, plan: StepPlan, task: ChunkTask, result: ChunkResult, link: Link) -> None:
+        """The update sum of a chunk flushed before its predecessor's flush
+        began (its stats found no previous values then), now that the
+        predecessor is stored and both steps' values are held."""
+        if plan.prev_told or len(result.partial) < 8 or result.partial[7] == result.partial[7]:
+            return
+        got = self.prev_values.update_sumsq((task.layout.array, task.index), link)
+        if got is not None:
+            result.partial[7] = got
 
 
 class _Blocks:

@@ -15,7 +15,7 @@ predecessor, i.e. the previous step this writer planned. A step flushed out
 of order, a chunk of a step that failed, or a copy over the budget gives
 NaN, never an update against the wrong step.
 
-Memory: at most ``budget`` bytes (default: a quarter of the physical
+Memory: two steps' worth at most (:data:`PrevValues.KEEP`), and at most ``budget`` bytes (default: a quarter of the physical
 memory, as the capture helper's predictor; ``DSTT_UPDATE_STATS_BYTES``):
 beyond it, chunks get no copy and their next update statistics are NaN.
 
@@ -26,6 +26,9 @@ beyond it, chunks get no copy and their next update statistics are NaN.
 >>> held.keep(("w", 0), a, 1, torch.tensor([1.0, 2.0]))
 >>> held.take(("w", 0), b), held.take(("w", 0), a)
 (tensor([1., 2.]), None)
+>>> held.keep(("w", 0), b, 2, torch.tensor([1.0, 4.0]))
+>>> held.update_sumsq(("w", 0), b)
+4.0
 """
 
 from __future__ import annotations
@@ -55,42 +58,57 @@ def default_budget() -> int:
 
 
 class PrevValues:
-    """Per chunk, the values of the latest step flushed and the link of that
-    step's chunk (module docstring). Thread-safe."""
+    """Per chunk, the values of the two latest steps flushed, each with the
+    link of that step's chunk (module docstring). Two, not one: a step whose
+    chunk is flushed before its predecessor's started finds the predecessor
+    later (:meth:`update_sumsq`, once that link resolves). Thread-safe."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self._held = 0
         self._lock = threading.Lock()
-        #: key -> (that step's link, step, values, bytes charged)
-        self._by_key: dict[Key, tuple[Any, int, torch.Tensor, int]] = {}
+        #: key -> [(that step's link, step, values), ...], newest last, at most KEEP
+        self._by_key: dict[Key, list[tuple[Any, int, torch.Tensor]]] = {}
+
+    #: Steps held per chunk.
+    KEEP = 2
+
+    def _find(self, key: Key, link: Any) -> torch.Tensor | None:
+        with self._lock:
+            for held, _, values in self._by_key.get(key, ()):
+                if held is link:
+                    return values
+        return None
 
     def take(self, key: Key, link: Any) -> torch.Tensor | None:
         """The values of ``key`` at the step ``link`` follows, or None."""
         prev = getattr(link, "prev", None)
-        if prev is None:
-            return None
-        with self._lock:
-            got = self._by_key.get(key)
-        return got[2] if got is not None and got[0] is prev else None
+        return None if prev is None else self._find(key, prev)
+
+    def update_sumsq(self, key: Key, link: Any) -> float | None:
+        """Σ (x − prev)² of ``key`` between the step of ``link`` and the one
+        it follows, where both are held (None otherwise)."""
+        from dstt.store.stats import update_sumsq
+
+        prev = getattr(link, "prev", None)
+        cur = self._find(key, link)
+        before = None if prev is None or cur is None else self._find(key, prev)
+        return None if cur is None or before is None else update_sumsq(cur, before)
 
     def keep(self, key: Key, link: Any, step: int, values: torch.Tensor) -> None:
         """Hold ``values`` (a CPU tensor this object owns: the caller's copy,
-        or a view of one) as ``key`` at ``step`` (its chunk's ``link``),
-        replacing an earlier step's; a later step's is kept instead."""
+        or a view of one) as ``key`` at ``step`` (its chunk's ``link``); the
+        oldest of more than :data:`KEEP` steps goes. Over the budget: not held."""
         n = values.nbytes
         with self._lock:
-            old = self._by_key.get(key)
-            if old is not None and old[1] > step:
+            have = self._by_key.setdefault(key, [])
+            if self._held + n > self.budget:
                 return
-            freed = 0 if old is None else old[3]
-            if self._held - freed + n > self.budget:
-                if old is not None:  # (stale now: the step after it is not held)
-                    del self._by_key[key]
-                    self._held -= freed
-                return
-            self._by_key[key] = (link, step, values, n)
-            self._held += n - freed
+            have.append((link, step, values))
+            have.sort(key=lambda e: e[1])
+            self._held += n
+            while len(have) > self.KEEP:
+                self._held -= have.pop(0)[2].nbytes
 
     def room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more would fit (before copying a group)."""

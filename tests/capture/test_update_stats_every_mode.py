@@ -61,3 +61,29 @@ def test_plain_capture_records_update_stats_for_every_step(tmp_path: Path, helpe
     assert res.exit_code == 0 and "no update_ratio was recorded" not in res.output, res.output
     vals = [p["value"] for p in json.loads(res.output)["series"][0]["points"] if p["step"] > 0]
     assert len(vals) == 3 and all(v > 0 for v in vals), res.output
+
+
+@pytest.mark.parametrize("size", [32, 300_000], ids=["grouped", "alone"])
+def test_a_step_flushed_before_its_predecessor_gets_its_update_stats(tmp_path: Path, size: int) -> None:
+    """Under load a step's chunk may be flushed before the previous step's
+    began: its update statistics are filled in once the predecessor is
+    stored (seen NaN before), for chunks flushed in groups and alone."""
+    from dstt.store.writer import Writer
+
+    g = torch.Generator().manual_seed(0)
+    s0 = {f"t{i}": torch.randn(size, generator=g) for i in range(3)}
+    s1 = {k: v + 0.01 * torch.randn(size, generator=g) for k, v in s0.items()}
+    path = tmp_path / "run"
+    with Writer(path) as w:
+        p0, p1 = w.plan(0, s0), w.plan(1, s1)
+        w.ensure_arrays(p0)
+        r1, e1 = w.flush_chunks(p1, p1.tasks)  # step 1 first: step 0's chunks not flushed yet
+        assert e1 is None and all(r.pending is not None for r in r1)
+        r0, e0 = w.flush_chunks(p0, p0.tasks)
+        w.commit(p0, r0, e0)
+        w.commit(p1, r1, e1)
+    names, rows = dstt.open(str(path)).step_stats(1)
+    cols = list(STATS_COLUMNS)
+    for k in s0:
+        want = float(torch.linalg.vector_norm((s1[k] - s0[k]).double()))
+        assert math.isclose(rows[names.index(k), cols.index("update_norm")], want, rel_tol=1e-4), k
