@@ -164,7 +164,8 @@ class Flusher:
                 prev_staged = self.prev_values.take(key, link)
             partial = chunk_partial(host, prev_staged).to_list()
             if not plan.prev_told and self.prev_values.room(host.nbytes):
-                self.prev_values.keep(key, link, plan.step, host.detach().clone() if host is src else host)
+                self.prev_values.keep(key, link, plan.step, host.detach().clone() if host is src else host,
+                                      settled=_settled(link, prev_staged))
             raw = chunk_bytes(task, src)
             crc = crc32c(raw)
             result = ChunkResult(task.layout.name, task.index, crc, None, plan.slot, 0, len(raw), partial)
@@ -289,7 +290,7 @@ class Flusher:
             block = _GROUP_BUFFERS.take(flats[0].dtype, sum(counts))
             buf = torch.cat(flats, out=block[:sum(counts)])  # private: the bytes of every chunk, stats read it too
             if not plan.prev_told and self.prev_values.room(buf.nbytes):
-                self._keep_group(plan, tasks, links, buf.clone(), counts)
+                self._keep_group(plan, tasks, links, buf.clone(), counts, prevs)
         waits = [False]
         try:
             return self._code_buffer(plan, tasks, buf, counts, prevs, links, settled, out, waits)
@@ -298,12 +299,13 @@ class Flusher:
                 _GROUP_BUFFERS.give(block)
 
     def _keep_group(self, plan: StepPlan, tasks: list[ChunkTask], links: list[Link], held: torch.Tensor,
-                    counts: list[int]) -> None:
+                    counts: list[int], prevs: list[torch.Tensor | None] | None) -> None:
         """Hold a group's values (one copy, a view per chunk) for the next
         step's update statistics."""
         at = 0
-        for t, link, c in zip(tasks, links, counts):
-            self.prev_values.keep((t.layout.array, t.index), link, plan.step, held[at:at + c])
+        for j, (t, link, c) in enumerate(zip(tasks, links, counts)):
+            self.prev_values.keep((t.layout.array, t.index), link, plan.step, held[at:at + c],
+                                  settled=_settled(link, None if prevs is None else prevs[j]))
             at += c
 
     def _code_buffer(self, plan: StepPlan, tasks: list[ChunkTask], buf: torch.Tensor, counts: list[int],
@@ -434,9 +436,21 @@ class Flusher:
         predecessor is stored and both steps' values are held."""
         if plan.prev_told or len(result.partial) < 8 or result.partial[7] == result.partial[7]:
             return
-        got = self.prev_values.update_sumsq((task.layout.array, task.index), link)
+        key = (task.layout.array, task.index)
+        got = self.prev_values.update_sumsq(key, link)
         if got is not None:
             result.partial[7] = got
+        self.prev_values.settle(key, plan.step)
+
+
+def _settled(link: Link, prev: torch.Tensor | None) -> bool:
+    """Whether a chunk's update is computed at its flush (its predecessor's
+    values were at hand), or never will be (no predecessor, or one already
+    stored without them): then earlier steps' values need not be held."""
+    if prev is not None or link.prev is None:
+        return True
+    done, _ = link.prev.peek()
+    return bool(done)
 
 
 class _Blocks:

@@ -15,7 +15,8 @@ predecessor, i.e. the previous step this writer planned. A step flushed out
 of order, a chunk of a step that failed, or a copy over the budget gives
 NaN, never an update against the wrong step.
 
-Memory: two steps' worth at most (:data:`PrevValues.KEEP`), and at most ``budget`` bytes (default: a quarter of the physical
+Memory: one step's worth (two while a step waits for its predecessor's
+flush: :data:`PrevValues.KEEP`), and at most ``budget`` bytes (default: a quarter of the physical
 memory, as the capture helper's predictor; ``DSTT_UPDATE_STATS_BYTES``):
 beyond it, chunks get no copy and their next update statistics are NaN.
 
@@ -26,9 +27,11 @@ beyond it, chunks get no copy and their next update statistics are NaN.
 >>> held.keep(("w", 0), a, 1, torch.tensor([1.0, 2.0]))
 >>> held.take(("w", 0), b), held.take(("w", 0), a)
 (tensor([1., 2.]), None)
->>> held.keep(("w", 0), b, 2, torch.tensor([1.0, 4.0]))
->>> held.update_sumsq(("w", 0), b)
-4.0
+>>> held.keep(("w", 0), b, 2, torch.tensor([1.0, 4.0]), settled=False)  # flushed before a
+>>> held.update_sumsq(("w", 0), b), held.held
+(4.0, 16)
+>>> held.settle(("w", 0), 2); held.held  # b's update is done: a's values go
+8
 """
 
 from __future__ import annotations
@@ -95,20 +98,29 @@ class PrevValues:
         before = None if prev is None or cur is None else self._find(key, prev)
         return None if cur is None or before is None else update_sumsq(cur, before)
 
-    def keep(self, key: Key, link: Any, step: int, values: torch.Tensor) -> None:
+    def keep(self, key: Key, link: Any, step: int, values: torch.Tensor, *, settled: bool = True) -> None:
         """Hold ``values`` (a CPU tensor this object owns: the caller's copy,
         or a view of one) as ``key`` at ``step`` (its chunk's ``link``); the
-        oldest of more than :data:`KEEP` steps goes. Over the budget: not held."""
+        oldest of more than :data:`KEEP` steps goes. ``settled``: this
+        step's update is computed (or cannot be), so earlier steps' values
+        go now -- one step's worth held, not two. Over the budget: not held."""
         n = values.nbytes
         with self._lock:
             have = self._by_key.setdefault(key, [])
-            if self._held + n > self.budget:
-                return
-            have.append((link, step, values))
-            have.sort(key=lambda e: e[1])
-            self._held += n
-            while len(have) > self.KEEP:
-                self._held -= have.pop(0)[2].nbytes
+            if self._held + n <= self.budget:
+                have.append((link, step, values))
+                have.sort(key=lambda e: e[1])
+                self._held += n
+            self._drop(have, step if settled else None)
+
+    def settle(self, key: Key, step: int) -> None:
+        """``step``'s update is computed: the values of earlier steps go."""
+        with self._lock:
+            self._drop(self._by_key.get(key, []), step)
+
+    def _drop(self, have: list[tuple[Any, int, torch.Tensor]], before: int | None) -> None:
+        while have and (len(have) > self.KEEP or (before is not None and have[0][1] < before)):
+            self._held -= have.pop(0)[2].nbytes
 
     def room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more would fit (before copying a group)."""
