@@ -151,7 +151,10 @@ def legend_labels(svg: str) -> list[str]:
 
 def overlay_html(runs: dict[str, Any]) -> str:
     """The report's overlay section: one figure per series."""
-    from dstt.analysis.report import esc
+    from html import escape
+
+    def esc(v: object) -> str:
+        return escape(str(v), quote=True)
 
     figs = overlay_figures(runs)
     if not figs:

@@ -450,7 +450,7 @@ def acquire(backend: Any, branch: str, *, timeout: float = 0.0, ttl: float = LEA
     (what gc, prune and the rename itself take, through :func:`acquire_all`)."""
     backend = open_backend(backend)
     if not renaming_ok and branch != BRANCH_SET:
-        from dstt.format.branchrename import refuse_if_renaming
+        from dstt.format.renames import refuse_if_renaming
 
         refuse_if_renaming(backend, branch)
     lock = BranchLock(backend, branch)

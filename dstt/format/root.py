@@ -142,7 +142,7 @@ def create_branch(backend: Backend, name: str, parent: tuple[str, int] | None) -
 
 
 def _create_branch_locked(backend: Backend, name: str, parent: tuple[str, int] | None) -> BranchInfo:
-    from dstt.format.branchrename import refuse_if_renaming
+    from dstt.format.renames import refuse_if_renaming
 
     refuse_if_renaming(backend, name)  # (its step directories may be half copied)
     if backend.exists(L.branch_key(name)):
