@@ -48,6 +48,7 @@ from common import fresh_dir, machine  # noqa: E402
 
 import dstt  # noqa: E402
 from dstt.format.codecs.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta  # noqa: E402
+from dstt.format.writeoptions import WriteOptions  # noqa: E402
 from dstt.store.writer import Writer  # noqa: E402
 
 KINDS = ("param", "exp_avg", "exp_avg_sq", "other")
@@ -189,8 +190,8 @@ def main() -> None:
     for k in (int(x) for x in args.pred_keyframes.split(",") if x):
         modes[f"predictive K={k}"] = {"compression": "predictive", "keyframe_every": k}
     writers = {m: Writer(os.path.join(root, m.replace(" ", "_").replace("=", "")),
-                         compression=kw.get("compression", m), threads=1,
-                         **{k: v for k, v in kw.items() if k != "compression"})
+                         WriteOptions(compression=kw.get("compression", m), threads=1,
+                                      **{k: v for k, v in kw.items() if k != "compression"}))
                for m, kw in modes.items()}
     write_s = dict.fromkeys(modes, 0.0)
     g = torch.Generator().manual_seed(1)

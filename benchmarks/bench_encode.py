@@ -4,7 +4,7 @@
 
 Trains bench_delta.py's model (2.1M parameters, AdamW; ``--small``: 4
 layers, d=96, vocab 512) and, for each thread count, writes every step with
-``Writer(compression="predictive", threads=N)``, timing
+``Writer(path, WriteOptions(compression="predictive", threads=N))``, timing
 ``Writer.prepare_pred`` -- what the capture helper runs per step before
 its flush: the step's groups coded in parallel on N threads -- separately
 from the flush and commit. Reported: MB/s of raw state coded (steps after
@@ -30,6 +30,7 @@ from bench_delta import batch, build  # noqa: E402
 from common import fresh_dir, machine  # noqa: E402
 
 import dstt  # noqa: E402
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.tree import flatten  # noqa: E402
 from dstt.store.writer import Writer  # noqa: E402
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace, threads: int, root: str) -> dict[str, Any]:
     coded_s = flush_s = 0.0
     coded_bytes = 0
     kept: list[dict[str, torch.Tensor]] = []
-    with Writer(path, compression="predictive", threads=threads, keyframe_every=args.keyframe_every) as w:
+    with Writer(path, WriteOptions(compression="predictive", threads=threads, keyframe_every=args.keyframe_every)) as w:
         for step in range(args.steps):
             x, y = batch(args.vocab, g)
             torch.nn.functional.cross_entropy(model(x).reshape(-1, args.vocab), y.reshape(-1)).backward()

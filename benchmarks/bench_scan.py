@@ -41,6 +41,7 @@ from common import machine
 import dstt
 from dstt.format.codecs import keyframes
 from dstt.format.verify import verify
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.writer import Writer
 from dstt.timetravel.zarr_export import export_zarr
 
@@ -57,7 +58,7 @@ def write_store(path: str, gb: float, steps: int, compression: str) -> int:
     saved = keyframes.DELTA_MAX_RATIO
     keyframes.DELTA_MAX_RATIO = math.inf
     try:
-        with Writer(path, compression=compression, keyframe_every=steps + 1, max_chunk_bytes=4 << 20) as w:
+        with Writer(path, WriteOptions(compression=compression, keyframe_every=steps + 1, max_chunk_bytes=4 << 20)) as w:
             for s in range(steps):
                 if s:
                     for t in state.values():

@@ -11,6 +11,7 @@ from dstt.format.gc import GcReport
 from dstt.format.incidents import Incident
 from dstt.format.layout import validate_step
 from dstt.format.refs import StepRef
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.reader import TensorReader
 from dstt.store.writer import Writer
 
@@ -122,8 +123,9 @@ def save(
     (1, 0.1)
     """
     validate_step(step)  # before the writer opens, locks or creates anything (its own arguments: Writer)
-    with Writer(store, branch=branch, parent=parent, allow_pickle=allow_pickle, compression=compression,
-                storage_options=storage_options, keyframe_every=keyframe_every) as w:
+    options = WriteOptions(branch=branch, parent=parent, allow_pickle=allow_pickle, compression=compression,
+                           storage_options=storage_options, keyframe_every=keyframe_every)
+    with Writer(store, options) as w:
         w.flusher.prev_values.budget = 0  # one step: no next step here to take its values (no copy on the caller's thread)
         return w.write(step, state)
 

@@ -160,6 +160,12 @@ class StagingRingWarning(CaptureWarning):
     refused an operation) or a ring that does not check out was set aside."""
 
 
+class NodeLossWarning(CaptureWarning):
+    """Steps held in memory by a lost node could not be rebuilt (more nodes
+    lost than ``redundancy=`` covers, or none asked for): the run goes on
+    from the newest step in the store (capture/nodeloss.py)."""
+
+
 class MemoryTierWarning(CaptureWarning):
     """The flight recorder's memory tier dropped memory-only steps (its
     captured state changed size, or its ring had to go)."""

@@ -16,6 +16,8 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_WORKERS`` | :func:`workers` | workers of the local executor (0: one per core) | 0 |
 | ``DSTT_UPDATE_STATS_BYTES`` | :func:`update_stats_bytes` | host memory a capture without memory tier may hold for the update statistics (the previous step's values; 0: none) | a quarter of physical memory |
 | ``DSTT_OBJECT_CLIENT`` | :func:`object_client` | the client of ``s3://``, ``gs://``, ``az://`` stores: ``obstore`` or ``fsspec`` | obstore where installed |
+| ``DSTT_NODE_ID`` | :func:`node_id` | the node this process counts as, for peer redundancy (one machine may stand for several) | the host name |
+| ``DSTT_REDUNDANCY_STORE`` | :func:`redundancy_store` | ``HOST:PORT`` of the c10d TCPStore the capture helpers exchange copies through | ``MASTER_ADDR:MASTER_PORT`` |
 
 >>> with override(DSTT_PACK_CHUNK_BYTES="0"):
 ...     pack_chunk_bytes()
@@ -36,7 +38,8 @@ from dstt.errors import ConfigError
 
 #: The variables this module knows (``override`` refuses any other name).
 KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
-         "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT", "DSTT_UPDATE_STATS_BYTES")
+         "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT", "DSTT_NODE_ID", "DSTT_REDUNDANCY_STORE",
+         "DSTT_UPDATE_STATS_BYTES")
 #: Clients an object store URL may be served by (DSTT_OBJECT_CLIENT).
 OBJECT_CLIENTS = ("obstore", "fsspec")
 
@@ -58,6 +61,29 @@ def _number(name: str, default: float, *, integer: bool = False) -> float:
     if value < 0 or value != value:
         raise ConfigError(f"{name}={text!r}: expected a number >= 0")
     return value
+
+
+def node_id() -> str:
+    """The node this process counts as (peer redundancy): DSTT_NODE_ID, else the host name."""
+    import socket
+
+    return _text("DSTT_NODE_ID")[:256] or socket.gethostname()
+
+
+def redundancy_store() -> tuple[str, int] | None:
+    """(host, port) of the TCPStore the capture helpers exchange copies
+    through: DSTT_REDUNDANCY_STORE, else MASTER_ADDR:MASTER_PORT (the
+    job's own c10d store); None if neither is set."""
+    text = _text("DSTT_REDUNDANCY_STORE")
+    if not text:
+        host, port = _text("MASTER_ADDR"), _text("MASTER_PORT")
+        if not (host and port):
+            return None
+        text = f"{host}:{port}"
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"DSTT_REDUNDANCY_STORE={text!r}: expected HOST:PORT")
+    return host, int(port)
 
 
 def pack_chunk_bytes() -> int:

@@ -32,6 +32,7 @@ import torch.distributed.tensor  # noqa: F401 - imported once in the zygote, not
 import zarr.storage  # noqa: F401
 
 import dstt
+from dstt.format.writeoptions import WriteOptions
 
 #: Small chunks so every step writes several chunk files per tensor.
 MAX_CHUNK_BYTES = 2048
@@ -80,7 +81,7 @@ def write(store: str, branch: str, n_steps: int, mode: str = "auto", pause: floa
                               compression="delta" if mode == "delta" else "none")
     start = _last_step(store, branch) + 1
     stop = start + n_steps if n_steps > 0 else 1 << 62
-    w = dstt.Writer(store, branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES)
+    w = dstt.Writer(store, WriteOptions(branch=branch, max_chunk_bytes=MAX_CHUNK_BYTES))
     try:
         for step in range(start, stop):
             w.write(step, dstt.state_of(extra=user_state(step), rng=False))

@@ -94,8 +94,12 @@ def list_store(run: "Run", branch: str | None = None) -> list[dict[str, Any]]:
 
 def _held(T: Any, backend: Any, branch: str, now: float) -> dict[str, Any]:
     """The ``held`` and ``held_stale`` entries of a branch (see list_store)."""
+    from dstt.format import redundancy as RD
+
     records = T.read_held(backend, branch)
-    return {"held": [list(r) for r in T.held_ranges(records, now)], "held_stale": len(T.stale_records(records, now))}
+    scheme, protected = RD.protected_steps(RD.read_protected(backend, branch))  # (issue 26: peer redundancy)
+    return {"held": [list(r) for r in T.held_ranges(records, now)], "held_stale": len(T.stale_records(records, now)),
+            **({"protected": {"scheme": scheme, "steps": [list(r) for r in protected]}} if protected else {})}
 
 
 def list_tensors(run: "Run", step: Any = None, branch: str | None = None,

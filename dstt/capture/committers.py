@@ -65,7 +65,7 @@ Capture = Any
 log = logging.getLogger("dstt.capture")
 
 #: Held by the stager while it hands a step to the helper, and by the
-#: committer while it stops that (CrashSafe._retire_helper): no write to a closed pipe.
+#: committer while it stops that (CrashSafe.retire_helper): no write to a closed pipe.
 HAND_OVER_LOCK = threading.Lock()
 
 
@@ -106,26 +106,26 @@ class Committer(ABC):
         source on a GPU; ``held_bytes``: the pool bytes it takes held
         whole), and decide whether its blocks are held until it is committed."""
         cap = self.cap
-        cap._ensure_pool(sizes, cuda)
-        assert cap.pool is not None
-        job.pool = cap.pool
-        job.hold = self._holds() and held_bytes <= cap.pool.capacity
+        cap.stager.ensure_pool(sizes, cuda)
+        assert cap.stager.pool is not None
+        job.ring.pool = cap.stager.pool
+        job.ring.hold = self._holds() and held_bytes <= cap.stager.pool.capacity
 
     def _holds(self) -> bool:
         """Whether a step that fits the pool whole is held (and sealed)."""
-        return bool(self.cap._pool_in_ring)
+        return bool(self.cap.stager.pool_in_ring)
 
     def enqueue(self, job: Job) -> None:
         """Count ``job`` and hand it to the stager (held or lazy copies
         left) and to the committer thread, in snapshot order."""
         cap = self.cap
-        staged_later = (bool(job.lazy) or job.hold) and job.error is None  # held steps are sealed by the stager
+        staged_later = (bool(job.lazy) or job.ring.hold) and job.error is None  # held steps are sealed by the stager
         cap.ledger.queued(job.plan.step, job.lazy_bytes if staged_later else 0)
         if staged_later:
-            cap._queue_lazy(job)
+            cap.stager.queue_lazy(job)
         else:
             job.finish_staging()
-        cap._commit_q.put(job)
+        cap.commit_q.put(job)
 
     def rewind_job(self, step: int) -> Job | None:
         """The staged job of ``step`` still in memory, its slot held for the
@@ -150,14 +150,15 @@ class Committer(ABC):
         the old branch's ring let go of."""
         self.cap.wait()  # bounded: Capture.wait (background_timeout_s)
         self.release()  # (the helper: per branch)
-        self.cap._leave_branch()
+        self.cap.stager.drop_pool()  # (a pool in the old branch's ring)
+        self.cap.crashsafe.leave_branch()
 
     def joined_branch(self, old: Writer) -> None:
         """The writer of a rewind's branch is open; ``old`` is the previous one.
         The new branch gets its ring and helper, and its committer (chosen again)."""
         cap = self.cap
         old.close()
-        cap._rejoin_branch()  # (its ring; make_committer starts its helper)
+        cap.crashsafe.rejoin_branch()  # (its ring; make_committer starts its helper)
         cap.committer = cap.choose_committer()  # (capture/modes.py)
 
     def abandon_in_child(self) -> None:
@@ -198,8 +199,8 @@ class Committer(ABC):
 
     def staged(self, job: Job) -> None:
         """Every copy of ``job`` landed (stager thread): a held step is sealed."""
-        if job.hold and job.error is None:
-            self.cap._seal(job)
+        if job.ring.hold and job.error is None:
+            self.cap.crashsafe.seal(job)
             hook = self.cap.after_seal
             if hook is not None:
                 try:
@@ -214,9 +215,9 @@ class Committer(ABC):
         failed), then settled. (Each by the committer of the moment: a
         rewind, the queue drained, may choose another for its branch.)"""
         cap = self.cap
-        cap._lower_priority()
+        cap.lower_priority()
         while True:
-            job = cap._commit_q.get()  # unbounded wait: this thread's work queue; close() sends None
+            job = cap.commit_q.get()  # unbounded wait: this thread's work queue; close() sends None
             if job is None:
                 return
             cap.committer.finish(job)
@@ -248,7 +249,7 @@ class Committer(ABC):
 
     def settle(self, job: Job) -> None:
         """After ``job``'s commit or failure: its seal and held blocks settled."""
-        self.cap._settle(job)
+        self.cap.crashsafe.settle(job)
 
     # ------------------------------------------------------------ close
 
@@ -316,18 +317,18 @@ class HelperCommitter(Committer):
         self.helper = helper
 
     def place(self, job: Job, sizes: list[int], cuda: bool, held_bytes: int) -> None:
-        self.cap._refuse_without_helper(self.helper, job.plan.step)
+        self.cap.crashsafe.refuse_without_helper(self.helper, job.plan.step)
         super().place(job, sizes, cuda, held_bytes)
-        if not job.hold:
-            assert job.pool is not None
+        if not job.ring.hold:
+            assert job.ring.pool is not None
             raise CaptureError(
-                f"step {job.plan.step} does not fit the {job.pool.capacity}-byte staging pool whole, and the "
+                f"step {job.plan.step} does not fit the {job.ring.pool.capacity}-byte staging pool whole, and the "
                 "capture helper takes whole sealed steps only: raise host_buffer_bytes, or use helper=False "
                 "to stage larger steps in parts")
 
     def _holds(self) -> bool:
         # (also with the pool in process memory: a step the helper cannot
-        # take is committed here from its blocks, CrashSafe._commit_by_helper)
+        # take is committed here from its blocks, CrashSafe.commit_by_helper)
         return True
 
     def staged(self, job: Job) -> None:
@@ -335,25 +336,25 @@ class HelperCommitter(Committer):
         order of the commit queue -- its answer read by the committer."""
         cap = self.cap
         super().staged(job)
-        if not job.hold or job.error is not None or cap._plan_coord.distributed:
+        if not job.ring.hold or job.error is not None or cap.plan_coord.distributed:
             return  # (under torch.distributed each rank's helper reads its ring by itself: ranks.py)
-        if not job.sealed:
-            cap._hand_over = False  # in stage order: no later step reaches the helper before this one
+        if not job.ring.sealed:
+            cap.crashsafe.hand_over = False  # in stage order: no later step reaches the helper before this one
         helper = self.helper
         with HAND_OVER_LOCK, contextlib.suppress(CaptureError):  # (gone: the committer finds out, commits here)
-            if job.sealed and cap._hand_over and not helper.lost:
+            if job.ring.sealed and cap.crashsafe.hand_over and not helper.lost:
                 helper.send(job.plan.step)
-                job.sent = True
+                job.ring.sent = True
 
     def commit(self, job: Job) -> CommitInfo:
-        info: CommitInfo = self.cap._commit_by_helper(job)
+        info: CommitInfo = self.cap.crashsafe.commit_by_helper(job)
         return info
 
     def settle(self, job: Job) -> None:
         # Under torch.distributed a step its lost helper did not commit stays
         # sealed for the next Capture (never reused: _commit_by_helper said so).
         helper = self.helper
-        self.cap._settle(job, keep=job.info is None and helper.lost and self.cap._plan_coord.distributed)
+        self.cap.crashsafe.settle(job, keep=job.info is None and helper.lost and self.cap.plan_coord.distributed)
 
     def abandon_in_child(self) -> None:
         self.helper.abandon()  # the helper must see end-of-file when the parent dies

@@ -9,10 +9,9 @@ from dstt.capture.waits import DEFAULT_TIMEOUT_S
 from dstt.errors import ConfigError
 from dstt.format import args as A
 from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY
-from dstt.format.codecs.spec import COMPRESSIONS
+from dstt.format.geometry import DEFAULT_MAX_CHUNK_BYTES
 from dstt.format.layout import StepRef
-from dstt.format.refs import parent_arg
-from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES
+from dstt.format.writeoptions import WriteOptions
 
 ON_FULL = ("wait", "skip")
 PERSIST = ("all", "newest")
@@ -103,6 +102,12 @@ class CaptureConfig:
     #: NaN/Inf in the background and raise an incident (persist the ring)
     #: at the first step that has some (and again only after a clean step).
     watch_nonfinite: bool = True
+    #: Peer redundancy of the memory tier (issue 26, docs/flight-recorder.md
+    #: "Surviving a node"): ``"none"``, or ``"pair"`` -- under
+    #: torch.distributed with ``memory_steps``, each node's held steps are
+    #: copied by its capture helpers to the next node's, so the loss of one
+    #: node (its processes and its /dev/shm) loses no step the tier held.
+    redundancy: str = "none"
 
     #: Every wait of the capture (the capture helper's answer for a step, a
     #: staging block, a background thread, ``wait()``, ``close()``...) gives
@@ -116,23 +121,21 @@ class CaptureConfig:
 
     def __post_init__(self) -> None:
         """Every field through its validator (dstt.format.args), before anything is built."""
-        for name in ("every", "max_chunk_bytes", "flush_threads", "keyframe_every", "encode_threads"):
+        for name in ("every", "flush_threads", "encode_threads"):
             A.positive_int(name, getattr(self, name))
-        A.branch(self.branch)
-        self.parent = parent_arg(self.parent)
-        if self.compression is not None:
-            A.choice("compression", self.compression, COMPRESSIONS)
-        A.zstd_level(self.zstd_level)
+        # What a Writer of these steps takes -- branch, parent, codec, chunks,
+        # pickling, dedup, storage options -- is checked once, by WriteOptions.
+        self.parent = write_options(self).parent
         A.choice("on_full", self.on_full, ON_FULL)
-        for name in ("allow_pickle", "dedup", "background_idle", "watch_nonfinite"):
+        for name in ("background_idle", "watch_nonfinite"):
             A.flag(name, getattr(self, name))
         A.int_in("background_nice", self.background_nice, 0, 19)
         A.seconds("exit_drain_s", self.exit_drain_s)
         A.seconds("background_timeout_s", self.background_timeout_s, allow_zero=False)
         A.auto_flag("shm", self.shm)
         A.auto_flag("helper", self.helper)
-        A.options("storage_options", self.storage_options)
         self._check_memory_tier()
+        self._check_redundancy()
         if self.host_buffer_bytes is not None:
             A.positive_int("host_buffer_bytes", self.host_buffer_bytes)
             if self.host_buffer_bytes < self.max_chunk_bytes:
@@ -158,12 +161,42 @@ class CaptureConfig:
             raise ConfigError(f"persist={p!r} keeps the other steps in memory only: it needs memory_steps=K "
                               "(how many captured steps the memory tier holds)")
 
+    def _check_redundancy(self) -> None:
+        from dstt.format.redundancy import parse_scheme
+
+        scheme = parse_scheme(self.redundancy)
+        if scheme.kind in ("replicas", "parity"):
+            raise ConfigError(f"redundancy={self.redundancy!r} is not built in the capture helpers yet; "
+                              "use 'pair' (docs/flight-recorder.md, 'Surviving a node')")
+        if scheme.kind != "none" and self.memory_steps is None:
+            raise ConfigError(f"redundancy={self.redundancy!r} protects the steps the memory tier holds: "
+                              "it needs memory_steps=K")
+
     @property
     def persist_policy(self) -> str | int:
         """``persist`` with its default applied."""
         if self.persist is not None:
             return self.persist
         return "newest" if self.memory_steps is not None else "all"
+
+
+def write_options(cfg: CaptureConfig, **changes: Any) -> WriteOptions:
+    """The options of a Writer storing ``cfg``'s steps -- the one place that
+    maps a CaptureConfig to them -- with ``changes`` on top (the default
+    compression settled, a rewind's branch, the threads of the flusher).
+    Checked by WriteOptions itself (a ConfigError naming the option).
+
+    >>> write_options(CaptureConfig(compression="zstd", branch="b"), threads=1)
+    ... # doctest: +ELLIPSIS
+    WriteOptions(branch='b', parent=None, compression='zstd', ..., threads=1, ...)
+    """
+    fields_: dict[str, Any] = {"branch": cfg.branch, "parent": cfg.parent,
+                               "compression": "none" if cfg.compression is None else cfg.compression,
+                               "zstd_level": cfg.zstd_level, "keyframe_every": cfg.keyframe_every,
+                               "max_chunk_bytes": cfg.max_chunk_bytes, "allow_pickle": cfg.allow_pickle,
+                               "dedup": cfg.dedup, "storage_options": cfg.storage_options}
+    fields_.update(changes)
+    return WriteOptions(**fields_)
 
 
 def make_config(config: CaptureConfig | None, overrides: dict[str, Any]) -> CaptureConfig:

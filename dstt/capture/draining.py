@@ -1,6 +1,6 @@
 """The waits of :class:`dstt.Capture` and its ``close()``: every one bounded.
 
-A mixin (the state lives on the Capture). ``wait_staged``, ``wait``,
+A component of the Capture (:class:`Drain`). ``wait_staged``, ``wait``,
 ``close`` and the internal waits of the trainer's calls go through
 :meth:`Ledger.wait <dstt.capture.ledger.Ledger.wait>`: they wait while the capture makes progress (a
 step settled, a chunk written, a staging block or slot freed, the capture
@@ -26,50 +26,56 @@ first, and the trainer's wait then ends with that step's error.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from dstt.capture.committers import Committer
+from dstt.capture.crashsafe import CrashSafe
+from dstt.capture.current import Current
 from dstt.capture.ledger import Ledger, steps_text
-from dstt.capture.lifecycle import LIVE
+from dstt.capture.pipeline import Job
 from dstt.capture.rewind import Rewinder
+from dstt.capture.stager import Stager
 from dstt.capture.waits import Stalled
 from dstt.errors import CaptureError
 
 if TYPE_CHECKING:
     from dstt.format.commit import CommitInfo
+    from dstt.store.coord import Coordinator
 
 log = logging.getLogger("dstt.capture")
 
 
 
-class Draining:
-    """Bounded waits, ``wait_staged``/``wait``/``close`` of :class:`~dstt.capture.engine.Capture` (a mixin)."""
+class Drain:
+    """``wait_staged``/``wait``/``raise_pending``/``close`` of a
+    :class:`~dstt.capture.engine.Capture` (see the module docstring): built
+    once by it with the parts it waits for and stops -- the stager, the
+    crash-safe part, the rewinder, the committer thread and its queue, the
+    coordinators -- and the Capture's ``config``/``writer``/``committer`` as
+    they are now (:class:`~dstt.capture.current.Current`).
 
-    config: Any
-    writer: Any
-    pool: Any
-    ledger: Ledger
-    _closed: bool
-    _last: Any
-    _helper: Any
-    _ring: Any
-    committer: Committer
-    rewinder: Rewinder
-    # (the facade's, engine.py; the crash-safe part's, crashsafe.py)
-    _scan_guard: Callable[[], None]
-    _close_ring: Callable[[], None]
-    _stage_q: Any
-    _commit_q: Any
-    _stager: threading.Thread
-    _committer: threading.Thread
-    _flush: Any
-    _fence: Any
-    _pool_in_ring: bool
-    _plan_coord: Any
-    _commit_coord: Any
-    _copier: Any
+    Phase protocol (all on the trainer's thread):
+
+    1. ``snapshot()``, ``wait()``, ``incident()``...: :meth:`raise_pending`;
+    2. ``wait_staged()``, ``wait()``: bounded waits on the ledger;
+    3. ``close()``: :meth:`close` -- the rewind's branch, the committer's
+       ``before_drain``, the drain, the threads stopped (:meth:`_stop_threads`),
+       then everything released (:meth:`_release_all`) or left to a reaper.
+    """
+
+    def __init__(self, current: Current, ledger: Ledger, *, stager: Stager, crashsafe: CrashSafe,
+                 rewinder: Rewinder, commit_q: queue.SimpleQueue[Job | None], commit_thread: threading.Thread,
+                 coordinators: tuple[Coordinator, Coordinator]) -> None:
+        self.current = current
+        self.ledger = ledger
+        self.stager = stager
+        self.crashsafe = crashsafe
+        self.rewinder = rewinder
+        self.commit_q = commit_q
+        self.commit_thread = commit_thread
+        self.coordinators = coordinators
+        self.closed = False
 
     # ------------------------------------------------------------ the trainer's waits
 
@@ -80,7 +86,7 @@ class Draining:
         branch). Call it before mutating captured tensors in place outside
         ``optimizer.step()`` (which waits by itself); raises a pending
         failure (such as the mutation guard's)."""
-        job = self._last
+        job = self.stager.last
         if job is not None:  # copied, and sealed in the ring where it has one
             self.ledger.wait_event(job.submitted, f"step {job.plan.step} to be staged")
         self.raise_pending()
@@ -101,7 +107,7 @@ class Draining:
     def raise_pending(self) -> None:
         """Raise the first background failure not yet reported, if any
         (a lazily copied tensor already changed in place counts: the step fails)."""
-        self._scan_guard()
+        self.stager.scan_guard()
         errors = self.ledger.take_errors()
         if errors:
             more = f" (and {len(errors) - 1} later failure(s))" if len(errors) > 1 else ""
@@ -114,21 +120,20 @@ class Draining:
 
         Raises the first unreported background failure after releasing
         everything. Safe to call twice. Never hangs: see the module docstring."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        LIVE.discard(self)
+        self.closed = True
         gave_up: Stalled | None = None
         try:
             self.rewinder.switch_if_forked()  # a rewind with no snapshot after it
-            self.committer.before_drain()  # (the memory tier: every step checked, the last one stored)
+            self.current.committer.before_drain()  # (the memory tier: every step checked, the last one stored)
             with self.ledger.cond:
                 self.ledger.wait_cond(lambda: self.ledger.pending == 0, self.ledger.pending_text)
         except Stalled as e:
             gave_up = e
         finally:
             stuck = self._stop_threads(gave_up)
-            self._fence.remove()  # whatever happens: the trainer's optimizer must not wait for us any more
+            self.stager.remove_fence()  # whatever happens: the trainer's optimizer must not wait for us any more
             if stuck:
                 self._leave_to_reaper(stuck)
             else:
@@ -142,16 +147,16 @@ class Draining:
         of those that did not stop. A drain that gave up kills the helper
         first: the committer may be waiting for its answer."""
         if gave_up is not None:
-            self.committer.on_gave_up(gave_up)
-        self._stage_q.put(None)
-        self._commit_q.put(None)
-        threads = {"stager": self._stager, "committer": self._committer}
+            self.current.committer.on_gave_up(gave_up)
+        self.stager.stop()
+        self.commit_q.put(None)
+        threads = {"stager": self.stager.thread, "committer": self.commit_thread}
         stuck: list[str] = []
         try:
-            self.ledger.wait_thread(self._stager, "the stager thread to stop")
+            self.ledger.wait_thread(self.stager.thread, "the stager thread to stop")
         except Stalled:
             stuck.append("stager")
-        threads.update(self.committer.stop_threads())  # (the memory tier's NaN/Inf watcher)
+        threads.update(self.current.committer.stop_threads())  # (the memory tier's NaN/Inf watcher)
         for name, thread in threads.items():
             if name in stuck:
                 continue
@@ -160,39 +165,35 @@ class Draining:
             except Stalled:
                 stuck.append(name)
         if not stuck:
-            self.committer.after_threads()
+            self.current.committer.after_threads()
         # Every flush of a committed or failed step was drained by the committer.
-        self._flush.shutdown(wait=not stuck)  # unbounded wait: none left once the committer stopped
+        self.stager.flush.shutdown(wait=not stuck)  # unbounded wait: none left once the committer stopped
         return stuck
 
     def _release_all(self) -> None:
         """Everything is settled: let go of the helper, pool, ring, writer (its lock) and groups."""
-        self.committer.release()  # (the capture helper)
-        if self.pool is not None and self._pool_in_ring:
-            self.pool.unregister()
-        self._close_ring()  # removed, unless a seal in it must outlive this Capture
-        self.writer.close()
-        self._plan_coord.close()
-        self._commit_coord.close()
-        self.pool = None
-        self._copier = None
-        self._last = None
+        self.current.committer.release()  # (the capture helper)
+        self.stager.release()  # (its pool, from the ring)
+        self.crashsafe.close_ring()  # removed, unless a seal in it must outlive this Capture
+        self.current.writer.close()
+        for coord in self.coordinators:
+            coord.close()
 
     def _leave_to_reaper(self, stuck: list[str]) -> None:
         """Threads that do not stop may still use the writer, the pool and
         the ring: a daemon thread finishes closing once they return."""
-        threads = [t for t in (self._stager, self._committer, *self.committer.threads().values())
+        threads = [t for t in (self.stager.thread, self.commit_thread, *self.current.committer.threads().values())
                    if t is not None and t.is_alive()]
 
         def reap() -> None:
             for t in threads:
                 t.join()  # unbounded wait: a daemon nobody waits for; it ends with the stuck thread
             try:
-                self.committer.after_threads()
-                self._flush.shutdown(wait=True)  # unbounded wait: (as above)
+                self.current.committer.after_threads()
+                self.stager.flush.shutdown(wait=True)  # unbounded wait: (as above)
                 self._release_all()
                 log.warning("dstt: the Capture on %s@%s finished closing (its %s thread(s) returned)",
-                            self.writer.backend.url, self.config.branch, ", ".join(stuck))
+                            self.current.writer.backend.url, self.current.config.branch, ", ".join(stuck))
             except Exception as e:  # noqa: BLE001 - nobody to raise to: say it
                 log.error("dstt: finishing the close of a Capture failed: %s", e)
 
@@ -203,13 +204,13 @@ class Draining:
         with self.ledger.cond:
             steps = sorted(self.ledger.queued_steps)
         errors = self.ledger.take_errors()
-        parts = [f"close() of the Capture on branch {self.config.branch!r} gave up: "
+        parts = [f"close() of the Capture on branch {self.current.config.branch!r} gave up: "
                  f"{gave_up if gave_up is not None else 'its threads did not stop'}"]
         if steps:
             parts.append(f"{len(steps)} step(s) not committed: {steps_text(steps)}")
-        parts.extend(self.committer.close_notes())
-        if self._ring is not None:
-            parts.append(f"steps sealed in {self._ring.dir} stay there for the next Capture on this branch "
+        parts.extend(self.current.committer.close_notes())
+        if self.crashsafe.ring is not None:
+            parts.append(f"steps sealed in {self.crashsafe.ring.dir} stay there for the next Capture on this branch "
                          "or `dstt gc`")
         if stuck:
             parts.append(f"the {', '.join(stuck)} thread(s) still run: this Capture finishes closing -- and frees "
@@ -221,4 +222,4 @@ class Draining:
         return err
 
 
-__all__ = ["Draining"]
+__all__ = ["Drain"]

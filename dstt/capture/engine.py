@@ -1,42 +1,35 @@
 """``dstt.Capture``: lazy asynchronous capture of a training run.
 
-Data flow of one step (docs/capture.md has the long version)::
+Data flow of one step (docs/capture.md has the long version; docs/architecture.md the owners)::
 
-    trainer   snapshot(k): plan (collective) → eager copies → queue ─┐
-    stager    lazy copies into the pool (CPU memcpy / CUDA copy stream) ├→ flush pool
-    flush     stats + sha256 + dedup + encode + write, release block  ─┘
-    committer in step order: wait the step's chunks → Writer.commit (collective)
+    trainer   snapshot(k): plan (collective) -> eager copies -> queue --+
+    stager    lazy copies into the pool (CPU memcpy / CUDA copy stream)  +-> flush / seal
+    committer in step order: the step's chunks or the helper's answer -> commit (collective)
 
-Threads and what they may touch:
-
-* the trainer thread plans (``Writer.plan`` uses the planning coordinator),
-  performs eager copies and queues work; it blocks only on pool backpressure
-  and, through the optimizer pre-hook, on the previous step's lazy copies;
-* one stager thread performs lazy copies in queue order, so "the last
-  queued job is staged" implies every earlier one is;
-* flush threads run ``Writer.flush_chunk`` (thread-safe) and return blocks;
-* one committer thread calls ``Writer.commit`` (its own coordinator, so its
-  collectives never interleave with planning's) for every planned step in
-  order, passing the step's first error: under torch.distributed every rank
-  then learns the step failed and nobody waits forever.
-
-The parts, built once by the constructor (``Capture.parts`` shows them):
+The Capture is a facade: its constructor builds the parts once, and
+``snapshot()`` below reads top to bottom, naming each one it uses:
 
 * ``ledger`` (ledger.py): the pipeline's bookkeeping and its one lock --
   pending and queued steps, errors, counters, progress, the bounded waits;
+* ``crashsafe`` (crashsafe.py): the /dev/shm staging ring, its seals, the
+  capture helper's handle, recovery of what a dead trainer sealed;
+* ``stager`` (stager.py): the host pool, the eager and lazy copies, the
+  optimizer pre-hook, the stager and flush threads;
 * ``committer`` (committers.py): one per mode, chosen once by
-  ``make_committer`` -- in process, the capture helper, the memory tier
-  (which owns ``MemoryTier``, tier.py, and its ``NanWatch``) -- the only
-  place the modes are told apart;
-* the crash-safe ring and helper (crashsafe.py: ``_ring``, ``_helper``,
-  the seal keeper), the stager's pool and copies (stager.py, hostpool.py)
-  -- still mixins of this class;
+  ``make_committer`` (modes.py) -- in process, the capture helper, the
+  memory tier -- the only place the modes are told apart; its thread
+  commits every step in order;
 * ``watcher`` (watcher.py): ``incident()``; ``rewinder`` (rewind.py):
-  ``rewind()`` and the switch to its branch.
+  ``rewind()`` and the switch to its branch; ``drain`` (draining.py):
+  ``wait_staged``, ``wait``, ``close``, every wait bounded.
 
-One ``snapshot()`` reads top to bottom in :meth:`Capture.snapshot`,
-:meth:`Capture._snapshot_state` and :meth:`Capture._prepare` here, then
-``Committer.place``/``enqueue``/``staged``/``run`` of its mode.
+Threads: the trainer plans (``Writer.plan`` uses the planning coordinator),
+makes eager copies and queues work, blocking only on pool backpressure and,
+through the optimizer pre-hook, on the previous step's lazy copies; one
+stager thread copies in queue order; flush threads write chunks; one
+committer thread commits in order (its own coordinator, so its collectives
+never interleave with planning's), passing the step's first error: under
+torch.distributed every rank learns the step failed and nobody waits forever.
 """
 
 from __future__ import annotations
@@ -48,42 +41,35 @@ import queue
 import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from dstt.capture import policy
 from dstt.capture.committers import Committer
-from dstt.capture.config import CaptureConfig, make_config
+from dstt.capture.config import CaptureConfig, make_config, write_options
 from dstt.capture.crashsafe import CrashSafe, after_helpers
-from dstt.capture.draining import Draining
+from dstt.capture.draining import Drain
 from dstt.capture.guard import VersionGuard
-from dstt.capture.helper import HelperHandle
-from dstt.capture.hooks import StepFence
-from dstt.capture.hostpool import CudaCopier, HostPool
 from dstt.capture.ledger import Ledger
 from dstt.capture.lifecycle import LIVE
 from dstt.capture.modes import make_committer
 from dstt.capture.parts import Parts
-from dstt.capture.pipeline import (
-    GuardTripped,
-    Job,
-    is_interrupt,
-    lower_thread_priority,
-    task_bytes,
-)
+from dstt.capture.pipeline import Job, is_interrupt, lower_priority, lower_thread_priority, task_bytes
 from dstt.capture.rewind import Rewinder
 from dstt.capture.stager import Stager
 from dstt.capture.watcher import Watcher
 from dstt.errors import CaptureError, SkippedStepWarning
+from dstt.format.codecs.spec import CodecSpec
+from dstt.format.commit import CommitInfo
 from dstt.format.incidents import Incident
 from dstt.format.layout import validate_step
 from dstt.format.pygc import paused_gc
 from dstt.store.coord import new_coordinator
 from dstt.store.plan import ChunkTask
 from dstt.store.state import state_of
-from dstt.store.writer import ChunkResult, CommitInfo, Writer
+from dstt.store.writer import Writer
 
 __all__ = ["Capture", "Parts", "lower_thread_priority"]
 
@@ -95,7 +81,7 @@ log = logging.getLogger("dstt.capture")
 CAPTURED_LOG = 4096
 
 
-class Capture(Draining, Stager, CrashSafe):
+class Capture:
     """Capture a training run's state at nearly every iteration, in the background.
 
     Call ``snapshot(step, ...)`` right after ``optimizer.step()``. It plans the
@@ -122,71 +108,55 @@ class Capture(Draining, Stager, CrashSafe):
 
     def __init__(self, store: Any, config: CaptureConfig | None = None, **overrides: Any) -> None:
         self.config = make_config(config, overrides)
-        self._store_by_name = isinstance(store, (str, os.PathLike))
-        self._store_arg = store  # a rewind opens a writer of the new branch on it
         cfg = self.config
+        self.store_arg = store  # a rewind opens a writer of the new branch on it
         self.ledger = Ledger(branch=lambda: self.config.branch, limit_s=cfg.background_timeout_s)
         self.watcher = Watcher(self)  # incident() (the NaN/Inf watcher is the memory tier's)
         # Two coordinators: planning runs on this thread, commits on the
         # committer thread; sharing one gloo group would interleave them.
-        self._plan_coord = new_coordinator()
-        self._commit_coord = new_coordinator()
-        self.writer = after_helpers(lambda: Writer(
-            store, branch=cfg.branch, parent=cfg.parent,
-            # the default (None): predictive where the helper codes -- settled below, once it is known;
-            # under torch.distributed steps are stored whole (no shared chain yet): no compression
-            compression=cfg.compression or ("none" if self._plan_coord.distributed else "auto"),
-            zstd_level=cfg.zstd_level, keyframe_every=cfg.keyframe_every, max_chunk_bytes=cfg.max_chunk_bytes,
-            allow_pickle=cfg.allow_pickle, dedup=cfg.dedup, threads=1,
-            coordinator=self._plan_coord, commit_coordinator=self._commit_coord,
-            storage_options=cfg.storage_options,
+        self.plan_coord = new_coordinator()
+        self.commit_coord = new_coordinator()
+        self.writer: Writer = after_helpers(lambda: Writer(
+            store, write_options(
+                # the default (None): predictive where the helper codes -- settled below, once it is known;
+                # under torch.distributed steps are stored whole (no shared chain yet): no compression
+                cfg, compression=cfg.compression or ("none" if self.plan_coord.distributed else "auto"), threads=1),
+            coordinator=self.plan_coord, commit_coordinator=self.commit_coord,
         ), store, cfg.branch)
-        self.rank = self._plan_coord.rank
-        self.pool: HostPool | None = None
-        self._pool_in_ring = False
-        self.recovered: list[int] = []  # steps sealed by a dead trainer, committed at construction
-        self._ring = self._open_ring()  # before any thread: recovery commits on this thread
+        self.rank = self.plan_coord.rank
+        # The ring, before any thread: recovery commits on this thread.
+        self.crashsafe = CrashSafe(self, self.ledger, self.plan_coord,
+                                   store_by_name=isinstance(store, (str, os.PathLike)))
+        self.recovered: list[int] = self.crashsafe.recovered  # steps sealed by a dead trainer, committed now
+        self.stager = Stager(self, self.ledger, self.crashsafe.new_pool)
+        #: Where the memory tier runs: "helper" (the capture helper process,
+        #: issue 25), "trainer" (this process: no helper can run), None (no tier).
+        self.tier_where: str | None = None
         try:
-            self._helper: HelperHandle | None = None  # started by make_committer where it can run
-            #: Where the memory tier runs: "helper" (the capture helper process,
-            #: issue 25), "trainer" (this process: no helper can run), None (no tier).
-            self.tier_where: str | None = None
             # The one choice of mode (committers.py): in this process, the capture helper, the memory tier.
             self.committer: Committer = make_committer(self)
             if cfg.compression is None:  # the default: predictive where the helper codes (config.py)
-                self._default_compression("auto" if self._helper is not None and not self._plan_coord.distributed
-                                          else "none")
+                self._settle_compression("auto" if self.crashsafe.helper is not None
+                                         and not self.plan_coord.distributed else "none")
         except BaseException:
-            if self._ring is not None:
-                self._ring.close()
+            if self.crashsafe.ring is not None:
+                self.crashsafe.ring.close()
             self.writer.close()
             raise
-        self._copier: CudaCopier | None = None
-        self._fence = StepFence(self._before_optimizer_step)
-        self._flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush",
-                                         initializer=self._lower_priority)
-        # (SimpleQueue: put and get in C; queue.Queue's Python condition
-        # variables cost the trainer tens of microseconds per step: issue 16)
-        self._stage_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._commit_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._last: Job | None = None  # the latest job with lazy copies
-        self._copying: collections.deque[Job] = collections.deque()  # lazy CPU jobs not yet copied, in order
         self.skipped: list[int] = []
-        self._closed = False
         self._pid = os.getpid()  # a forked child holds a copy of this object, never the pipeline
-        #: Injection point for tests and tools: called on the stager thread as
-        #: ``before_copy(step, index, lazy)`` before each copy into the pool
-        #: (on the stager thread for lazy copies); an exception fails the step.
-        self.before_copy: Callable[[int, int, bool], Any] | None = None
         #: Injection point for tests and tools: called on the stager thread as
         #: ``after_seal(job)`` once a held step is sealed in the ring (before
         #: it is handed to the capture helper); an exception fails the step.
         self.after_seal: Callable[[Job], Any] | None = None
-        self._stager = threading.Thread(target=self._stage_loop, name="dstt-stager", daemon=True)
         self.rewinder = Rewinder(self)  # rewind(), and the switch to its branch
-        self._committer = threading.Thread(target=self.committer.run, name="dstt-committer", daemon=True)
-        self._stager.start()
-        self._committer.start()
+        self.commit_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # the committer thread's work
+        self.commit_thread = threading.Thread(target=self.committer.run, name="dstt-committer", daemon=True)
+        self.drain = Drain(self, self.ledger, stager=self.stager, crashsafe=self.crashsafe, rewinder=self.rewinder,
+                           commit_q=self.commit_q, commit_thread=self.commit_thread,
+                           coordinators=(self.plan_coord, self.commit_coord))
+        self.stager.start()
+        self.commit_thread.start()
         self.committer.start()
         LIVE.add(self)
 
@@ -219,78 +189,60 @@ class Capture(Draining, Stager, CrashSafe):
         # Planning, splitting and staging build objects per tensor, none in
         # cycles: the cyclic GC, which walks every live object, waits (issue 16).
         with paused_gc():
-            return self._snapshot_state(step, state, optimizer)
-
-    def _snapshot_state(self, step: int, state: Any, optimizer: torch.optim.Optimizer | None) -> bool:
-        # With the capture helper the step is stored by the helper's writer
-        # (it adopts the plan): this one keeps no reference chain for it.
-        plan = self.writer.plan(step, state, track=self.committer.track_plan)  # collective under torch.distributed
-        # The step is planned on every rank. Whatever fails from here on, it
-        # is queued, so that its (collective) commit runs and fails on every
-        # rank instead of leaving a peer waiting. An interrupt (Ctrl-C) fails
-        # the step the same way and is raised once the step is queued.
-        job = Job(plan, [], writer=self.writer)
-        eager: list[ChunkTask] = []
-        try:
-            eager = self._prepare(job, optimizer)
-        except BaseException as e:
-            job.error = e
-        if self.config.on_full == "skip":
-            why = self._skip_reason(job)  # collective under torch.distributed
-            if why is not None:
-                if job.error is not None and not is_interrupt(job.error):
-                    self.ledger.fail(step, job.error)
-                self._queue_skip(job, why)
-                return self._after_queueing(job, queued=False)
-        if job.error is None:
+            # 1. the writer plans the step (collective under torch.distributed; with the
+            #    capture helper the helper's writer adopts the plan: no reference chain here)
+            job = Job(self.writer.plan(step, state, track=self.committer.track_plan), [], writer=self.writer)
+            # The step is planned on every rank. Whatever fails from here on, it
+            # is queued, so that its (collective) commit runs and fails on every
+            # rank instead of leaving a peer waiting. An interrupt (Ctrl-C) fails
+            # the step the same way and is raised once the step is queued.
+            eager: list[ChunkTask] = []
             try:
-                self._stage(job, eager, lazy=False)
+                eager = self._prepare(job, optimizer)  # 2. stager: eager/lazy split; committer: its pool
             except BaseException as e:
                 job.error = e
-        self._enqueue(job)
-        return self._after_queueing(job, queued=True)
+            why = self._skip_reason(job) if self.config.on_full == "skip" else None  # (collective)
+            if why is not None:
+                self._queue_skip(job, why)  # 3'. ledger: counted; committer thread: the skip recorded
+                return self._after_queueing(job, queued=False)
+            if job.error is None:
+                try:
+                    self.stager.stage(job, eager, lazy=False)  # 3. stager: the eager copies, now
+                except BaseException as e:
+                    job.error = e
+            self._log_captured(job)  # (watcher: incident(step=) takes the steps captured)
+            self.committer.enqueue(job)  # 4. ledger, stager (lazy copies, seal), committer thread
+            return self._after_queueing(job, queued=True)
 
     def _prepare(self, job: Job, optimizer: torch.optim.Optimizer | None) -> list[ChunkTask]:
         """Split the step into lazy and eager tasks, make sure the pool holds
         it, and mark the state's point in each CUDA stream; the eager tasks."""
+        stager = self.stager
         if optimizer is not None:
-            self._fence.watch(optimizer)
+            stager.watch(optimizer)  # the optimizer pre-hook: its step waits for the lazy copies
         # (eager: read-only, a later step's plan and split may bring this list again)
-        split = self._split_lazy(job.plan.tasks, optimizer)
-        eager = split.eager
+        split = stager.plans.split(job.plan.tasks, optimizer)
         if split.lazy:
             job.lazy = list(split.lazy)
-            job.lazy_on_cpu = split.on_cpu
-            job.lazy_runs = split.runs()
+            job.copies.on_cpu = split.on_cpu
+            job.copies.runs = split.runs()
             job.guard = VersionGuard(split.sources, split.names)
         # One pass each over the tasks (tens of thousands of them: issue 16),
-        # none for the task list of an earlier step (Stager._task_sizes).
-        sizes, cuda, held_bytes = self._task_sizes(job.plan.tasks)
+        # none for the task list of an earlier step (TaskLists.sizes).
+        sizes, cuda, held_bytes = stager.plans.sizes(job.plan.tasks)
         self.committer.place(job, sizes, cuda, held_bytes)  # the pool (or slot); held until committed?
         job.lazy_bytes = split.lazy_bytes
         devices = {t.source.device for t in job.plan.tasks if t.source.is_cuda} if cuda else set()
         if devices:
-            job.ready = self._cuda().after_compute(devices)
-        return eager
+            job.ready = stager.after_compute(devices)
+        return split.eager
 
-    def _enqueue(self, job: Job) -> None:
-        captured = self.watcher.captured  # (incident(step=) takes the steps captured)
+    def _log_captured(self, job: Job) -> None:
+        captured = self.watcher.captured
         log_ = captured.get(job.writer.branch.name)
         if log_ is None:
             log_ = captured[job.writer.branch.name] = collections.deque(maxlen=CAPTURED_LOG)
         log_.append(job.plan.step)
-        self.committer.enqueue(job)
-
-    def _queue_lazy(self, job: Job) -> None:
-        """Hand a job with lazy copies to the stager (in queue order)."""
-        self._last = job
-        if job.lazy and job.cpu_lazy:
-            job.copies_left = len(job.lazy)
-            with self.ledger.cond:
-                self._copying.append(job)
-        else:
-            job.copies_done.set()
-        self._stage_q.put(job)
 
     def _after_queueing(self, job: Job, *, queued: bool) -> bool:
         if job.error is not None and is_interrupt(job.error):
@@ -298,24 +250,103 @@ class Capture(Draining, Stager, CrashSafe):
         self.raise_pending()
         return queued
 
+    def _skip_reason(self, job: Job) -> str | None:
+        """Why this step cannot be staged without waiting (agreed by all ranks).
+
+        Counted in pool blocks (padding included) plus the largest block: a
+        block cannot straddle the ring's wrap, so that much may go unused."""
+        pool = self.stager.pool
+        why = None
+        if pool is not None and job.error is None:
+            need = policy.step_need_bytes([pool.block_bytes(task_bytes(t)) for t in job.plan.tasks])
+            with self.ledger.cond:
+                outstanding = pool.in_use + self.ledger.queued_bytes
+            why = policy.skip_reason(capacity_bytes=pool.capacity, outstanding_bytes=outstanding, need_bytes=need)
+        if self.plan_coord.distributed:
+            reasons = [r for r in self.plan_coord.all_gather(why) if r is not None]
+            why = reasons[0] if reasons else None
+        return why
+
+    def _queue_skip(self, job: Job, why: str) -> None:
+        if job.error is not None and not is_interrupt(job.error):
+            self.ledger.fail(job.plan.step, job.error)
+        job.skip = why
+        warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", SkippedStepWarning, stacklevel=3)
+        self.ledger.queued(None)
+        self.skipped.append(job.plan.step)
+        job.finish_staging()
+        self.commit_q.put(job)
+
+    def wait_staged(self) -> None:
+        """Block until every queued step is copied to host memory and, where
+        the pool is in /dev/shm, sealed there: from then on the step is
+        committed even if this process dies (by the next Capture on the
+        branch). Call it before mutating captured tensors in place outside
+        ``optimizer.step()`` (which waits by itself); raises a pending
+        failure (such as the mutation guard's)."""
+        self.drain.wait_staged()
+
+    def wait(self, timeout: float | None = None) -> list[CommitInfo]:
+        """Block until every queued step is committed and durable; raise the
+        first background failure as :class:`CaptureError`. Returns the
+        commits so far. ``timeout``: give up after that many seconds; without
+        it, after ``background_timeout_s`` in which no step progressed."""
+        return self.drain.wait(timeout)
+
+    def raise_pending(self) -> None:
+        """Raise the first background failure not yet reported, if any
+        (a lazily copied tensor already changed in place counts: the step fails)."""
+        self.drain.raise_pending()
+
+    def close(self) -> None:
+        """Drain every queued step, stop the threads, release the pool and hooks.
+
+        Raises the first unreported background failure after releasing
+        everything. Safe to call twice. Never hangs (draining.py)."""
+        if self.drain.closed:
+            return
+        LIVE.discard(self)
+        self.drain.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self.drain.closed
+
+    @property
+    def pool(self) -> Any:
+        """The host staging pool (the stager's; None before the first snapshot and after close)."""
+        return self.stager.pool
+
+    @property
+    def before_copy(self) -> Callable[[int, int, bool], Any] | None:
+        """Injection point for tests and tools (the stager's): called as
+        ``before_copy(step, index, lazy)`` before each copy into the pool;
+        an exception fails the step."""
+        return self.stager.before_copy
+
+    @before_copy.setter
+    def before_copy(self, hook: Callable[[int, int, bool], Any] | None) -> None:
+        self.stager.before_copy = hook
+
     @property
     def parts(self) -> Parts:
         """The components of this Capture as they are now, for tests and
         tools (a view: a rewind gives the new branch its own ring, helper and
         committer). Read them; inject faults only through their documented
-        hooks (``Ring.before_op``, ``Capture.before_copy``, ``Capture.after_seal``)."""
+        hooks (``Ring.before_op``, ``Capture.before_copy``, ``Capture.after_seal``,
+        ``Stager.before_lazy``)."""
         tier = self.committer.memory_tier
-        threads = {"stager": self._stager, "committer": self._committer}
-        threads.update((t.name, t) for t in self._flush._threads)
+        threads = {"stager": self.stager.thread, "committer": self.commit_thread}
+        threads.update((t.name, t) for t in self.stager.flush._threads)
         threads.update(self.committer.threads())
-        split = getattr(self, "_split", None)
         with self.ledger.cond:
-            held = () if tier is None else tuple(tier._held)
-        slots = None if tier is None else tier._slots
-        return Parts(ledger=self.ledger, committer=self.committer, ring=self._ring, helper=self._helper,
-                     pool=self.pool, pool_in_ring=self._pool_in_ring, slots=slots, tier_held=held,
-                     last_job=self._last, lazy_split=None if split is None else split[3], threads=threads,
-                     coordinators=(self._plan_coord, self._commit_coord))
+            slots, held = (None, ()) if tier is None else tier.held()
+        return Parts(ledger=self.ledger, committer=self.committer, stager=self.stager, crashsafe=self.crashsafe,
+                     ring=self.crashsafe.ring, helper=self.crashsafe.helper, pool=self.stager.pool,
+                     pool_in_ring=self.stager.pool_in_ring, slots=slots,
+                     tier_held=held, last_job=self.stager.last, lazy_split=self.stager.lazy_split,
+                     threads=threads, coordinators=(self.plan_coord, self.commit_coord))
 
     @property
     def committed(self) -> list[CommitInfo]:
@@ -448,191 +479,33 @@ class Capture(Draining, Stager, CrashSafe):
         except CaptureError as e:
             log.error("dstt capture failed while handling another exception: %s", e)
 
-    # ================================================================ trainer internals
+    # ================================================================ internals
 
     def _check_open(self) -> None:
         if self._pid != os.getpid():
             raise CaptureError(f"this Capture belongs to process {self._pid}; a forked child cannot use it "
                                "(create its own Capture on another branch)")
-        if self._closed:
+        if self.drain.closed:
             raise CaptureError("this Capture is closed")
 
-    def _scan_guard(self) -> None:
-        """The trainer's side of the mutation guard: a lazy source whose
-        version moved before its copy ran fails its step, reported now."""
-        job = self._last
-        if job is None or job.guard is None or job.staged.is_set():
-            return
-        violation = job.guard.scan()
-        if violation is not None:
-            self._report_once(job, CaptureError(f"step {job.plan.step} not captured: {violation}"))
+    def lower_priority(self) -> None:
+        """Run on each background thread: let the trainer's threads win the CPU."""
+        lower_priority(self.config)
 
-    def _report_once(self, job: Job, e: BaseException) -> None:
-        with self.ledger.cond:
-            if job.reported:
-                return
-            job.reported = True
-        self.ledger.fail(job.plan.step, e)
+    def _settle_compression(self, compression: str) -> None:
+        """Settle the default compression (CaptureConfig.compression None)
+        once the helper is decided, before any step is planned."""
+        self.config = replace(self.config, compression=compression)
+        if self.writer.codec.compression != compression:
+            self.writer.codec = CodecSpec(compression, self.config.zstd_level)
+            self.writer.coder = None
 
     def _after_fork_in_child(self) -> None:
         """os.fork() copied this object but none of its threads: the child
         must neither wait for them nor release what the parent holds (the
         branch lock is forgotten by lock.py's own at-fork hook)."""
-        self._closed = True
+        self.drain.closed = True
         self.ledger.cond = threading.Condition()
-        self._fence = StepFence(lambda: None)  # the parent's hooks stay on the parent's optimizers
+        self.stager.abandon_in_child()  # the parent's hooks stay on the parent's optimizers
         self.committer.abandon_in_child()
-        self._helper = None
-
-    def _cuda(self) -> CudaCopier:
-        if self._copier is None:
-            self._copier = CudaCopier()
-        return self._copier
-
-    def _before_optimizer_step(self) -> None:
-        """The optimizer step pre-hook: params and optimizer state may change
-        only once the previous snapshot's lazy copies have read them.
-
-        Lazy CPU copies the stager has not made yet are made here, on the
-        trainer's thread (work stealing): the stager runs at low priority and
-        a loaded machine may not schedule it for a long time, while the copies
-        themselves take one memcpy."""
-        job = self._last
-        if job is None or job.staged.is_set() or self._pid != os.getpid():
-            return  # (in a forked child the stager does not exist: never wait for it)
-        with self.ledger.cond:
-            copying = list(self._copying)
-        if copying and all(j.cpu_lazy for j in copying) and job in copying:
-            for j in copying:  # in queue order: an earlier step's sources change too
-                self._copy_lazy_cpu(j)
-                # (a copy the stager claimed may still be running)
-                self.ledger.wait_event(j.copies_done, lambda j=j: self._copies_text(j))
-                j.issued.set()
-                j.staged.set()  # the stager seals and hands it on when it runs
-            return
-        self.ledger.wait_event(job.issued, lambda: self._copies_text(job))
-        if job.cuda_done and job.error is None:
-            # GPU-side ordering: the update kernels queue behind the copies;
-            # the host does not wait for the device.
-            for idx, ev in job.cuda_done.items():
-                torch.cuda.current_stream(idx).wait_event(ev)
-        else:
-            self.ledger.wait_event(job.staged, lambda: self._copies_text(job))
-
-    @staticmethod
-    def _copies_text(job: Job) -> str:
-        return (f"the lazy copies of step {job.plan.step} (the optimizer step would change what they read; "
-                "it is not run)")
-
-    def _ensure_pool(self, sizes: list[int], pin: bool) -> None:
-        """Allocate the pool on first use; grow it (once idle) if one step
-        (its tasks' ``sizes`` in bytes) no longer fits and the limit allows;
-        ``pin``: the step has CUDA sources."""
-        need = sum(sizes)
-        limit = self.config.host_buffer_bytes
-        biggest = max(sizes, default=0)
-        pool = self.pool
-        if pool is not None:
-            grow = policy.should_grow(need_bytes=need, capacity_bytes=pool.capacity, limit_bytes=limit)
-            if not grow and not (pin and not pool.wants_pin) and pool.retired is None:
-                return
-            job = self._last
-            if job is not None:
-                self.ledger.wait_event(job.staged, f"step {job.plan.step} to be staged before the pool grows")
-            self.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
-        want = policy.pool_bytes(need_bytes=need, biggest_bytes=biggest, limit_bytes=limit)
-        self.pool = self._new_pool(want, pin)
-
-    def _skip_reason(self, job: Job) -> str | None:
-        """Why this step cannot be staged without waiting (agreed by all ranks).
-
-        Counted in pool blocks (padding included) plus the largest block: a
-        block cannot straddle the ring's wrap, so that much may go unused."""
-        pool = self.pool
-        why = None
-        if pool is not None and job.error is None:
-            need = policy.step_need_bytes([pool.block_bytes(task_bytes(t)) for t in job.plan.tasks])
-            with self.ledger.cond:
-                outstanding = pool.in_use + self.ledger.queued_bytes
-            why = policy.skip_reason(capacity_bytes=pool.capacity, outstanding_bytes=outstanding, need_bytes=need)
-        if self._plan_coord.distributed:
-            reasons = [r for r in self._plan_coord.all_gather(why) if r is not None]
-            why = reasons[0] if reasons else None
-        return why
-
-    def _queue_skip(self, job: Job, why: str) -> None:
-        job.skip = why
-        warnings.warn(f"dstt: skipped capturing step {job.plan.step}: {why}", SkippedStepWarning, stacklevel=3)
-        self.ledger.queued(None)
-        self.skipped.append(job.plan.step)
-        job.finish_staging()
-        self._commit_q.put(job)
-
-    # ================================================================ background
-
-    def _lower_priority(self) -> None:
-        """Run on each background thread: let the trainer's threads win the CPU."""
-        lower_thread_priority(self.config.background_nice, self.config.background_idle)
-
-    def _stage_loop(self) -> None:
-        self._lower_priority()
-        while True:
-            job = self._stage_q.get()  # unbounded wait: this thread's work queue; close() sends None
-            if job is None:
-                return
-            try:
-                if job.copies_left >= 0:  # lazy CPU copies: claimed, shared with the trainer
-                    self._copy_lazy_cpu(job)
-                    self.ledger.wait_event(job.copies_done, lambda job=job: self._copies_text(job))
-                    if job.error is not None and not isinstance(job.error, CaptureError):
-                        raise job.error
-                else:
-                    self._stage(job, job.lazy, lazy=True)
-            except GuardTripped as e:
-                job.error = job.error or e.error
-                self._report_once(job, e.error)  # the trainer's next call raises it
-            except BaseException as e:
-                job.error = job.error or e
-            finally:
-                with self.ledger.cond:
-                    if job in self._copying:
-                        self._copying.remove(job)
-                if job.guard is not None:
-                    job.guard.release()
-                job.issued.set()
-                job.staged.set()  # copies landed: the optimizer may update the sources
-                with self.ledger.cond:
-                    self.ledger.queued_bytes -= job.lazy_bytes
-                    job.lazy_bytes = 0
-                self.committer.staged(job)  # sealed, or into the memory tier; then wait_staged() returns
-                job.finish_staging()
-                self.ledger.bump()
-
-    def _flush_one(
-        self, pool: HostPool, job: Job, task: ChunkTask, staged: torch.Tensor, ready: Any
-    ) -> ChunkResult:
-        try:
-            if ready is not None:
-                ready.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
-            if job.error is not None:  # the step already failed: do not spend I/O on it
-                raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
-            return self.writer.flush_chunk(job.plan, task, staged)
-        finally:
-            if not job.hold:  # a held block is the ring's copy until the step is committed
-                pool.release(staged)
-            self.ledger.bump()
-
-    def _flush_many(self, pool: HostPool, job: Job, tasks: list[ChunkTask], staged: list[torch.Tensor],
-                    ) -> tuple[list[ChunkResult], BaseException | None]:
-        """:meth:`_flush_one` for a group of staged CPU chunks: one pool task,
-        small chunks flushed together (Writer.flush_chunks: every chunk
-        flushed or failed; its results and first error)."""
-        try:
-            if job.error is not None:  # the step already failed: do not spend I/O on it
-                raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
-            return self.writer.flush_chunks(job.plan, tasks, list(staged))
-        finally:
-            if not job.hold:  # a held block is the ring's copy until the step is committed
-                for s in staged:
-                    pool.release(s)
-            self.ledger.bump()
+        self.crashsafe.helper = None

@@ -28,6 +28,7 @@ from dstt.capture.seals import encode_record, plan_of, read_record, seal_record
 from dstt.format import layout as L
 from dstt.format.commit import CommitInfo
 from dstt.format.manifest import parse_commit
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.writer import Writer
 
 
@@ -53,22 +54,22 @@ class HereCommitter:
     """Commits held steps in this process, from their records (see the
     module docstring); one thread at a time (the committer's)."""
 
-    def __init__(self, planner: Writer, options: dict[str, Any]) -> None:
-        lock = _BorrowedLock(getattr(planner, "_branch_lock", None))
-        self.writer = Writer(str(planner.backend.url), lock=lock, **{"threads": 1, **options})
+    def __init__(self, planner: Writer, options: WriteOptions) -> None:
+        lock = _BorrowedLock(planner.branch_lock)
+        self.writer = Writer(str(planner.backend.url), options, lock=lock)
 
     def commit(self, job: Job) -> CommitInfo:
-        """Commit ``job`` (staged whole in ``job.pool``, held); its CommitInfo,
+        """Commit ``job`` (staged whole in ``job.ring.pool``, held); its CommitInfo,
         or CaptureError (the step failed: nothing of it is committed)."""
         w = self.writer
         step = job.plan.step
         if w.last_step is not None and step <= w.last_step and w.is_stored(step):
             return self._stored(job)
-        assert job.pool is not None
-        name = getattr(job.pool, "ring_name", None) or "process-memory"
-        record = read_record(encode_record(seal_record(job.plan, name, job.pool.buffer, job.views, crc=False,
-                                                       groups=job.groups)))
-        plan = w.adopt(plan_of(record, job.pool.buffer, verify=False))
+        assert job.ring.pool is not None
+        name = getattr(job.ring.pool, "ring_name", None) or "process-memory"
+        record = read_record(encode_record(seal_record(job.plan, name, job.ring.pool.buffer, job.ring.views, crc=False,
+                                                       groups=job.ring.groups)))
+        plan = w.adopt(plan_of(record, job.ring.pool.buffer, verify=False))
         error: BaseException | None = None
         results: list[Any] = []
         try:

@@ -13,11 +13,8 @@ writes and the commit -- for each step the trainer hands it::
 How it is started and why that way:
 
 * A fresh, exec'ed interpreter (``python -m dstt.capture.helper``), not a
-  fork of the trainer: a forked helper keeps the trainer's pages alive, so
-  the trainer's first optimizer step after it paid copy-on-write for every
-  parameter, gradient and optimizer page (the first capture's stall went
-  from 0.5 s to 5 s and peak memory doubled; docs/benchmarks.md). It is
-  started in its own session (``start_new_session``): torchrun and job
+  fork of the trainer: with a fork the trainer's first optimizer step paid
+  copy-on-write for every page (docs/benchmarks.md). It is started in its own session (``start_new_session``): torchrun and job
   schedulers kill the trainer's process group, not the helper.
 * Its start-up (importing torch: seconds) is off the trainer's path:
   ``start`` returns as soon as the process exists. Steps sealed meanwhile
@@ -44,8 +41,7 @@ How it is started and why that way:
   left in the ring, in step order, removes the ring and exits, releasing
   the lock. No orphan, no lock left held.
 
-If the helper dies too (the whole job killed), the ring stays in /dev/shm
-and the next Capture on the store and branch commits it (ring.recover).
+If the helper dies too, the ring stays in /dev/shm: the next Capture on the branch commits it (ring.recover).
 """
 
 from __future__ import annotations
@@ -74,9 +70,8 @@ log = logging.getLogger("dstt.capture")
 #: How long the trainer waits for a new helper to say it is ready (its
 #: interpreter and torch start-up) before failing the steps handed to it.
 HELPER_START_S = 120.0
-#: The helper's cyclic-GC thresholds (Python's default: 700, 10, 10): a
-#: step allocates thousands of acyclic objects, each 700 of them a
-#: generation-0 pass (~0.3 ms of a small step's ~7 ms).
+#: The helper's cyclic-GC thresholds (Python's default: 700, 10, 10): a step allocates
+#: thousands of acyclic objects, each 700 a generation-0 pass (~0.3 ms of a small step's ~7 ms).
 HELPER_GC_THRESHOLDS = (20_000, 20, 50)
 
 
@@ -103,6 +98,7 @@ class HelperHandle:
         self.lost = False  # the helper died (or never came up) while the trainer lives
         self._killed_why: str | None = None  # why this process killed it (kill)
         self._seen: Activity | None = None  # its latest activity sample (_sample)
+        self._line: str | None = ""  # the latest line read (_next_line)
         self.lost_why: str | None = None  # how it was found lost, first ("exited (exit status -9...)")
 
     def _gone(self, step: int, why: str) -> CaptureError:
@@ -188,7 +184,7 @@ class HelperHandle:
             return self._line != ""
 
         self._seen = None  # (sampled only while an answer is late)
-        self._line: str | None = ""
+        self._line = ""
         try:
             until(arrived, limit_s=self.timeout_s, what=f"the capture helper's answer for step {step}",
                   progress=self._sample)
@@ -375,19 +371,22 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     from dstt.capture import ring as R
     from dstt.capture.ringowner import hold
     from dstt.format.lock import BranchLock
-    from dstt.store.writer import Writer, batches
+    from dstt.format.rankparts import plan_doc
+    from dstt.format.writeoptions import WriteOptions
+    from dstt.store.flusher import batches
+    from dstt.store.writer import Writer
 
     hold(ring_dir)  # the ring is this helper's too while it lives: never adopted under it (ringowner.py)
     torch.set_num_threads(1)
     lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
     records: ranks.RecordCoordinator | None = None
     if dist is None:
-        writer = Writer(store, lock=lock, **{"threads": 1, **writer_options})
+        writer = Writer(store, WriteOptions(**writer_options), lock=lock)
     else:
         # One rank of a distributed Capture: this rank's chunks, then a record
         # in the store; rank 0's helper commits once every rank's is there.
         rank, world = int(dist["rank"]), int(dist["world"])
-        writer = Writer(store, lock=lock, coordinator=ranks.FixedRank(rank, world), **{"threads": 1, **writer_options})
+        writer = Writer(store, WriteOptions(**writer_options), lock=lock, coordinator=ranks.FixedRank(rank, world))
         records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
                                           alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
         writer.commit_coord = records
@@ -432,7 +431,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
                 records.fail_unrecorded(step, _seal_seq(ring_dir, step), e)
             raise
         if records is not None:
-            records.begin(step, plan.seq, ranks.plan_doc(record) if records.rank == 0 else None)
+            records.begin(step, plan.seq, plan_doc(record) if records.rank == 0 else None)
         try:
             info = writer.commit(plan, results)
         except ranks.Recorded:  # (after the trainer died, ranks other than 0 only record)

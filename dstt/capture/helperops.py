@@ -38,6 +38,8 @@ log = logging.getLogger("dstt.capture")
 #: How long the helper's loop waits for a command while the tier has no
 #: work (it then looks at the other ranks' requests and decisions).
 IDLE_POLL_S = 0.05
+#: Steps whose sequence number a helper remembers after they left its tier.
+MAX_SEQS = 4096
 
 
 def nonfinite_names(plan: Any) -> tuple[str, ...]:
@@ -71,6 +73,7 @@ class HelperOps:
         self.writer, self.ring_dir, self.pools, self.records, self.reply, self.flush = \
             writer, ring_dir, pools, records, reply, flush
         self.steps: dict[int, tuple[Any, dict[str, Any]]] = {}  # held step -> (adopted plan, seal record)
+        self.seqs: dict[int, int] = {}  # the trainers' sequence number of recent steps (lost(): its record)
 
     def adopt(self, step: int) -> None:
         """Read sealed ``step`` and adopt its plan (in step order: its
@@ -83,6 +86,9 @@ class HelperOps:
             self.writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
         plan = self.writer.adopt(R.plan_of(record, self.pools[name], verify=False))
         self.steps[step] = (plan, record)
+        self.seqs[step] = int(record["seq"])
+        while len(self.seqs) > MAX_SEQS:
+            del self.seqs[next(iter(self.seqs))]
 
     def check(self, step: int) -> tuple[str, ...]:
         return nonfinite_names(self.steps[step][0])
@@ -90,7 +96,7 @@ class HelperOps:
     def persist(self, step: int, prev: int | None, memory_only: list[tuple[int, int]] | None) -> Any:
         from dstt.capture import ranks
         from dstt.format.rankparts import plan_doc
-        from dstt.store.writer import batches
+        from dstt.store.flusher import batches
 
         w = self.writer
         plan, record = self.steps[step]
@@ -139,12 +145,21 @@ class HelperOps:
     def record(self, incident: Incident, ident: str | None) -> None:
         record_incident(self.writer.backend, incident, ident)
 
+    def lost(self, step: int, why: str) -> None:
+        seq = self.seqs.get(step)
+        if self.records is not None and seq is not None:  # (a step never seen here: no record to match)
+            from dstt.errors import CaptureError
+
+            self.records.fail_unrecorded(step, seq, CaptureError(why))
+
 
 def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: Any, pools: dict[str, Any],
                commands: Any, reply: Callable[[str], None], flush: Any) -> bool:
-    """The helper's loop with the memory tier; True if the trainer closed
-    it (``close``), False at end of file (the trainer died: every held
-    step stored as an incident)."""
+    """The helper's loop with the memory tier; False at end of file (the
+    trainer died) once every held step is stored as an incident -- the
+    ring may go then; True otherwise (``close``, or steps that could not be
+    stored left sealed in the ring)."""
+    from dstt.capture import peerguard
     from dstt.capture.tierpeers import StorePeers
 
     ops = HelperOps(writer, ring_dir, pools, records, reply, flush)
@@ -156,17 +171,23 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     policy = tier_args["policy"]
     tier = HelperTier(int(tier_args["k"]), policy if policy in ("all", "newest") else int(policy), ops,
                       branch=writer.branch.name, peers=peers, watch=bool(tier_args.get("watch", True)))
+    guard = peerguard.start(tier_args, records, writer, ops)  # redundancy= (issue 26): None for "none"
     busy = False
     while True:
         batch = commands.available(0.0 if busy else IDLE_POLL_S)
         if batch is None:
             tier.trainer_died()
-            return False
+            if guard is not None:
+                guard.close(clean=False)
+            return bool(tier.unstored())  # (steps left sealed: the ring stays for the next Capture or `dstt gc`)
         for cmd in batch:
             if _handle(cmd, tier, ops, reply):
                 tier.close()
+                if guard is not None:
+                    guard.close(clean=True)
                 return True
-        busy = tier.pump()
+        busy = guard is not None and guard.pump(tier.steps_held())
+        busy = tier.pump() or busy
 
 
 def _handle(cmd: list[str], tier: HelperTier, ops: HelperOps, reply: Callable[[str], None]) -> bool:

@@ -24,12 +24,25 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dstt.errors import CaptureError
+
+
+def _cudart() -> Any:
+    """torch's CUDA runtime bindings (torch.cuda.cudart is untyped)."""
+    get: Callable[[], Any] = torch.cuda.cudart
+    return get()
+
+
+def _cuda_event() -> Any:
+    """A new torch.cuda.Event (its constructor is untyped)."""
+    make: Callable[[], Any] = torch.cuda.Event
+    return make()
 
 log = logging.getLogger("dstt.capture")
 
@@ -128,7 +141,7 @@ class HostPool:
         Measured on an H100: one call for a 4.8 GiB pool blocked the first
         ``snapshot()`` 2.7 s. Between pieces the trainer's calls get in."""
         try:
-            cudart = torch.cuda.cudart()
+            cudart = _cudart()
             base = self.buffer.data_ptr()
             for start in range(0, self.capacity, self._piece_bytes):
                 if self._stop_registering:
@@ -154,7 +167,7 @@ class HostPool:
         base = self.buffer.data_ptr()
         for start in self._pieces:
             try:
-                torch.cuda.cudart().cudaHostUnregister(base + start)
+                _cudart().cudaHostUnregister(base + start)
             except Exception:  # noqa: BLE001 - the mapping is going away; nothing to keep consistent
                 pass
         self._pieces = []
@@ -364,7 +377,7 @@ class HostPool:
             if placed is None:
                 return None
             start, taken = placed
-            parts = list(self.buffer[start:start + total].view(dtype).split(numels))
+            parts = list(self.buffer[start:start + total].view(dtype).split_with_sizes(numels))
             off = start
             last = len(numels) - 1
             for k, (n, part) in enumerate(zip(numels, parts)):
@@ -448,7 +461,8 @@ class CudaCopier:
     def stream(self, device: torch.device) -> Any:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         if idx not in self._streams:
-            self._streams[idx] = torch.cuda.Stream(device=idx)
+            make_stream: Callable[..., Any] = torch.cuda.Stream  # (its constructor is untyped)
+            self._streams[idx] = make_stream(device=idx)
         return self._streams[idx]
 
     def after_compute(self, devices: set[torch.device]) -> dict[int, Any]:
@@ -456,7 +470,7 @@ class CudaCopier:
         issued after waiting on it read the state as of this call."""
         events = {}
         for d in devices:
-            ev = torch.cuda.Event()
+            ev = _cuda_event()
             ev.record(torch.cuda.current_stream(d))
             events[d.index] = ev
         return events
@@ -477,7 +491,7 @@ class CudaCopier:
         # before this copy ran, even if the trainer drops its last reference.
         src.record_stream(s)
         if mode == "bounce":
-            done = torch.cuda.Event()
+            done = _cuda_event()
             done.record(s)
             done.synchronize()  # unbounded wait: device work (a bounce copy on the GPU)
             dst.copy_(bounce)
@@ -486,7 +500,7 @@ class CudaCopier:
         """An event after every copy enqueued so far on each device."""
         events = {}
         for d in devices:
-            ev = torch.cuda.Event()
+            ev = _cuda_event()
             ev.record(self.stream(d))
             events[d.index] = ev
         return events

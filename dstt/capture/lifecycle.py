@@ -35,7 +35,7 @@ def _drain_at_exit() -> None:
     """A Capture never closed: drain it (bounded by ``exit_drain_s``) before
     the interpreter stops its threads, or say on stderr what is lost."""
     for cap in list(LIVE):
-        if cap._pid != os.getpid() or cap._closed:
+        if cap._pid != os.getpid() or cap.closed:
             continue
         limit = cap.config.exit_drain_s
         led = cap.ledger
@@ -43,7 +43,7 @@ def _drain_at_exit() -> None:
             drained = led.cond.wait_for(lambda led=led: led.pending == 0, limit)
             lost = sorted(led.queued_steps)
         if not drained:
-            cap._closed = True
+            cap.drain.closed = True
             print(f"dstt: a Capture on {cap.writer.backend.url}@{cap.config.branch} was never closed; "
                   f"at exit {len(lost)} queued step(s) were not committed within exit_drain_s={limit} s "
                   f"and are lost unless they commit before the process ends: steps {steps_text(lost)} "

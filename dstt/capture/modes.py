@@ -31,13 +31,16 @@ def make_committer(cap: Any) -> Committer:
     cfg = cap.config
     if cfg.memory_steps is not None:
         tier = {"k": cfg.memory_steps, "policy": cfg.persist_policy, "watch": cfg.watch_nonfinite,
-                "run": cap._run_id or uuid.uuid4().hex}
-        helper = None if cfg.helper is False else cap._start_helper(tier=tier)
+                "run": cap.crashsafe.run_id or uuid.uuid4().hex, "redundancy": cfg.redundancy}
+        if cfg.redundancy != "none" and not cap.plan_coord.distributed:
+            raise ConfigError(f"redundancy={cfg.redundancy!r} copies steps between the nodes of a "
+                              "torch.distributed job; this Capture runs alone")
+        helper = None if cfg.helper is False else cap.crashsafe.start_helper(tier=tier)
         if helper is not None:
-            cap._helper = helper
+            cap.crashsafe.helper = helper
             cap.tier_where = "helper"
             return HelperTierCommitter(cap, helper)
-        if cap._plan_coord.distributed:
+        if cap.plan_coord.distributed:
             raise ConfigError("memory_steps under torch.distributed needs the capture helper on every rank "
                               "(/dev/shm and a local store): the ranks' memory tiers agree through their helpers")
         if cfg.helper is None:  # (helper=False asked for it: said in the log only)
@@ -47,9 +50,9 @@ def make_committer(cap: Any) -> Committer:
         log.info("dstt: the memory tier runs in the trainer's process (helper=%s)", cfg.helper)
         cap.tier_where = "trainer"
         return TierCommitter(cap)
-    cap._helper = cap._start_helper()
-    if cap._helper is not None:
-        return HelperCommitter(cap, cap._helper)
+    helper = cap.crashsafe.helper = cap.crashsafe.start_helper()
+    if helper is not None:
+        return HelperCommitter(cap, helper)
     return InProcessCommitter(cap)
 
 

@@ -1,6 +1,7 @@
 """What :attr:`dstt.Capture.parts` shows: the components of a Capture, for
 tests and tools (read them; inject faults only through their documented
-hooks: ``Ring.before_op``, ``Capture.before_copy``, ``Capture.after_seal``)."""
+hooks: ``Ring.before_op``, ``Capture.before_copy``, ``Capture.after_seal``,
+``Stager.before_lazy``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import threading
 from dataclasses import dataclass
 
 from dstt.capture.committers import Committer
+from dstt.capture.copygroups import LazySplit
+from dstt.capture.crashsafe import CrashSafe
 from dstt.capture.helper import HelperHandle
 from dstt.capture.hostpool import HostPool, SlotPool
 from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import Ring
-from dstt.capture.stager import LazySplit
+from dstt.capture.stager import Stager
 from dstt.store.coord import Coordinator
 
 
@@ -23,6 +26,8 @@ class Parts:
 
     ledger: Ledger  #: the pipeline's bookkeeping and its lock
     committer: Committer  #: the mode's committer (committers.py)
+    stager: Stager  #: the host pool and the copies into it (stager.py; its hook ``before_lazy``)
+    crashsafe: CrashSafe  #: the ring, its seals, the capture helper's handle, recovery (crashsafe.py)
     ring: Ring | None  #: the /dev/shm staging ring (None: staged in process memory)
     helper: HelperHandle | None  #: the capture helper process (None: none runs)
     pool: HostPool | None  #: the host staging pool (None before the first snapshot)

@@ -44,18 +44,6 @@ class Job:
     staged: threading.Event = field(default_factory=threading.Event)  # lazy copies complete in host memory
     submitted: threading.Event = field(default_factory=threading.Event)  # every flush future exists
     guard: VersionGuard | None = None  # versions of the lazy sources at snapshot()
-    # Ring (crash survival): blocks handed to flush threads, and whether they
-    # are held until the step is committed (then it is sealed in the ring).
-    views: list[tuple[ChunkTask, torch.Tensor]] = field(default_factory=list)
-    # With the capture helper and no memory tier: groups of small tasks
-    # staged in one block each, (stager.StagedGroup, the block), whose tasks
-    # have no view in ``views`` (Stager._keep_groups); sealed and released whole.
-    groups: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
-    pool: HostPool | None = None
-    hold: bool = False
-    sealed: bool = False
-    seal_error: str | None = None  # why a held step could not be sealed (crashsafe._seal)
-    sent: bool = False  # handed to the capture helper, its answer not read yet (committers.py)
     cuda_eager: list[Any] = field(default_factory=list)  # events after eager CUDA copies
     reported: bool = False  # its failure was already queued for the trainer (under the ledger's lock)
     writer: Any = None  # the Writer that stores it (a rewind switches writers)
@@ -66,29 +54,59 @@ class Job:
     # the mode asks for them (committers.StagingNeeds.keep_spans).
     spans: list[torch.Tensor] = field(default_factory=list)
     tier: TierState = field(default_factory=lambda: TierState())  # the memory tier's part (tier.py)
-    # Lazy CPU copies are claimed one by one, by the stager or -- when the
-    # optimizer would otherwise wait for a stager starved of CPU -- by the
-    # trainer in the optimizer pre-hook (Capture._copy_lazy_cpu).
-    claim: threading.Lock = field(default_factory=threading.Lock)
-    next_copy: int = 0  # the next lazy task no one claimed (under claim)
-    copies_left: int = -1  # lazy copies not finished (under claim; -1: not counted yet)
-    copies_done: threading.Event = field(default_factory=threading.Event)
-    lazy_on_cpu: bool | None = None  # cpu_lazy, once known (the lazy tasks do not change)
-    #: Runs of small lazy tasks copied together, by first index: (end, StagedGroup or None)
-    #: (stager.LazySplit.runs; None: found while copying, stager._run_end).
-    lazy_runs: dict[int, tuple[int, Any]] | None = None
+    ring: RingState = field(default_factory=lambda: RingState())  # its blocks, held and sealed (crashsafe.py)
+    copies: LazyCopies = field(default_factory=lambda: LazyCopies())  # the stager's claims of its lazy copies
 
     @property
     def cpu_lazy(self) -> bool:
         """Every lazy source is in host memory (its copies may be stolen)."""
-        if self.lazy_on_cpu is None:
-            self.lazy_on_cpu = all(t.source.is_cpu for t in self.lazy)
-        return self.lazy_on_cpu
+        copies = self.copies
+        if copies.on_cpu is None:
+            copies.on_cpu = all(t.source.is_cpu for t in self.lazy)
+        return copies.on_cpu
 
     def finish_staging(self) -> None:
         self.issued.set()
         self.staged.set()
         self.submitted.set()
+
+
+@dataclass
+class RingState:
+    """Where a :class:`Job`'s bytes are staged and their life in the ring
+    (crashsafe.py: sealed for the capture helper and crash survival;
+    committers.py: handed over). Set by the committer's ``place`` (pool,
+    hold) and the stager (views, groups); sealed by the stager thread."""
+
+    pool: HostPool | None = None  # the pool (or the memory tier's slot) it is staged in
+    hold: bool = False  # its blocks are held until it is committed (then it is sealed in the ring)
+    # The staged copies: (task, its block) for each, handed to the flush
+    # threads, the memory tier and the seal record.
+    views: list[tuple[ChunkTask, torch.Tensor]] = field(default_factory=list)
+    # With the capture helper and no memory tier: groups of small tasks
+    # staged in one block each, (copygroups.StagedGroup, the block), whose tasks
+    # have no view in ``views`` (Stager._keep_groups); sealed and released whole.
+    groups: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    sealed: bool = False
+    seal_error: str | None = None  # why a held step could not be sealed (CrashSafe.seal)
+    sent: bool = False  # handed to the capture helper, its answer not read yet (committers.py)
+
+
+@dataclass
+class LazyCopies:
+    """The stager's claims of a :class:`Job`'s lazy CPU copies: each is
+    claimed once, by the stager thread or -- when the optimizer would
+    otherwise wait for a stager starved of CPU -- by the trainer in the
+    optimizer pre-hook (Stager.copy_lazy_cpu)."""
+
+    claim: threading.Lock = field(default_factory=threading.Lock)
+    next: int = 0  # the next lazy task no one claimed (under claim)
+    left: int = -1  # lazy copies not finished (under claim; -1: not counted yet)
+    done: threading.Event = field(default_factory=threading.Event)
+    on_cpu: bool | None = None  # Job.cpu_lazy, once known (the lazy tasks do not change)
+    #: Runs of small lazy tasks copied together, by first index: (end, StagedGroup or None)
+    #: (copygroups.LazySplit.runs; None: found while copying, copygroups.run_end).
+    runs: dict[int, tuple[int, Any]] | None = None
 
 
 @dataclass
@@ -141,6 +159,12 @@ def lower_thread_priority(nice: int, idle: bool = False) -> None:
             log.debug("could not lower dstt thread priority: %s", e)
     if idle:
         set_idle_policy(tid)
+
+
+def lower_priority(config: Any) -> None:
+    """:func:`lower_thread_priority` as ``config`` (a CaptureConfig) asks:
+    run first on each background thread of a Capture."""
+    lower_thread_priority(config.background_nice, config.background_idle)
 
 
 def set_idle_policy(tid: int = 0) -> None:

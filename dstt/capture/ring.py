@@ -121,7 +121,7 @@ class Ring:
     #: seal's temporary file), ``"rename"`` (publish it), ``"unseal"``
     #: (remove a seal), ``"drop"`` (remove an old pool file). An OSError it
     #: raises is that operation's failure (EIO, ENOSPC... as the kernel
-    #: would report them). Set it on a Ring (``cap._ring.before_op = f``).
+    #: would report them). Set it on a Ring (``cap.parts.ring.before_op = f``).
     before_op: Callable[[str, str], None] | None = None
 
     def __init__(self, identity: dict[str, Any], base: Path | None = None, run: str | None = None) -> None:
@@ -332,7 +332,7 @@ class _suppress:
         return None
 
     def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)
+        return isinstance(exc[1], OSError)
 
 
 def _write_atomic(path: Path | str, data: bytes, before_op: Callable[[str, str], None] | None = None) -> None:

@@ -26,7 +26,9 @@ from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.format.backends import open_backend
 from dstt.format.gc import leftover_records as _leftover_records
+from dstt.format.rankparts import recorded_steps
 from dstt.format.root import list_branches
+from dstt.format.writeoptions import WriteOptions
 
 
 @dataclass
@@ -70,10 +72,10 @@ def salvage(store: Any, *, dry_run: bool = False, base: Path | None = None) -> S
     url = str(backend.url)
     for branch in list_branches(backend):
         dist = ranks.rings_of(url, branch, base)
-        if not (_has_single_rings(url, branch, base) or dist or ranks.recorded_steps(backend, branch, None)):
+        if not (_has_single_rings(url, branch, base) or dist or recorded_steps(backend, branch, None)):
             out.records_removed += _leftover_records(backend, branch, dry_run)
             continue
-        with Writer(store, branch=branch) as writer:
+        with Writer(store, WriteOptions(branch=branch)) as writer:
             last = writer.last_step
             if dry_run:
                 steps = set(_ring_steps(url, writer.branch, base))
@@ -92,7 +94,7 @@ def salvage(store: Any, *, dry_run: bool = False, base: Path | None = None) -> S
                     if rank == 0:
                         ranks.record_rings(writer, identity, base=base)
                         continue
-                    with Writer(store, branch=branch, coordinator=ranks.FixedRank(rank, world)) as other:
+                    with Writer(store, WriteOptions(branch=branch), coordinator=ranks.FixedRank(rank, world)) as other:
                         ranks.record_rings(other, identity, base=base)  # this rank's chunk writes
                 done += ranks.commit_recorded(writer)
             if done:

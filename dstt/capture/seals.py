@@ -16,21 +16,17 @@ formats are read; the third is written:
    staged back to back (a group copied into one pool block, or one task),
    each with its start, the CRC-32C of its bytes and the positions of its
    tasks in the plan (each task's bytes follow the previous one's, its size
-   from its static shape and dtype). The trainer seals a grouped step with
-   one CRC per group block instead of one per task and without a view per
-   task (issue 16: a 12 ms loop of 88 tensors spent ~0.4 ms of the
-   trainer's background Python per step sealing). Every byte of every task
-   is covered by exactly one CRC'd extent, so a step whose bytes changed
-   after its seal is detected as before (:class:`StaleSeal`);
+   from its static shape and dtype): one CRC per group block, no view per
+   task (issue 16). Every byte of every task is covered by exactly one
+   CRC'd extent: a step whose bytes changed after its seal is detected
+   (:class:`StaleSeal`);
 4. as 3, with the record's own CRC-32Cs (issue 23): ``record_crc`` covers
    the head up to it and the value tree's text, ``static_crc`` the static
-   part's. The CRCs of a format-3 record cover the pool bytes only: a bit
-   flip in its step number, value tree or layouts committed a wrong step.
+   part's (a format-3 record's CRCs cover only the pool bytes).
 
-A record read back is untrusted: :func:`read_record` raises
-:class:`CorruptRing` for anything that is not one (never another
-exception, whatever the bytes), and recovery checks every field before
-using it (sealcheck.py).
+A record read back is untrusted: :func:`read_record` raises :class:`CorruptRing`
+for anything that is not one (never another exception, whatever the bytes),
+and recovery checks every field before using it (sealcheck.py).
 """
 
 from __future__ import annotations
@@ -332,10 +328,10 @@ def encode_record(record: dict[str, Any]) -> bytes:
             return b"".join([head, b', "record_crc": %d' % crc, _SEP_TREE, tree_text, _SEP_STATIC, static_text,
                              b"}"])
     else:
-        head = {"format": SEAL_FORMAT, "version": version, "step": record["step"], "seq": record["seq"],
-                "pool": record["pool"], "start": tasks["start"], "nbytes": tasks["nbytes"], "crc": tasks["crc"],
-                "tree_bytes": len(tree_text), "static_bytes": len(static_text)}
-        head_text = json.dumps(head, allow_nan=False)[:-1]
+        fields = {"format": SEAL_FORMAT, "version": version, "step": record["step"], "seq": record["seq"],
+                  "pool": record["pool"], "start": tasks["start"], "nbytes": tasks["nbytes"], "crc": tasks["crc"],
+                  "tree_bytes": len(tree_text), "static_bytes": len(static_text)}
+        head_text = json.dumps(fields, allow_nan=False)[:-1]
     return b"".join([head_text.encode(), _SEP_TREE, tree_text, _SEP_STATIC, static_text, b"}"])
 
 
@@ -351,7 +347,7 @@ def _static_crc(text: bytes) -> int:
     last = _LAST_STATIC_CRC
     if last[0] is text:  # (the text cache hands out the same bytes while the static part is unchanged)
         return last[1]
-    crc = google_crc32c.value(text)
+    crc = int(google_crc32c.value(text))
     _LAST_STATIC_CRC = (text, crc)
     return crc
 

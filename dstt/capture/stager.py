@@ -1,92 +1,304 @@
-"""The copies of :class:`dstt.Capture` into its host pool: eager ones on the
-trainer's thread inside ``snapshot()``, lazy ones on the stager thread (or,
-work stealing, on the trainer's thread in the optimizer hook), CUDA ones on
-copy streams. A mixin: the state lives on the Capture (``pool``, ``_flush``,
-``_cond``, ``before_copy``...); engine.py calls ``_stage`` and
-``_copy_lazy_cpu``.
+"""The Stager of a :class:`dstt.Capture`: its host pool and every copy into
+it -- eager ones on the trainer's thread inside ``snapshot()``, lazy ones on
+the stager thread (or, work stealing, on the trainer's thread in the
+optimizer pre-hook), CUDA ones on copy streams -- and the flush threads
+that write staged chunks in the in-process mode.
+
+A component built once by the Capture, with what it uses: the Capture's
+``config``/``writer``/``committer`` as they are now (:class:`~dstt.capture.current.Current`:
+a rewind replaces them), the :class:`~dstt.capture.ledger.Ledger`, and the
+crash-safe part's pool maker (a pool in the /dev/shm ring where it can be).
+
+Phase protocol (who calls what, on which thread):
+
+1. trainer, ``snapshot()``: :meth:`Stager.watch` (the optimizer pre-hook),
+   :meth:`Stager.split_lazy`, :meth:`Stager.task_sizes`, then (the
+   committer's ``place``) :meth:`Stager.ensure_pool`; eager copies by
+   :meth:`Stager.stage`; a step with lazy copies or held whole goes to
+   :meth:`Stager.queue_lazy` (the committer's ``enqueue``);
+2. stager thread: each queued job's lazy copies (:meth:`Stager.stage`,
+   :meth:`Stager.copy_lazy_cpu`), then ``Committer.staged(job)``;
+3. trainer, the optimizer pre-hook: :meth:`Stager.before_optimizer_step`
+   makes (or waits for) the previous step's lazy copies;
+4. trainer, ``close()`` (draining.py): :meth:`Stager.stop`, then
+   :meth:`Stager.release`.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
-import math
-import operator
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from dstt.capture import policy
-from dstt.capture.committers import Committer
-from dstt.capture.hooks import optimizer_storages, storage_key
-from dstt.capture.hostpool import HostPool
+from dstt.capture.copygroups import LazySplit, StagedGroup, TaskLists, run_end
+from dstt.capture.current import Current
+from dstt.capture.hooks import StepFence
+from dstt.capture.hostpool import CudaCopier, HostPool
 from dstt.capture.ledger import Ledger
-from dstt.capture.pipeline import GuardTripped, Job, check_guard, task_bytes
+from dstt.capture.pipeline import GuardTripped, Job, check_guard, lower_priority, task_bytes
+from dstt.errors import CaptureError
+from dstt.format.commit import ChunkResult
 from dstt.store.plan import ChunkTask
 
 log = logging.getLogger("dstt.capture")
 
-#: Small eager tensors of a held step are staged in groups of up to this many
-#: bytes, one placement and one copy call each (Capture._stage_grouped).
-GROUP_BYTES = 1 << 20
-GROUP_TASK_BYTES = 64 << 10
+#: Makes a pool of ``capacity`` bytes (``pin``: for CUDA sources) replacing
+#: ``old``: in the /dev/shm ring where it can be (CrashSafe.new_pool).
+PoolMaker = Callable[[int, bool, "HostPool | None"], HostPool]
 
 
 class Stager:
-    """Staging methods of :class:`~dstt.capture.engine.Capture` (a mixin)."""
+    """The host pool, the copies into it and the stager and flush threads
+    of a :class:`~dstt.capture.engine.Capture` (see the module docstring)."""
 
-    pool: HostPool | None
-    before_copy: Any
-    _helper: Any
-    committer: Committer
-    ledger: Ledger
-    _flush: Any
-    _grouping: tuple[list[ChunkTask], list[StagedGroup], list[ChunkTask]]  # (see _stage_grouped)
-    _sizes: tuple[list[ChunkTask], list[int], bool, int]  # (see _task_sizes)
-    _split: tuple[list[ChunkTask], Any, list[Any], LazySplit]  # (see _split_lazy)
+    def __init__(self, current: Current, ledger: Ledger, new_pool: PoolMaker) -> None:
+        self.current = current
+        self.ledger = ledger
+        self._new_pool = new_pool
+        self.pool: HostPool | None = None  # allocated at the first snapshot (ensure_pool)
+        #: Injection point for tests and tools: called as ``before_copy(step,
+        #: index, lazy)`` before each copy into the pool (on the stager thread
+        #: for lazy copies, or the trainer's when it steals them); an
+        #: exception fails the step.
+        self.before_copy: Callable[[int, int, bool], Any] | None = None
+        #: Injection point for tests and tools: called on the stager thread as
+        #: ``before_lazy(job)`` before it starts on a queued job's lazy copies
+        #: (a slow or starved stager; the trainer may steal them meanwhile);
+        #: an exception fails the step.
+        self.before_lazy: Callable[[Job], Any] | None = None
+        cfg = current.config
+        self.flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush",
+                                        initializer=lambda: lower_priority(self.current.config))
+        # (SimpleQueue: put and get in C; queue.Queue's Python condition
+        # variables cost the trainer tens of microseconds per step: issue 16)
+        self.queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.last: Job | None = None  # the latest job with lazy copies (or held)
+        self._copying: collections.deque[Job] = collections.deque()  # lazy CPU jobs not yet copied, in order
+        self._copier: CudaCopier | None = None
+        self._fence = StepFence(self.before_optimizer_step)
+        self._pid = os.getpid()  # a forked child holds a copy of this object, never the stager thread
+        #: What is worked out once per task list (its split, sizes and groups), kept for the next step.
+        self.plans = TaskLists()
+        self.thread = threading.Thread(target=self._loop, name="dstt-stager", daemon=True)
 
-    def _split_lazy(self, tasks: list[ChunkTask], optimizer: Any) -> LazySplit:
-        """The step's tasks split into eager ones and lazy ones (those whose
-        storage ``optimizer.step()`` alone mutates: hooks.optimizer_storages),
-        kept for the next step that brings the same task list, optimizer and
-        parameters (tens of thousands of tensors: ~3 us each per step).
+    # ------------------------------------------------------------ lifecycle
 
-        (A task's source is a plan alias of the storage it had when planned,
-        and a reused task list means every one still views it. Should the
-        optimizer's state change without the task list changing, the split
-        stays safe: a lazy copy is still checked by the mutation guard, and
-        an eager one is always right.)"""
-        if optimizer is None:
-            return LazySplit(tasks, [], [])
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        cached: tuple[list[ChunkTask], Any, list[Any], LazySplit] | None = getattr(self, "_split", None)
-        if (cached is not None and cached[0] is tasks and cached[1] is optimizer and len(cached[2]) == len(params)
-                and all(map(operator.is_, params, cached[2]))):
-            return cached[3]
-        protected = optimizer_storages(optimizer)
-        eager: list[ChunkTask] = []
-        lazy: list[ChunkTask] = []
-        for t in tasks:
-            (lazy if storage_key(t.source) in protected else eager).append(t)
-        split = LazySplit(eager if lazy else tasks, lazy, HostPool.blocks_bytes([t.data_nbytes for t in lazy]))
-        self._split = (tasks, optimizer, params, split)
-        return split
+    def start(self) -> None:
+        """Start the stager thread (the Capture's constructor, once its committer is chosen)."""
+        self.thread.start()
 
-    def _task_sizes(self, tasks: list[ChunkTask]) -> tuple[list[int], bool, int]:
-        """The data bytes of each task, whether any source is on a CUDA
-        device, and the pool bytes the step takes held whole
-        (policy.step_need_bytes); kept for the next step that brings the
-        same task list (plan.py hands a step laid out as the previous one
-        the same tasks, whose sources keep their device and size)."""
-        cached: tuple[list[ChunkTask], list[int], bool, int] | None = getattr(self, "_sizes", None)
-        if cached is not None and cached[0] is tasks:
-            return cached[1], cached[2], cached[3]
-        sizes = [t.data_nbytes for t in tasks]
-        cuda = any(t.source.is_cuda for t in tasks)
-        held_bytes = policy.step_need_bytes(HostPool.blocks_bytes(sizes))
-        self._sizes = (tasks, sizes, cuda, held_bytes)
-        return sizes, cuda, held_bytes
+    @property
+    def pool_in_ring(self) -> bool:
+        """Whether the pool lives in a /dev/shm file of the ring (its blocks can be sealed)."""
+        return self.pool is not None and self.pool.ring_name is not None
 
-    def _stage(self, job: Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
+    @property
+    def lazy_split(self) -> LazySplit | None:
+        """The latest step's split into eager and lazy copies (Capture.parts)."""
+        return self.plans.latest_split
+
+    def stop(self) -> None:
+        """Tell the stager thread to stop once the jobs queued before are staged."""
+        self.queue.put(None)
+
+    def remove_fence(self) -> None:
+        """The optimizer must not wait for this stager any more (close())."""
+        self._fence.remove()
+
+    def abandon_in_child(self) -> None:
+        """In a forked child: the parent's hooks stay on the parent's optimizers."""
+        self._fence = StepFence(lambda: None)
+
+    def drop_pool(self) -> None:
+        """Let go of the pool (close(), or a rewind leaving the branch's ring)."""
+        pool = self.pool
+        if pool is not None and pool.ring_name is not None:
+            pool.unregister()
+        self.pool = None
+
+    def release(self) -> None:
+        """Everything is settled (close()): the pool, the CUDA copier and the last job go."""
+        self.drop_pool()
+        self._copier = None
+        self.last = None
+
+    # ------------------------------------------------------------ trainer
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait for the lazy copies of the latest step (its pre-hook)."""
+        self._fence.watch(optimizer)
+
+    def ensure_pool(self, sizes: list[int], pin: bool) -> None:
+        """Allocate the pool on first use; grow it (once idle) if one step
+        (its tasks' ``sizes`` in bytes) no longer fits and the limit allows;
+        ``pin``: the step has CUDA sources."""
+        need = sum(sizes)
+        limit = self.current.config.host_buffer_bytes
+        biggest = max(sizes, default=0)
+        pool = self.pool
+        if pool is not None:
+            grow = policy.should_grow(need_bytes=need, capacity_bytes=pool.capacity, limit_bytes=limit)
+            if not grow and not (pin and not pool.wants_pin) and pool.retired is None:
+                return
+            job = self.last
+            if job is not None:
+                self.ledger.wait_event(job.staged, f"step {job.plan.step} to be staged before the pool grows")
+            self.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
+        want = policy.pool_bytes(need_bytes=need, biggest_bytes=biggest, limit_bytes=limit)
+        self.replace_pool(want, pin)
+
+    def replace_pool(self, capacity: int, pin: bool) -> HostPool:
+        """A new pool of ``capacity`` bytes in place of the current one (idle)."""
+        self.pool = self._new_pool(capacity, pin, self.pool)
+        return self.pool
+
+    def queue_lazy(self, job: Job) -> None:
+        """Hand a job with lazy copies (or held whole) to the stager, in queue order."""
+        self.last = job
+        if job.lazy and job.cpu_lazy:
+            job.copies.left = len(job.lazy)
+            with self.ledger.cond:
+                self._copying.append(job)
+        else:
+            job.copies.done.set()
+        self.queue.put(job)
+
+    def after_compute(self, devices: set[torch.device]) -> dict[int, Any]:
+        """Mark the state's point in each CUDA stream of ``devices`` (the copies wait for it)."""
+        return self._cuda().after_compute(devices)
+
+    def scan_guard(self) -> None:
+        """The trainer's side of the mutation guard: a lazy source whose
+        version moved before its copy ran fails its step, reported now."""
+        job = self.last
+        if job is None or job.guard is None or job.staged.is_set():
+            return
+        violation = job.guard.scan()
+        if violation is not None:
+            self.report_once(job, CaptureError(f"step {job.plan.step} not captured: {violation}"))
+
+    def report_once(self, job: Job, e: BaseException) -> None:
+        """Queue ``job``'s failure for the trainer, once."""
+        with self.ledger.cond:
+            if job.reported:
+                return
+            job.reported = True
+        self.ledger.fail(job.plan.step, e)
+
+    def before_optimizer_step(self) -> None:
+        """The optimizer step pre-hook: params and optimizer state may change
+        only once the previous snapshot's lazy copies have read them.
+
+        Lazy CPU copies the stager has not made yet are made here, on the
+        trainer's thread (work stealing): the stager runs at low priority and
+        a loaded machine may not schedule it for a long time, while the copies
+        themselves take one memcpy."""
+        job = self.last
+        if job is None or job.staged.is_set() or self._pid != os.getpid():
+            return  # (in a forked child the stager does not exist: never wait for it)
+        with self.ledger.cond:
+            copying = list(self._copying)
+        if copying and all(j.cpu_lazy for j in copying) and job in copying:
+            for j in copying:  # in queue order: an earlier step's sources change too
+                self.copy_lazy_cpu(j)
+                # (a copy the stager claimed may still be running)
+                self.ledger.wait_event(j.copies.done, functools.partial(_copies_text, j))
+                j.issued.set()
+                j.staged.set()  # the stager seals and hands it on when it runs
+            return
+        self.ledger.wait_event(job.issued, lambda: _copies_text(job))
+        if job.cuda_done and job.error is None:
+            # GPU-side ordering: the update kernels queue behind the copies;
+            # the host does not wait for the device.
+            for idx, ev in job.cuda_done.items():
+                torch.cuda.current_stream(idx).wait_event(ev)
+        else:
+            self.ledger.wait_event(job.staged, lambda: _copies_text(job))
+
+    # ------------------------------------------------------------ the stager thread
+
+    def _loop(self) -> None:
+        lower_priority(self.current.config)
+        while True:
+            job = self.queue.get()  # unbounded wait: this thread's work queue; stop() sends None
+            if job is None:
+                return
+            try:
+                if job.lazy and self.before_lazy is not None:
+                    self.before_lazy(job)
+                if job.copies.left >= 0:  # lazy CPU copies: claimed, shared with the trainer
+                    self.copy_lazy_cpu(job)
+                    self.ledger.wait_event(job.copies.done, functools.partial(_copies_text, job))
+                    if job.error is not None and not isinstance(job.error, CaptureError):
+                        raise job.error
+                else:
+                    self.stage(job, job.lazy, lazy=True)
+            except GuardTripped as e:
+                job.error = job.error or e.error
+                self.report_once(job, e.error)  # the trainer's next call raises it
+            except BaseException as e:
+                job.error = job.error or e
+            finally:
+                with self.ledger.cond:
+                    if job in self._copying:
+                        self._copying.remove(job)
+                if job.guard is not None:
+                    job.guard.release()
+                job.issued.set()
+                job.staged.set()  # copies landed: the optimizer may update the sources
+                with self.ledger.cond:
+                    self.ledger.queued_bytes -= job.lazy_bytes
+                    job.lazy_bytes = 0
+                self.current.committer.staged(job)  # sealed, or into the memory tier; then wait_staged() returns
+                job.finish_staging()
+                self.ledger.bump()
+
+    # ------------------------------------------------------------ the flush threads (in-process mode)
+
+    def _flush_one(self, pool: HostPool, job: Job, task: ChunkTask, staged: torch.Tensor, ready: Any) -> ChunkResult:
+        try:
+            if ready is not None:
+                ready.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
+            if job.error is not None:  # the step already failed: do not spend I/O on it
+                raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
+            return self.current.writer.flush_chunk(job.plan, task, staged)
+        finally:
+            if not job.ring.hold:  # a held block is the ring's copy until the step is committed
+                pool.release(staged)
+            self.ledger.bump()
+
+    def _flush_many(self, pool: HostPool, job: Job, tasks: list[ChunkTask], staged: list[torch.Tensor],
+                    ) -> tuple[list[ChunkResult], BaseException | None]:
+        """:meth:`_flush_one` for a group of staged CPU chunks: one pool task,
+        small chunks flushed together (Writer.flush_chunks: every chunk
+        flushed or failed; its results and first error)."""
+        try:
+            if job.error is not None:  # the step already failed: do not spend I/O on it
+                raise CaptureError(f"step {job.plan.step}: not written after an earlier failure")
+            return self.current.writer.flush_chunks(job.plan, tasks, list(staged))
+        finally:
+            if not job.ring.hold:  # a held block is the ring's copy until the step is committed
+                for s in staged:
+                    pool.release(s)
+            self.ledger.bump()
+
+    def _cuda(self) -> CudaCopier:
+        if self._copier is None:
+            self._copier = CudaCopier()
+        return self._copier
+
+    # ------------------------------------------------------------ copies
+
+    def stage(self, job: Job, tasks: list[ChunkTask], *, lazy: bool) -> None:
         """Copy ``tasks`` into pool blocks and hand each block to a flush thread.
 
         Eager tasks (buffers, RNG, extras: no fence protects them) are staged
@@ -100,13 +312,13 @@ class Stager:
         A block is this function's until a flush thread owns it: on any
         failure it is released (after the copy stream is done with it), so
         a failed step never shrinks the pool. (The blocks of a held step --
-        ``job.views`` and ``job.groups`` -- go back when it is settled,
-        committed or failed: CrashSafe._settle.)
+        ``job.ring.views`` and ``job.ring.groups`` -- go back when it is settled,
+        committed or failed: CrashSafe.settle.)
         """
-        pool = job.pool or self.pool
+        pool = job.ring.pool or self.pool
         assert pool is not None
-        flush_now = self.committer.needs.flush_now  # (the helper, the memory tier write later, if at all)
-        if not lazy and job.hold and self.before_copy is None:
+        flush_now = self.current.committer.needs.flush_now  # (the helper, the memory tier write later, if at all)
+        if not lazy and job.ring.hold and self.before_copy is None:
             tasks = self._stage_grouped(job, pool, tasks, flush_now)  # small CPU tensors: copied in groups
         batch: list[tuple[ChunkTask, torch.Tensor]] = []  # CUDA copies issued, not handed over
         block: torch.Tensor | None = None
@@ -134,11 +346,11 @@ class Stager:
                 else:
                     dst.copy_(t.source)
                     check_guard(job, guard, i)  # completed: a change before now is in the copy
-                    job.views.append((t, dst))
-                    if self.committer.needs.keep_spans:
+                    job.ring.views.append((t, dst))
+                    if self.current.committer.needs.keep_spans:
                         job.spans.append(dst)
                     if flush_now:
-                        job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
+                        job.futures.append(self.flush.submit(self._flush_one, pool, job, t, dst, None))
                     block = None
             if batch:
                 self._hand_over_cuda(job, batch, lazy, last=True)
@@ -176,17 +388,11 @@ class Stager:
         The grouping of a task list is kept for the next step that brings
         the same list (plan.py reuses a step's plan when its tensors are laid
         out as before). With the capture helper and no memory tier, no
-        per-task view into a group is ever made (``job.groups``: the seal
+        per-task view into a group is ever made (``job.ring.groups``: the seal
         record takes each group's tasks as back to back from its block's
         start, and the step's settling releases whole blocks); otherwise the
-        views go to ``job.views`` (what the flush and the memory tier read)."""
-        cached: tuple[list[ChunkTask], list[StagedGroup], list[ChunkTask]] | None = getattr(
-            self, "_grouping", None)
-        if cached is not None and cached[0] is tasks:
-            groups, rest = cached[1], list(cached[2])
-        else:
-            groups, rest = group_tasks(tasks)
-            self._grouping = (tasks, groups, list(rest))
+        views go to ``job.ring.views`` (what the flush and the memory tier read)."""
+        groups, rest = self.plans.groups(tasks)
         keep = self._keep_groups()
         for g in groups:
             block = pool.try_allocate(g.nbytes)
@@ -199,73 +405,74 @@ class Stager:
                 pool.release(block)
                 raise
             if keep:
-                job.groups.append((g, dst))
+                job.ring.groups.append((g, dst))
                 continue
-            if self.committer.needs.keep_spans:
+            if self.current.committer.needs.keep_spans:
                 job.spans.append(dst)
             dsts = g.views(dst)
-            job.views.extend(zip(g.tasks, dsts))
+            job.ring.views.extend(zip(g.tasks, dsts))
             if flush_now:  # (a held block is released at commit, not by its flush)
-                job.futures.append(self._flush.submit(self._flush_many, pool, job, g.tasks, dsts))
+                job.futures.append(self.flush.submit(self._flush_many, pool, job, g.tasks, dsts))
         return rest
 
     def _keep_groups(self) -> bool:
-        """Whether a staged group stays whole (``job.groups``), its tasks
+        """Whether a staged group stays whole (``job.ring.groups``), its tasks
         never given views of their own: with the capture helper and no
         memory tier, where only the seal record (ring.seal_record reads
         groups) and the release of the step's blocks need them (issue 16:
         88 views per step of a small loop were ~0.2 ms of the stager's
         Python, which the trainer's own Python waits for)."""
-        return self.committer.needs.keep_groups
+        return self.current.committer.needs.keep_groups
 
-    def _copy_lazy_cpu(self, job: Job) -> None:
+    def copy_lazy_cpu(self, job: Job) -> None:
         """Copy the lazy CPU tasks of ``job`` no one has claimed yet (the
         stager, or the trainer in the optimizer pre-hook; both may run it at
         once). Never raises: a failure is the step's (``job.error``), the
-        guard's is reported at once; ``copies_done`` is set once every
+        guard's is reported at once; ``job.copies.done`` is set once every
         claimed copy finished. Small tasks of one dtype of a held step are
         claimed and copied in runs (one placement, one copy call; issue 16:
         the optimizer hook made ~66 copies of a small model one by one)."""
-        pool = job.pool or self.pool
+        pool = job.ring.pool or self.pool
         assert pool is not None
-        flush_now = self.committer.needs.flush_now
-        grouped = job.hold and self.before_copy is None
+        copies = job.copies
+        flush_now = self.current.committer.needs.flush_now
+        grouped = job.ring.hold and self.before_copy is None
         n = len(job.lazy)
         while True:
-            with job.claim:
-                i = job.next_copy
+            with copies.claim:
+                i = copies.next
                 if i >= n:
                     return
                 if job.error is not None:  # the step failed: drop the rest unclaimed
-                    job.copies_left -= n - i
-                    job.next_copy = n
-                    if job.copies_left == 0:
-                        job.copies_done.set()
+                    copies.left -= n - i
+                    copies.next = n
+                    if copies.left == 0:
+                        copies.done.set()
                     return
                 group = None
                 if not grouped:
                     j = i + 1
-                elif job.lazy_runs is not None:  # (the runs of the step's LazySplit, made once)
-                    j, group = job.lazy_runs[i]
+                elif copies.runs is not None:  # (the runs of the step's LazySplit, made once)
+                    j, group = copies.runs[i]
                 else:
-                    j = _run_end(job.lazy, i)
-                job.next_copy = j
+                    j = run_end(job.lazy, i)
+                copies.next = j
             try:
                 if j - i == 1 or not self._copy_lazy_run(job, pool, i, j, flush_now, group):
                     for k in range(i, j):
                         self._copy_lazy_one(job, pool, k, flush_now)
             except GuardTripped as e:
-                with job.claim:
+                with copies.claim:
                     job.error = job.error or e.error
-                self._report_once(job, e.error)  # the trainer's next call raises it
+                self.report_once(job, e.error)  # the trainer's next call raises it
             except BaseException as e:
-                with job.claim:
+                with copies.claim:
                     job.error = job.error or e
             finally:
-                with job.claim:
-                    job.copies_left -= j - i
-                    if job.copies_left == 0:
-                        job.copies_done.set()
+                with copies.claim:
+                    copies.left -= j - i
+                    if copies.left == 0:
+                        copies.done.set()
 
     def _copy_lazy_one(self, job: Job, pool: HostPool, i: int, flush_now: bool) -> None:
         """Copy lazy task ``i`` into a block of its own (waiting for room)."""
@@ -283,12 +490,12 @@ class Stager:
             dst = pool.view_as(block, t.source, t.shape)
             dst.copy_(t.source)
             check_guard(job, job.guard, i)  # completed: a change before now is in the copy
-            with job.claim:
-                job.views.append((t, dst))
-                if self.committer.needs.keep_spans:
+            with job.copies.claim:
+                job.ring.views.append((t, dst))
+                if self.current.committer.needs.keep_spans:
                     job.spans.append(dst)
                 if flush_now:
-                    job.futures.append(self._flush.submit(self._flush_one, pool, job, t, dst, None))
+                    job.futures.append(self.flush.submit(self._flush_one, pool, job, t, dst, None))
             block = None
         finally:
             if block is not None:
@@ -314,15 +521,15 @@ class Stager:
             dst = group.fill(block)
             check_guard(job, job.guard, i, j)  # completed: a change before now is in the copy
             dsts = None if self._keep_groups() else group.views(dst)
-            with job.claim:
+            with job.copies.claim:
                 if dsts is None:
-                    job.groups.append((group, dst))
+                    job.ring.groups.append((group, dst))
                 else:
-                    job.views.extend(zip(group.tasks, dsts))
-                    if self.committer.needs.keep_spans:
+                    job.ring.views.extend(zip(group.tasks, dsts))
+                    if self.current.committer.needs.keep_spans:
                         job.spans.append(dst)
                     if flush_now:
-                        job.futures.append(self._flush.submit(self._flush_many, pool, job, group.tasks, dsts))
+                        job.futures.append(self.flush.submit(self._flush_many, pool, job, group.tasks, dsts))
             handed = True
         finally:
             if not handed:
@@ -349,14 +556,16 @@ class Stager:
             for idx, ev in done.items():
                 torch.cuda.current_stream(idx).wait_event(ev)
             job.cuda_eager.extend(done.values())
+        pool = job.ring.pool
+        assert pool is not None
         while batch:
             t, dst = batch[0]
-            job.views.append((t, dst))
-            if self.committer.needs.keep_spans:
+            job.ring.views.append((t, dst))
+            if self.current.committer.needs.keep_spans:
                 job.spans.append(dst)
             ready = None if lazy else done[t.source.device.index]
-            if self.committer.needs.flush_now:
-                job.futures.append(self._flush.submit(self._flush_one, job.pool, job, t, dst, ready))
+            if self.current.committer.needs.flush_now:
+                job.futures.append(self.flush.submit(self._flush_one, pool, job, t, dst, ready))
             batch.pop(0)
 
     def _release_after_copies(self, pool: HostPool, batch: list[tuple[ChunkTask, torch.Tensor]]) -> None:
@@ -372,123 +581,9 @@ class Stager:
             pool.release(dst)
 
 
-class LazySplit:
-    """A step's tasks copied in ``snapshot()`` (eager) and after it (lazy),
-    the lazy sources and names for the mutation guard, and the pool bytes
-    the lazy blocks take. Read-only (shared by the steps of one layout)."""
-
-    __slots__ = ("eager", "lazy", "sources", "names", "lazy_bytes", "on_cpu", "_runs")
-
-    def __init__(self, eager: list[ChunkTask], lazy: list[ChunkTask], lazy_blocks: list[int]) -> None:
-        self.eager = eager
-        self.lazy = lazy
-        self.sources = [t.source for t in lazy]
-        self.names = [t.layout.name for t in lazy]
-        self.lazy_bytes = sum(lazy_blocks)
-        self.on_cpu = all(s.is_cpu for s in self.sources)  # (Job.cpu_lazy)
-        self._runs: dict[int, tuple[int, StagedGroup | None]] | None = None
-
-    def runs(self) -> dict[int, tuple[int, StagedGroup | None]]:
-        """For the first lazy task of each run (_run_end): the run's end,
-        and the run as a StagedGroup when it has more than one task. Made
-        on first use, then shared by the steps of this split."""
-        if self._runs is None:
-            runs: dict[int, tuple[int, StagedGroup | None]] = {}
-            i = 0
-            while i < len(self.lazy):
-                j = _run_end(self.lazy, i)
-                runs[i] = (j, StagedGroup(self.lazy[i:j]) if j - i > 1 else None)
-                i = j
-            self._runs = runs
-        return self._runs
+def _copies_text(job: Job) -> str:
+    return (f"the lazy copies of step {job.plan.step} (the optimizer step would change what they read; "
+            "it is not run)")
 
 
-class StagedGroup:
-    """Small CPU tasks of one dtype staged in one pool block, back to back
-    (the block holds ``nbytes``; task ``k`` its ``numels[k]`` elements)."""
-
-    __slots__ = ("tasks", "dtype", "nbytes", "numels", "flat", "flat_views", "block_bytes")
-
-    def __init__(self, tasks: list[ChunkTask]) -> None:
-        self.tasks = tasks
-        self.dtype = tasks[0].source.dtype
-        self.numels = [math.prod(t.shape) for t in tasks]
-        self.nbytes = sum(self.numels) * tasks[0].source.element_size()
-        #: The pool bytes these tasks count for one by one (Capture._queued_bytes, Job.lazy_bytes).
-        self.block_bytes = sum(HostPool.blocks_bytes([t.data_nbytes for t in tasks]))
-        #: Each task's view is its part of the block as is (1-D parts).
-        self.flat_views = all(len(t.shape) == 1 for t in tasks)
-        #: The sources as 1-D tensors for one torch.cat into the block, or
-        #: None (some source is not contiguous or needs autograd: copied
-        #: with _foreach_copy_ into per-task views). The sources are the
-        #: plan's detached aliases: their layout never changes.
-        self.flat: list[torch.Tensor] | None = None
-        if all(t.source.is_contiguous() and not t.source.requires_grad for t in tasks):
-            self.flat = [s if s.dim() == 1 else s.view(-1) for s in (t.source for t in tasks)]
-
-    def fill(self, block: torch.Tensor) -> torch.Tensor:
-        """Copy the tasks' sources into ``block`` (a pool block of
-        ``nbytes``) with one call; the block as the group's dtype."""
-        dst = block.view(self.dtype)
-        if self.flat is not None:
-            torch.cat(self.flat, out=dst)
-        else:
-            torch._foreach_copy_(self.views(dst), [t.source for t in self.tasks])
-        return dst
-
-    def views(self, dst: torch.Tensor) -> list[torch.Tensor]:
-        """Each task's view into ``dst`` (the group's block, as its dtype)."""
-        parts = list(dst.split(self.numels))
-        if self.flat_views:
-            return parts
-        return [p if len(t.shape) == 1 else p.view(t.shape) for p, t in zip(parts, self.tasks)]
-
-
-def group_tasks(tasks: list[ChunkTask]) -> tuple[list[StagedGroup], list[ChunkTask]]:
-    """Runs of small CPU tasks of one dtype (at most GROUP_BYTES each), and
-    the tasks staged one by one (empty, large or not on the CPU)."""
-    rest: list[ChunkTask] = []
-    groups: list[StagedGroup] = []
-    group: list[ChunkTask] = []
-    size = 0
-    dtype = None  # the group's
-    for t in tasks:
-        nbytes = t.data_nbytes
-        src = t.source
-        if not _groupable(nbytes, src):
-            rest.append(t)
-            continue
-        if group and (src.dtype is not dtype or size + nbytes > GROUP_BYTES):
-            groups.append(StagedGroup(group))
-            group, size = [], 0
-        if not group:
-            dtype = src.dtype
-        group.append(t)
-        size += nbytes
-    if group:
-        groups.append(StagedGroup(group))
-    return groups, rest
-
-
-def _groupable(nbytes: int, src: torch.Tensor) -> bool:
-    """A task of ``nbytes`` from ``src`` may be copied in a group of small
-    CPU tasks (group_tasks, _run_end): not empty, small, in host memory."""
-    return 0 < nbytes < GROUP_TASK_BYTES and src.is_cpu
-
-
-def _run_end(tasks: list[ChunkTask], i: int) -> int:
-    """The end of the run of small CPU tasks of one dtype starting at ``i``
-    (at most GROUP_BYTES), copied together; ``i + 1`` when task ``i`` is not small."""
-    first = tasks[i].source
-    nbytes = task_bytes(tasks[i])
-    if not _groupable(nbytes, first):
-        return i + 1
-    size, j, dtype = nbytes, i + 1, first.dtype
-    while j < len(tasks):
-        src = tasks[j].source
-        nbytes = task_bytes(tasks[j])
-        if not _groupable(nbytes, src) or src.dtype != dtype or size + nbytes > GROUP_BYTES:
-            break
-        size += nbytes
-        j += 1
-    return j
+__all__ = ["PoolMaker", "Stager"]

@@ -48,8 +48,9 @@ from dstt.capture.ring import seal_record
 from dstt.capture.watcher import NanWatch
 from dstt.errors import CaptureError, MemoryTierWarning
 from dstt.format.layout import step_ranges
+from dstt.store.flusher import batches
 from dstt.store.plan import ChunkTask, StepPlan
-from dstt.store.writer import Writer, batches
+from dstt.store.writer import Writer
 
 if TYPE_CHECKING:
     from dstt.format.commit import ChunkResult
@@ -76,11 +77,24 @@ def _round(n: int, k: int) -> int:
 
 def slot_bytes_for(plan: StepPlan) -> int:
     """Bytes of one slot holding this rank's share of ``plan`` (blocks are
-    aligned like HostPool's, plus one page of slack)."""
-    total = 0
+    aligned like HostPool's, plus one page of slack).
+
+    Small tasks are staged in groups (stager.py: ``group_tasks`` and the
+    lazy runs, up to ``GROUP_BYTES`` each); a group of ``PAGE_BLOCK_BYTES``
+    or more is placed like a large block -- on a page boundary, rounded up
+    to a page -- so each may take up to two pages more than its tasks'
+    bytes. At most ``small // PAGE_BLOCK_BYTES`` groups are that large,
+    whatever the grouping. (Without them a state of 150 tasks of 64,000
+    bytes waited forever for its last block: issue 25.)"""
+    total = small = 0
     for t in plan.tasks:
         n = math.prod(t.shape) * t.source.dtype.itemsize
-        total += _round(n, PAGE) + PAGE if n >= PAGE_BLOCK_BYTES else _round(max(n, 1), ALIGN)
+        if n >= PAGE_BLOCK_BYTES:
+            total += _round(n, PAGE) + PAGE
+        else:
+            total += _round(max(n, 1), ALIGN)
+            small += n
+    total += (small // PAGE_BLOCK_BYTES) * 2 * PAGE
     return _round(total + PAGE, PAGE)
 
 
@@ -141,6 +155,10 @@ class MemoryTier:
         """Host memory the slots hold (None before the first snapshot sized them)."""
         slots = self._slots
         return None if slots is None else slots.nslots * slots.slot_bytes
+
+    def held(self) -> tuple[SlotPool | None, tuple[Job, ...]]:
+        """The slots and the ring (the last K staged steps, oldest first; under the ledger's lock)."""
+        return self._slots, tuple(self._held)
 
     def start(self) -> None:
         """Start the watcher thread (after everything else is set up)."""
@@ -205,8 +223,8 @@ class MemoryTier:
 
         self.ledger.wait(slot_free, f"a free memory-tier slot for step {plan.step} (the writer frees them)")
         job.tier.slot = got[0]
-        job.pool = job.tier.slot
-        job.hold = True
+        job.ring.pool = job.tier.slot
+        job.ring.hold = True
 
     def check_all(self) -> None:
         """Check every staged step not checked yet for NaN/Inf, on this thread (without a watcher: none)."""
@@ -228,10 +246,9 @@ class MemoryTier:
             raise CaptureError(
                 f"memory_steps={cfg.memory_steps} needs {nslots} slots x {slot} bytes = {total} bytes of host "
                 f"memory for this state; {avail} bytes are available: lower memory_steps")
-        master = self.cap._new_pool(total, pin)
+        master = self.cap.stager.replace_pool(total, pin)
         log.info("dstt: memory tier of %d steps: %d slots x %d bytes = %.1f MB (%s)", cfg.memory_steps, nslots,
-                 slot, total / 1e6, "/dev/shm ring" if self.cap._pool_in_ring else "process memory")
-        self.cap.pool = master
+                 slot, total / 1e6, "/dev/shm ring" if self.cap.stager.pool_in_ring else "process memory")
         return SlotPool(master, slot)
 
     # ------------------------------------------------------------ trainer side
@@ -250,7 +267,7 @@ class MemoryTier:
             if lazy:
                 self._unstaged.append(job)
         if lazy:
-            self.cap._queue_lazy(job)
+            self.cap.stager.queue_lazy(job)
         else:
             job.finish_staging()
             self.staged(job)
@@ -262,7 +279,7 @@ class MemoryTier:
         # Sealed only in the ring of its own branch: a ring is recovered onto
         # the branch it was made for (after a rewind, the new branch's steps
         # are not sealed in the old branch's ring).
-        if not failed and self.cap._ring is not None and self.cap._pool_in_ring and job.writer is self._ring_writer:
+        if not failed and self.cap.crashsafe.ring is not None and self.cap.stager.pool_in_ring and job.writer is self._ring_writer:
             self._seal(job)
         freed: list[Job] = []
         with self.ledger.cond:
@@ -302,7 +319,7 @@ class MemoryTier:
         pass: a held step's slot is reused only once the keeper said so
         (:meth:`release`, capture/keeper.py) -- its seal removed, or
         rewritten with CRCs -- so a seal never describes other bytes."""
-        keeper = self.cap._keeper
+        keeper = self.cap.crashsafe.keeper
         slots = self._slots
         try:
             if slots is None or job.tier.slot is None or job.tier.slot.ring_name is None:
@@ -310,11 +327,11 @@ class MemoryTier:
             name = slots.master.ring_name
             # (sealed only with a ring, whose keeper exists; a slot's ring_name is its master's)
             assert keeper is not None and name is not None
-            keeper.seal(seal_record(job.plan, name, slots.master.buffer, job.views, crc=False))
-            job.sealed = True
+            keeper.seal(seal_record(job.plan, name, slots.master.buffer, job.ring.views, crc=False))
+            job.ring.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
-            job.seal_error = str(e)
-        self.cap._note_sealing(job)
+            job.ring.seal_error = str(e)
+        self.cap.crashsafe.note_sealing(job)
 
     # ------------------------------------------------------------ bookkeeping (under _cond)
 
@@ -440,15 +457,15 @@ class MemoryTier:
             if slot is None:
                 continue
             slots = self._slots
-            keeper = self.cap._keeper
-            if job.sealed and keeper is not None and slots is not None:
+            keeper = self.cap.crashsafe.keeper
+            if job.ring.sealed and keeper is not None and slots is not None:
                 master = slots.master
-                checked = functools.partial(seal_record, job.plan, master.ring_name or "", master.buffer, job.views)
+                checked = functools.partial(seal_record, job.plan, master.ring_name or "", master.buffer, job.ring.views)
                 if not keeper.settle(job.plan.step, recoverable=False, checked=checked):
                     slots.retire(slot)  # its bytes stay as its seal says, for good
-                    job.views = []
+                    job.ring.views = []
                     continue
-            job.views = []
+            job.ring.views = []
             if slots is not None:
                 slots.release(slot)
                 self.ledger.bump()  # (a waiting snapshot() sees a slot come free)
@@ -490,7 +507,7 @@ class MemoryTier:
                 self.ledger.cond.wait()  # unbounded wait: the committer waiting for work; close() wakes it
 
     def run(self) -> None:
-        self.cap._lower_priority()
+        self.cap.lower_priority()
         while True:
             job = self._next()
             if job is None:
@@ -536,15 +553,15 @@ class MemoryTier:
         w.settle_before(plan)  # steps passed over before it: compared with what came before them
         prev: dict[tuple[str, int], torch.Tensor] = {}
         if job.tier.prev_job is not None:
-            prev = {(t.layout.array, t.index): v for t, v in job.tier.prev_job.views}
+            prev = {(t.layout.array, t.index): v for t, v in job.tier.prev_job.ring.views}
         error: BaseException | None = None
         results: list[ChunkResult] = []
         try:
             w.ensure_arrays(plan)
-            views = {(t.layout.array, t.index): v for t, v in job.views}
+            views = {(t.layout.array, t.index): v for t, v in job.ring.views}
             w.prepare_pred(plan, lambda t: views.get((t.layout.array, t.index)))  # (store/predflush.py)
-            futures = [self.cap._flush.submit(self._flush_views, w, plan, batch, prev)
-                       for batch in batches(job.views, lambda item: item[0].nbytes)]
+            futures = [self.cap.stager.flush.submit(self._flush_views, w, plan, batch, prev)
+                       for batch in batches(job.ring.views, lambda item: item[0].nbytes)]
             for f in futures:
                 try:
                     done, err = f.result()  # unbounded wait: a chunk write of this process (its slot is in use)

@@ -149,7 +149,7 @@ class NanWatch:
         for a slot checks the oldest steps itself (MemoryTier.place),
         even one this thread is still on: it never waits for a low-priority
         thread a busy machine may not schedule."""
-        self.tier.cap._lower_priority()
+        self.tier.cap.lower_priority()
         tier = self.tier
         while True:
             with self.ledger.cond:
@@ -247,7 +247,7 @@ def _nonfinite_tensors(job: Job) -> list[str]:
         ev.synchronize()  # unbounded wait: this step's copies on the GPU (device work, no other party)
     if not any(map(_span_nonfinite, job.spans)):
         return []
-    return _nonfinite(job.views)
+    return _nonfinite(job.ring.views)
 
 
 def _span_nonfinite(v: torch.Tensor) -> bool:

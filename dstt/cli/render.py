@@ -163,6 +163,8 @@ def captured_text(b: dict[str, Any]) -> str:
     held = f"; held in memory now: {held}" if held else ""
     if b.get("held_stale"):
         held += f" ({b['held_stale']} stale record(s) of stopped helpers not counted)"
+    if b.get("protected") and held:
+        held += f"; protected against a node's loss ({b['protected']['scheme']}): {ranges_text(b['protected']['steps'])}"
     if not b.get("memory_only"):
         return f"held in memory now: {held[len('; held in memory now: '):]}" if held else ""
     persisted = [s["step"] for s in b["steps"]]

@@ -44,6 +44,9 @@ from dstt.format.layout import DELTA_SUFFIX, array_path
 
 _T = TypeVar("_T")
 
+#: The largest chunk a tensor is split into, in bytes (a step's plan: store/plan.py).
+DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+
 #: A box of a tensor: (offset, shape).
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

@@ -69,13 +69,13 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from dstt.errors import CorruptStoreError, StoreLockedError, StoreWarning
 from dstt.format import args as A
 from dstt.format import layout as L
 from dstt.format.backends import Backend, open_backend
-from dstt.format.backends.local import not_writable
+from dstt.format.backends.local import LocalBackend, not_writable
 from dstt.format.localio import pid_alive
 
 #: Default lease lifetime for non-local backends, in seconds.
@@ -235,12 +235,16 @@ class BranchLock:
 
     # ------------------------------------------------------------- local: flock
 
+    def _files(self) -> LocalBackend:
+        """The backend as the local store it is on this path (flock)."""
+        return cast(LocalBackend, self.backend)
+
     def _acquire_local(self) -> bool:
-        path = self.backend._path(self.key)  # type: ignore[attr-defined]  # (flock: LocalBackend)
+        path = self._files()._path(self.key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         while True:
             # O_CLOEXEC: a program exec'ed by the writer must not keep the flock alive.
-            fd = self.backend._open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK)  # type: ignore[attr-defined]
+            fd = self._files()._open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK)
             if not stat.S_ISREG(os.fstat(fd).st_mode):  # a device node would get our record written into it
                 os.close(fd)
                 raise CorruptStoreError(f"refusing the lock file {path}: not a regular file (dstt stores hold only files)")
@@ -279,8 +283,7 @@ class BranchLock:
         held = self._held_file
         if held is None or held[0] != fd:
             st = os.fstat(fd)
-            held = self._held_file = (fd, st.st_dev, st.st_ino,
-                                      self.backend._path(self.key))  # type: ignore[attr-defined]
+            held = self._held_file = (fd, st.st_dev, st.st_ino, self._files()._path(self.key))
         try:
             now = os.stat(held[3])
         except FileNotFoundError:
@@ -294,7 +297,7 @@ class BranchLock:
         if fd is None:
             return
         try:
-            path = self.backend._path(self.key)  # type: ignore[attr-defined]
+            path = self._files()._path(self.key)
             if _same_inode(fd, path):
                 os.unlink(path)  # while still locked: waiters re-check the inode
         except OSError:

@@ -3,7 +3,7 @@
 
 A step of tens of thousands of small tensors used to create a file (and an
 array document) per tensor. Chunks up to :func:`dstt.knobs.pack_chunk_bytes`
-(``$DSTT_PACK_CHUNK_BYTES``, else 1 MiB; ``Writer(pack_chunk_bytes=)``
+(``$DSTT_PACK_CHUNK_BYTES``, else 1 MiB; ``WriteOptions(pack_chunk_bytes=)``
 overrides it, 0 packs nothing; larger chunks stay chunk files of their zarr
 array, readable by plain zarr-python) are instead appended, each encoded exactly as its chunk file would be (codec
 body + CRC-32C trailer), to a *pack*: ``packs/p.<slot>.<rank>.<n>``, written

@@ -7,7 +7,8 @@
 
 Each module imports its framework; ``import dstt`` imports neither. The
 shared, framework-free parts (which branch a resumed run captures on, the
-JSON-safe copy of a trainer's counters) live here.
+JSON-safe copy of a trainer's counters, and :class:`CallbackSettings`,
+what both callbacks hold) live here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from dstt.errors import ConfigError
@@ -39,6 +41,67 @@ def check_callback_options(every: Any, capture_options: dict[str, Any]) -> None:
     for k in ("branch", "parent", "every"):
         if k in capture_options:
             raise ConfigError(f"{k}= is an argument of DsttCallback itself, not a capture option")
+
+
+class CallbackSettings:
+    """What a trainer callback captures and where, and the Capture once it
+    is open (one per callback; the HF and Lightning callbacks hold one each).
+
+    ``store``: path or URL; ``every``: capture when ``global_step % every ==
+    0``; ``branch``: the branch to capture on (None: ``main``, or the
+    resumed one); ``rng``: capture RNG states; ``capture_options``: passed
+    to :class:`dstt.Capture`. Checked here (:func:`check_callback_options`).
+
+    >>> s = CallbackSettings("runs/x", every=2, branch=None, rng=True, capture_options={"compression": "zstd"})
+    >>> s.due(4), s.due(5), s.capture_options
+    (True, False, {'compression': 'zstd'})
+    """
+
+    def __init__(self, store: Any, *, every: int, branch: str | None, rng: bool,
+                 capture_options: dict[str, Any]) -> None:
+        check_callback_options(every, capture_options)
+        self.store = os.fspath(store)
+        self.every = every
+        self.branch = branch
+        self.parent: tuple[str, int] | None = None  # a resumed run's fork point (resume_from)
+        self.rng = rng
+        self.capture_options = capture_options
+        self.capture: Capture | None = None
+        self.resume_dir: str | None = None  # a temporary resume directory, removed by close()
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is captured (``every``)."""
+        return step % self.every == 0
+
+    def open(self) -> Capture:
+        """The Capture, opened on first use (on the resumed branch, if any)."""
+        if self.capture is None:
+            from dstt.capture import Capture
+
+            self.capture = Capture(self.store, every=self.every, branch=self.branch or "main", parent=self.parent,
+                                   **self.capture_options)
+        return self.capture
+
+    def resume_from(self, ref: str, directory: str | None, prefix: str) -> str:
+        """Resuming from ``ref`` (``STORE[@BRANCH][:STEP]``): capture continues
+        on its branch when ``ref`` is that branch's latest step of this store,
+        else on ``branch`` (forked at ``ref``). The directory to write the
+        checkpoint into: ``directory``, or a new temporary one (``prefix``)
+        that close() removes."""
+        from dstt.format.refs import Ref
+
+        if same_store(Ref.parse(ref).store, self.store):
+            _store, self.branch, _step, self.parent = resume_target(ref, self.branch)
+        if directory is None:
+            directory = self.resume_dir = tempfile.mkdtemp(prefix=prefix)
+        return directory
+
+    def close(self) -> None:
+        """Wait until every captured step is committed, release the capture,
+        remove the temporary resume directory. Idempotent."""
+        capture, self.capture = self.capture, None
+        resume_dir, self.resume_dir = self.resume_dir, None
+        close_capture(capture, resume_dir)
 
 
 def close_capture(capture: Capture | None, resume_dir: str | None) -> None:

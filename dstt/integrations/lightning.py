@@ -34,14 +34,13 @@ sampler seeded per epoch, e.g. ``DistributedSampler`` or any ``set_epoch``
 sampler): see docs/integrations.md.
 
 >>> from dstt.integrations.lightning import DsttCallback
->>> DsttCallback("runs/pl", every=5).every
+>>> DsttCallback("runs/pl", every=5).settings.every
 5
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Iterator
 
 import lightning
@@ -51,13 +50,10 @@ import torch
 from dstt.capture import Capture
 from dstt.errors import RestoreMismatchError
 from dstt.integrations import (
-    check_callback_options,
-    close_capture,
+    CallbackSettings,
     numbers_only,
     optimizer_state_dict,
     plain_values,
-    resume_target,
-    same_store,
 )
 from dstt.store.state import optimizer_state, set_rng_state
 
@@ -73,25 +69,20 @@ class DsttCallback(pl.Callback):
 
     def __init__(self, store: Any, *, every: int = 1, branch: str | None = None, rng: bool = True,
                  **capture_options: Any) -> None:
-        check_callback_options(every, capture_options)
-        self.store = os.fspath(store)
-        self.every = every
-        self.branch = branch
-        self.parent: tuple[str, int] | None = None
-        self.rng = rng
-        self.capture_options = capture_options
-        self.capture: Capture | None = None
-        self._resume_dir: str | None = None
+        self.settings = CallbackSettings(store, every=every, branch=branch, rng=rng, capture_options=capture_options)
         self._last_step = -1
         self._resume_rng: Any = None
         self._resume_at: dict[str, Any] | None = None  # extra/lightning of the step resumed from
 
+    @property
+    def capture(self) -> Capture | None:
+        """The Capture (None before training starts and after it ends)."""
+        return self.settings.capture
+
     def close(self) -> None:
         """Wait until every captured step is committed, release the capture,
         remove the temporary resume directory. Idempotent."""
-        capture, self.capture = self.capture, None
-        resume_dir, self._resume_dir = self._resume_dir, None
-        close_capture(capture, resume_dir)
+        self.settings.close()
 
     # ------------------------------------------------------------------ resume
 
@@ -100,12 +91,7 @@ class DsttCallback(pl.Callback):
         checkpoint and return its path for ``trainer.fit(..., ckpt_path=)``.
         Capture continues on the same branch when ``ref`` is its latest step,
         else on this callback's ``branch=`` (a new branch forked at ``ref``)."""
-        from dstt.format.refs import Ref
-
-        if same_store(Ref.parse(ref).store, self.store):
-            _store, self.branch, _step, self.parent = resume_target(ref, self.branch)
-        if directory is None:
-            directory = self._resume_dir = tempfile.mkdtemp(prefix="dstt-pl-resume-")
+        directory = self.settings.resume_from(ref, directory, "dstt-pl-resume-")
         path, self._resume_rng, self._resume_at = to_checkpoint(ref, os.path.join(directory, "dstt-resume.ckpt"))
         return path
 
@@ -126,9 +112,7 @@ class DsttCallback(pl.Callback):
             consumed = int(at["batch_idx"]) + 1
             if consumed < trainer.num_training_batches and _skip_consumed(trainer, int(at["epoch"]), consumed):
                 set_rng_state(_this_rank(rng))  # the iterator rebuilt above drew a base seed
-        if self.capture is None:
-            self.capture = Capture(self.store, every=self.every, branch=self.branch or "main",
-                                   parent=self.parent, **self.capture_options)
+        self.settings.open()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -136,11 +120,10 @@ class DsttCallback(pl.Callback):
         if step == self._last_step:  # no optimizer step in this batch (accumulating)
             return
         self._last_step = step
-        if step % self.every != 0:
+        if not self.settings.due(step):
             return
-        if self.capture is None:
+        if self.settings.capture is None:
             self.on_train_start(trainer, pl_module)
-        assert self.capture is not None
         optimizers = list(trainer.optimizers)
         schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
         extra: dict[str, Any] = {
@@ -152,8 +135,9 @@ class DsttCallback(pl.Callback):
             extra["optimizers"] = {str(i): optimizer_state(o, pl_module) for i, o in enumerate(optimizers) if i}
         if len(schedulers) > 1:
             extra["schedulers"] = {str(i): s.state_dict() for i, s in enumerate(schedulers) if i}
-        self.capture.snapshot(step, model=pl_module, optimizer=optimizers[0] if optimizers else None,
-                              scheduler=schedulers[0] if schedulers else None, rng=self.rng, extra=extra)
+        self.settings.open().snapshot(step, model=pl_module, optimizer=optimizers[0] if optimizers else None,
+                                      scheduler=schedulers[0] if schedulers else None, rng=self.settings.rng,
+                                      extra=extra)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()

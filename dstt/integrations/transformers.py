@@ -31,7 +31,7 @@ for bit (tests/integrations/test_integrations_transformers.py kills a run with S
 
 >>> from dstt.integrations.transformers import DsttCallback
 >>> cb = DsttCallback("runs/hf", every=10)   # Trainer(..., callbacks=[cb])
->>> cb.every
+>>> cb.settings.every
 10
 """
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from typing import Any
 
 import torch
@@ -48,14 +47,11 @@ from transformers import TrainerCallback
 from dstt.capture import Capture
 from dstt.errors import RestoreMismatchError
 from dstt.integrations import (
-    check_callback_options,
-    close_capture,
+    CallbackSettings,
     dumps,
     numbers_only,
     optimizer_state_dict,
     plain_values,
-    resume_target,
-    same_store,
 )
 
 #: TrainerState fields not captured: grows with every log call.
@@ -72,29 +68,24 @@ class DsttCallback(TrainerCallback):
     (``host_buffer_bytes``, ``compression``, ``on_full``, ...).
 
     >>> cb = DsttCallback("runs/hf", every=1, compression="zstd")
-    >>> cb.capture_options
+    >>> cb.settings.capture_options
     {'compression': 'zstd'}
     """
 
     def __init__(self, store: Any, *, every: int = 1, branch: str | None = None, rng: bool = True,
                  **capture_options: Any) -> None:
-        check_callback_options(every, capture_options)
-        self.store = os.fspath(store)
-        self.every = every
-        self.branch = branch
-        self.parent: tuple[str, int] | None = None
-        self.rng = rng
-        self.capture_options = capture_options
-        self.capture: Capture | None = None
-        self._resume_dir: str | None = None
+        self.settings = CallbackSettings(store, every=every, branch=branch, rng=rng, capture_options=capture_options)
         self._logs: dict[str, float | int] = {}
+
+    @property
+    def capture(self) -> Capture | None:
+        """The Capture (None before training begins and after it ends)."""
+        return self.settings.capture
 
     def close(self) -> None:
         """Wait until every captured step is committed, release the capture,
         remove the temporary resume directory. Idempotent."""
-        capture, self.capture = self.capture, None
-        resume_dir, self._resume_dir = self._resume_dir, None
-        close_capture(capture, resume_dir)
+        self.settings.close()
 
     # ------------------------------------------------------------------ resume
 
@@ -107,21 +98,14 @@ class DsttCallback(TrainerCallback):
         Capture continues on the same branch when ``ref`` is its latest step,
         else on this callback's ``branch=`` (a new branch forked at ``ref``).
         """
-        from dstt.format.refs import Ref
-
-        if same_store(Ref.parse(ref).store, self.store):
-            _store, self.branch, _step, self.parent = resume_target(ref, self.branch)
-        if directory is None:
-            directory = self._resume_dir = tempfile.mkdtemp(prefix="dstt-hf-resume-")
+        directory = self.settings.resume_from(ref, directory, "dstt-hf-resume-")
         to_checkpoint(ref, directory)
         return directory
 
     # ------------------------------------------------------------------ trainer events
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.capture is None:
-            self.capture = Capture(self.store, every=self.every, branch=self.branch or "main",
-                                   parent=self.parent, **self.capture_options)
+        self.settings.open()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self._logs = numbers_only(logs)
@@ -129,13 +113,11 @@ class DsttCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                     lr_scheduler: Any = None, **kwargs: Any) -> None:
         step = int(state.global_step)
-        if step % self.every != 0:
+        if not self.settings.due(step):
             return
-        if self.capture is None:  # (a trainer that skipped on_train_begin)
-            self.on_train_begin(args, state, control)
-        assert self.capture is not None
-        self.capture.snapshot(step, model=model, optimizer=torch_optimizer(optimizer), scheduler=lr_scheduler,
-                              rng=self.rng, extra=self._extra(args, state))
+        # (opened here too for a trainer that skipped on_train_begin)
+        self.settings.open().snapshot(step, model=model, optimizer=torch_optimizer(optimizer),
+                                      scheduler=lr_scheduler, rng=self.settings.rng, extra=self._extra(args, state))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()

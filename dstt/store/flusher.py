@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import google_crc32c
 import numpy as np
@@ -503,4 +503,39 @@ def _split(members: list[tuple[int, int]]) -> list[list[int]]:
     return out
 
 
-__all__ = ["BATCH_CHUNK_BYTES", "Flusher", "GROUP_BYTES", "batchable", "chunk_bytes", "chunk_place"]
+T = TypeVar("T")
+
+#: Chunks below this size are flushed in batches (Writer._flush_batch, the capture helper).
+SMALL_CHUNK_BYTES = 1 << 20
+#: Bytes of small chunks handed to one pool task.
+BATCH_BYTES = 4 << 20
+
+
+def _nbytes(item: Any) -> int:
+    return int(item.nbytes)
+
+
+def batches(items: list[T], nbytes: Callable[[T], int] = _nbytes) -> list[list[T]]:
+    """Items (chunks, or chunks with their staged views) for flush tasks:
+    large ones one per task (the pool writes them in parallel), small ones
+    grouped up to BATCH_BYTES, in order (one task per chunk costs more than
+    a small chunk's own work)."""
+    out: list[list[T]] = []
+    batch: list[T] = []
+    size = 0
+    for t in items:
+        n = nbytes(t)
+        if n >= SMALL_CHUNK_BYTES:
+            out.append([t])
+            continue
+        batch.append(t)
+        size += n
+        if size >= BATCH_BYTES:
+            out.append(batch)
+            batch, size = [], 0
+    if batch:
+        out.append(batch)
+    return out
+
+
+__all__ = ["BATCH_CHUNK_BYTES", "Flusher", "GROUP_BYTES", "batchable", "batches", "chunk_bytes", "chunk_place"]

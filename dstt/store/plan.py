@@ -25,13 +25,11 @@ import torch
 from dstt import knobs
 from dstt.errors import ShardingError, UnsupportedValueError
 from dstt.format.codecs.spec import CodecSpec
-from dstt.format.geometry import Region, TensorLayout, build_layout
+from dstt.format.geometry import DEFAULT_MAX_CHUNK_BYTES, Region, TensorLayout, build_layout
 from dstt.format.pygc import paused_gc
 from dstt.store.shards import ShardedTensor, dtensor_regions, is_dtensor
 from dstt.store.torch_dtypes import info_for_torch
 from dstt.store.tree import flatten
-
-DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 
 
 @dataclass

@@ -25,14 +25,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 
-from dstt import knobs
 from dstt.errors import (
     CaptureError,
     ChecksumMismatchError,
+    ConfigError,
     CorruptStoreError,
     DsttError,
     InvalidNameError,
@@ -40,17 +40,9 @@ from dstt.errors import (
     StepNotFoundError,
     StepOrderError,
 )
-from dstt.format import args as A
 from dstt.format import layout as L
 from dstt.format.backends import Backend, open_backend
-from dstt.format.codecs.keyframes import DEFAULT_KEYFRAME_EVERY, Link, resolved_tails
-from dstt.format.codecs.spec import (
-    COMPRESSIONS,
-    CodecSpec,
-    array_metadata,
-    delta_array_metadata,
-    group_metadata,
-)
+from dstt.format.codecs.keyframes import Link, resolved_tails
 from dstt.format.codecs.stepcoder import StepCoder
 from dstt.format.commit import ChunkResult, CommitInfo, CommitPhase, CommitPlan
 from dstt.format.groupcommit import commit_group
@@ -62,9 +54,8 @@ from dstt.format.manifest import (
     parse_index_checked,
     sha256_hex,
 )
-from dstt.format.packs import PACKS, StepPacks
+from dstt.format.packs import StepPacks
 from dstt.format.pygc import paused_gc
-from dstt.format.refs import parent_arg
 from dstt.format.root import (
     BranchInfo,
     create_branch,
@@ -72,11 +63,12 @@ from dstt.format.root import (
     load_branch,
     raise_root_version,
 )
+from dstt.format.writeoptions import WriteOptions
 from dstt.store import predflush
+from dstt.store.arraydocs import ArrayDocs
 from dstt.store.coord import Coordinator, default_coordinator
-from dstt.store.flusher import Flusher, chunk_bytes
-from dstt.store.plan import DEFAULT_MAX_CHUNK_BYTES, AgreedExchange, ChunkTask, StepPlan, plan_step
-from dstt.store.predflush import pred_layout
+from dstt.store.flusher import Flusher, batches, chunk_bytes
+from dstt.store.plan import AgreedExchange, ChunkTask, StepPlan, plan_step
 
 log = logging.getLogger(__name__)
 
@@ -104,61 +96,49 @@ class Writer:
     def __init__(
         self,
         store: Any,
+        options: WriteOptions | None = None,
         *,
-        branch: str = "main",
-        parent: L.StepRef | tuple[str, int] | str | None = None,
-        compression: str = "none",
-        zstd_level: int = 1,
-        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-        allow_pickle: bool = False,
-        dedup: bool = True,
-        threads: int = 2,
         coordinator: Coordinator | None = None,
         commit_coordinator: Coordinator | None = None,
         lock: Any = None,
-        keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
-        storage_options: dict[str, Any] | None = None,
-        pack_chunk_bytes: int | None = None,
     ) -> None:
-        # Every argument checked before anything is opened, locked or created (store/args.py).
-        A.branch(branch)
-        parent = parent_arg(parent)
-        A.choice("compression", compression, COMPRESSIONS)
-        A.zstd_level(zstd_level)
-        self.keyframe_every = A.positive_int("keyframe_every", keyframe_every)
-        A.positive_int("max_chunk_bytes", max_chunk_bytes)
-        A.positive_int("threads", threads)
-        A.flag("allow_pickle", allow_pickle)
-        A.flag("dedup", dedup)
-        A.options("storage_options", storage_options)
-        if pack_chunk_bytes is None:
-            pack_chunk_bytes = knobs.pack_chunk_bytes()
-        A.non_negative_int("pack_chunk_bytes", pack_chunk_bytes)
+        """``options``: what to store and how (:class:`~dstt.format.writeoptions.WriteOptions`,
+        validated when it was made; default: its defaults). ``coordinator``
+        (planning's) and ``commit_coordinator`` (the commits', default the
+        same): torch.distributed's; ``lock``: a branch lock already held (a
+        capture helper inherits its trainer's)."""
+        if options is None:
+            options = WriteOptions()
+        elif not isinstance(options, WriteOptions):
+            raise ConfigError(f"options must be a WriteOptions, got {type(options).__name__}")
+        self.options = options
+        branch, parent = options.branch, options.fork
+        self.keyframe_every = options.keyframe_every
         #: Chunks of at most this many raw bytes go into packs (packs.py; 0:
         #: none; default: $DSTT_PACK_CHUNK_BYTES, else 1 MiB).
-        self.pack_chunk_bytes = pack_chunk_bytes
-        self.codec = CodecSpec(compression, zstd_level)
+        self.pack_chunk_bytes = options.packs_below
+        self.codec = options.codec
         #: Predictive coding (compression="predictive"/"auto"): what this
         #: writer remembers of the previous step's chunks (store/predflush.py).
         self.coder: StepCoder | None = StepCoder(self.keyframe_every, self.codec) if self.codec.predictive else None
-        self.max_chunk_bytes = max_chunk_bytes
-        self.allow_pickle = allow_pickle
-        self.dedup = dedup
+        self.max_chunk_bytes = options.max_chunk_bytes
+        self.allow_pickle = options.allow_pickle
+        self.dedup = options.dedup
         coord = coordinator or default_coordinator()
         self.rank = coord.rank
         # A lock already held for this branch (a capture helper inherits its
         # trainer's: capture/helper.py); else rank 0 takes it below.
         self._given_lock = lock
         self._branch_lock: Any = None  # rank 0 holds the branch write lock (lock.py)
-        self._storage_options = storage_options
+        self._storage_options = options.storage_options
         self.backend: Backend = self._setup(store, branch, parent, coord)
         self.branch: BranchInfo = load_branch(self.backend, branch)
         #: The commit phase (dstt.format.commit): commits may run on another
         #: thread than planning, with their own coordinator.
         self.commits = CommitPhase(self.backend, self.branch, self.rank, coord, commit_coordinator or coord,
                                    check_lock=self.check_lock, settle_links=self._settle_links)
-        self._known_arrays: set[str] = set()
-        self._known_groups: set[str] = set()
+        #: The zarr.json documents of the arrays and groups steps use (store/arraydocs.py).
+        self.docs = ArrayDocs(self.backend)
         # Layouts of the tensors planned so far, reused while unchanged
         # (plan.plan_step); touched only by plan(), on one thread.
         self._layout_cache: dict[Any, Any] = {}
@@ -179,7 +159,8 @@ class Writer:
         self.auto_cpu_cores = AUTO_CPU_CORES
         self.backlog = 0
         #: The flush phase (store/flusher.py): stats, checksums, dedup, coding, writes of chunks.
-        self.flusher = Flusher(self.backend, dedup=dedup, keyframe_every=self.keyframe_every, threads=threads)
+        self.flusher = Flusher(self.backend, dedup=self.dedup, keyframe_every=self.keyframe_every,
+                               threads=options.threads)
         self._closed = False
         if self.codec.delta and self.rank == 0:
             # Readers that know only format 1 must refuse this store, not
@@ -296,7 +277,7 @@ class Writer:
             self._tails = resolved_tails(entries)
         # (an array all of whose chunks are packed has no zarr.json: a writer
         # packing less, DSTT_PACK_CHUNK_BYTES changed, must write it)
-        self._known_arrays.update(e.array for e in entries if e.packs is None or None in e.packs)
+        self.docs.known_arrays.update(e.array for e in entries if e.packs is None or None in e.packs)
 
     # ------------------------------------------------------------------ phases
 
@@ -425,27 +406,9 @@ class Writer:
                     link.pass_through()
 
     def ensure_arrays(self, plan: StepPlan) -> None:
-        """Write the zarr.json of arrays first used by this step (owner rank only).
-
-        An existing document is kept only if it has exactly the expected
-        bytes: a writer killed while writing one (before its step committed)
-        leaves it empty or partial, and a committed step must never point at
-        an array plain zarr-python cannot open. Arrays of the previous step
-        are known good, so steady-state steps read no metadata at all.
-        """
-        if self.rank == 0:
-            self._ensure_groups(plan)
-        for layout in plan.meta_arrays:
-            if layout.packed:
-                continue  # its chunks live in packs: no zarr array (docs/format.md "Packs")
-            if layout.array not in self._known_arrays:
-                self._ensure_doc(layout.array, array_metadata(
-                    layout.dtype, layout.shape, layout.chunk_shape, layout.codec, layout.name))
-            # Checked once per writer: gc removes a delta array none of whose
-            # chunks a step references, while its keyframe array stays.
-            if (layout.delta or pred_layout(layout)) and layout.delta_array not in self._known_arrays:
-                self._ensure_doc(layout.delta_array, delta_array_metadata(
-                    layout.dtype, layout.shape, layout.chunk_shape, layout.name))
+        """Write the zarr.json of arrays (and groups) first used by this step:
+        :meth:`ArrayDocs.ensure <dstt.store.arraydocs.ArrayDocs.ensure>`."""
+        self.docs.ensure(plan, groups=self.rank == 0)
 
     def prepare_pred(self, plan: StepPlan, staged: Callable[[ChunkTask], torch.Tensor | None] | None = None) -> None:
         """Predictively code ``plan``'s chunks before they are flushed
@@ -476,45 +439,6 @@ class Writer:
                                 latest, e)
 
         predflush.prepare(self.coder, plan, raw_of, self.flusher.pool, remember_only=plan.fast)
-
-    def _ensure_doc(self, path: str, doc: bytes) -> None:
-        key = L.zarr_json_key(path)
-        if self._differs(key, doc):
-            self.backend.put(key, doc)
-        self._known_arrays.add(path)
-
-    def _differs(self, key: str, doc: bytes) -> bool:
-        """Whether the document at ``key`` is not exactly ``doc`` -- read
-        bounded by ``doc``'s size (a longer file differs, unread)."""
-        try:
-            return self.backend.get(key, max_bytes=len(doc)) != doc
-        except CorruptStoreError as e:
-            if "not a regular file" in str(e):
-                raise  # a FIFO or device there: refused, not written through
-            return True
-
-    def _ensure_groups(self, plan: StepPlan) -> None:
-        """Rank 0: a group ``zarr.json`` in every directory between
-        ``tensors/`` and an array, so Zarr tools that walk the hierarchy
-        (zarr-python, xarray, zarrs) list every array. Written once, like
-        array documents; checked once per writer."""
-        doc = group_metadata()
-        if PACKS not in self._known_groups and any(layout.packed for layout in plan.layouts):
-            if self._differs(L.zarr_json_key(PACKS), doc):
-                self.backend.put(L.zarr_json_key(PACKS), doc)
-            self._known_groups.add(PACKS)
-        for layout in plan.layouts:
-            if layout.packed:
-                continue
-            parts = layout.array.split("/")[1:-1]  # below tensors/, above @<sig>
-            for depth in range(1, len(parts) + 1):
-                group = "/".join([L.TENSORS, *parts[:depth]])
-                if group in self._known_groups:
-                    continue
-                key = L.zarr_json_key(group)
-                if self._differs(key, doc):
-                    self.backend.put(key, doc)
-                self._known_groups.add(group)
 
     def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None,
                     prev_staged: torch.Tensor | None = None) -> ChunkResult:
@@ -634,6 +558,18 @@ class Writer:
         small ones are flushed in groups (flusher.py)."""
         return self.flush_chunks(plan, tasks)
 
+    @property
+    def branch_lock(self) -> Any:
+        """The branch write lock this writer holds (rank 0; a capture helper
+        shares its trainer's), else None."""
+        return self._branch_lock
+
+    @property
+    def open_plans(self) -> int:
+        """Planned steps whose chunk references this writer still tracks (at most MAX_OPEN_PLANS)."""
+        with self._open_lock:
+            return len(self._open_plans)
+
     def check_lock(self) -> None:
         """StoreLockedError if this writer (rank 0) no longer holds its branch lock."""
         if self._branch_lock is not None:
@@ -656,34 +592,3 @@ class Writer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-T = TypeVar("T")
-
-#: Chunks below this size are flushed in batches (see Writer._flush_batch).
-SMALL_CHUNK_BYTES = 1 << 20
-#: Bytes of small chunks handed to one pool task.
-BATCH_BYTES = 4 << 20
-
-
-def batches(items: list[T], nbytes: Callable[[T], int] = lambda t: t.nbytes) -> list[list[T]]:  # type: ignore[attr-defined]
-    """Items (chunks, or chunks with their staged views) for flush tasks:
-    large ones one per task (the pool writes them in parallel), small ones
-    grouped up to BATCH_BYTES, in order (one task per chunk costs more than
-    a small chunk's own work)."""
-    out: list[list[T]] = []
-    batch: list[T] = []
-    size = 0
-    for t in items:
-        n = nbytes(t)
-        if n >= SMALL_CHUNK_BYTES:
-            out.append([t])
-            continue
-        batch.append(t)
-        size += n
-        if size >= BATCH_BYTES:
-            out.append(batch)
-            batch, size = [], 0
-    if batch:
-        out.append(batch)
-    return out

@@ -165,6 +165,7 @@ def import_dcp(path: str | os.PathLike[str], target: str, *,
     """Save the DCP checkpoint(s) at ``path`` into the store ``target``
     (``STORE[@BRANCH][:STEP]``: the step is needed only when the checkpoint's
     directory name ends in no number); ``[(branch, step, n_tensors)]``."""
+    from dstt.format.writeoptions import WriteOptions
     from dstt.store.writer import Writer
 
     ref = Ref.parse(target)
@@ -182,7 +183,7 @@ def import_dcp(path: str | os.PathLike[str], target: str, *,
         if step is None:
             raise ConfigError(f"cannot tell the step of {os.fspath(d)!r}: give it as STORE:STEP")
         state = dstt_state(load_dcp(d))
-        with Writer(ref.store, branch=branch) as w:  # (what dstt.save does)
+        with Writer(ref.store, WriteOptions(branch=branch)) as w:  # (what dstt.save does)
             info = w.write(step, state)
         done.append((branch, step, info.n_tensors))
         if progress is not None:

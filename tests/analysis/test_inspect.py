@@ -24,6 +24,7 @@ from dstt.cli.render import sparkline
 from dstt.errors import ConfigError, CorruptStoreError, InvalidReferenceError, TensorNotFoundError
 from dstt.format.backends import LocalBackend
 from dstt.format.chunks import chunk_key_of
+from dstt.format.writeoptions import WriteOptions
 
 runner = CliRunner()
 
@@ -58,7 +59,7 @@ def pair(tmp_path: Path) -> tuple[Path, dict, dict]:
     tensors have chunks the writer referenced instead of rewrote."""
     a, b = _states()
     path = tmp_path / "run"
-    with dstt.Writer(path, max_chunk_bytes=640) as w:
+    with dstt.Writer(path, WriteOptions(max_chunk_bytes=640)) as w:
         w.write(0, a)
         w.write(1, b)
     return path, a, b
@@ -153,9 +154,9 @@ def test_diff_skips_referenced_chunks(pair: tuple[Path, dict, dict]) -> None:
 
 def test_diff_across_stores_with_different_chunking(tmp_path: Path) -> None:
     a, b = _states()
-    with dstt.Writer(tmp_path / "x", max_chunk_bytes=256) as w:
+    with dstt.Writer(tmp_path / "x", WriteOptions(max_chunk_bytes=256)) as w:
         w.write(0, {"big": a["big"]})
-    with dstt.Writer(tmp_path / "y", max_chunk_bytes=4096) as w:
+    with dstt.Writer(tmp_path / "y", WriteOptions(max_chunk_bytes=4096)) as w:
         w.write(7, {"big": b["big"]})
     rows = dstt.open(tmp_path / "x").diff(0, f"{tmp_path / 'y'}:7")
     exp = _expected(a["big"], b["big"])

@@ -41,6 +41,7 @@ from dstt.errors import ConfigError, ScanError
 from dstt.format.codecs import keyframes
 from dstt.format.scan import forget_opened, groups_by_bytes, parse_executor, run_tasks
 from dstt.format.verify import verify
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.writer import Writer
 from dstt.timetravel.zarr_export import export_zarr
 
@@ -66,7 +67,7 @@ def _write_steps(path: str | Path, storage_options: dict[str, Any] | None) -> No
     w = torch.randn(64, 48, generator=g)
     emb = torch.randn(40, 16, generator=g).to(torch.bfloat16)
     opts = {"max_chunk_bytes": 4096, "storage_options": storage_options}
-    with Writer(path, compression="delta", keyframe_every=3, **opts) as wr:
+    with Writer(path, WriteOptions(compression="delta", keyframe_every=3, **opts)) as wr:
         for s in range(4):
             w = w + 0.01 * torch.randn(64, 48, generator=g)
             w[s, s] = float("nan") if s == 2 else w[s, s]
@@ -79,7 +80,7 @@ def _write_steps(path: str | Path, storage_options: dict[str, Any] | None) -> No
                 state["model"]["late"] = torch.ones(3, 3) * s
             state["model"]["kind"] = torch.ones(4, dtype=torch.float32 if s < 3 else torch.float64)
             wr.write(s, state)
-    with Writer(path, branch="b", parent="main:2", **opts) as wr:
+    with Writer(path, WriteOptions(branch="b", parent="main:2", **opts)) as wr:
         for s in (3, 4):
             wr.write(s, {"model": {"w": w * s, "b": torch.zeros(5), "scale": torch.tensor(-1.0),
                                    "emb": emb, "empty": torch.zeros(0, 3), "ids": torch.arange(30),
@@ -475,7 +476,7 @@ def test_an_s3_store_is_read_by_the_workers_with_its_storage_options(client: Any
     opts = {**s3.storage_options, "client_kwargs": {"region_name": "us-east-1"}}  # (nothing looked up elsewhere)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 48, generator=g)
-    with Writer(url, compression="delta", max_chunk_bytes=4096, storage_options=opts) as wr:
+    with Writer(url, WriteOptions(compression="delta", max_chunk_bytes=4096, storage_options=opts)) as wr:
         for s in range(2):
             wr.write(s, {"w": w + s * 0.01, "h": w[:8].to(torch.bfloat16)})
     run = dstt.open(url, storage_options=opts)

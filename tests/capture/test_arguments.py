@@ -40,6 +40,7 @@ from dstt.errors import (
 from dstt.format.backends import open_backend
 from dstt.format.incidents import list_incidents
 from dstt.format.lock import break_lock
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.writer import Writer
 
 
@@ -138,8 +139,19 @@ def test_writer_arguments_are_refused_up_front(store: Path, name: str, value: An
     before = _files(store)
     kwargs = {"branch": "new", name: value}
     with pytest.raises(exc) as info:
-        Writer(store, **kwargs)
+        Writer(store, WriteOptions(**kwargs))  # (refused by WriteOptions: checked once, before any Writer)
     assert "\n" not in str(info.value)
+    assert _files(store) == before
+
+
+def test_writer_takes_write_options_only(store: Path) -> None:
+    """Writer's options are one WriteOptions: anything else is refused before
+    the store is touched (its fields are not checked again by the Writer)."""
+    before = _files(store)
+    with pytest.raises(ConfigError, match="options must be a WriteOptions, got dict"):
+        Writer(store, {"branch": "new"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Writer(store, branch="new")  # type: ignore[call-arg]
     assert _files(store) == before
 
 

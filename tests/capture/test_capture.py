@@ -21,6 +21,7 @@ import dstt
 from dstt.capture import CaptureConfig, skipped_steps
 from dstt.capture.engine import Capture
 from dstt.capture.hostpool import HostPool
+from dstt.capture.stager import Stager
 from dstt.errors import CaptureError, ConfigError, StepOrderError
 from dstt.format.backends import LocalBackend
 
@@ -244,36 +245,22 @@ def test_new_branch_with_parent(store: Path) -> None:
 # ----------------------------------------------------------------------------- consistency
 
 
-def slow_staging(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.3) -> None:
-    """Delay every lazy copy so training code after snapshot() surely runs first."""
-    original = Capture._stage
-
-    def slow(self: Capture, job: Any, tasks: Any, *, lazy: bool) -> None:
-        if lazy:
-            time.sleep(seconds)
-        original(self, job, tasks, lazy=lazy)
-
-    monkeypatch.setattr(Capture, "_stage", slow)
-    copy_lazy = Capture._copy_lazy_cpu
-
-    def slow_stager(self: Capture, job: Any) -> None:
-        # Lazy CPU copies: the stager is slow; the trainer's optimizer hook
-        # may make the copies itself (work stealing) at its own pace.
-        if threading.current_thread().name.startswith("dstt-stager"):
-            time.sleep(seconds)
-        copy_lazy(self, job)
-
-    monkeypatch.setattr(Capture, "_copy_lazy_cpu", slow_stager)
+def slow_staging(cap: Capture, seconds: float = 0.3) -> None:
+    """Delay every lazy copy on the stager thread (its ``before_lazy`` hook)
+    so training code after snapshot() surely runs first. (Lazy CPU copies:
+    the trainer's optimizer hook may make the copies itself -- work
+    stealing -- at its own pace.)"""
+    cap.parts.stager.before_lazy = lambda job: time.sleep(seconds)
 
 
 def test_in_place_updates_after_snapshot_are_not_captured(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stored step equals the state at snapshot(), although parameters,
     optimizer state and BatchNorm buffers are all changed in place right
     after it returns (the pattern that broke DCP async_save, pytorch #144657)."""
-    slow_staging(monkeypatch)
     model, opt, sched = make()
     train_step(model, opt)
     with deadline(60), dstt.Capture(store) as cap:
+        slow_staging(cap)
         for step in range(3):
             ref = reference(model, opt, sched)
             cap.snapshot(step, model=model, optimizer=opt, scheduler=sched)
@@ -293,11 +280,11 @@ def test_without_the_fence_the_race_is_real_and_the_guard_catches_it(store: Path
     """Negative control for the test above: with the optimizer hook disabled
     the update runs before the lazy copy; the mutation guard (issue 12) then
     fails the step instead of storing post-update values silently."""
-    slow_staging(monkeypatch)
-    monkeypatch.setattr(Capture, "_before_optimizer_step", lambda self: None)
+    monkeypatch.setattr(Stager, "before_optimizer_step", lambda self: None)  # (the pre-hook does nothing)
     model, opt, _ = make()
     train_step(model, opt)
     with deadline(60), dstt.Capture(store) as cap:
+        slow_staging(cap)
         cap.snapshot(0, model=model, optimizer=opt)
         train_step(model, opt)
         with pytest.raises(CaptureError, match=r"step 0 not captured: tensor '.*'.*wait_staged\(\)"):
@@ -310,17 +297,13 @@ def test_a_starved_stager_does_not_hold_the_optimizer(store: Path, monkeypatch: 
     the trainer's next optimizer step is over) costs the trainer one memcpy,
     not the wait -- and the step stored is still the state at snapshot()."""
     released = threading.Event()
-    copy_lazy = Capture._copy_lazy_cpu
-
-    def starved(self: Capture, job: Any) -> None:
-        if threading.current_thread().name.startswith("dstt-stager"):
-            assert released.wait(30)
-        copy_lazy(self, job)
-
-    monkeypatch.setattr(Capture, "_copy_lazy_cpu", starved)
     model, opt, _ = make()
     train_step(model, opt)
     with deadline(60), dstt.Capture(store) as cap:
+        def starved(job: Any) -> None:  # the stager thread: no CPU until released
+            assert released.wait(30)
+
+        cap.parts.stager.before_lazy = starved
         cap.snapshot(0, model=model, optimizer=opt)
         expected = {k: v.clone() for k, v in model.state_dict().items()}
         train_step(model, opt)  # would wait forever for the stager without stealing
@@ -331,11 +314,11 @@ def test_a_starved_stager_does_not_hold_the_optimizer(store: Path, monkeypatch: 
 
 
 def test_optimizer_step_waits_for_staging(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    slow_staging(monkeypatch, 0.2)
     model, opt, _ = make()
     train_step(model, opt)
     seen = []
     with deadline(60), dstt.Capture(store) as cap:
+        slow_staging(cap, 0.2)
         cap.snapshot(0, model=model, optimizer=opt)
         job = cap.parts.last_job
         assert job is not None and not job.staged.is_set()  # snapshot() did not wait for the copy
@@ -584,16 +567,13 @@ def test_a_staging_failure_returns_its_blocks_to_the_pool(store: Path) -> None:
 
 def test_an_interrupt_during_snapshot_is_raised_and_fails_only_that_step(store: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    real = Capture._stage
-
-    def interrupted(self: Capture, job: Any, tasks: Any, *, lazy: bool) -> None:
-        if not lazy and job.plan.step == 1:
+    def interrupted(step: int, index: int, lazy: bool) -> None:
+        if not lazy and step == 1:
             raise KeyboardInterrupt
-        real(self, job, tasks, lazy=lazy)
 
-    monkeypatch.setattr(Capture, "_stage", interrupted)
     with deadline(60):
         cap = dstt.Capture(store)
+        cap.before_copy = interrupted  # (the stager's hook: before each copy of an eager task of step 1)
         cap.snapshot(0, extra={"w": torch.ones(3)}, rng=False)
         with pytest.raises(KeyboardInterrupt):  # not swallowed into a background failure
             cap.snapshot(1, extra={"w": torch.ones(3)}, rng=False)

@@ -405,13 +405,13 @@ cap.wait()
 os.kill(cap.parts.helper.pid, signal.SIGKILL)  # the helper dies first: step 1 stays sealed in the ring
 while pid_alive(cap.parts.helper.pid):
     time.sleep(0.01)
-cap._retire_helper = lambda *a: time.sleep(600)  # this trainer dies before it commits step 1 itself
+cap.parts.crashsafe.retire_helper = lambda *a: time.sleep(600)  # this trainer dies before it commits step 1 itself
 try:
     cap.snapshot(1, extra={"w": torch.full((1024,), 2.0)}, rng=False)
     cap.wait_staged()
 except dstt.CaptureError:
     pass  # (its helper is gone: the step fails here, sealed all the same)
-assert cap.parts.last_job.sealed
+assert cap.parts.last_job.ring.sealed
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

@@ -396,20 +396,11 @@ def test_rewind_right_after_snapshot_waits_for_the_lazy_copies(tmp_path, monkeyp
     """The rewind changes the live tensors in place: a step whose lazy copy
     has not run yet must be copied first (its stored values are the state at
     snapshot(), not the rewound one)."""
-    from dstt.capture.engine import Capture
-
-    copy_lazy = Capture._copy_lazy_cpu
-
-    def slow_stager(self, job):  # type: ignore[no-untyped-def]
-        if threading.current_thread().name.startswith("dstt-stager"):
-            threading.Event().wait(0.3)
-        copy_lazy(self, job)
-
-    monkeypatch.setattr(Capture, "_copy_lazy_cpu", slow_stager)
     path = str(tmp_path / "run")
     m, opt = _model()
     ref = {}
     with dstt.Capture(path, helper=False, memory_steps=4, persist="all") as cap:
+        cap.parts.stager.before_lazy = lambda job: threading.Event().wait(0.3)  # a slow stager thread
         _steps(cap, m, opt, range(4), ref)
         cap.rewind(1, model=m, optimizer=opt)  # step 3's copy is still queued behind a slow stager
     _check_bit_exact(path, ref)

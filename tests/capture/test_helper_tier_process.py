@@ -48,7 +48,7 @@ class MiniTrainer:
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.answers: dict[int, str] = {}
         self.lines: list[str] = []
-        lock = self.writer._branch_lock
+        lock = self.writer.branch_lock
         self.h = H.start({"branch": "main"}, str(self.path), self.ring.dir, lock.fileno(), 0,
                          tier={"k": k, "policy": policy, "watch": watch, "run": "t1"}, timeout_s=60)
 

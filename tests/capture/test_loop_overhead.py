@@ -13,6 +13,7 @@ import torch
 import dstt
 from dstt.capture import ring as R
 from dstt.capture.hostpool import HostPool
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.writer import Writer
 
 
@@ -26,7 +27,7 @@ def _staged(plan, pool: HostPool):
 
 
 def test_seal_records_round_trip_exactly_while_parts_repeat(tmp_path: Path) -> None:
-    w = Writer(tmp_path / "plans", threads=1)
+    w = Writer(tmp_path / "plans", WriteOptions(threads=1))
     pool = HostPool(1 << 20)
     state = {"w": torch.randn(5, 3), "b": torch.arange(4, dtype=torch.int16), "lr": 1}
     last_static = None
@@ -60,7 +61,7 @@ def test_seal_records_round_trip_exactly_while_parts_repeat(tmp_path: Path) -> N
 def test_a_changed_chunk_is_a_stale_seal_and_a_first_format_record_replays(tmp_path: Path) -> None:
     import google_crc32c
 
-    w = Writer(tmp_path / "plans", threads=1)
+    w = Writer(tmp_path / "plans", WriteOptions(threads=1))
     pool = HostPool(1 << 20)
     try:
         plan = w.plan(0, {"a": torch.arange(6.0), "b": torch.ones(2, 2)}, track=False)

@@ -46,14 +46,14 @@ def test_a_starved_watcher_thread_skips_no_step(tmp_path: Path, monkeypatch, nan
     the incident is at the planted step (also the last one), not at
     whatever step the watcher reached."""
     released = threading.Event()
-    lower = Capture._lower_priority
+    lower = Capture.lower_priority
 
     def starve_the_watcher(self: Capture) -> None:
         lower(self)
         if threading.current_thread().name == "dstt-watch":
             released.wait(120)
 
-    monkeypatch.setattr(Capture, "_lower_priority", starve_the_watcher)
+    monkeypatch.setattr(Capture, "lower_priority", starve_the_watcher)
     store, k = tmp_path / "run", 3
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))

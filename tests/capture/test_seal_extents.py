@@ -22,8 +22,9 @@ import torch
 
 import dstt
 from dstt.capture import ring as R
+from dstt.capture.copygroups import group_tasks
 from dstt.capture.hostpool import HostPool
-from dstt.capture.stager import group_tasks
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.writer import Writer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +60,7 @@ def _same(plan, got) -> None:
 
 
 def test_grouped_steps_seal_one_crc_per_block_and_round_trip_bit_exact(tmp_path: Path) -> None:
-    w = Writer(tmp_path / "plans", threads=1)
+    w = Writer(tmp_path / "plans", WriteOptions(threads=1))
     pool = HostPool(1 << 22)
     state = _state()
     try:
@@ -79,7 +80,7 @@ def test_grouped_steps_seal_one_crc_per_block_and_round_trip_bit_exact(tmp_path:
 
 
 def test_one_changed_byte_of_a_sealed_block_is_a_stale_seal(tmp_path: Path) -> None:
-    w = Writer(tmp_path / "plans", threads=1)
+    w = Writer(tmp_path / "plans", WriteOptions(threads=1))
     pool = HostPool(1 << 22)
     try:
         plan = w.plan(0, _state(), track=False)
@@ -104,7 +105,7 @@ def test_one_changed_byte_of_a_sealed_block_is_a_stale_seal(tmp_path: Path) -> N
 
 
 def test_a_record_that_misses_or_repeats_a_chunk_is_refused(tmp_path: Path) -> None:
-    w = Writer(tmp_path / "plans", threads=1)
+    w = Writer(tmp_path / "plans", WriteOptions(threads=1))
     pool = HostPool(1 << 22)
     try:
         plan = w.plan(0, _state(), track=False)
@@ -156,7 +157,7 @@ def _old_records(plan, pool: HostPool, staged: list) -> tuple[dict, bytes]:
 
 
 def test_records_of_formats_1_and_2_still_replay_and_catch_a_stale_chunk(tmp_path: Path) -> None:
-    w = Writer(tmp_path / "plans", threads=1)
+    w = Writer(tmp_path / "plans", WriteOptions(threads=1))
     pool = HostPool(1 << 22)
     try:
         plan = w.plan(4, _state(), track=False)
@@ -192,7 +193,7 @@ def test_the_capture_helper_path_seals_groups_without_per_task_views(tmp_path: P
         ring_dir = cap.parts.ring.dir
 
         def spy(job):
-            seen.append((len(job.groups), len(job.views)))
+            seen.append((len(job.ring.groups), len(job.ring.views)))
             record = R.read_record(R.read_bounded(ring_dir / f"seal-{job.plan.step:020d}.json"))
             # no CRC pass on the trainer: its blocks are held until the seal is gone
             assert all(crc is None for _, crc, _ in record["tasks"]["extents"])
@@ -233,7 +234,7 @@ try:
     cap.wait()
 except dstt.CaptureError:
     pass  # (the helper failed it: sealed all the same)
-assert cap.parts.last_job.sealed and cap.pool.in_use == 0  # settled: its blocks may be reused from now on
+assert cap.parts.last_job.ring.sealed and cap.pool.in_use == 0  # settled: its blocks may be reused from now on
 os.kill(cap.parts.helper.pid, signal.SIGKILL)  # the whole job dies: step 1 stays sealed in the ring
 while pid_alive(cap.parts.helper.pid):
     time.sleep(0.01)

@@ -81,7 +81,7 @@ def main(out: Path, mode: str) -> None:
         except CaptureError:
             if mode != "killall":
                 raise
-        assert cap.parts.last_job is not None and cap.parts.last_job.submitted.is_set() and cap.parts.last_job.sealed
+        assert cap.parts.last_job is not None and cap.parts.last_job.submitted.is_set() and cap.parts.last_job.ring.sealed
         dist.barrier()
         if rank == 0:
             torch.save(expected, out / "expected.pt")

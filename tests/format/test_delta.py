@@ -25,6 +25,7 @@ from dstt.format.codecs import keyframes
 from dstt.format.codecs.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta
 from dstt.format.gc import prune
 from dstt.format.verify import verify
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.flusher import Flusher
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.writer import Writer
@@ -108,7 +109,7 @@ def test_unknown_compression_and_bad_keyframe_spacing_are_refused(tmp_path: Path
     with pytest.raises(ConfigError, match="'delta'"):
         dstt.save(tmp_path / "a", 0, {"t": torch.ones(2)}, compression="deltas")
     with pytest.raises(ConfigError, match="keyframe_every"):
-        Writer(tmp_path / "b", compression="delta", keyframe_every=0)
+        Writer(tmp_path / "b", WriteOptions(compression="delta", keyframe_every=0))
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -119,7 +120,7 @@ def test_every_dtype_round_trips_through_deltas(tmp_path: Path, dtype: torch.dty
     rng = np.random.default_rng(1)
     t = special(dtype, rng)
     saved = []
-    with Writer(tmp_path / "run", compression="delta", keyframe_every=3, max_chunk_bytes=4 * 7 * 16) as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta", keyframe_every=3, max_chunk_bytes=4 * 7 * 16)) as w:
         for step in range(5):
             state = {"t": t, "scalar": t[2, 2].clone(), "strided": t[:, ::2]}
             w.write(step, state)
@@ -142,7 +143,7 @@ def test_every_dtype_round_trips_through_deltas(tmp_path: Path, dtype: torch.dty
 def test_keyframe_every_bounds_what_a_read_touches(tmp_path: Path, forced: None) -> None:
     rng = np.random.default_rng(2)
     t = random_bits((64,), torch.float32, rng)
-    with Writer(tmp_path / "run", compression="delta", keyframe_every=4) as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta", keyframe_every=4)) as w:
         for step in range(10):
             w.write(step, {"t": t})
             t = nudge(t, rng)
@@ -176,7 +177,7 @@ def test_capture_takes_the_keyframe_spacing(tmp_path: Path, helper: bool | None)
 
 def test_a_delta_that_does_not_pay_is_stored_as_a_keyframe(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
-    with Writer(tmp_path / "run", compression="delta") as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta")) as w:
         for step in range(3):  # unrelated random bits each step: no delta is smaller
             w.write(step, {"t": random_bits((4096,), torch.float32, rng)})
     run = dstt.open(tmp_path / "run")
@@ -187,7 +188,7 @@ def test_smooth_trajectories_store_deltas_smaller_than_keyframes(tmp_path: Path)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 64, generator=g)
     sizes = []
-    with Writer(tmp_path / "run", compression="delta") as wr:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta")) as wr:
         for step in range(4):
             sizes.append(wr.write(step, {"w": w.clone()}).bytes_written)
             w += 1e-4 * torch.randn(w.shape, generator=g)
@@ -212,7 +213,7 @@ def test_dstt_save_codes_against_the_stored_keyframe(tmp_path: Path, forced: Non
 def test_slices_read_only_overlapping_chunks_and_their_keyframes(tmp_path: Path, forced: None) -> None:
     rng = np.random.default_rng(5)
     t = random_bits((64, 4), torch.float32, rng)
-    with Writer(tmp_path / "run", compression="delta", max_chunk_bytes=16 * 4 * 4) as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta", max_chunk_bytes=16 * 4 * 4)) as w:
         w.write(0, {"t": t})
         w.write(1, {"t": nudge(t, rng)})
     run = dstt.open(tmp_path / "run")
@@ -230,7 +231,7 @@ def test_diff_and_history_match_uncompressed_storage(tmp_path: Path) -> None:
     w = torch.randn(40, 30, generator=g)
     for comp in ("none", "delta"):
         x = w.clone()
-        with Writer(tmp_path / comp, compression=comp) as wr:
+        with Writer(tmp_path / comp, WriteOptions(compression=comp)) as wr:
             for step in range(4):
                 wr.write(step, {"w": x.clone(), "b": x[0].to(torch.bfloat16)})
                 x += 1e-3 * torch.randn(x.shape, generator=g.manual_seed(step))
@@ -245,7 +246,7 @@ def test_diff_and_history_match_uncompressed_storage(tmp_path: Path) -> None:
 def test_corrupt_keyframe_or_delta_is_reported_never_read_as_data(tmp_path: Path, forced: None) -> None:
     rng = np.random.default_rng(7)
     t = random_bits((300,), torch.float32, rng)
-    with Writer(tmp_path / "run", compression="delta") as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta")) as w:
         w.write(0, {"t": t})
         w.write(1, {"t": nudge(t, rng)})
     key = next((tmp_path / "run" / "tensors" / "t").glob("@*bsz1/c.*"))
@@ -265,7 +266,7 @@ def test_prune_and_gc_keep_the_keyframes_kept_deltas_use(tmp_path: Path, forced:
     rng = np.random.default_rng(8)
     t = random_bits((100,), torch.float32, rng)
     saved = {}
-    with Writer(tmp_path / "run", compression="delta", keyframe_every=4) as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta", keyframe_every=4)) as w:
         for step in range(10):
             w.write(step, {"t": t})
             saved[step] = t.clone()
@@ -301,7 +302,7 @@ def test_plain_zarr_reads_keyframes_and_deltas(tmp_path: Path, forced: None) -> 
     rng = np.random.default_rng(9)
     t0 = random_bits((20, 3), torch.float32, rng)
     t1 = nudge(t0, rng)
-    with Writer(tmp_path / "run", compression="delta") as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta")) as w:
         w.write(0, {"m": {"t": t0}})
         w.write(1, {"m": {"t": t1}})
     e = dstt.open(tmp_path / "run").entry("m/t", 1)
@@ -318,7 +319,7 @@ def test_plain_zarr_reads_keyframes_and_deltas(tmp_path: Path, forced: None) -> 
 
 def test_keyframe_chunks_are_what_zarr_python_writes(tmp_path: Path) -> None:
     t = torch.randn(33, 5)
-    with Writer(tmp_path / "run", compression="shuffle-zstd") as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="shuffle-zstd")) as w:
         w.write(0, {"t": t})
     e = dstt.open(tmp_path / "run").entry("t", 0)
     ours = (tmp_path / "run" / e.array / f"c.{e.slots[0]}.0.0").read_bytes()
@@ -418,13 +419,13 @@ def test_docs_recipe_reads_every_kind_of_chunk_verbatim(tmp_path: Path, where: s
                        "f8": torch.randn(5, generator=g).to(torch.float8_e5m2), "zero_d": torch.tensor(-0.0),
                        "empty": torch.empty(0, 3), "mask": torch.tensor([True, False])}}
     saved = []
-    with Writer(store, compression="delta", max_chunk_bytes=3 * 4 * 16) as w:  # 16 rows per chunk
+    with Writer(store, WriteOptions(compression="delta", max_chunk_bytes=3 * 4 * 16)) as w:  # 16 rows per chunk
         for step in range(3):
             big[-1] += 1  # only the last chunk of "big" changes: mixed slots
             big[0] += 1e-6
             w.write(step, state)
             saved.append({k: v.clone() for k, v in state["model"].items()})
-    with Writer(store, branch="b", parent=("main", 1), compression="delta") as w:
+    with Writer(store, WriteOptions(branch="b", parent=("main", 1), compression="delta")) as w:
         w.write(2, {"model": {"big": big * 2}})
     e = dstt.open(store).entry("model/big", 2)
     assert len(set(e.slots)) == 2 and any(k is not None for k in e.keyframes)
@@ -439,7 +440,7 @@ def test_docs_recipe_refuses_missing_and_corrupt_chunks(tmp_path: Path, forced: 
     store = tmp_path / "run"
     rng = np.random.default_rng(11)
     t = random_bits((30,), torch.float32, rng)
-    with Writer(store, compression="delta") as w:
+    with Writer(store, WriteOptions(compression="delta")) as w:
         w.write(0, {"t": t})
         w.write(1, {"t": nudge(t, rng)})
     e = dstt.open(store).entry("t", 1)
@@ -468,13 +469,13 @@ def test_a_writer_that_only_plans_keeps_bounded_references(tmp_path: Path) -> No
     committed) must not keep every plan's reference chain alive."""
     from dstt.store.writer import MAX_OPEN_PLANS
 
-    with Writer(tmp_path / "run", compression="delta") as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta")) as w:
         plans = [w.plan(s, {"t": torch.full((4,), float(s))}) for s in range(MAX_OPEN_PLANS + 10)]
-        assert len(w._open_plans) == MAX_OPEN_PLANS
+        assert w.open_plans == MAX_OPEN_PLANS
         first = next(iter(plans[0].links.values()))
         assert first.peek() == (True, None)  # settled: nothing behind it stays reachable
         untracked = w.plan(MAX_OPEN_PLANS + 10, {"t": torch.zeros(4)}, track=False)
-        assert untracked.links == {} and len(w._open_plans) == MAX_OPEN_PLANS
+        assert untracked.links == {} and w.open_plans == MAX_OPEN_PLANS
 
 
 def test_restore_and_export_of_delta_steps_equal_uncompressed(tmp_path: Path) -> None:
@@ -484,7 +485,7 @@ def test_restore_and_export_of_delta_steps_equal_uncompressed(tmp_path: Path) ->
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with Writer(tmp_path / compression, compression=compression) as w:
+        with Writer(tmp_path / compression, WriteOptions(compression=compression)) as w:
             for step in range(4):
                 model(torch.randn(8, 16)).square().mean().backward()
                 opt.step()
@@ -525,7 +526,7 @@ def test_hostile_delta_entries_are_refused_with_a_clear_error(tmp_path: Path, fo
 
     rng = np.random.default_rng(12)
     t = random_bits((10,), torch.float32, rng)
-    with Writer(tmp_path / "run", compression="delta") as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="delta")) as w:
         w.write(0, {"t": t})
         w.write(1, {"t": nudge(t, rng)})
     index = json.loads((tmp_path / "run" / "meta" / "steps" / "main" / f"{1:020d}" / "index.json").read_text())
@@ -560,7 +561,7 @@ def test_auto_stores_fast_while_the_writer_is_behind(tmp_path: Path, forced: Non
     for _ in range(AUTO_BEHIND + 2):
         states.append({"w": states[-1]["w"] + 1e-4 * torch.randn(64, 32, generator=g)})
     path = tmp_path / "run"
-    with Writer(path, compression="auto") as w:
+    with Writer(path, WriteOptions(compression="auto")) as w:
         w.write(0, states[0])
         plans = [w.plan(s, states[s]) for s in range(1, AUTO_BEHIND + 2)]  # nothing committed meanwhile
         assert [p.fast for p in plans] == [False] * AUTO_BEHIND + [True]
@@ -594,7 +595,7 @@ def test_auto_stores_fast_when_encoding_exceeds_its_cpu_budget(tmp_path: Path, m
     g = torch.Generator().manual_seed(14)
     w = torch.randn(128, 64, generator=g)
     saved = []
-    with Writer(tmp_path / "run", compression="auto") as wr:
+    with Writer(tmp_path / "run", WriteOptions(compression="auto")) as wr:
         for step in range(3):
             wr.write(step, {"w": w})
             saved.append(w.clone())

@@ -21,6 +21,7 @@ from dstt.format import layout as L
 from dstt.format import packs as P
 from dstt.format.gc import prune
 from dstt.format.manifest import decode_json
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.writer import Writer
 
 #: This module runs with packing on (tests/conftest.py turns it off elsewhere).
@@ -150,7 +151,7 @@ def test_compression_modes_round_trip_packed(store: Path, compression: str) -> N
     state = {"small": {f"w{i}": torch.randn(64, generator=g) for i in range(40)},
              "ints": torch.arange(1000), "big": torch.randn(400, 700, generator=g)}
     steps = []
-    with Writer(store, compression=compression) as w:
+    with Writer(store, WriteOptions(compression=compression)) as w:
         for s in range(4):
             state = {"small": {k: v + (0.01 if i % 3 == 0 else 0.0) for i, (k, v) in enumerate(state["small"].items())},
                      "ints": state["ints"], "big": state["big"] + 1e-3}
@@ -354,7 +355,7 @@ def test_a_writer_packing_less_writes_the_array_document(store: Path) -> None:
     a writer with packing off: its array document must be written (the
     writer took every array of the previous step for known)."""
     dstt.save(store, 0, {"w": torch.zeros(8), "same": torch.ones(4)})
-    with Writer(store, pack_chunk_bytes=0) as w:
+    with Writer(store, WriteOptions(pack_chunk_bytes=0)) as w:
         w.write(1, {"w": torch.full((8,), 3.0), "same": torch.ones(4)})
     run = dstt.open(store)
     assert run.entry("w", 1).packs is None and run.entry("same", 1).pack(0) is not None  # still referenced
@@ -376,9 +377,9 @@ def test_a_writer_that_lost_its_lock_writes_no_last_pack(store: Path) -> None:
         def lost() -> None:
             raise StoreLockedError("lost the write lock (test)")
 
-        w._branch_lock.check = lost  # type: ignore[method-assign]
+        w.branch_lock.check = lost  # type: ignore[method-assign]
         with pytest.raises(CaptureError, match="lost the write lock"):
             w.commit(plan, results)
-        w._branch_lock.check = lambda: None  # type: ignore[method-assign]
+        w.branch_lock.check = lambda: None  # type: ignore[method-assign]
     assert packs_of(store) == ["packs/p.0.0.0"]
     assert dstt.open(store).steps() == [0]

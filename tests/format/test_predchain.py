@@ -29,6 +29,7 @@ from dstt.format import layout as L
 from dstt.format.codecs import stepcoder
 from dstt.format.gc import prune
 from dstt.format.verify import verify
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.state import state_of
 from dstt.store.writer import Writer
 from tests.conftest import bits_equal
@@ -91,7 +92,7 @@ def train(path: Path, opt_name: str, *, steps: int = 6, dtype: torch.dtype = tor
     if max_chunk_bytes is not None:
         kw["max_chunk_bytes"] = max_chunk_bytes
     states = []
-    with Writer(path, compression=compression, keyframe_every=keyframe_every, **kw) as w:
+    with Writer(path, WriteOptions(compression=compression, keyframe_every=keyframe_every, **kw)) as w:
         for step in range(steps):
             if add_group_at is not None and step == add_group_at:
                 opt.add_param_group({"params": list(extra.parameters())})
@@ -294,7 +295,7 @@ def test_a_step_coded_against_a_failed_step_is_stored_whole(tmp_path: Path) -> N
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     path = tmp_path / "run"
     states = {}
-    with Writer(path, compression="predictive", pack_chunk_bytes=0) as w:
+    with Writer(path, WriteOptions(compression="predictive", pack_chunk_bytes=0)) as w:
         for step in range(4):
             model(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
             opt.step()
@@ -332,7 +333,7 @@ def test_stores_of_earlier_versions_still_read_and_append(tmp_path: Path) -> Non
     later = [{"w": torch.randn(4096, generator=g)}]
     for _ in range(2):
         later.append({"w": later[-1]["w"] + 1e-4 * torch.randn(4096, generator=g)})
-    with Writer(path, compression="predictive") as w:
+    with Writer(path, WriteOptions(compression="predictive")) as w:
         for step, state in enumerate(later, start=3):
             w.write(step, state)
     assert json.loads((path / "zarr.json").read_text())["attributes"]["dstt"]["format_version"] == 5
@@ -347,11 +348,12 @@ _WORKER = r"""
 import sys, torch
 from dstt.store.writer import Writer
 from dstt.store.state import state_of
+from dstt.format.writeoptions import WriteOptions
 g = torch.Generator().manual_seed(7)
 torch.manual_seed(7)
 model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-with Writer(sys.argv[1], compression="predictive", keyframe_every=4, pack_chunk_bytes=0) as w:
+with Writer(sys.argv[1], WriteOptions(compression="predictive", keyframe_every=4, pack_chunk_bytes=0)) as w:
     for step in range(10_000):
         model(torch.randn(8, 256, generator=g)).pow(2).mean().backward()
         opt.step(); opt.zero_grad()
@@ -464,7 +466,7 @@ def test_the_coders_memory_is_bounded(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(4)
     big, small = torch.randn(4096, generator=g), torch.randn(256, generator=g)
     states = []
-    with Writer(tmp_path / "run", compression="predictive", pack_chunk_bytes=0) as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="predictive", pack_chunk_bytes=0)) as w:
         assert w.coder is not None
         w.coder.memory_limit = 4096  # the small tensor (1 KiB) fits, the big one (16 KiB) does not
         for step in range(3):
@@ -487,7 +489,7 @@ def test_a_group_commit_of_predicted_steps_publishes_its_markers_in_order(tmp_pa
     events: list[str] = []
     g = torch.Generator().manual_seed(2)
     w0 = torch.randn(4096, generator=g)
-    with Writer(tmp_path / "run", compression="predictive") as w:
+    with Writer(tmp_path / "run", WriteOptions(compression="predictive")) as w:
         if not groupcommit.can_group(w.commits):
             pytest.skip("this backend cannot sync a group at once: steps are committed one by one")
         w.write(0, {"w": w0})

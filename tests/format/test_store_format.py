@@ -15,6 +15,7 @@ import zarr
 
 import dstt
 from dstt.format import layout as L
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.writer import Writer
 from tests.conftest import bits_equal
 
@@ -193,7 +194,7 @@ def test_shards_with_gaps_or_overlaps_are_refused(store: Path) -> None:
 
 def test_large_tensors_are_chunked_and_sliced_reads_touch_few_chunks(store: Path) -> None:
     t = torch.randn(100, 33)
-    with Writer(store, max_chunk_bytes=33 * 4 * 8) as w:  # 8 rows per chunk
+    with Writer(store, WriteOptions(max_chunk_bytes=33 * 4 * 8)) as w:  # 8 rows per chunk
         w.write(0, {"t": t})
     run = dstt.open(store)
     e = run.entry("t", 0)
@@ -210,7 +211,7 @@ def test_plain_zarr_reads_the_bits_per_docs_recipe(store: Path) -> None:
     """Follows the 'Reading with zarr-python alone' recipe of docs/format.md."""
     w = torch.randn(12, 5).to(torch.bfloat16)
     big = torch.randn(40, 3)
-    with Writer(store, max_chunk_bytes=3 * 4 * 16) as wr:
+    with Writer(store, WriteOptions(max_chunk_bytes=3 * 4 * 16)) as wr:
         wr.write(0, {"model": {"w": w, "big": big}})
         wr.write(1, {"model": {"w": w, "big": big + 1}})
     root = zarr.open_group(store, mode="r")
@@ -256,7 +257,7 @@ def test_docs_recipe_runs_verbatim(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     big = torch.randn(40, 3)
     state = {"model": {"big": big, "bf": torch.randn(12, 5).to(torch.bfloat16), "f8": torch.randn(5).to(torch.float8_e5m2),
                        "zero_d": torch.tensor(-0.0), "empty": torch.empty(0, 3), "mask": torch.tensor([True, False])}}
-    with Writer("runs/exp1", max_chunk_bytes=3 * 4 * 16) as w:  # 16 rows per chunk
+    with Writer("runs/exp1", WriteOptions(max_chunk_bytes=3 * 4 * 16)) as w:  # 16 rows per chunk
         for step in range(3):
             big[-1] += 1  # only the last chunk of "big" changes: mixed slots
             w.write(step, state)
@@ -276,9 +277,9 @@ def test_chunks_and_metadata_are_what_zarr_python_writes(store: Path, tmp_path: 
     import shutil
 
     t = torch.randn(10, 3)
-    with Writer(store, max_chunk_bytes=3 * 4 * 4, compression="zstd") as w:
+    with Writer(store, WriteOptions(max_chunk_bytes=3 * 4 * 4, compression="zstd")) as w:
         w.write(0, {"t": t, "b": torch.randn(5).to(torch.bfloat16)})
-    with Writer(store, max_chunk_bytes=3 * 4 * 4) as w:
+    with Writer(store, WriteOptions(max_chunk_bytes=3 * 4 * 4)) as w:
         w.write(1, {"t": t + 1, "b": torch.randn(5).to(torch.bfloat16)})
     run = dstt.open(store)
     for step in (0, 1):
@@ -316,7 +317,7 @@ def test_stats_are_recorded_without_reading_tensors(store: Path) -> None:
 
 def test_stats_merge_across_chunks_matches_whole_tensor(store: Path) -> None:
     t = torch.randn(97, 13, dtype=torch.float64) * 5 + 3
-    with Writer(store, max_chunk_bytes=13 * 8 * 10) as w:
+    with Writer(store, WriteOptions(max_chunk_bytes=13 * 8 * 10)) as w:
         w.write(0, {"t": t})
     s = dstt.open(store).tensors(0)[0].stats
     assert dstt.open(store).entry("t", 0).nchunks == 10
@@ -414,7 +415,7 @@ def test_dedup_is_exact_even_when_crcs_collide(store: Path) -> None:
 
 def test_bytes_referenced_counts_tensor_bytes_not_edge_padding(store: Path) -> None:
     t = torch.randn(1025)  # chunks of 513 floats: the second is padded by one element
-    with dstt.Writer(store, max_chunk_bytes=513 * 4) as w:
+    with dstt.Writer(store, WriteOptions(max_chunk_bytes=513 * 4)) as w:
         w.write(0, {"t": t})
         info = w.write(1, {"t": t.clone()})
     assert info.bytes_written == 0 and info.bytes_referenced == 1025 * 4

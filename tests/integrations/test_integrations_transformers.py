@@ -77,7 +77,7 @@ def test_resume_from_an_earlier_step_needs_a_branch(tmp_path: Path) -> None:
         DsttCallback(store).resume(f"{store}:1")
     cb = DsttCallback(store, branch="retry")
     path = cb.resume(f"{store}:1")
-    assert (cb.branch, cb.parent) == ("retry", ("main", 1))
+    assert (cb.settings.branch, cb.settings.parent) == ("retry", ("main", 1))
     assert sorted(os.listdir(path)) == ["pytorch_model.bin", "trainer_state.json"]
     cb.close()
     assert not os.path.exists(path)  # the temporary checkpoint goes with the callback

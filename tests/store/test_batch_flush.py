@@ -20,6 +20,7 @@ from dstt.format import layout as L
 from dstt.format.manifest import parse_index
 from dstt.format.packs import StepPacks
 from dstt.format.partials import finalize, merge
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.flusher import Flusher, batchable
 from dstt.store.stats import batch_partials, chunk_partial
 from dstt.store.writer import Writer
@@ -86,12 +87,12 @@ def stats_of(store: Path, step: int) -> dict[str, dict[str, float]]:
 
 def test_mixed_step_round_trips_bit_exact_and_stats_match_flush_chunk(tmp_path: Path) -> None:
     state = mixed_state()
-    with Writer(tmp_path / "batch", max_chunk_bytes=256) as w:
+    with Writer(tmp_path / "batch", WriteOptions(max_chunk_bytes=256)) as w:
         plan = w.plan(0, state)
         grouped = [t for t in plan.tasks if batchable(t, t.source)]
         assert len(grouped) >= 20 and len(grouped) < len(plan.tasks)  # both paths taken
         w.write(1, state)  # (write() goes through flush_chunks; step 0 is only planned)
-    with Writer(tmp_path / "single", max_chunk_bytes=256) as w:
+    with Writer(tmp_path / "single", WriteOptions(max_chunk_bytes=256)) as w:
         write_one_by_one(w, 1, state)
     for name in ("batch", "single"):
         assert_state(state, dstt.open(tmp_path / name).state_dict(1))
@@ -260,7 +261,7 @@ def test_batch_partials_non_finite_and_cancellation() -> None:
 
 
 def test_capture_memory_tier_batches_with_update_stats(store: Path) -> None:
-    """The memory tier's flush (recorder._flush_views) passes the previous
+    """The memory tier's flush of its staged views passes the previous
     step's staged views: update_norm of a batch equals the exact value."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
@@ -283,7 +284,7 @@ def test_capture_memory_tier_batches_with_update_stats(store: Path) -> None:
 
 def test_in_thread_capture_flushes_staged_groups_together(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Capture(helper=False) with its staging ring: the small eager tensors
-    copied as a group are flushed by one flush_chunks call (engine._flush_many)."""
+    copied as a group are flushed by one flush_chunks call (the stager's group flush)."""
     sizes: list[int] = []
     real = Writer.flush_chunks
 
@@ -313,12 +314,12 @@ def test_in_thread_capture_flushes_staged_groups_together(store: Path, monkeypat
 
 @pytest.mark.parametrize("compression", ["none", "zstd", "delta"])
 def test_unpacked_groups_store_chunk_files_with_every_codec(store: Path, compression: str) -> None:
-    """Packing off: a group's chunks go through Writer._store (chunk files,
+    """Packing off: a group's chunks go through the flusher's chunk-file store (chunk files,
     delta coding against keyframes) -- the same bytes over several steps."""
     g = torch.Generator().manual_seed(5)
     state = {f"t{i}": torch.randn(64, generator=g) for i in range(40)}
     want = {}
-    with Writer(store, compression=compression, pack_chunk_bytes=0) as w:
+    with Writer(store, WriteOptions(compression=compression, pack_chunk_bytes=0)) as w:
         for step in range(4):
             state = {k: (v + 0.01 * step if i % 3 else v) for i, (k, v) in enumerate(state.items())}
             info = w.write(step, state)
@@ -333,7 +334,7 @@ def test_unpacked_groups_store_chunk_files_with_every_codec(store: Path, compres
 
 def test_chunk_file_failure_mid_group_fails_the_step_only(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = {f"t{i}": torch.randn(32) for i in range(30)}
-    with Writer(store, pack_chunk_bytes=0) as w:
+    with Writer(store, WriteOptions(pack_chunk_bytes=0)) as w:
         w.write(0, state)
         changed = {k: v + 1 for k, v in state.items()}
         real_put = w.backend.put
@@ -360,7 +361,7 @@ def test_chunk_file_failure_mid_group_fails_the_step_only(store: Path, monkeypat
 
 def test_a_store_error_before_the_write_still_settles_the_link(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A grouped chunk whose store fails before anything is written (here:
-    Flusher._store raising at once) passes its link through: the next step's
+    the flusher's chunk-file store raising at once) passes its link through: the next step's
     same chunk does not wait for it forever."""
     import threading
 
@@ -373,7 +374,7 @@ def test_a_store_error_before_the_write_still_settles_the_link(store: Path, monk
         return real_store(self, plan, task, *args)
 
     monkeypatch.setattr(Flusher, "_store", failing_store)
-    with Writer(store, pack_chunk_bytes=0) as w:
+    with Writer(store, WriteOptions(pack_chunk_bytes=0)) as w:
         w.write(0, state)
         changed = {k: v + 1 for k, v in state.items()}
         with pytest.raises(CaptureError, match="no"):

@@ -21,6 +21,7 @@ from dstt.errors import StoreLockedError
 from dstt.format.backends import open_backend
 from dstt.format.lock import acquire, acquire_all, break_lock, lock_holder
 from dstt.format.verify import verify
+from dstt.format.writeoptions import WriteOptions
 from tests.conftest import bits_equal
 from tests.crash_worker import expected_state
 
@@ -79,7 +80,7 @@ def test_readers_beside_a_live_writer(tmp_path: Path) -> None:
         with pytest.raises(StoreLockedError, match=f"pid {writer.pid}"):
             dstt.Writer(path)
         # ... one on another branch proceeds.
-        with dstt.Writer(path, branch="side") as w:
+        with dstt.Writer(path, WriteOptions(branch="side")) as w:
             w.write(0, {"x": torch.ones(2)})
         # CLI readers in other processes, while the writer keeps committing.
         for _ in range(1):
@@ -117,7 +118,7 @@ def test_second_writer_same_branch_refused_other_branches_proceed(tmp_path: Path
         assert f"pid {os.getpid()}" in str(info.value) and "dstt unlock" in str(info.value)
         with pytest.raises(StoreLockedError):
             dstt.save(path, 0, {"x": torch.ones(1)})
-        with dstt.Writer(path, branch="other") as w2:  # different branch: fine
+        with dstt.Writer(path, WriteOptions(branch="other")) as w2:  # different branch: fine
             w2.write(0, {"x": torch.ones(1)})
         w1.write(0, {"x": torch.zeros(1)})
     finally:
@@ -181,7 +182,7 @@ def test_acquire_all_blocks_every_writer(tmp_path: Path) -> None:
             dstt.save(path, 1, {"x": torch.ones(1)}, branch="new", parent=("main", 0))
     assert dstt.open(path).branches() == ["a", "b", "main"]
     dstt.branch(f"{path}:0", "late")  # free again
-    w = dstt.Writer(path, branch="a")
+    w = dstt.Writer(path, WriteOptions(branch="a"))
     try:
         with pytest.raises(StoreLockedError, match="'a'"):
             with acquire_all(path):

@@ -13,6 +13,7 @@ import torch
 import dstt
 from dstt.errors import CaptureError
 from dstt.format.backends.local import LocalBackend
+from dstt.format.writeoptions import WriteOptions
 from dstt.store.flusher import Flusher
 from dstt.store.writer import Writer
 from tests.conftest import bits_equal, small_state
@@ -72,7 +73,7 @@ def test_flush_error_inside_a_batch_is_raised_and_nothing_committed(
     path = tmp_path / "run"
     state = {f"t{i:03d}": torch.full((8,), float(i)) for i in range(300)}
     # (the chunk-file write of one chunk: flush_chunk and the grouped path,
-    # Writer.flush_chunks, both store through Flusher._store; packing is off here)
+    # Writer.flush_chunks, both store through the flusher's chunk-file store; packing is off here)
     real_store = Flusher._store
 
     def failing_store(self: Flusher, plan: Any, task: Any, *args: Any) -> Any:
@@ -95,7 +96,7 @@ def test_layouts_reused_only_while_the_tensor_is_unchanged(tmp_path: Path) -> No
     path = tmp_path / "run"
     steps = [torch.arange(4.0), torch.arange(4.0) + 1, torch.arange(6.0), torch.arange(6, dtype=torch.int16),
              torch.arange(6, dtype=torch.int16).reshape(2, 3)]
-    with Writer(path, max_chunk_bytes=8) as w:
+    with Writer(path, WriteOptions(max_chunk_bytes=8)) as w:
         for step, t in enumerate(steps):
             w.write(step, {"w": t, "b": torch.ones(3)})
     run = dstt.open(path)

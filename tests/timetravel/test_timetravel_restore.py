@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dstt
+from dstt.format.writeoptions import WriteOptions
 from tests.conftest import bits_equal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,7 +263,7 @@ def test_eight_byte_dtypes_restore_to_tensors_that_save_again(store: Path, tmp_p
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size()  # owns exactly its bytes
     torch.save(opt2.state_dict(), tmp_path / "opt.pt")  # a restored state saves and loads again
     torch.load(tmp_path / "opt.pt", weights_only=True)
-    with dstt.Writer(tmp_path / "chunked", max_chunk_bytes=16) as w:  # many chunks, a padded last one
+    with dstt.Writer(tmp_path / "chunked", WriteOptions(max_chunk_bytes=16)) as w:  # many chunks, a padded last one
         w.write(0, {"t": torch.arange(7, dtype=torch.int64)})
     dstt.export(f"{tmp_path / 'chunked'}:0", tmp_path / "x.pt")
     assert torch.equal(torch.load(tmp_path / "x.pt", weights_only=True)["t"], torch.arange(7))

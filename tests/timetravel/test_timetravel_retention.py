@@ -14,6 +14,7 @@ import dstt
 from dstt.api import gc
 from dstt.cli.main import app
 from dstt.format.gc import prune
+from dstt.format.writeoptions import WriteOptions
 from tests.conftest import bits_equal
 
 cli = CliRunner()
@@ -149,7 +150,7 @@ def test_prune_and_gc_keep_everything_referenced(store: Path) -> None:
 def test_prune_and_gc_refuse_beside_a_live_writer(store: Path) -> None:
     for s in range(3):
         dstt.save(store, s, state(s))
-    with dstt.Writer(store, branch="main") as w:
+    with dstt.Writer(store, WriteOptions(branch="main")) as w:
         w.write(3, state(3))
         code, out = invoke("gc", str(store))
         assert code == 1 and "being written" in out

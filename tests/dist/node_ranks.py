@@ -1,0 +1,113 @@
+"""Worker for tests/system/test_node_loss.py: one "node" of a job that
+loses a node (issue 26), run under torchrun (gloo, CPU), one agent per node.
+
+    python -m torch.distributed.run --nnodes N --node-rank I ... node_ranks.py OUT PHASE SCHEME [STEPS]
+
+PHASE ``train``: FSDP2 (every rank its own shards), STEPS steps captured
+with ``memory_steps=3``, ``persist=1000`` (step 0 stored, every other step
+in memory only) and ``redundancy=SCHEME``; rank 0 saves the unsharded state
+of every step to OUT/expected.pt; each rank writes OUT/rank<r>.json (its
+helper's pid) once the steps the tier holds are protected on every rank
+(or, ``none``, at once), then waits to be killed (its node lost).
+PHASE ``recover``: a new job on the same store (some node a replacement):
+its Capture's recovery rebuilds and commits what it can; each rank writes
+OUT/recovered<r>.json (the steps committed, the warnings seen) and closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from capture_fsdp import build, full
+
+import dstt
+from dstt.format import redundancy as RD
+from dstt.format import tier as T
+from dstt.format.backends import open_backend
+
+
+def protected(out: Path) -> list[int]:
+    backend = open_backend(str(out / "run"), create=False)
+    _, ranges = RD.protected_steps(RD.read_protected(backend, "main"))
+    return [s for a, b in ranges for s in range(a, b + 1)]
+
+
+def held_by_all(out: Path) -> set[int]:
+    """The steps every rank's tier says it holds (its published record)."""
+    records = T.read_held(open_backend(str(out / "run"), create=False), "main")
+    sets = [{s for a, b in r.steps for s in range(a, b + 1)} for r in records]
+    return set.intersection(*sets) if len(sets) == dist.get_world_size() else set()
+
+
+def write(path: Path, doc: dict[str, Any]) -> None:
+    """``doc`` as JSON at ``path``, whole or not at all (the test polls for it)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.rename(path)
+
+
+def train(out: Path, scheme: str, steps: int) -> None:
+    rank = dist.get_rank()
+    model, _ = build()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cap = dstt.Capture(out / "run", memory_steps=3, persist=1000, redundancy=scheme, max_chunk_bytes=256,
+                       background_timeout_s=90)
+    expected: dict[int, Any] = {}
+    torch.manual_seed(7)
+    for step in range(steps):
+        opt.zero_grad()
+        model(torch.randn(5, 6)).square().mean().backward()
+        opt.step()
+        cap.snapshot(step, model=model, optimizer=opt, rng=False)
+        expected[step] = full(dstt.state_of(model=model, optimizer=opt, rng=False))
+    cap.wait_staged()
+    if rank == 0:
+        torch.save(expected, out / "expected.pt.tmp")
+        (out / "expected.pt.tmp").rename(out / "expected.pt")
+    want = set(range(steps - 3, steps))
+    deadline = time.monotonic() + 60
+    nowait = os.environ.get("NODE_RANKS_NOWAIT") == "1"  # lost at once: copies may be under way
+    while not nowait and not (want <= held_by_all(out) and (scheme == "none" or want <= set(protected(out)))) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    helper = cap.parts.helper.pid if cap.parts.helper is not None else None
+    write(out / f"rank{rank}.json", {"helper": helper, "trainer": os.getpid(), "protected": protected(out)})
+    time.sleep(600)  # the node is lost while its tier holds the steps
+
+
+def recover(out: Path, scheme: str) -> None:
+    rank = dist.get_rank()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cap = dstt.Capture(out / "run", memory_steps=3, persist=1000, redundancy=scheme, max_chunk_bytes=256,
+                           background_timeout_s=90)
+    if cap.parts.helper is not None:
+        (out / f"pid-helper-{cap.parts.helper.pid}").touch()
+    recovered = list(getattr(cap, "recovered", []) or [])
+    cap.close()
+    write(out / f"recovered{rank}.json", {
+        "recovered": recovered, "warnings": [str(w.message) for w in seen if "NodeLoss" in type(w.message).__name__]})
+    dist.barrier()
+
+
+def main(out: Path, phase: str, scheme: str, steps: int) -> None:
+    # (torchrun starts each worker in a session of its own: the test kills it by this pid)
+    (out / f"pid-{phase}-{os.getpid()}").touch()
+    dist.init_process_group("gloo")
+    if phase == "train":
+        train(out, scheme, steps)
+    else:
+        recover(out, scheme)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 8)
