@@ -38,6 +38,8 @@ log = logging.getLogger("dstt.capture")
 #: How long the helper's loop waits for a command while the tier has no
 #: work (it then looks at the other ranks' requests and decisions).
 IDLE_POLL_S = 0.05
+#: Steps whose sequence number a helper remembers after they left its tier.
+MAX_SEQS = 4096
 
 
 def nonfinite_names(plan: Any) -> tuple[str, ...]:
@@ -71,6 +73,14 @@ class HelperOps:
         self.writer, self.ring_dir, self.pools, self.records, self.reply, self.flush = \
             writer, ring_dir, pools, records, reply, flush
         self.steps: dict[int, tuple[Any, dict[str, Any]]] = {}  # held step -> (adopted plan, seal record)
+        self.seqs: dict[int, int] = {}  # the trainers' sequence number of recent steps (lost(): its record)
+        # Predictive coding (store/predflush.py) of the persisted steps: the
+        # coder remembers the previous persisted step as views of its ring
+        # slot (no copy while the tier holds it; copied by release() when
+        # the slot is given back first); only steps after the last coded one.
+        self.coded_upto: int | None = None
+        if writer.coder is not None:
+            writer.coder.borrow = True
 
     def adopt(self, step: int) -> None:
         """Read sealed ``step`` and adopt its plan (in step order: its
@@ -83,6 +93,9 @@ class HelperOps:
             self.writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
         plan = self.writer.adopt(R.plan_of(record, self.pools[name], verify=False))
         self.steps[step] = (plan, record)
+        self.seqs[step] = int(record["seq"])
+        while len(self.seqs) > MAX_SEQS:
+            del self.seqs[next(iter(self.seqs))]
 
     def check(self, step: int) -> tuple[str, ...]:
         return nonfinite_names(self.steps[step][0])
@@ -97,6 +110,9 @@ class HelperOps:
         w.relink(plan)
         w.settle_before(plan)
         w.ensure_arrays(plan)
+        if self.coded_upto is None or step > self.coded_upto:  # (a backfill: stored whole, nothing remembered)
+            self.coded_upto = step
+            w.prepare_pred(plan)
         prevs: dict[tuple[str, int], torch.Tensor] = {}
         if prev is not None and prev in self.steps:
             prevs = {(t.layout.array, t.index): t.source for t in self.steps[prev][0].tasks}
@@ -104,7 +120,7 @@ class HelperOps:
         def flush(tasks: list[Any]) -> Any:
             ps = [prevs.get((t.layout.array, t.index)) for t in tasks]
             ps = [p if p is not None and p.shape == t.source.shape else None for p, t in zip(ps, tasks)]
-            return w.flush_chunks(plan, tasks, None, ps if prevs else None)
+            return w.flush_chunks(plan, tasks, None, ps)  # (given, even all None: the tier decides)
 
         parts = batches(plan.tasks)
         flushed = [flush(parts[0])] if len(parts) == 1 else list(self.flush.map(flush, parts))
@@ -132,6 +148,8 @@ class HelperOps:
         self.reply(f"mem {step}")
 
     def release(self, step: int) -> None:
+        if self.writer.coder is not None:  # what the coder remembers of its slot: copied before it is reused
+            self.writer.coder.detach(step)
         R.unseal_file(self.ring_dir, step)  # (removed before the slot is reused: a seal never outlives its bytes)
         self.steps.pop(step, None)
         self.reply(f"free {step}")
@@ -139,12 +157,20 @@ class HelperOps:
     def record(self, incident: Incident, ident: str | None) -> None:
         record_incident(self.writer.backend, incident, ident)
 
+    def lost(self, step: int, why: str) -> None:
+        seq = self.seqs.get(step)
+        if self.records is not None and seq is not None:  # (a step never seen here: no record to match)
+            from dstt.errors import CaptureError
+
+            self.records.fail_unrecorded(step, seq, CaptureError(why))
+
 
 def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: Any, pools: dict[str, Any],
                commands: Any, reply: Callable[[str], None], flush: Any) -> bool:
-    """The helper's loop with the memory tier; True if the trainer closed
-    it (``close``), False at end of file (the trainer died: every held
-    step stored as an incident)."""
+    """The helper's loop with the memory tier; False at end of file (the
+    trainer died) once every held step is stored as an incident -- the
+    ring may go then; True otherwise (``close``, or steps that could not be
+    stored left sealed in the ring)."""
     from dstt.capture import peerguard
     from dstt.capture.tierpeers import StorePeers
 
@@ -165,7 +191,7 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
             tier.trainer_died()
             if guard is not None:
                 guard.close(clean=False)
-            return False
+            return bool(tier.unstored())  # (steps left sealed: the ring stays for the next Capture or `dstt gc`)
         for cmd in batch:
             if _handle(cmd, tier, ops, reply):
                 tier.close()

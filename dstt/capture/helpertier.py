@@ -75,6 +75,12 @@ class TierOps(Protocol):
     def record(self, incident: Incident, ident: str | None) -> None:
         """Record ``incident`` in the store (one record per ``ident``)."""
 
+    def lost(self, step: int, why: str) -> None:
+        """An incident asks for ``step``, which this rank's tier no longer
+        holds: say so now (its rank record, as a failure), so rank 0 -- or,
+        where rank 0 lost it, every other rank -- stops waiting for this
+        rank's part of it at once instead of after ``DSTT_RANK_WAIT_S``."""
+
 
 class Peers(Protocol):
     """The other ranks' helpers (capture/tierpeers.py)."""
@@ -129,6 +135,8 @@ class HelperTier:
         self._memory_only: list[int] = []  # passed over, not recorded in a commit yet
         self._nonfinite_seen = False
         self._seen_requests: set[str] = set()
+        self._kept: list[int] = []  # left sealed at the trainer's death (not stored)
+        self._rewinds = 0  # rewinds asked of this helper (the same count on every rank: a rewind is collective)
         self._decided_upto = -1  # rank 0 ("newest"): the last step decided about
         self._decided_persist: list[int] = []
         self.incidents: list[Incident] = []  # recorded here (rank 0 / single)
@@ -175,7 +183,12 @@ class HelperTier:
         steps = self._dump_set(at)
         if self.peers is None:
             return self._act(at, reason, source, steps, tensors, ident=None, origin=0)
-        req = self.peers.request(new_id(source, at), at, reason, source, steps, tensors)
+        if source == "rewind":  # collective: every rank's helper makes the same request, recorded once
+            self._rewinds += 1
+            ident = f"rewind-{at}-{self._rewinds}"
+        else:
+            ident = new_id(source, at)
+        req = self.peers.request(ident, at, reason, source, steps, tensors)
         if not self.peers.publish_request(req):
             # Another rank raised the same one first (the same NaN seen on
             # two ranks): acted on as that rank's request, recorded once.
@@ -190,7 +203,14 @@ class HelperTier:
         if self.held:
             self.incident("the trainer died; the memory tier's steps are stored", source="crash")
         self.drain()
-        self.release_all()
+        # A step that could not be stored keeps its seal (its slot is never
+        # reused now): the next Capture on the branch, or `dstt gc`, commits it.
+        self.release_all(keep={s.step for s in self.held if s.decision == "persist" and
+                               (not s.written or s.error is not None)})
+
+    def unstored(self) -> list[int]:
+        """Steps kept sealed by :meth:`trainer_died` (not stored)."""
+        return list(self._kept)
 
     def close(self) -> None:
         """The trainer's ``close``: the last step is stored whatever the
@@ -241,10 +261,17 @@ class HelperTier:
                 continue
             time.sleep(0.01)
 
-    def release_all(self) -> None:
-        """Give every slot back (after :meth:`drain`)."""
+    def release_all(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Give every slot back (after :meth:`drain`), but those of ``keep``
+        (left sealed, for the next Capture or `dstt gc`)."""
         while self.held:
             s = self.held.popleft()
+            if s.step in keep:
+                self._kept.append(s.step)
+                log.error("dstt helper (rank %d): step %d could not be stored (%s); it stays sealed for the next "
+                          "Capture on branch %r or `dstt gc`", self.rank, s.step, s.error or "not written",
+                          self.branch)
+                continue
             if s.decision is None:
                 self._pass_over(s)
             self.ops.release(s.step)
@@ -297,6 +324,10 @@ class HelperTier:
         if missing and self.world > 1:
             log.warning("dstt helper (rank %d): incident at step %d: steps %s are no longer in this rank's memory",
                         self.rank, at, ", ".join(map(str, missing)))
+            written = set(self.persisted)
+            for step in (m for m in missing if m not in written):  # (a step this rank wrote: its record went)
+                self.ops.lost(step, f"an incident at step {at} asked for step {step}, which rank {self.rank}'s "
+                                    "memory tier no longer held")
         if self.rank != 0:
             return None
         inc = Incident(self.branch, at, reason, source, time.time(), tuple(sorted(mine)), tensors,

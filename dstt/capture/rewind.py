@@ -70,7 +70,40 @@ def live_optimizer_state(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None) -> Any:
+#: Chunks by tensor name: (offset, shape, data).
+Parts = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]]
+
+
+def _replicated(t: ChunkTask) -> bool:
+    """Whether chunk ``t`` lies in a region several ranks hold (one of them
+    writes it: the others' rings lack it)."""
+    for r in t.layout.regions:
+        if all(ro <= o < ro + rs for o, ro, rs in zip(t.offset, r.offset, r.shape)):
+            return len(r.holders) > 1
+    return False
+
+
+def peer_parts(job: Job, coord: Any) -> Parts:
+    """Under torch.distributed, the chunks of replicated regions that other
+    ranks' rings hold and this one's lacks (collective: every rank calls
+    it once the rewind reads from memory). A replicated tensor's chunks are
+    spread over its holders (plan.py: written once), so each rank's ring
+    holds only its share; a rewind from memory must restore all of it."""
+    mine = [(t.layout.name, t.offset, t.shape, view.clone()) for t, view in job.ring.views if _replicated(t)]
+    have = {(t.layout.name, t.offset) for t, _ in job.ring.views}
+    names = {l.name for l in job.plan.layouts}
+    out: Parts = {}
+    for r, theirs in enumerate(coord.all_gather(mine)):
+        if r == coord.rank:
+            continue
+        for name, off, shp, data in theirs:
+            if name in names and (name, tuple(off)) not in have:
+                have.add((name, tuple(off)))
+                out.setdefault(name, []).append((tuple(off), tuple(shp), data))
+    return out
+
+
+def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None, more: Parts | None = None) -> Any:
     """Reads the tensors of a staged step out of its slot, into tensors the
     caller owns (an optimizer keeps what it is given; the slot is reused) --
     except the model's, which are handed out as views of the slot while the
@@ -79,18 +112,20 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None) -> Any:
     dtype match, instead of fresh memory -- read only after the step is
     validated against the live objects, so they are overwritten only when
     the rewind goes ahead; fresh memory would be page-faulted in (slower
-    than the copy itself on some machines)."""
-    chunks: dict[str, list[tuple[ChunkTask, torch.Tensor]]] = {}
+    than the copy itself on some machines). ``more``: chunks other ranks'
+    rings hold (:func:`peer_parts`)."""
+    chunks: Parts = {k: list(v) for k, v in (more or {}).items()}
     for t, view in job.ring.views:
-        chunks.setdefault(t.layout.name, []).append((t, view))
+        chunks.setdefault(t.layout.name, []).append((t.offset, t.shape, view))
+    layouts = {l.name: l for l in job.plan.layouts}
 
     def read(name: str, box: tuple[slice, ...] | None) -> torch.Tensor:
         parts = chunks.get(name)
-        if not parts:
+        if not parts or name not in layouts:
             raise StepNotFoundError(f"tensor {name!r} of step {job.plan.step} is not in the memory tier")
-        layout = parts[0][0].layout
-        if len(parts) == 1 and tuple(parts[0][1].shape) == tuple(layout.shape):
-            view = parts[0][1]
+        layout = layouts[name]
+        if len(parts) == 1 and tuple(parts[0][2].shape) == tuple(layout.shape):
+            view = parts[0][2]
             if box is None and name.startswith(MODEL_PREFIX):
                 return view  # load_state_dict copies it into the module: no copy of our own
             live = (reuse or {}).get(name)
@@ -100,8 +135,8 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None) -> Any:
             whole = view.clone()
         else:
             whole = torch.empty(layout.shape, dtype=torch_dtype(layout.dtype))
-            for t, view in parts:
-                region = tuple(slice(o, o + n) for o, n in zip(t.offset, t.shape))
+            for offset, shape, view in parts:
+                region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
                 whole[region].copy_(view.view(whole.dtype) if view.dtype != whole.dtype else view)
         return whole if box is None else whole[box].clone()
 
@@ -166,7 +201,8 @@ class Rewinder:
         try:
             if job is not None:
                 rec: Any = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
-                read = ring_reader(job, live_optimizer_state(optimizer, model))
+                more = peer_parts(job, self.cap.plan_coord) if self.cap.plan_coord.distributed else None
+                read = ring_reader(job, live_optimizer_state(optimizer, model), more)
                 where, parent = f"step {step} in the memory tier", StepRef(cur.branch.name, step)
             else:
                 rec, read, where, parent = self._stored_step(step)
@@ -221,13 +257,26 @@ class Rewinder:
         after waiting for what is queued to be stored; StepNotFoundError if
         the current branch has no such step (nothing changed then)."""
         self.cap.wait()  # bounded: Capture.wait (background_timeout_s)
+        coord = self.cap.plan_coord
+        if coord.distributed:  # every rank's wait is over: rank 0's commits of the steps queued are in
+            coord.all_gather(step)
         cur = self.cap.writer
         run = TensorReader(cur.backend)
+        missing: str | None = None
         try:
             ref = run.resolve(step, branch=cur.branch.name)
         except StepNotFoundError as e:
-            raise StepNotFoundError(f"cannot rewind to step {step}: it is neither in the memory tier nor "
-                                    f"stored on branch {cur.branch.name!r} ({e}); nothing was changed") from None
+            missing = str(e)
+        if coord.distributed:  # the same answer on every rank: none restores while another raises
+            found = coord.all_gather(missing is None)
+            if missing is None and not all(found):
+                missing = f"rank(s) {', '.join(str(r) for r, f in enumerate(found) if not f)} could not read it"
+        if missing is not None:
+            note = getattr(self.cap.committer, "rewind_note", "")
+            raise StepNotFoundError(f"cannot rewind to step {step}: it is neither in the memory tier"
+                                    f"{' of every rank' if coord.distributed else ''} nor stored on branch "
+                                    f"{cur.branch.name!r} ({note + '; ' if note else ''}{missing}); nothing was "
+                                    "changed") from None
         rec = run.record(ref.step, branch=ref.branch)
         return rec, store_read(run, rec), f"step {ref.step} of branch {ref.branch!r}", StepRef(ref.branch, ref.step)
 

@@ -77,11 +77,24 @@ def _round(n: int, k: int) -> int:
 
 def slot_bytes_for(plan: StepPlan) -> int:
     """Bytes of one slot holding this rank's share of ``plan`` (blocks are
-    aligned like HostPool's, plus one page of slack)."""
-    total = 0
+    aligned like HostPool's, plus one page of slack).
+
+    Small tasks are staged in groups (stager.py: ``group_tasks`` and the
+    lazy runs, up to ``GROUP_BYTES`` each); a group of ``PAGE_BLOCK_BYTES``
+    or more is placed like a large block -- on a page boundary, rounded up
+    to a page -- so each may take up to two pages more than its tasks'
+    bytes. At most ``small // PAGE_BLOCK_BYTES`` groups are that large,
+    whatever the grouping. (Without them a state of 150 tasks of 64,000
+    bytes waited forever for its last block: issue 25.)"""
+    total = small = 0
     for t in plan.tasks:
         n = math.prod(t.shape) * t.source.dtype.itemsize
-        total += _round(n, PAGE) + PAGE if n >= PAGE_BLOCK_BYTES else _round(max(n, 1), ALIGN)
+        if n >= PAGE_BLOCK_BYTES:
+            total += _round(n, PAGE) + PAGE
+        else:
+            total += _round(max(n, 1), ALIGN)
+            small += n
+    total += (small // PAGE_BLOCK_BYTES) * 2 * PAGE
     return _round(total + PAGE, PAGE)
 
 

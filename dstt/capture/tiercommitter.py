@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from dstt.capture.committers import HAND_OVER_LOCK, HelperCommitter, StagingNeeds
 from dstt.capture.pipeline import Job
-from dstt.errors import CaptureError
+from dstt.errors import CaptureError, StepOrderError
 from dstt.format.incidents import Incident
 
 if TYPE_CHECKING:
@@ -66,6 +66,9 @@ class HelperTierCommitter(HelperCommitter):
         self._replies: queue.Queue[tuple[str, int, str]] = queue.Queue()
         self._ended: str | None = None  # why no more answers come
         self._reader = threading.Thread(target=self._read_loop, name="dstt-tier-answers", daemon=True)
+        #: Why the last rewind read its step from the store though some rank held it (its error says so).
+        self.rewind_note = ""
+        self._unread_incidents = 0  # rewinds' incident answers not waited for (helper answers in order)
 
     def start(self) -> None:
         """The answers' reader (also started by the first :meth:`place`: a
@@ -238,6 +241,10 @@ class HelperTierCommitter(HelperCommitter):
             k, step, rest = got.pop()
             if k == "end":
                 raise CaptureError(f"{what}: the capture helper (pid {self.helper.pid}) {rest}")
+            if k == "incident" and self._unread_incidents > 0:  # a rewind's, not waited for: not this one
+                with self.cap.ledger.cond:
+                    self._unread_incidents -= 1
+                continue
             if k == kind:
                 return step, rest
 
@@ -247,6 +254,7 @@ class HelperTierCommitter(HelperCommitter):
         """The helper's tier stores its steps and records the incident
         (rank 0's helper under torch.distributed, for every rank)."""
         at = "-" if step is None else str(step)
+        self._handed_over()
         self.helper.send_command(f"incident {at} {reason.encode().hex()} {source}", step or 0)
         got, rest = self._reply("incident", "the capture helper's incident record")
         doc = json.loads(rest)
@@ -257,22 +265,73 @@ class HelperTierCommitter(HelperCommitter):
 
     def rewind_job(self, step: int) -> Job | None:
         cap = self.cap
+        self._handed_over()
         self.helper.send_command(f"hold {step}", step)
         _, rest = self._reply("held", f"the capture helper's answer to holding step {step}")
         held = rest.strip() == "yes"
+        self.rewind_note = ""
         if cap.plan_coord.distributed:  # collective: from memory only where every rank holds it
-            held = all(cap.plan_coord.all_gather(held))
+            held = self._agree(step, held)
         with cap.ledger.cond:
             job = self._jobs.get(step) if held else None
         if job is None and rest.strip() == "yes":
             self.helper.send_command(f"unhold {step}", step)
         return job
 
+    def _agree(self, step: int, held: bool) -> bool:
+        """Every rank's (step, held): the same step everywhere, else a
+        StepOrderError on every rank (nothing changed); from memory only if
+        every rank's helper holds it, else from the store on every rank
+        (:attr:`rewind_note` names the ranks that lost it)."""
+        got = [tuple(x) for x in self.cap.plan_coord.all_gather((step, held))]
+        asked = sorted({s for s, _ in got})
+        if len(asked) > 1:
+            if held:
+                self.helper.send_command(f"unhold {step}", step)
+            per = ", ".join(f"rank {r}: {s}" for r, (s, _) in enumerate(got))
+            raise StepOrderError(f"rewind is collective: every rank must rewind to the same step, but the ranks "
+                                 f"asked for different steps ({per}); nothing was changed on any rank")
+        lost = [r for r, (_, h) in enumerate(got) if not h]
+        if lost and len(lost) < len(got):
+            self.rewind_note = (f"step {step} is no longer in the memory tier of rank(s) "
+                                f"{', '.join(map(str, lost))} (the others still hold it), so every rank reads it "
+                                "from the store")
+            log.warning("dstt: rewind: %s", self.rewind_note)
+        return not lost
+
+    def _handed_over(self) -> None:
+        """Wait (bounded) until every step queued so far is handed to the
+        helper: a command about a step (``hold``, ``incident``) must reach
+        it after the step's ``tier`` command, else the helper answers "not
+        held" for a step the trainer just captured (a rewind to it raised
+        StepNotFoundError)."""
+        last = self.cap.stager.last
+        if last is not None:
+            self.cap.ledger.wait_event(last.submitted, f"step {last.plan.step} to be staged and handed to the "
+                                       "capture helper")
+
     def rewind_done(self, job: Job) -> None:
         self.helper.send_command(f"unhold {job.plan.step}", job.plan.step)
 
     def rewind_incident(self, step: int) -> None:
-        self.incident_here(f"rewind to step {step}", step, "rewind")
+        """Asked, not waited for: the helper stores its tier's steps and
+        records the incident after the step it is writing now (waiting for
+        its answer was most of a rewind's time: a whole step's write); the
+        branch switch at the next snapshot waits for the fork step."""
+        reason = f"rewind to step {step}".encode().hex()
+        with self.cap.ledger.cond:
+            self._unread_incidents += 1  # (its answer is skipped by _reply)
+        self.helper.send_command(f"incident {step} {reason} rewind", step)
+
+    def joined_branch(self, old: Writer) -> None:
+        super().joined_branch(old)
+        self.cap.committer.start()  # (the new branch's: its answers read before any snapshot, for a rewind)
+
+    def after_rewind(self) -> None:
+        """(The branch switches at the next snapshot, as with the in-process
+        tier: the helper stores the fork step and the incident's steps while
+        the trainer computes its next step; the old branch's helper is
+        closed and the new branch's started then -- Rewinder.switch_branch.)"""
 
     # ------------------------------------------------------------ what it keeps
 
@@ -296,6 +355,7 @@ class HelperTierCommitter(HelperCommitter):
         decided, frees every slot and exits; its answers are read to the end
         (bounded by its progress), then its process is waited for."""
         helper = self.helper
+        self.start()  # (a rewind's branch closed before any snapshot of it: its answers were never read)
         if not helper.lost and self._ended is None:
             try:
                 helper.send_command("close", self._latest or 0)

@@ -43,6 +43,7 @@ class StoreOps:
         self.released: list[int] = []
         self.checked: list[int] = []
         self.memory: list[int] = []
+        self.lost_steps: list[tuple[int, str]] = []
 
     def capture(self, tier: HelperTier, step: int, state: dict[str, torch.Tensor] | None = None) -> None:
         st = {k: v.clone() for k, v in (state or state_at(step, self.rank)).items()}
@@ -78,6 +79,9 @@ class StoreOps:
 
     def record(self, incident: Incident, ident: str | None) -> None:
         record_incident(self.writer.backend, incident, ident)
+
+    def lost(self, step: int, why: str) -> None:
+        self.lost_steps.append((step, why))
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -224,6 +228,31 @@ def test_trainer_death_stores_every_held_step_as_a_crash_incident(tmp_path: Path
     assert sorted(ops.released) == list(range(7))
 
 
+def test_a_step_not_stored_at_the_trainers_death_stays_sealed(tmp_path: Path) -> None:
+    """The trainer died and step 5 could not be stored (its write failed):
+    its slot is not released -- its seal stays for the next Capture or
+    `dstt gc` (serve_tier then leaves the ring) -- where before every held
+    step was released, stored or not, and the ring removed."""
+    ops = StoreOps(tmp_path / "r")
+    tier = HelperTier(3, "newest", ops, branch="main")
+    for s in range(7):
+        ops.capture(tier, s)
+    tier.pump()
+    persist = ops.persist
+
+    def failing(step: int, prev: int | None, memory_only: list[tuple[int, int]] | None) -> Any:
+        if step == 5:
+            raise OSError(28, "No space left on device (injected)")
+        return persist(step, prev, memory_only)
+
+    ops.persist = failing  # type: ignore[method-assign]
+    tier.trainer_died()
+    ops.writer.close()
+    assert tier.unstored() == [5] and 5 not in ops.released
+    assert sorted(ops.released) == [0, 1, 2, 3, 4, 6]
+    assert isinstance(ops.answers[5], OSError)
+
+
 # ----------------------------------------------------------------------------- ranks
 
 
@@ -292,6 +321,33 @@ def test_an_incident_on_one_rank_dumps_every_ranks_tier_once(tmp_path: Path) -> 
     for t in tiers:
         t.close()
     assert T.read_held(shared, "main") == []
+    for o in opss:
+        o.writer.close()
+
+
+def test_a_rank_that_lost_an_incidents_step_says_so_at_once(tmp_path: Path) -> None:
+    """Rank 0 still holds steps 1..4 (persist every 100th: memory only),
+    rank 1 holds 3..4 only (a smaller tier, as one rank falling behind
+    would): rank 0's incident asks for 1..4; rank 1 answers for 1 and 2 at
+    once (TierOps.lost: its failure record, so rank 0 fails them now
+    instead of waiting DSTT_RANK_WAIT_S for records that never come); step
+    0, which rank 1 wrote, is not named. (Before: a log line only.)"""
+    shared = open_backend(str(tmp_path / "shared"), create=True)
+    opss = [StoreOps(tmp_path / f"rank{r}", rank=r) for r in range(2)]
+    tiers = [HelperTier(k, 100, opss[r], branch="main", peers=StorePeers(shared, "main", "run1", r, 2))
+             for r, k in ((0, 6), (1, 2))]
+    for s in range(5):
+        for r in range(2):
+            opss[r].capture(tiers[r], s)
+    _pump_all(tiers, [0, 1])
+    assert tiers[1].steps_held() == [3, 4] and tiers[0].steps_held() == [0, 1, 2, 3, 4]
+    tiers[0].incident("loss spike", 4)
+    _pump_all(tiers, [1, 0])
+    assert [s for s, _ in opss[1].lost_steps] == [1, 2]
+    assert "rank 1's memory tier no longer held" in opss[1].lost_steps[0][1]
+    assert opss[0].lost_steps == []
+    for t in tiers:
+        t.close()
     for o in opss:
         o.writer.close()
 

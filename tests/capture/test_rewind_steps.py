@@ -19,16 +19,21 @@ def _train(m: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
-def test_the_step_after_a_rewind_follows_it(tmp_path: Path, memory_steps: int = 4) -> None:
-    """With the memory tier (the README's flight-recorder loop); the check is
-    the same in every mode (Capture.snapshot). Two rewinds in a row: the
-    second once raised RuntimeError (a Job compared by value, tensors and all)."""
+@pytest.mark.parametrize("helper", [True, False], ids=["tier-in-helper", "in-process-tier"])
+def test_the_step_after_a_rewind_follows_it(tmp_path: Path, helper: bool, memory_steps: int = 4) -> None:
+    """With the memory tier (the README's flight-recorder loop), in the
+    capture helper (the default) and in process; the check is the same in
+    every mode (Capture.snapshot). Steps 3 and 4 are never persisted before
+    the rewinds (persist="newest"; the helper had not even started): both
+    are read from the tier. Two rewinds in a row: the second once raised
+    RuntimeError (a Job compared by value, tensors and all); with the tier
+    in the helper the first raised StepNotFoundError (its ``hold`` reached
+    the helper before the step's ``tier``)."""
     path = str(tmp_path / "run")
     torch.manual_seed(0)
     m = torch.nn.Linear(3, 3)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    # (the in-process tier: rewinding to a step the tier in the helper holds is tested in test_tier_in_helper)
-    with dstt.Capture(path, memory_steps=memory_steps, helper=False) as cap:
+    with dstt.Capture(path, memory_steps=memory_steps, helper=helper) as cap:
         for s in range(6):
             _train(m, opt)
             cap.snapshot(s, model=m, optimizer=opt)

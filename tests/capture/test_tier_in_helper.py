@@ -109,8 +109,11 @@ def test_rewind_from_the_helpers_memory_continues_on_a_new_branch(tmp_path: Path
             cap.snapshot(s, model=m, optimizer=opt, extra={"s": s})
             ref[s] = _clone(m)
         cap.wait_staged()
+        helper = cap.parts.helper
         assert cap.rewind(5, model=m, optimizer=opt) == {"s": 5}
         assert all(_bits(v) == _bits(ref[5][k]) for k, v in m.state_dict().items())
+        # the branch switches at the next snapshot (as with the in-process tier), not in the rewind
+        assert cap.parts.helper is helper and cap.writer.branch.name == "main"
         for s in range(6, 9):
             _train(m, opt)
             cap.snapshot(s, model=m, optimizer=opt)
