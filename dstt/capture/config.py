@@ -166,7 +166,11 @@ class CaptureConfig:
         from dstt.format.redundancy import parse_scheme
 
         scheme = parse_scheme(self.redundancy)
-        if scheme.kind in ("replicas", "parity"):
+        if scheme.kind == "replicas":
+            raise ConfigError("redundancy='replicas' cannot protect the memory tier: replicated state is written "
+                              "once, its chunks shared out among the ranks holding it, so no rank's ring holds "
+                              "another replica's share; use 'pair' (docs/flight-recorder.md, 'Surviving a node')")
+        if scheme.kind == "parity":
             raise ConfigError(f"redundancy={self.redundancy!r} is not built in the capture helpers yet; "
                               "use 'pair' (docs/flight-recorder.md, 'Surviving a node')")
         if scheme.kind != "none" and self.memory_steps is None:
