@@ -384,6 +384,8 @@ svg{max-width:100%;height:auto}.tree li.current>b{color:#1f77b4}.none{color:#888
 
 def render_html(data: ReportData) -> str:
     """The report page for ``data`` (figures need matplotlib)."""
+    from dstt.analysis.listing import held_text
+
     t0 = time.perf_counter()
     total_steps = sum(len(b["steps"]) for b in data.branches)
     latest = data.steps[-1] if data.steps else None
@@ -428,9 +430,9 @@ def render_html(data: ReportData) -> str:
         _table(["tensor", "first step", "last step", "norm (first)", "norm (last)", "relative change",
                 "mean (first)", "mean (last)"], changes, "changes") if changes else "<p class=\"none\">none</p>",
         "<h2>Captured and persisted steps</h2>",
-        _table(["branch", "captured", "persisted", "memory-only (never persisted)"],
-               [[b["name"], _ranges(b.get("captured", [])), _steps(b), _ranges(b.get("memory_only", [])) or "none"]
-                for b in data.branches], "captured"),
+        _table(["branch", "captured", "persisted", "memory-only (never persisted)", "held in memory now"],
+               [[b["name"], _ranges(b.get("captured", [])), _steps(b), _ranges(b.get("memory_only", [])) or "none",
+                 held_text(b) or "none"] for b in data.branches], "captured"),
         "<h2>Incidents and detections</h2>",
         "<p class=\"none\">No incident records in this store.</p>" if not data.incidents else
         _table(["branch", "step", "time", "source", "reason", "ring steps persisted", "tensors"],

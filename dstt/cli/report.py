@@ -32,7 +32,8 @@ def cmd_report(target: str, out: Path, branch: Optional[str], json_out: bool) ->
     data = write_report(run, str(out), branch or ref.branch)
     if json_out:
         emit_json({"store": run.url, "branch": data.branch, "out": str(out), "steps": len(data.steps),
-                   "tensors": len(data.names), "branches": len(data.branches), "incidents": len(data.incidents)})
+                   "tensors": len(data.names), "branches": len(data.branches), "incidents": len(data.incidents),
+                   "held": {b["name"]: {"held": b["held"], "held_stale": b["held_stale"]} for b in data.branches}})
     else:
         stderr.print(f"wrote {out} ({len(data.steps)} steps, {len(data.names)} tensors, "
                      f"{len(data.branches)} branch(es)"
