@@ -15,8 +15,10 @@ Rules (docs/timetravel.md):
   (a step references chunk (array, slot, coords) through its index; dedup
   makes steps, and branches, share chunks), arrays left with no referenced
   chunk, packs none of whose ranges a committed step references (a pack is
-  live while any range in it is), and step directories without
-  ``commit.json`` (a crashed or pruned step's leftovers).
+  live while any range in it is), step directories without
+  ``commit.json`` (a crashed or pruned step's leftovers), and the memory
+  tier's persist decisions and incident requests no helper can still need
+  (:func:`dstt.format.tier.collect_records`).
 
 Both take every branch's write lock (:func:`dstt.format.lock.acquire_all`) for
 their whole run, so they refuse to run beside a live writer, and gc only
