@@ -38,6 +38,7 @@ import os
 import random
 import sys
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import fresh_dir, machine  # noqa: E402
 
 import dstt  # noqa: E402
+from dstt.format.chains import ChainReader  # noqa: E402
 from dstt.format.codecs.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta  # noqa: E402
 from dstt.format.writeoptions import WriteOptions  # noqa: E402
 from dstt.store.writer import Writer  # noqa: E402
@@ -263,6 +265,47 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
 
+class LruChains(ChainReader):
+    """The decoded-link cache before issue 27's read fix (plain LRU), for
+    the before/after figures of ``state_dict`` at a step deep in a chain."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self._lru: OrderedDict[Any, np.ndarray] = OrderedDict()
+
+    def _get(self, node: Any) -> np.ndarray | None:
+        with self._lock:
+            got = self._lru.get(node)
+            if got is not None:
+                self._lru.move_to_end(node)
+            return got
+
+    def _put(self, node: Any, raw: np.ndarray) -> None:
+        if raw.nbytes > self.cache_bytes:
+            return
+        with self._lock:
+            if node not in self._lru:
+                self._lru[node] = raw
+                self._held += raw.nbytes
+            while self._held > self.cache_bytes:
+                _, old = self._lru.popitem(last=False)
+                self._held -= old.nbytes
+
+
+def whole_step_reads(path: str, step: int) -> dict[str, Any]:
+    """``state_dict`` of ``step`` from a fresh reader with the cache policy
+    of today and the plain LRU one before it: ms and links decoded."""
+    out: dict[str, Any] = {"step": step}
+    for policy in ("by-step", "lru"):
+        run = dstt.open(path)
+        if policy == "lru":
+            run.chains = LruChains(run.backend, run._entries_at)
+        t = time.perf_counter()
+        run.state_dict(step)
+        out[policy] = {"ms": 1e3 * (time.perf_counter() - t), "decoded": run.chains.decoded}
+    return out
+
+
 def chain_reads(writers: dict[str, Writer], modes: dict[str, Any], steps: int) -> dict[str, Any]:
     """Per mode: one large tensor read at a keyframe step and at the step
     just before the next keyframe (the longest chain), each from a fresh
@@ -292,6 +335,8 @@ def chain_reads(writers: dict[str, Writer], modes: dict[str, Any], steps: int) -
         same = len(bits) == len(ref) and all(torch.equal(a, b) for a, b in zip(bits, ref))
         out[m] = {"tensor": name, "keyframe_step": key_step, "keyframe_ms": key_ms, "mid_step": mid, "mid_ms": mid_ms,
                   "history_ms": hist_ms, "identical": bool(same)}
+        if m.startswith("predictive"):  # a whole step at the end of a chain: the cache policies compared
+            out[m]["state_dict"] = whole_step_reads(path, mid)
     return out
 
 

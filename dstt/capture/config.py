@@ -47,7 +47,8 @@ class CaptureConfig:
     #: helper, off the trainer's process, stored fast when the helper falls
     #: behind) where the helper runs, ``"none"`` where the capture writes in
     #: this process (its encoding would share the trainer's CPU and GIL)
-    #: and under torch.distributed (predictive chunks are not coded there yet).
+    #: and under torch.distributed (``compression="predictive"`` codes each
+    #: rank's shards there; not the default yet: docs/format.md).
     compression: str | None = None
     zstd_level: int = 1
     #: With ``compression="delta"`` (or ``"auto"``): a chunk is stored whole

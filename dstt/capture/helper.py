@@ -397,7 +397,12 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     if writer.coder is not None:
         # Predictive coding keeps the previous step's chunks (one copy of the
         # state): at most a quarter of the memory available now; beyond it a
-        # parameter's chunks are stored whole (store/predflush.py).
+        # parameter's chunks are stored whole (store/predflush.py). With the
+        # memory tier here (helperops.py) no copy while the tier still holds
+        # the previous persisted step (persist="all": always): the coder
+        # remembers views of its ring slot and copies them only when the slot
+        # goes back before the next persisted step is coded (persist=N,
+        # "newest"); only such copies count against the bound.
         from dstt.capture.tier import available_memory_bytes
 
         avail = available_memory_bytes()

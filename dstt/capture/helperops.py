@@ -74,6 +74,13 @@ class HelperOps:
             writer, ring_dir, pools, records, reply, flush
         self.steps: dict[int, tuple[Any, dict[str, Any]]] = {}  # held step -> (adopted plan, seal record)
         self.seqs: dict[int, int] = {}  # the trainers' sequence number of recent steps (lost(): its record)
+        # Predictive coding (store/predflush.py) of the persisted steps: the
+        # coder remembers the previous persisted step as views of its ring
+        # slot (no copy while the tier holds it; copied by release() when
+        # the slot is given back first); only steps after the last coded one.
+        self.coded_upto: int | None = None
+        if writer.coder is not None:
+            writer.coder.borrow = True
 
     def adopt(self, step: int) -> None:
         """Read sealed ``step`` and adopt its plan (in step order: its
@@ -103,6 +110,9 @@ class HelperOps:
         w.relink(plan)
         w.settle_before(plan)
         w.ensure_arrays(plan)
+        if self.coded_upto is None or step > self.coded_upto:  # (a backfill: stored whole, nothing remembered)
+            self.coded_upto = step
+            w.prepare_pred(plan)
         prevs: dict[tuple[str, int], torch.Tensor] = {}
         if prev is not None and prev in self.steps:
             prevs = {(t.layout.array, t.index): t.source for t in self.steps[prev][0].tasks}
@@ -110,7 +120,7 @@ class HelperOps:
         def flush(tasks: list[Any]) -> Any:
             ps = [prevs.get((t.layout.array, t.index)) for t in tasks]
             ps = [p if p is not None and p.shape == t.source.shape else None for p, t in zip(ps, tasks)]
-            return w.flush_chunks(plan, tasks, None, ps if prevs else None)
+            return w.flush_chunks(plan, tasks, None, ps)  # (given, even all None: the tier decides)
 
         parts = batches(plan.tasks)
         flushed = [flush(parts[0])] if len(parts) == 1 else list(self.flush.map(flush, parts))
@@ -138,6 +148,8 @@ class HelperOps:
         self.reply(f"mem {step}")
 
     def release(self, step: int) -> None:
+        if self.writer.coder is not None:  # what the coder remembers of its slot: copied before it is reused
+            self.writer.coder.detach(step)
         R.unseal_file(self.ring_dir, step)  # (removed before the slot is reused: a seal never outlives its bytes)
         self.steps.pop(step, None)
         self.reply(f"free {step}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from dstt.capture.committers import Committer, HelperCommitter, InProcessCommitter, TierCommitter
 from dstt.capture.tiercommitter import HelperTierCommitter
-from dstt.errors import ConfigError, MemoryTierWarning
+from dstt.errors import CaptureWarning, ConfigError, MemoryTierWarning
 
 log = logging.getLogger("dstt.capture")
 
@@ -53,6 +53,14 @@ def make_committer(cap: Any) -> Committer:
     helper = cap.crashsafe.helper = cap.crashsafe.start_helper()
     if helper is not None:
         return HelperCommitter(cap, helper)
+    if cfg.compression in ("predictive", "auto"):
+        # Coding needs the whole step; in this process the flush threads
+        # write each chunk as its copy lands, beside the training loop
+        # (benchmarks/bench_inprocess_code.py measures what coding there
+        # would cost it): each chunk stored whole, compressed on its own.
+        warnings.warn(f"dstt: compression={cfg.compression!r} codes steps in the capture helper; this capture "
+                      "writes in the trainer's process (helper=False, or no helper can run here), so its "
+                      "chunks are stored whole, each compressed on its own", CaptureWarning, stacklevel=4)
     return InProcessCommitter(cap)
 
 

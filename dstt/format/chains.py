@@ -71,7 +71,8 @@ class ChainReader:
         self.backend = backend
         self.entries_at = entries_at
         self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[Node, np.ndarray] = OrderedDict()
+        # Decoded chunks by step (each step's least recently used first); see _put for the policy.
+        self._cache: dict[int, OrderedDict[Node, np.ndarray]] = {}
         self._held = 0
         self._lock = threading.Lock()
         #: Chunks decoded through a prediction (not cache hits): for tests and benchmarks.
@@ -81,22 +82,42 @@ class ChainReader:
 
     def _get(self, node: Node) -> np.ndarray | None:
         with self._lock:
-            got = self._cache.get(node)
+            at = self._cache.get(node[1])
+            if at is None:
+                return None
+            got = at.get(node)
             if got is not None:
-                self._cache.move_to_end(node)
+                at.move_to_end(node)
             return got
 
     def _put(self, node: Node, raw: np.ndarray) -> None:
+        """Keep a decoded chunk within ``cache_bytes``: the chunks of the
+        lowest step go first (least recently used first within a step).
+
+        Why by step: a read of step t walks each chain from its keyframe up
+        to t, so its older links are decoded before the chunks of step t
+        that the reader asks for next (a parameter's walk decodes its
+        optimizer state at t too); a reader in step order (history, a diff
+        of neighbours, export of a range) needs step t-1's chunks for step
+        t, never older ones. Plain LRU evicted the requested step's chunks
+        of one parameter while the next parameter's chain was walked, so a
+        whole-step read (state_dict, restore) decoded chains several times
+        once the chains outgrew the cache."""
         if raw.nbytes > self.cache_bytes:
             return
         with self._lock:
-            if node in self._cache:
+            at = self._cache.setdefault(node[1], OrderedDict())
+            if node in at:
                 return
-            self._cache[node] = raw
+            at[node] = raw
             self._held += raw.nbytes
             while self._held > self.cache_bytes:
-                _, old = self._cache.popitem(last=False)
+                low = min(self._cache)
+                bucket = self._cache[low]
+                _, old = bucket.popitem(last=False)
                 self._held -= old.nbytes
+                if not bucket:
+                    del self._cache[low]
 
     def clear(self) -> None:
         with self._lock:

@@ -42,8 +42,10 @@ from typing import Any
 from dstt.errors import CorruptStoreError
 from dstt.format import layout as L
 from dstt.format.backends import Backend
+from dstt.format.codecs.predictors import Coding
 from dstt.format.commit import ChunkResult
 from dstt.format.manifest import parse_commit
+from dstt.format.predindex import ChunkPred
 
 RECORD_FORMAT = "dstt-rank-record"
 FAIL_FILE = "rank-fail.json"
@@ -76,6 +78,8 @@ def encode_result(r: ChunkResult) -> list[Any]:
         v = getattr(r, name)
         if isinstance(v, bytes):
             v = v.hex()
+        elif name == "coding" and v is not None:  # a predictive chunk's coding (predictors.Coding)
+            v = v.to_json()
         elif isinstance(v, tuple):  # a NamedTuple of ints (packs.PackRange)
             v = list(v)
         elif name == "partial":
@@ -93,6 +97,12 @@ def decode_result(row: Any, where: str) -> ChunkResult:
     for name, v in zip(_FIELDS, row):
         if name == "sha256":
             kw[name] = None if v is None else bytes.fromhex(str(v))
+        elif name == "coding":
+            kw[name] = None if v is None else Coding.from_json(v, where)
+        elif name == "pred" and v is not None:
+            if not (isinstance(v, list) and len(v) == 3 and all(type(x) is int and x >= 0 for x in v)):
+                raise CorruptStoreError(f"{where}: bad pred record")
+            kw[name] = ChunkPred(*v)
         elif name == "partial":
             if not isinstance(v, list):
                 raise CorruptStoreError(f"{where}: bad partial stats")

@@ -66,19 +66,23 @@ def prepare(coder: StepCoder, plan: StepPlan, raw_of: RawOf, pool: Executor | No
     codable = {n: (lay.dtype.logical, tuple(lay.shape), tuple(lay.chunk_shape)) for n, lay in layouts.items()
                if pred_layout(lay)}
     groups = groups_of(plan.tree, codable)
+    counters = {g.counter: counter_value(raw_of(tasks[g.counter, 0]), layouts[g.counter].dtype.logical)
+                for g in groups if g.counter is not None and (g.counter, 0) in tasks}
     work: list[tuple[Group, dict[str, list[Coding]], int]] = []
     for g in groups:
-        nchunks = layouts[g.members[0].name].nchunks
-        if not all((m.name, i) in tasks for m in g.members for i in range(nchunks)):
-            coder.forget_group(g)  # another rank holds part of it: stored whole
-            continue
-        value = None
-        if g.counter is not None and (g.counter, 0) in tasks:
-            value = counter_value(raw_of(tasks[g.counter, 0]), layouts[g.counter].dtype.logical)
-        codings = coder.codings(g, value)
-        for m in g.members:
+        for m in g.members:  # (every group's: the committing rank writes the index of every rank's chunks)
             step.inputs[m.name] = g.inputs
-        work.extend((g, codings, i) for i in range(nchunks))
+        nchunks = layouts[g.members[0].name].nchunks
+        # The chunks this writer holds of every member (under torch.distributed:
+        # this rank's shards; a chunk of a parameter and of its optimizer state
+        # cover the same elements, so they are on the same rank).
+        mine = [i for i in range(nchunks) if all((m.name, i) in tasks for m in g.members)]
+        if not mine:
+            coder.forget_group(g)
+            continue
+        value = counter_value_of(g, counters)
+        codings = coder.codings(g, value)
+        work.extend((g, codings, i) for i in mine)
 
     def run(item: tuple[Group, dict[str, list[Coding]], int]) -> list[tuple[tuple[str, int], Decision]]:
         g, codings, i = item
@@ -90,9 +94,23 @@ def prepare(coder: StepCoder, plan: StepPlan, raw_of: RawOf, pool: Executor | No
         done = map(run, work) if pool is None or len(work) < 2 else pool.map(run, work)
         for pairs in done:
             step.decisions.update(pairs)
+    coder.last_step = plan.step
     if not remember_only:
         plan.pred = step
     return step
+
+
+def counter_value_of(g: Group, counters: dict[str, float | None]) -> float | None:
+    """The value of ``g``'s ``step`` counter: its own where this writer
+    holds it, else (under torch.distributed a 0-d counter is written by one
+    rank) one another parameter's counter of this step holds -- the
+    parameters of an optimizer step together. A wrong guess costs bytes:
+    the coding records the constants it used."""
+    if g.counter is None:
+        return None
+    if g.counter in counters:
+        return counters[g.counter]
+    return next((v for v in counters.values() if v is not None), None)
 
 
 def warm_start(coder: StepCoder, backend: Backend, branch: str, step: int) -> None:
@@ -147,4 +165,4 @@ def decision_of(plan: StepPlan, task: ChunkTask) -> Decision | None:
     return pred.decisions.get((task.layout.array, task.index))
 
 
-__all__ = ["PredStep", "decision_of", "pred_layout", "prepare", "warm_start"]
+__all__ = ["PredStep", "counter_value_of", "decision_of", "pred_layout", "prepare", "warm_start"]

@@ -416,9 +416,10 @@ class Writer:
         chunk's staged copy, else its source is read. A no-op unless this
         writer codes predictively; a fast step (the writer behind) is only
         remembered (its chunks are stored whole, uncompressed: the next
-        step's keyframes) and steps under torch.distributed keep their
-        chunks whole (one writer per chunk, no shared chain)."""
-        if self.coder is None or self.coord.world > 1 or not plan.tasks:
+        step's keyframes). Under torch.distributed each rank codes the
+        chunks it writes (its shards: a parameter's chunk and its optimizer
+        state's are on the same rank) against its own previous step."""
+        if self.coder is None or not plan.tasks:
             return
 
         def raw_of(task: ChunkTask) -> memoryview:
@@ -429,7 +430,8 @@ class Writer:
             latest = self.last_commit[0] if self.last_commit is not None else self._stored_latest
             if latest is None and self.branch.parent is not None:  # a new branch: its fork step
                 latest = self.branch.parent[1]
-            if latest is not None and latest < plan.step and not self.coder.memory:
+            # (not under torch.distributed: a rank would read every rank's chunks back; keyframes instead)
+            if latest is not None and latest < plan.step and not self.coder.memory and self.coord.world == 1:
                 try:
                     predflush.warm_start(self.coder, self.backend, self.branch.name, latest)
                     self.commits.committed_recent.add(latest)  # (committed: read back from the store)
@@ -438,6 +440,14 @@ class Writer:
                     log.warning("dstt: step %s not read back for predictive coding (%s): keyframes instead",
                                 latest, e)
 
+        if self.coord.world > 1:
+            # Under torch.distributed the committing rank cannot store another
+            # rank's chunk whole if the step it was coded against failed (the
+            # raw bytes are that rank's): a rank codes only against a step it
+            # knows is committed, else this step's chunks are keyframes.
+            last = self.coder.last_step
+            if last is not None and last not in self.commits.committed_recent and not self.is_stored(last):
+                self.coder.forget()
         predflush.prepare(self.coder, plan, raw_of, self.flusher.pool, remember_only=plan.fast)
 
     def flush_chunk(self, plan: StepPlan, task: ChunkTask, staged: torch.Tensor | None = None,

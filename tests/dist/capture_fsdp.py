@@ -7,6 +7,7 @@ MODE ``ok``: FSDP2 model with uneven shards, captured at every step while
 training; rank 0 saves the unsharded expected state of every step to
 OUT/expected.pt. MODE ``fail``: rank 1's chunk writes fail from step 1 on;
 every rank records the CaptureError it saw in OUT/error<rank>.txt.
+MODE ``pred``: predictive coding of every rank's shards (:func:`run_pred`).
 """
 
 from __future__ import annotations
@@ -68,11 +69,45 @@ def build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     return model, reference
 
 
+def run_pred(out: Path) -> None:
+    """MODE ``pred``: compression="predictive" under FSDP2 (AdamW, 8 steps,
+    a keyframe every 4): each rank codes its own shards; rank 0 saves the
+    unsharded expected state of every step and the raw bytes of them all."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 61))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    torch.manual_seed(100 + rank)
+    expected: dict[int, Any] = {}
+    cap = dstt.Capture(out / "run", compression="predictive", keyframe_every=4)
+    (out / f"helper{rank}.txt").write_text(str(cap.parts.helper is not None))
+    try:
+        for step in range(8):
+            opt.zero_grad()
+            model(torch.randn(5, 32)).square().mean().backward()
+            opt.step()
+            cap.snapshot(step, model=model, optimizer=opt)
+            expected[step] = full(dstt.state_of(model=model, optimizer=opt, rng=False))
+        cap.wait()
+    finally:
+        cap.close()
+    if rank == 0:
+        torch.save(expected, out / "expected.pt")
+
+
 def main(out: Path, modes: list[str]) -> None:
     dist.init_process_group("gloo")
     for mode in modes:
         (out / mode).mkdir(parents=True, exist_ok=True)
-        run_mode(out / mode, mode)
+        if mode == "pred":
+            run_pred(out / mode)
+        else:
+            run_mode(out / mode, mode)
     dist.destroy_process_group()
 
 

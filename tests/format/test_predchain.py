@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 
 import dstt
 from dstt.api import gc
-from dstt.errors import CaptureError, CorruptStoreError
+from dstt.errors import CaptureError, CaptureWarning, CorruptStoreError
 from dstt.format import layout as L
 from dstt.format.codecs import stepcoder
 from dstt.format.gc import prune
@@ -192,6 +193,24 @@ def test_chains_are_at_most_k_minus_1_steps_and_read_each_chunk_once(tmp_path: P
     coded = sum(1 for s in range(8) for t in entries(path, s) for c in (t.get("pred") or {}).get("chunks", [])
                 if c is not None)
     assert run.chains.decoded == coded  # each predictive chunk decoded exactly once
+
+
+def test_reading_one_step_decodes_each_link_once_with_a_cache_smaller_than_the_chain(tmp_path: Path) -> None:
+    """Every tensor of a late step read in the store's order (parameters,
+    then optimizer state, as state_dict and restore read them) with a
+    decoded-link cache of two steps' chunks and chains eight times longer:
+    each link is decoded once (the chains' own older links leave the cache
+    first, the requested step's stay), every value bit-exact."""
+    path = tmp_path / "run"
+    states = train(path, "adamw", steps=8, keyframe_every=8, shapes=((256, 256), (256, 256)))
+    run = dstt.open(path)
+    step_bytes = sum(v.numel() * v.element_size() for v in states[7].values())
+    run.chains.cache_bytes = 2 * step_bytes
+    for name in sorted(states[7]):
+        assert bits_equal(run.read(name, 7), states[7][name]), name
+    coded = sum(1 for s in range(8) for t in entries(path, s) for c in (t.get("pred") or {}).get("chunks", [])
+                if c is not None)
+    assert run.chains.decoded == coded
 
 
 def test_a_forged_misprediction_costs_bytes_not_correctness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -403,8 +422,8 @@ def test_sigkill_mid_encode_leaves_every_committed_step_readable(tmp_path: Path)
 def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) -> None:
     """Capture(compression="predictive"): the capture helper codes each step
     against the previous one (off the trainer's process); every step reads
-    back bit-exact. Without a helper the steps are stored whole (in-process
-    predictive coding is not wired yet)."""
+    back bit-exact. Without a helper the steps are stored whole (coding in
+    the trainer's process would share its CPU and GIL), and a warning says so."""
     with torch.random.fork_rng():
         torch.manual_seed(5)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
@@ -412,7 +431,10 @@ def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) 
     g = torch.Generator().manual_seed(5)
     path = tmp_path / "run"
     states = []
-    cap = dstt.Capture(path, compression="predictive", helper=helper, keyframe_every=4)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        cap = dstt.Capture(path, compression="predictive", helper=helper, keyframe_every=4)
+    assert any(issubclass(w.category, CaptureWarning) and "stored whole" in str(w.message) for w in said) != helper
     try:
         for step in range(6):
             model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
@@ -519,10 +541,13 @@ def test_a_group_commit_of_predicted_steps_publishes_its_markers_in_order(tmp_pa
     assert [run.entry("w", s).pred.chunks[0][1:] for s in (1, 2, 3)] == [(1, 0), (2, 1), (3, 2)]
 
 
-def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path) -> None:
+@pytest.mark.parametrize("helper", [True, False])
+def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path, helper: bool) -> None:
     """Capture(memory_steps=, persist="all", compression="predictive"): the
     steps the flight recorder persists go through the same codec (each
-    predicted from the previous persisted step) and read back bit-exact."""
+    predicted from the previous persisted step) and read back bit-exact,
+    with the tier in the capture helper (the default) and in the trainer's
+    process (helper=False)."""
     with torch.random.fork_rng():
         torch.manual_seed(6)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
@@ -530,9 +555,8 @@ def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path)
     g = torch.Generator().manual_seed(6)
     path = tmp_path / "run"
     states = []
-    # (the in-process tier: with the tier in the capture helper, its persisted steps are not coded yet)
     cap = dstt.Capture(path, compression="predictive", memory_steps=4, persist="all", keyframe_every=4,
-                       helper=False)
+                       helper=helper)
     try:
         for step in range(6):
             model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
@@ -547,6 +571,82 @@ def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path)
     check_reads(path, states)
     assert "adam" in predictors(path, range(6))
     assert verify(path).ok
+
+
+def test_the_tier_in_the_helper_codes_against_a_step_whose_slot_was_reused(tmp_path: Path) -> None:
+    """persist=N with the tier in the capture helper: the previous persisted
+    step left the tier (its ring slot given back, then reused by the
+    trainer) before the next persisted step is coded against it. The coder
+    remembers ring views only while the tier holds the step; they are copied
+    before the slot goes back, so every persisted step reads back bit-exact."""
+    with torch.random.fork_rng():
+        torch.manual_seed(8)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Linear(1024, 512))  # 4.7 MB a step
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    g = torch.Generator().manual_seed(8)
+    path = tmp_path / "run"
+    states = {}
+    cap = dstt.Capture(path, compression="predictive", memory_steps=1, persist=6, keyframe_every=8)
+    try:
+        for step in range(13):
+            model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            cap.snapshot(step, model=model, optimizer=opt)
+            states[step] = snapshot(model, opt)
+    finally:
+        cap.close()
+    run = dstt.open(path)
+    assert run.steps() == [0, 6, 12]
+    # step 6 coded against step 0, whose ring bytes the trainer overwrote meanwhile (the ring holds 5 steps)
+    assert run.entry("model/1.weight", 6).pred is not None
+    for step in run.steps():
+        assert all(bits_equal(run.read(n, step), v) for n, v in states[step].items()), step
+    assert verify(path).ok
+
+
+def run_chunk_recipe(store: Path, branch: str, step: int, name: str, i: int) -> tuple[np.ndarray, tuple[slice, ...]]:
+    """docs/format.md "Reading a predictive chunk without dstt", run as
+    written after "Predictive chunks"'s prediction block (its ``decode``)."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "format.md").read_text()
+    predict = re.search(r"```python\n(.*?)```", doc.split("**The prediction**", 1)[1], re.S)
+    recipe = re.search(r"```python\n(.*?)```", doc.split("### Reading a predictive chunk without dstt", 1)[1], re.S)
+    assert predict is not None and recipe is not None
+    first = "store, branch, step, name, i = "
+    code = recipe.group(1)
+    assert code.count(first) == 1
+    lines = [f"{first}{str(store)!r}, {branch!r}, {step}, {name!r}, {i}" if line.startswith(first) else line
+             for line in code.splitlines()]
+    scope: dict[str, Any] = {}
+    exec(predict.group(1), scope)  # noqa: S102 - the documented recipe itself
+    exec("\n".join(lines), scope)  # noqa: S102
+    return scope["bits"], scope["box"]
+
+
+def test_docs_predictive_chunk_recipe_reads_every_chunk_verbatim(tmp_path: Path) -> None:
+    """The document's numpy + zarr-python recipe for a predictive chunk
+    (find its pred record, walk the chain to the keyframes, add the
+    residuals) gives dstt's bits for every chunk of every tensor of a
+    mid-chain step, edge chunks included."""
+    path = tmp_path / "run"
+    states = train(path, "adamw", steps=4, keyframe_every=8, shapes=((40, 24), (24, 8)), pack_chunk_bytes=0,
+                   max_chunk_bytes=1024)
+    run = dstt.open(path)
+    assert run.entry("model/m.0.weight", 3).pred is not None and run.entry("model/m.0.weight", 3).nchunks > 2
+    seen = 0
+    for name, value in states[3].items():
+        e = run.entry(name, 3)
+        if e.pred is None:
+            continue
+        ints = value.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+            value.element_size()])
+        for i in range(e.nchunks):
+            bits, box = run_chunk_recipe(path, "main", 3, name, i)
+            assert np.array_equal(bits.view(ints.numpy().dtype), ints[box].reshape(-1).numpy()), (name, i)
+            seen += 1
+    assert seen > 6
 
 
 @pytest.mark.parametrize("damage", [

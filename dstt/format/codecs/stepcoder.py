@@ -170,6 +170,10 @@ class Prev:
     raw: np.ndarray  # its raw bytes (uint8)
     depth: int  # steps its decode replays (0: stored whole)
     key_size: int  # stored bytes of its last keyframe
+    #: ``raw`` is a view of memory the caller holds (the capture helper's
+    #: ring slot of that step), not a copy: :meth:`StepCoder.detach` copies
+    #: it before that memory is given back.
+    borrowed: bool = False
 
 
 @dataclass
@@ -189,16 +193,48 @@ class StepCoder:
     #: would exceed it is not remembered, so its next step stores it whole.
     memory_limit: int | None = None
     held: int = 0
+    #: The chunks' raw bytes stay valid until the caller calls
+    #: :meth:`detach` for their step (the capture helper's memory tier: a
+    #: step's ring slot is given back only after that), so they are
+    #: remembered as views, not copied; borrowed bytes do not count
+    #: against :attr:`memory_limit`.
+    borrow: bool = False
+    #: The step coded (or remembered) last (store/predflush.py sets it).
+    last_step: int | None = None
 
     def remember(self, key: tuple[str, int], prev: Prev) -> None:
         """Keep ``prev`` for ``key`` within :attr:`memory_limit` (caller holds the lock)."""
         old = self.memory.pop(key, None)
-        if old is not None:
+        if old is not None and not old.borrowed:
             self.held -= old.raw.nbytes
+        if prev.borrowed:
+            self.memory[key] = prev
+            return
         if self.memory_limit is not None and self.held + prev.raw.nbytes > self.memory_limit:
             return
         self.memory[key] = prev
         self.held += prev.raw.nbytes
+
+    def _raw(self, buf: Any) -> np.ndarray:
+        """A chunk's raw bytes as remembered: a view when :attr:`borrow`, else a copy."""
+        a = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+        return a if self.borrow else a.copy()
+
+    def detach(self, step: int) -> int:
+        """The memory behind ``step``'s borrowed chunks is about to be given
+        back: copy what is remembered of them (within
+        :attr:`memory_limit`; beyond it a chunk is forgotten, so its next
+        step stores it whole). The bytes copied."""
+        copied = 0
+        with self.lock:
+            for key, p in list(self.memory.items()):
+                if p.step == step and p.borrowed:
+                    self.remember(key, Prev(p.step, p.raw.copy(), p.depth, p.key_size))
+                    if key in self.memory:
+                        copied += p.raw.nbytes
+                    else:  # (over the bound: the borrowed view must not stay)
+                        self.memory.pop(key, None)
+        return copied
 
     def forget(self) -> None:
         """Drop everything remembered: the next step is all keyframes."""
@@ -206,13 +242,16 @@ class StepCoder:
             self.memory.clear()
             self.states.clear()
             self.held = 0
+            self.last_step = None
 
     def forget_group(self, g: Group) -> None:
         """Drop what is remembered of ``g``'s chunks (not coded this step)."""
         names = {m.name for m in g.members}
         with self.lock:
             for k in [k for k in self.memory if k[0] in names]:
-                self.held -= self.memory.pop(k).raw.nbytes
+                p = self.memory.pop(k)
+                if not p.borrowed:
+                    self.held -= p.raw.nbytes
             self.states.pop(g.key, None)
 
     def codings(self, g: Group, step_value: float | None) -> dict[str, list[Coding]]:
@@ -262,8 +301,8 @@ class StepCoder:
         if remember_only:
             with self.lock:
                 for m in g.members:
-                    raw = np.frombuffer(memoryview(raws[m.role]).cast("B"), np.uint8).copy()
-                    self.remember(keys[m.role], Prev(step, raw, 0, raw.nbytes))
+                    raw = self._raw(raws[m.role])
+                    self.remember(keys[m.role], Prev(step, raw, 0, raw.nbytes, self.borrow))
             return out
         for m in g.members:
             raw = raws[m.role]
@@ -279,9 +318,9 @@ class StepCoder:
             for m in g.members:
                 d, prev = out[m.role], prevs[m.role]
                 whole = d.coding is None
-                d.raw = np.frombuffer(memoryview(raws[m.role]).cast("B"), np.uint8).copy()
+                d.raw = self._raw(raws[m.role])
                 self.remember(keys[m.role], Prev(step, d.raw, 0 if whole else depth,
-                                                 d.size if whole or prev is None else prev.key_size))
+                                                 d.size if whole or prev is None else prev.key_size, self.borrow))
         return out
 
     def _predict(self, m: Member, raw: Any, prevs: Mapping[str, Prev | None], raws: Mapping[str, Any],
