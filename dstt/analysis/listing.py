@@ -92,6 +92,28 @@ def list_store(run: "Run", branch: str | None = None) -> list[dict[str, Any]]:
     return out
 
 
+def held_in_memory(backend: Any, branch: str) -> dict[str, Any]:
+    """The ``held``, ``held_stale`` (and ``protected``) entries of one
+    branch, as :func:`list_store` gives them: what ``find`` and the report
+    show beside the listing (one reading of the helpers' records)."""
+    import time
+
+    from dstt.format import tier as T
+
+    return _held(T, backend, branch, time.time())
+
+
+def held_text(b: dict[str, Any]) -> str:
+    """One branch's ``held`` entries as text, e.g. ``6-8 by 2/2 ranks (1
+    stale record(s) of stopped helpers not counted)``; "" when nothing is
+    held and no record is stale (``ls``, ``find`` and the report)."""
+    held = "; ".join(f"{a}-{z} by {n}/{w} rank{'s' if w > 1 else ''}" if a != z else f"{a} by {n}/{w}"
+                     for a, z, n, w in b.get("held", [])[:4])
+    if b.get("held_stale"):
+        held += f" ({b['held_stale']} stale record(s) of stopped helpers not counted)"
+    return held.strip()
+
+
 def _held(T: Any, backend: Any, branch: str, now: float) -> dict[str, Any]:
     """The ``held`` and ``held_stale`` entries of a branch (see list_store)."""
     from dstt.format import redundancy as RD

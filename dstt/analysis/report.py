@@ -386,6 +386,8 @@ def render_html(data: ReportData, overlay: str = "", compared: list[str] | None 
     """The report page for ``data`` (figures need matplotlib); ``overlay``:
     the branch (and store) overlay section's HTML (:mod:`dstt.analysis.reportoverlay`),
     ``compared``: the URLs of the other stores in it."""
+    from dstt.analysis.listing import held_text
+
     t0 = time.perf_counter()
     total_steps = sum(len(b["steps"]) for b in data.branches)
     latest = data.steps[-1] if data.steps else None
@@ -433,9 +435,9 @@ def render_html(data: ReportData, overlay: str = "", compared: list[str] | None 
         _table(["tensor", "first step", "last step", "norm (first)", "norm (last)", "relative change",
                 "mean (first)", "mean (last)"], changes, "changes") if changes else "<p class=\"none\">none</p>",
         "<h2>Captured and persisted steps</h2>",
-        _table(["branch", "captured", "persisted", "memory-only (never persisted)"],
-               [[b["name"], _ranges(b.get("captured", [])), _steps(b), _ranges(b.get("memory_only", [])) or "none"]
-                for b in data.branches], "captured"),
+        _table(["branch", "captured", "persisted", "memory-only (never persisted)", "held in memory now"],
+               [[b["name"], _ranges(b.get("captured", [])), _steps(b), _ranges(b.get("memory_only", [])) or "none",
+                 held_text(b) or "none"] for b in data.branches], "captured"),
         "<h2>Incidents and detections</h2>",
         "<p class=\"none\">No incident records in this store.</p>" if not data.incidents else
         _table(["branch", "step", "time", "source", "reason", "ring steps persisted", "tensors"],

@@ -76,12 +76,15 @@ def _find_everywhere(run: RunIndex, tensors: list[str], first: bool, checks: dic
     events = sorted((e for evs in per.values() for e in evs), key=lambda e: (e["step"], e["branch"]))
     firsts = {b: (evs[0]["step"] if evs else None) for b, evs in per.items()}
     incidents = incident_rows(run, None)
+    held = held_rows(run, list(per))
     if json_out:
         emit_json({"branch": None, "branches": firsts, "first_step": events[0]["step"] if events else None,
-                   "detections": _plain_groups(group_by_step(events)), "events": events, "incidents": incidents})
+                   "detections": _plain_groups(group_by_step(events)), "events": events, "incidents": incidents,
+                   "held": held})
     else:
         render.events(f"on any of {len(per)} branch(es)", events)
         _render_incidents(incidents)
+        _render_held(held)
 
 
 def _find_on(run: RunIndex, tensors: list[str], branch: str, first: bool, checks: dict[str, Any],
@@ -92,12 +95,15 @@ def _find_on(run: RunIndex, tensors: list[str], branch: str, first: bool, checks
 
     events = find(run, tensors, branch, first=first, **checks)
     incidents = incident_rows(run, branch)
+    held = held_rows(run, [branch])
     if json_out:
         emit_json({"branch": branch, "first_step": events[0]["step"] if events else None,
-                   "detections": _plain_groups(group_by_step(events)), "events": events, "incidents": incidents})
+                   "detections": _plain_groups(group_by_step(events)), "events": events, "incidents": incidents,
+                   "held": held})
     else:
         render.events(f"on branch {branch!r}", events)
         _render_incidents(incidents)
+        _render_held(held)
 
 
 def _plain_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -110,6 +116,25 @@ def incident_rows(run: RunIndex, branch: Optional[str]) -> list[dict[str, Any]]:
     from dstt.format.incidents import list_incidents
 
     return [i.to_dict() for i in list_incidents(run.backend, branch)]
+
+
+def held_rows(run: RunIndex, branches: list[str]) -> dict[str, dict[str, Any]]:
+    """Per branch, the steps a live capture's memory tier holds now and by
+    how many ranks: the listing's ``held`` entries (dstt.analysis.listing)."""
+    from dstt.analysis.listing import held_in_memory
+
+    return {b: held_in_memory(run.backend, b) for b in branches}
+
+
+def _render_held(held: dict[str, dict[str, Any]]) -> None:
+    """One line per branch whose tier holds steps now (as ``dstt ls``)."""
+    from dstt.analysis.listing import held_text
+    from dstt.cli.output import stdout
+
+    for b, h in held.items():
+        text = held_text(h)
+        if text:
+            stdout.print(f"branch {b!r}: held in memory now: {text}")
 
 
 def _render_incidents(incidents: list[dict[str, Any]]) -> None:

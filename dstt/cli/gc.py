@@ -27,7 +27,8 @@ def cmd_gc(store: str, dry_run: bool, json_out: bool) -> None:
                      + ", ".join(map(str, steps)))
     verb = "would free" if dry_run else "freed"
     stdout.print(f"{verb} {human_bytes(report.bytes_freed)}: {report.chunks_removed} chunk(s), "
-                 f"{report.arrays_removed} array(s), {len(report.partial_steps_removed)} uncommitted step dir(s); "
+                 f"{report.arrays_removed} array(s), {len(report.partial_steps_removed)} uncommitted step dir(s), "
+                 f"{report.tier_records_removed} memory-tier record(s); "
                  f"{report.chunks_kept} chunk(s) still referenced")
 
 

@@ -158,11 +158,10 @@ def captured_text(b: dict[str, Any]) -> str:
     """What a branch captured when some steps lived in memory only, e.g.
     ``steps 100-131 captured, 100/108/116/124/131 persisted``; "" when every
     captured step was persisted (nothing more to say than the step list)."""
-    held = "; ".join(f"{a}-{z} by {n}/{w} rank{'s' if w > 1 else ''}" if a != z else f"{a} by {n}/{w}"
-                     for a, z, n, w in b.get("held", [])[:4])
+    from dstt.analysis.listing import held_text
+
+    held = held_text(b)
     held = f"; held in memory now: {held}" if held else ""
-    if b.get("held_stale"):
-        held += f" ({b['held_stale']} stale record(s) of stopped helpers not counted)"
     if b.get("protected") and held:
         held += f"; protected against a node's loss ({b['protected']['scheme']}): {ranges_text(b['protected']['steps'])}"
     if not b.get("memory_only"):

@@ -38,7 +38,9 @@ def cmd_report(target: str, out: Path, branch: Optional[str], json_out: bool, ag
     if json_out:
         emit_json({"store": run.url, "branch": data.branch, "out": str(out), "steps": len(data.steps),
                    "tensors": len(data.names), "branches": len(data.branches), "incidents": len(data.incidents),
-                   "compared": urls[1:]})
+                   "compared": urls[1:],
+                   "held": {b["name"]: {"held": b.get("held", []), "held_stale": b.get("held_stale", 0)}
+                            for b in data.branches}})
     else:
         stderr.print(f"wrote {out} ({len(data.steps)} steps, {len(data.names)} tensors, "
                      f"{len(data.branches)} branch(es)"

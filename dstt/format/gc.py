@@ -15,8 +15,10 @@ Rules (docs/timetravel.md):
   (a step references chunk (array, slot, coords) through its index; dedup
   makes steps, and branches, share chunks), arrays left with no referenced
   chunk, packs none of whose ranges a committed step references (a pack is
-  live while any range in it is), and step directories without
-  ``commit.json`` (a crashed or pruned step's leftovers).
+  live while any range in it is), step directories without
+  ``commit.json`` (a crashed or pruned step's leftovers), and the memory
+  tier's persist decisions and incident requests no helper can still need
+  (:func:`dstt.format.tier.collect_records`).
 
 Both take every branch's write lock (:func:`dstt.format.lock.acquire_all`) for
 their whole run, so they refuse to run beside a live writer, and gc only
@@ -39,6 +41,7 @@ from dstt.format.localio import pid_alive
 from dstt.format.lock import BRANCH_SET, acquire_all
 from dstt.format.packs import PACKS, pack_key, parse_pack_key
 from dstt.format.root import check_root, committed_steps, list_branches, load_branch
+from dstt.format.tier import collect_records
 
 
 @dataclass
@@ -88,6 +91,9 @@ class GcReport:
     committed: dict[str, list[int]] = field(default_factory=dict)
     #: Per-rank records removed from committed step directories.
     records_removed: int = 0
+    #: Memory-tier records (``meta/tier/<branch>/<run>/``: persist decisions,
+    #: incident requests) no helper can still need (dstt.format.tier.collect_records).
+    tier_records_removed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -363,11 +369,22 @@ def collect_garbage(store: Any, *, dry_run: bool = False, progress: Callable[[st
         _collect_chunks(backend, refs, locked_ids, report, dry_run)
         _collect_packs(backend, refs.get(PACKS, set()), locked_ids, report, dry_run)
         _collect_temp_files(backend, report, dry_run)
+        _collect_tier_records(backend, branches, report, dry_run)
         if not dry_run and backend.directories:
             # still under the locks: a writer starting now could lose a directory it just made
             backend.remove_empty_dirs(L.TENSORS)
             backend.remove_empty_dirs(f"{L.META}/steps")
     return report
+
+
+def _collect_tier_records(backend: Backend, branches: list[str], report: GcReport, dry_run: bool) -> None:
+    """The memory tier's decisions and incident requests whose steps are
+    committed (format/tier.py :func:`~dstt.format.tier.collect_records`
+    says why no helper can still need them), on the locked branches."""
+    for b in branches:
+        n, nbytes = collect_records(backend, b, set(committed_steps(backend, b)), dry_run=dry_run)
+        report.tier_records_removed += n
+        report.bytes_freed += nbytes
 
 
 def _collect_partial_steps(backend: Backend, branch: str, report: GcReport, dry_run: bool) -> None:

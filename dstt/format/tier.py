@@ -382,12 +382,75 @@ def list_requests(backend: Backend, branch: str, run: str) -> list[IncidentReque
     return out
 
 
+# ----------------------------------------------------------------------------- gc
+
+
+def _done(backend: Backend, key: str, name: str, branch: str, run: str, committed: set[int]) -> bool:
+    """Whether gc may remove the record ``name`` of ``run``: no helper can
+    still need it (see :func:`collect_records`). A record that cannot be
+    read or fails validation is left alone (never judged, never trusted)."""
+    if name == "decisions.json":
+        d = read_decisions(backend, branch, run)
+        return d is not None and d.upto <= max(committed, default=-1)
+    if name.startswith("incident-") and name.endswith(".json"):
+        data = backend.get(key, max_bytes=MAX_RECORD_BYTES)
+        if data is None:
+            return False
+        req = parse_request(bytes(data), key, branch, run)
+        return req.step in committed and all(s in committed for s in req.steps)
+    return False
+
+
+def collect_records(backend: Backend, branch: str, committed: set[int], *, dry_run: bool = False
+                    ) -> tuple[int, int]:
+    """Remove (with ``dry_run``: count) the decisions and incident requests
+    of ``branch``'s capture runs that no helper can still need;
+    ``(records, bytes)``. gc calls it holding every branch lock: no rank 0
+    helper of any run of the branch is alive (it shares the lock), though
+    another rank's may be. ``committed``: the branch's committed steps.
+
+    * an incident request, once **every step it names is committed**: every
+      rank's shards of them are stored, so no helper has anything left to
+      store for it (a request naming a step some rank lost stays);
+    * the persist decisions, once **their ``upto`` is at or below the
+      newest committed step**: a step is committed only after every rank
+      recorded it, and a helper records a step of ``persist="newest"`` only
+      after reading a decisions record that decides every step up to it,
+      which decides every step it held up to ``upto`` (later steps are
+      newer); a committed step of a later run means this run's rank 0 is
+      gone and its other helpers persist what they cannot decide, never
+      drop it.
+
+    Held records (``held/``) are the helpers' own (removed at close, shown
+    stale otherwise) and left alone, and so are the directories (another
+    rank's live helper may be creating a record in one)."""
+    base = f"{TIER_DIR}/{L.validate_branch(branch)}"
+    n = nbytes = 0
+    for run in sorted(backend.list_dir(base)):
+        if run == "held" or not _RUN_RE.fullmatch(run):
+            continue
+        prefix = run_prefix(branch, run)
+        for name in sorted(backend.list_dir(prefix.rstrip("/")))[:MAX_REQUESTS + 1]:
+            key = prefix + name
+            try:
+                if not _done(backend, key, name, branch, run, committed):
+                    continue
+            except (DsttError, OSError) as e:
+                log.warning("gc: leaving memory-tier record %r alone: %s", key, e)
+                continue
+            n += 1
+            nbytes += backend.size(key) or 0
+            if not dry_run:
+                backend.delete(key)
+    return n, nbytes
+
+
 def remove_run(backend: Backend, branch: str, run: str) -> None:
     """A run's decisions and requests, once its helpers are done (rank 0 at close)."""
     backend.delete_prefix(run_prefix(branch, run).rstrip("/"))
 
 
 __all__ = ["DECISION_WINDOW", "Decisions", "HELD_STALE_S", "HeldRecord", "IncidentRequest", "TIER_DIR",
-           "decisions_key", "held_by", "held_key", "held_ranges", "list_requests", "new_id", "parse_held",
+           "collect_records", "decisions_key", "held_by", "held_key", "held_ranges", "list_requests", "new_id", "parse_held",
            "parse_request", "publish_request", "read_decisions", "read_held", "remove_held", "remove_run",
            "request_key", "stale_records", "write_decisions", "write_held"]

@@ -34,3 +34,38 @@ def test_ls_shows_steps_held_in_memory_by_how_many_ranks(tmp_path: Path) -> None
     text = " ".join(out.split())
     assert "held in memory now: 5 by 1/2; 6-8 by 2/2 ranks" in text
     assert "1 stale record(s)" in text
+
+
+def _two_ranks_holding(tmp_path: Path) -> Path:
+    path = tmp_path / "run"
+    for s in (0, 4):
+        dstt.save(str(path), s, {"w": torch.full((3,), float(s))})
+    b = open_backend(str(path))
+    now = time.time()
+    T.write_held(b, T.HeldRecord("main", "r9", 0, 2, 11, "node-a", now, ((5, 8),)))
+    T.write_held(b, T.HeldRecord("main", "r9", 1, 2, 12, "node-b", now, ((6, 8),)))
+    return path
+
+
+def test_find_shows_steps_held_in_memory_like_ls(tmp_path: Path) -> None:
+    path = _two_ranks_holding(tmp_path)
+    for target in (str(path), f"{path}@main"):  # every branch, and one
+        rc, out, err = cli("find", target, "--json")
+        assert rc == 0, err
+        assert json.loads(out)["held"]["main"]["held"] == [[5, 5, 1, 2], [6, 8, 2, 2]]
+        rc, out, err = cli("find", target)
+        assert rc == 0, err
+        assert "branch 'main': held in memory now: 5 by 1/2; 6-8 by 2/2 ranks" in " ".join(out.split())
+
+
+def test_report_shows_steps_held_in_memory_like_ls(tmp_path: Path) -> None:
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    path = _two_ranks_holding(tmp_path)
+    page = tmp_path / "r.html"
+    rc, out, err = cli("report", str(path), "-o", str(page), "--json")
+    assert rc == 0, err
+    assert json.loads(out)["held"]["main"] == {"held": [[5, 5, 1, 2], [6, 8, 2, 2]], "held_stale": 0}
+    html = page.read_text()
+    assert "held in memory now" in html and "5 by 1/2; 6-8 by 2/2 ranks" in html

@@ -161,3 +161,49 @@ def test_an_incident_record_with_a_bad_rank_is_skipped(b, caplog) -> None:  # ty
     with caplog.at_level(logging.WARNING, logger="dstt.store.incidents"):
         assert list_incidents(b, "main") == []
     assert any("rank and world" in r.getMessage() for r in caplog.records)
+
+
+def test_gc_removes_the_decisions_and_requests_no_helper_can_need(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    import dstt
+    from tests.cli.test_cli_errors import cli
+
+    path = tmp_path / "run"
+    for s in range(5):
+        dstt.save(str(path), s, {"w": torch.full((2,), float(s))})
+    b = open_backend(str(path))
+
+    def req(run: str, ident: str, step: int, steps: tuple[int, ...]) -> T.IncidentRequest:
+        return T.IncidentRequest("main", run, ident, step, "nan", "trainer", 1, 2, 1.0e9, steps)
+
+    T.write_decisions(b, T.Decisions("main", "rA", 3, frozenset({1, 3})))  # decided up to a committed step
+    T.write_decisions(b, T.Decisions("main", "rB", 7, frozenset({5})))     # beyond the newest commit: needed
+    assert T.publish_request(b, req("rA", "done", 3, (2, 3)))              # every step committed
+    assert T.publish_request(b, req("rA", "open", 6, (5, 6)))              # steps not committed yet
+    assert T.publish_request(b, req("rB", "part", 4, (4, 5)))              # one step not committed
+    bad = T.decisions_key("main", "rC")
+    b.put_atomic(bad, b"{not json")                                        # damaged: never judged
+    T.write_held(b, T.HeldRecord("main", "rB", 1, 2, 7, "h", 1.0e9, ((5, 7),)))
+    keys = {T.decisions_key("main", "rA"), T.request_key("main", "rA", "done")}
+    kept = {T.decisions_key("main", "rB"), T.request_key("main", "rA", "open"),
+            T.request_key("main", "rB", "part"), bad, T.held_key("main", 1)}
+
+    rc, out, err = cli("gc", str(path), "--dry-run", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["tier_records_removed"] == 2
+    assert all(b.exists(k) for k in keys | kept)                           # a dry run removes nothing
+    rc, out, err = cli("gc", str(path), "--dry-run")
+    assert rc == 0 and "2 memory-tier record(s)" in " ".join(out.split()), err
+
+    with caplog.at_level(logging.WARNING, logger="dstt.store.tier"):
+        assert dstt.gc(str(path)).tier_records_removed == 2
+    assert not any(b.exists(k) for k in keys) and all(b.exists(k) for k in kept)
+    assert "leaving memory-tier record" in caplog.text
+    assert dstt.gc(str(path)).tier_records_removed == 0
+
+    for s in (5, 6):  # the open requests' steps committed: nothing left for a helper to store
+        dstt.save(str(path), s, {"w": torch.full((2,), float(s))})
+    assert dstt.gc(str(path)).tier_records_removed == 2
+    assert not b.exists(T.request_key("main", "rA", "open")) and not b.exists(T.request_key("main", "rB", "part"))
+    assert b.exists(T.decisions_key("main", "rB")) and b.exists(bad)       # upto 7 > 6: still needed
