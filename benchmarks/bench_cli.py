@@ -84,10 +84,13 @@ def commands(store: str, scratch: str, label: str, first: str) -> list[tuple[str
     tensor = "model/0.weight" if store.endswith("demo") else "model/layer000.weight"
     value = "optim/param_groups/0/lr" if store.endswith("demo") else "extra/loss"
     return [
-        ("ls STORE", ["ls", store]), ("ls STORE:latest", ["ls", f"{store}:latest"]),
+        ("ls STORE", ["ls", store]), ("ls STORE --limit 0", ["ls", store, "--limit", "0"]),
+        ("ls STORE:latest", ["ls", f"{store}:latest"]),
         ("show TENSOR", ["show", f"{store}:latest", tensor]), ("show VALUE", ["show", f"{store}:latest", value]),
         ("diff first latest", ["diff", f"{store}:{first}", ":latest", "--no-progress"]),
-        ("history STORE NAME", ["history", store, tensor]), ("find STORE", ["find", store]),
+        ("history STORE NAME", ["history", store, tensor]),
+        ("history STORE 'model/*'", ["history", store, "model/*"]),
+        ("history STORE VALUE", ["history", store, value]), ("find STORE", ["find", store]),
         ("verify STORE:latest", ["verify", f"{store}:latest", "-q"]),
         ("export .safetensors", ["export", f"{store}:latest", "--out", os.path.join(scratch, "x.safetensors"),
                                  "-q", "--overwrite"]),

@@ -126,6 +126,7 @@ def save(
     options = WriteOptions(branch=branch, parent=parent, allow_pickle=allow_pickle, compression=compression,
                            storage_options=storage_options, keyframe_every=keyframe_every)
     with Writer(store, options) as w:
+        w.flusher.prev_values.budget = 0  # one step: no next step here to take its values (no copy on the caller's thread)
         return w.write(step, state)
 
 

@@ -14,6 +14,7 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_DEBUG`` | :func:`debug` | the CLI prints tracebacks | off |
 | ``DSTT_EXECUTOR`` | :func:`executor` | where scans over tensor data run: ``processes``, ``threads``, ``inline`` or ``dask://HOST:PORT`` | ``processes`` |
 | ``DSTT_WORKERS`` | :func:`workers` | workers of the local executor (0: one per core) | 0 |
+| ``DSTT_UPDATE_STATS_BYTES`` | :func:`update_stats_bytes` | host memory a capture without memory tier may hold for the update statistics (the previous step's values; 0: none) | a quarter of physical memory |
 | ``DSTT_OBJECT_CLIENT`` | :func:`object_client` | the client of ``s3://``, ``gs://``, ``az://`` stores: ``obstore`` or ``fsspec`` | obstore where installed |
 | ``DSTT_NODE_ID`` | :func:`node_id` | the node this process counts as, for peer redundancy (one machine may stand for several) | the host name |
 | ``DSTT_REDUNDANCY_STORE`` | :func:`redundancy_store` | ``HOST:PORT`` of the c10d TCPStore the capture helpers exchange copies through | ``MASTER_ADDR:MASTER_PORT`` |
@@ -37,7 +38,8 @@ from dstt.errors import ConfigError
 
 #: The variables this module knows (``override`` refuses any other name).
 KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
-         "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT", "DSTT_NODE_ID", "DSTT_REDUNDANCY_STORE")
+         "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT", "DSTT_NODE_ID", "DSTT_REDUNDANCY_STORE",
+         "DSTT_UPDATE_STATS_BYTES")
 #: Clients an object store URL may be served by (DSTT_OBJECT_CLIENT).
 OBJECT_CLIENTS = ("obstore", "fsspec")
 
@@ -119,6 +121,18 @@ def executor() -> str | None:
 def workers() -> int:
     """Workers of the local executor (``DSTT_WORKERS``); 0: one per core."""
     return int(_number("DSTT_WORKERS", 0, integer=True))
+
+
+def update_stats_bytes() -> int | None:
+    """Bytes of previous-step values a capture without memory tier may hold
+    for ``update_norm``/``update_ratio`` (dstt.store.prevvalues); None when
+    not set (a quarter of physical memory); 0 turns those statistics off.
+
+    >>> with override(DSTT_UPDATE_STATS_BYTES="0"):
+    ...     update_stats_bytes()
+    0
+    """
+    return int(_number("DSTT_UPDATE_STATS_BYTES", 0, integer=True)) if _text("DSTT_UPDATE_STATS_BYTES") else None
 
 
 def object_client() -> str:

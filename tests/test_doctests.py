@@ -5,6 +5,8 @@ from __future__ import annotations
 import doctest
 import importlib
 import pkgutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +18,13 @@ OPTIONAL = {"dstt.integrations.transformers": "transformers", "dstt.integrations
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_docstring_examples(name: str) -> None:
+def test_docstring_examples(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if name in OPTIONAL:
         pytest.importorskip(OPTIONAL[name])
+    # The examples make their stores with tempfile.mkdtemp(): under this test's own
+    # directory (removed with it), never in the run's /tmp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"

@@ -382,8 +382,10 @@ svg{max-width:100%;height:auto}.tree li.current>b{color:#1f77b4}.none{color:#888
 """
 
 
-def render_html(data: ReportData) -> str:
-    """The report page for ``data`` (figures need matplotlib)."""
+def render_html(data: ReportData, overlay: str = "", compared: list[str] | None = None) -> str:
+    """The report page for ``data`` (figures need matplotlib); ``overlay``:
+    the branch (and store) overlay section's HTML (:mod:`dstt.analysis.reportoverlay`),
+    ``compared``: the URLs of the other stores in it."""
     t0 = time.perf_counter()
     total_steps = sum(len(b["steps"]) for b in data.branches)
     latest = data.steps[-1] if data.steps else None
@@ -414,6 +416,9 @@ def render_html(data: ReportData) -> str:
         f"{len(data.branches)} branch(es), {total_steps} committed step(s) &middot; generated "
         f"{esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
         "<h2>Branches</h2>", _branch_tree(data),
+        *(["<h2>Every branch" + (" of every store" if compared else "") + ", overlaid (forks dotted)</h2>"
+            + ("<p class=\"meta\">compared with " + ", ".join(esc(u) for u in compared) + "</p>" if compared else ""),
+            overlay] if overlay else []),
         f"<h2>Tensors at the latest step ({esc(latest)})</h2>",
         ("<div class=\"scroll\">" + _table(["tensor", "shape", "dtype", "bytes", "norm", "mean", "std", "min", "max",
                                              "nonfinite"], latest_rows, "tensors") + "</div>")
@@ -447,13 +452,17 @@ def render_html(data: ReportData) -> str:
     return "\n".join(parts)
 
 
-def write_report(run: Any, path: str, branch: str | None = None) -> ReportData:
-    """Collect, render and write the report for ``run`` to ``path``."""
+def write_report(run: Any, path: str, branch: str | None = None, others: dict[str, Any] | None = None) -> ReportData:
+    """Collect, render and write the report for ``run`` to ``path``;
+    ``others`` (label -> run, ``run``'s own label included): stores whose
+    branches are overlaid beside ``run``'s."""
     from dstt.analysis.plot import require_matplotlib
+    from dstt.analysis.reportoverlay import overlay_html
 
     require_matplotlib()
     data = collect(run, branch)
-    page = render_html(data)
+    runs = others or {"": run}
+    page = render_html(data, overlay_html(runs), [str(r.url) for r in runs.values() if r is not run])
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
     return data

@@ -51,8 +51,9 @@ def _escape(part: str) -> str:
 
 
 def step_tree(run: RunIndex, step: Any = None, branch: str | None = None) -> Any:
-    """The raw value tree of a step (JSON with dstt's type tags)."""
-    return run.record(step, branch=branch).objects
+    """The raw value tree of a step (JSON with dstt's type tags), without
+    its tensor entries (:meth:`RunIndex.value_tree`)."""
+    return run.value_tree(step, branch=branch)
 
 
 def plain(v: Any) -> Any:

@@ -120,7 +120,7 @@ class HelperOps:
         def flush(tasks: list[Any]) -> Any:
             ps = [prevs.get((t.layout.array, t.index)) for t in tasks]
             ps = [p if p is not None and p.shape == t.source.shape else None for p, t in zip(ps, tasks)]
-            return w.flush_chunks(plan, tasks, None, ps if prevs else None)
+            return w.flush_chunks(plan, tasks, None, ps)  # (given, even all None: the tier decides)
 
         parts = batches(plan.tasks)
         flushed = [flush(parts[0])] if len(parts) == 1 else list(self.flush.map(flush, parts))

@@ -73,7 +73,11 @@ def check_out(out: str, fmt: str, overwrite: bool) -> None:
     if fmt in DIRECTORY_FORMATS:
         if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
             raise ConfigError(f"{out!r} exists; a {fmt} checkpoint is written to a new or empty directory")
+        # Missing parents are made (as dcp.save does), once the step is
+        # known to exist: the nearest existing one must be a writable directory.
         parent = Path(out).absolute().parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise ConfigError(f"cannot export to {out!r}: {parent} is not a writable directory")
         return
@@ -103,6 +107,12 @@ def export_step(ref: str, out: str, only: Optional[str], json_out: bool, quiet: 
         from dstt.errors import ConfigError
 
         raise ConfigError(f"--format {fmt} writes a .{fmt} file: name it so (got {out!r})")
+    if fmt in DIRECTORY_FORMATS and not Path(out).absolute().parent.is_dir():
+        from dstt.format.index import RunIndex
+
+        with RunIndex(ref) as run:
+            run.resolve()  # (a bad REF makes no directory)
+        os.makedirs(Path(out).absolute().parent, exist_ok=True)
     module, func = EXPORTERS[fmt].split(":")
     writer = getattr(importlib.import_module(module), func)
     with progress("exporting", enabled=not quiet and not json_out) as update:

@@ -47,8 +47,8 @@ def cmd_history(target: str, tensors: list[str], stat: str, branches: list[str],
         tseries += [{**s, "store": label} if label else s for s in got_t]
     if stat in ("update_norm", "update_ratio") and tseries and not any(
             p["value"] == p["value"] for s in tseries for p in s["points"]):
-        stderr.print(f"warning: no {stat} was recorded for these steps: update statistics are recorded where the "
-                     "capture had the previous step at hand (Capture(memory_steps=K)); the lines are empty")
+        stderr.print(f"warning: no {stat} was recorded for these steps: a Capture records them for every "
+                     "step after its first (dstt.save, one step at a time, does not); the lines are empty")
     title = ", ".join(r.url for r in runs.values())
     label_ = f"{'relative change of ' if delta else ''}{stat}"
     if plot is not None:

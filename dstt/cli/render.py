@@ -104,10 +104,26 @@ def emit_table(table: Table) -> None:
         return
     if _plain_table(table):
         return
+    emit(table)
+
+
+#: The console width when stdout is not a terminal: wide enough that no
+#: line is ever cut or wrapped (rich's default there is 80 columns).
+PIPE_WIDTH = 100_000
+
+
+def emit(renderable: Any) -> None:
+    """Print ``renderable`` on stdout; when stdout is not a terminal (a
+    pipe, a file) at :data:`PIPE_WIDTH`, so lines keep every character
+    (rich would cut a tree's labels at 80 columns). Only for renderables
+    that do not expand to the width (tables that don't, trees, text)."""
+    if stdout.is_terminal:
+        stdout.print(renderable)
+        return
     old = stdout.width
-    stdout.width = 100_000
+    stdout.width = PIPE_WIDTH
     try:
-        stdout.print(table)
+        stdout.print(renderable)
     finally:
         stdout.width = old
 
@@ -197,7 +213,7 @@ def store_listing(url: str, branches: list[dict[str, Any]], limit: int) -> None:
                 progressed = True
         if not progressed:
             break
-    stdout.print(tree)
+    emit(tree)  # (piped: never cut at 80 columns)
     for b in branches:  # a line of its own: a tree label is cut at the console's width
         extra = captured_text(b)
         if extra:

@@ -68,8 +68,10 @@ def delete_branch(backend: Backend, name: str, *, force: bool = False, dry_run: 
     ``force``, which deletes them too. Refuses while a writer holds any
     branch (StoreLockedError). ``dry_run``: only say what would go."""
     from dstt.format.lock import acquire_all
+    from dstt.format.renames import refuse_if_renaming
 
     load_branch(backend, name)  # BranchNotFoundError with the known names
+    refuse_if_renaming(backend, name)  # (the id is shared with the other name until it finishes)
     doomed = descendants(backend, name)
     if doomed and not force:
         shown = ", ".join(repr(b) for b in doomed[:8]) + (" ..." if len(doomed) > 8 else "")

@@ -48,6 +48,7 @@ from dstt.format.manifest import (
     parse_commit,
     parse_index_checked,
     parse_names,
+    parse_objects,
     sha256_hex,
     stats_columns_of,
 )
@@ -241,6 +242,28 @@ class RunIndex:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return rec
+
+    def value_tree(self, step: Any = None, *, branch: str | None = None) -> Any:
+        """The value tree of a committed step (``record(...).objects``)
+        without building its tensor entries: what reads of values (``show
+        VALUE``, ``history extra/loss``, ``find``'s value checks) need. The
+        same checks: commit marker, index.json's sha256, the tree's depth."""
+        branch = branch or self.default_branch
+        if not isinstance(step, int) or isinstance(step, bool):
+            branch, step = self.resolve(step, branch=branch)
+        with self._lock:
+            rec = self._cache.get((branch, step))
+        if rec is not None:
+            return rec.objects
+        if step < 0:
+            raise StepNotFoundError(f"step must be a non-negative integer, got {step!r}")
+        L.validate_branch(branch)
+        where = L.step_dir(branch, step)
+        raw = self.backend.get(f"{where}/{L.COMMIT_FILE}", max_bytes=L.MAX_DOC_BYTES)
+        if raw is None:
+            b, s = self._inherited(step, branch)
+            return self.value_tree(s, branch=b)
+        return parse_objects(self._file(where, L.INDEX_FILE, parse_commit(raw, where)), where)
 
     def _entries_at(self, branch: str, step: int) -> tuple[str, int, dict[str, TensorEntry]]:
         """(branch holding it, step, entries by name) of a step of ``branch``'s

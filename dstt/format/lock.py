@@ -444,10 +444,18 @@ def _same_inode(fd: int, path: str) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def acquire(backend: Any, branch: str, *, timeout: float = 0.0, ttl: float = LEASE_TTL) -> BranchLock:
+def acquire(backend: Any, branch: str, *, timeout: float = 0.0, ttl: float = LEASE_TTL,
+            renaming_ok: bool = False) -> BranchLock:
     """Take the write lock of ``branch``; StoreLockedError if another writer
-    holds it after ``timeout`` seconds (0: do not wait)."""
+    holds it after ``timeout`` seconds (0: do not wait). A branch an
+    interrupted rename involves is refused (ConfigError naming the command
+    that finishes it; :mod:`dstt.format.branchrename`) unless ``renaming_ok``
+    (what gc, prune and the rename itself take, through :func:`acquire_all`)."""
     backend = open_backend(backend)
+    if not renaming_ok and branch != BRANCH_SET:
+        from dstt.format.renames import refuse_if_renaming
+
+        refuse_if_renaming(backend, branch)
     lock = BranchLock(backend, branch)
     deadline = time.monotonic() + max(0.0, timeout)
     while not lock.try_acquire(ttl):
@@ -547,7 +555,7 @@ def acquire_all(backend: Any, branches: list[str] | None = None, *, timeout: flo
         if branches is None:
             held.append(acquire(backend, BRANCH_SET, timeout=timeout))
         for name in sorted(set(branches if branches is not None else branches_of(backend))):
-            held.append(acquire(backend, name, timeout=timeout))
+            held.append(acquire(backend, name, timeout=timeout, renaming_ok=True))
         yield held
     finally:
         for lock in reversed(held):

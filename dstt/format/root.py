@@ -142,6 +142,9 @@ def create_branch(backend: Backend, name: str, parent: tuple[str, int] | None) -
 
 
 def _create_branch_locked(backend: Backend, name: str, parent: tuple[str, int] | None) -> BranchInfo:
+    from dstt.format.renames import refuse_if_renaming
+
+    refuse_if_renaming(backend, name)  # (its step directories may be half copied)
     if backend.exists(L.branch_key(name)):
         raise BranchExistsError(f"branch {name!r} already exists in {backend.url}")
     taken = {int(n) for n in backend.list_dir(f"{L.META}/branch_ids") if n.isdigit()}

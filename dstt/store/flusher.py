@@ -59,6 +59,7 @@ from dstt.format.packs import StepPacks
 from dstt.format.pygc import paused_gc
 from dstt.store.plan import ChunkTask, StepPlan
 from dstt.store.predflush import decision_of, pred_layout
+from dstt.store.prevvalues import PrevValues, default_budget
 from dstt.store.stats import BATCH_DTYPES, batch_partials, chunk_partial
 from dstt.store.torch_dtypes import as_storage_view
 from dstt.store.torchthreads import single_threaded
@@ -125,6 +126,9 @@ class Flusher:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dstt-flush")
         self._lock = threading.Lock()
         self._encode_cpu_s = 0.0  # CPU seconds spent coding chunks (guarded by _lock)
+        #: The previous step's chunks, for the update statistics where the
+        #: caller gives none (dstt.store.prevvalues).
+        self.prev_values = PrevValues(default_budget())
 
     @property
     def encode_cpu_s(self) -> float:
@@ -150,11 +154,18 @@ class Flusher:
         has one, else by comparing with the stored bytes -- and the sha256 is
         recorded so a frozen tensor is proven by hash from then on.
         """
-        link = plan.links.get((task.layout.array, task.index)) or Link(None)
+        key = (task.layout.array, task.index)
+        link = plan.links.get(key) or Link(None)
         link.started = True
         try:
             src = staged if staged is not None else task.source
-            partial = chunk_partial(src if src.device.type == "cpu" else src.cpu(), prev_staged).to_list()
+            host = src if src.device.type == "cpu" else src.cpu()
+            if not plan.prev_told:
+                prev_staged = self.prev_values.take(key, link)
+            partial = chunk_partial(host, prev_staged).to_list()
+            if not plan.prev_told and self.prev_values.room(host.nbytes):
+                self.prev_values.keep(key, link, plan.step, host.detach().clone() if host is src else host,
+                                      settled=_settled(link, prev_staged))
             raw = chunk_bytes(task, src)
             crc = crc32c(raw)
             result = ChunkResult(task.layout.name, task.index, crc, None, plan.slot, 0, len(raw), partial)
@@ -212,6 +223,8 @@ class Flusher:
         # The collector paused: the few objects per chunk (results, refs,
         # ranges, rows) hold no cycles, and their burst would trigger full
         # collections that walk every live object -- ~1 s of a 100,000-tensor step.
+        if prev_staged is not None:
+            plan.prev_told = True  # (the memory tier: it gives every chunk's, or None)
         with paused_gc():
             return self._flush_chunks(plan, tasks, staged, prev_staged, one or self.flush_chunk)
 
@@ -247,6 +260,8 @@ class Flusher:
         links = [plan.links.get((t.layout.array, t.index)) or Link(None) for t in tasks]
         for link in links:
             link.started = True
+        if not plan.prev_told:
+            prevs = [self.prev_values.take((t.layout.array, t.index), link) for t, link in zip(tasks, links)]
         settled = [False] * len(tasks)  # each link is resolved, waits, or passes through exactly once
         # Single-threaded torch for this batch's small operations: an OpenMP
         # team per call costs more than it saves on 64K values, and its
@@ -274,12 +289,24 @@ class Flusher:
             counts = [f.numel() for f in flats]
             block = _GROUP_BUFFERS.take(flats[0].dtype, sum(counts))
             buf = torch.cat(flats, out=block[:sum(counts)])  # private: the bytes of every chunk, stats read it too
+            if not plan.prev_told and self.prev_values.room(buf.nbytes):
+                self._keep_group(plan, tasks, links, buf.clone(), counts, prevs)
         waits = [False]
         try:
             return self._code_buffer(plan, tasks, buf, counts, prevs, links, settled, out, waits)
         finally:
             if not waits[0]:  # no chunk keeps a slice of it (_wait_for): the next group's
                 _GROUP_BUFFERS.give(block)
+
+    def _keep_group(self, plan: StepPlan, tasks: list[ChunkTask], links: list[Link], held: torch.Tensor,
+                    counts: list[int], prevs: list[torch.Tensor | None] | None) -> None:
+        """Hold a group's values (one copy, a view per chunk) for the next
+        step's update statistics."""
+        at = 0
+        for j, (t, link, c) in enumerate(zip(tasks, links, counts)):
+            self.prev_values.keep((t.layout.array, t.index), link, plan.step, held[at:at + c],
+                                  settled=_settled(link, None if prevs is None else prevs[j]))
+            at += c
 
     def _code_buffer(self, plan: StepPlan, tasks: list[ChunkTask], buf: torch.Tensor, counts: list[int],
                      prevs: list[torch.Tensor | None] | None, links: list[Link], settled: list[bool],
@@ -394,12 +421,36 @@ class Flusher:
         def finish(value: ChunkRef | None) -> None:
             def run() -> None:
                 try:
+                    self._late_update(plan, task, result, link)
                     pending.set_result(self._store(plan, task, raw, result, link, value))
                 except BaseException as e:
                     pending.set_exception(e)
             self.pool.submit(run)
 
         prev.then(finish)
+
+
+    def _late_update(self, plan: StepPlan, task: ChunkTask, result: ChunkResult, link: Link) -> None:
+        """The update sum of a chunk flushed before its predecessor's flush
+        began (its stats found no previous values then), now that the
+        predecessor is stored and both steps' values are held."""
+        if plan.prev_told or len(result.partial) < 8 or result.partial[7] == result.partial[7]:
+            return
+        key = (task.layout.array, task.index)
+        got = self.prev_values.update_sumsq(key, link)
+        if got is not None:
+            result.partial[7] = got
+        self.prev_values.settle(key, plan.step)
+
+
+def _settled(link: Link, prev: torch.Tensor | None) -> bool:
+    """Whether a chunk's update is computed at its flush (its predecessor's
+    values were at hand), or never will be (no predecessor, or one already
+    stored without them): then earlier steps' values need not be held."""
+    if prev is not None or link.prev is None:
+        return True
+    done, _ = link.prev.peek()
+    return bool(done)
 
 
 class _Blocks:

@@ -103,6 +103,10 @@ class StepPlan:
     #: Predictive coding of the step's chunks (store/predflush.PredStep; set
     #: by predflush.prepare before the flush), or None.
     pred: Any = None
+    #: The caller of the flush gives each chunk's previous values itself
+    #: (the memory tier: ``prev_staged``); the flusher's own copies
+    #: (dstt.store.prevvalues) are then neither used nor made.
+    prev_told: bool = False
 
     @property
     def local_bytes(self) -> int:

@@ -20,6 +20,8 @@ when prev is unknown.
 >>> row = finalize(merge([chunk_partial(b[:2], a[:2]), chunk_partial(b[2:], a[2:])]))
 >>> dict(zip(STATS_COLUMNS, row))["update_norm"], round(dict(zip(STATS_COLUMNS, row))["update_ratio"], 4)
 (1.0, 0.1961)
+>>> update_sumsq(b.to(torch.float8_e4m3fn), a.to(torch.float8_e4m3fn))  # every dtype (float8 too)
+1.0
 """
 
 from __future__ import annotations
@@ -86,7 +88,9 @@ def update_sumsq(x: torch.Tensor, prev: torch.Tensor | None) -> float:
             torch.sub(a[start:start + len(block)], b[start:start + len(block)], out=block)
         else:  # widen first: the difference of two low-precision values is exact only in the wider dtype
             block.copy_(a[start:start + len(block)])
-            block.sub_(b[start:start + len(block)])
+            part = b[start:start + len(block)]
+            # (torch promotes no float8 dtype with another: widened explicitly)
+            block.sub_(part if part.dtype == wide else part.to(wide))
         norm = float(torch.linalg.vector_norm(block))
         total += norm * norm
     return total

@@ -419,16 +419,22 @@ def test_a_killed_local_worker_fails_the_scan_with_a_clear_error(store: Path, po
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real LocalCluster: 2 worker processes, 1 thread each (the module's tests share it)."""
     distributed = pytest.importorskip("distributed")
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                                       worker_dashboard_address=None,
-                                       local_directory=str(tmp_path_factory.mktemp("dask")))
-    c = distributed.Client(cluster, set_as_default=False)
-    try:
-        yield c
-    finally:
-        c.run(forget_opened)
-        c.close()
-        cluster.close()
+    import dask
+
+    scratch = str(tmp_path_factory.mktemp("dask"))
+    # dask's scratch space (its lock files too) under the test's own directory, in this process and the
+    # workers it starts: not in the run's /tmp
+    with pytest.MonkeyPatch.context() as mp, dask.config.set({"temporary_directory": scratch}):
+        mp.setenv("DASK_TEMPORARY_DIRECTORY", scratch)
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                           worker_dashboard_address=None, local_directory=scratch)
+        c = distributed.Client(cluster, set_as_default=False)
+        try:
+            yield c
+        finally:
+            c.run(forget_opened)
+            c.close()
+            cluster.close()
 
 
 def test_every_scan_on_the_cluster_equals_the_single_process_one(client: Any, store: Path, tmp_path: Path,

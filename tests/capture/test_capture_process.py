@@ -333,7 +333,7 @@ def _status_kib(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
-def test_helper_is_a_fresh_process_not_a_fork_of_the_trainer(tmp_path: Path) -> None:
+def test_helper_is_a_fresh_process_not_a_fork_of_the_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A forked helper kept every page of the trainer's state alive: the
     trainer's first optimizer step after it paid copy-on-write for all of
     them, and peak memory doubled. The helper is an exec'ed interpreter
@@ -341,7 +341,10 @@ def test_helper_is_a_fresh_process_not_a_fork_of_the_trainer(tmp_path: Path) -> 
     trainer's state (coarse: anonymous memory, not a timing). (Without
     predictive coding: that keeps one copy of the previous step in the
     helper by design, bounded by a quarter of the available memory --
-    tests/format/test_predchain.py.)"""
+    tests/format/test_predchain.py; and without the update statistics'
+    copy of each chunk it flushed, also one step's worth by design,
+    bounded by DSTT_UPDATE_STATS_BYTES -- tests/capture/test_update_stats_every_mode.py.)"""
+    monkeypatch.setenv("DSTT_UPDATE_STATS_BYTES", "0")  # (the helper inherits it)
     model = torch.nn.Linear(4096, 8192, bias=False)  # 128 MiB of parameters
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 4096)).sum().backward()
