@@ -46,9 +46,9 @@ class CaptureConfig:
     #: None (the default): ``"auto"`` (predictive coding in the capture
     #: helper, off the trainer's process, stored fast when the helper falls
     #: behind) where the helper runs, ``"none"`` where the capture writes in
-    #: this process (its encoding would share the trainer's CPU and GIL)
-    #: and under torch.distributed (``compression="predictive"`` codes each
-    #: rank's shards there; not the default yet: docs/format.md).
+    #: this process (its encoding would share the trainer's CPU and GIL).
+    #: Under torch.distributed the same: each rank's helper codes that
+    #: rank's own shards (docs/format.md "Predictive chunks").
     compression: str | None = None
     zstd_level: int = 1
     #: With ``compression="delta"`` (or ``"auto"``): a chunk is stored whole

@@ -118,9 +118,9 @@ class Capture:
         self.commit_coord = new_coordinator()
         self.writer: Writer = after_helpers(lambda: Writer(
             store, write_options(
-                # the default (None): predictive where the helper codes -- settled below, once it is known;
-                # under torch.distributed steps are stored whole (no shared chain yet): no compression
-                cfg, compression=cfg.compression or ("none" if self.plan_coord.distributed else "auto"), threads=1),
+                # the default (None): predictive where the helper codes -- settled below, once it is known
+                # (under torch.distributed too: each rank's helper codes that rank's shards)
+                cfg, compression=cfg.compression or "auto", threads=1),
             coordinator=self.plan_coord, commit_coordinator=self.commit_coord,
         ), store, cfg.branch)
         self.rank = self.plan_coord.rank
@@ -136,8 +136,7 @@ class Capture:
             # The one choice of mode (committers.py): in this process, the capture helper, the memory tier.
             self.committer: Committer = make_committer(self)
             if cfg.compression is None:  # the default: predictive where the helper codes (config.py)
-                self._settle_compression("auto" if self.crashsafe.helper is not None
-                                         and not self.plan_coord.distributed else "none")
+                self._settle_compression("auto" if self.crashsafe.helper is not None else "none")
         except BaseException:
             if self.crashsafe.ring is not None:
                 self.crashsafe.ring.close()

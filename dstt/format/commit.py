@@ -46,7 +46,7 @@ from dstt.format.manifest import (
 )
 from dstt.format.packs import PackRange, StepPacks
 from dstt.format.partials import Partial, finalize, merge
-from dstt.format.predcommit import dangling, decision_raw, pred_info
+from dstt.format.predcommit import PredStep, dangling, decision_raw, pred_info, step_inputs
 from dstt.format.predindex import ChunkPred
 from dstt.format.pygc import paused_gc
 from dstt.format.root import BranchInfo, raise_root_version
@@ -262,7 +262,7 @@ class CommitPhase:
         that is not committed (it failed after this one was coded): a
         chunk file of the tensor's array, from the raw bytes the step coder
         kept, so no committed step depends on a missing one (predflush.py)."""
-        bad = dangling(results, plan.step, self.committed_recent.__contains__)
+        bad = dangling(results, plan.step, self._committed_cached())
         if not bad:
             return
         layouts = {lay.name: lay for lay in plan.layouts}
@@ -279,6 +279,26 @@ class CommitPhase:
             r.pred = r.coding = r.pack = None
             r.written = sum(len(memoryview(p).cast("B")) for p in parts)
 
+    def _committed_cached(self) -> Callable[[int], bool]:
+        """Whether a step a chunk was coded against is committed: one this
+        writer committed (or read back), else one whose commit marker is in
+        the store -- a writer that commits steps another process coded (the
+        salvage of every rank's records by ``dstt gc``, a restarted helper)
+        has committed none of them itself. (The fork step of a new branch
+        is on its parent.) One look-up per step, for the call."""
+        known: dict[int, bool] = {}
+        parent = self.branch.parent
+
+        def committed(step: int) -> bool:
+            if step in self.committed_recent:
+                return True
+            if step not in known:
+                where = self.branch.name if parent is None or step != parent[1] else parent[0]
+                known[step] = self.backend.exists(f"{L.step_dir(where, step)}/{L.COMMIT_FILE}")
+            return known[step]
+
+        return committed
+
     def _ensure_array_doc(self, layout: TensorLayout) -> None:
         """The array document of a tensor whose chunks are packed (it has
         none), for a chunk stored as a file after all."""
@@ -290,7 +310,10 @@ class CommitPhase:
     def _write_commit(self, plan: CommitPlan, results: list[ChunkResult],
                       memory_only: list[tuple[int, int]] | None = None) -> CommitInfo:
         self._store_dangling(plan, results)
-        tensors, names, rows, (written, referenced, bytes_total) = _entries(plan, results)
+        pred = plan.pred
+        if pred is None and any(r.pred is not None for r in results):  # coded elsewhere (a salvage)
+            pred = step_inputs(plan.tree, plan.layouts)
+        tensors, names, rows, (written, referenced, bytes_total) = _entries(plan, results, pred)
         where = L.step_dir(self.branch.name, plan.step)
         # Format 2 only where a step uses delta coding: other steps stay
         # readable by format-1 readers.
@@ -349,11 +372,12 @@ class CommitPhase:
         return CommitInfo(self.branch.name, plan.step, plan.seq, len(tensors), written, referenced)
 
 
-def _entries(plan: CommitPlan, results: list[ChunkResult]
+def _entries(plan: CommitPlan, results: list[ChunkResult], pred: PredStep | None
              ) -> tuple[list[TensorEntry], list[str], list[list[float]], tuple[int, int, int]]:
     """The index entries, names and stats rows of a step from its chunk
     results (CaptureError for a missing, repeated or out-of-grid chunk),
-    and its (bytes written, bytes referenced, bytes total)."""
+    and its (bytes written, bytes referenced, bytes total). ``pred``: the
+    step's predictive coding (its groups' inputs, for the ``pred`` records)."""
     # One dict keyed by (tensor, chunk index): a dict per tensor cost
     # more than the rest of a one-chunk tensor's entry (issue 16).
     by_chunk = {(r.name, r.index): r for r in results}
@@ -380,7 +404,7 @@ def _entries(plan: CommitPlan, results: list[ChunkResult]
             bytes_total += nbytes
             tensors.append(_one_chunk_entry(layout, c))
             if c.pred is not None:
-                tensors[-1].pred = pred_info(plan.pred, layout.name, layout.delta_array, [c])
+                tensors[-1].pred = pred_info(pred, layout.name, layout.delta_array, [c])
                 tensors[-1].delta_array = layout.delta_array
             written += c.written
             if c.written == 0:
@@ -409,7 +433,7 @@ def _entries(plan: CommitPlan, results: list[ChunkResult]
             keyframes=[c.keyframe for c in chunks] if layout.delta else None,
             delta_array=layout.delta_array if layout.delta else None,
             packs=[c.pack for c in chunks] if any(c.pack is not None for c in chunks) else None,
-            pred=pred_info(plan.pred, layout.name, layout.delta_array, chunks),
+            pred=pred_info(pred, layout.name, layout.delta_array, chunks),
         ))
         if tensors[-1].pred is not None:
             tensors[-1].delta_array = layout.delta_array

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
+from dstt.format.codecs.delta import DELTA_ITEMSIZES
 from dstt.format.codecs.keyframes import Decision
 from dstt.format.codecs.predictors import Coding
+from dstt.format.codecs.stepcoder import groups_of
 from dstt.format.predindex import ChunkPred, PredInfo
 
 
@@ -33,6 +35,24 @@ class PredStep:
     decisions: dict[tuple[str, int], Decision] = field(default_factory=dict)
     #: tensor name -> its group's inputs (role -> tensor name), for the index.
     inputs: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+def codable(layout: Any) -> bool:
+    """Whether a tensor's chunks may be predictively coded: a predictive
+    codec (``compression="predictive"`` or ``"auto"``) and an item size of
+    1, 2, 4 or 8 bytes (complex128 never is)."""
+    return bool(layout.codec.predictive and layout.dtype.itemsize in DELTA_ITEMSIZES
+                and not layout.dtype.logical.startswith("complex"))
+
+
+def step_inputs(tree: Any, layouts: Sequence[Any]) -> PredStep:
+    """A step's groups' inputs (no decisions) from its value tree and
+    tensor layouts alone, as :func:`dstt.store.predflush.prepare` records
+    them: for a commit of chunks coded by other processes (the salvage of
+    every rank's records) whose writer did not code the step itself."""
+    shapes = {lay.name: (lay.dtype.logical, tuple(lay.shape), tuple(lay.chunk_shape))
+              for lay in layouts if codable(lay)}
+    return PredStep(inputs={m.name: g.inputs for g in groups_of(tree, shapes) for m in g.members})
 
 
 def pred_info(pred: PredStep | None, name: str, delta_array: str, chunks: Sequence[ChunkResult]) -> PredInfo | None:
@@ -69,4 +89,4 @@ def decision_raw(pred: Any, array: str, index: int) -> Any:
     return None if d is None else d.raw
 
 
-__all__ = ["PredStep", "dangling", "decision_raw", "pred_info"]
+__all__ = ["PredStep", "codable", "dangling", "decision_raw", "pred_info", "step_inputs"]

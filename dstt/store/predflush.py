@@ -34,7 +34,7 @@ import torch
 from dstt.format.codecs.delta import DELTA_ITEMSIZES
 from dstt.format.codecs.predictors import Coding
 from dstt.format.codecs.stepcoder import Decision, Group, StepCoder, counter_value, groups_of
-from dstt.format.predcommit import PredStep
+from dstt.format.predcommit import PredStep, codable
 
 if TYPE_CHECKING:
     from dstt.format.backends import Backend
@@ -43,11 +43,9 @@ if TYPE_CHECKING:
 
 
 def pred_layout(layout: TensorLayout) -> bool:
-    """Whether a tensor's chunks may be predictively coded: a predictive
-    codec (``compression="predictive"`` or ``"auto"``) and an item size of
-    1, 2, 4 or 8 bytes (complex128 never is)."""
-    return (layout.codec.predictive and layout.dtype.itemsize in DELTA_ITEMSIZES
-            and not layout.dtype.logical.startswith("complex"))
+    """Whether a tensor's chunks may be predictively coded
+    (:func:`dstt.format.predcommit.codable`)."""
+    return codable(layout)
 
 
 RawOf = Callable[["ChunkTask"], memoryview]

@@ -7,7 +7,8 @@ MODE ``ok``: FSDP2 model with uneven shards, captured at every step while
 training; rank 0 saves the unsharded expected state of every step to
 OUT/expected.pt. MODE ``fail``: rank 1's chunk writes fail from step 1 on;
 every rank records the CaptureError it saw in OUT/error<rank>.txt.
-MODE ``pred``: predictive coding of every rank's shards (:func:`run_pred`).
+MODE ``pred``: predictive coding of every rank's shards (:func:`run_pred`);
+MODE ``default``: the same run with Capture's default compression.
 """
 
 from __future__ import annotations
@@ -69,10 +70,14 @@ def build() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     return model, reference
 
 
-def run_pred(out: Path) -> None:
+def run_pred(out: Path, default: bool = False) -> None:
     """MODE ``pred``: compression="predictive" under FSDP2 (AdamW, 8 steps,
     a keyframe every 4): each rank codes its own shards; rank 0 saves the
-    unsharded expected state of every step and the raw bytes of them all."""
+    unsharded expected state of every step and the raw bytes of them all.
+    MODE ``default`` (``default=True``): the same run with Capture's default
+    options (no compression given), waiting for each step, so no step is
+    planned while another is still being written (compression "auto" stores
+    such a step fast: that fallback is timing, not what this mode checks)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 61))
@@ -84,7 +89,8 @@ def run_pred(out: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     torch.manual_seed(100 + rank)
     expected: dict[int, Any] = {}
-    cap = dstt.Capture(out / "run", compression="predictive", keyframe_every=4)
+    cap = dstt.Capture(out / "run") if default else dstt.Capture(out / "run", compression="predictive",
+                                                                   keyframe_every=4)
     (out / f"helper{rank}.txt").write_text(str(cap.parts.helper is not None))
     try:
         for step in range(8):
@@ -93,6 +99,8 @@ def run_pred(out: Path) -> None:
             opt.step()
             cap.snapshot(step, model=model, optimizer=opt)
             expected[step] = full(dstt.state_of(model=model, optimizer=opt, rng=False))
+            if default:
+                cap.wait()
         cap.wait()
     finally:
         cap.close()
@@ -104,8 +112,8 @@ def main(out: Path, modes: list[str]) -> None:
     dist.init_process_group("gloo")
     for mode in modes:
         (out / mode).mkdir(parents=True, exist_ok=True)
-        if mode == "pred":
-            run_pred(out / mode)
+        if mode in ("pred", "default"):
+            run_pred(out / mode, default=mode == "default")
         else:
             run_mode(out / mode, mode)
     dist.destroy_process_group()

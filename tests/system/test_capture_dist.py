@@ -60,7 +60,7 @@ def assert_bits(expected: Any, got: Any, where: str) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One 2-process run (every mode), shared by the tests below."""
     out = tmp_path_factory.mktemp("dist2")
-    torchrun(2, out, "ok,fail,pred,delta")  # (delta changes the process for what follows)
+    torchrun(2, out, "ok,fail,pred,default,delta")  # (delta changes the process for what follows)
     return out
 
 
@@ -109,16 +109,20 @@ def test_fsdp2_capture_with_delta_coding_equals_unsharded_state(two_ranks: Path)
     assert any(k is not None for k in keys), f"no chunk of step 3 is delta coded: {stored}"
 
 
-def test_fsdp2_predictive_coding_of_each_ranks_shards(two_ranks: Path) -> None:
+@pytest.mark.parametrize("mode", ["pred", "default"])
+def test_fsdp2_predictive_coding_of_each_ranks_shards(two_ranks: Path, mode: str) -> None:
     """compression="predictive" under FSDP2 (2 ranks, gloo): each rank's
     capture helper codes its own shards (a parameter's chunk with its
     optimizer state's, against the rank's previous step); rank 0 commits
     every rank's pred records; the store is smaller than the raw state and
-    every step reads back bit-exact against the unsharded reference."""
-    out = two_ranks / "pred"
+    every step reads back bit-exact against the unsharded reference.
+    ``default``: the same with Capture's default options (no compression
+    given): a distributed run is coded predictively by default too."""
+    out = two_ranks / mode
     expected = torch.load(out / "expected.pt")
     run = dstt.open(out / "run")
     assert run.steps() == list(range(8))
+    assert [(out / f"helper{r}.txt").read_text() for r in range(2)] == ["True"] * 2
     raw = 0
     for step, state in expected.items():
         assert_bits(state, run.state_dict(step), f"step {step}")
