@@ -103,6 +103,27 @@ def _private_dir(path: Path) -> None:
         raise RingUnavailable(f"{e}; refusing to stage there") from None
 
 
+#: Times a new ring's group is made again when another process's sweep
+#: removed it (empty) between its creation and the ring's.
+GROUP_RETRIES = 5
+
+
+def _make_ring_dir(group: Path, ring: Path) -> None:
+    """Create ``group`` and ``ring`` in it. A sweep in another process (any
+    Capture's start, another rank's) removes a group it finds empty, which a
+    new group is until its ring is in it: then the group is made again."""
+    for attempt in range(GROUP_RETRIES):
+        _private_dir(group)
+        try:
+            O.make_private(ring)
+            break
+        except FileNotFoundError as e:  # the group went before the ring was made in it
+            if attempt + 1 == GROUP_RETRIES:
+                raise RingUnavailable(f"{e}; refusing to stage there") from None
+        except OSError as e:
+            raise RingUnavailable(f"{e}; refusing to stage there") from None
+
+
 class Ring:
     """This Capture's ring directory: pool files and seal records.
 
@@ -132,9 +153,8 @@ class Ring:
             raise RingUnavailable(problem)
         _private_dir(ring_root(base))
         sweep(base)
-        _private_dir(self.group)
         self.dir = self.group / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        _private_dir(self.dir)
+        _make_ring_dir(self.group, self.dir)
         self._dir_text = os.fspath(self.dir)
         # ``run`` (a distributed Capture's id, ranks.py) is not identity: a
         # ring of an earlier run of the same store and branch is recovered.
