@@ -119,7 +119,7 @@ def wait_for_commit(store: Path, after: int, pid: int, timeout_s: float = 60.0) 
     while newest_step(store) <= after and alive(pid):
         if time.monotonic() > deadline:
             raise AssertionError(f"no step after {after} committed within {timeout_s} s")
-        time.sleep(0.02)
+        time.sleep(0.05)
 
 
 def kill_trials(zygote: Zygote, store: Path, trials: int, seed: int, max_delay: float,
@@ -218,10 +218,10 @@ def test_sigkill_random_moments_quick(zygote: Zygote, tmp_path: Path) -> None:
     # 10 ms of "training" between steps: kills land in snapshot, staging and
     # background commits alike, and the store stays ~100 steps, not ~1000
     # (every trial verifies the whole store). 240 trials without pauses: -m slow.
-    out = kill_trials(zygote, store, trials=16, seed=6, max_delay=0.6, gc_every=4, pause_s=0.01,
-                      after_commit_every=4)
+    out = kill_trials(zygote, store, trials=12, seed=6, max_delay=0.6, gc_every=4, pause_s=0.01,
+                      after_commit_every=3)
     print("kill trials:", out)
-    assert out["killed"] >= 13, out  # a writer never finishes on its own (infinite loop)
+    assert out["killed"] >= 10, out  # a writer never finishes on its own (infinite loop)
     assert out["trials_with_progress"] >= 3, out  # kills landed after commits, not only at startup
     finish_and_collect(zygote, store)
 
@@ -231,10 +231,10 @@ def test_sigkill_random_moments_with_delta_coding(zygote: Zygote, tmp_path: Path
     back exactly (deltas against keyframes a killed writer wrote, and a new
     writer's keyframes), gc keeps what kept deltas need."""
     store = tmp_path / "run"
-    out = kill_trials(zygote, store, trials=12, seed=8, max_delay=0.5, gc_every=4, mode="delta", pause_s=0.01,
-                      after_commit_every=4)
+    out = kill_trials(zygote, store, trials=8, seed=8, max_delay=0.5, gc_every=4, mode="delta", pause_s=0.01,
+                      after_commit_every=3)
     # (progress across trials is the quick trial's subject; here: committed delta steps survive)
-    assert out["killed"] >= 10 and out["steps"] >= 2, out
+    assert out["killed"] >= 6 and out["steps"] >= 2, out
     run = dstt.open(store)
     assert any(k is not None for s in run.steps() for k in (run.entry("extra/model/smooth", s).keyframes or []))
     finish_and_collect(zygote, store)
