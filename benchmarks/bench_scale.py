@@ -197,7 +197,8 @@ def case_loop(iters: int, work: str, threads: int | None = 1) -> dict[str, Any]:
     cpu_marks: dict[str, float] = {}
 
     def helper_cpu_s(cap: Any) -> float:
-        helper = getattr(cap, "_helper", None)
+        parts = getattr(cap, "crashsafe", None)  # (the helper's handle: cap.crashsafe.helper; older code: cap._helper)
+        helper = getattr(parts, "helper", None) if parts is not None else getattr(cap, "_helper", None)
         if helper is None:
             return 0.0
         with open(f"/proc/{helper.pid}/stat") as f:
