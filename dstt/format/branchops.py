@@ -86,10 +86,11 @@ def delete_branch(backend: Backend, name: str, *, force: bool = False, dry_run: 
     return order
 
 
-def _delete_locked(backend: Backend, name: str) -> None:
-    if not backend.exists(L.branch_key(name)):
-        raise BranchNotFoundError(f"no branch {name!r} in {backend.url} (deleted meanwhile)")
-    for step in reversed(committed_steps(backend, name)):  # (as gc.remove_step: the commit marker first)
+def remove_steps(backend: Backend, name: str) -> None:
+    """Branch ``name``'s steps (newest first, each commit marker first, as
+    gc.remove_step: a crash leaves a prefix of committed steps), its skip
+    and incident records and its head; its document stays (the caller's)."""
+    for step in reversed(committed_steps(backend, name)):
         where = L.step_dir(name, step)
         backend.delete(f"{where}/{L.COMMIT_FILE}")
         backend.sync()
@@ -97,6 +98,12 @@ def _delete_locked(backend: Backend, name: str) -> None:
     for prefix in (L.steps_prefix(name), L.skips_prefix(name), L.incidents_prefix(name)):
         backend.delete_prefix(prefix.rstrip("/"))
     backend.delete(head_key(name))
+
+
+def _delete_locked(backend: Backend, name: str) -> None:
+    if not backend.exists(L.branch_key(name)):
+        raise BranchNotFoundError(f"no branch {name!r} in {backend.url} (deleted meanwhile)")
+    remove_steps(backend, name)
     backend.put(retired_key(load_branch(backend, name).id), name.encode())
     backend.sync()
     backend.delete(L.branch_key(name))

@@ -50,7 +50,7 @@ from typing import Any
 from dstt.errors import BranchExistsError, BranchNotFoundError, ConfigError, CorruptStoreError
 from dstt.format import layout as L
 from dstt.format.backends import Backend
-from dstt.format.heads import head_key
+from dstt.format.branchops import remove_steps
 from dstt.format.manifest import decode_json, encode_json, parse_commit, sha256_hex
 from dstt.format.renames import RENAME_FORMAT, pending_rename, refuse_if_renaming, rename_key  # noqa: F401 - re-exported
 from dstt.format.root import committed_steps, list_branches, load_branch
@@ -185,14 +185,7 @@ def _repoint(backend: Backend, child: str, new: str) -> None:
 def _remove_old(backend: Backend, old: str) -> None:
     """The old name's steps (newest first, commit marker first), records,
     head and document; its id stays with the new name."""
-    for step in reversed(committed_steps(backend, old)):
-        where = L.step_dir(old, step)
-        backend.delete(f"{where}/{L.COMMIT_FILE}")
-        backend.sync()
-        backend.delete_prefix(where)
-    for prefix in (L.steps_prefix(old), L.skips_prefix(old), L.incidents_prefix(old)):
-        backend.delete_prefix(prefix.rstrip("/"))
-    backend.delete(head_key(old))
+    remove_steps(backend, old)
     backend.sync()
     backend.delete(L.branch_key(old))
     backend.sync()
