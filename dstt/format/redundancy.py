@@ -46,6 +46,7 @@ from dstt.errors import ConfigError, CorruptStoreError, DsttError
 from dstt.format import layout as L
 from dstt.format.codecs.spec import crc32c
 from dstt.format.manifest import decode_json, encode_json
+from dstt.format.tier import read_rank_records
 
 #: The schemes ``redundancy=`` accepts (``parity:k`` with 1 <= k <= MAX_K).
 SCHEMES = ("none", "pair", "replicas", "parity:k")
@@ -325,23 +326,11 @@ def _parse(data: bytes, where: str, branch: str) -> Protected:
 
 
 def read_protected(backend: Any, branch: str) -> list[Protected]:
-    """Every rank's protection record of ``branch`` (a bad one skipped)."""
-    import logging
-
+    """Every rank's protection record of ``branch`` (a bad one skipped with a warning)."""
     prefix = f"{PROTECT_DIR}/{L.validate_branch(branch)}/"
-    out: list[Protected] = []
-    for name in sorted(backend.list_dir(prefix.rstrip("/"))):
-        if not re.fullmatch(r"rank-[0-9]{5,7}\.json", name):
-            continue
-        try:
-            data = backend.get(prefix + name, max_bytes=MAX_RECORD_BYTES)
-            if data is not None:
-                rec = _parse(bytes(data), prefix + name, branch)
-                if name == f"rank-{rec.rank:05d}.json":
-                    out.append(rec)
-        except (DsttError, OSError) as e:
-            logging.getLogger("dstt.store").warning("skipping protection record %r: %s", prefix + name, e)
-    return out
+    records: list[Protected] = read_rank_records(backend, prefix, lambda data, key: _parse(data, key, branch),
+                                                 "protection")
+    return records
 
 
 def protected_steps(records: list[Protected]) -> tuple[str, list[tuple[int, int]]]:

@@ -30,7 +30,7 @@ import logging
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from dstt.errors import ConfigError, CorruptStoreError, DsttError
 from dstt.format import layout as L
@@ -160,23 +160,31 @@ def parse_held(data: bytes, where: str, branch: str) -> HeldRecord:
     return HeldRecord(branch, run, rank, world, doc["pid"], doc["host"], float(doc["time"]), steps)
 
 
-def read_held(backend: Backend, branch: str) -> list[HeldRecord]:
-    """Every rank's held record of ``branch`` (validated; a bad one skipped
-    with a warning), by rank."""
-    prefix = held_prefix(branch)
-    out: list[HeldRecord] = []
+def read_rank_records(backend: Any, prefix: str, parse: Callable[[bytes, str], Any], what: str) -> list[Any]:
+    """The per-rank records ``<prefix>rank-NNNNN.json`` (at most MAX_WORLD),
+    each parsed by ``parse(data, key)`` (which returns a record with a
+    ``rank``); a bad one, or one filed under another rank's name, is
+    skipped with a warning naming ``what`` it is."""
+    out: list[Any] = []
     for name in sorted(backend.list_dir(prefix.rstrip("/")))[:MAX_WORLD]:
         if not re.fullmatch(r"rank-[0-9]{5,7}\.json", name):
             continue
         try:
             data = backend.get(prefix + name, max_bytes=MAX_RECORD_BYTES)
             if data is not None:
-                rec = parse_held(bytes(data), prefix + name, branch)
+                rec = parse(bytes(data), prefix + name)
                 _need(name == f"rank-{rec.rank:05d}.json", prefix + name, f"names rank {rec.rank}")
                 out.append(rec)
         except (DsttError, OSError) as e:
-            log.warning("skipping held-in-memory record %r: %s", prefix + name, e)
+            log.warning("skipping %s record %r: %s", what, prefix + name, e)
     return out
+
+
+def read_held(backend: Backend, branch: str) -> list[HeldRecord]:
+    """Every rank's held record of ``branch`` (validated; a bad one skipped
+    with a warning), by rank."""
+    return read_rank_records(backend, held_prefix(branch), lambda data, key: parse_held(data, key, branch),
+                             "held-in-memory")
 
 
 def held_ranges(records: list[HeldRecord], now: float, stale_s: float = HELD_STALE_S
