@@ -107,7 +107,10 @@ class CaptureConfig:
     #: "Surviving a node"): ``"none"``, or ``"pair"`` -- under
     #: torch.distributed with ``memory_steps``, each node's held steps are
     #: copied by its capture helpers to the next node's, so the loss of one
-    #: node (its processes and its /dev/shm) loses no step the tier held.
+    #: node (its processes and its /dev/shm) loses no step the tier held;
+    #: ``"replicas"`` -- each rank's ring also holds the replicated chunks
+    #: other holders write (R x the replicated bytes per rank), and a lost
+    #: rank's steps are rebuilt from a replica's ring (capture/replicaguard.py).
     redundancy: str = "none"
 
     #: Every wait of the capture (the capture helper's answer for a step, a
@@ -166,10 +169,6 @@ class CaptureConfig:
         from dstt.format.redundancy import parse_scheme
 
         scheme = parse_scheme(self.redundancy)
-        if scheme.kind == "replicas":
-            raise ConfigError("redundancy='replicas' cannot protect the memory tier: replicated state is written "
-                              "once, its chunks shared out among the ranks holding it, so no rank's ring holds "
-                              "another replica's share; use 'pair' (docs/flight-recorder.md, 'Surviving a node')")
         if scheme.kind == "parity":
             raise ConfigError(f"redundancy={self.redundancy!r} is not built in the capture helpers yet; "
                               "use 'pair' (docs/flight-recorder.md, 'Surviving a node')")

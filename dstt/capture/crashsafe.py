@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dstt.capture import nodeloss, policy, ranks
+from dstt.capture import nodeloss, policy, ranks, replicaguard
 from dstt.capture.committers import HAND_OVER_LOCK
 from dstt.capture.config import write_options
 from dstt.capture.current import Current
@@ -71,6 +71,15 @@ def after_helpers(make: Callable[[], Writer], store: Any, branch: str) -> Writer
                 raise
             time.sleep(0.05)
 
+
+
+def _guarded(fn: Any, *args: Any) -> str | None:
+    """``fn(*args)``; None, or the error it raised as one line (agreed on by the ranks)."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - gathered by the caller, so no rank waits for another
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _why(problem: str | None) -> str:
@@ -299,13 +308,19 @@ class CrashSafe:
         identity = ranks.ring_identity(str(self.current.writer.backend.url), self.current.writer.branch, coord.rank, coord.world)
         ring: Ring | None = None
         error: str | None = None
+        held = replicaguard.Pending()
         try:
             ring = Ring(identity, run=self.run_id)
             nodeloss.recover_copies(self.current.writer, coord.world)  # a lost node's steps, from copies here (issue 26)
+            held = replicaguard.stage(self.current.writer, identity, exclude=ring.dir)  # ... and from replicas
             ranks.record_rings(self.current.writer, identity, exclude=ring.dir)
         except Exception as e:  # noqa: BLE001 - agreed on below, so no rank waits for another
             error = f"rank {coord.rank}: {type(e).__name__}: {e}"
         errors = [x for x in coord.all_gather(error) if x is not None]
+        if not errors:  # (collective: rebuilt from replicas where no rank recorded its own part)
+            errors = [x for x in coord.all_gather(_guarded(replicaguard.finish, self.current.writer, coord, held))
+                      if x is not None]
+        held.drop()
         outcome: Any = None
         if not errors:
             # Rank 0 broadcasts its outcome or its error: every rank takes part

@@ -40,6 +40,7 @@ from dstt.format import layout as L
 from dstt.format.codecs.spec import COMPRESSIONS
 from dstt.format.dtypes import info_for_name
 from dstt.format.entries import MAX_ELEMENTS
+from dstt.format.replicas import read_marker
 from dstt.format.valuetree import MAX_TREE_DEPTH, TENSOR_TAGS, check_tree_depth, tagged_leaves
 from dstt.store.tree import unflatten
 
@@ -232,9 +233,12 @@ def _tasks(statics: Any, layouts: list[dict[str, Any]], nchunks: list[int], comp
     per_layout = [0] * len(layouts)
     sizes = []
     for t in statics:
-        need(type(t) is list and len(t) == 6, "a task must be [layout, index, coords, offset, shape, dtype]")
+        need(type(t) is list and len(t) in (6, 7),
+             "a task must be [layout, index, coords, offset, shape, dtype] (and a held chunk's marker)")
         li = integer(t[0], "a task's layout", 0, len(layouts) - 1)
         d = layouts[li]
+        if len(t) == 7:  # held as a replica of another rank's (dstt.format.replicas)
+            read_marker(t[6], world=MAX_WORLD, shards=len(d["regions"]))
         shape, chunk = tuple(d["shape"]), tuple(d["chunk_shape"])
         index = integer(t[1], "a task's chunk", 0, max(nchunks[li] - 1, 0))
         need(nchunks[li] > 0 and (li, index) not in seen, f"{d['name'][:80]}: chunk {index} twice or of no chunk")

@@ -42,6 +42,7 @@ import torch
 
 from dstt import knobs
 from dstt.errors import CaptureError
+from dstt.format import replicas as RP
 from dstt.format.codecs.spec import CodecSpec, crc32c
 from dstt.format.dtypes import info_for_name
 from dstt.format.geometry import Region, TensorLayout
@@ -80,14 +81,20 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
     whole = pool.numpy()  # (one array of the pool: a slice of it per extent, no tensor per chunk)
     extend = google_crc32c.extend
     extents: list[list[Any]] = []
+    # (a chunk held as a replica of another rank's always gets its CRC: a
+    # lost rank's step is rebuilt from it, checked -- capture/replicaguard.py)
+    held = len(plan.tasks) - plan.replicas if plan.replicas else None
     try:
         for g, block in groups:
             start = block.data_ptr() - base
-            extents.append([start, extend(0, whole[start:start + g.nbytes]) if crc else None,
-                            _group_positions(g, plan.tasks, where)])
+            positions = _group_positions(g, plan.tasks, where)
+            summed = crc or (held is not None and max(positions, default=-1) >= held)
+            extents.append([start, extend(0, whole[start:start + g.nbytes]) if summed else None, positions])
         for t, v in staged:
             start = v.data_ptr() - base
-            extents.append([start, extend(0, whole[start:start + v.nbytes]) if crc else None, [where[id(t)]]])
+            p = where[id(t)]
+            summed = crc or (held is not None and p >= held)
+            extents.append([start, extend(0, whole[start:start + v.nbytes]) if summed else None, [p]])
     except KeyError:
         raise CaptureError(f"step {plan.step}: a staged chunk is not in its plan") from None
     n = len(plan.tasks)
@@ -165,19 +172,23 @@ def _static_of(plan: StepPlan) -> dict[str, Any]:
     last = _LAST_STATIC
     if last is not None and last[0] is plan.tasks and last[1] is plan.layouts and last[2] is plan.meta_arrays:
         return last[3]  # a plan reused whole (plan._StepMemo): the same lists, never changed
-    key = tuple(map(id, plan.layouts)) + (-1,) + tuple(map(id, plan.meta_arrays))
+    key = tuple(map(id, plan.layouts)) + (-1,) + tuple(map(id, plan.meta_arrays)) + (-2, plan.replicas)
     got = _STATIC.get(key)
     if got is not None and len(got[1]) == len(plan.tasks) and all(
             t.layout is l and t.index == i for t, (l, i) in zip(plan.tasks, got[1])):
         _LAST_STATIC = (plan.tasks, plan.layouts, plan.meta_arrays, got[2])
         return got[2]
     index = {id(l): i for i, l in enumerate(plan.layouts)}
+    entries: list[list[Any]] = [[index[id(t.layout)], t.index, list(t.coords), list(t.offset), list(t.shape),
+                                 _dtype_name(t.source.dtype)] for t in plan.tasks]
     static = {
         "layouts": [_layout_doc(l) for l in plan.layouts],
         "meta": [index[id(l)] for l in plan.meta_arrays],
-        "tasks": [[index[id(t.layout)], t.index, list(t.coords), list(t.offset), list(t.shape),
-                   _dtype_name(t.source.dtype)] for t in plan.tasks],
+        "tasks": entries,
     }
+    if plan.replicas:  # held as a replica: [owner, shard] (dstt.format.replicas)
+        for entry, t in zip(entries[-plan.replicas:], plan.tasks[-plan.replicas:]):
+            entry.append(RP.marker(t.layout, t.index, t.offset))
     if len(_STATIC) >= _STATIC_MAX:
         _STATIC.clear()
     _STATIC[key] = (list(plan.layouts) + list(plan.meta_arrays), [(t.layout, t.index) for t in plan.tasks], static)
@@ -492,7 +503,7 @@ def _templates(layout_docs: list[dict[str, Any]], static_tasks: list[Any]
             return layouts, templates
     layouts = [_layout_of(d) for d in layout_docs]
     templates = []
-    for li, index, coords, offset, shape, dtype_name in static_tasks:
+    for li, index, coords, offset, shape, dtype_name, *_ in static_tasks:  # (a held chunk's marker: 7th)
         dtype = getattr(torch, dtype_name)
         if not isinstance(dtype, torch.dtype):
             raise CorruptRing(f"unknown dtype {dtype_name!r}")
@@ -508,34 +519,47 @@ def _templates(layout_docs: list[dict[str, Any]], static_tasks: list[Any]
     return layouts, templates
 
 
-def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True) -> StepPlan:
+def plan_of(record: dict[str, Any], pool: torch.Tensor, verify: bool = True, held: bool = False) -> StepPlan:
     """Rebuild a sealed step's plan, its tasks' sources viewing ``pool``;
     with ``verify``, StaleSeal if a chunk's bytes no longer match their CRC
     (a ring left by a dead trainer; the live trainer's helper trusts it),
-    CorruptRing if the record does not describe the pool."""
+    CorruptRing if the record does not describe the pool.
+
+    The chunks the rank holds as a replica of another's (redundancy="replicas")
+    are never among the plan's tasks -- it does not write them -- and their
+    CRCs are checked only with ``held``, which puts them last (``replicas``
+    of them: capture/replicaguard.py)."""
     tasks_doc = record["tasks"]
     if isinstance(tasks_doc, list):  # the first format: one dict per task
         return _plan_of_v1(record, pool, verify)
-    layouts, templates = _templates(record["layouts"], tasks_doc["static"])
+    statics = tasks_doc["static"]
+    layouts, templates = _templates(record["layouts"], statics)
+    marked = [len(e) == 7 for e in statics] if any(len(e) == 7 for e in statics) else None
     if "extents" in tasks_doc:
-        starts = _starts_of_extents(record, templates, tasks_doc["extents"], pool, verify)
+        starts = _starts_of_extents(record, templates, tasks_doc["extents"], pool, verify, None if held else marked)
     else:
         starts = _starts_of_v2(record, templates, tasks_doc, pool, verify)
-    tasks = []
+    tasks: list[ChunkTask] = []
+    kept: list[ChunkTask] = []
     narrow = pool.narrow
-    for (layout, index, coords, offset, shape, dtype, nbytes), start in zip(templates, starts):
+    for j, ((layout, index, coords, offset, shape, dtype, nbytes), start) in enumerate(zip(templates, starts)):
         source = narrow(0, start, nbytes).view(dtype)
         if len(shape) != 1:
             source = source.view(shape)
-        tasks.append(ChunkTask(layout, index, coords, offset, shape, source))
-    return StepPlan(int(record["step"]), record["tree"], layouts, tasks, [layouts[i] for i in record["meta"]])
+        (kept if marked is not None and marked[j] else tasks).append(ChunkTask(layout, index, coords, offset,
+                                                                               shape, source))
+    plan = StepPlan(int(record["step"]), record["tree"], layouts, tasks + kept if held else tasks,
+                    [layouts[i] for i in record["meta"]])
+    plan.replicas = len(kept) if held else 0
+    return plan
 
 
 def _starts_of_extents(record: dict[str, Any], templates: list[_Template], extents: Any, pool: torch.Tensor,
-                       verify: bool) -> list[int]:
+                       verify: bool, skip: list[bool] | None = None) -> list[int]:
     """Each task's start in the pool from a third-format record's extents
-    (checking each extent's CRC with ``verify``): every task in exactly one
-    extent, every extent inside the pool."""
+    (checking each extent's CRC with ``verify``, but not one of only tasks
+    ``skip`` marks): every task in exactly one extent, every extent inside
+    the pool."""
     n, size = len(templates), pool.numel()
     starts: list[int] = [-1] * n
     if not isinstance(extents, list):
@@ -553,6 +577,8 @@ def _starts_of_extents(record: dict[str, Any], templates: list[_Template], exten
             at += templates[p][6]
         if not 0 <= first <= at <= size:
             raise CorruptRing(f"an extent at {first}+{at - first} is outside the pool")
+        if skip is not None and positions and all(skip[p] for p in positions):
+            continue  # (held for another rank: checked when rebuilding that rank's step)
         if verify and crc is not None and crc32c(np.frombuffer(pool[first:at].numpy(), np.uint8)) != crc:
             name = templates[positions[0]][0].name if positions else "?"
             raise StaleSeal(f"step {record['step']}: the chunks from {name} on do not match their CRC")

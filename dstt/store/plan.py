@@ -107,10 +107,19 @@ class StepPlan:
     #: (the memory tier: ``prev_staged``); the flusher's own copies
     #: (dstt.store.prevvalues) are then neither used nor made.
     prev_told: bool = False
+    #: The last ``replicas`` tasks are chunks this rank holds as a replica of
+    #: another holder's (redundancy="replicas"): staged and sealed, never
+    #: written by this rank (a plan read back from a seal has none: seals.plan_of).
+    replicas: int = 0
 
     @property
     def local_bytes(self) -> int:
         return sum(t.nbytes for t in self.tasks)
+
+    @property
+    def own_tasks(self) -> list[ChunkTask]:
+        """The tasks whose chunks this rank writes (all but the replicas)."""
+        return self.tasks[:len(self.tasks) - self.replicas] if self.replicas else self.tasks
 
 
 # ----------------------------------------------------------------------------- local
@@ -190,10 +199,15 @@ def merge_trees(trees: list[Any]) -> Any:
     return out
 
 
-def region_tasks(layout: TensorLayout, region: Region, data: torch.Tensor, rank: int) -> list[ChunkTask]:
-    """Chunk tasks of one region that ``rank`` owns; ``data`` is the region's local data."""
+def region_tasks(layout: TensorLayout, region: Region, data: torch.Tensor, rank: int,
+                 held: bool = False) -> list[ChunkTask]:
+    """Chunk tasks of one region that ``rank`` owns; ``data`` is the region's local data.
+    ``held``: instead, the region's chunks that another of its holders owns
+    (``rank`` holds them as a replica: redundancy="replicas")."""
     if math.prod(region.shape) == 0:
         return []
+    if held:
+        return _region_chunks(layout, region, data, rank, False)
     if layout.chunk_shape == region.shape == layout.shape and len(region.holders) == 1:
         # One chunk, the whole tensor, one holder (most small tensors): no
         # grid walk, and the data itself is the chunk.
@@ -201,10 +215,16 @@ def region_tasks(layout: TensorLayout, region: Region, data: torch.Tensor, rank:
             return []
         zero = region.offset
         return [ChunkTask(layout, 0, zero, zero, layout.shape, data)]
+    return _region_chunks(layout, region, data, rank, True)
+
+
+def _region_chunks(layout: TensorLayout, region: Region, data: torch.Tensor, rank: int, own: bool,
+                   ) -> list[ChunkTask]:
+    """Tasks of ``region``'s chunks that ``rank`` owns (``own``) or that another holder owns."""
     tasks = []
     for coords in layout.chunk_grid.overlapping(region.offset, region.shape):
         index = layout.linear(coords)
-        if layout.owner(region, index) != rank:
+        if (layout.owner(region, index) == rank) != own:
             continue
         off, shp = layout.chunk_box(coords)
         if off == tuple(region.offset) and shp == tuple(region.shape):
@@ -308,6 +328,8 @@ def _plan_step(step: int, state: Any, rank: int, exchange: Callable[[Any], list[
     layouts = [_cached_layout(n, desc[n], codec, max_chunk_bytes, pack_chunk_bytes, layout_cache)
                for n in sorted(desc)]
     tasks: list[ChunkTask] = []
+    held: list[ChunkTask] = []
+    replicas = memos is not None and bool(memos.get(HOLD_REPLICAS))
     meta: list[TensorLayout] = []
     for layout in layouts:
         if layout.meta_owner_rank == rank:
@@ -320,7 +342,21 @@ def _plan_step(step: int, state: Any, rank: int, exchange: Callable[[Any], list[
                 continue  # an empty shard has no chunks
             data = _local_data_for(lt, region)
             tasks.extend(region_tasks(layout, region, data, rank))
-    return StepPlan(step, tree, layouts, tasks, meta)
+            if replicas and len(region.holders) > 1:
+                held.extend(region_tasks(layout, region, data, rank, held=True))
+    return StepPlan(step, tree, layouts, tasks + held, meta, replicas=len(held))
+
+
+#: A writer's layout cache holding this key (True) plans, after this rank's
+#: own chunk tasks, a task for every chunk of a replicated region it holds
+#: that another holder owns (``StepPlan.replicas`` of them, last): staged in
+#: its ring and never written by it (redundancy="replicas", issue 26).
+HOLD_REPLICAS = "$hold-replicas"
+
+
+def hold_replicas(layout_cache: dict[Any, Any]) -> None:
+    """Plan the replicated chunks other holders own too (see HOLD_REPLICAS)."""
+    layout_cache[HOLD_REPLICAS] = True
 
 
 def _plan_local(tensors: dict[str, Any], kinds: dict[str, str], rank: int, codec: CodecSpec,

@@ -163,56 +163,6 @@ def test_redundancy_option_is_validated(tmp_path: Path) -> None:
         dstt.Capture(tmp_path / "d", memory_steps=2, redundancy="pair")
 
 
-def _plan_replicated(world: int, state: dict[str, Any]) -> dict[int, set[tuple[str, int]]]:
-    """The chunks each of ``world`` ranks holding ``state`` (DDP: the same
-    tensors on every rank) stages for a step, planned on threads that
-    all-gather their descriptions as torch.distributed's ranks do."""
-    import threading
-
-    from dstt.store.plan import plan_step
-
-    slots: list[Any] = [None] * world
-    barrier = threading.Barrier(world, timeout=30)
-    out: dict[int, set[tuple[str, int]]] = {}
-
-    def exchange(rank: int) -> Any:
-        def gather(obj: Any) -> list[Any]:
-            slots[rank] = obj
-            barrier.wait()
-            got = list(slots)
-            barrier.wait()
-            return got
-        return gather
-
-    def plan(rank: int) -> None:
-        p = plan_step(1, state, rank=rank, exchange=exchange(rank), max_chunk_bytes=1024)
-        out[rank] = {(t.layout.name, t.index) for t in p.tasks}
-
-    threads = [threading.Thread(target=plan, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(out) == world
-    return out
-
-
-def test_replicas_is_refused_because_no_ring_holds_another_replicas_share(tmp_path: Path) -> None:
-    """``redundancy="replicas"`` would rebuild a lost rank's ring from a
-    replica's ring; but replicated state is written once, its chunks shared
-    out among its holders, so the replicas' rings hold disjoint shares (no
-    byte of the lost one's share survives it). The option is refused, saying so."""
-    from dstt.errors import ConfigError
-
-    torch.manual_seed(0)
-    state = {"model": torch.nn.Linear(64, 64).state_dict()}
-    shares = _plan_replicated(2, state)
-    assert shares[0] and shares[1] and not shares[0] & shares[1]  # disjoint: not replicas of each other
-    assert len(shares[0] | shares[1]) == 16 + 1  # (together: the 16 KiB weight's 1 KiB chunks and the bias, once)
-    with pytest.raises(ConfigError, match="no rank's ring holds another replica's share"):
-        dstt.Capture(tmp_path / "r", memory_steps=2, redundancy="replicas")
-
-
 def test_a_real_tcpstore_carries_a_block_over_its_value_limit() -> None:
     """The job's c10d TCPStore (libuv) refuses a value over 8 MiB: a 9 MiB
     block still goes through, in parts (found by bench_redundancy.py:

@@ -3,7 +3,8 @@ loses a node (issue 26), run under torchrun (gloo, CPU), one agent per node.
 
     python -m torch.distributed.run --nnodes N --node-rank I ... node_ranks.py OUT PHASE SCHEME [STEPS]
 
-PHASE ``train``: FSDP2 (every rank its own shards), STEPS steps captured
+PHASE ``train``: FSDP2 (every rank its own shards; NODE_RANKS_STATE=ddp:
+the same state on every rank, gradients all-reduced), STEPS steps captured
 with ``memory_steps=3``, ``persist=1000`` (step 0 stored, every other step
 in memory only) and ``redundancy=SCHEME``; rank 0 saves the unsharded state
 of every step to OUT/expected.pt; each rank writes OUT/rank<r>.json (its
@@ -54,9 +55,22 @@ def write(path: Path, doc: dict[str, Any]) -> None:
     tmp.rename(path)
 
 
+def build_state() -> torch.nn.Module:
+    """FSDP2 (every rank its own shards), or with NODE_RANKS_STATE=ddp the
+    same plain model on every rank, its gradients all-reduced (DDP: the
+    state replicated on every rank, redundancy="replicas")."""
+    if os.environ.get("NODE_RANKS_STATE") != "ddp":
+        return build()[0]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
+                                torch.nn.ReLU(), torch.nn.Linear(7, 2))
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
 def train(out: Path, scheme: str, steps: int) -> None:
     rank = dist.get_rank()
-    model, _ = build()
+    wrapped = build_state()
+    model = getattr(wrapped, "module", wrapped)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     cap = dstt.Capture(out / "run", memory_steps=3, persist=1000, redundancy=scheme, max_chunk_bytes=256,
                        background_timeout_s=90)
@@ -64,7 +78,7 @@ def train(out: Path, scheme: str, steps: int) -> None:
     torch.manual_seed(7)
     for step in range(steps):
         opt.zero_grad()
-        model(torch.randn(5, 6)).square().mean().backward()
+        wrapped(torch.randn(5, 6)).square().mean().backward()
         opt.step()
         cap.snapshot(step, model=model, optimizer=opt, rng=False)
         expected[step] = full(dstt.state_of(model=model, optimizer=opt, rng=False))
@@ -75,7 +89,8 @@ def train(out: Path, scheme: str, steps: int) -> None:
     want = set(range(steps - 3, steps))
     deadline = time.monotonic() + 60
     nowait = os.environ.get("NODE_RANKS_NOWAIT") == "1"  # lost at once: copies may be under way
-    while not nowait and not (want <= held_by_all(out) and (scheme == "none" or want <= set(protected(out)))) \
+    copies = scheme not in ("none", "replicas")  # (replicas: sealed with the step, nothing to wait for)
+    while not nowait and not (want <= held_by_all(out) and (not copies or want <= set(protected(out)))) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
     helper = cap.parts.helper.pid if cap.parts.helper is not None else None

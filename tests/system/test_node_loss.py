@@ -122,16 +122,18 @@ def _killpg(pid: int) -> None:
 
 
 def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait: bool = False,
-               kill_recovery_after_s: float | None = None, corrupt: bool = False
+               kill_recovery_after_s: float | None = None, corrupt: bool = False, ddp: bool = False,
                ) -> tuple[Nodes, list[dict[str, object]]]:
     """Train on ``n`` nodes x 1 rank until the held steps are protected
     (``nowait``: lose them at once, copies possibly under way), lose the
     nodes ``lost`` (the others' job dies with them: killed, their memory
     directories kept), restart with fresh nodes in their place
-    (``kill_recovery_after_s``: that restart killed too, then another)."""
+    (``kill_recovery_after_s``: that restart killed too, then another).
+    ``ddp``: the state replicated on every rank (node_ranks.py)."""
     nodes = Nodes(tmp_path, n)
+    state = {"NODE_RANKS_STATE": "ddp"} if ddp else {}
     try:
-        nodes.start("train", scheme, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}))
+        nodes.start("train", scheme, **state, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}))
         infos = nodes.wait_files("rank{}.json")
         for node in lost:
             nodes.lose(node)
@@ -140,16 +142,18 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
                 nodes.lose(node, remove=False)  # (the job is torn down: killed, not closed)
         for r in range(n):
             (tmp_path / f"rank{r}.json").unlink()
-        if corrupt:  # one bit of the newest copy flipped where it is kept
+        if corrupt and scheme == "replicas":
+            corrupt_held_chunk(nodes.shm(1 - lost[0]))
+        elif corrupt:  # one bit of the newest copy flipped where it is kept
             newest = sorted(nodes.shm(0).rglob("*.blk"))[-1]
             data = bytearray(newest.read_bytes())
             data[-7] ^= 0x04
             newest.write_bytes(bytes(data))
         if kill_recovery_after_s is not None:
-            nodes.start("recover", scheme)
+            nodes.start("recover", scheme, **state)
             time.sleep(kill_recovery_after_s)
             nodes.kill_all()  # (its helpers are stopped by their trainers' death, or finish alone)
-        nodes.start("recover", scheme)
+        nodes.start("recover", scheme, **state)
         recovered = nodes.wait_files("recovered{}.json")
         nodes.wait_all()
     finally:
@@ -157,6 +161,22 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
     if not nowait:
         assert all(i["protected"] == infos[0]["protected"] for i in infos)
     return nodes, recovered
+
+
+def corrupt_held_chunk(shm: Path) -> int:
+    """Flip one bit of the newest step's last chunk held as a replica in the
+    ring under ``shm`` (after its seal); that step."""
+    from dstt.capture.seals import read_record
+
+    newest = sorted(shm.rglob("seal-*.json"))[-1]
+    record = read_record(newest.read_bytes())
+    statics = record["tasks"]["static"]
+    start = max(e[0] for e in record["tasks"]["extents"] if all(len(statics[p]) == 7 for p in e[2]))
+    pool = newest.parent / record["pool"]
+    data = bytearray(pool.read_bytes())
+    data[start] ^= 0x04
+    pool.write_bytes(bytes(data))
+    return int(record["step"])
 
 
 def lose_node_after_protection(tmp_path: Path, scheme: str, lost: int) -> tuple[Nodes, list[dict[str, object]]]:
@@ -261,3 +281,34 @@ def test_pair_a_corrupted_copy_is_never_used(tmp_path: Path) -> None:
     assert 7 in named_steps([w for w in recovered[0]["warnings"] if "were held" in w])  # type: ignore[union-attr]
     assert any("is not used" in w and "CRC" in w for w in recovered[0]["warnings"])  # type: ignore[union-attr]
     check_bits(tmp_path, [0, 5, 6])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [1, 0])
+def test_replicas_ddp_two_nodes_lose_one_after_the_seal(tmp_path: Path, lost: int) -> None:
+    """``replicas``, 2 nodes x 1 rank, the state replicated (DDP): node
+    ``lost`` lost once its tier holds steps 5-7; the other node's ring holds
+    every chunk of them (its own and the lost rank's share), so the
+    restarted job rebuilds the lost rank's part of each from it and commits
+    them, bit-exact against the unsharded reference, verify-clean. (Older
+    memory-only steps whose seals the survivor's ring still holds are
+    rebuilt and committed too: every step it sealed.)"""
+    nodes, recovered = lose_nodes(tmp_path, "replicas", [lost], ddp=True)
+    got = recovered[0]["recovered"]
+    assert isinstance(got, list) and {5, 6, 7} <= set(got) <= set(range(1, 8)), nodes.logs()
+    assert recovered[0]["warnings"] == []
+    check_bits(tmp_path, [0, *sorted(got)])
+
+
+@pytest.mark.slow
+def test_replicas_a_corrupted_replica_chunk_is_refused(tmp_path: Path) -> None:
+    """A bit of a chunk node 0 holds for rank 1 flipped in its ring after
+    step 7's seal: that chunk does not match the CRC sealed with it, so
+    rank 1's step 7 is not rebuilt (named); steps 5-6 are, bit-exact."""
+    nodes, recovered = lose_nodes(tmp_path, "replicas", [1], ddp=True, corrupt=True)
+    got = recovered[0]["recovered"]
+    assert isinstance(got, list) and {5, 6} <= set(got) <= set(range(1, 7)), nodes.logs()
+    warned = recovered[0]["warnings"]
+    assert 7 in named_steps([w for w in warned if "were held" in w])  # type: ignore[union-attr]
+    assert any("not rebuilt from replicas" in w and "step 7" in w for w in warned)  # type: ignore[union-attr]
+    check_bits(tmp_path, [0, *sorted(got)])
