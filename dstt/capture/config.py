@@ -110,7 +110,10 @@ class CaptureConfig:
     #: node (its processes and its /dev/shm) loses no step the tier held;
     #: ``"replicas"`` -- each rank's ring also holds the replicated chunks
     #: other holders write (R x the replicated bytes per rank), and a lost
-    #: rank's steps are rebuilt from a replica's ring (capture/replicaguard.py).
+    #: rank's steps are rebuilt from a replica's ring (capture/replicaguard.py);
+    #: ``"auto"`` -- ``replicas`` where every tensor has a replica on another
+    #: node (DDP, HSDP), else ``pair``, chosen at the first snapshot
+    #: (capture/redundancychoice.py; ``Capture.redundancy_chosen``).
     redundancy: str = "none"
 
     #: Every wait of the capture (the capture helper's answer for a step, a
@@ -168,6 +171,10 @@ class CaptureConfig:
     def _check_redundancy(self) -> None:
         from dstt.format.redundancy import parse_scheme
 
+        if self.redundancy == "auto":  # replicas where the state allows, else pair (capture/redundancychoice.py)
+            if self.memory_steps is None:
+                raise ConfigError("redundancy='auto' protects the steps the memory tier holds: it needs memory_steps=K")
+            return
         scheme = parse_scheme(self.redundancy)
         if scheme.kind == "parity":
             raise ConfigError(f"redundancy={self.redundancy!r} is not built in the capture helpers yet; "

@@ -132,6 +132,9 @@ class Capture:
         #: Where the memory tier runs: "helper" (the capture helper process,
         #: issue 25), "trainer" (this process: no helper can run), None (no tier).
         self.tier_where: str | None = None
+        #: The scheme redundancy="auto" chose (at the first snapshot; modes.py), else the one asked for.
+        self.redundancy_chosen: str | None = None if cfg.redundancy == "auto" else cfg.redundancy
+        self.redundancy_auto: Any = None
         try:
             # The one choice of mode (committers.py): in this process, the capture helper, the memory tier.
             self.committer: Committer = make_committer(self)
@@ -191,6 +194,8 @@ class Capture:
             # 1. the writer plans the step (collective under torch.distributed; with the
             #    capture helper the helper's writer adopts the plan: no reference chain here)
             job = Job(self.writer.plan(step, state, track=self.committer.track_plan), [], writer=self.writer)
+            if self.redundancy_auto is not None:  # redundancy="auto": chosen from the first plan (issue 26)
+                self.redundancy_auto.first_plan(job.plan)
             # The step is planned on every rank. Whatever fails from here on, it
             # is queued, so that its (collective) commit runs and fails on every
             # rank instead of leaving a peer waiting. An interrupt (Ctrl-C) fails

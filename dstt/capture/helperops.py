@@ -193,6 +193,9 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
                 guard.close(clean=False)
             return bool(tier.unstored())  # (steps left sealed: the ring stays for the next Capture or `dstt gc`)
         for cmd in batch:
+            if len(cmd) == 2 and cmd[0] == "redundancy" and guard is None:  # redundancy="auto" chose (issue 26)
+                guard = peerguard.start({**tier_args, "redundancy": cmd[1]}, records, writer, ops)
+                continue
             if _handle(cmd, tier, ops, reply):
                 tier.close()
                 if guard is not None:

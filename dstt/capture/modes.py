@@ -18,6 +18,7 @@ import warnings
 from typing import Any
 
 from dstt.capture.committers import Committer, HelperCommitter, InProcessCommitter, TierCommitter
+from dstt.capture.redundancychoice import AutoRedundancy
 from dstt.capture.tiercommitter import HelperTierCommitter
 from dstt.errors import CaptureWarning, ConfigError, MemoryTierWarning
 from dstt.store.plan import hold_replicas
@@ -33,13 +34,15 @@ def make_committer(cap: Any) -> Committer:
     if cfg.memory_steps is not None:
         tier = {"k": cfg.memory_steps, "policy": cfg.persist_policy, "watch": cfg.watch_nonfinite,
                 "run": cap.crashsafe.run_id or uuid.uuid4().hex,
-                # ("replicas" needs nothing of the helpers: the trainer stages, recovery rebuilds)
-                "redundancy": "none" if cfg.redundancy == "replicas" else cfg.redundancy}
+                # ("replicas" needs nothing of the helpers: the trainer stages, recovery rebuilds;
+                # "auto" tells them "pair" if it chooses it)
+                "redundancy": "none" if cfg.redundancy in ("replicas", "auto") else cfg.redundancy}
         if cfg.redundancy != "none" and not cap.plan_coord.distributed:
             raise ConfigError(f"redundancy={cfg.redundancy!r} copies steps between the nodes of a "
                               "torch.distributed job; this Capture runs alone")
         if cfg.redundancy == "replicas":  # stage the replicated chunks other holders write too (issue 26)
             hold_replicas(cap.writer._layout_cache)  # (the writer plans every step with it)
+        cap.redundancy_auto = AutoRedundancy(cap) if cfg.redundancy == "auto" else None  # (chosen at step 1)
         helper = None if cfg.helper is False else cap.crashsafe.start_helper(tier=tier)
         if helper is not None:
             cap.crashsafe.helper = helper

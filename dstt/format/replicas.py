@@ -37,11 +37,10 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from dstt.errors import CorruptStoreError
+from dstt.format import layout as L
 from dstt.format.geometry import TensorLayout
-
-#: The record a recovery writes for a lost rank's step rebuilt from a replica
-#: (kept in its owner.json: the rank it was derived from).
-DERIVED_KEY = "derived_from"
+from dstt.format.manifest import decode_json, encode_json
 
 
 def marker(layout: TensorLayout, index: int, offset: Sequence[int]) -> list[int]:
@@ -117,6 +116,40 @@ def held_bytes(layouts: Iterable[TensorLayout], rank: int) -> int:
     return total
 
 
+#: Where rank 0 records what ``redundancy="auto"`` chose, per branch.
+CHOICE_DIR = "meta/replicas"
+CHOICE_FORMAT = "dstt-redundancy-choice"
+CHOICES = ("replicas", "pair")
+
+
+def choice_key(branch: str) -> str:
+    return f"{CHOICE_DIR}/{L.validate_branch(branch)}.json"
+
+
+def write_choice(backend: Any, branch: str, doc: dict[str, Any]) -> None:
+    """Record (overwrite) what ``redundancy="auto"`` chose for ``branch``:
+    ``doc`` with ``redundancy`` (one of CHOICES), ``step``, ``why``, ``nodes``."""
+    if doc.get("redundancy") not in CHOICES:
+        raise ValueError(f"not a choice of redundancy='auto': {doc.get('redundancy')!r}")
+    backend.put_atomic(choice_key(branch), encode_json({"format": CHOICE_FORMAT, "format_version": 1,
+                                                        "branch": branch, **doc}))
+
+
+def read_choice(backend: Any, branch: str) -> dict[str, Any] | None:
+    """What ``redundancy="auto"`` chose for ``branch`` (None: nothing, or a
+    record that does not check out -- never trusted)."""
+    data = backend.get(choice_key(branch), max_bytes=1 << 16)
+    if data is None:
+        return None
+    try:
+        doc = decode_json(data, choice_key(branch))
+    except CorruptStoreError:
+        return None
+    ok = (isinstance(doc, dict) and doc.get("format") == CHOICE_FORMAT and doc.get("branch") == branch
+          and doc.get("redundancy") in CHOICES and type(doc.get("step")) is int)
+    return doc if ok else None
+
+
 def digest(crcs: Iterable[tuple[int, int, int]]) -> str:
     """One digest of ``(layout position, chunk index, CRC-32C)`` triples: two
     replicas of a rank's step agree when their digests do."""
@@ -126,5 +159,5 @@ def digest(crcs: Iterable[tuple[int, int, int]]) -> str:
     return h.hexdigest()
 
 
-__all__ = ["DERIVED_KEY", "digest", "held_bytes", "marker", "meta_positions", "owned_chunks", "read_marker",
+__all__ = ["CHOICES", "choice_key", "digest", "read_choice", "write_choice", "held_bytes", "marker", "meta_positions", "owned_chunks", "read_marker",
            "replicated_elsewhere", "shard_of"]

@@ -114,3 +114,27 @@ def test_each_ring_holds_every_replicated_chunk_and_a_lost_ranks_step_is_rebuilt
     with pytest.raises(StaleSeal):
         plan_of(record, pool, held=True)
     plan_of(record, pool)  # (the rank's own part is still its own)
+
+
+def test_auto_sees_replicated_state_from_its_layouts(tmp_path: Path) -> None:
+    """redundancy="auto" picks replicas only where every region of every
+    tensor has holders on two nodes; its record reads back, junk does not."""
+    from dstt.format.backends import open_backend
+    from dstt.format.codecs.spec import CodecSpec
+    from dstt.format.geometry import build_layout
+
+    def layout(regions: list[Any]) -> Any:
+        return build_layout("w", ("param", "float32", (4, 4), "global", regions), CodecSpec(), 16)
+
+    ddp = layout([((0, 0), (4, 4), (0, 1))])
+    hsdp = layout([((0, 0), (2, 4), (0, 2)), ((2, 0), (2, 4), (1, 3))])  # shard dim within a node, replicate across
+    fsdp = layout([((0, 0), (2, 4), (0,)), ((2, 0), (2, 4), (1,))])
+    assert RP.replicated_elsewhere([ddp], ["a", "b"]) == []
+    assert RP.replicated_elsewhere([hsdp], ["a", "a", "b", "b"]) == []
+    assert RP.replicated_elsewhere([hsdp], ["a", "b", "a", "b"]) == ["w"]  # replicas on the same node: no use
+    assert RP.replicated_elsewhere([fsdp], ["a", "b"]) == ["w"]
+    backend = open_backend(str(tmp_path / "s"), create=True)
+    RP.write_choice(backend, "main", {"redundancy": "replicas", "step": 0, "why": "x", "nodes": 2})
+    assert RP.read_choice(backend, "main")["redundancy"] == "replicas"  # type: ignore[index]
+    backend.put_atomic(RP.choice_key("main"), b'{"format": "dstt-redundancy-choice", "redundancy": "raid"}')
+    assert RP.read_choice(backend, "main") is None

@@ -89,12 +89,14 @@ def train(out: Path, scheme: str, steps: int) -> None:
     want = set(range(steps - 3, steps))
     deadline = time.monotonic() + 60
     nowait = os.environ.get("NODE_RANKS_NOWAIT") == "1"  # lost at once: copies may be under way
-    copies = scheme not in ("none", "replicas")  # (replicas: sealed with the step, nothing to wait for)
+    chosen = cap.redundancy_chosen  # (redundancy="auto": what it chose at step 0)
+    copies = chosen not in ("none", "replicas")  # (replicas: sealed with the step, nothing to wait for)
     while not nowait and not (want <= held_by_all(out) and (not copies or want <= set(protected(out)))) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
     helper = cap.parts.helper.pid if cap.parts.helper is not None else None
-    write(out / f"rank{rank}.json", {"helper": helper, "trainer": os.getpid(), "protected": protected(out)})
+    write(out / f"rank{rank}.json", {"helper": helper, "trainer": os.getpid(), "protected": protected(out),
+                                     "chosen": chosen})
     time.sleep(600)  # the node is lost while its tier holds the steps
 
 

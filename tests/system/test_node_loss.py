@@ -123,7 +123,7 @@ def _killpg(pid: int) -> None:
 
 def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait: bool = False,
                kill_recovery_after_s: float | None = None, corrupt: bool = False, ddp: bool = False,
-               ) -> tuple[Nodes, list[dict[str, object]]]:
+               chosen: list[object] | None = None) -> tuple[Nodes, list[dict[str, object]]]:
     """Train on ``n`` nodes x 1 rank until the held steps are protected
     (``nowait``: lose them at once, copies possibly under way), lose the
     nodes ``lost`` (the others' job dies with them: killed, their memory
@@ -135,6 +135,8 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
     try:
         nodes.start("train", scheme, **state, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}))
         infos = nodes.wait_files("rank{}.json")
+        if chosen is not None:
+            chosen.extend(i.get("chosen") for i in infos)
         for node in lost:
             nodes.lose(node)
         for node in range(n):
@@ -311,4 +313,26 @@ def test_replicas_a_corrupted_replica_chunk_is_refused(tmp_path: Path) -> None:
     warned = recovered[0]["warnings"]
     assert 7 in named_steps([w for w in warned if "were held" in w])  # type: ignore[union-attr]
     assert any("not rebuilt from replicas" in w and "step 7" in w for w in warned)  # type: ignore[union-attr]
+    check_bits(tmp_path, [0, *sorted(got)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "fsdp"])
+def test_auto_chooses_replicas_for_replicated_state_else_pair(tmp_path: Path, ddp: bool) -> None:
+    """``redundancy="auto"``: DDP's state (replicated on both nodes) gets
+    ``replicas``, FSDP's (each shard on one node) ``pair``; rank 0 records
+    the choice in the store; either way the lost node's steps 5-7 are
+    rebuilt and committed bit-exact."""
+    from dstt.format import replicas as RP
+    from dstt.format.backends import open_backend
+
+    chosen: list[object] = []
+    nodes, recovered = lose_nodes(tmp_path, "auto", [1], ddp=ddp, chosen=chosen)
+    want = "replicas" if ddp else "pair"
+    assert chosen == [want, want], nodes.logs()
+    doc = RP.read_choice(open_backend(str(tmp_path / "run"), create=False), "main")
+    assert doc is not None and doc["redundancy"] == want and doc["step"] == 0
+    got = recovered[0]["recovered"]
+    assert isinstance(got, list) and {5, 6, 7} <= set(got), nodes.logs()
+    assert recovered[0]["warnings"] == []
     check_bits(tmp_path, [0, *sorted(got)])
