@@ -4,7 +4,8 @@ loses a node (issue 26), run under torchrun (gloo, CPU), one agent per node.
     python -m torch.distributed.run --nnodes N --node-rank I ... node_ranks.py OUT PHASE SCHEME [STEPS]
 
 PHASE ``train``: FSDP2 (every rank its own shards; NODE_RANKS_STATE=ddp:
-the same state on every rank, gradients all-reduced), STEPS steps captured
+the same state on every rank, gradients all-reduced; =hsdp: sharded within
+a node, replicated across nodes), STEPS steps captured
 with ``memory_steps=3``, ``persist=1000`` (step 0 stored, every other step
 in memory only) and ``redundancy=SCHEME``; rank 0 saves the unsharded state
 of every step to OUT/expected.pt; each rank writes OUT/rank<r>.json (its
@@ -59,12 +60,32 @@ def build_state() -> torch.nn.Module:
     """FSDP2 (every rank its own shards), or with NODE_RANKS_STATE=ddp the
     same plain model on every rank, its gradients all-reduced (DDP: the
     state replicated on every rank, redundancy="replicas")."""
-    if os.environ.get("NODE_RANKS_STATE") != "ddp":
+    kind = os.environ.get("NODE_RANKS_STATE", "fsdp")
+    if kind == "hsdp":
+        return _hsdp()
+    if kind != "ddp":
         return build()[0]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
                                 torch.nn.ReLU(), torch.nn.Linear(7, 2))
     return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def _hsdp() -> torch.nn.Module:
+    """HSDP over nodes x ranks per node: sharded within a node, replicated across nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 7),
+                                torch.nn.ReLU(), torch.nn.Linear(7, 2))
+    per = int(os.environ["LOCAL_WORLD_SIZE"])
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // per, per), mesh_dim_names=("replicate", "shard"))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def train(out: Path, scheme: str, steps: int) -> None:

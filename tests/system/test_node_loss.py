@@ -33,8 +33,8 @@ pytestmark = pytest.mark.distributed
 class Nodes:
     """Torchrun agents, one per node, each in a session of its own."""
 
-    def __init__(self, tmp: Path, n: int) -> None:
-        self.tmp, self.n = tmp, n
+    def __init__(self, tmp: Path, n: int, per: int = 1) -> None:
+        self.tmp, self.n, self.per = tmp, n, per  # (``per`` ranks on each node: ranks node*per ... node*per+per-1)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.helpers: list[int] = []
 
@@ -47,7 +47,7 @@ class Nodes:
         for node in range(self.n):
             self.shm(node).mkdir(exist_ok=True)
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.n}", f"--node-rank={node}",
-                   "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER),
+                   f"--nproc-per-node={self.per}", "--master-addr=127.0.0.1", f"--master-port={port}", str(WORKER),
                    str(self.tmp), phase, scheme, str(steps)]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]),
                    "DSTT_SHM_DIR": str(self.shm(node)), "DSTT_NODE_ID": f"node{node}", "DSTT_RANK_WAIT_S": "30",
@@ -60,7 +60,7 @@ class Nodes:
     def wait_files(self, pattern: str, timeout_s: float = 180) -> list[dict[str, object]]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            files = [self.tmp / pattern.format(r) for r in range(self.n)]
+            files = [self.tmp / pattern.format(r) for r in range(self.n * self.per)]
             if all(f.exists() for f in files):
                 return [json.loads(f.read_text()) for f in files]
             if any(p.poll() not in (None, 0) for p in self.procs.values()):
@@ -71,10 +71,11 @@ class Nodes:
 
     def lose(self, node: int, remove: bool = True) -> None:
         """SIGKILL the node's capture helper(s) and its whole session; its memory directory removed."""
-        info = json.loads((self.tmp / f"rank{node}.json").read_text())
-        for who in ("helper", "trainer"):  # (each a session of its own: torchrun starts workers so)
-            if isinstance(info.get(who), int):
-                self.kill_ours(int(info[who]))
+        for rank in range(node * self.per, (node + 1) * self.per):
+            info = json.loads((self.tmp / f"rank{rank}.json").read_text())
+            for who in ("helper", "trainer"):  # (each a session of its own: torchrun starts workers so)
+                if isinstance(info.get(who), int):
+                    self.kill_ours(int(info[who]))
         proc = self.procs.pop(node)
         _killpg(proc.pid)
         proc.wait()
@@ -123,17 +124,19 @@ def _killpg(pid: int) -> None:
 
 def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait: bool = False,
                kill_recovery_after_s: float | None = None, corrupt: bool = False, ddp: bool = False,
-               chosen: list[object] | None = None) -> tuple[Nodes, list[dict[str, object]]]:
+               chosen: list[object] | None = None, per: int = 1, state: str = "fsdp",
+               ) -> tuple[Nodes, list[dict[str, object]]]:
     """Train on ``n`` nodes x 1 rank until the held steps are protected
     (``nowait``: lose them at once, copies possibly under way), lose the
     nodes ``lost`` (the others' job dies with them: killed, their memory
     directories kept), restart with fresh nodes in their place
     (``kill_recovery_after_s``: that restart killed too, then another).
-    ``ddp``: the state replicated on every rank (node_ranks.py)."""
-    nodes = Nodes(tmp_path, n)
-    state = {"NODE_RANKS_STATE": "ddp"} if ddp else {}
+    ``ddp``/``state``: how the state is laid out (node_ranks.py); ``per``
+    ranks on each node."""
+    nodes = Nodes(tmp_path, n, per)
+    state_env = {"NODE_RANKS_STATE": "ddp" if ddp else state}
     try:
-        nodes.start("train", scheme, **state, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}))
+        nodes.start("train", scheme, **state_env, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}))
         infos = nodes.wait_files("rank{}.json")
         if chosen is not None:
             chosen.extend(i.get("chosen") for i in infos)
@@ -142,7 +145,7 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
         for node in range(n):
             if node not in lost:
                 nodes.lose(node, remove=False)  # (the job is torn down: killed, not closed)
-        for r in range(n):
+        for r in range(n * per):
             (tmp_path / f"rank{r}.json").unlink()
         if corrupt and scheme == "replicas":
             corrupt_held_chunk(nodes.shm(1 - lost[0]))
@@ -152,10 +155,10 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
             data[-7] ^= 0x04
             newest.write_bytes(bytes(data))
         if kill_recovery_after_s is not None:
-            nodes.start("recover", scheme, **state)
+            nodes.start("recover", scheme, **state_env)
             time.sleep(kill_recovery_after_s)
             nodes.kill_all()  # (its helpers are stopped by their trainers' death, or finish alone)
-        nodes.start("recover", scheme, **state)
+        nodes.start("recover", scheme, **state_env)
         recovered = nodes.wait_files("recovered{}.json")
         nodes.wait_all()
     finally:
@@ -334,5 +337,18 @@ def test_auto_chooses_replicas_for_replicated_state_else_pair(tmp_path: Path, dd
     assert doc is not None and doc["redundancy"] == want and doc["step"] == 0
     got = recovered[0]["recovered"]
     assert isinstance(got, list) and {5, 6, 7} <= set(got), nodes.logs()
+    assert recovered[0]["warnings"] == []
+    check_bits(tmp_path, [0, *sorted(got)])
+
+
+@pytest.mark.slow
+def test_replicas_hsdp_two_nodes_of_two_ranks_lose_one(tmp_path: Path) -> None:
+    """``replicas``, 2 nodes x 2 ranks, HSDP (sharded within a node,
+    replicated across the two): node 1 (ranks 2-3) lost; rank 0's ring holds
+    rank 2's whole shard, rank 1's rank 3's, so both parts of every held
+    step are rebuilt -- each by a different survivor -- bit-exact."""
+    nodes, recovered = lose_nodes(tmp_path, "replicas", [1], per=2, state="hsdp")
+    got = recovered[0]["recovered"]
+    assert isinstance(got, list) and {5, 6, 7} <= set(got) <= set(range(1, 8)), nodes.logs()
     assert recovered[0]["warnings"] == []
     check_bits(tmp_path, [0, *sorted(got)])
