@@ -12,10 +12,9 @@ A *node* is the ranks sharing a host (``socket.gethostname()``, or
   is cut into ``k`` pieces, and member ``t`` holds the XOR of the other
   members' ``t``-th stripes (RAID-5 over nodes): ``1/k`` of a node's tier
   in extra memory, any one member of a group rebuilt from the others;
-* ``replicas`` (parsed, refused by Capture: capture/config.py): the
-  ranks whose trainers hold identical state (DDP) as each other's copies --
-  but their rings hold disjoint shares of it (a replicated tensor's chunks
-  are shared out among its holders), so today nothing survives there.
+* ``replicas``: the ranks whose trainers hold identical state (DDP, HSDP)
+  as each other's copies -- each ring also stages the replicated chunks
+  other holders write (dstt.format.replicas, capture/replicaguard.py).
 
 Every block is framed (:func:`frame`): magic, the header's own CRC-32C, the
 run, branch id, step, source rank, kind, the payload's length and CRC-32C;
