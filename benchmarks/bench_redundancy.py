@@ -1,5 +1,6 @@
 """Peer redundancy of the memory tier (issue 26): what ``redundancy="pair"``
-costs and what it buys, against ``redundancy="none"`` in the same run.
+and ``"replicas"`` cost and what they buy, against ``redundancy="none"`` in
+the same run.
 
 Two "nodes" on this machine (one torchrun agent each, its own
 DSTT_SHM_DIR and DSTT_NODE_ID, one rank each, gloo), a model of ``--mb``
@@ -10,6 +11,9 @@ MB of parameters (Adam: ~3x that of state, half on each rank under FSDP2),
   with ``none`` then ``pair`` in the same job;
 * extra host memory per node (the copies it keeps for its partner) and
   bytes sent per step per rank (one framed step image);
+* ``replicas`` on the same model kept whole on each rank (DDP), against
+  ``none`` on that state: time per iteration, the staging ring's memory in
+  use (the replicas' shares each ring holds too), bytes sent (0);
 * node 1 is then lost (SIGKILL of its processes, its memory directory
   removed) and the job restarted: time from the restart to the restored
   state (the Capture's recovery rebuilding and committing node 1's shards,
@@ -51,7 +55,17 @@ def _dir_bytes(path: Path) -> int:
 # ----------------------------------------------------------------------------- the workers (under torchrun)
 
 
-def _model(mb: int) -> Any:
+def _ring_bytes(cap: Any) -> int:
+    """Bytes of memory this rank's staging ring (its pool files in /dev/shm) takes now."""
+    from dstt.capture import ringowner as O
+
+    w = cap.writer
+    return _dir_bytes(O.group_dir(str(w.backend.url), w.branch.name, None, w.rank))
+
+
+def _model(mb: int, ddp: bool = False) -> Any:
+    """FSDP2 (each rank half the state), or with ``ddp`` the whole model on
+    each rank, its gradients all-reduced (the state replicated: ``replicas``)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -60,6 +74,8 @@ def _model(mb: int) -> Any:
     width = 512
     layers = max(1, mb * (1 << 20) // (4 * width * width))
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    if ddp:
+        return torch.nn.parallel.DistributedDataParallel(model)
     mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
     for layer in model:
         fully_shard(layer, mesh=mesh)
@@ -67,15 +83,15 @@ def _model(mb: int) -> Any:
     return model
 
 
-def _loop(out: Path, scheme: str, mb: int, steps: int) -> tuple[Any, list[float]]:
+def _loop(out: Path, scheme: str, mb: int, steps: int, ddp: bool = False) -> tuple[Any, list[float]]:
     import torch
 
     import dstt
 
-    model = _model(mb)
+    model = _model(mb, ddp)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    cap = dstt.Capture(out / f"run-{scheme}", memory_steps=3, persist=1000, redundancy=scheme,
-                       background_timeout_s=120)
+    cap = dstt.Capture(out / f"run-{scheme}{'-ddp' if ddp else ''}", memory_steps=3, persist=1000,
+                       redundancy=scheme, background_timeout_s=120)
     times = []
     x = torch.randn(8, 512)
     for step in range(steps):
@@ -98,6 +114,18 @@ def worker_train(out: Path, mb: int, steps: int) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     res: dict[str, Any] = {}
+    # replicas vs none on the same replicated (DDP) state: time, and the ring's memory in use
+    for scheme in ("none", "replicas"):
+        cap, res[f"{scheme}_ddp_s"] = _loop(out, scheme, mb, steps, ddp=True)
+        res[f"{scheme}_ddp_ring_bytes"] = _ring_bytes(cap)
+        if scheme == "replicas":
+            from dstt.format.geometry import TensorLayout
+            from dstt.format.replicas import held_bytes
+
+            layouts = [v for v in cap.writer._layout_cache.values() if isinstance(v, TensorLayout)]
+            res["held_bytes_per_step"] = held_bytes(layouts, rank)  # (what this rank stages for the others)
+        cap.close()
+        dist.barrier()
     cap, res["none_s"] = _loop(out, "none", mb, steps)
     cap.close()
     dist.barrier()
@@ -207,13 +235,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _killpg(p.pid)
         if not os.environ.get("BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
-    med = {s: statistics.median(t for r in train for t in r[f"{s}_s"][2:]) for s in ("none", "pair")}
+    med = {s: statistics.median(t for r in train for t in r[f"{s}_s"][2:])
+           for s in ("none", "pair", "none_ddp", "replicas_ddp")}
     return {
         "machine": _machine(), "mb": args.mb, "steps": args.steps,
         "iteration_none_ms": med["none"] * 1e3, "iteration_pair_ms": med["pair"] * 1e3,
         "pair_vs_none": med["pair"] / med["none"],
         "extra_memory_per_node_mb": max(r["copies_bytes"] for r in train) / 1e6,
         "sent_per_step_per_rank_mb": max(r["block_bytes"] for r in train) / 1e6,
+        "iteration_none_ddp_ms": med["none_ddp"] * 1e3, "iteration_replicas_ms": med["replicas_ddp"] * 1e3,
+        "replicas_vs_none": med["replicas_ddp"] / med["none_ddp"],
+        "replicas_extra_ring_per_node_mb": max(r["replicas_ddp_ring_bytes"] - r["none_ddp_ring_bytes"]
+                                               for r in train) / 1e6,
+        "replicas_held_per_step_per_rank_mb": max(r["held_bytes_per_step"] for r in train) / 1e6,
+        "replicas_sent_per_step_mb": 0.0,  # (nothing crosses the network: the replicas are the trainers')
         "recovered_steps": rec[0]["recovered"],
         "loss_to_restored_s": rec[0]["loss_to_restored_s"], "store_restore_s": rec[0]["store_restore_s"],
     }
@@ -250,6 +285,10 @@ def main() -> None:
           f"({(res['pair_vs_none'] - 1) * 100:+.1f} %)")
     print(f"extra memory per node  {res['extra_memory_per_node_mb']:.1f} MB (pair)")
     print(f"sent per step per rank {res['sent_per_step_per_rank_mb']:.2f} MB")
+    print(f"replicas (DDP state)   none {res['iteration_none_ddp_ms']:.1f} ms, replicas "
+          f"{res['iteration_replicas_ms']:.1f} ms ({(res['replicas_vs_none'] - 1) * 100:+.1f} %); extra ring memory "
+          f"per node {res['replicas_extra_ring_per_node_mb']:.1f} MB ({res['replicas_held_per_step_per_rank_mb']:.1f} "
+          f"MB held for the other rank per step); sent per step 0 MB")
     print(f"node 1 lost: steps {res['recovered_steps']} rebuilt; restart to restored state "
           f"{res['loss_to_restored_s']:.2f} s vs restore from the store {res['store_restore_s']:.2f} s "
           f"(step 0: {res['steps'] - 1} steps older)")
