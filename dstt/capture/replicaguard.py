@@ -8,18 +8,19 @@ seals.py, dstt.format.replicas). When a node is lost -- its processes and
 its /dev/shm gone -- the restarted job's recovery (crashsafe.py) runs:
 
 1. :func:`stage`, on every rank, before it records its own dead rings:
-   from each sealed step of those rings, the step of every other rank all
-   of whose chunks this ring holds (``owned_chunks`` of that rank: its
-   whole part of the step) is written as a ring of that rank under a
-   private directory of this process (stepimage.materialize: a sparse
-   pool, a seal record with a CRC per chunk and the rank's own ``meta``);
-   a held chunk whose bytes do not match the CRC sealed with them is
-   never used (the step is not offered);
+   in each sealed step of those rings it checks every held chunk against
+   the CRC sealed with it (a chunk whose bytes changed is never used: the
+   step is not offered) and finds every other rank all of whose part of
+   the step this ring holds (``owned_chunks`` of that rank); it keeps the
+   digest of that part's CRCs and a hard link to the pool file (the ring is
+   removed once recorded; nothing is copied before a rank is known lost);
 2. :func:`finish`, collective, after every rank recorded its own rings:
    the ranks all-gather what they offer, ``(rank, step) -> digest`` of the
    chunks' CRCs; a step whose rank recorded it itself is left alone; where
    replicas disagree (any chunk's CRC differs) the step is refused and
-   named; otherwise the lowest offering rank records its rebuilt ring as
+   named; otherwise the lowest offering rank writes that rank's step as a
+   ring of its own (stepimage.materialize: a sparse pool, a CRC per chunk,
+   a derived seal record with the rank's own ``meta``) and records it as
    that rank's (ranks.record_rings, every CRC checked again). Rank 0 then
    commits the steps every rank recorded; those still missing a rank's
    part are named once (nodeloss.report_unrebuilt) and restores fall back
@@ -35,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import uuid
@@ -65,11 +67,15 @@ _LEN = struct.Struct("<I")
 
 @dataclass
 class Pending:
-    """What :func:`stage` rebuilt on this rank: rings of other ranks under
-    ``base``, and for each ``(rank, step)`` the digest of its chunks' CRCs."""
+    """What :func:`stage` found on this rank: for each ``(rank, step)`` it can
+    rebuild, the digest of that rank's chunks' CRCs (``offers``) and where
+    from (``sources``: the seal and its pool file, hard-linked under
+    ``base`` so that recording this rank's own rings, which removes them,
+    leaves the bytes: no copy is made before a rank is known to be lost)."""
 
     base: Path | None = None
     offers: dict[tuple[int, int], str] = field(default_factory=dict)
+    sources: dict[tuple[int, int], tuple[dict[str, Any], Path, dict[str, Any]]] = field(default_factory=dict)
     refused: list[str] = field(default_factory=list)
 
     def drop(self) -> None:
@@ -78,10 +84,14 @@ class Pending:
             self.base = None
 
 
+_PENDING_RE = re.compile(r"replicas-([0-9]{1,10})-[0-9a-f]{8}")
+
+
 def stage(writer: Any, identity: dict[str, Any], exclude: Path | None = None, base: Path | None = None) -> Pending:
-    """Rebuild, from this rank's abandoned rings (left as they are), the
-    steps of other ranks whose every chunk they hold (see the module
-    docstring, 1); ``base``: the ring root's base (tests)."""
+    """From this rank's abandoned rings (left as they are), what it can
+    rebuild of other ranks' steps (see the module docstring, 1); ``base``:
+    the ring root's base (tests)."""
+    _sweep(base)
     pending = Pending()
     last = writer.last_step if writer.last_step is not None else -1
     for ring in R.abandoned(identity, base, exclude, dry_run=True):
@@ -107,12 +117,40 @@ def _stage_seal(pending: Pending, ring: R.Abandoned, seal: dict[str, Any], base:
     except (StaleSeal, R.CorruptRing, OSError, ValueError) as e:
         pending.refused.append(f"step {step} (rank {ring.owner.get('rank')}'s replicas: {e})")
         return
-    for rank, image, dig in derive_images(seal, plan, ring.owner):
-        if pending.base is None:
-            pending.base = O.ring_root(base) / f"replicas-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            O.make_private(pending.base)
-        stepimage.materialize(image, pending.base)
-        pending.offers[(rank, step)] = dig
+    parts = _parts(seal, plan, ring.owner)
+    if not parts:
+        return
+    if pending.base is None:
+        pending.base = O.ring_root(base) / f"replicas-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        O.make_private(pending.base)
+    linked = pending.base / f"{ring.dir.name}-{seal['pool']}"
+    if not linked.exists():
+        os.link(ring.dir / seal["pool"], linked)  # (the same file: no byte copied)
+    for rank, chunks in parts.items():
+        pending.offers[(rank, step)] = RP.digest((e[0], e[1], crc32c(_bytes(t))) for e, t in chunks)
+        pending.sources[(rank, step)] = (seal, linked, ring.owner)
+
+
+def _parts(seal: dict[str, Any], plan: StepPlan, owner: dict[str, Any]) -> dict[int, list[tuple[list[Any], Any]]]:
+    """``{rank: [(static entry, task)]}``: each other rank whose whole part
+    of ``seal``'s step ``plan`` (plan_of with ``held``) holds, its chunks in
+    the order of its own plan's (layout, chunk index)."""
+    statics = seal["tasks"]["static"]
+    held = plan.tasks[len(plan.tasks) - plan.replicas:]
+    marked = [e for e in statics if len(e) == 7]
+    world, me = int(owner.get("world", 0)), owner.get("rank")
+    if len(marked) != len(held) or not marked:
+        return {}
+    have: dict[tuple[int, int], tuple[list[Any], Any]] = {}
+    for entry, task in zip(marked, held):
+        RP.read_marker(entry[6], world=world, shards=len(plan.layouts[entry[0]].regions))
+        have[(entry[0], entry[1])] = (entry[:6], task)
+    out = {}
+    for rank in range(world):
+        need = RP.owned_chunks(plan.layouts, rank) if rank != me else None
+        if need is not None and set(need) <= set(have):
+            out[rank] = [have[k] for k in sorted(need)]
+    return out
 
 
 def derive_images(seal: dict[str, Any], plan: StepPlan, owner: dict[str, Any]) -> list[tuple[int, bytes, str]]:
@@ -120,27 +158,34 @@ def derive_images(seal: dict[str, Any], plan: StepPlan, owner: dict[str, Any]) -
     of every other rank whose whole part of ``seal``'s step ``plan``
     (plan_of with ``held``) holds -- its chunks, each CRC'd, its seal
     record, ``owner`` with its rank -- and the digest of its chunks' CRCs."""
-    statics = seal["tasks"]["static"]
-    held = plan.tasks[len(plan.tasks) - plan.replicas:]
-    marked = [e for e in statics if len(e) == 7]
-    if len(marked) != len(held):
-        return []
-    world = int(owner.get("world", 0))
-    by_rank: dict[int, dict[tuple[int, int], tuple[list[Any], Any]]] = {}
-    for entry, task in zip(marked, held):
-        who, _ = RP.read_marker(entry[6], world=world, shards=len(plan.layouts[entry[0]].regions))
-        by_rank.setdefault(who, {})[(entry[0], entry[1])] = (entry[:6], task)
-    out = []
-    for rank, chunks in sorted(by_rank.items()):
-        need = RP.owned_chunks(plan.layouts, rank)
-        if not need or not set(need) <= set(chunks):
-            continue  # this ring does not hold that rank's whole part
-        out.append((rank, *_image(seal, plan, {**owner, "rank": rank}, [chunks[k] for k in sorted(need)],
-                                  RP.meta_positions(plan.layouts, rank))))
-    return out
+    return [(rank, *_image(seal, {**owner, "rank": rank}, chunks, RP.meta_positions(plan.layouts, rank)))
+            for rank, chunks in _parts(seal, plan, owner).items()]
 
 
-def _image(seal: dict[str, Any], plan: StepPlan, owner: dict[str, Any], chunks: list[tuple[list[Any], Any]],
+def _bytes(task: Any) -> bytes:
+    return np.ascontiguousarray(task.source.reshape(-1).view(torch.uint8).numpy()).tobytes()
+
+
+def _sweep(base: Path | None) -> None:
+    """Remove what a recovery killed before its end left (its process gone)."""
+    root = O.ring_root(base)
+    try:
+        names = os.listdir(root) if O.private(root) else []
+    except OSError:
+        return
+    for name in names:
+        m = _PENDING_RE.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(root / name, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _image(seal: dict[str, Any], owner: dict[str, Any], chunks: list[tuple[list[Any], Any]],
            meta: list[int]) -> tuple[bytes, str]:
     """A step image of ``chunks`` (static entry, task viewing the survivor's
     pool) laid out anew, and the digest of their CRCs."""
@@ -150,7 +195,7 @@ def _image(seal: dict[str, Any], plan: StepPlan, owner: dict[str, Any], chunks: 
     statics: list[list[Any]] = []
     at = 0
     for i, (entry, task) in enumerate(chunks):
-        data = np.ascontiguousarray(task.source.reshape(-1).view(torch.uint8).numpy()).tobytes()
+        data = _bytes(task)
         ranges.append([at, len(data)])
         extents.append([at, crc32c(data), [i]])
         statics.append(list(entry))
@@ -202,12 +247,47 @@ def _record_chosen(writer: Any, coord: Any, pending: Pending, gathered: list[Any
                       NodeLossWarning, stacklevel=3)
     done: list[tuple[int, int]] = []
     for rank, steps in sorted(chosen.items()):
-        got = _record_as(writer, rank, coord.world, pending.base)
+        rings = _materialize(pending, rank, steps)
+        got = _record_as(writer, rank, coord.world, rings)
         done.extend((rank, s) for s in got if s in steps)
     if done:
         log.warning("dstt: rebuilt from replicas on rank %d: %s", coord.rank,
                     "; ".join(f"rank {r} step {s}" for r, s in done))
     return done
+
+
+def _materialize(pending: Pending, rank: int, steps: list[int]) -> Path | None:
+    """Rank ``rank``'s rebuilt rings of ``steps`` (checked again: every held
+    chunk against its sealed CRC) under a base of their own; None if none."""
+    if pending.base is None:
+        return None
+    base = pending.base / f"rank-{rank}"
+    O.make_private(base)
+    for step in steps:
+        seal, linked, owner = pending.sources[(rank, step)]
+        pool = _map(linked)
+        plan = plan_of(seal, pool, verify=True, held=True)
+        chunks = _parts(seal, plan, owner).get(rank)
+        if chunks is not None:
+            image, dig = _image(seal, {**owner, "rank": rank}, chunks, RP.meta_positions(plan.layouts, rank))
+            if dig == pending.offers[(rank, step)]:  # (the bytes offered, still)
+                stepimage.materialize(image, base)
+    return base
+
+
+def _map(path: Path) -> torch.Tensor:
+    """A linked pool file, mapped (copy-on-write, as ring.map_pool does)."""
+    import mmap
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return torch.empty(0, dtype=torch.uint8)
+        mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 class _Delegated:
