@@ -40,9 +40,10 @@ import torch
 
 from dstt.capture import policy
 from dstt.capture.copygroups import LazySplit, StagedGroup, TaskLists, run_end
+from dstt.capture.cudacopy import CudaCopier
 from dstt.capture.current import Current
 from dstt.capture.hooks import StepFence
-from dstt.capture.hostpool import CudaCopier, HostPool
+from dstt.capture.hostpool import HostPool
 from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import GuardTripped, Job, check_guard, lower_priority, task_bytes
 from dstt.errors import CaptureError
