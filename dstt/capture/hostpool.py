@@ -213,6 +213,12 @@ class HostPool:
             self._limit()
             return self._reservation
 
+    def reserving(self, nbytes: int) -> bool:
+        """Whether bytes of the pool are still being reserved and a block of
+        ``nbytes`` fits it (one that does not fit now may once they are)."""
+        r = self.reservation
+        return r is not None and not r.done.is_set() and self.block_bytes(nbytes) <= self.capacity
+
     def _wake(self) -> None:
         """Another piece is reserved (or the reservation ended): look again."""
         with self._cond:

@@ -80,23 +80,21 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
     whole = pool.numpy()  # (one array of the pool: a slice of it per extent, no tensor per chunk)
     extend = google_crc32c.extend
     extents: list[list[Any]] = []
-    size = len(whole)
     try:
         for g, block in groups:
             start = block.data_ptr() - base
-            if not 0 <= start <= size - g.nbytes:
+            if not 0 <= start <= whole.size - g.nbytes:
                 raise IndexError
             extents.append([start, extend(0, whole[start:start + g.nbytes]) if crc else None,
                             _group_positions(g, plan.tasks, where)])
         for t, v in staged:
             start = v.data_ptr() - base
-            if not 0 <= start <= size - v.nbytes:
+            if not 0 <= start <= whole.size - v.nbytes:
                 raise IndexError
             extents.append([start, extend(0, whole[start:start + v.nbytes]) if crc else None, [where[id(t)]]])
-    except KeyError:
-        raise CaptureError(f"step {plan.step}: a staged chunk is not in its plan") from None
-    except IndexError:  # (a block staged in process memory: hostpool.HostPool._spill)
-        raise CaptureError(f"step {plan.step}: a staged chunk is not in the pool file {pool_name}") from None
+    except (KeyError, IndexError):  # (IndexError: a block past a reservation that ended short, reserve.py)
+        raise CaptureError(f"step {plan.step}: a staged chunk is not in its plan or not in the pool file "
+                           f"{pool_name}") from None
     n = len(plan.tasks)
     covered = set().union(*(e[2] for e in extents))
     if len(covered) != n or sum(len(e[2]) for e in extents) != n:

@@ -397,6 +397,8 @@ class Stager:
         keep = self._keep_groups()
         for g in groups:
             block = pool.try_allocate(g.nbytes)
+            if block is None and pool.reserving(g.nbytes):  # (the first step: its bytes being reserved, reserve.py)
+                block = self._allocate(pool, g.nbytes, job)
             if block is None:
                 rest.extend(g.tasks)  # staged one by one, waiting for room
                 continue
@@ -512,6 +514,8 @@ class Stager:
         if group is None:
             group = StagedGroup(job.lazy[i:j])
         block = pool.try_allocate(group.nbytes)
+        if block is None and pool.reserving(group.nbytes):  # (the first step: its bytes being reserved, reserve.py)
+            block = self._allocate(pool, group.nbytes, job)
         if block is None:
             return False
         handed = False

@@ -44,10 +44,12 @@ def copy_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-MODES: dict[str, dict[str, Any]] = {"helper": {}, "tier": {"memory_steps": 8, "persist": "all"}}
+MODES: dict[str, dict[str, Any]] = {"threads": {"helper": False}, "helper": {},
+                                    "tier": {"memory_steps": 8, "persist": "all"}}
+SLOW = pytest.mark.slow  # (a capture helper: seconds to start and stop on a loaded machine)
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", ["threads", pytest.param("helper", marks=SLOW), pytest.param("tier", marks=SLOW)])
 def test_the_first_step_waits_for_its_own_bytes_not_the_whole_pool(tmp_path: Path, mode: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The first snapshot reserved every page of the pool (2 steps; with
@@ -91,7 +93,7 @@ def test_the_first_step_waits_for_its_own_bytes_not_the_whole_pool(tmp_path: Pat
             assert bits_equal(got[k], v), (step, k)
 
 
-@pytest.mark.parametrize("mode", ["helper", "threads"])
+@pytest.mark.parametrize("mode", ["threads", pytest.param("helper", marks=SLOW)])
 def test_a_pool_file_that_cannot_be_reserved_loses_no_step_and_no_page_is_written_unreserved(
         tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 23's guarantee with the reservation in pieces: /dev/shm full
