@@ -47,7 +47,7 @@ _MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)  # (Linux's value: mmap.MAP_FIXED 
 #: Bytes reserved per ``posix_fallocate`` call: small enough that the first
 #: copies start early, large enough that the calls cost nothing (and the
 #: size of the pieces the pool is registered with CUDA in: hostpool.py).
-PIECE_BYTES = 64 << 20
+PIECE_BYTES = 16 << 20
 
 
 class Reservation:
