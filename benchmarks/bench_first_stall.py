@@ -52,6 +52,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compute-ms", type=float, default=0.0, help="stand-in forward/backward per iteration")
     ap.add_argument("--tensors", type=int, default=400, help="state tensors (parameters x 3 with Adam)")
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
+    ap.add_argument("--device", default="cpu", help="where the state lives (cuda: raw is a pinned copy)")
     args = ap.parse_args(argv)
     args.sizes = [float(s) for s in args.size_gb.split(",") if s]
     if not args.sizes or min(args.sizes) <= 0 or args.iters < 3 or args.compute_ms < 0:
@@ -60,19 +61,40 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def raw_copy_s(tensors: list[torch.Tensor]) -> float:
-    """One copy_ of every tensor into a buffer allocated and faulted in beforehand (median of 3)."""
+    """One copy_ of every tensor into a buffer allocated and faulted in
+    beforehand (pinned, for CUDA sources, synchronized) (median of 3)."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    host = torch.zeros(nbytes, dtype=torch.uint8)
+    cuda = tensors[0].is_cuda
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
     times = []
     for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         off = 0
         for x in tensors:
             n = x.numel() * x.element_size()
-            host[off:off + n].view(x.dtype).view(x.shape).copy_(x)
+            host[off:off + n].view(x.dtype).view(x.shape).copy_(x, non_blocking=cuda)
             off += n
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return sorted(times)[1]
+
+
+def state_on(device: torch.device, size_gb: float, n_params: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """fp32 matrices and their Adam state (~``size_gb`` in all) on ``device``."""
+    if device.type == "cpu":
+        return model_and_adam(int(size_gb * 2**30), n_params=n_params)
+    torch.manual_seed(0)
+    rows = max(1, int(size_gb * 2**30) // 3 // n_params // 4 // 1024)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(rows, 1024, device=device))
+                                    for _ in range(n_params)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    return model, opt
 
 
 def _timed(waits: list[float], fn: Callable[[], None]) -> Callable[[], None]:
@@ -116,12 +138,18 @@ def one_run(store: str, kw: dict[str, Any], model: torch.nn.Module, opt: torch.o
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     base = args.dir or tempfile.mkdtemp(prefix="dstt-first-stall-")
-    work = torch.randn(512, 512)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_first_stall: no CUDA GPU on this machine; nothing measured")
+        return 0
+    work = torch.randn(512, 512, device=device)
 
     def compute() -> None:
         t = time.perf_counter()
         while (time.perf_counter() - t) * 1e3 < args.compute_ms:
             torch.mm(work, work)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     piece = reserve.PIECE_BYTES
     print(f"machine: {machine()}")
@@ -129,12 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     try:
         for size in args.sizes:
-            model, opt = model_and_adam(int(size * 2**30), n_params=max(1, args.tensors // 3))
+            model, opt = state_on(device, size, max(1, args.tensors // 3))
             tensors = [p.detach() for p in model.parameters()]
             tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             raw = raw_copy_s(tensors)
-            print(f"\nstate {nbytes / 2**30:.2f} GiB in {len(tensors)} tensors; raw copy {raw:.4f} s "
+            print(f"\nstate {nbytes / 2**30:.2f} GiB in {len(tensors)} tensors on {device}; raw copy {raw:.4f} s "
                   f"({nbytes / raw / 1e9:.1f} GB/s)")
             print(f"  {'config':24} {'when':7} {'first s':>8} {'x raw':>6} {'later s':>8} {'x raw':>6} {'close s':>7}")
             for name, kw in CONFIGS.items():
