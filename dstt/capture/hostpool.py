@@ -15,7 +15,9 @@ Invariants:
   every ``release``; ``abort()`` wakes every waiter with an error so nothing
   waits for a pool that will never drain;
 * every block is 64-byte aligned, so a block can be viewed as any dtype;
-  large blocks are page aligned, so the store can write them with O_DIRECT.
+  large blocks are page aligned, so the store can write them with O_DIRECT;
+* a pool over a /dev/shm file hands out only bytes whose pages are
+  reserved (reserve.py's watermark): none is written before it is.
 """
 
 from __future__ import annotations
