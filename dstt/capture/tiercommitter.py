@@ -89,7 +89,7 @@ class HelperTierCommitter(HelperCommitter):
         step_bytes = held_bytes + STEP_SLACK_BYTES
         want = -(-step_bytes * (self.k + EXTRA_STEPS) // (1 << 20)) * (1 << 20)
         pool = cap.stager.pool
-        if pool is None or pool.capacity < want or (cuda and not pool.wants_pin):
+        if pool is None or pool.capacity < want or (cuda and not pool.wants_pin) or pool.retired is not None:
             if pool is not None:
                 cap.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
             pool = cap.stager.replace_pool(want, cuda)
