@@ -23,9 +23,36 @@ WORKER = Path(__file__).parents[1] / "dist" / "tier_ranks.py"
 pytestmark = pytest.mark.distributed
 
 
-def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = False, worker: Path = WORKER) -> Path:
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it: torchrun starts each
+    worker in a session of its own (and each worker its helper), so a
+    ``killpg`` of the launcher's group would leave them running."""
     import os
     import signal
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = False, worker: Path = WORKER) -> Path:
+    import os
     import subprocess
     import sys
 
@@ -39,7 +66,7 @@ def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = F
     try:
         output, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         output, _ = proc.communicate()
         pytest.fail(f"torchrun with {nproc} processes hung:\n{output[-3000:]}")
     assert proc.returncode == 0, output[-4000:]
