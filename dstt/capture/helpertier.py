@@ -330,6 +330,12 @@ class HelperTier:
                                     "memory tier no longer held")
         if self.rank != 0:
             return None
+        if source == "crash" and any(i.source == "crash" for i in self.incidents):
+            # (the trainers' death is one incident: the ranks' helpers that
+            # saw it at different newest steps store their steps, recorded once)
+            log.warning("dstt helper: the trainers' death, seen again at step %d: steps %s stored, recorded "
+                        "with the first", at, ", ".join(map(str, sorted(mine))))
+            return None
         inc = Incident(self.branch, at, reason, source, time.time(), tuple(sorted(mine)), tensors,
                        rank=origin if self.world > 1 else None, world=self.world if self.world > 1 else None)
         try:

@@ -328,8 +328,12 @@ def request_key(branch: str, run: str, ident: str) -> str:
 
 def new_id(source: str, step: int) -> str:
     """The id of a new request: ``nonfinite-<step>`` for the watcher (every
-    rank seeing the same NaN makes the same request), else random."""
-    return f"nonfinite-{step}" if source == "non-finite" else f"{source}-{step}-{secrets.token_hex(6)}"
+    rank seeing the same NaN makes the same request), ``crash-<step>`` for
+    the trainers' death (every rank's helper of a job killed whole makes
+    the same one), else random."""
+    if source in ("non-finite", "crash"):
+        return f"{source.replace('-', '')}-{step}"
+    return f"{source}-{step}-{secrets.token_hex(6)}"
 
 
 def publish_request(backend: Backend, req: IncidentRequest) -> bool:
