@@ -99,6 +99,9 @@ class Peers(Protocol):
 
     def publish_held(self, steps: list[int], force: bool = False) -> None: ...
 
+    def closed(self) -> None:
+        """This helper closed cleanly (the last rank's removes the run's records)."""
+
     def request(self, ident: str, step: int, reason: str, source: str, steps: tuple[int, ...],
                 tensors: tuple[str, ...]) -> IncidentRequest: ...
 
@@ -223,6 +226,8 @@ class HelperTier:
                 self._force(last)
         self.drain()
         self.release_all()
+        if self.peers is not None:
+            self.peers.closed()
 
     @property
     def _deciding(self) -> bool:

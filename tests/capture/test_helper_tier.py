@@ -348,6 +348,27 @@ def test_the_whole_jobs_death_is_one_crash_incident(tmp_path: Path, ahead: int) 
         o.writer.close()
 
 
+def test_a_clean_close_of_every_rank_removes_the_runs_records(tmp_path: Path) -> None:
+    """The run's decisions and incident requests stay while any rank's
+    helper may read them, and go with the last clean close."""
+    opss, tiers = ranks(tmp_path, 2, 2, "newest")
+    for s in range(5):
+        for r in range(2):
+            opss[r].capture(tiers[r], s)
+        _pump_all(tiers, [0, 1])
+    tiers[1].incident("loss spike on rank 1")
+    _pump_all(tiers, [0, 1])
+    shared = open_backend(str(tmp_path / "shared"))
+    prefix = T.run_prefix("main", "run1").rstrip("/")
+    assert {"decisions.json"} < set(shared.list_dir(prefix))  # (and rank 1's request)
+    tiers[0].close()
+    assert "decisions.json" in shared.list_dir(prefix)  # rank 1's helper still reads them
+    tiers[1].close()
+    assert shared.list_dir(prefix) == [] and T.read_held(shared, "main") == []
+    for o in opss:
+        o.writer.close()
+
+
 def test_a_rank_that_lost_an_incidents_step_says_so_at_once(tmp_path: Path) -> None:
     """Rank 0 still holds steps 1..4 (persist every 100th: memory only),
     rank 1 holds 3..4 only (a smaller tier, as one rank falling behind

@@ -8,6 +8,7 @@ incident raised on one rank dumps every rank's tier and is recorded once."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from test_capture_dist import assert_bits, free_port  # noqa: F401  (free_port: the launcher's)
 
 import dstt
+from dstt import knobs
 from dstt.format.verify import verify
 
 WORKER = Path(__file__).parents[1] / "dist" / "tier_ranks.py"
@@ -92,6 +94,14 @@ def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = F
     return out
 
 
+def _owner(ring: Path) -> str:
+    """The store a ring directory in /dev/shm belongs to (its owner record), or ""."""
+    try:
+        return (ring / "owner.json").read_text()[:4096]
+    except OSError:
+        return ""
+
+
 def check(out: Path, nproc: int) -> list[int]:
     expected = torch.load(out / "expected.pt")
     run = dstt.open(out / "run")
@@ -105,7 +115,11 @@ def check(out: Path, nproc: int) -> list[int]:
     assert {r["tier_where"] for r in ranks} == {"helper"}
     # the memory bound per rank: (K + 4) step slots of this rank's shards (+1 MiB of slack each), in MiB
     assert all(0 < r["memory_bytes"] <= 8 << 20 for r in ranks), ranks
-    assert not list((out / "run" / "meta" / "tier").rglob("rank-*.json"))  # held records removed at close
+    # a clean close leaves no record of the run's memory tier (held steps,
+    # decisions, incident requests) and nothing in /dev/shm
+    assert not list((out / "run" / "meta" / "tier").rglob("*.json"))
+    shm = knobs.shm_dir() or Path("/dev/shm")
+    assert not [p for p in shm.glob(f"dstt-{os.getuid()}/*/*") if str(out) in _owner(p)]
     report = verify(out / "run")
     assert report.ok, report
     return steps
