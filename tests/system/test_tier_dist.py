@@ -198,6 +198,10 @@ def test_a_stopped_helper_fails_every_rank_within_the_bound(tmp_path: Path) -> N
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert seen[0]["error"] and "no progress for" in seen[0]["error"], seen
     assert all(0 <= s["after_s"] <= 4 + 2 + 10 for s in seen), seen  # bound + grace + the 37 steps' loop
+    # the steps sealed after the stop stay in the ring: gc commits them, and nothing is left in /dev/shm
+    report = dstt.gc(out / "run")
+    assert report.committed.get("main"), report
+    assert verify(out / "run").ok
 
 
 def _crash_run(out: Path, who: str) -> Any:
