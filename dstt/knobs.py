@@ -11,6 +11,7 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_SHM_DIR`` | :func:`shm_dir` | the directory holding ``dstt-<uid>`` staging rings | ``/dev/shm`` |
 | ``DSTT_RANK_WAIT_S`` | :func:`rank_wait_s` | how long rank 0's helper waits for the other ranks' records of a step | 300 |
 | ``DSTT_RANK_WAIT_DEAD_S`` | :func:`rank_wait_dead_s` | the same once those ranks' trainers are known dead | 60 |
+| ``DSTT_COLLECTIVE_TIMEOUT_S`` | :func:`collective_timeout_s` | how long one of dstt's own collectives (its gloo group) waits for the other ranks | 600 |
 | ``DSTT_DEBUG`` | :func:`debug` | the CLI prints tracebacks | off |
 | ``DSTT_EXECUTOR`` | :func:`executor` | where scans over tensor data run: ``processes``, ``threads``, ``inline`` or ``dask://HOST:PORT`` | ``processes`` |
 | ``DSTT_WORKERS`` | :func:`workers` | workers of the local executor (0: one per core) | 0 |
@@ -39,7 +40,7 @@ from dstt.errors import ConfigError
 #: The variables this module knows (``override`` refuses any other name).
 KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
          "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT", "DSTT_NODE_ID", "DSTT_REDUNDANCY_STORE",
-         "DSTT_UPDATE_STATS_BYTES")
+         "DSTT_UPDATE_STATS_BYTES", "DSTT_COLLECTIVE_TIMEOUT_S")
 #: Clients an object store URL may be served by (DSTT_OBJECT_CLIENT).
 OBJECT_CLIENTS = ("obstore", "fsspec")
 
@@ -105,6 +106,12 @@ def rank_wait_s() -> float:
 def rank_wait_dead_s() -> float:
     """Seconds it waits once the missing ranks' trainers are known dead."""
     return _number("DSTT_RANK_WAIT_DEAD_S", 60.0)
+
+
+def collective_timeout_s() -> float:
+    """Seconds one of dstt's own collectives waits for the other ranks (a
+    rank that died or hangs: a dstt error, not a wait of torch's 30 min)."""
+    return _number("DSTT_COLLECTIVE_TIMEOUT_S", 600.0)
 
 
 def debug() -> bool:

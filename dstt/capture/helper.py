@@ -35,7 +35,8 @@ How it is started and why that way:
   writer can slip in between the trainer's death and the helper's last
   commit. Only the three descriptors it needs are passed.
 * It exits by itself: the command pipe reaches end-of-file when the
-  trainer closes it or dies. On ``close`` the trainer waits for it to exit
+  trainer closes it or dies, and its parent pid tells it the trainer died
+  even where the pipe does not (capture/parentwatch.py). On ``close`` the trainer waits for it to exit
   (so the lock is free when ``Capture.close()`` returns); at end-of-file
   without ``close`` (trainer dead) the helper commits every sealed step
   left in the ring, in step order, removes the ring and exits, releasing
@@ -62,6 +63,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dstt.capture.parentwatch import Commands, ParentWatch
 from dstt.capture.waits import DEFAULT_TIMEOUT_S, POLL_S, Activity, Stalled, activity, describe_state, until
 from dstt.errors import CaptureError
 
@@ -425,7 +427,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         os.write(ack_fd, b"ready\n")  # the trainer's committer waits for this line first
     pools: dict[str, Any] = {}
     flush = ThreadPoolExecutor(2, thread_name_prefix="dstt-helper")
-    commands = _Commands(cmd_fd)
+    commands = Commands(cmd_fd, ParentWatch(trainer_pid))  # end of file or the trainer gone (parentwatch.py)
     closed_by_trainer = False
 
     def commit(step: int, verify: bool) -> Any:
@@ -564,41 +566,6 @@ def _seal_seq(ring_dir: Path, step: int) -> int | None:
     except Exception:  # noqa: BLE001 - the trainer records the failure then (crashsafe.py)
         return None
     return seq if isinstance(seq, int) else None
-
-
-class _Commands:
-    """The command pipe, read in batches: the first line waited for, then
-    every complete line already queued behind it (the steps to commit as a
-    group)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buf = b""
-        self.eof = False
-
-    def available(self, timeout_s: float | None = None) -> list[list[str]] | None:
-        """The commands queued now (each split into words), waiting for at
-        least one (at most ``timeout_s`` when given: then maybe none); None
-        at end of file with none left."""
-        while b"\n" not in self.buf and not self.eof:
-            if timeout_s is not None and not select.select([self.fd], [], [], timeout_s)[0]:
-                return []
-            self._read()
-        while not self.eof and select.select([self.fd], [], [], 0)[0]:
-            self._read()
-        if b"\n" not in self.buf:
-            return None
-        head, _, self.buf = self.buf.rpartition(b"\n")
-        lines = [line.decode().split() for line in head.split(b"\n")]
-        if ["close"] in lines:  # nothing after close counts
-            lines = lines[:lines.index(["close"]) + 1]
-        return lines
-
-    def _read(self) -> None:
-        part = os.read(self.fd, 65536)
-        if not part:
-            self.eof = True
-        self.buf += part
 
 
 if __name__ == "__main__":

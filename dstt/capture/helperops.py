@@ -12,9 +12,12 @@ them)::
     hold <step> / unhold <step>            held <step> yes|no
     close                                  mem <step>    (passed over: memory only, for now)
                                            free <step>   (its slot may be reused)
+                                           busy <step>   (a batch of its chunks written)
 
 Answers come in any order: a step persisted takes longer than newer ones
-evicted as memory-only. A step is ``free`` only once it left the tier
+evicted as memory-only. Answers are the only progress the trainer's waits
+on the helper count (tiercommitter.py): ``busy`` keeps a long write from
+looking like a silent helper. A step is ``free`` only once it left the tier
 (helpertier.py's rules); its seal is removed before that, so a ring left
 by a crash never names bytes that were reused.
 """
@@ -120,7 +123,9 @@ class HelperOps:
         def flush(tasks: list[Any]) -> Any:
             ps = [prevs.get((t.layout.array, t.index)) for t in tasks]
             ps = [p if p is not None and p.shape == t.source.shape else None for p, t in zip(ps, tasks)]
-            return w.flush_chunks(plan, tasks, None, ps)  # (given, even all None: the tier decides)
+            done = w.flush_chunks(plan, tasks, None, ps)  # (given, even all None: the tier decides)
+            self.reply(f"busy {step}")  # progress the trainer's waits count (a long step's write)
+            return done
 
         parts = batches(plan.tasks)
         flushed = [flush(parts[0])] if len(parts) == 1 else list(self.flush.map(flush, parts))
