@@ -367,7 +367,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     ``watch``, ``run``): the memory tier lives in this helper (helperops.py)."""
     import torch
 
-    from dstt.capture import ranks
+    from dstt.capture import helpercpu, ranks
     from dstt.capture import ring as R
     from dstt.capture.ringowner import hold
     from dstt.format.lock import BranchLock
@@ -378,6 +378,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
 
     hold(ring_dir)  # the ring is this helper's too while it lives: never adopted under it (ringowner.py)
     torch.set_num_threads(1)
+    helpercpu.single_threaded_codecs()  # (this process's Blosc: no thread pool of its own)
     lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
     records: ranks.RecordCoordinator | None = None
     if dist is None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numcodecs import blosc
 
 import dstt
 from dstt.api import gc
@@ -406,7 +407,8 @@ def test_sigkill_mid_encode_leaves_every_committed_step_readable(tmp_path: Path)
     run = dstt.open(path)
     steps = run.steps()
     assert len(steps) >= 10 and steps == list(range(len(steps)))
-    assert predictors(path, range(len(steps))) >= {"adam", "delta"}
+    # (exp_avg's chained deltas rarely beat 0.95 of its lz4 keyframe: "adam" chains)
+    assert "adam" in predictors(path, range(len(steps)))
     for step in range(len(steps)):
         model(torch.randn(8, 256, generator=g)).pow(2).mean().backward()
         opt.step()
@@ -424,6 +426,7 @@ def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) 
     against the previous one (off the trainer's process); every step reads
     back bit-exact. Without a helper the steps are stored whole (coding in
     the trainer's process would share its CPU and GIL), and a warning says so."""
+    threads_before = blosc.use_threads
     with torch.random.fork_rng():
         torch.manual_seed(5)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
@@ -447,6 +450,7 @@ def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) 
     check_reads(path, states)
     used = predictors(path, range(6))
     assert ("adam" in used) == helper, used
+    assert blosc.use_threads is threads_before  # (set in the helper's process only: helpercpu.py)
     assert verify(path).ok
 
 

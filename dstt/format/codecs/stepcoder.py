@@ -46,6 +46,10 @@ from dstt.format.predindex import ChunkPred
 
 #: Decode order of the roles of one parameter (``other``: a tensor of its own).
 ROLE_ORDER = ("other", "exp_avg", "momentum_buffer", "exp_avg_sq", "max_exp_avg_sq", "param")
+#: Roles that are fresh gradient noise (a chained delta of them is ~0.8 of
+#: raw whatever codes it): their chunks, keyframes and residuals, go in the
+#: cheaper noise container (delta.NOISE_CNAME).
+NOISE_ROLES = ("exp_avg", "momentum_buffer")
 
 
 @dataclass(frozen=True)
@@ -312,7 +316,8 @@ class StepCoder:
             if coded_ok and prev is not None:
                 d = self._predict(m, raw, prevs, raws, codings.get(m.role, []), step, itemsize, prev)
             if d is None:
-                d = Decision(encode_chunk(memoryview(raw).cast("B"), self.codec, itemsize=itemsize))
+                d = Decision(encode_chunk(memoryview(raw).cast("B"), self.codec, itemsize=itemsize,
+                                          noise=m.role in NOISE_ROLES))
             out[m.role] = d
         with self.lock:
             for m in g.members:
@@ -343,7 +348,7 @@ class StepCoder:
                 return None
         coding = predictive.pick(cands, raw, ins)
         z, exact = predictive.residual(coding, raw, ins, m.name)
-        parts = encode_chunk(z.data.cast("B"), self.codec, itemsize=itemsize)
+        parts = encode_chunk(z.data.cast("B"), self.codec, itemsize=itemsize, noise=m.role in NOISE_ROLES)
         d = Decision(parts, coding, ChunkPred(0, step, prev.step), exact)
         return d if d.size < DELTA_MAX_RATIO * prev.key_size else None
 
@@ -356,5 +361,5 @@ def counter_value(raw: Any, dtype: str) -> float | None:
     return float(a[0]) if a.size == 1 else None
 
 
-__all__ = ["Decision", "Group", "Member", "Prev", "ROLE_ORDER", "StepCoder", "counter_value", "groups_of",
+__all__ = ["Decision", "Group", "Member", "NOISE_ROLES", "Prev", "ROLE_ORDER", "StepCoder", "counter_value", "groups_of",
            "optimizer_kind"]
