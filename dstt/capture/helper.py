@@ -391,10 +391,8 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
                                           alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
         writer.commit_coord = records
-    # compression="auto": the helper's threads run below the trainer's
-    # priority (nice, SCHED_IDLE), so its encoding takes no core the trainer
-    # wants: a step is stored fast only when steps queue up (commit_steps).
-    writer.auto_cpu_cores = math.inf
+    # compression="auto": steps stored fast when they queue up (commit_steps) or no core is spare (helpercpu.py)
+    cpu = helpercpu.CpuWatch() if writer.codec.compression == "auto" else None
     if writer.coder is not None:
         # Predictive coding keeps the previous step's chunks (one copy of the
         # state): at most a quarter of the memory available now; beyond it a
@@ -454,6 +452,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             pools[name] = R.map_pool(ring_dir, name)
         if records is not None:
             writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
+        writer.auto_cpu_cores = math.inf if cpu is None else cpu.budget()
         plan = writer.adopt(R.plan_of(record, pools[name], verify=verify))
         writer.ensure_arrays(plan)
         # predictive coding (compression "predictive"/"auto"): the step's

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dstt.capture import ring as R
+from dstt.capture.helpercpu import CpuWatch
 from dstt.capture.helpertier import HelperTier, Peers
 from dstt.format.incidents import Incident, record_incident
 
@@ -81,6 +82,8 @@ class HelperOps:
         self.coded_upto: int | None = None
         if writer.coder is not None:
             writer.coder.borrow = True
+        # compression="auto": steps stored fast while the host has no core to spare (helpercpu.py)
+        self.cpu = CpuWatch() if writer.codec.compression == "auto" else None
 
     def adopt(self, step: int) -> None:
         """Read sealed ``step`` and adopt its plan (in step order: its
@@ -91,6 +94,8 @@ class HelperOps:
             self.pools[name] = R.map_pool(self.ring_dir, name)
         if self.records is not None:
             self.writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
+        if self.cpu is not None:
+            self.writer.auto_cpu_cores = self.cpu.budget()
         plan = self.writer.adopt(R.plan_of(record, self.pools[name], verify=False))
         self.steps[step] = (plan, record)
         self.seqs[step] = int(record["seq"])
