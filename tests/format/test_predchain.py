@@ -676,3 +676,40 @@ def test_a_hostile_pred_record_is_refused(tmp_path: Path, damage: Callable[[dict
     damage(bad["pred"])
     with pytest.raises(DsttError):
         parse_entry(bad, "index")
+
+
+def test_the_helper_tiers_backfills_are_coded_against_the_previous_step(tmp_path: Path) -> None:
+    """An incident persists the steps the tier in the capture helper had
+    passed over; those older than the head (backfills) are coded too, each
+    against the previous captured step where it is stored -- the first
+    against the stored step before it (read back, its chain counted), the
+    next against the backfill just stored -- bit-exact and verified."""
+    with torch.random.fork_rng():
+        torch.manual_seed(8)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(8)
+    path = tmp_path / "run"
+    states = []
+    cap = dstt.Capture(path, compression="predictive", memory_steps=8, persist=4, keyframe_every=8, helper=True)
+    try:
+        for step in range(8):
+            model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            cap.snapshot(step, model=model, optimizer=opt)
+            states.append(snapshot(model, opt))
+        cap.wait()
+        assert dstt.open(path).steps() == [0, 4]
+        cap.incident("bad batch")  # 1..3 are older than the head (4): backfills; 5..7 newer
+        cap.wait()
+    finally:
+        cap.close()
+    run = dstt.open(path)
+    assert run.steps() == list(range(8))
+    check_reads(path, states)
+    for step in (1, 2, 3):
+        e = run.entry("model/0.weight", step)
+        assert e.pred is not None and {c[2] for c in e.pred.chunks} == {step - 1}, (step, e.pred)
+        assert run.entry("optim/0.weight/exp_avg_sq", step).pred is not None
+    assert verify(path).ok
