@@ -629,16 +629,22 @@ def run_chunk_recipe(store: Path, branch: str, step: int, name: str, i: int) -> 
     return scope["bits"], scope["box"]
 
 
-def test_docs_predictive_chunk_recipe_reads_every_chunk_verbatim(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packs", [False, True])
+def test_docs_predictive_chunk_recipe_reads_every_chunk_verbatim(tmp_path: Path, packs: bool) -> None:
     """The document's numpy + zarr-python recipe for a predictive chunk
     (find its pred record, walk the chain to the keyframes, add the
     residuals) gives dstt's bits for every chunk of every tensor of a
-    mid-chain step, edge chunks included."""
+    mid-chain step, edge chunks included: chunks in chunk files, and
+    chunks in packs (their range of a pack holds the keyframe or the
+    residual)."""
     path = tmp_path / "run"
-    states = train(path, "adamw", steps=4, keyframe_every=8, shapes=((40, 24), (24, 8)), pack_chunk_bytes=0,
-                   max_chunk_bytes=1024)
+    states = train(path, "adamw", steps=4, keyframe_every=8, shapes=((40, 24), (24, 8)),
+                   pack_chunk_bytes=1 << 20 if packs else 0, max_chunk_bytes=1024)
     run = dstt.open(path)
     assert run.entry("model/m.0.weight", 3).pred is not None and run.entry("model/m.0.weight", 3).nchunks > 2
+    packed = [all(e.pack(i) is not None for i in range(e.nchunks))
+              for e in (run.entry(n, s) for n in states[3] for s in range(4))]
+    assert all(packed) if packs else not any(packed)
     seen = 0
     for name, value in states[3].items():
         e = run.entry(name, 3)
