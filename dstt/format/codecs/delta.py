@@ -44,11 +44,12 @@ BLOCK_BYTES = 1 << 20
 #: Blosc compressor and level dstt writes.
 CNAME = "zstd"
 CLEVEL = 1
-#: The container of *noise* chunks (predictive coding's ``exp_avg`` and
-#: ``momentum_buffer``, their residuals and keyframes: fresh gradient noise,
-#: ~0.8 of raw under any entropy coder): bit-shuffle + lz4 (Blosc level 1),
-#: ~2.3x the bytes per CPU second of shuffle + zstd-1 for ~0.04 more of the
-#: chunk (measured: benchmarks/bench_encode.py, issue 27). The compressor and
+#: The container of *noise* chunks (predictive coding's keyframes, and the
+#: residuals of ``exp_avg`` and ``momentum_buffer``: mantissa and gradient
+#: noise, ~0.8 of raw under any entropy coder): bit-shuffle + lz4 (Blosc
+#: level 1), ~2.3x the bytes per CPU second of shuffle + zstd-1 for ~0.03-0.05
+#: more of the chunk (measured on benchmarks/bench_delta.py's trajectory,
+#: issue 27). The compressor and
 #: shuffle are recorded in every Blosc container's header, so every Blosc
 #: reader (zarr-python with the array's ``blosc`` codec, any dstt version)
 #: decodes it as it decodes the rest: no new format.
