@@ -19,6 +19,7 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_OBJECT_CLIENT`` | :func:`object_client` | the client of ``s3://``, ``gs://``, ``az://`` stores: ``obstore`` or ``fsspec`` | obstore where installed |
 | ``DSTT_NODE_ID`` | :func:`node_id` | the node this process counts as, for peer redundancy (one machine may stand for several) | the host name |
 | ``DSTT_REDUNDANCY_STORE`` | :func:`redundancy_store` | ``HOST:PORT`` of the c10d TCPStore the capture helpers exchange copies through | ``MASTER_ADDR:MASTER_PORT`` |
+| ``DSTT_AUTO_SPARE_CORES`` | :func:`auto_spare_cores` | ``compression="auto"`` in a capture helper codes a step only while the host's CPUs of the helper had at least this many cores' worth idle (0: no CPU rule) | 0.5 |
 
 >>> with override(DSTT_PACK_CHUNK_BYTES="0"):
 ...     pack_chunk_bytes()
@@ -40,11 +41,12 @@ from dstt.errors import ConfigError
 #: The variables this module knows (``override`` refuses any other name).
 KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
          "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT", "DSTT_NODE_ID", "DSTT_REDUNDANCY_STORE",
-         "DSTT_UPDATE_STATS_BYTES", "DSTT_COLLECTIVE_TIMEOUT_S")
+         "DSTT_UPDATE_STATS_BYTES", "DSTT_COLLECTIVE_TIMEOUT_S", "DSTT_AUTO_SPARE_CORES")
 #: Clients an object store URL may be served by (DSTT_OBJECT_CLIENT).
 OBJECT_CLIENTS = ("obstore", "fsspec")
 
 PACK_CHUNK_BYTES_DEFAULT = 1 << 20
+AUTO_SPARE_CORES_DEFAULT = 0.5
 
 
 def _text(name: str) -> str:
@@ -62,6 +64,18 @@ def _number(name: str, default: float, *, integer: bool = False) -> float:
     if value < 0 or value != value:
         raise ConfigError(f"{name}={text!r}: expected a number >= 0")
     return value
+
+
+def auto_spare_cores() -> float:
+    """Idle cores (of the CPUs the capture helper may run on) below which
+    ``compression="auto"`` stores steps fast (capture/helpercpu.py); 0: never
+    for lack of CPU.
+
+    >>> with override(DSTT_AUTO_SPARE_CORES="2"):
+    ...     auto_spare_cores()
+    2.0
+    """
+    return _number("DSTT_AUTO_SPARE_CORES", AUTO_SPARE_CORES_DEFAULT)
 
 
 def node_id() -> str:

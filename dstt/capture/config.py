@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from dstt import knobs
 from dstt.capture.waits import DEFAULT_TIMEOUT_S
 from dstt.errors import ConfigError
 from dstt.format import args as A
@@ -135,6 +136,7 @@ class CaptureConfig:
         A.seconds("background_timeout_s", self.background_timeout_s, allow_zero=False)
         A.auto_flag("shm", self.shm)
         A.auto_flag("helper", self.helper)
+        knobs.auto_spare_cores()  # (read by the helper: a bad DSTT_AUTO_SPARE_CORES is refused here)
         self._check_memory_tier()
         self._check_redundancy()
         if self.host_buffer_bytes is not None:

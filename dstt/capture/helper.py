@@ -369,7 +369,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     ``watch``, ``run``): the memory tier lives in this helper (helperops.py)."""
     import torch
 
-    from dstt.capture import ranks
+    from dstt.capture import helpercpu, ranks
     from dstt.capture import ring as R
     from dstt.capture.ringowner import hold
     from dstt.format.lock import BranchLock
@@ -380,6 +380,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
 
     hold(ring_dir)  # the ring is this helper's too while it lives: never adopted under it (ringowner.py)
     torch.set_num_threads(1)
+    helpercpu.single_threaded_codecs()  # (this process's Blosc: no thread pool of its own)
     lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
     records: ranks.RecordCoordinator | None = None
     if dist is None:
@@ -392,10 +393,8 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
                                           alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
         writer.commit_coord = records
-    # compression="auto": the helper's threads run below the trainer's
-    # priority (nice, SCHED_IDLE), so its encoding takes no core the trainer
-    # wants: a step is stored fast only when steps queue up (commit_steps).
-    writer.auto_cpu_cores = math.inf
+    # compression="auto": steps stored fast when they queue up (commit_steps) or no core is spare (helpercpu.py)
+    cpu = helpercpu.CpuWatch() if writer.codec.compression == "auto" else None
     if writer.coder is not None:
         # Predictive coding keeps the previous step's chunks (one copy of the
         # state): at most a quarter of the memory available now; beyond it a
@@ -455,6 +454,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             pools[name] = R.map_pool(ring_dir, name)
         if records is not None:
             writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
+        writer.auto_cpu_cores = math.inf if cpu is None else cpu.budget()
         plan = writer.adopt(R.plan_of(record, pools[name], verify=verify))
         writer.ensure_arrays(plan)
         # predictive coding (compression "predictive"/"auto"): the step's

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 
 from dstt.capture import ring as R
+from dstt.capture.helpercpu import CpuWatch
 from dstt.capture.helpertier import HelperTier, Peers
 from dstt.format.incidents import Incident, record_incident
+from dstt.store.predflush import Backfills
 
 log = logging.getLogger("dstt.capture")
 
@@ -82,8 +84,11 @@ class HelperOps:
         # slot (no copy while the tier holds it; copied by release() when
         # the slot is given back first); only steps after the last coded one.
         self.coded_upto: int | None = None
+        self.backfills = Backfills()  # (under torch.distributed backfills are stored whole)
         if writer.coder is not None:
             writer.coder.borrow = True
+        # compression="auto": steps stored fast while the host has no core to spare (helpercpu.py)
+        self.cpu = CpuWatch() if writer.codec.compression == "auto" else None
 
     def adopt(self, step: int) -> None:
         """Read sealed ``step`` and adopt its plan (in step order: its
@@ -94,6 +99,8 @@ class HelperOps:
             self.pools[name] = R.map_pool(self.ring_dir, name)
         if self.records is not None:
             self.writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
+        if self.cpu is not None:
+            self.writer.auto_cpu_cores = self.cpu.budget()
         plan = self.writer.adopt(R.plan_of(record, self.pools[name], verify=False))
         self.steps[step] = (plan, record)
         self.seqs[step] = int(record["seq"])
@@ -113,9 +120,13 @@ class HelperOps:
         w.relink(plan)
         w.settle_before(plan)
         w.ensure_arrays(plan)
-        if self.coded_upto is None or step > self.coded_upto:  # (a backfill: stored whole, nothing remembered)
+        if self.coded_upto is None or step > self.coded_upto:
             self.coded_upto = step
+            self.backfills.drop()
             w.prepare_pred(plan)
+        elif self.records is None:  # a backfill: against the previous captured step, if stored (predflush.py)
+            prev_step = max((s for s in self.seqs if s < step), default=None)
+            self.backfills.prepare(w, plan, prev_step if prev_step is not None and w.is_stored(prev_step) else None)
         prevs: dict[tuple[str, int], torch.Tensor] = {}
         if prev is not None and prev in self.steps:
             prevs = {(t.layout.array, t.index): t.source for t in self.steps[prev][0].tasks}
