@@ -157,8 +157,10 @@ def test_redundancy_option_is_validated(tmp_path: Path) -> None:
         dstt.Capture(tmp_path / "a", memory_steps=2, redundancy="raid")
     with pytest.raises(ConfigError, match="needs memory_steps"):
         dstt.Capture(tmp_path / "b", redundancy="pair")
-    with pytest.raises(ConfigError, match="not built in the capture helpers yet"):
-        dstt.Capture(tmp_path / "c", memory_steps=2, redundancy="parity:4")
+    with pytest.raises(ConfigError, match="needs memory_steps"):
+        dstt.Capture(tmp_path / "c", redundancy="parity:4")
+    with pytest.raises(ConfigError, match="this Capture runs alone"):
+        dstt.Capture(tmp_path / "c2", memory_steps=2, redundancy="parity:4")  # (built: needs torch.distributed)
     with pytest.raises(ConfigError, match="this Capture runs alone"):
         dstt.Capture(tmp_path / "d", memory_steps=2, redundancy="pair")
 
