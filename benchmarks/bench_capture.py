@@ -138,7 +138,8 @@ def run_dstt(loop: Loop, iters: int, path: str, helper: bool) -> tuple[float, li
     stalls: list[float] = []
     cap = dstt.Capture(fresh_dir(path), helper=helper)  # auto-sized pool: two steps
     hook_waits: list[float] = []
-    cap._fence._wait = timed(hook_waits, cap._fence._wait)  # instrument the optimizer hook's wait
+    fence = cap.stager._fence
+    fence._wait = timed(hook_waits, fence._wait)  # instrument the optimizer hook's wait
     t = time.perf_counter()
     for i in range(iters):
         loop.compute()

@@ -42,7 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: Seconds per section (scaled down to fit --budget-s).
-LIMITS = {"tests": 170, "stalls": 140, "flight": 110, "predictor": 50}
+LIMITS = {"tests": 160, "stalls": 120, "flight": 100, "predictor": 90}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -251,10 +251,47 @@ def predictor(args: argparse.Namespace) -> dict[str, Any]:
                 r["exact"] += enc.exact
                 r["n"] += enc.n
                 r["roundtrip_bit_exact"] &= bool(np.array_equal(back, actual.view(np.uint32)))
+                r["coded_bytes"] = r.get("coded_bytes", 0) + len(enc.blob)
         for r in roles.values():
             r["exact_share"] = round(r["exact"] / max(r["n"], 1), 5)
-        out[variant] = {"variant": h.variant, "roles": roles}
+            r["coded_over_raw"] = round(r.pop("coded_bytes") / max(4 * r["n"], 1), 4)
+        out[variant] = {"variant": h.variant, "roles": roles, "capture": _capture_ratio(args, variant)}
     return out
+
+
+def _capture_ratio(args: argparse.Namespace, variant: str, steps: int = 16) -> dict[str, Any]:
+    """Capture's defaults on this device's AdamW ``variant``: stored/raw over
+    ``steps`` steps (every file of the store counted) and the last step read
+    back bit-exact."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from common import fresh_dir
+
+    import dstt
+
+    dev = torch.device(args.device)
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(dev)
+    kw: dict[str, Any] = {"fused": True} if variant == "fused" else {"foreach": variant == "foreach"}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **kw)
+    path = fresh_dir(os.path.join(args.dir, f"ratio-{variant}"))
+    raw = 0
+    with dstt.Capture(path) as cap:
+        for step in range(steps):
+            opt.zero_grad()
+            model(torch.randn(64, 1024, device=dev)).square().mean().backward()
+            opt.step()
+            cap.snapshot(step, model=model, optimizer=opt, rng=False)
+            cap.wait()  # (the helper keeps up: every step coded, none stored fast)
+            state = dstt.state_of(model=model, optimizer=opt, rng=False)
+            raw += sum(t.numel() * t.element_size() for t in _leaves(state) if isinstance(t, torch.Tensor))
+    last = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    got = dstt.open(path).state_dict(steps - 1)["model"]
+    exact = all(torch.equal(got[k].view(torch.uint8), last[k].view(torch.uint8)) for k in last)
+    stored = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    fresh_dir(path)
+    return {"steps": steps, "stored_over_raw": round(stored / raw, 4), "last_step_bit_exact": exact}
 
 
 def _leaves(x: Any) -> list[Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +116,13 @@ SAVE_ARGS = [a for a in WRITER_ARGS if a[0] in ("branch", "parent", "compression
                                                 "allow_pickle", "storage_options")]
 
 
+def _id(text: str, width: int) -> str:
+    """A test id that is the same in every process (no object addresses: pytest-xdist's workers must agree)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)[:width]
+
+
 def _cases(table: list[tuple[str, list[Any], Any]]) -> list[Any]:
-    return [pytest.param(name, v, exc, id=f"{name}={v!r}"[:60]) for name, values, exc in table for v in values]
+    return [pytest.param(name, v, exc, id=_id(f"{name}={v!r}", 60)) for name, values, exc in table for v in values]
 
 
 @pytest.mark.parametrize("name, value, exc", _cases(CAPTURE_OPTIONS))
@@ -246,7 +252,7 @@ TRAINER_CALLS: list[tuple[str, dict[str, Any], Any]] = [
 
 
 @pytest.mark.parametrize("memory_steps", [None, 4], ids=["store", "memory-tier"])
-@pytest.mark.parametrize("call, args, exc", [pytest.param(c, a, e, id=f"{c}-{a}"[:70]) for c, a, e in TRAINER_CALLS])
+@pytest.mark.parametrize("call, args, exc", [pytest.param(c, a, e, id=_id(f"{c}-{a}", 70)) for c, a, e in TRAINER_CALLS])
 def test_trainer_calls_are_refused_before_anything_changes(tmp_path: Path, memory_steps: int | None, call: str,
                                                            args: dict[str, Any], exc: Any) -> None:
     """A refused call leaves the store (every byte, no incident), the memory

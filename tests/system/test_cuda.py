@@ -8,6 +8,7 @@ fails bit-exactly."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import torch
 from conftest import bits_equal
 
 import dstt
+from dstt.format import layout as L
 from tests.capture.test_capture import assert_same, clone_state, deadline, stored
 
 pytestmark = [pytest.mark.cuda,
@@ -133,10 +135,11 @@ def test_delta_coding_of_gpu_state_round_trips(tmp_path: Path) -> None:
     assert dstt.verify(tmp_path / "run").ok
 
 
-def test_flight_recorder_rewinds_gpu_state_from_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("helper", [True, False], ids=["tier-in-helper", "in-process"])
+def test_flight_recorder_rewinds_gpu_state_from_memory(tmp_path: Path, helper: bool) -> None:
     model, opt = cuda_model()
     refs = {}
-    with deadline(180), dstt.Capture(tmp_path / "run", helper=False, memory_steps=4) as cap:
+    with deadline(180), dstt.Capture(tmp_path / "run", helper=helper, memory_steps=4) as cap:
         for step in range(8):
             step_on_gpu(model, opt)
             refs[step] = clone_state(dstt.state_of(model=model, optimizer=opt, rng=False))
@@ -149,6 +152,36 @@ def test_flight_recorder_rewinds_gpu_state_from_memory(tmp_path: Path) -> None:
         cap.snapshot(7, model=model, optimizer=opt, rng=False)
     run = dstt.open(f"{tmp_path / 'run'}@gpu-rewind")
     assert 7 in run.steps()
+
+
+@pytest.mark.parametrize("variant", ["foreach", "fused"])
+def test_default_capture_codes_cuda_adamw_predictively_and_bit_exact(tmp_path: Path, variant: str) -> None:
+    """CUDA AdamW (foreach and fused kernels) under Capture's defaults: the
+    optimizer-aware predictor codes the steps (a CUDA kernel's rounding may
+    differ from the predictor's, which costs bytes, never correctness), and
+    every step reads back bit-exact."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64)).cuda()
+    kw: dict[str, Any] = {"fused": True} if variant == "fused" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **kw)
+    refs = {}
+    with deadline(240), dstt.Capture(tmp_path / "run") as cap:
+        for step in range(6):
+            opt.zero_grad()
+            model(torch.randn(32, 256, device="cuda")).square().mean().backward()
+            opt.step()
+            cap.snapshot(step, model=model, optimizer=opt, rng=False)
+            refs[step] = clone_state(dstt.state_of(model=model, optimizer=opt, rng=False))
+            cap.wait()  # (a helper that keeps up codes every step; one behind stores it fast)
+    for step, ref in refs.items():
+        assert_same(ref, stored(tmp_path / "run", step), f"step {step}")
+    used = set()
+    for step in range(6):
+        doc = json.loads((tmp_path / "run" / L.step_dir("main", step) / "index.json").read_text())
+        used |= {c["predictor"] for t in doc["tensors"] if isinstance(t, dict) and "pred" in t
+                 for c in t["pred"]["codings"]}
+    assert "adam" in used, used
+    assert dstt.verify(tmp_path / "run").ok
 
 
 TRAINER = textwrap.dedent("""
