@@ -188,21 +188,29 @@ def _exchange(local: _Local, tasks: list[tuple[str, int, int, list[int]]], token
         raise OSError("no MASTER_ADDR/MASTER_PORT or DSTT_REDUNDANCY_STORE to meet the other ranks at")
     box = Mailbox(addr, f"recover-{token}"[:64])
     done: list[int] = []
+    gone = False  # a part (or the lost rank's answer) did not come in time: the rest is not waited for
     for run, step, lost, members in tasks:
         key = f"{run}/{step}/{lost}"
         if rank == lost:
-            if _rebuild(local, box, run, step, lost, members, key):
+            if gone:
+                box.put(f"done/{key}", b"0")
+                warnings.warn(f"dstt: rank {lost}'s step {step} is not rebuilt from its parity group: a survivor "
+                              "did not answer for an earlier step", NodeLossWarning, stacklevel=2)
+                continue
+            ok, gone = _rebuild(local, box, run, step, lost, members, key)
+            if ok:
                 done.append(step)
-        elif rank in members:
-            _contribute(local, box, run, step, key)
+        elif rank in members and not gone:
+            gone = not _contribute(local, box, run, step, key)
     if done:
         log.warning("dstt: rank %d rebuilt its steps %s from its parity group (redundancy)", rank,
                     ", ".join(map(str, done)))
     return done
 
 
-def _contribute(local: _Local, box: Any, run: str, step: int, key: str) -> None:
-    """Post this rank's image and parity of ``step``; wait (bounded) for the lost rank to take them."""
+def _contribute(local: _Local, box: Any, run: str, step: int, key: str) -> bool:
+    """Post this rank's image and parity of ``step``; wait (bounded) for the
+    lost rank to be done with them: whether it said so in time."""
     bid = int(local.writer.branch.id)
     try:
         img = RD.frame(local.image(run, step), run=run, branch_id=bid, step=step, rank=local.rank)
@@ -213,13 +221,19 @@ def _contribute(local: _Local, box: Any, run: str, step: int, key: str) -> None:
     post_block(box, f"img/{key}/{local.rank}", img)
     post_block(box, f"par/{key}/{local.rank}", par)
     deadline = time.monotonic() + WAIT_S
-    while box.peek(f"done/{key}") is None and time.monotonic() < deadline:
+    while box.peek(f"done/{key}") is None:
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.01)
+    return True
 
 
-def _rebuild(local: _Local, box: Any, run: str, step: int, lost: int, members: list[int], key: str) -> bool:
-    """Take the survivors' parts of ``step``, rebuild this rank's image, write it as a ring of its own."""
+def _rebuild(local: _Local, box: Any, run: str, step: int, lost: int, members: list[int],
+             key: str) -> tuple[bool, bool]:
+    """Take the survivors' parts of ``step``, rebuild this rank's image, write
+    it as a ring of its own: (whether it was, whether a part did not come in time)."""
     bid = int(local.writer.branch.id)
+    late = False
     images: dict[int, bytes] = {}
     parities: dict[int, PA.Parity] = {}
     deadline = time.monotonic() + WAIT_S
@@ -232,18 +246,19 @@ def _rebuild(local: _Local, box: Any, run: str, step: int, lost: int, members: l
                 if img is None or par is None:
                     time.sleep(0.01)
             if img is None or par is None:
+                late = True
                 raise RD.BlockError(f"rank {m}'s part did not arrive within {WAIT_S:.0f} s")
             images[m] = RD.unframe(img, run=run, branch_id=bid, step=step, rank=m)[1]
             parities[m] = PA.parse_parity(par, run=run, branch_id=bid, step=step, holder=m)
         stepimage.materialize(PA.rebuild_lost(lost, images, parities, members), local.base)
-        return True
+        return True, late
     except (RD.BlockError, OSError, ValueError) as e:
         warnings.warn(f"dstt: rank {lost}'s step {step} is not rebuilt from its parity group: {e}",
                       NodeLossWarning, stacklevel=2)
         for m in members:  # (what did arrive is taken out of the mailbox)
             take_block(box, f"img/{key}/{m}")
             take_block(box, f"par/{key}/{m}")
-        return False
+        return False, late
     finally:
         box.put(f"done/{key}", b"1")  # (the survivors stop waiting)
 
