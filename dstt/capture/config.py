@@ -105,10 +105,12 @@ class CaptureConfig:
     #: at the first step that has some (and again only after a clean step).
     watch_nonfinite: bool = True
     #: Peer redundancy of the memory tier (issue 26, docs/flight-recorder.md
-    #: "Surviving a node"): ``"none"``, or ``"pair"`` -- under
+    #: "Surviving a node"): ``"none"``, ``"pair"`` -- under
     #: torch.distributed with ``memory_steps``, each node's held steps are
     #: copied by its capture helpers to the next node's, so the loss of one
-    #: node (its processes and its /dev/shm) loses no step the tier held.
+    #: node (its processes and its /dev/shm) loses no step the tier held --
+    #: or ``"parity:k"``: groups of k+1 nodes, each keeping the XOR parity
+    #: of a stripe of the others' held steps (1/k extra memory, one loss a group).
     redundancy: str = "none"
 
     #: Every wait of the capture (the capture helper's answer for a step, a
@@ -172,9 +174,6 @@ class CaptureConfig:
             raise ConfigError("redundancy='replicas' cannot protect the memory tier: replicated state is written "
                               "once, its chunks shared out among the ranks holding it, so no rank's ring holds "
                               "another replica's share; use 'pair' (docs/flight-recorder.md, 'Surviving a node')")
-        if scheme.kind == "parity":
-            raise ConfigError(f"redundancy={self.redundancy!r} is not built in the capture helpers yet; "
-                              "use 'pair' (docs/flight-recorder.md, 'Surviving a node')")
         if scheme.kind != "none" and self.memory_steps is None:
             raise ConfigError(f"redundancy={self.redundancy!r} protects the steps the memory tier holds: "
                               "it needs memory_steps=K")

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dstt.capture import nodeloss, policy, ranks
+from dstt.capture import nodeloss, parityrecover, policy, ranks
 from dstt.capture.committers import HAND_OVER_LOCK
 from dstt.capture.config import write_options
 from dstt.capture.current import Current
@@ -39,6 +39,7 @@ from dstt.format.commit import CommitInfo
 from dstt.format.localio import pid_alive
 from dstt.format.lock import lock_holder
 from dstt.format.rankparts import read_record, write_fail, write_record
+from dstt.format.redundancy import parse_scheme
 from dstt.format.writeoptions import WriteOptions
 from dstt.store.coord import Coordinator
 from dstt.store.writer import Writer
@@ -299,6 +300,8 @@ class CrashSafe:
         identity = ranks.ring_identity(str(self.current.writer.backend.url), self.current.writer.branch, coord.rank, coord.world)
         ring: Ring | None = None
         error: str | None = None
+        if parse_scheme(self.current.config.redundancy).kind == "parity":  # (collective, never raises)
+            parityrecover.recover(self.current.writer, coord)  # a lost node's steps, from parity (issue 26)
         try:
             ring = Ring(identity, run=self.run_id)
             nodeloss.recover_copies(self.current.writer, coord.world)  # a lost node's steps, from copies here (issue 26)

@@ -187,7 +187,7 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     trainer died) once every held step is stored as an incident -- the
     ring may go then; True otherwise (``close``, or steps that could not be
     stored left sealed in the ring)."""
-    from dstt.capture import peerguard
+    from dstt.capture import guards
     from dstt.capture.tierpeers import StorePeers
 
     ops = HelperOps(writer, ring_dir, pools, records, reply, flush)
@@ -199,7 +199,7 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     policy = tier_args["policy"]
     tier = HelperTier(int(tier_args["k"]), policy if policy in ("all", "newest") else int(policy), ops,
                       branch=writer.branch.name, peers=peers, watch=bool(tier_args.get("watch", True)))
-    guard = peerguard.start(tier_args, records, writer, ops)  # redundancy= (issue 26): None for "none"
+    guard = guards.start(tier_args, records, writer, ops)  # redundancy= (issue 26): None for "none"
     busy = False
     while True:
         batch = commands.available(0.0 if busy else IDLE_POLL_S)
