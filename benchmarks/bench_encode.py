@@ -10,7 +10,8 @@ its flush: the step's groups coded in parallel on N threads -- separately
 from the flush and commit. Reported: MB/s of raw state coded (steps after
 the first, which are keyframes), the same per thread, and the rate at
 which this machine writes and fsyncs the same bytes to a file (what
-coding has to keep up with). Every step is read back and compared with
+coding has to keep up with), and MB per CPU-second (the process's CPU time
+over the same calls: the rate per core, whatever else runs on the machine). Every step is read back and compared with
 the trained state bit for bit.
 """
 
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace, threads: int, root: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(1)
     path = fresh_dir(os.path.join(root, f"t{threads}"))
-    coded_s = flush_s = 0.0
+    coded_s = coded_cpu = flush_s = 0.0
     coded_bytes = 0
     kept: list[dict[str, torch.Tensor]] = []
     with Writer(path, WriteOptions(compression="predictive", threads=threads, keyframe_every=args.keyframe_every)) as w:
@@ -70,11 +71,12 @@ def run(args: argparse.Namespace, threads: int, root: str) -> dict[str, Any]:
             kept.append({n: v.detach().clone() for n, v in flatten(state)[1].items()})
             plan = w.plan(step, state)
             w.ensure_arrays(plan)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             w.prepare_pred(plan)
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.process_time() - c
             if step:
                 coded_s += dt
+                coded_cpu += dc
                 coded_bytes += plan.local_bytes
             t = time.perf_counter()
             results, error = w.flush_chunks(plan, plan.tasks)
@@ -87,6 +89,7 @@ def run(args: argparse.Namespace, threads: int, root: str) -> dict[str, Any]:
     total = sum(r.commit_info(s)["bytes_total"] for s in r.steps())
     return {"threads": threads, "encode_mb_s": coded_bytes / coded_s / 1e6,
             "encode_mb_s_per_thread": coded_bytes / coded_s / 1e6 / threads,
+            "encode_mb_per_cpu_s": coded_bytes / coded_cpu / 1e6,
             "flush_commit_ms_per_step": 1e3 * flush_s / args.steps, "ratio": written / total, "bit_exact": same}
 
 
@@ -117,10 +120,11 @@ def main() -> None:
               "disk_fsync_mb_s": disk_rate(root, max(step_bytes, 64 << 20)), "rows": rows}
     print(f"machine: {result['machine']}; {result['step_mb']:.1f} MB of parameters + AdamW state per step; "
           f"file write + fsync: {result['disk_fsync_mb_s']:.0f} MB/s")
-    print("| threads | encode MB/s | per thread | flush+commit ms/step | stored/raw | bit-exact |")
-    print("|---|---|---|---|---|---|")
+    print("| threads | encode MB/s | per thread | MB per CPU-second | flush+commit ms/step | stored/raw | bit-exact |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['threads']} | {r['encode_mb_s']:.0f} | {r['encode_mb_s_per_thread']:.0f} | "
+              f"{r['encode_mb_per_cpu_s']:.0f} | "
               f"{r['flush_commit_ms_per_step']:.0f} | {r['ratio']:.3f} | {r['bit_exact']} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,7 @@
 """Issue 14: the flight recorder -- a loop whose step is much shorter than
 one step's persist time, captured every iteration.
 
-    python benchmarks/bench_flight.py [--size-mb 200] [--iters 30] [--compute-ms 40] [--dir ...]
+    python benchmarks/bench_flight.py [--size-mb 200] [--iters 30] [--iter-ms 72 | --compute-ms 40] [--dir ...]
 
 One process, one run, every figure compared with others of the same run:
 
@@ -21,12 +21,15 @@ One process, one run, every figure compared with others of the same run:
 
 An iteration is a stand-in compute of ``--compute-ms`` (not touching the
 state) followed by ``optimizer.step()`` (updates every parameter and Adam
-tensor in place).
+tensor in place); ``--iter-ms`` sets the compute so that an iteration with
+no capture takes that long (the issue's 72 ms at 200 MB).
 
 ``--ranks 2`` runs the same loop under ``torchrun`` with gloo (each rank
 holding ``--size-mb`` / ranks of state, replicated layout): time added
 per iteration, the drain after the loop (``wait()``: commit latency of the
-last steps), and how many steps each policy persists, per rank 0.
+last steps), and how many steps each policy persists, per rank 0; the
+collective rewind from every rank's helper tier vs ``dstt.restore`` and
+``torch.load`` on every rank.
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ from common import best_of, fresh_dir, fsync_file, machine, model_and_adam, raw_
 
 import dstt  # noqa: E402
 from dstt.errors import CaptureError, ConfigError  # noqa: E402
+
+
+def fresh(path: str) -> str:
+    """An empty directory for a phase's store: made by rank 0 alone under
+    torch.distributed (every rank's rmtree of a store the others already
+    write to would race), the others waiting for it."""
+    if not torch.distributed.is_initialized():
+        return fresh_dir(path)
+    if torch.distributed.get_rank() == 0:
+        fresh_dir(path)
+    torch.distributed.barrier()
+    return path
 
 
 def compute(ms: float, x: torch.Tensor) -> None:
@@ -77,7 +92,7 @@ def loop(model: Any, opt: Any, iters: int, compute_ms: float, cap: Any = None) -
 
 
 def phase(name: str, root: str, model: Any, opt: Any, args: Any, **options: Any) -> dict[str, Any]:
-    path = fresh_dir(os.path.join(root, name))
+    path = fresh(os.path.join(root, name))
     print(f"bench_flight: {name}", file=sys.stderr, flush=True)
     try:
         cap = dstt.Capture(path, **options)
@@ -102,7 +117,7 @@ def dcp_phase(root: str, model: Any, opt: Any, args: Any) -> dict[str, Any]:
     """``dcp.async_save`` every iteration (the previous save awaited first)."""
     import torch.distributed.checkpoint as dcp
 
-    path = fresh_dir(os.path.join(root, "dcp"))
+    path = fresh(os.path.join(root, "dcp"))
     pending: Any = None
     x = torch.ones(4096)
     times, nbytes = [], 0
@@ -129,12 +144,12 @@ def dcp_phase(root: str, model: Any, opt: Any, args: Any) -> dict[str, Any]:
 
 def rewind_latency(root: str, model: Any, opt: Any, args: Any) -> dict[str, float]:
     """Ring rewind vs dstt.restore vs torch.load + load_state_dict vs memcpy."""
-    path = fresh_dir(os.path.join(root, "rewind"))
+    path = fresh(os.path.join(root, "rewind"))
     tensors = state_tensors(model, opt)
     bufs = [torch.empty_like(t) for t in tensors]
     out: dict[str, float] = {}
     out["memcpy_s"] = best_of(lambda: [b.copy_(t) for b, t in zip(bufs, tensors)])
-    with dstt.Capture(path, memory_steps=4, persist="all") as cap:
+    with dstt.Capture(path, memory_steps=4, persist="all", helper=True) as cap:
         loop(model, opt, 3, 1, cap)
         cap.wait()
         ring, switch = [], []
@@ -151,7 +166,8 @@ def rewind_latency(root: str, model: Any, opt: Any, args: Any) -> dict[str, floa
         # helper closed and the new one's started -- happens at this snapshot)
         out["snapshot_after_rewind_s"] = min(switch)
     out["dstt_restore_s"] = best_of(lambda: dstt.restore(f"{path}:1", model=model, optimizer=opt))
-    pt = os.path.join(root, "state.pt")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    pt = os.path.join(root, f"state{rank}.pt")
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, pt)
     fsync_file(pt)
 
@@ -169,6 +185,8 @@ def main() -> None:
     ap.add_argument("--size-mb", type=float, default=200)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--compute-ms", type=float, default=40)
+    ap.add_argument("--iter-ms", type=float, default=None,
+                    help="an iteration with no capture takes this long (sets --compute-ms)")
     ap.add_argument("--dir", default="/tmp/dstt-bench-flight")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--ranks", type=int, default=1, help="run under torchrun with this many ranks (gloo)")
@@ -195,6 +213,14 @@ def main() -> None:
         os.unlink(os.path.join(root, f"raw{rank}-{i}.bin"))
     res: dict[str, Any] = {"machine": machine(), "ranks": world, "state_mb": state_bytes / 1e6 * world,
                            "raw_fsync_mb_s": raw}
+    if args.iter_ms is not None:
+        step_ms = statistics.median(loop(model, opt, 5, 0.0)) * 1e3  # optimizer.step alone
+        args.compute_ms = max(0.0, args.iter_ms - step_ms)
+        if dist:  # (every rank the same compute: the slowest rank's step sets the pace)
+            box = [args.compute_ms]
+            torch.distributed.broadcast_object_list(box, src=0)
+            args.compute_ms = box[0]
+    res["compute_ms"] = args.compute_ms
     base = loop(model, opt, args.iters, args.compute_ms)
     res["none"] = {"iter_ms": statistics.median(base) * 1e3, "mean_ms": statistics.mean(base) * 1e3}
     res["newest"] = phase("newest", root, model, opt, args, memory_steps=4, persist="newest", helper=False)
@@ -207,8 +233,10 @@ def main() -> None:
     res["wait"] = phase("wait", root, model, opt, args, on_full="wait")
     res["skip"] = phase("skip", root, model, opt, args, on_full="skip")
     res["dcp_async_save"] = dcp_phase(root, model, opt, args)
-    if not dist:
+    try:
         res["rewind"] = rewind_latency(root, model, opt, args)
+    except (CaptureError, ConfigError) as e:  # (a mode this dstt refuses)
+        res["rewind"] = {"refused": str(e).split("\n")[0][:300]}
     if dist:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -235,7 +263,8 @@ def report(res: dict[str, Any], args: Any, state_bytes: int, raw_mb_s: float) ->
     print(f"# {res['machine']}" + (f", {res['ranks']} ranks (torchrun, gloo)" if res["ranks"] > 1 else ""))
     print(f"state {res['state_mb']:.0f} MB; raw fsync'ed write {min(raw):.0f}-{max(raw):.0f} MB/s "
           f"(one step persists in ~{state_bytes / 1e6 / raw_mb_s:.2f} s at best); iteration "
-          f"{res['none']['iter_ms']:.0f} ms with no capture (median of {args.iters})")
+          f"{res['none']['iter_ms']:.0f} ms with no capture (median of {args.iters}; compute "
+          f"{res['compute_ms']:.0f} ms of it)")
     print("mode            iter ms (median)  added   stored/captured  disk MB/s  vs raw  drain s  tier")
     for k in ("newest", "newest_helper", "helper_all", "helper_4", "wait", "skip", "dcp_async_save"):
         r = res.get(k)
@@ -249,7 +278,9 @@ def report(res: dict[str, Any], args: Any, state_bytes: int, raw_mb_s: float) ->
               f"{r['disk_mb_s']:9.0f}  {r['disk_mb_s'] / raw_mb_s:5.2f}x  {r.get('drain_s', 0):6.2f}  "
               f"{r.get('tier_where') or '-'}")
     rw = res.get("rewind")
-    if rw:
+    if rw and "refused" in rw:
+        print(f"rewind: refused: {rw['refused']}")
+    elif rw:
         print(f"rewind: ring {rw['ring_rewind_s'] * 1e3:.0f} ms ({rw['ring_rewind_s'] / rw['memcpy_s']:.2f}x one "
               f"memcpy of {rw['memcpy_s'] * 1e3:.0f} ms), dstt.restore {rw['dstt_restore_s'] * 1e3:.0f} ms, "
               f"torch.load + load_state_dict {rw['torch_load_s'] * 1e3:.0f} ms; the snapshot after it (opens "

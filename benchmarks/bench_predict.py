@@ -54,6 +54,7 @@ from dstt.format.codecs import predictive as pc  # noqa: E402
 from dstt.format.codecs.delta import blosc_decode, blosc_encode, undo_delta, zigzag_delta  # noqa: E402
 from dstt.format.codecs.optimspec import ParamState, delta, param_codings  # noqa: E402
 from dstt.format.codecs.predictors import Coding  # noqa: E402
+from dstt.format.codecs.stepcoder import NOISE_ROLES  # noqa: E402
 
 KINDS = ("param", "exp_avg", "exp_avg_sq", "other")
 ROLE_ORDER = ("exp_avg", "momentum_buffer", "exp_avg_sq", "max_exp_avg_sq", "param")
@@ -242,7 +243,7 @@ def code_chain(mode: Mode, step: Step, prev: Step | None, index: int, predictive
             if alt is not None and alt != c and pc.plan(alt) == pc.plan(c):
                 c = pc.pick([c, alt], t.raw, ins)
             t0 = time.perf_counter()
-            enc = pc.encode(c, t.raw, ins)
+            enc = pc.encode(c, t.raw, ins, noise=t.role in NOISE_ROLES)  # (the writer's containers: stepcoder.py)
             t1 = time.perf_counter()
             back = pc.decode(c, enc.blob, len(t.raw), ins)
             if timer is not None:
@@ -258,7 +259,7 @@ def code_chain(mode: Mode, step: Step, prev: Step | None, index: int, predictive
                 decoded[t.name] = back
                 blobs[t.name] = (c, enc.blob)
                 continue
-        blob = blosc_encode(t.raw, t.raw.itemsize)
+        blob = blosc_encode(t.raw, t.raw.itemsize, noise=True)  # (keyframes: the lz4 container)
         mode.keys[t.name] = (t.raw, len(blob))
         mode.add(t, len(blob))
         decoded[t.name] = t.raw

@@ -231,7 +231,10 @@ def case_loop(iters: int, work: str, threads: int | None = 1) -> dict[str, Any]:
         cap.wait()
     plain.append(median_iter(None))  # before and after: the machine's drift
     base = statistics.mean(plain)
+    run = dstt.open(os.path.join(work, "loop"))  # compression="auto": steps stored fast (queue depth, CPU)
+    fast = sum(run.commit_info(s).get("coding") == "fast" for s in run.steps()) / max(1, len(run.steps()))
     return {"torch_threads": torch.get_num_threads(), "tensors": n_tensors, "state_bytes": state_bytes,
+            "fast_share": fast,
             "iter_plain_s": base,
             "iter_captured_s": captured, "added": captured / base - 1,
             "trainer_cpu_added_ms_per_step": (cpu - plain_cpu) * 1e3, "helper_cpu_ms_per_step": helper * 1e3}

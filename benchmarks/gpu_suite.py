@@ -172,11 +172,27 @@ def flight(args: argparse.Namespace) -> dict[str, Any]:
         return sorted(best)[1]
 
     def loop(cap: Any) -> tuple[list[float], float | None]:
-        times, first = [], None
+        """Iteration times; the first snapshot's stall: snapshot() + the next
+        optimizer step's wait for its copies (the step's pre-hook)."""
+        times, first, waits = [], None, []
+        if cap is not None:
+            fence = cap.stager._fence
+            wait = fence._wait
+
+            def timed() -> None:
+                t = time.perf_counter()
+                try:
+                    wait()
+                finally:
+                    waits.append(time.perf_counter() - t)
+            fence._wait = timed
         for i in range(args.iters):
             t0 = time.perf_counter()
             compute()
+            waits.clear()
             opt.step()
+            if i == 1 and first is not None:
+                first += sum(waits)
             if cap is not None:
                 t = time.perf_counter()
                 cap.snapshot(i, model=model, optimizer=opt, rng=False)

@@ -11,6 +11,7 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_SHM_DIR`` | :func:`shm_dir` | the directory holding ``dstt-<uid>`` staging rings | ``/dev/shm`` |
 | ``DSTT_RANK_WAIT_S`` | :func:`rank_wait_s` | how long rank 0's helper waits for the other ranks' records of a step | 300 |
 | ``DSTT_RANK_WAIT_DEAD_S`` | :func:`rank_wait_dead_s` | the same once those ranks' trainers are known dead | 60 |
+| ``DSTT_COLLECTIVE_TIMEOUT_S`` | :func:`collective_timeout_s` | how long one of dstt's own collectives (its gloo group) waits for the other ranks | 600 |
 | ``DSTT_DEBUG`` | :func:`debug` | the CLI prints tracebacks | off |
 | ``DSTT_EXECUTOR`` | :func:`executor` | where scans over tensor data run: ``processes``, ``threads``, ``inline`` or ``dask://HOST:PORT`` | ``processes`` |
 | ``DSTT_WORKERS`` | :func:`workers` | workers of the local executor (0: one per core) | 0 |
@@ -18,6 +19,7 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_OBJECT_CLIENT`` | :func:`object_client` | the client of ``s3://``, ``gs://``, ``az://`` stores: ``obstore`` or ``fsspec`` | obstore where installed |
 | ``DSTT_NODE_ID`` | :func:`node_id` | the node this process counts as, for peer redundancy (one machine may stand for several) | the host name |
 | ``DSTT_REDUNDANCY_STORE`` | :func:`redundancy_store` | ``HOST:PORT`` of the c10d TCPStore the capture helpers exchange copies through | ``MASTER_ADDR:MASTER_PORT`` |
+| ``DSTT_AUTO_SPARE_CORES`` | :func:`auto_spare_cores` | ``compression="auto"`` in a capture helper codes a step only while the host's CPUs of the helper had at least this many cores' worth idle (0: no CPU rule) | 0.5 |
 
 >>> with override(DSTT_PACK_CHUNK_BYTES="0"):
 ...     pack_chunk_bytes()
@@ -39,11 +41,12 @@ from dstt.errors import ConfigError
 #: The variables this module knows (``override`` refuses any other name).
 KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
          "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT", "DSTT_NODE_ID", "DSTT_REDUNDANCY_STORE",
-         "DSTT_UPDATE_STATS_BYTES")
+         "DSTT_UPDATE_STATS_BYTES", "DSTT_COLLECTIVE_TIMEOUT_S", "DSTT_AUTO_SPARE_CORES")
 #: Clients an object store URL may be served by (DSTT_OBJECT_CLIENT).
 OBJECT_CLIENTS = ("obstore", "fsspec")
 
 PACK_CHUNK_BYTES_DEFAULT = 1 << 20
+AUTO_SPARE_CORES_DEFAULT = 0.5
 
 
 def _text(name: str) -> str:
@@ -61,6 +64,18 @@ def _number(name: str, default: float, *, integer: bool = False) -> float:
     if value < 0 or value != value:
         raise ConfigError(f"{name}={text!r}: expected a number >= 0")
     return value
+
+
+def auto_spare_cores() -> float:
+    """Idle cores (of the CPUs the capture helper may run on) below which
+    ``compression="auto"`` stores steps fast (capture/helpercpu.py); 0: never
+    for lack of CPU.
+
+    >>> with override(DSTT_AUTO_SPARE_CORES="2"):
+    ...     auto_spare_cores()
+    2.0
+    """
+    return _number("DSTT_AUTO_SPARE_CORES", AUTO_SPARE_CORES_DEFAULT)
 
 
 def node_id() -> str:
@@ -105,6 +120,12 @@ def rank_wait_s() -> float:
 def rank_wait_dead_s() -> float:
     """Seconds it waits once the missing ranks' trainers are known dead."""
     return _number("DSTT_RANK_WAIT_DEAD_S", 60.0)
+
+
+def collective_timeout_s() -> float:
+    """Seconds one of dstt's own collectives waits for the other ranks (a
+    rank that died or hangs: a dstt error, not a wait of torch's 30 min)."""
+    return _number("DSTT_COLLECTIVE_TIMEOUT_S", 600.0)
 
 
 def debug() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from dstt import knobs
 from dstt.capture.waits import DEFAULT_TIMEOUT_S
 from dstt.errors import ConfigError
 from dstt.format import args as A
@@ -104,10 +105,12 @@ class CaptureConfig:
     #: at the first step that has some (and again only after a clean step).
     watch_nonfinite: bool = True
     #: Peer redundancy of the memory tier (issue 26, docs/flight-recorder.md
-    #: "Surviving a node"): ``"none"``, or ``"pair"`` -- under
+    #: "Surviving a node"): ``"none"``, ``"pair"`` -- under
     #: torch.distributed with ``memory_steps``, each node's held steps are
     #: copied by its capture helpers to the next node's, so the loss of one
     #: node (its processes and its /dev/shm) loses no step the tier held;
+    #: ``"parity:k"``: groups of k+1 nodes, each keeping the XOR parity
+    #: of a stripe of the others' held steps (1/k extra memory, one loss a group);
     #: ``"replicas"`` -- each rank's ring also holds the replicated chunks
     #: other holders write (R x the replicated bytes per rank), and a lost
     #: rank's steps are rebuilt from a replica's ring (capture/replicaguard.py);
@@ -141,6 +144,7 @@ class CaptureConfig:
         A.seconds("background_timeout_s", self.background_timeout_s, allow_zero=False)
         A.auto_flag("shm", self.shm)
         A.auto_flag("helper", self.helper)
+        knobs.auto_spare_cores()  # (read by the helper: a bad DSTT_AUTO_SPARE_CORES is refused here)
         self._check_memory_tier()
         self._check_redundancy()
         if self.host_buffer_bytes is not None:
@@ -176,9 +180,6 @@ class CaptureConfig:
                 raise ConfigError("redundancy='auto' protects the steps the memory tier holds: it needs memory_steps=K")
             return
         scheme = parse_scheme(self.redundancy)
-        if scheme.kind == "parity":
-            raise ConfigError(f"redundancy={self.redundancy!r} is not built in the capture helpers yet; "
-                              "use 'pair' (docs/flight-recorder.md, 'Surviving a node')")
         if scheme.kind != "none" and self.memory_steps is None:
             raise ConfigError(f"redundancy={self.redundancy!r} protects the steps the memory tier holds: "
                               "it needs memory_steps=K")

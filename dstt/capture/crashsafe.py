@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dstt.capture import nodeloss, policy, ranks, replicaguard
+from dstt.capture import nodeloss, parityrecover, policy, ranks, replicaguard
 from dstt.capture.committers import HAND_OVER_LOCK
 from dstt.capture.config import write_options
 from dstt.capture.current import Current
@@ -39,6 +39,7 @@ from dstt.format.commit import CommitInfo
 from dstt.format.localio import pid_alive
 from dstt.format.lock import lock_holder
 from dstt.format.rankparts import read_record, write_fail, write_record
+from dstt.format.redundancy import parse_scheme
 from dstt.format.writeoptions import WriteOptions
 from dstt.store.coord import Coordinator
 from dstt.store.writer import Writer
@@ -309,6 +310,8 @@ class CrashSafe:
         ring: Ring | None = None
         error: str | None = None
         held = replicaguard.Pending()
+        if parse_scheme(self.current.config.redundancy).kind == "parity":  # (collective, never raises)
+            parityrecover.recover(self.current.writer, coord)  # a lost node's steps, from parity (issue 26)
         try:
             ring = Ring(identity, run=self.run_id)
             nodeloss.recover_copies(self.current.writer, coord.world)  # a lost node's steps, from copies here (issue 26)
@@ -404,8 +407,11 @@ class CrashSafe:
                 warning = f"the staging ring is retired ({self.keeper.broken}): staged in process memory"
             elif decision.where == "shm":
                 try:
-                    pool = HostPool(capacity, pin=pin, buffer=self.ring.new_pool(capacity))
+                    buffer = self.ring.new_pool(capacity)  # (its pages reserved in the background: reserve.py)
+                    pool = HostPool(capacity, pin=pin, buffer=buffer,
+                                    reservation=self.ring.reservations.get(self.ring.pool_name))
                     pool.ring_name = self.ring.pool_name  # (Stager.pool_in_ring)
+                    self._watch_reservation(pool)
                 except OSError as e:
                     warning = f"{e}: staged in process memory instead"
             if pool is None:
@@ -418,6 +424,23 @@ class CrashSafe:
             if self.keeper is not None and old.ring_name is not None:
                 self.keeper.drop_pool(old.ring_name)
         return pool if pool is not None else HostPool(capacity, pin=pin)
+
+    def _watch_reservation(self, pool: HostPool) -> None:
+        """Each piece of ``pool``'s file reserved is progress (a step waits
+        for it through the ledger); a reservation that ends short retires
+        the pool: the next step is staged in a new one (here: in process
+        memory, with a warning, if /dev/shm is still full)."""
+        reservation = pool.reservation
+        if reservation is None:
+            return
+        ledger = self.ledger
+
+        def reserved() -> None:
+            ledger.bump()
+            if reservation.done.is_set() and reservation.error is not None:
+                pool.retire(f"its file could not be reserved ({reservation.error})")
+
+        reservation.listen(reserved)
 
     def seal(self, job: Job) -> None:
         """Every copy of a held step has landed: record it in the ring, so
@@ -444,7 +467,8 @@ class CrashSafe:
             if name is None:
                 raise RuntimeError("the staging pool is in process memory, not in the /dev/shm ring (see the "
                                    "warning given when it was made)")
-            self.keeper.seal(seal_record(job.plan, name, job.ring.pool.buffer, job.ring.views, crc=False, groups=job.ring.groups))
+            pool = job.ring.pool.buffer[:job.ring.pool.file_bytes]  # (a block past it is not the file's: reserve.py)
+            self.keeper.seal(seal_record(job.plan, name, pool, job.ring.views, crc=False, groups=job.ring.groups))
             job.ring.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             job.ring.seal_error = str(e)

@@ -35,7 +35,8 @@ How it is started and why that way:
   writer can slip in between the trainer's death and the helper's last
   commit. Only the three descriptors it needs are passed.
 * It exits by itself: the command pipe reaches end-of-file when the
-  trainer closes it or dies. On ``close`` the trainer waits for it to exit
+  trainer closes it or dies, and its parent pid tells it the trainer died
+  even where the pipe does not (capture/parentwatch.py). On ``close`` the trainer waits for it to exit
   (so the lock is free when ``Capture.close()`` returns); at end-of-file
   without ``close`` (trainer dead) the helper commits every sealed step
   left in the ring, in step order, removes the ring and exits, releasing
@@ -62,6 +63,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dstt.capture.parentwatch import Commands, ParentWatch
 from dstt.capture.waits import DEFAULT_TIMEOUT_S, POLL_S, Activity, Stalled, activity, describe_state, until
 from dstt.errors import CaptureError
 
@@ -367,7 +369,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
     ``watch``, ``run``): the memory tier lives in this helper (helperops.py)."""
     import torch
 
-    from dstt.capture import ranks
+    from dstt.capture import helpercpu, ranks
     from dstt.capture import ring as R
     from dstt.capture.ringowner import hold
     from dstt.format.lock import BranchLock
@@ -378,6 +380,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
 
     hold(ring_dir)  # the ring is this helper's too while it lives: never adopted under it (ringowner.py)
     torch.set_num_threads(1)
+    helpercpu.single_threaded_codecs()  # (this process's Blosc: no thread pool of its own)
     lock = None if lock_fd is None else BranchLock.inherited(store, writer_options["branch"], lock_fd)
     records: ranks.RecordCoordinator | None = None
     if dist is None:
@@ -390,10 +393,8 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         records = ranks.RecordCoordinator(writer.backend, writer.branch.name, rank, world, str(dist["run"]),
                                           alive=lambda: trainer_pid is None or os.getppid() == trainer_pid)
         writer.commit_coord = records
-    # compression="auto": the helper's threads run below the trainer's
-    # priority (nice, SCHED_IDLE), so its encoding takes no core the trainer
-    # wants: a step is stored fast only when steps queue up (commit_steps).
-    writer.auto_cpu_cores = math.inf
+    # compression="auto": steps stored fast when they queue up (commit_steps) or no core is spare (helpercpu.py)
+    cpu = helpercpu.CpuWatch() if writer.codec.compression == "auto" else None
     if writer.coder is not None:
         # Predictive coding keeps the previous step's chunks (one copy of the
         # state): at most a quarter of the memory available now; beyond it a
@@ -425,7 +426,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         os.write(ack_fd, b"ready\n")  # the trainer's committer waits for this line first
     pools: dict[str, Any] = {}
     flush = ThreadPoolExecutor(2, thread_name_prefix="dstt-helper")
-    commands = _Commands(cmd_fd)
+    commands = Commands(cmd_fd, ParentWatch(trainer_pid))  # end of file or the trainer gone (parentwatch.py)
     closed_by_trainer = False
 
     def commit(step: int, verify: bool) -> Any:
@@ -453,6 +454,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
             pools[name] = R.map_pool(ring_dir, name)
         if records is not None:
             writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
+        writer.auto_cpu_cores = math.inf if cpu is None else cpu.budget()
         plan = writer.adopt(R.plan_of(record, pools[name], verify=verify))
         writer.ensure_arrays(plan)
         # predictive coding (compression "predictive"/"auto"): the step's
@@ -564,41 +566,6 @@ def _seal_seq(ring_dir: Path, step: int) -> int | None:
     except Exception:  # noqa: BLE001 - the trainer records the failure then (crashsafe.py)
         return None
     return seq if isinstance(seq, int) else None
-
-
-class _Commands:
-    """The command pipe, read in batches: the first line waited for, then
-    every complete line already queued behind it (the steps to commit as a
-    group)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buf = b""
-        self.eof = False
-
-    def available(self, timeout_s: float | None = None) -> list[list[str]] | None:
-        """The commands queued now (each split into words), waiting for at
-        least one (at most ``timeout_s`` when given: then maybe none); None
-        at end of file with none left."""
-        while b"\n" not in self.buf and not self.eof:
-            if timeout_s is not None and not select.select([self.fd], [], [], timeout_s)[0]:
-                return []
-            self._read()
-        while not self.eof and select.select([self.fd], [], [], 0)[0]:
-            self._read()
-        if b"\n" not in self.buf:
-            return None
-        head, _, self.buf = self.buf.rpartition(b"\n")
-        lines = [line.decode().split() for line in head.split(b"\n")]
-        if ["close"] in lines:  # nothing after close counts
-            lines = lines[:lines.index(["close"]) + 1]
-        return lines
-
-    def _read(self) -> None:
-        part = os.read(self.fd, 65536)
-        if not part:
-            self.eof = True
-        self.buf += part
 
 
 if __name__ == "__main__":

@@ -12,9 +12,12 @@ them)::
     hold <step> / unhold <step>            held <step> yes|no
     close                                  mem <step>    (passed over: memory only, for now)
                                            free <step>   (its slot may be reused)
+                                           busy <step>   (a batch of its chunks written)
 
 Answers come in any order: a step persisted takes longer than newer ones
-evicted as memory-only. A step is ``free`` only once it left the tier
+evicted as memory-only. Answers are the only progress the trainer's waits
+on the helper count (tiercommitter.py): ``busy`` keeps a long write from
+looking like a silent helper. A step is ``free`` only once it left the tier
 (helpertier.py's rules); its seal is removed before that, so a ring left
 by a crash never names bytes that were reused.
 """
@@ -30,8 +33,10 @@ from typing import Any
 import torch
 
 from dstt.capture import ring as R
+from dstt.capture.helpercpu import CpuWatch
 from dstt.capture.helpertier import HelperTier, Peers
 from dstt.format.incidents import Incident, record_incident
+from dstt.store.predflush import Backfills
 
 log = logging.getLogger("dstt.capture")
 
@@ -79,8 +84,11 @@ class HelperOps:
         # slot (no copy while the tier holds it; copied by release() when
         # the slot is given back first); only steps after the last coded one.
         self.coded_upto: int | None = None
+        self.backfills = Backfills()  # (under torch.distributed backfills are stored whole)
         if writer.coder is not None:
             writer.coder.borrow = True
+        # compression="auto": steps stored fast while the host has no core to spare (helpercpu.py)
+        self.cpu = CpuWatch() if writer.codec.compression == "auto" else None
 
     def adopt(self, step: int) -> None:
         """Read sealed ``step`` and adopt its plan (in step order: its
@@ -91,6 +99,8 @@ class HelperOps:
             self.pools[name] = R.map_pool(self.ring_dir, name)
         if self.records is not None:
             self.writer.next_seq = int(record["seq"])  # the trainers' sequence number: the same on every rank
+        if self.cpu is not None:
+            self.writer.auto_cpu_cores = self.cpu.budget()
         plan = self.writer.adopt(R.plan_of(record, self.pools[name], verify=False))
         self.steps[step] = (plan, record)
         self.seqs[step] = int(record["seq"])
@@ -110,9 +120,13 @@ class HelperOps:
         w.relink(plan)
         w.settle_before(plan)
         w.ensure_arrays(plan)
-        if self.coded_upto is None or step > self.coded_upto:  # (a backfill: stored whole, nothing remembered)
+        if self.coded_upto is None or step > self.coded_upto:
             self.coded_upto = step
+            self.backfills.drop()
             w.prepare_pred(plan)
+        elif self.records is None:  # a backfill: against the previous captured step, if stored (predflush.py)
+            prev_step = max((s for s in self.seqs if s < step), default=None)
+            self.backfills.prepare(w, plan, prev_step if prev_step is not None and w.is_stored(prev_step) else None)
         prevs: dict[tuple[str, int], torch.Tensor] = {}
         if prev is not None and prev in self.steps:
             prevs = {(t.layout.array, t.index): t.source for t in self.steps[prev][0].tasks}
@@ -120,7 +134,9 @@ class HelperOps:
         def flush(tasks: list[Any]) -> Any:
             ps = [prevs.get((t.layout.array, t.index)) for t in tasks]
             ps = [p if p is not None and p.shape == t.source.shape else None for p, t in zip(ps, tasks)]
-            return w.flush_chunks(plan, tasks, None, ps)  # (given, even all None: the tier decides)
+            done = w.flush_chunks(plan, tasks, None, ps)  # (given, even all None: the tier decides)
+            self.reply(f"busy {step}")  # progress the trainer's waits count (a long step's write)
+            return done
 
         parts = batches(plan.tasks)
         flushed = [flush(parts[0])] if len(parts) == 1 else list(self.flush.map(flush, parts))
@@ -171,7 +187,7 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     trainer died) once every held step is stored as an incident -- the
     ring may go then; True otherwise (``close``, or steps that could not be
     stored left sealed in the ring)."""
-    from dstt.capture import peerguard
+    from dstt.capture import guards
     from dstt.capture.tierpeers import StorePeers
 
     ops = HelperOps(writer, ring_dir, pools, records, reply, flush)
@@ -183,7 +199,7 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     policy = tier_args["policy"]
     tier = HelperTier(int(tier_args["k"]), policy if policy in ("all", "newest") else int(policy), ops,
                       branch=writer.branch.name, peers=peers, watch=bool(tier_args.get("watch", True)))
-    guard = peerguard.start(tier_args, records, writer, ops)  # redundancy= (issue 26): None for "none"
+    guard = guards.start(tier_args, records, writer, ops)  # redundancy= (issue 26): None for "none"
     busy = False
     while True:
         batch = commands.available(0.0 if busy else IDLE_POLL_S)
@@ -194,7 +210,7 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
             return bool(tier.unstored())  # (steps left sealed: the ring stays for the next Capture or `dstt gc`)
         for cmd in batch:
             if len(cmd) == 2 and cmd[0] == "redundancy" and guard is None:  # redundancy="auto" chose (issue 26)
-                guard = peerguard.start({**tier_args, "redundancy": cmd[1]}, records, writer, ops)
+                guard = guards.start({**tier_args, "redundancy": cmd[1]}, records, writer, ops)
                 continue
             if _handle(cmd, tier, ops, reply):
                 tier.close()

@@ -99,6 +99,9 @@ class Peers(Protocol):
 
     def publish_held(self, steps: list[int], force: bool = False) -> None: ...
 
+    def closed(self) -> None:
+        """This helper closed cleanly (the last rank's removes the run's records)."""
+
     def request(self, ident: str, step: int, reason: str, source: str, steps: tuple[int, ...],
                 tensors: tuple[str, ...]) -> IncidentRequest: ...
 
@@ -223,6 +226,8 @@ class HelperTier:
                 self._force(last)
         self.drain()
         self.release_all()
+        if self.peers is not None:
+            self.peers.closed()
 
     @property
     def _deciding(self) -> bool:
@@ -329,6 +334,12 @@ class HelperTier:
                 self.ops.lost(step, f"an incident at step {at} asked for step {step}, which rank {self.rank}'s "
                                     "memory tier no longer held")
         if self.rank != 0:
+            return None
+        if source == "crash" and any(i.source == "crash" for i in self.incidents):
+            # (the trainers' death is one incident: the ranks' helpers that
+            # saw it at different newest steps store their steps, recorded once)
+            log.warning("dstt helper: the trainers' death, seen again at step %d: steps %s stored, recorded "
+                        "with the first", at, ", ".join(map(str, sorted(mine))))
             return None
         inc = Incident(self.branch, at, reason, source, time.time(), tuple(sorted(mine)), tensors,
                        rank=origin if self.world > 1 else None, world=self.world if self.world > 1 else None)

@@ -15,7 +15,9 @@ Invariants:
   every ``release``; ``abort()`` wakes every waiter with an error so nothing
   waits for a pool that will never drain;
 * every block is 64-byte aligned, so a block can be viewed as any dtype;
-  large blocks are page aligned, so the store can write them with O_DIRECT.
+  large blocks are page aligned, so the store can write them with O_DIRECT;
+* a pool over a /dev/shm file hands out only bytes whose pages are
+  reserved (reserve.py's watermark): none is written before it is.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture.reserve import Reservation
 from dstt.errors import CaptureError
 
 
@@ -38,11 +41,6 @@ def _cudart() -> Any:
     get: Callable[[], Any] = torch.cuda.cudart
     return get()
 
-
-def _cuda_event() -> Any:
-    """A new torch.cuda.Event (its constructor is untyped)."""
-    make: Callable[[], Any] = torch.cuda.Event
-    return make()
 
 log = logging.getLogger("dstt.capture")
 
@@ -88,8 +86,15 @@ class HostPool:
     0
     """
 
-    def __init__(self, capacity: int, *, pin: bool = False, buffer: torch.Tensor | None = None) -> None:
+    def __init__(self, capacity: int, *, pin: bool = False, buffer: torch.Tensor | None = None,
+                 reservation: Reservation | None = None, base: int = 0) -> None:
         self.capacity = _round_up(max(int(capacity), ALIGN))
+        #: The pages of ``buffer`` (a /dev/shm file's, from byte ``base`` of
+        #: it on) being reserved in the background (reserve.py): only blocks
+        #: below its watermark are handed out; None once all are reserved.
+        self._reservation = reservation
+        self._reserving = reservation  # (kept: file_bytes)
+        self._base = base
         #: Whether device-to-host copies into the pool run at pinned speed.
         #: A ``buffer`` (a /dev/shm mapping, capture/ring.py) is registered
         #: with CUDA in a background thread; until then it is pageable.
@@ -129,6 +134,8 @@ class HostPool:
         self.retired: str | None = None
         #: Ranges [start, end) of blocks that are never released (:meth:`pin`).
         self._holes: list[tuple[int, int]] = []
+        if reservation is not None:
+            reservation.listen(self._wake)
 
     def _register(self) -> None:
         """Page-lock the mapping for CUDA off the trainer's thread (~0.55 s
@@ -143,10 +150,16 @@ class HostPool:
         try:
             cudart = _cudart()
             base = self.buffer.data_ptr()
+            reserving = self._reservation
             for start in range(0, self.capacity, self._piece_bytes):
                 if self._stop_registering:
                     break
-                rc = cudart.cudaHostRegister(base + start, min(self._piece_bytes, self.capacity - start), 0)
+                end = min(start + self._piece_bytes, self.capacity)
+                # (never a page not reserved yet: pinning it would back it. Unbounded wait:
+                # the reserving thread's pieces, each a bounded system call; False if it stops.)
+                if reserving is not None and not reserving.wait_upto(self._base + end, None):
+                    break
+                rc = cudart.cudaHostRegister(base + start, end - start, 0)
                 code = getattr(rc, "value", rc)
                 if code != 0:
                     log.warning("dstt: cudaHostRegister of the staging pool failed (error %s): copies stay pageable",
@@ -193,6 +206,49 @@ class HostPool:
                 return "bounce"
         return "pinned" if self.pinned else "pageable"
 
+    # -------------------------------------------------------------- reservation (reserve.py)
+
+    @property
+    def reservation(self) -> Reservation | None:
+        """The reservation still under way of this pool's file (None: all reserved, or not a file)."""
+        with self._cond:
+            self._limit()
+            return self._reservation
+
+    def reserving(self, nbytes: int) -> bool:
+        """Whether bytes of the pool are still being reserved and a block of
+        ``nbytes`` fits it (one that does not fit now may once they are)."""
+        r = self.reservation
+        return r is not None and not r.done.is_set() and self.block_bytes(nbytes) <= self.capacity
+
+    def _wake(self) -> None:
+        """Another piece is reserved (or the reservation ended): look again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _limit(self) -> int:
+        """Bytes from the start of the buffer that may be handed out: those
+        reserved, or all once the reservation ended (short: the rest is
+        process memory now, reserve.py) (caller holds the lock)."""
+        r = self._reservation
+        if r is None:
+            return self.capacity
+        upto = r.upto - self._base
+        if upto >= self.capacity or (r.done.is_set() and r.remapped):
+            self._reservation = None  # no need to look again
+            return self.capacity
+        return max(0, upto)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes from the start of the buffer that are the pool file's (a
+        seal may name them): all but those past a reservation that ended
+        short (process memory: seals.seal_record refuses a block there)."""
+        r = self._reserving
+        if r is None or r.error is None:
+            return self.capacity
+        return min(self.capacity, max(0, r.upto - self._base))
+
     # -------------------------------------------------------------- accounting
 
     @property
@@ -217,29 +273,30 @@ class HostPool:
     def _fit(self, n: int, align: int) -> int | None:
         """Start (a multiple of ``align``) of a free range of ``n`` bytes, or
         None (caller holds the lock)."""
+        cap = self._limit()  # (the bytes reserved so far: reserve.py)
         if self._holes:
-            return self._fit_around_holes(n, align)
+            return self._fit_around_holes(n, align, cap)
         if not self._blocks:
-            return 0 if n <= self.capacity else None
+            return 0 if n <= cap else None
         tail = self._blocks[0].start
         head = _round_up(self._blocks[-1].end, align)
         if self._blocks[0].start <= self._blocks[-1].start:
             # live region is [tail, head): free space is [head, cap) then [0, tail)
-            if head + n <= self.capacity:
+            if head + n <= cap:
                 return head
             return 0 if n <= tail else None
         # wrapped: live is [tail, cap) + [0, head); free is [head, tail)
         return head if head + n <= tail else None
 
-    def _fit_around_holes(self, n: int, align: int) -> int | None:
+    def _fit_around_holes(self, n: int, align: int, cap: int) -> int | None:
         """:meth:`_fit` with pinned blocks: the free ranges in ring order from
         the head, less the holes (an allocation past a hole still follows
         the head in ring order, so the live blocks stay in ring order)."""
         if not self._blocks:
-            ranges = [(0, self.capacity)]
+            ranges = [(0, cap)]
         else:
             tail, head = self._blocks[0].start, self._blocks[-1].end
-            ranges = [(head, self.capacity), (0, tail)] if tail <= self._blocks[-1].start else [(head, tail)]
+            ranges = [(head, cap), (0, tail)] if tail <= self._blocks[-1].start else [(head, tail)]
         for lo, hi in ranges:
             for a, b in self._minus_holes(lo, hi):
                 start = _round_up(a, align)
@@ -451,61 +508,6 @@ class HostPool:
             self._cond.notify_all()
 
 
-class CudaCopier:
-    """Device-to-host copies on dedicated streams, ordered after the compute
-    stream by events; the trainer's thread never synchronizes the device."""
-
-    def __init__(self) -> None:
-        self._streams: dict[int, Any] = {}
-
-    def stream(self, device: torch.device) -> Any:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in self._streams:
-            make_stream: Callable[..., Any] = torch.cuda.Stream  # (its constructor is untyped)
-            self._streams[idx] = make_stream(device=idx)
-        return self._streams[idx]
-
-    def after_compute(self, devices: set[torch.device]) -> dict[int, Any]:
-        """Record an event on each device's current (compute) stream: copies
-        issued after waiting on it read the state as of this call."""
-        events = {}
-        for d in devices:
-            ev = _cuda_event()
-            ev.record(torch.cuda.current_stream(d))
-            events[d.index] = ev
-        return events
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, ready: Any, mode: str = "pinned") -> None:
-        """Enqueue ``dst.copy_(src)`` on the copy stream after ``ready``;
-        ``mode`` from :meth:`HostPool.copy_mode` (synchronous unless
-        ``"pinned"``)."""
-        s = self.stream(src.device)
-        s.wait_event(ready)
-        with torch.cuda.stream(s):
-            if mode == "bounce":
-                bounce = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
-                bounce.copy_(src, non_blocking=True)
-            else:
-                dst.copy_(src, non_blocking=mode == "pinned")
-        # The caching allocator must not hand src's memory to someone else
-        # before this copy ran, even if the trainer drops its last reference.
-        src.record_stream(s)
-        if mode == "bounce":
-            done = _cuda_event()
-            done.record(s)
-            done.synchronize()  # unbounded wait: device work (a bounce copy on the GPU)
-            dst.copy_(bounce)
-
-    def done(self, devices: set[torch.device]) -> dict[int, Any]:
-        """An event after every copy enqueued so far on each device."""
-        events = {}
-        for d in devices:
-            ev = _cuda_event()
-            ev.record(self.stream(d))
-            events[d.index] = ev
-        return events
-
-
 class SlotPool:
     """``nslots`` slots of ``slot_bytes`` in one host buffer, handed out whole
     and returned in any order (a ring allocator would wait for the oldest
@@ -544,7 +546,8 @@ class SlotPool:
             i = self._free.pop()
             extra = self._extra.get(i)
         buf = self.master.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes] if extra is None else extra
-        slot = HostPool(self.slot_bytes, buffer=buf)
+        reserving = self.master.reservation if extra is None else None  # (a slot not reserved yet waits for it)
+        slot = HostPool(self.slot_bytes, buffer=buf, reservation=reserving, base=i * self.slot_bytes)
         slot.pinned = self.master.pinned and extra is None
         slot.slot_index = i
         slot.ring_name = self.master.ring_name if extra is None else None  # (a step in it can be sealed)

@@ -342,9 +342,11 @@ def _remove_tree(path: Path) -> None:
             break
 
 
-def start(tier_args: dict[str, Any], records: Any, writer: Any, ops: Any) -> PeerGuard | None:
-    """The guard of this helper, if ``tier_args`` asks for redundancy under
-    torch.distributed; None (with a warning) where it cannot run."""
+def start(tier_args: dict[str, Any], records: Any, writer: Any, ops: Any,
+          kind: type[PeerGuard] | None = None) -> PeerGuard | None:
+    """The guard of this helper (``kind``: a PeerGuard's subclass), if
+    ``tier_args`` asks for redundancy under torch.distributed; None (with a
+    warning) where it cannot run."""
     text = tier_args.get("redundancy")
     if not text or text == "none" or records is None:
         return None
@@ -357,7 +359,7 @@ def start(tier_args: dict[str, Any], records: Any, writer: Any, ops: Any) -> Pee
         log.warning("dstt helper (rank %d): peer redundancy off: %s", records.rank, e)
         return None
     run = str(tier_args["run"])
-    return PeerGuard(scheme, run, records.rank, records.world, ops, writer, lambda: Mailbox(addr, run))
+    return (kind or PeerGuard)(scheme, run, records.rank, records.world, ops, writer, lambda: Mailbox(addr, run))
 
 
 __all__ = ["MAX_INFLIGHT", "Mailbox", "PeerGuard", "copies_group", "copies_root", "start"]

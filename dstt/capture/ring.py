@@ -35,7 +35,6 @@ the moment they are needed.
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
 import os
@@ -50,6 +49,9 @@ from typing import Any
 import torch
 
 from dstt.capture import ringowner as O
+from dstt.capture.reserve import Reservation
+from dstt.capture.ringerror import RingError as RingError  # (defined there; ring.RingError to its users)
+from dstt.capture.ringerror import ring_advice as ring_advice
 from dstt.capture.ringowner import SHM_ROOT as SHM_ROOT
 from dstt.capture.ringowner import group_dir as group_dir  # (defined there: torch-free, for gc's check)
 from dstt.capture.ringowner import ring_root as ring_root
@@ -138,7 +140,8 @@ class Ring:
 
     #: Injection point for tests and tools: called as ``before_op(op, path)``
     #: before each file operation this process makes on the ring --
-    #: ``"pool"`` (create and reserve a pool file), ``"seal"`` (write a
+    #: ``"pool"`` (create a pool file), ``"reserve"`` (reserve a piece of
+    #: it: on the reserving thread, reserve.py), ``"seal"`` (write a
     #: seal's temporary file), ``"rename"`` (publish it), ``"unseal"``
     #: (remove a seal), ``"drop"`` (remove an old pool file). An OSError it
     #: raises is that operation's failure (EIO, ENOSPC... as the kernel
@@ -166,14 +169,19 @@ class Ring:
         self._gen = -1
         self.pool_name = ""
         self._maps: dict[str, mmap.mmap] = {}
+        #: Each pool file's reservation of its pages (reserve.py), by name.
+        self.reservations: dict[str, Reservation] = {}
 
     def new_pool(self, capacity_bytes: int) -> torch.Tensor:
-        """A fresh pool file of ``capacity_bytes`` mapped shared, every page
-        of it reserved now (``posix_fallocate``): a sparse file would be
-        backed page by page at the first copy into each, and /dev/shm
-        filling up meanwhile killed the trainer with SIGBUS at that copy
-        (issue 23). RingError (ENOSPC...) if it cannot be: the caller
-        stages elsewhere."""
+        """A fresh pool file of ``capacity_bytes`` mapped shared, its pages
+        reserved (``posix_fallocate``) front to back in the background
+        (:attr:`reservations`, reserve.py): a sparse file would be backed
+        page by page at the first copy into each, and /dev/shm filling up
+        meanwhile killed the trainer with SIGBUS at that copy (issue 23), so
+        the pool (hostpool.py) hands out only bytes already reserved; the
+        first step waits for its own bytes, not the whole pool's (issue 25).
+        RingError (ENOSPC...) if the file cannot be made: the caller stages
+        elsewhere."""
         self._gen += 1
         name = f"pool-{self._gen}.bin"
         path = os.fspath(self.dir / name)
@@ -184,29 +192,42 @@ class Ring:
         except OSError as e:
             raise RingError("creating the staging pool", path, e) from None
         try:
-            reserve = getattr(os, "posix_fallocate", None)
-            if reserve is not None:
-                reserve(fd, 0, capacity_bytes)
-            else:  # (no posix_fallocate on this platform: sparse, as before)
-                os.ftruncate(fd, capacity_bytes)
+            os.ftruncate(fd, capacity_bytes)  # (its size; no page backed yet: the reservation's)
             mm = mmap.mmap(fd, capacity_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            buffer = torch.frombuffer(mm, dtype=torch.uint8)
+            reservation = Reservation(os.dup(fd), capacity_bytes, path, address=buffer.data_ptr(),
+                                      before_op=self._before_reserve)
         except OSError as e:
             with _suppress():
                 os.unlink(path)  # (its pages go with it)
             raise RingError(f"reserving {capacity_bytes} bytes for the staging pool", path, e) from None
         finally:
             os.close(fd)
+        reservation.start()
         self._maps[name] = mm
+        self.reservations[name] = reservation
         self.pool_name = name
-        return torch.frombuffer(mm, dtype=torch.uint8)
+        return buffer
 
     def drop_pool(self, name: str) -> None:
         """Forget an old pool file (no sealed step refers to it any more)."""
         self._maps.pop(name, None)  # the mapping goes when its last tensor view does
+        self._stop_reserving(name)
         with _suppress():
             if self.before_op is not None:
                 self.before_op("drop", os.fspath(self.dir / name))
             os.unlink(self.dir / name)
+
+    def _before_reserve(self, op: str, path: str) -> None:
+        if self.before_op is not None:  # (read at each piece: a test may set it after the pool is made)
+            self.before_op(op, path)
+
+    def _stop_reserving(self, name: str | None = None) -> None:
+        """Stop reserving the pages of pool file ``name`` (None: of every one)."""
+        for n in [name] if name is not None else list(self.reservations):
+            r = self.reservations.pop(n, None) if n is not None else None
+            if r is not None:
+                r.stop()
 
     def seal(self, record: dict[str, Any]) -> None:
         """Write a step's seal record (atomically: a seal is whole or absent);
@@ -241,6 +262,7 @@ class Ring:
     def close(self) -> None:
         """Remove the ring (everything in it is committed or given up)."""
         self._maps.clear()
+        self._stop_reserving()
         remove_ring(self.dir)
         O.drop(self._lock)  # (after: nobody may take it for a dead trainer's while it goes)
         self._lock = None
@@ -249,6 +271,7 @@ class Ring:
         """Leave the ring for the next Capture, this process living on (its
         sealed steps could not be committed: the helper died)."""
         self._maps.clear()
+        self._stop_reserving()
         O.release(self.dir, self._lock)
         self._lock = None
 
@@ -308,43 +331,6 @@ def remove_ring(ring: Path) -> None:
     shutil.rmtree(ring, ignore_errors=True)
     with _suppress():
         ring.parent.rmdir()  # when no other ring of this store and branch is left
-
-
-class RingError(OSError):
-    """A file operation on the staging ring failed: which one, on which
-    file, the errno, and what to do about it (:func:`ring_advice`).
-
-    >>> import errno
-    >>> print(RingError("writing the seal of step 3", "/dev/shm/x/seal-3.json", OSError(errno.ENOSPC, "No space left on device")))
-    writing the seal of step 3 (/dev/shm/x/seal-3.json) failed: [Errno 28] No space left on device; ... is full (the staging ring lives there):...
-    """
-
-    def __init__(self, what: str, path: str, cause: OSError) -> None:
-        super().__init__(cause.errno, cause.strerror or str(cause), path)
-        self.what = what
-
-    @property
-    def brief(self) -> str:
-        """What failed, where and the errno, without the advice."""
-        return f"{self.what} ({self.filename}) failed: [Errno {self.errno}] {self.strerror}"
-
-    def __str__(self) -> str:
-        return f"{self.brief}; {ring_advice(self.errno)}"
-
-
-def ring_advice(code: int | None) -> str:
-    """What to do when a file operation on the staging ring fails with ``code``."""
-    shm = os.fspath(O.shm_base())
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return (f"{shm} is full (the staging ring lives there): free space in it or make it larger (Docker: "
-                "--shm-size), or pass shm=False to stage in process memory (steps then do not survive the trainer)")
-    if code == errno.ENOENT:
-        return ("the staging ring's directory was removed under the running Capture (something cleans "
-                f"{shm}: e.g. systemd-logind with RemoveIPC=yes when the user logs out, a tmpfiles rule, a "
-                "script): stop it, or pass shm=False")
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"this process may no longer write under {shm}: check its mount and the ring's owner, or pass shm=False"
-    return f"the filesystem of {shm} refused it (see the kernel log); shm=False stages in process memory instead"
 
 
 class _suppress:

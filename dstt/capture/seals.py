@@ -87,16 +87,21 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
     try:
         for g, block in groups:
             start = block.data_ptr() - base
+            if not 0 <= start <= whole.size - g.nbytes:
+                raise IndexError
             positions = _group_positions(g, plan.tasks, where)
             summed = crc or (held is not None and max(positions, default=-1) >= held)
             extents.append([start, extend(0, whole[start:start + g.nbytes]) if summed else None, positions])
         for t, v in staged:
             start = v.data_ptr() - base
+            if not 0 <= start <= whole.size - v.nbytes:
+                raise IndexError
             p = where[id(t)]
             summed = crc or (held is not None and p >= held)
             extents.append([start, extend(0, whole[start:start + v.nbytes]) if summed else None, [p]])
-    except KeyError:
-        raise CaptureError(f"step {plan.step}: a staged chunk is not in its plan") from None
+    except (KeyError, IndexError):  # (IndexError: a block past a reservation that ended short, reserve.py)
+        raise CaptureError(f"step {plan.step}: a staged chunk is not in its plan or not in the pool file "
+                           f"{pool_name}") from None
     n = len(plan.tasks)
     covered = set().union(*(e[2] for e in extents))
     if len(covered) != n or sum(len(e[2]) for e in extents) != n:

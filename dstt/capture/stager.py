@@ -40,9 +40,10 @@ import torch
 
 from dstt.capture import policy
 from dstt.capture.copygroups import LazySplit, StagedGroup, TaskLists, run_end
+from dstt.capture.cudacopy import CudaCopier
 from dstt.capture.current import Current
 from dstt.capture.hooks import StepFence
-from dstt.capture.hostpool import CudaCopier, HostPool
+from dstt.capture.hostpool import HostPool
 from dstt.capture.ledger import Ledger
 from dstt.capture.pipeline import GuardTripped, Job, check_guard, lower_priority, task_bytes
 from dstt.errors import CaptureError
@@ -396,6 +397,8 @@ class Stager:
         keep = self._keep_groups()
         for g in groups:
             block = pool.try_allocate(g.nbytes)
+            if block is None and pool.reserving(g.nbytes):  # (the first step: its bytes being reserved, reserve.py)
+                block = self._allocate(pool, g.nbytes, job)
             if block is None:
                 rest.extend(g.tasks)  # staged one by one, waiting for room
                 continue
@@ -511,6 +514,8 @@ class Stager:
         if group is None:
             group = StagedGroup(job.lazy[i:j])
         block = pool.try_allocate(group.nbytes)
+        if block is None and pool.reserving(group.nbytes):  # (the first step: its bytes being reserved, reserve.py)
+            block = self._allocate(pool, group.nbytes, job)
         if block is None:
             return False
         handed = False

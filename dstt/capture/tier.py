@@ -327,7 +327,7 @@ class MemoryTier:
             name = slots.master.ring_name
             # (sealed only with a ring, whose keeper exists; a slot's ring_name is its master's)
             assert keeper is not None and name is not None
-            keeper.seal(seal_record(job.plan, name, slots.master.buffer, job.ring.views, crc=False))
+            keeper.seal(seal_record(job.plan, name, slots.master.buffer[:slots.master.file_bytes], job.ring.views, crc=False))
             job.ring.sealed = True
         except Exception as e:  # noqa: BLE001 - the step is still captured, only not crash-proof
             job.ring.seal_error = str(e)

@@ -15,9 +15,15 @@ read by one thread of this process, blocked on the pipe between them:
 * ``incident ...`` / ``held ...``: answers to :meth:`incident_here` and a
   rewind's hold, handed to the trainer's call waiting for them.
 
-Every wait is bounded (the ledger's: ``background_timeout_s`` without
-progress, the helper's CPU time and I/O counting as progress); a helper
-that makes none is killed, and its trainer fails loudly at the next dstt
+Every wait on the helper is bounded: ``background_timeout_s`` without an
+answer from it (:meth:`HelperTierCommitter._heard_from`). Only answers
+count -- each step's outcome, ``free``, and the ``busy <step>`` line the
+helper writes after each batch of chunks of a step it is writing -- never
+its CPU time or I/O, which a helper spinning on a wait of its own (the
+store's records, its 50 ms command polls) shows without doing anything
+for this trainer; its start-up (importing torch) alone counts by its CPU
+time, until it says ``ready``. A helper silent for the bound (stopped by
+SIGSTOP, wedged) is killed, and its trainer fails loudly at its next dstt
 call; its ring stays for the next Capture or ``dstt gc``.
 """
 
@@ -32,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from dstt.capture.committers import HAND_OVER_LOCK, HelperCommitter, StagingNeeds
 from dstt.capture.pipeline import Job
+from dstt.capture.waits import until
 from dstt.errors import CaptureError, StepOrderError
 from dstt.format.incidents import Incident
 
@@ -69,6 +76,7 @@ class HelperTierCommitter(HelperCommitter):
         #: Why the last rewind read its step from the store though some rank held it (its error says so).
         self.rewind_note = ""
         self._unread_incidents = 0  # rewinds' incident answers not waited for (helper answers in order)
+        self._heard = 0  # lines read from the helper: its answers, the progress its waits count
 
     def start(self) -> None:
         """The answers' reader (also started by the first :meth:`place`: a
@@ -89,7 +97,7 @@ class HelperTierCommitter(HelperCommitter):
         step_bytes = held_bytes + STEP_SLACK_BYTES
         want = -(-step_bytes * (self.k + EXTRA_STEPS) // (1 << 20)) * (1 << 20)
         pool = cap.stager.pool
-        if pool is None or pool.capacity < want or (cuda and not pool.wants_pin):
+        if pool is None or pool.capacity < want or (cuda and not pool.wants_pin) or pool.retired is not None:
             if pool is not None:
                 cap.ledger.wait(pool.wait_idle, "every staging block to be freed before the pool grows")
             pool = cap.stager.replace_pool(want, cuda)
@@ -154,13 +162,12 @@ class HelperTierCommitter(HelperCommitter):
         cap, helper = self.cap, self.helper
 
         def arrived(t: float) -> bool:
-            helper.sample()  # (the helper working counts as progress)
             with cap.ledger.cond:
                 return bool(cap.ledger.cond.wait_for(lambda: step in self._outcome or self._ended is not None,
                                                      min(t, 0.2)))
 
         try:
-            cap.ledger.wait(arrived, lambda: f"the capture helper's answer for step {step} (memory tier)")
+            self._wait_helper(arrived, lambda: f"the capture helper's answer for step {step} (memory tier)")
         except CaptureError:
             self.helper.kill(f"made no progress on step {step} of its memory tier for "
                              f"{cap.config.background_timeout_s:g} s and was killed")
@@ -189,9 +196,11 @@ class HelperTierCommitter(HelperCommitter):
                 self._replies.put(("end", -1, why))
                 cap.ledger.bump()
                 return
+            self._heard += 1  # (an answer: the progress the waits on the helper count)
             kind, _, rest = line.partition(" ")
             word, _, rest = rest.partition(" ")
-            if kind == "ready" or not word.lstrip("-").isdigit():
+            if kind in ("ready", "busy") or not word.lstrip("-").isdigit():
+                cap.ledger.bump()
                 continue
             step = int(word)
             freed: Job | None = None
@@ -229,7 +238,6 @@ class HelperTierCommitter(HelperCommitter):
         got: list[tuple[str, int, str]] = []
 
         def arrived(t: float) -> bool:
-            self.helper.sample()
             try:
                 got.append(self._replies.get(timeout=min(t, 0.2)))
             except queue.Empty:
@@ -237,7 +245,7 @@ class HelperTierCommitter(HelperCommitter):
             return True
 
         while True:
-            self.cap.ledger.wait(arrived, what)
+            self._wait_helper(arrived, what)
             k, step, rest = got.pop()
             if k == "end":
                 raise CaptureError(f"{what}: the capture helper (pid {self.helper.pid}) {rest}")
@@ -298,6 +306,20 @@ class HelperTierCommitter(HelperCommitter):
                                 "from the store")
             log.warning("dstt: rewind: %s", self.rewind_note)
         return not lost
+
+    def _wait_helper(self, done: Any, what: Any) -> None:
+        """Wait until ``done(t)`` says so, while the helper answers (see the
+        module docstring); Stalled (a CaptureError) after
+        ``background_timeout_s`` without any answer."""
+        until(done, limit_s=self.cap.config.background_timeout_s, what=what, progress=self._heard_from)
+
+    def _heard_from(self) -> object:
+        """The progress the waits on the helper count: the lines it wrote
+        (answers, ``busy``); before its ``ready``, its start-up's CPU time."""
+        if not self.helper.ready:
+            self.helper.sample()
+            return (self._heard, self.cap.ledger.progress)
+        return self._heard
 
     def _handed_over(self) -> None:
         """Wait (bounded) until every step queued so far is handed to the
@@ -360,10 +382,9 @@ class HelperTierCommitter(HelperCommitter):
             try:
                 helper.send_command("close", self._latest or 0)
                 def ended(t: float) -> bool:
-                    helper.sample()
                     return _joined(self._reader, min(t, 0.2))
 
-                self.cap.ledger.wait(ended, "the capture helper to store the memory tier's last steps")
+                self._wait_helper(ended, "the capture helper to store the memory tier's last steps")
             except CaptureError as e:
                 helper.kill(f"did not finish its memory tier at close ({e})")
         helper.close()

@@ -92,4 +92,15 @@ class StorePeers:
             log.warning("dstt helper (rank %d): could not publish the steps held in memory: %s", self.rank, e)
 
 
+    def closed(self) -> None:
+        """This helper closed cleanly (its tier stored and emptied): the
+        last rank's helper to close removes the run's records."""
+        try:
+            if T.close_run(self.backend, self.branch, self.run, self.rank, self.world):
+                log.debug("dstt helper (rank %d): removed the records of run %s", self.rank, self.run)
+        except (DsttError, OSError) as e:  # (left for gc: it removes what no helper can need)
+            log.warning("dstt helper (rank %d): could not remove the memory tier's records of this run: %s",
+                        self.rank, e)
+
+
 __all__ = ["DECISION_POLL_S", "HELD_EVERY_S", "REQUEST_POLL_S", "StorePeers"]

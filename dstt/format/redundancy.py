@@ -54,7 +54,7 @@ MAGIC = b"DSTTRB01"
 _HEAD = struct.Struct("<8sII")  # magic, header length, header CRC-32C
 #: A header is a few hundred bytes; anything bigger is not one.
 MAX_HEADER_BYTES = 1 << 16
-KINDS = ("copy", "parity")
+KINDS = ("copy", "parity", "stripe")
 _RUN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 

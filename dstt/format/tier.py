@@ -328,8 +328,12 @@ def request_key(branch: str, run: str, ident: str) -> str:
 
 def new_id(source: str, step: int) -> str:
     """The id of a new request: ``nonfinite-<step>`` for the watcher (every
-    rank seeing the same NaN makes the same request), else random."""
-    return f"nonfinite-{step}" if source == "non-finite" else f"{source}-{step}-{secrets.token_hex(6)}"
+    rank seeing the same NaN makes the same request), ``crash-<step>`` for
+    the trainers' death (every rank's helper of a job killed whole makes
+    the same one), else random."""
+    if source in ("non-finite", "crash"):
+        return f"{source.replace('-', '')}-{step}"
+    return f"{source}-{step}-{secrets.token_hex(6)}"
 
 
 def publish_request(backend: Backend, req: IncidentRequest) -> bool:
@@ -454,11 +458,30 @@ def collect_records(backend: Backend, branch: str, committed: set[int], *, dry_r
 
 
 def remove_run(backend: Backend, branch: str, run: str) -> None:
-    """A run's decisions and requests, once its helpers are done (rank 0 at close)."""
+    """A run's decisions and requests, once its helpers are done (:func:`close_run`)."""
     backend.delete_prefix(run_prefix(branch, run).rstrip("/"))
 
 
+def closed_key(branch: str, run: str, rank: int) -> str:
+    return f"{run_prefix(branch, run)}closed-{int(rank)}.json"
+
+
+def close_run(backend: Backend, branch: str, run: str, rank: int, world: int) -> bool:
+    """Rank ``rank``'s helper of ``run`` closed cleanly: say so; the last of
+    the ``world`` helpers to close removes the run's records (its
+    decisions, requests and these marks: nobody can need them any more).
+    True if this call removed them. A run some helper of which died keeps
+    its records (gc removes what no helper can need)."""
+    prefix = run_prefix(branch, run)
+    backend.put_atomic(closed_key(branch, run, rank), encode_json({"rank": int(rank), "world": int(world)}))
+    names = set(backend.list_dir(prefix.rstrip("/"))[:MAX_REQUESTS + 1])
+    if not all(f"closed-{r}.json" in names for r in range(world)):
+        return False
+    remove_run(backend, branch, run)
+    return True
+
+
 __all__ = ["DECISION_WINDOW", "Decisions", "HELD_STALE_S", "HeldRecord", "IncidentRequest", "TIER_DIR",
-           "collect_records", "decisions_key", "held_by", "held_key", "held_ranges", "list_requests", "new_id", "parse_held",
+           "close_run", "closed_key", "collect_records", "decisions_key", "held_by", "held_key", "held_ranges", "list_requests", "new_id", "parse_held",
            "parse_request", "publish_request", "read_decisions", "read_held", "remove_held", "remove_run",
            "request_key", "stale_records", "write_decisions", "write_held"]

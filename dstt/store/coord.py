@@ -44,13 +44,21 @@ class LocalCoordinator(Coordinator):
 
 
 class DistCoordinator(Coordinator):
-    """Gloo-backed coordination over an existing default process group."""
+    """Gloo-backed coordination over an existing default process group.
+    Its own group's collectives time out after
+    :func:`dstt.knobs.collective_timeout_s` (a rank that died or hangs
+    fails the others' dstt call: no wait of torch's default 30 minutes)."""
 
     def __init__(self, group: Any = None) -> None:
+        from datetime import timedelta
+
         import torch.distributed as dist
 
+        from dstt import knobs
+
         self._dist = dist
-        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self.group = group if group is not None else dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=knobs.collective_timeout_s()))
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
 
@@ -62,21 +70,34 @@ class DistCoordinator(Coordinator):
 
     def all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
-        self._dist.all_gather_object(out, obj, group=self._group())
+        self._run("all_gather", lambda: self._dist.all_gather_object(out, obj, group=self._group()))
         return out
 
     def gather(self, obj: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        self._dist.gather_object(obj, out, dst=0, group=self._group())
+        self._run("gather", lambda: self._dist.gather_object(obj, out, dst=0, group=self._group()))
         return out
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
-        self._dist.broadcast_object_list(box, src=0, group=self._group())
+        self._run("broadcast", lambda: self._dist.broadcast_object_list(box, src=0, group=self._group()))
         return box[0]
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self._group())
+        self._run("barrier", lambda: self._dist.barrier(group=self._group()))
+
+    def _run(self, name: str, op: Any) -> None:
+        """``op()``, a collective of this group; a failure of it (a rank that
+        died, or did not come within the group's timeout) as a CaptureError."""
+        from dstt.errors import CaptureError, DsttError
+
+        try:
+            op()
+        except DsttError:
+            raise
+        except RuntimeError as e:
+            raise CaptureError(f"dstt's {name} across {self.world} ranks failed on rank {self.rank}: a rank died "
+                               f"or did not join it within DSTT_COLLECTIVE_TIMEOUT_S: {str(e)[:300]}") from e
 
     def close(self) -> None:
         """Drop this coordinator's reference to its process group.

@@ -25,12 +25,14 @@ depends on a step that is not there.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
+from dstt.errors import DsttError
 from dstt.format.codecs.delta import DELTA_ITEMSIZES
 from dstt.format.codecs.predictors import Coding
 from dstt.format.codecs.stepcoder import Decision, Group, StepCoder, counter_value, groups_of
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
     from dstt.format.backends import Backend
     from dstt.format.geometry import TensorLayout
     from dstt.store.plan import ChunkTask, StepPlan
+
+log = logging.getLogger("dstt")
 
 
 def pred_layout(layout: TensorLayout) -> bool:
@@ -155,6 +159,52 @@ def warm_start(coder: StepCoder, backend: Backend, branch: str, step: int) -> No
                     coder.remember((m.name, i), Prev(rec.step, raw, depth(m.name, i), raw.nbytes))
 
 
+class Backfills:
+    """Predictive coding of *backfills*: steps stored after newer ones (a
+    memory tier's incident persists the steps it held but had passed over).
+    The writer's own coder stays on the newest chain; a backfill is coded by
+    a coder of its own against the previous captured step where that step
+    is stored -- read back from the store for the first backfill of a run
+    (:func:`warm_start`: its chain depth included, so keyframes still come
+    every K steps), remembered from the backfill just coded for the next
+    one (backfills are persisted oldest first). Where the previous step is
+    not stored (passed over for good) the backfill's chunks are keyframes.
+    The decoder needs nothing new: every predictive chunk names the step it
+    was coded against (docs/format.md "Predictive chunks")."""
+
+    def __init__(self) -> None:
+        self.coder: StepCoder | None = None
+
+    def prepare(self, writer: Any, plan: StepPlan, prev: int | None) -> None:
+        """Code backfill ``plan`` against stored step ``prev`` (None:
+        keyframes) with ``writer``'s (a :class:`~dstt.store.writer.Writer`)
+        ``prepare_pred``, the writer's coder set aside meanwhile."""
+        main = writer.coder
+        if main is None:
+            return
+        c = self.coder
+        if c is None or prev is None or c.last_step != prev:
+            c = StepCoder(main.keyframe_every, main.codec, memory_limit=main.memory_limit)
+            if prev is not None:
+                try:
+                    warm_start(c, writer.backend, writer.branch.name, prev)
+                except DsttError as e:  # unreadable: keyframes
+                    c.forget()
+                    log.warning("dstt: step %s not read back to code backfill %s (%s): keyframes instead",
+                                prev, plan.step, e)
+            c.last_step = prev
+        self.coder = c
+        writer.coder = c
+        try:
+            writer.prepare_pred(plan)
+        finally:
+            writer.coder = main
+
+    def drop(self) -> None:
+        """Forget the last backfill (its copy of a step): a newer step was coded."""
+        self.coder = None
+
+
 def decision_of(plan: StepPlan, task: ChunkTask) -> Decision | None:
     """The chunk's decision, if :func:`prepare` ran on the step (not fast)."""
     pred: PredStep | None = plan.pred
@@ -163,4 +213,4 @@ def decision_of(plan: StepPlan, task: ChunkTask) -> Decision | None:
     return pred.decisions.get((task.layout.array, task.index))
 
 
-__all__ = ["PredStep", "counter_value_of", "decision_of", "pred_layout", "prepare", "warm_start"]
+__all__ = ["Backfills", "PredStep", "counter_value_of", "decision_of", "pred_layout", "prepare", "warm_start"]

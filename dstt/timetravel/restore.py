@@ -163,6 +163,7 @@ def apply_step(rec: Any, read: ReadTensor, where: str, *, model: torch.nn.Module
     wanted = {"model": model is not None, "optim": optimizer is not None, "scheduler": scheduler is not None,
               "rng": rng, "extra": True}
     small = _small_reader(read)
+    tree = {**tree, "rng": _own_rng(tree["rng"])} if rng and "rng" in tree else tree
     got = {k: _materialize(tree[k], (k,), data, small, plan.skipped)
            for k, want in wanted.items() if want and k in tree and (k,) not in plan.skipped}
     if model is not None and isinstance(got.get("model"), dict):
@@ -469,6 +470,17 @@ def _apply_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module | 
         i += n
         groups.append(g)
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _own_rng(tree: Any) -> Any:
+    """Of a step's per-rank RNG states (``rng/rank<r>``), this rank's alone:
+    the others are not read (a collective rewind from memory has only its
+    own rank's in its ring). Anything else as it is."""
+    if not isinstance(tree, dict) or not any(isinstance(k, str) and k.startswith("rank") and k[4:].isdigit()
+                                             for k in tree):
+        return tree
+    key = f"rank{_rank()[0]}"
+    return {key: tree[key]} if key in tree else tree  # (none of this rank's: _apply_rng warns)
 
 
 def _apply_rng(tree: Any) -> None:

@@ -325,6 +325,50 @@ def test_an_incident_on_one_rank_dumps_every_ranks_tier_once(tmp_path: Path) -> 
         o.writer.close()
 
 
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_the_whole_jobs_death_is_one_crash_incident(tmp_path: Path, ahead: int) -> None:
+    """Every rank's trainer dies (a whole-job SIGKILL): every helper stores
+    what its tier holds, and the crash is recorded once -- also where one
+    rank had sealed one step more than the other (``ahead``)."""
+    opss, tiers = ranks(tmp_path, 2, 3, 100)
+    for s in range(6):
+        for r in range(2):
+            opss[r].capture(tiers[r], s)
+    for s in range(6, 6 + ahead):
+        opss[1].capture(tiers[1], s)
+    _pump_all(tiers, [0, 1])
+    tiers[1].trainer_died()
+    tiers[0].trainer_died()
+    _pump_all(tiers, [0, 1])
+    incs = list_incidents(open_backend(str(tmp_path / "rank0")), "main")
+    assert [i.source for i in incs] == ["crash"], incs
+    assert {3, 4, 5} <= set(tiers[0].persisted)  # (each rank's tier: its last K steps)
+    assert {3 + ahead, 4 + ahead, 5 + ahead} <= set(tiers[1].persisted)
+    for o in opss:
+        o.writer.close()
+
+
+def test_a_clean_close_of_every_rank_removes_the_runs_records(tmp_path: Path) -> None:
+    """The run's decisions and incident requests stay while any rank's
+    helper may read them, and go with the last clean close."""
+    opss, tiers = ranks(tmp_path, 2, 2, "newest")
+    for s in range(5):
+        for r in range(2):
+            opss[r].capture(tiers[r], s)
+        _pump_all(tiers, [0, 1])
+    tiers[1].incident("loss spike on rank 1")
+    _pump_all(tiers, [0, 1])
+    shared = open_backend(str(tmp_path / "shared"))
+    prefix = T.run_prefix("main", "run1").rstrip("/")
+    assert {"decisions.json"} < set(shared.list_dir(prefix))  # (and rank 1's request)
+    tiers[0].close()
+    assert "decisions.json" in shared.list_dir(prefix)  # rank 1's helper still reads them
+    tiers[1].close()
+    assert shared.list_dir(prefix) == [] and T.read_held(shared, "main") == []
+    for o in opss:
+        o.writer.close()
+
+
 def test_a_rank_that_lost_an_incidents_step_says_so_at_once(tmp_path: Path) -> None:
     """Rank 0 still holds steps 1..4 (persist every 100th: memory only),
     rank 1 holds 3..4 only (a smaller tier, as one rank falling behind

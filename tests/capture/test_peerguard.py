@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import dstt
-from dstt.capture import peerguard, stepimage
+from dstt.capture import paritygroup, peerguard, stepimage
 from dstt.capture import ring as R
+from dstt.format import parityacc as PA
 from dstt.format import redundancy as RD
 from dstt.format.backends import open_backend
 
@@ -157,8 +158,10 @@ def test_redundancy_option_is_validated(tmp_path: Path) -> None:
         dstt.Capture(tmp_path / "a", memory_steps=2, redundancy="raid")
     with pytest.raises(ConfigError, match="needs memory_steps"):
         dstt.Capture(tmp_path / "b", redundancy="pair")
-    with pytest.raises(ConfigError, match="not built in the capture helpers yet"):
-        dstt.Capture(tmp_path / "c", memory_steps=2, redundancy="parity:4")
+    with pytest.raises(ConfigError, match="needs memory_steps"):
+        dstt.Capture(tmp_path / "c", redundancy="parity:4")
+    with pytest.raises(ConfigError, match="this Capture runs alone"):
+        dstt.Capture(tmp_path / "c2", memory_steps=2, redundancy="parity:4")  # (built: needs torch.distributed)
     with pytest.raises(ConfigError, match="this Capture runs alone"):
         dstt.Capture(tmp_path / "d", memory_steps=2, redundancy="pair")
 
@@ -199,3 +202,64 @@ def test_a_mailbox_that_cannot_be_reached_turns_redundancy_off(held: Any, caplog
             time.sleep(0.02)
     assert g.failed == "OSError: connection refused" and g.pump([1], force=True) is False
     assert "peer redundancy off: OSError: connection refused" in caplog.text
+
+
+# ----------------------------------------------------------------------------- parity:k (capture/paritygroup.py)
+
+
+def test_three_guards_keep_parity_and_any_image_is_rebuilt(held: Any, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    ops, writer = held
+    box = DictBox()
+    scheme = RD.parse_scheme("parity:2")
+    guards = []
+    for r in range(3):
+        monkeypatch.setenv("DSTT_NODE_ID", f"n{r}")
+        guards.append(paritygroup.ParityGuard(scheme, "run1", r, 3, ops, writer, box))
+    steps = sorted(ops.steps)
+    for _ in range(8):
+        for g in guards:
+            g.pump(steps, force=True)
+    assert [g.members for g in guards] == [[0, 1, 2]] * 3
+    assert all(g.acked == set(steps) and not g.pending for g in guards)
+    recs = {r.rank: r for r in RD.read_protected(writer.backend, "main")}
+    assert RD.protected_steps(list(recs.values())) == ("parity:2", [(steps[0], steps[-1])])
+    assert not any(k.startswith("pst/") for k in box.d)  # every stripe taken out of the mailbox
+    step = steps[-1]
+    plan, record = ops.steps[step]
+    img = stepimage.image(record, plan, ops.pools[record["pool"]], guards[0]._ring_owner())
+    bid = int(writer.branch.id)
+    parities = {g.rank: PA.parse_parity(paritygroup.parity_file(g.run_dir, g.rank, step).read_bytes(), run="run1",
+                                        branch_id=bid, step=step, holder=g.rank) for g in guards}
+    assert all(len(img) // 2 <= len(p.payload) <= -(-len(img) // 2) for p in parities.values())  # 1/k of an image
+    for lost in range(3):
+        assert PA.rebuild_lost(lost, {m: img for m in range(3) if m != lost}, parities, [0, 1, 2]) == img
+    # a torn stripe posted to rank 1: refused with a warning, nothing acknowledged for it
+    n = guards[1].in_seq[0]
+    paritygroup.post_block(box, f"pst/0/1/{n}", PA.stripe_block(img, run="run1", branch_id=bid, step=99, src=0,
+                                                                holder=1, members=[0, 1, 2])[:-4])
+    with caplog.at_level(logging.WARNING, logger="dstt.capture"):
+        guards[1].pump(steps, force=True)
+    assert "a stripe of rank 0 refused" in caplog.text and not any("/99/" in k for k in box.d)
+    # the members move on: parities of steps they no longer hold are dropped
+    for _ in range(3):
+        for g in guards:
+            g.pump(steps[-1:], force=True)
+    assert sorted(p.name for p in guards[2].pdir.iterdir()) == [f"step-{step:020d}.par"]
+    for g in guards:
+        g.close(clean=True)
+    assert not guards[0].run_dir.exists()
+
+
+def test_one_node_is_unprotected_with_a_warning(held: Any, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    ops, writer = held
+    box = DictBox()
+    monkeypatch.setenv("DSTT_NODE_ID", "same")
+    guards = [paritygroup.ParityGuard(RD.parse_scheme("parity:1"), "run2", r, 2, ops, writer, box) for r in range(2)]
+    with caplog.at_level(logging.WARNING, logger="dstt.capture"):
+        for _ in range(3):
+            for g in guards:
+                g.pump(sorted(ops.steps), force=True)
+    assert "needs at least 2 nodes" in caplog.text
+    assert not any(g.acked for g in guards) and not box.d.keys() - {"node/0", "node/1", "low/0", "low/1"}

@@ -269,11 +269,15 @@ def test_a_seal_that_cannot_be_written_names_its_cause_and_loses_no_step(
 def test_the_pool_file_is_backed_when_it_is_made(tmp_path: Path) -> None:
     """Issue 23 item 5: the pool file was sparse, so /dev/shm filling up
     later killed the trainer with SIGBUS at a copy into a page not yet
-    backed. Every page of it is reserved when it is made."""
+    backed. Every page of it is reserved once it is made (in pieces, in the
+    background: no block is handed out before its pages are reserved,
+    tests/capture/test_pool_reservation.py)."""
     with dstt.Capture(tmp_path / "run", helper=False) as cap:
         cap.snapshot(0, extra=state(0), rng=False)
         cap.wait()
         assert cap.parts.ring is not None and cap.pool is not None
+        reservation = cap.parts.ring.reservations[cap.parts.ring.pool_name]
+        assert reservation.done.wait(30) and reservation.error is None, reservation.error
         st = os.stat(cap.parts.ring.dir / cap.parts.ring.pool_name)
         assert st.st_size >= cap.pool.capacity
         assert st.st_blocks * 512 >= st.st_size, (st.st_blocks * 512, st.st_size)

@@ -199,3 +199,52 @@ def test_a_killed_helper_fails_the_trainer_loudly(tmp_path: Path) -> None:
             cap.close()
         except CaptureError:
             pass
+    dstt.gc(path)  # a step sealed before the trainer saw its helper gone stays in the ring: committed now
+
+
+def test_a_stopped_helper_fails_the_trainer_within_the_bound(tmp_path: Path) -> None:
+    """A helper SIGSTOPped while the trainer goes on capturing: the steps
+    handed over meanwhile are no answer from it, so the trainer's next dstt
+    call fails naming the helper within ~2x ``background_timeout_s`` (before:
+    every step handed over counted as progress, and the loop went on for as
+    long as the pool had room); the ring keeps the sealed steps, and the next
+    Capture commits them bit-exact."""
+    import time
+
+    path, bound = str(tmp_path / "run"), 2.0
+    m, opt = _model()
+    ref: dict[int, dict[str, torch.Tensor]] = {}
+    cap = dstt.Capture(path, memory_steps=2, persist="newest", background_timeout_s=bound)
+    helper = cap.parts.helper
+    assert helper is not None
+    try:
+        for s in range(3):
+            _train(m, opt)
+            cap.snapshot(s, model=m, optimizer=opt)
+            ref[s] = _clone(m)
+        cap.wait()
+        os.kill(helper.pid, signal.SIGSTOP)
+        t0, failed_after = time.monotonic(), None
+        try:
+            for s in range(3, 1000):
+                _train(m, opt)
+                cap.snapshot(s, model=m, optimizer=opt)
+                ref[s] = _clone(m)
+                if time.monotonic() - t0 > 6 * bound:
+                    break
+                time.sleep(0.02)
+        except CaptureError as e:
+            failed_after = time.monotonic() - t0
+            assert "capture helper" in str(e)
+        assert failed_after is not None and failed_after < 2.5 * bound, failed_after
+    finally:
+        with __import__("contextlib").suppress(OSError):
+            os.kill(helper.pid, signal.SIGCONT)
+        try:
+            cap.close()
+        except CaptureError:
+            pass
+    assert helper.proc.poll() is not None  # killed and reaped
+    with dstt.Capture(path, memory_steps=2) as again:  # the sealed steps, committed from the ring
+        assert again.recovered
+    _check(path, ref)

@@ -88,8 +88,29 @@ def _hsdp() -> torch.nn.Module:
     return model
 
 
+def stall_seal(out: Path, step: int) -> None:
+    """This rank's trainer stops for good as it seals ``step`` (its bytes
+    copied into the ring, its seal not written): OUT/stalled says so."""
+    from dstt.capture.ring import Ring
+
+    seal = Ring.seal
+
+    def stalled(self: Any, record: dict[str, Any]) -> None:
+        if record["step"] == step:
+            write(out / "stalled.json", {"step": step})
+            time.sleep(600)
+        seal(self, record)
+
+    Ring.seal = stalled  # type: ignore[method-assign]
+
+
 def train(out: Path, scheme: str, steps: int) -> None:
+    """(NODE_RANKS_STALL=S: the last step S is snapshotted after the others
+    are protected, and rank 1's trainer stops while sealing it.)"""
     rank = dist.get_rank()
+    stall = int(os.environ.get("NODE_RANKS_STALL", "-1"))
+    if stall >= 0 and rank == 1:
+        stall_seal(out, stall)
     wrapped = build_state()
     model = getattr(wrapped, "module", wrapped)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -97,7 +118,7 @@ def train(out: Path, scheme: str, steps: int) -> None:
                        background_timeout_s=90)
     expected: dict[int, Any] = {}
     torch.manual_seed(7)
-    for step in range(steps):
+    for step in range(steps if stall < 0 else stall):
         opt.zero_grad()
         wrapped(torch.randn(5, 6)).square().mean().backward()
         opt.step()
@@ -107,7 +128,8 @@ def train(out: Path, scheme: str, steps: int) -> None:
     if rank == 0:
         torch.save(expected, out / "expected.pt.tmp")
         (out / "expected.pt.tmp").rename(out / "expected.pt")
-    want = set(range(steps - 3, steps))
+    last = steps if stall < 0 else stall
+    want = set(range(last - 3, last))
     deadline = time.monotonic() + 60
     nowait = os.environ.get("NODE_RANKS_NOWAIT") == "1"  # lost at once: copies may be under way
     chosen = cap.redundancy_chosen  # (redundancy="auto": what it chose at step 0)
@@ -116,8 +138,16 @@ def train(out: Path, scheme: str, steps: int) -> None:
             and time.monotonic() < deadline:
         time.sleep(0.05)
     helper = cap.parts.helper.pid if cap.parts.helper is not None else None
-    write(out / f"rank{rank}.json", {"helper": helper, "trainer": os.getpid(), "protected": protected(out),
-                                     "chosen": chosen})
+    info = {"helper": helper, "trainer": os.getpid(), "protected": protected(out), "chosen": chosen}
+    if stall >= 0:  # one more step, which rank 1 never seals
+        if rank == 1:
+            write(out / f"rank{rank}.json", info)
+        opt.zero_grad()
+        wrapped(torch.randn(5, 6)).square().mean().backward()
+        opt.step()
+        cap.snapshot(stall, model=model, optimizer=opt, rng=False)
+        cap.wait_staged()
+    write(out / f"rank{rank}.json", info)
     time.sleep(600)  # the node is lost while its tier holds the steps
 
 

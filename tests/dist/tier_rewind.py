@@ -71,7 +71,7 @@ def main(out: Path) -> None:
     cap = dstt.Capture(out / "run", memory_steps=3, persist=100, max_chunk_bytes=256, background_timeout_s=90)
     for step in range(8):
         train(model, opt, step)
-        cap.snapshot(step, model=model, optimizer=opt, rng=False)
+        cap.snapshot(step, model=model, optimizer=opt)  # (rng: every rank its own, restored by the rewind)
         expected["main"][step] = full(dstt.state_of(model=model, optimizer=opt, rng=False))
         if step == 5:
             cap.wait_staged()

@@ -60,7 +60,10 @@ def main(out: Path) -> None:
         seen = {"error": f"{type(e).__name__}: {e}", "after_s": time.monotonic() - t0}
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
-        os.kill(cap.parts.helper.pid, signal.SIGCONT)
+        try:
+            os.kill(cap.parts.helper.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # (killed and reaped by its trainer already)
     try:
         cap.close()
     except DsttError:

@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numcodecs import blosc
 
 import dstt
 from dstt.api import gc
@@ -406,7 +407,8 @@ def test_sigkill_mid_encode_leaves_every_committed_step_readable(tmp_path: Path)
     run = dstt.open(path)
     steps = run.steps()
     assert len(steps) >= 10 and steps == list(range(len(steps)))
-    assert predictors(path, range(len(steps))) >= {"adam", "delta"}
+    # (exp_avg's chained deltas rarely beat 0.95 of its lz4 keyframe: "adam" chains)
+    assert "adam" in predictors(path, range(len(steps)))
     for step in range(len(steps)):
         model(torch.randn(8, 256, generator=g)).pow(2).mean().backward()
         opt.step()
@@ -424,6 +426,7 @@ def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) 
     against the previous one (off the trainer's process); every step reads
     back bit-exact. Without a helper the steps are stored whole (coding in
     the trainer's process would share its CPU and GIL), and a warning says so."""
+    threads_before = blosc.use_threads
     with torch.random.fork_rng():
         torch.manual_seed(5)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
@@ -447,6 +450,7 @@ def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) 
     check_reads(path, states)
     used = predictors(path, range(6))
     assert ("adam" in used) == helper, used
+    assert blosc.use_threads is threads_before  # (set in the helper's process only: helpercpu.py)
     assert verify(path).ok
 
 
@@ -625,16 +629,22 @@ def run_chunk_recipe(store: Path, branch: str, step: int, name: str, i: int) -> 
     return scope["bits"], scope["box"]
 
 
-def test_docs_predictive_chunk_recipe_reads_every_chunk_verbatim(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packs", [False, True])
+def test_docs_predictive_chunk_recipe_reads_every_chunk_verbatim(tmp_path: Path, packs: bool) -> None:
     """The document's numpy + zarr-python recipe for a predictive chunk
     (find its pred record, walk the chain to the keyframes, add the
     residuals) gives dstt's bits for every chunk of every tensor of a
-    mid-chain step, edge chunks included."""
+    mid-chain step, edge chunks included: chunks in chunk files, and
+    chunks in packs (their range of a pack holds the keyframe or the
+    residual)."""
     path = tmp_path / "run"
-    states = train(path, "adamw", steps=4, keyframe_every=8, shapes=((40, 24), (24, 8)), pack_chunk_bytes=0,
-                   max_chunk_bytes=1024)
+    states = train(path, "adamw", steps=4, keyframe_every=8, shapes=((40, 24), (24, 8)),
+                   pack_chunk_bytes=1 << 20 if packs else 0, max_chunk_bytes=1024)
     run = dstt.open(path)
     assert run.entry("model/m.0.weight", 3).pred is not None and run.entry("model/m.0.weight", 3).nchunks > 2
+    packed = [all(e.pack(i) is not None for i in range(e.nchunks))
+              for e in (run.entry(n, s) for n in states[3] for s in range(4))]
+    assert all(packed) if packs else not any(packed)
     seen = 0
     for name, value in states[3].items():
         e = run.entry(name, 3)
@@ -672,3 +682,40 @@ def test_a_hostile_pred_record_is_refused(tmp_path: Path, damage: Callable[[dict
     damage(bad["pred"])
     with pytest.raises(DsttError):
         parse_entry(bad, "index")
+
+
+def test_the_helper_tiers_backfills_are_coded_against_the_previous_step(tmp_path: Path) -> None:
+    """An incident persists the steps the tier in the capture helper had
+    passed over; those older than the head (backfills) are coded too, each
+    against the previous captured step where it is stored -- the first
+    against the stored step before it (read back, its chain counted), the
+    next against the backfill just stored -- bit-exact and verified."""
+    with torch.random.fork_rng():
+        torch.manual_seed(8)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(8)
+    path = tmp_path / "run"
+    states = []
+    cap = dstt.Capture(path, compression="predictive", memory_steps=8, persist=4, keyframe_every=8, helper=True)
+    try:
+        for step in range(8):
+            model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            cap.snapshot(step, model=model, optimizer=opt)
+            states.append(snapshot(model, opt))
+        cap.wait()
+        assert dstt.open(path).steps() == [0, 4]
+        cap.incident("bad batch")  # 1..3 are older than the head (4): backfills; 5..7 newer
+        cap.wait()
+    finally:
+        cap.close()
+    run = dstt.open(path)
+    assert run.steps() == list(range(8))
+    check_reads(path, states)
+    for step in (1, 2, 3):
+        e = run.entry("model/0.weight", step)
+        assert e.pred is not None and {c[2] for c in e.pred.chunks} == {step - 1}, (step, e.pred)
+        assert run.entry("optim/0.weight/exp_avg_sq", step).pred is not None
+    assert verify(path).ok

@@ -218,7 +218,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("trials", [3, pytest.param(12, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("trials", [2, pytest.param(12, marks=pytest.mark.slow)])
 def test_sigkill_of_trainer_and_helper_loses_no_acknowledged_step(tmp_path: Path, trials: int) -> None:
     """Trainer and capture helper SIGKILLed at random moments of a loop whose
     steps are committed in groups: every step the trainer was told is

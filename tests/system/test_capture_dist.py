@@ -71,7 +71,7 @@ def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fsdp2_capture_equals_unsharded_state(nproc: int, request: pytest.FixtureRequest) -> None:
     out = request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[nproc]) / "ok"
     expected = torch.load(out / "expected.pt")

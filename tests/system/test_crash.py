@@ -226,6 +226,7 @@ def test_sigkill_random_moments_quick(zygote: Zygote, tmp_path: Path) -> None:
     finish_and_collect(zygote, store)
 
 
+@pytest.mark.slow  # (the quick trial above covers the default coding under kills)
 def test_sigkill_random_moments_with_delta_coding(zygote: Zygote, tmp_path: Path) -> None:
     """The same trials with compression="delta": every committed step reads
     back exactly (deltas against keyframes a killed writer wrote, and a new

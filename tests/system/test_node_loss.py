@@ -123,9 +123,9 @@ def _killpg(pid: int) -> None:
 
 
 def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait: bool = False,
-               kill_recovery_after_s: float | None = None, corrupt: bool = False, ddp: bool = False,
-               chosen: list[object] | None = None, per: int = 1, state: str = "fsdp",
-               ) -> tuple[Nodes, list[dict[str, object]]]:
+               kill_recovery_after_s: float | None = None, corrupt: bool = False, stall: int | None = None,
+               steps: int = 8, ddp: bool = False, chosen: list[object] | None = None, per: int = 1,
+               state: str = "fsdp") -> tuple[Nodes, list[dict[str, object]]]:
     """Train on ``n`` nodes x 1 rank until the held steps are protected
     (``nowait``: lose them at once, copies possibly under way), lose the
     nodes ``lost`` (the others' job dies with them: killed, their memory
@@ -136,10 +136,14 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
     nodes = Nodes(tmp_path, n, per)
     state_env = {"NODE_RANKS_STATE": "ddp" if ddp else state}
     try:
-        nodes.start("train", scheme, **state_env, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}))
+        env = {**state_env, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}),
+               **({"NODE_RANKS_STALL": str(stall)} if stall is not None else {})}
+        nodes.start("train", scheme, steps, **env)
         infos = nodes.wait_files("rank{}.json")
         if chosen is not None:
             chosen.extend(i.get("chosen") for i in infos)
+        if stall is not None:  # rank 1 stopped sealing the step, the others sealed it
+            nodes.wait_files("stalled.json")
         for node in lost:
             nodes.lose(node)
         for node in range(n):
@@ -147,6 +151,7 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
                 nodes.lose(node, remove=False)  # (the job is torn down: killed, not closed)
         for r in range(n * per):
             (tmp_path / f"rank{r}.json").unlink()
+        (tmp_path / "stalled.json").unlink(missing_ok=True)
         if corrupt and scheme == "replicas":
             corrupt_held_chunk(nodes.shm(1 - lost[0]))
         elif corrupt:  # one bit of the newest copy flipped where it is kept
@@ -352,3 +357,78 @@ def test_replicas_hsdp_two_nodes_of_two_ranks_lose_one(tmp_path: Path) -> None:
     assert isinstance(got, list) and {5, 6, 7} <= set(got) <= set(range(1, 8)), nodes.logs()
     assert recovered[0]["warnings"] == []
     check_bits(tmp_path, [0, *sorted(got)])
+
+
+# ----------------------------------------------------------------------------- parity:k (3 nodes, parity:2)
+
+
+def no_parity_left(nodes: Nodes) -> bool:
+    return not any(f for node in range(nodes.n) if nodes.shm(node).exists() for f in nodes.shm(node).rglob("*.par"))
+
+
+@pytest.mark.slow
+def test_parity_three_nodes_lose_a_data_node_after_the_parity(tmp_path: Path) -> None:
+    """``parity:2`` over 3 nodes: node 1 lost once every held step's parity
+    is complete; the restarted job rebuilds rank 1's images of steps 5-7 by
+    XOR from nodes 0 and 2 (their images and parities) and commits them, bit-exact."""
+    nodes, recovered = lose_nodes(tmp_path, "parity:2", [1], n=3)
+    assert recovered[0]["recovered"] == [5, 6, 7], nodes.logs()
+    assert all(r["warnings"] == [] for r in recovered), recovered
+    check_bits(tmp_path, [0, 5, 6, 7])
+    assert no_parity_left(nodes)
+
+
+@pytest.mark.slow
+def test_parity_lose_node_zero(tmp_path: Path) -> None:
+    """Node 0 lost: rank 0 (the commit's coordinator, on the node hosting the
+    job's store) and the parity it held of nodes 1 and 2's stripes. Their
+    data is intact (nothing of theirs to rebuild); rank 0's images of steps
+    5-7 are rebuilt on the replacement from nodes 1 and 2, bit-exact."""
+    nodes, recovered = lose_nodes(tmp_path, "parity:2", [0], n=3)
+    assert recovered[0]["recovered"] == [5, 6, 7], nodes.logs()
+    assert all(r["warnings"] == [] for r in recovered), recovered
+    check_bits(tmp_path, [0, 5, 6, 7])
+    assert no_parity_left(nodes)
+
+
+@pytest.mark.slow
+def test_parity_lose_a_node_during_the_parity_update(tmp_path: Path) -> None:
+    """Node 2 lost right after the last snapshot (stripes possibly in the
+    mailbox, parities incomplete): each of steps 5-7 is either rebuilt
+    bit-exact or named as lost, never committed wrong."""
+    nodes, recovered = lose_nodes(tmp_path, "parity:2", [2], n=3, nowait=True)
+    got = set(recovered[0]["recovered"])  # type: ignore[call-overload]
+    named = named_steps([w for w in recovered[0]["warnings"] if "were held" in w]) \
+        if any("were held" in w for w in recovered[0]["warnings"]) else set()  # type: ignore[union-attr]
+    assert got <= set(range(8)) and not got & named, (got, named, nodes.logs())
+    assert set(range(5, 8)) <= got | named, (got, named)
+    committed = dstt.open(tmp_path / "run").steps()
+    assert set(committed) - {0} == got - {0}
+    check_bits(tmp_path, committed)
+
+
+@pytest.mark.slow
+def test_parity_two_nodes_of_a_group_lost_falls_back_and_names_the_steps(tmp_path: Path) -> None:
+    """Nodes 1 and 2 lost together (one parity covers one loss a group):
+    nothing is rebuilt or committed wrong, and one warning names steps 5-7."""
+    nodes, recovered = lose_nodes(tmp_path, "parity:2", [1, 2], n=3)
+    assert recovered[0]["recovered"] == [], nodes.logs()
+    assert {5, 6, 7} <= named_steps(recovered[0]["warnings"]) <= set(range(1, 8))
+    check_bits(tmp_path, [0])
+    assert no_parity_left(nodes)
+
+
+@pytest.mark.slow
+def test_parity_a_node_lost_before_the_seal(tmp_path: Path) -> None:
+    """Steps 0-7 protected, then node 1 lost while step 8 is being copied
+    into its ring (its seal never written; nodes 0 and 2 sealed it): step 8
+    is not restored, not even in part (no rank's chunks of it committed) and
+    is named; the protected steps the survivors still hold are rebuilt and
+    committed, bit-exact."""
+    nodes, recovered = lose_nodes(tmp_path, "parity:2", [1], n=3, stall=8, steps=9)
+    got = recovered[0]["recovered"]
+    assert 8 not in got and {6, 7} <= set(got) <= {5, 6, 7}, nodes.logs()  # type: ignore[operator, arg-type]
+    assert 8 in named_steps(recovered[0]["warnings"])
+    committed = dstt.open(tmp_path / "run").steps()
+    assert committed == [0, *got]  # type: ignore[misc]
+    check_bits(tmp_path, committed)

@@ -8,6 +8,7 @@ incident raised on one rank dumps every rank's tier and is recorded once."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from test_capture_dist import assert_bits, free_port  # noqa: F401  (free_port: the launcher's)
 
 import dstt
+from dstt import knobs
 from dstt.format.verify import verify
 
 WORKER = Path(__file__).parents[1] / "dist" / "tier_ranks.py"
@@ -23,9 +25,55 @@ WORKER = Path(__file__).parents[1] / "dist" / "tier_ranks.py"
 pytestmark = pytest.mark.distributed
 
 
-def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = False, worker: Path = WORKER) -> Path:
+def kill_job(pid: int, helpers: bool = False) -> list[int]:
+    """SIGKILL the job started as ``pid`` -- the launcher and every trainer
+    below it -- and, with ``helpers``, their capture helpers too (which
+    otherwise live on: they are in sessions of their own, by design).
+    The pids killed."""
     import os
     import signal
+
+    tree = _tree(pid)
+    killed = []
+    for p in tree:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                helper = b"dstt.capture.helper" in f.read()
+        except OSError:
+            continue
+        if helper and not helpers:
+            continue
+        try:
+            os.kill(p, signal.SIGKILL)
+            killed.append(p)
+        except OSError:
+            pass
+    return killed
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc)."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = False, worker: Path = WORKER) -> Path:
+    import os
     import subprocess
     import sys
 
@@ -39,11 +87,19 @@ def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = F
     try:
         output, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc.pid, helpers=True)
         output, _ = proc.communicate()
         pytest.fail(f"torchrun with {nproc} processes hung:\n{output[-3000:]}")
     assert proc.returncode == 0, output[-4000:]
     return out
+
+
+def _owner(ring: Path) -> str:
+    """The store a ring directory in /dev/shm belongs to (its owner record), or ""."""
+    try:
+        return (ring / "owner.json").read_text()[:4096]
+    except OSError:
+        return ""
 
 
 def check(out: Path, nproc: int) -> list[int]:
@@ -59,7 +115,11 @@ def check(out: Path, nproc: int) -> list[int]:
     assert {r["tier_where"] for r in ranks} == {"helper"}
     # the memory bound per rank: (K + 4) step slots of this rank's shards (+1 MiB of slack each), in MiB
     assert all(0 < r["memory_bytes"] <= 8 << 20 for r in ranks), ranks
-    assert not list((out / "run" / "meta" / "tier").rglob("rank-*.json"))  # held records removed at close
+    # a clean close leaves no record of the run's memory tier (held steps,
+    # decisions, incident requests) and nothing in /dev/shm
+    assert not list((out / "run" / "meta" / "tier").rglob("*.json"))
+    shm = knobs.shm_dir() or Path("/dev/shm")
+    assert not [p for p in shm.glob(f"dstt-{os.getuid()}/*/*") if str(out) in _owner(p)]
     report = verify(out / "run")
     assert report.ok, report
     return steps
@@ -138,6 +198,10 @@ def test_a_stopped_helper_fails_every_rank_within_the_bound(tmp_path: Path) -> N
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert seen[0]["error"] and "no progress for" in seen[0]["error"], seen
     assert all(0 <= s["after_s"] <= 4 + 2 + 10 for s in seen), seen  # bound + grace + the 37 steps' loop
+    # the steps sealed after the stop stay in the ring: gc commits them, and nothing is left in /dev/shm
+    report = dstt.gc(out / "run")
+    assert report.committed.get("main"), report
+    assert verify(out / "run").ok
 
 
 def _crash_run(out: Path, who: str) -> Any:
@@ -184,24 +248,77 @@ def _stored_bit_exact(out: Path, want: set[int], limit_s: float = 120) -> list[i
 
 @pytest.mark.slow
 def test_sigkill_of_the_whole_job_after_an_incident(tmp_path: Path) -> None:
-    """Every trainer SIGKILLed after rank 1's incident at step 4: the K
-    steps up to the incident (2..4: what every rank's tier holds) are in the
-    store, bit-exact, the incident recorded once, and the store verifies.
-    (Rank 1 may ask for step 1 too -- a helper one step behind holds K + 1
-    -- which rank 0's tier has let go of: rank 0 says so at once, and step
-    1 is not stored.) (Not asserted: step 5, sealed after the incident --
-    in the runs so far the helpers stored no crash incident for it; see
-    docs/flight-recorder.md, "What each crash does".)"""
-    import os
-    import signal
-
+    """Every trainer (and the launcher) SIGKILLed after rank 1's incident at
+    step 4, step 5 sealed after it: every rank's helper sees its trainer
+    die and stores what its tier holds as one "crash" incident -- step 5
+    included -- so the K steps up to the incident and every step sealed
+    after it are in the store, bit-exact, the incident recorded once, and
+    the store verifies. (Rank 1 may ask for step 1 too -- a helper one step
+    behind holds K + 1 -- which rank 0's tier has let go of: rank 0 says so
+    at once, and step 1 is not stored.)"""
     proc = _crash_run(tmp_path, "job")
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_job(proc.pid)
     proc.wait(30)
-    _stored_bit_exact(tmp_path, {0, 2, 3, 4})  # (step 1: only where rank 0's tier still held it, see below)
+    _stored_bit_exact(tmp_path, {0, 2, 3, 4, 5})
+    _helpers_gone(tmp_path)
     incs = dstt.open(tmp_path / "run").incidents()
     assert [(i.step, i.source) for i in incs if i.source == "trainer"] == [(4, "trainer")]
+    assert [i.source for i in incs if i.source == "crash"] == ["crash"]  # once, for every rank
     assert verify(tmp_path / "run").ok
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_whole_job_and_its_helpers_then_dstt_gc(tmp_path: Path) -> None:
+    """Everything SIGKILLed -- launcher, trainers and helpers -- after rank
+    1's incident at step 4 with step 5 sealed after it: the rings stay in
+    /dev/shm; ``dstt gc`` (the CLI) commits every step every rank sealed
+    and nobody stored (step 5), bit-exact, and the store verifies."""
+    import subprocess
+    import sys
+    import time
+
+    proc = _crash_run(tmp_path, "job")
+    time.sleep(1.0)  # (the helpers idle: everything sealed is handed over)
+    kill_job(proc.pid, helpers=True)
+    proc.wait(30)
+    before = set(dstt.open(tmp_path / "run").steps())
+    assert 5 not in before, sorted(before)
+    done = subprocess.run([sys.executable, "-m", "dstt.cli.main", "gc", str(tmp_path / "run")], capture_output=True,
+                          text=True, timeout=300, env=_cli_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = _stored_bit_exact(tmp_path, before | {5}, limit_s=1)
+    assert "committed" in done.stdout and "5" in done.stdout, done.stdout
+    assert 5 in steps
+    assert verify(tmp_path / "run").ok
+
+
+def _cli_env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+
+
+def _helpers_gone(out: Path, limit_s: float = 60) -> None:
+    """Every capture helper of the run at ``out`` exits (bounded)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        left = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        cmd = f.read()
+                except OSError:
+                    continue
+                if b"dstt.capture.helper" in cmd and str(out).encode() in cmd:
+                    left.append(int(entry))
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"capture helpers {left} still run {limit_s:g} s after their trainers died"
 
 
 @pytest.mark.slow

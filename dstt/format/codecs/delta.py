@@ -44,6 +44,16 @@ BLOCK_BYTES = 1 << 20
 #: Blosc compressor and level dstt writes.
 CNAME = "zstd"
 CLEVEL = 1
+#: The container of *noise* chunks (predictive coding's keyframes, and the
+#: residuals of ``exp_avg`` and ``momentum_buffer``: mantissa and gradient
+#: noise, ~0.8 of raw under any entropy coder): bit-shuffle + lz4 (Blosc
+#: level 1), ~2.3x the bytes per CPU second of shuffle + zstd-1 for ~0.03-0.05
+#: more of the chunk (measured on benchmarks/bench_delta.py's trajectory,
+#: issue 27). The compressor and
+#: shuffle are recorded in every Blosc container's header, so every Blosc
+#: reader (zarr-python with the array's ``blosc`` codec, any dstt version)
+#: decodes it as it decodes the rest: no new format.
+NOISE_CNAME = "lz4"
 #: Item sizes delta coding handles (the unsigned integer of that size).
 DELTA_ITEMSIZES = (1, 2, 4, 8)
 
@@ -102,17 +112,22 @@ def blosc_config(itemsize: int) -> dict[str, Any]:
             "shuffle": "shuffle" if itemsize > 1 else "noshuffle", "blocksize": BLOCK_BYTES}
 
 
-def blosc_encode(data: Any, itemsize: int, *, stored: bool = False) -> bytes:
+def blosc_encode(data: Any, itemsize: int, *, stored: bool = False, noise: bool = False) -> bytes:
     """Byte-shuffle + zstd-1 of ``data`` in a Blosc container (what zarr's
     ``blosc`` codec with :func:`blosc_config` writes, byte for byte).
     ``stored=True``: the bytes as they are (Blosc level 0, ~memcpy speed) in
-    the same container, which every Blosc reader decodes the same way."""
+    the same container, which every Blosc reader decodes the same way;
+    ``noise=True``: bit-shuffle + lz4 (:data:`NOISE_CNAME`), likewise."""
     from numcodecs import blosc
 
-    shuffle = blosc.SHUFFLE if itemsize > 1 and not stored else blosc.NOSHUFFLE
     buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-    level = 0 if stored else CLEVEL
-    out: bytes = blosc.compress(buf, CNAME.encode(), level, shuffle, BLOCK_BYTES, typesize=itemsize)
+    if stored:
+        cname, level, shuffle = CNAME, 0, blosc.NOSHUFFLE
+    elif noise:
+        cname, level, shuffle = NOISE_CNAME, CLEVEL, blosc.BITSHUFFLE
+    else:
+        cname, level, shuffle = CNAME, CLEVEL, blosc.SHUFFLE if itemsize > 1 else blosc.NOSHUFFLE
+    out: bytes = blosc.compress(buf, cname.encode(), level, shuffle, BLOCK_BYTES, typesize=itemsize)
     return out
 
 
@@ -142,5 +157,5 @@ def blosc_decode(body: Any, nbytes: int, where: str) -> memoryview:
     return out.data
 
 
-__all__ = ["BLOCK_BYTES", "DELTA_ITEMSIZES", "blosc_config", "blosc_decode", "blosc_encode",
+__all__ = ["BLOCK_BYTES", "DELTA_ITEMSIZES", "NOISE_CNAME", "blosc_config", "blosc_decode", "blosc_encode",
            "undo_delta", "uint_dtype", "zigzag_delta"]

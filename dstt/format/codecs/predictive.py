@@ -164,12 +164,14 @@ def residual(coding: Coding, actual: Any, inputs: Mapping[tuple[str, str], Any],
     return z, exact
 
 
-def encode(coding: Coding, actual: Any, inputs: Mapping[tuple[str, str], Any], where: str = "chunk") -> Encoded:
+def encode(coding: Coding, actual: Any, inputs: Mapping[tuple[str, str], Any], where: str = "chunk", *,
+           noise: bool = False) -> Encoded:
     """Code the chunk ``actual`` (raw bytes) against its prediction from
-    ``inputs`` (``(when, role)`` -> the same slice's raw bytes)."""
+    ``inputs`` (``(when, role)`` -> the same slice's raw bytes); ``noise``:
+    in the bit-shuffle + lz4 container (delta.NOISE_CNAME)."""
     nbytes = len(memoryview(actual).cast("B"))
     z, exact = residual(coding, actual, inputs, where, out=_residual_buffer(nbytes))
-    return Encoded(blosc_encode(z, z.dtype.itemsize), exact, len(z))
+    return Encoded(blosc_encode(z, z.dtype.itemsize, noise=noise), exact, len(z))
 
 
 def decode(coding: Coding, blob: Any, n: int, inputs: Mapping[tuple[str, str], Any], where: str = "chunk") -> np.ndarray:

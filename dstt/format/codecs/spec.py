@@ -132,13 +132,14 @@ def crc32c(data: Any, crc: int = 0) -> int:
 
 
 def encode_chunk(raw: memoryview, codec: CodecSpec, raw_crc: int | None = None, itemsize: int = 1,
-                 *, fast: bool = False) -> list[Any]:
+                 *, fast: bool = False, noise: bool = False) -> list[Any]:
     """Encoded chunk as a list of buffers to write back to back (no copy for
     raw). ``raw_crc``, the CRC-32C of ``raw`` if already known, is reused as
     the trailer of uncompressed chunks; ``itemsize`` is blosc's typesize;
-    ``fast``: blosc chunks stored uncompressed (same chain, any reader)."""
+    ``fast``: blosc chunks stored uncompressed (same chain, any reader);
+    ``noise``: blosc chunks of noise in bit-shuffle + lz4 (delta.NOISE_CNAME)."""
     if codec.blosc:
-        body: Any = blosc_encode(raw, itemsize, stored=fast)
+        body: Any = blosc_encode(raw, itemsize, stored=fast, noise=noise)
         crc = crc32c(body)
     elif codec.compression == "zstd":
         from numcodecs import Zstd

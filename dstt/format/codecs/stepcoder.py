@@ -46,6 +46,19 @@ from dstt.format.predindex import ChunkPred
 
 #: Decode order of the roles of one parameter (``other``: a tensor of its own).
 ROLE_ORDER = ("other", "exp_avg", "momentum_buffer", "exp_avg_sq", "max_exp_avg_sq", "param")
+#: Roles that are fresh gradient noise (a chained delta of them is ~0.8 of
+#: raw whatever codes it): their residuals go in the cheaper noise container
+#: (delta.NOISE_CNAME), as every keyframe does (a tensor's raw values are
+#: mostly mantissa noise too: ~0.8-0.88 of raw with either container, lz4
+#: ~2.4x zstd-1's bytes per CPU second); the other residuals, mostly zeros,
+#: keep zstd (0.05 of raw instead of 0.06-0.09).
+NOISE_ROLES = ("exp_avg", "momentum_buffer")
+#: A noise role's chunk whose residual did not pay (not below
+#: DELTA_MAX_RATIO of its keyframe: ~0.83 vs ~0.81 of raw for AdamW's
+#: exp_avg at beta1 0.9, benchmarks/bench_encode.py) is stored whole without
+#: trying for this many coded steps, then tried again (a slower beta1, a
+#: later phase of training, can make it pay).
+NOISE_RETRY_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,9 @@ class Prev:
     #: ring slot of that step), not a copy: :meth:`StepCoder.detach` copies
     #: it before that memory is given back.
     borrowed: bool = False
+    #: Coded steps its residual is not tried for (a noise role whose last
+    #: residual was not below DELTA_MAX_RATIO of its keyframe).
+    skip: int = 0
 
 
 @dataclass
@@ -201,6 +217,7 @@ class StepCoder:
     borrow: bool = False
     #: The step coded (or remembered) last (store/predflush.py sets it).
     last_step: int | None = None
+    _codings_cache: dict[Any, tuple[Mapping[str, Any], dict[str, Coding | None]]] = field(default_factory=dict)
 
     def remember(self, key: tuple[str, int], prev: Prev) -> None:
         """Keep ``prev`` for ``key`` within :attr:`memory_limit` (caller holds the lock)."""
@@ -229,7 +246,7 @@ class StepCoder:
         with self.lock:
             for key, p in list(self.memory.items()):
                 if p.step == step and p.borrowed:
-                    self.remember(key, Prev(p.step, p.raw.copy(), p.depth, p.key_size))
+                    self.remember(key, Prev(p.step, p.raw.copy(), p.depth, p.key_size, skip=p.skip))
                     if key in self.memory:
                         copied += p.raw.nbytes
                     else:  # (over the bound: the borrowed view must not stay)
@@ -271,10 +288,7 @@ class StepCoder:
         prev_state, prev_hyper = before
         tries = [g.hyper] + ([prev_hyper] if prev_hyper is not None and prev_hyper != g.hyper else [])
         for hyper in tries:
-            try:
-                got = param_codings(g.optimizer, hyper, cur, prev_state)
-            except (DsttError, KeyError, TypeError, ValueError):  # hyperparameters it cannot read: deltas
-                got = {}
+            got = self._param_codings(g.optimizer, hyper, cur, prev_state)
             for role, c in got.items():
                 if c is not None and c not in out.setdefault(role, []):
                     out[role].append(c)
@@ -282,6 +296,30 @@ class StepCoder:
             if not out.get(m.role):
                 out[m.role] = [Coding("delta", 1, m.role, m.dtype)]
         return out
+
+    def _param_codings(self, optimizer: str, hyper: Mapping[str, Any], cur: ParamState,
+                       prev: ParamState) -> dict[str, Coding | None]:
+        """:func:`param_codings` ({} where it cannot read the hyperparameters:
+        deltas), computed once per distinct input: the parameters of a
+        ``param_groups`` entry share their codings within a step, so each
+        coding is built, and checked by the coder, once rather than once per
+        parameter. Keyed by the hyperparameters' identity (each step reads
+        new ones; the cache keeps them alive, so an identity is never reused
+        while cached)."""
+        key = (optimizer, id(hyper), _state_key(cur), _state_key(prev))
+        with self.lock:
+            hit = self._codings_cache.get(key)
+        if hit is not None:
+            return hit[1]
+        try:
+            got = param_codings(optimizer, hyper, cur, prev)
+        except (DsttError, KeyError, TypeError, ValueError):  # hyperparameters it cannot read: deltas
+            got = {}
+        with self.lock:
+            if len(self._codings_cache) >= 256:
+                self._codings_cache.clear()
+            self._codings_cache[key] = (hyper, got)
+        return got
 
     def code_group(self, g: Group, i: int, step: int, raws: Mapping[str, Any],
                    codings: Mapping[str, list[Coding]], *, remember_only: bool = False) -> dict[str, Decision]:
@@ -304,15 +342,21 @@ class StepCoder:
                     raw = self._raw(raws[m.role])
                     self.remember(keys[m.role], Prev(step, raw, 0, raw.nbytes, self.borrow))
             return out
+        skips: dict[str, int] = {}
         for m in g.members:
             raw = raws[m.role]
             itemsize = sizes[m.role] // max(1, math.prod(m.chunk_shape))
             prev = prevs[m.role]
             d = None
-            if coded_ok and prev is not None:
+            skips[m.role] = 0
+            if coded_ok and prev is not None and m.role in NOISE_ROLES and prev.skip > 0:
+                skips[m.role] = prev.skip - 1  # (its residual did not pay lately: stored whole, not tried)
+            elif coded_ok and prev is not None:
                 d = self._predict(m, raw, prevs, raws, codings.get(m.role, []), step, itemsize, prev)
+                if d is None and m.role in NOISE_ROLES:
+                    skips[m.role] = NOISE_RETRY_STEPS
             if d is None:
-                d = Decision(encode_chunk(memoryview(raw).cast("B"), self.codec, itemsize=itemsize))
+                d = Decision(encode_chunk(memoryview(raw).cast("B"), self.codec, itemsize=itemsize, noise=True))
             out[m.role] = d
         with self.lock:
             for m in g.members:
@@ -320,7 +364,8 @@ class StepCoder:
                 whole = d.coding is None
                 d.raw = self._raw(raws[m.role])
                 self.remember(keys[m.role], Prev(step, d.raw, 0 if whole else depth,
-                                                 d.size if whole or prev is None else prev.key_size, self.borrow))
+                                                 d.size if whole or prev is None else prev.key_size, self.borrow,
+                                                 skips[m.role]))
         return out
 
     def _predict(self, m: Member, raw: Any, prevs: Mapping[str, Prev | None], raws: Mapping[str, Any],
@@ -343,9 +388,13 @@ class StepCoder:
                 return None
         coding = predictive.pick(cands, raw, ins)
         z, exact = predictive.residual(coding, raw, ins, m.name)
-        parts = encode_chunk(z.data.cast("B"), self.codec, itemsize=itemsize)
+        parts = encode_chunk(z.data.cast("B"), self.codec, itemsize=itemsize, noise=m.role in NOISE_ROLES)
         d = Decision(parts, coding, ChunkPred(0, step, prev.step), exact)
         return d if d.size < DELTA_MAX_RATIO * prev.key_size else None
+
+
+def _state_key(p: ParamState) -> tuple[Any, ...]:
+    return p.dtype, tuple(sorted(p.state.items())), p.step
 
 
 def counter_value(raw: Any, dtype: str) -> float | None:
@@ -356,5 +405,5 @@ def counter_value(raw: Any, dtype: str) -> float | None:
     return float(a[0]) if a.size == 1 else None
 
 
-__all__ = ["Decision", "Group", "Member", "Prev", "ROLE_ORDER", "StepCoder", "counter_value", "groups_of",
+__all__ = ["Decision", "Group", "Member", "NOISE_ROLES", "Prev", "ROLE_ORDER", "StepCoder", "counter_value", "groups_of",
            "optimizer_kind"]
