@@ -310,7 +310,8 @@ class CrashSafe:
         ring: Ring | None = None
         error: str | None = None
         held = replicaguard.Pending()
-        if parse_scheme(self.current.config.redundancy).kind == "parity":  # (collective, never raises)
+        scheme = self.current.config.redundancy  # ("auto": replicas or pair, chosen at the first snapshot)
+        if scheme != "auto" and parse_scheme(scheme).kind == "parity":  # (collective, never raises)
             parityrecover.recover(self.current.writer, coord)  # a lost node's steps, from parity (issue 26)
         try:
             ring = Ring(identity, run=self.run_id)
