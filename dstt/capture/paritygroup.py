@@ -35,7 +35,7 @@ from typing import Any
 
 from dstt.capture import ringowner as O
 from dstt.capture import stepimage
-from dstt.capture.peerguard import STORE_TIMEOUT_S, PeerGuard, post_block, take_block
+from dstt.capture.peerguard import PeerGuard, post_block, take_block
 from dstt.format import parityacc as PA
 from dstt.format import redundancy as RD
 
@@ -107,19 +107,11 @@ class ParityGuard(PeerGuard):
 
     def _place(self) -> bool:
         """Learn every helper's node (bounded), then this rank's group."""
-        import time
-
-        if not self._asked_nodes:
-            self.box.put(f"node/{self.rank}", self.node_name.encode())
-            self._asked_nodes = True
-            self._deadline = time.monotonic() + STORE_TIMEOUT_S
-        names = [self.box.peek(f"node/{r}") for r in range(self.world)]
-        if any(n is None for n in names):
-            if time.monotonic() > self._deadline:
-                raise TimeoutError(f"not every rank's helper said its node within {STORE_TIMEOUT_S:.0f} s")
+        nodes = self._learn_nodes()
+        if nodes is None:
             return False
-        self.nodes = RD.node_ids([bytes(n or b"").decode(errors="replace") for n in names])
-        self.members = group_members(self.nodes, self.rank, self.scheme.k)
+        self.nodes = nodes
+        self.members = group_members(nodes, self.rank, self.scheme.k)
         if not self.members:
             log.warning("dstt helper (rank %d): redundancy=%r needs at least 2 nodes with as many ranks each in "
                         "a group; this job has not: its steps are unprotected", self.rank, str(self.scheme))

@@ -188,8 +188,9 @@ class PeerGuard:
             log.warning("dstt helper (rank %d): peer redundancy off: %s (its steps are unprotected)", self.rank,
                         self.failed)
 
-    def _place(self) -> bool:
-        """Learn every helper's node (bounded: STORE_TIMEOUT_S at most)."""
+    def _learn_nodes(self) -> list[int] | None:
+        """Every helper's node id, by rank (bounded: STORE_TIMEOUT_S at
+        most); None while some have not said it yet."""
         if not self._asked_nodes:
             self.box.put(f"node/{self.rank}", self.node_name.encode())
             self._asked_nodes = True
@@ -198,8 +199,15 @@ class PeerGuard:
         if any(n is None for n in names):
             if time.monotonic() > self._deadline:
                 raise TimeoutError(f"not every rank's helper said its node within {STORE_TIMEOUT_S:.0f} s")
+            return None
+        return RD.node_ids([bytes(n or b"").decode(errors="replace") for n in names])
+
+    def _place(self) -> bool:
+        """Learn every helper's node, then this rank's holder and sources."""
+        nodes = self._learn_nodes()
+        if nodes is None:
             return False
-        self.nodes = RD.node_ids([bytes(n or b"").decode(errors="replace") for n in names])
+        self.nodes = nodes
         n_nodes = max(self.nodes) + 1
         self.holder = self._holder_of(self.rank, n_nodes)
         self.sources = [r for r in range(self.world) if r != self.rank and self._holder_of(r, n_nodes) == self.rank]
