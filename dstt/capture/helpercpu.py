@@ -140,6 +140,40 @@ class CpuWatch:
             log.info("dstt: compression='auto': %.2f idle cores: coding steps again", idle)
 
 
+class PersistPace:
+    """``persist="newest"`` yields to a busy host: while fewer than
+    ``DSTT_AUTO_SPARE_CORES`` cores were idle (the :class:`CpuWatch` rule),
+    the deciding helper picks its next newest step only once it has rested
+    ``rest`` times as long as its last such write took (its writes then take
+    at most ``1 / (1 + rest)`` of the wall clock); with cores to spare it
+    persists as soon as its writer is free, as before. Forced steps
+    (incidents, close, every-N, ``all``) never wait for it.
+
+    >>> t = [0.0]
+    >>> p = PersistPace(None, clock=lambda: t[0]); p.ready()  # nothing measured: never held back
+    True
+    """
+
+    def __init__(self, watch: CpuWatch | None, rest: float = 3.0, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.watch, self.rest, self.clock = watch, rest, clock
+        self._ended = -math.inf
+        self._took = 0.0
+
+    def wrote(self, started: float, ended: float) -> None:
+        """A newest step was written from ``started`` to ``ended`` (this clock)."""
+        self._ended, self._took = ended, max(0.0, ended - started)
+
+    def ready(self) -> bool:
+        """Whether the next newest step may be decided now."""
+        if self.watch is None:
+            return True
+        self.watch.budget()  # (the idle cores, read once a window has passed)
+        if self.watch.coding:
+            return True
+        return self.clock() >= self._ended + self.rest * self._took
+
+
 def _cpus() -> set[int]:
     try:
         return set(os.sched_getaffinity(0))
@@ -154,4 +188,4 @@ def _ticks_per_second() -> float:
         return 100.0
 
 
-__all__ = ["CpuWatch", "Sample", "WINDOW_S", "idle_seconds", "read_proc_stat", "single_threaded_codecs"]
+__all__ = ["CpuWatch", "PersistPace", "Sample", "WINDOW_S", "idle_seconds", "read_proc_stat", "single_threaded_codecs"]

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from dstt.capture import ring as R
-from dstt.capture.helpercpu import CpuWatch
+from dstt.capture.helpercpu import CpuWatch, PersistPace
 from dstt.capture.helpertier import HelperTier, Peers
 from dstt.format.incidents import Incident, record_incident
 from dstt.store.predflush import Backfills
@@ -198,7 +198,8 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
             records.mode = "record"  # rank 0 commits; this rank's helper never waits on it (no order to agree)
     policy = tier_args["policy"]
     tier = HelperTier(int(tier_args["k"]), policy if policy in ("all", "newest") else int(policy), ops,
-                      branch=writer.branch.name, peers=peers, watch=bool(tier_args.get("watch", True)))
+                      branch=writer.branch.name, peers=peers, watch=bool(tier_args.get("watch", True)),
+                      pace=PersistPace(CpuWatch()) if policy == "newest" else None)
     guard = guards.start(tier_args, records, writer, ops)  # redundancy= (issue 26): None for "none"
     busy = False
     while True:

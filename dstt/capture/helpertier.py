@@ -126,7 +126,7 @@ class HelperTier:
     """The last ``k`` steps of one rank (see the module docstring)."""
 
     def __init__(self, k: int, policy: str | int, ops: TierOps, *, branch: str, peers: Peers | None = None,
-                 watch: bool = True, clock: Any = time.monotonic) -> None:
+                 watch: bool = True, clock: Any = time.monotonic, pace: Any = None) -> None:
         if k < 1:
             raise ValueError(f"memory_steps must be >= 1, got {k}")
         self.k, self.policy, self.ops, self.branch, self.peers, self.watch = k, policy, ops, branch, peers, watch
@@ -146,6 +146,9 @@ class HelperTier:
         self.persisted: list[int] = []  # every step written, in order (the tests and the benchmark count them)
         self.passed_over: list[int] = []
         self._clock = clock
+        #: ``persist="newest"``: when this helper may pick its next step
+        #: (helpercpu.PersistPace: it yields to a host without spare cores).
+        self.pace = pace
 
     # ------------------------------------------------------------ commands
 
@@ -401,8 +404,22 @@ class HelperTier:
         undecided = [s for s in self.held if s.decision is None and s.checked]
         if not undecided:
             return None
+        if self.pace is not None and not self.pace.ready():
+            self._pass_over_older(undecided[-1])  # (the older ones may leave memory: the ring never fills)
+            return None
         self._decide_newest(undecided[-1])
         return undecided[-1]
+
+    def _pass_over_older(self, newest: TierStep) -> None:
+        """Rank 0 (or the only rank), resting: every undecided step older
+        than ``newest`` is passed over; published for the other ranks."""
+        older = [s for s in self.held if s.decision is None and s.step < newest.step]
+        for s in older:
+            self._pass_over(s)
+        if older:
+            self._decided_upto = max(self._decided_upto, older[-1].step)
+            if self.peers is not None:
+                self.peers.publish_decisions(self._decided_upto, self._decided_persist)
 
     def _decide_newest(self, newest: TierStep) -> None:
         """Rank 0 (or the only rank): ``newest`` is stored, every older
@@ -427,11 +444,14 @@ class HelperTier:
         if not backfill:
             ranges = step_ranges(sorted(x for x in self._memory_only if x < s.step))
             self._memory_only = [x for x in self._memory_only if x > s.step]
+        started = self._clock()
         try:
             outcome: Any = self.ops.persist(s.step, prev, ranges)
         except Exception as e:  # noqa: BLE001 - answered to the trainer, naming the step
             outcome = e
             s.error = f"{type(e).__name__}: {e}"
+        if self.pace is not None and not s.forced and not backfill:
+            self.pace.wrote(started, self._clock())
         s.written = True
         if s.error is None:
             self.persisted.append(s.step)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import dstt
+from dstt.capture.helpercpu import PersistPace
 from dstt.capture.helpertier import HelperTier
 from dstt.capture.tierpeers import StorePeers
 from dstt.format import tier as T
@@ -430,3 +431,52 @@ def test_an_incident_before_any_write_still_records_what_was_passed_over(tmp_pat
     ops.writer.close()
     spans, persisted = RunIndex(str(tmp_path / "r")).captured()
     assert spans == [(0, 9)] and persisted == [6, 7, 8, 9]
+
+
+class _Host:
+    """A CpuWatch stand-in: whether the host had idle cores to spare."""
+
+    def __init__(self, spare: bool) -> None:
+        self.coding = spare
+
+    def budget(self) -> float:
+        return math.inf if self.coding else -math.inf
+
+
+def test_newest_rests_while_the_host_has_no_spare_core(tmp_path: Path) -> None:
+    """persist="newest" on a host without spare cores: after a write of 1 s
+    the helper rests 3 s before it picks the next newest step, and passes
+    over the older ones meanwhile, so memory never holds more than K; with
+    cores to spare it persists as soon as its writer is free."""
+    now = [0.0]
+    ops = StoreOps(tmp_path / "r")
+    persist = ops.persist
+
+    def slow_persist(*a: Any) -> Any:
+        now[0] += 1.0  # a write takes 1 s of this clock
+        return persist(*a)
+
+    ops.persist = slow_persist  # type: ignore[method-assign]
+    host = _Host(spare=False)
+    tier = HelperTier(2, "newest", ops, branch="main", clock=lambda: now[0],
+                      pace=PersistPace(host, rest=3.0, clock=lambda: now[0]))  # type: ignore[arg-type]
+    ops.capture(tier, 0)
+    tier.pump()
+    assert tier.persisted == [0]  # (nothing written yet: no rest owed)
+    for s in (1, 2, 3):
+        ops.capture(tier, s)
+    now[0] = 2.5
+    while tier.pump():
+        pass
+    assert tier.persisted == [0] and tier.passed_over == [1, 2]  # resting until 1 + 3 x 1 s
+    assert len(tier.held) <= 2 and [s.step for s in tier.held if s.decision is None] == [3]
+    now[0] = 4.0
+    tier.pump()
+    assert tier.persisted == [0, 3]
+    host.coding = True  # cores to spare again: no rest
+    ops.capture(tier, 4)
+    tier.pump()
+    assert tier.persisted == [0, 3, 4]
+    tier.close()
+    ops.writer.close()
+    check_stored(tmp_path / "r", ops, [0, 3, 4])
