@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from dstt.capture import ringowner as O
-from dstt.capture import stepimage
 from dstt.capture.peerguard import PeerGuard, post_block, take_block
 from dstt.format import parityacc as PA
 from dstt.format import redundancy as RD
@@ -125,35 +124,18 @@ class ParityGuard(PeerGuard):
 
     # ------------------------------------------------------------ sending
 
-    def _send(self, held: list[int]) -> bool:
-        if not self.members:
-            return False
-        did = False
-        for step in held:
-            if step <= self.last_sent:
-                continue
-            if len(self.pending) >= 4:
-                break
-            entry = self.ops.steps.get(step)
-            if entry is None:
-                continue  # (it left the tier already: unprotected)
-            plan, record = entry
-            img = stepimage.image(record, plan, self.ops.pools[record["pool"]], self._ring_owner())
-            for h in self.out_seq:
-                data = PA.stripe_block(img, run=self.run, branch_id=self.branch_id, step=step, src=self.rank,
-                                       holder=h, members=self.members)
-                post_block(self.box, f"pst/{self.rank}/{h}/{self.out_seq[h]}", data)
-                self.out_seq[h] += 1
-                self.bytes_sent += len(data)
-            self.pending.add(step)
-            self.answers[step] = set()
-            self.last_sent = step
-            did = True
-        low = min(held) if held else self.last_sent + 1
-        if low > self.low_sent:
-            self.box.put(f"low/{self.rank}", str(low).encode())
-            self.low_sent = low
-        return did
+    def _sends(self) -> bool:
+        return bool(self.members)
+
+    def _post(self, step: int, image: bytes) -> None:
+        """Send ``step``'s image cut in stripes, one to each other member."""
+        for h in self.out_seq:
+            data = PA.stripe_block(image, run=self.run, branch_id=self.branch_id, step=step, src=self.rank,
+                                   holder=h, members=self.members)
+            post_block(self.box, f"pst/{self.rank}/{h}/{self.out_seq[h]}", data)
+            self.out_seq[h] += 1
+            self.bytes_sent += len(data)
+        self.answers[step] = set()
 
     def _acks(self) -> bool:
         did = False

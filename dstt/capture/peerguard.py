@@ -227,7 +227,9 @@ class PeerGuard:
         return target[mine.index(rank) % len(target)]
 
     def _send(self, held: list[int]) -> bool:
-        if self.holder is None:
+        """Post the images of the held steps not sent yet (at most
+        MAX_INFLIGHT unacknowledged), then publish the lowest step held."""
+        if not self._sends():
             return False
         did = False
         for step in held:
@@ -239,20 +241,26 @@ class PeerGuard:
             if entry is None:
                 continue  # (it left the tier already: unprotected)
             plan, record = entry
-            pool = self.ops.pools[record["pool"]]
-            data = RD.frame(stepimage.image(record, plan, pool, self._ring_owner()), run=self.run,
-                            branch_id=self.branch_id, step=step, rank=self.rank)
-            post_block(self.box, f"blk/{self.rank}/{self.next_out}", data)
-            self.bytes_sent += len(data)
+            self._post(step, stepimage.image(record, plan, self.ops.pools[record["pool"]], self._ring_owner()))
             self.pending.add(step)
             self.last_sent = step
-            self.next_out += 1
             did = True
         low = min(held) if held else self.last_sent + 1
         if low > self.low_sent:
             self.box.put(f"low/{self.rank}", str(low).encode())
             self.low_sent = low
         return did
+
+    def _sends(self) -> bool:
+        """Whether this rank sends its steps anywhere (it has a holder)."""
+        return self.holder is not None
+
+    def _post(self, step: int, image: bytes) -> None:
+        """Send ``step``'s image to its holder (framed)."""
+        data = RD.frame(image, run=self.run, branch_id=self.branch_id, step=step, rank=self.rank)
+        post_block(self.box, f"blk/{self.rank}/{self.next_out}", data)
+        self.bytes_sent += len(data)
+        self.next_out += 1
 
     def _ring_owner(self) -> dict[str, Any]:
         if self._owner is None:
