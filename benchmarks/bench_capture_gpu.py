@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_capture_gpu: no CUDA GPU on this machine; nothing measured")
         return 0
     sys.path.insert(0, os.path.dirname(__file__))
-    from common import fresh_dir, fsync_file, machine
+    from common import fresh_dir, fsync_file, machine, raw_copy_s
 
     import dstt
 
@@ -75,20 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine()}, GPU {torch.cuda.get_device_name()}")
     print(f"state: {len(tensors)} tensors, {nbytes / 2**30:.2f} GiB on {dev}")
 
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    raw = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        off = 0
-        for x in tensors:
-            n = x.numel() * x.element_size()
-            host[off:off + n].view(x.dtype).view(x.shape).copy_(x, non_blocking=True)
-            off += n
-        torch.cuda.synchronize()
-        raw.append(time.perf_counter() - t)
-    del host
-    raw_s = sorted(raw)[1]
+    raw_s = raw_copy_s(tensors)  # (pinned: the sources are on the GPU)
 
     def step() -> None:
         x = work

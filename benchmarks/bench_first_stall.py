@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import machine, model_and_adam  # noqa: E402
+from common import machine, model_and_adam, raw_copy_s  # noqa: E402
 
 import dstt  # noqa: E402
 from dstt.capture import reserve  # noqa: E402
@@ -58,28 +58,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.sizes or min(args.sizes) <= 0 or args.iters < 3 or args.compute_ms < 0:
         ap.error("--size-gb must be > 0, --iters >= 3, --compute-ms >= 0")
     return args
-
-
-def raw_copy_s(tensors: list[torch.Tensor]) -> float:
-    """One copy_ of every tensor into a buffer allocated and faulted in
-    beforehand (pinned, for CUDA sources, synchronized) (median of 3)."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    cuda = tensors[0].is_cuda
-    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    times = []
-    for _ in range(3):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        off = 0
-        for x in tensors:
-            n = x.numel() * x.element_size()
-            host[off:off + n].view(x.dtype).view(x.shape).copy_(x, non_blocking=cuda)
-            off += n
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[1]
 
 
 def state_on(device: torch.device, size_gb: float, n_params: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

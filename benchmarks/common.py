@@ -87,3 +87,25 @@ def best_of(fn: Callable[[], object], times: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def raw_copy_s(tensors: list[torch.Tensor]) -> float:
+    """One copy_ of every tensor into a buffer allocated and faulted in
+    beforehand (pinned, for CUDA sources, synchronized) (median of 3)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    cuda = tensors[0].is_cuda
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    times = []
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        off = 0
+        for x in tensors:
+            n = x.numel() * x.element_size()
+            host[off:off + n].view(x.dtype).view(x.shape).copy_(x, non_blocking=cuda)
+            off += n
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[1]

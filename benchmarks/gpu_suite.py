@@ -127,7 +127,7 @@ def flight(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from common import fresh_dir
+    from common import fresh_dir, raw_copy_s
 
     import dstt
 
@@ -152,24 +152,6 @@ def flight(args: argparse.Namespace) -> dict[str, Any]:
             x = torch.tanh(x @ work)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-
-    def raw_copy() -> float:
-        pinned = dev.type == "cuda"
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        best = []
-        for _ in range(3):
-            if pinned:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            off = 0
-            for x in tensors:
-                n = x.numel() * x.element_size()
-                host[off:off + n].view(x.dtype).view(x.shape).copy_(x, non_blocking=pinned)
-                off += n
-            if pinned:
-                torch.cuda.synchronize()
-            best.append(time.perf_counter() - t)
-        return sorted(best)[1]
 
     def loop(cap: Any) -> tuple[list[float], float | None]:
         """Iteration times; the first snapshot's stall: snapshot() + the next
@@ -203,7 +185,7 @@ def flight(args: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         return times, first
 
-    raw_s = raw_copy()
+    raw_s = raw_copy_s(tensors)
     base, _ = loop(None)
     path = fresh_dir(os.path.join(args.dir, "flight"))
     cap = dstt.Capture(path, memory_steps=8, persist="newest")
