@@ -16,26 +16,6 @@ from dstt.format.backends import open_backend
 from tests.cli.test_cli_errors import cli
 
 
-def test_ls_shows_steps_held_in_memory_by_how_many_ranks(tmp_path: Path) -> None:
-    path = tmp_path / "run"
-    for s in (0, 4):
-        dstt.save(str(path), s, {"w": torch.full((3,), float(s))})
-    b = open_backend(str(path))
-    now = time.time()
-    T.write_held(b, T.HeldRecord("main", "r9", 0, 2, 11, "node-a", now, ((5, 8),)))
-    T.write_held(b, T.HeldRecord("main", "r9", 1, 2, 12, "node-b", now, ((6, 8),)))
-    T.write_held(b, T.HeldRecord("main", "r8", 2, 3, 13, "node-c", now - 3600, ((1, 2),)))  # a dead helper's
-    rc, out, err = cli("ls", str(path), "--json")
-    assert rc == 0, err
-    branch = json.loads(out)["branches"][0] if "branches" in json.loads(out) else json.loads(out)[0]
-    assert branch["held"] == [[5, 5, 1, 2], [6, 8, 2, 2]] and branch["held_stale"] == 1
-    rc, out, err = cli("ls", str(path))
-    assert rc == 0, err
-    text = " ".join(out.split())
-    assert "held in memory now: 5 by 1/2; 6-8 by 2/2 ranks" in text
-    assert "1 stale record(s)" in text
-
-
 def _two_ranks_holding(tmp_path: Path) -> Path:
     path = tmp_path / "run"
     for s in (0, 4):
@@ -45,6 +25,21 @@ def _two_ranks_holding(tmp_path: Path) -> Path:
     T.write_held(b, T.HeldRecord("main", "r9", 0, 2, 11, "node-a", now, ((5, 8),)))
     T.write_held(b, T.HeldRecord("main", "r9", 1, 2, 12, "node-b", now, ((6, 8),)))
     return path
+
+
+def test_ls_shows_steps_held_in_memory_by_how_many_ranks(tmp_path: Path) -> None:
+    path = _two_ranks_holding(tmp_path)
+    T.write_held(open_backend(str(path)), T.HeldRecord("main", "r8", 2, 3, 13, "node-c", time.time() - 3600,
+                                                        ((1, 2),)))  # a dead helper's
+    rc, out, err = cli("ls", str(path), "--json")
+    assert rc == 0, err
+    branch = json.loads(out)["branches"][0] if "branches" in json.loads(out) else json.loads(out)[0]
+    assert branch["held"] == [[5, 5, 1, 2], [6, 8, 2, 2]] and branch["held_stale"] == 1
+    rc, out, err = cli("ls", str(path))
+    assert rc == 0, err
+    text = " ".join(out.split())
+    assert "held in memory now: 5 by 1/2; 6-8 by 2/2 ranks" in text
+    assert "1 stale record(s)" in text
 
 
 def test_find_shows_steps_held_in_memory_like_ls(tmp_path: Path) -> None:
