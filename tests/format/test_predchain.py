@@ -125,6 +125,15 @@ def check_reads(path: Path, states: list[dict[str, torch.Tensor]]) -> dstt.Run:
     return run
 
 
+def small_adamw(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Generator]:
+    """Two Linear layers trained with AdamW, built from ``seed`` without
+    touching the global RNG, and a generator for their batches."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), torch.Generator().manual_seed(seed)
+
+
 def entries(path: Path, step: int) -> list[dict[str, Any]]:
     doc = json.loads((path / L.step_dir("main", step) / "index.json").read_text())
     return [t for t in doc["tensors"] if isinstance(t, dict)]
@@ -427,11 +436,7 @@ def test_capture_codes_predictively_in_its_helper(tmp_path: Path, helper: bool) 
     back bit-exact. Without a helper the steps are stored whole (coding in
     the trainer's process would share its CPU and GIL), and a warning says so."""
     threads_before = blosc.use_threads
-    with torch.random.fork_rng():
-        torch.manual_seed(5)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(5)
+    model, opt, g = small_adamw(5)
     path = tmp_path / "run"
     states = []
     with warnings.catch_warnings(record=True) as said:
@@ -458,11 +463,7 @@ def test_dstt_save_codes_each_call_against_the_stored_previous_step(tmp_path: Pa
     """dstt.save (a new writer per call) reads the latest step back and codes
     against it, keyframes every K steps still; a new branch's first step is
     predicted from its fork step; every step reads back bit-exact."""
-    with torch.random.fork_rng():
-        torch.manual_seed(9)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(9)
+    model, opt, g = small_adamw(9)
     path = tmp_path / "run"
     states = []
     for step in range(7):
@@ -552,11 +553,7 @@ def test_the_memory_tiers_persisted_steps_are_coded_predictively(tmp_path: Path,
     predicted from the previous persisted step) and read back bit-exact,
     with the tier in the capture helper (the default) and in the trainer's
     process (helper=False)."""
-    with torch.random.fork_rng():
-        torch.manual_seed(6)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(6)
+    model, opt, g = small_adamw(6)
     path = tmp_path / "run"
     states = []
     cap = dstt.Capture(path, compression="predictive", memory_steps=4, persist="all", keyframe_every=4,
@@ -690,11 +687,7 @@ def test_the_helper_tiers_backfills_are_coded_against_the_previous_step(tmp_path
     against the previous captured step where it is stored -- the first
     against the stored step before it (read back, its chain counted), the
     next against the backfill just stored -- bit-exact and verified."""
-    with torch.random.fork_rng():
-        torch.manual_seed(8)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(8)
+    model, opt, g = small_adamw(8)
     path = tmp_path / "run"
     states = []
     cap = dstt.Capture(path, compression="predictive", memory_steps=8, persist=4, keyframe_every=8, helper=True)
