@@ -199,7 +199,7 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     policy = tier_args["policy"]
     tier = HelperTier(int(tier_args["k"]), policy if policy in ("all", "newest") else int(policy), ops,
                       branch=writer.branch.name, peers=peers, watch=bool(tier_args.get("watch", True)),
-                      pace=PersistPace(CpuWatch()) if policy == "newest" else None)
+                      pace=PersistPace(ops.cpu or CpuWatch()) if policy == "newest" else None)  # (one watch: one rule)
     guard = guards.start(tier_args, records, writer, ops)  # redundancy= (issue 26): None for "none"
     busy = False
     while True:
