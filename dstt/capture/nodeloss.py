@@ -38,7 +38,7 @@ log = logging.getLogger("dstt.capture")
 
 #: A copy is one step of one rank's shards: bounded like a ring's files.
 MAX_COPY_BYTES = 64 << 30
-_RUN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_RUN_RE = RD._RUN_RE  # (a run id, as the framing checks it)
 _RANK_RE = re.compile(r"rank-([0-9]{1,7})")
 _STEP_RE = re.compile(r"step-([0-9]{20})\.blk")
 
@@ -63,15 +63,15 @@ def recover_copies(writer: Any, world: int, base: Path | None = None) -> dict[in
     a warning and removed."""
     group = copies_group(str(writer.backend.url), writer.branch.name, base)
     rebuilt: dict[int, int] = {}
-    for run_dir in _subdirs(group, _RUN_RE):
-        for rank_dir in _subdirs(run_dir, _RANK_RE):
+    for run_dir in private_subdirs(group, _RUN_RE):
+        for rank_dir in private_subdirs(run_dir, _RANK_RE):
             rank = int(_RANK_RE.fullmatch(rank_dir.name).group(1))  # type: ignore[union-attr]
             for path in sorted(rank_dir.iterdir()):
                 m = _STEP_RE.fullmatch(path.name)
                 if m is None or (writer.last_step is not None and int(m.group(1)) <= writer.last_step):
                     continue  # (committed already: nothing to rebuild)
                 try:
-                    data = _read_copy(path)
+                    data = read_copy(path)
                     _, payload = RD.unframe(data, run=run_dir.name, branch_id=int(writer.branch.id),
                                             step=int(m.group(1)), rank=rank)
                     stepimage.materialize(payload, base)
@@ -79,26 +79,28 @@ def recover_copies(writer: Any, world: int, base: Path | None = None) -> dict[in
                 except (RD.BlockError, OSError, ValueError) as e:
                     warnings.warn(f"dstt: the copy {path} of rank {rank}'s step {m.group(1).lstrip('0') or 0} "
                                   f"is not used: {e}", NodeLossWarning, stacklevel=2)
-    done: dict[int, list[int]] = {}
-    for rank in sorted(rebuilt):
-        if rank >= world:
-            continue
-        identity = ranks.ring_identity(str(writer.backend.url), writer.branch, rank, world)
-        if rank == writer.rank:
-            done[rank] = ranks.record_rings(writer, identity, base=base)
-            continue
-        from dstt.format.writeoptions import WriteOptions
-        from dstt.store.writer import Writer
-
-        lock = _Delegated() if rank == 0 else None
-        with Writer(str(writer.backend.url), WriteOptions(branch=writer.branch.name), lock=lock,
-                    coordinator=ranks.FixedRank(rank, world)) as other:
-            done[rank] = ranks.record_rings(other, identity, base=base)
+    done = {rank: record_as(writer, rank, world, base) for rank in sorted(rebuilt) if rank < world}
     if done:
         log.warning("dstt: rebuilt from the copies on this node (redundancy): %s",
                     "; ".join(f"rank {r}: steps {_names(s)}" for r, s in done.items()))
     shutil.rmtree(group, ignore_errors=True)
     return done
+
+
+def record_as(writer: Any, rank: int, world: int, base: Path | None) -> list[int]:
+    """Record, as rank ``rank``'s (of ``world``), the rebuilt rings of that
+    rank under ``base``; the steps recorded. ``writer``'s own rank through
+    it; another through a Writer of that rank (rank 0's branch lock
+    delegated: rank 0 waits in the recovery's collective meanwhile)."""
+    identity = ranks.ring_identity(str(writer.backend.url), writer.branch, rank, world)
+    if rank == writer.rank:
+        return ranks.record_rings(writer, identity, base=base)
+    from dstt.format.writeoptions import WriteOptions
+    from dstt.store.writer import Writer
+
+    with Writer(str(writer.backend.url), WriteOptions(branch=writer.branch.name),
+                lock=_Delegated() if rank == 0 else None, coordinator=ranks.FixedRank(rank, world)) as other:
+        return ranks.record_rings(other, identity, base=base)
 
 
 def report_unrebuilt(writer: Any) -> list[int]:
@@ -151,7 +153,7 @@ def _partly_recorded(backend: Any, branch: str, after: int, candidates: set[int]
     return out
 
 
-def _read_copy(path: Path) -> bytes:
+def read_copy(path: Path) -> bytes:
     """The bytes of a copy: a regular file of this user, at most MAX_COPY_BYTES
     (read by its size, never a buffer of the bound)."""
     import os
@@ -179,7 +181,7 @@ def _names(steps: list[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in step_ranges(steps))
 
 
-def _subdirs(path: Path, pattern: re.Pattern[str]) -> list[Path]:
+def private_subdirs(path: Path, pattern: re.Pattern[str]) -> list[Path]:
     """The private subdirectories of ``path`` whose names match ``pattern``."""
     if not O.private(path):
         return []
@@ -190,4 +192,4 @@ def _subdirs(path: Path, pattern: re.Pattern[str]) -> list[Path]:
     return [path / n for n in names if pattern.fullmatch(n) and O.private(path / n)]
 
 
-__all__ = ["NodeLossWarning", "recover_copies", "report_unrebuilt"]
+__all__ = ["NodeLossWarning", "private_subdirs", "read_copy", "record_as", "recover_copies", "report_unrebuilt"]

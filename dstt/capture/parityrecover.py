@@ -44,6 +44,7 @@ from dstt import knobs
 from dstt.capture import ranks, stepimage
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
+from dstt.capture.nodeloss import private_subdirs, read_copy
 from dstt.capture.paritygroup import _PAR_RE, parity_group
 from dstt.capture.peerguard import STORE_TIMEOUT_S, Mailbox, post_block, take_block
 from dstt.errors import NodeLossWarning
@@ -84,14 +85,14 @@ class _Local:
             if isinstance(run, str):
                 images.setdefault(run, []).extend(int(s["step"]) for s in ring.seals if int(s["step"]) > last)
         parity: list[list[Any]] = []
-        for run_dir in _private_subdirs(self.group):
+        for run_dir in private_subdirs(self.group, RD._RUN_RE):
             pdir = run_dir / f"rank-{self.rank}"
             for name in sorted(os.listdir(pdir)) if O.private(pdir) else []:
                 m = _PAR_RE.fullmatch(name)
                 if m is None or int(m.group(1)) <= last or len(parity) >= MAX_REPORTED:
                     continue
                 try:
-                    p = PA.parse_parity(_read(pdir / name), run=run_dir.name, branch_id=int(self.writer.branch.id),
+                    p = PA.parse_parity(read_copy(pdir / name), run=run_dir.name, branch_id=int(self.writer.branch.id),
                                         step=int(m.group(1)), holder=self.rank)
                 except (RD.BlockError, OSError, ValueError) as e:
                     warnings.warn(f"dstt: the parity {pdir / name} is not used: {e}", NodeLossWarning, stacklevel=2)
@@ -112,21 +113,6 @@ class _Local:
                     plan = R._replay(seal, pool)  # (StaleSeal if a byte changed since its seal)
                     return stepimage.image(seal, plan, pool, ring.owner)
         raise RD.BlockError(f"rank {self.rank} no longer holds step {step}")
-
-
-def _private_subdirs(path: Path) -> list[Path]:
-    if not O.private(path):
-        return []
-    try:
-        return [path / n for n in sorted(os.listdir(path)) if RD._RUN_RE.fullmatch(n) and O.private(path / n)]
-    except OSError:
-        return []
-
-
-def _read(path: Path) -> bytes:
-    from dstt.capture.nodeloss import _read_copy
-
-    return _read_copy(path)
 
 
 def rebuilds(everyone: list[dict[str, Any] | None], world: int) -> list[tuple[str, int, int, list[int]]]:
@@ -214,7 +200,7 @@ def _contribute(local: _Local, box: Any, run: str, step: int, key: str) -> bool:
     bid = int(local.writer.branch.id)
     try:
         img = RD.frame(local.image(run, step), run=run, branch_id=bid, step=step, rank=local.rank)
-        par = _read(local.parity[(run, step)])
+        par = read_copy(local.parity[(run, step)])
     except (RD.BlockError, R.CorruptRing, OSError, KeyError, ValueError) as e:
         log.warning("dstt: rank %d cannot give its part of step %d: %s", local.rank, step, e)
         img = par = b""  # (refused by its frame on the other side: nothing is waited for in vain)

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dstt.capture import ranks, stepimage
+from dstt.capture import nodeloss, stepimage
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.capture.seals import SEAL_FORMAT, SEAL_VERSION, StaleSeal, encode_record, plan_of
@@ -290,28 +290,9 @@ def _map(path: Path) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-class _Delegated:
-    """The branch lock, held by rank 0's Capture while another rank records
-    a lost rank 0's part (rank 0 waits in the recovery's collective)."""
-
-    def check(self) -> None:
-        return None
-
-    def release(self) -> None:
-        return None
-
-
 def _record_as(writer: Any, rank: int, world: int, base: Path | None) -> list[int]:
     """Record, as rank ``rank``'s, the rebuilt rings of that rank under ``base``."""
-    if base is None:
-        return []
-    identity = ranks.ring_identity(str(writer.backend.url), writer.branch, rank, world)
-    from dstt.format.writeoptions import WriteOptions
-    from dstt.store.writer import Writer
-
-    with Writer(str(writer.backend.url), WriteOptions(branch=writer.branch.name),
-                lock=_Delegated() if rank == 0 else None, coordinator=ranks.FixedRank(rank, world)) as other:
-        return ranks.record_rings(other, identity, base=base)
+    return [] if base is None else nodeloss.record_as(writer, rank, world, base)
 
 
 __all__ = ["Pending", "derive_images", "finish", "stage"]
