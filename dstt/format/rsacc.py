@@ -324,8 +324,8 @@ def _agreed(frags: dict[int, Fragments], members: list[int]) -> tuple[list[int],
 
 
 def rebuild_lost(lost: list[int], images: dict[int, bytes], frags: dict[int, Fragments], members: list[int],
-                 m: int) -> dict[int, bytes]:
-    """The images of the ``lost`` ranks (at most ``m``) from every other
+                 m: int, only: int | None = None) -> dict[int, bytes]:
+    """The images of the ``lost`` ranks (at most ``m``; ``only``: just that one's) from every other
     member's image and fragments (by rank), each checked against the
     lengths and CRCs the fragments recorded; BlockError if anything is
     missing, disagrees, fails its CRC or cannot be decoded."""
@@ -344,7 +344,7 @@ def rebuild_lost(lost: list[int], images: dict[int, bytes], frags: dict[int, Fra
     gone = {members.index(x) for x in lost}
     decoded: dict[int, bytes] = {}
     out: dict[int, bytes] = {}
-    for x in lost:
+    for x in lost if only is None else [only]:
         li = members.index(x)
         pieces = []
         for c in stripes_of(li, g, m):
