@@ -54,3 +54,17 @@ def test_rs_lose_a_node_during_the_fragment_update(tmp_path: Path) -> None:
     committed = dstt.open(tmp_path / "run").steps()
     assert set(committed) - {0} == got - {0}
     check_bits(tmp_path, committed)
+
+
+def test_rs_a_corrupted_fragment_is_never_used(tmp_path: Path) -> None:
+    """Nodes 1 and 2 lost, and a bit of node 0's fragments of step 7
+    flipped where it keeps them: those fragments are refused (named in a
+    warning on node 0), step 7 is not rebuilt and is named; steps 5-6 are,
+    bit-exact."""
+    nodes, recovered = lose_nodes(tmp_path, "parity:2+2", [1, 2], n=4, corrupt=True)
+    assert recovered[0]["recovered"] == [5, 6], nodes.logs()
+    warned = recovered[0]["warnings"]
+    assert 7 in named_steps([w for w in warned if "were held" in w])  # type: ignore[union-attr]
+    assert any("is not used" in w and "CRC" in w for w in warned)  # type: ignore[union-attr]
+    check_bits(tmp_path, [0, 5, 6])
+    assert no_parity_left(nodes)
