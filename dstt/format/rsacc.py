@@ -308,19 +308,20 @@ def parse_fragments(data: bytes | memoryview | None, *, run: str, branch_id: int
     return Fragments(step, holder, list(members), m, list(lengths), list(crcs), words)
 
 
-def _agreed(frags: dict[int, Fragments], members: list[int]) -> tuple[list[int], list[int]]:
-    """Every member's image length and CRC, as every holder recorded them (BlockError if they disagree)."""
-    lengths: list[int] = []
-    crcs: list[int] = []
+def _agreed(frags: dict[int, Fragments], members: list[int]) -> dict[int, tuple[int, int]]:
+    """Each member's image length and CRC, as every holder that recorded it
+    did (BlockError if they disagree; a member none of ``frags`` records --
+    a lone survivor's own image, k = 1 -- is left out)."""
+    out: dict[int, tuple[int, int]] = {}
     for i in range(len(members)):
         seen = {(f.lengths[i], f.crcs[i]) for f in frags.values() if f.lengths[i] is not None}
-        if len(seen) != 1:
-            raise RD.BlockError(f"the parities disagree on rank {members[i]}'s image (or none records it)")
-        n, c = seen.pop()
-        assert n is not None and c is not None
-        lengths.append(n)
-        crcs.append(c)
-    return lengths, crcs
+        if len(seen) > 1:
+            raise RD.BlockError(f"the parities disagree on rank {members[i]}'s image")
+        if seen:
+            n, c = seen.pop()
+            assert n is not None and c is not None
+            out[i] = (n, c)
+    return out
 
 
 def rebuild_lost(lost: list[int], images: dict[int, bytes], frags: dict[int, Fragments], members: list[int],
@@ -337,10 +338,12 @@ def rebuild_lost(lost: list[int], images: dict[int, bytes], frags: dict[int, Fra
         raise RD.BlockError(f"ranks {lost}' images cannot be rebuilt: the group's images or parities are missing")
     if any(frags[h].members != members or frags[h].m != m for h in others):
         raise RD.BlockError(f"a parity of another group (not {members}, m={m})")
-    lengths, crcs = _agreed({h: frags[h] for h in others}, members)
+    recorded = _agreed({h: frags[h] for h in others}, members)
     for x in others:
-        if crc32c(images[x]) != crcs[members.index(x)]:
+        if members.index(x) in recorded and crc32c(images[x]) != recorded[members.index(x)][1]:
             raise RD.BlockError(f"rank {x}'s image is not the one the parities were made of (CRC-32C)")
+    if any(members.index(x) not in recorded for x in lost):
+        raise RD.BlockError(f"no surviving parity records the images of ranks {lost}")
     gone = {members.index(x) for x in lost}
     decoded: dict[int, bytes] = {}
     out: dict[int, bytes] = {}
@@ -351,9 +354,10 @@ def rebuild_lost(lost: list[int], images: dict[int, bytes], frags: dict[int, Fra
             if c not in decoded:
                 decoded[c] = _decode(c, gone, images, frags, members, m)
             size = len(decoded[c]) // k
-            pieces.append(decoded[c][data_of(c, g, m).index(li) * size:][:part(lengths[li], k)])
-        img = b"".join(pieces)[:lengths[li]]
-        if len(img) != lengths[li] or crc32c(img) != crcs[li]:
+            pieces.append(decoded[c][data_of(c, g, m).index(li) * size:][:part(recorded[li][0], k)])
+        length, crc = recorded[li]
+        img = b"".join(pieces)[:length]
+        if len(img) != length or crc32c(img) != crc:
             raise RD.BlockError(f"rank {x}'s rebuilt image fails its CRC-32C")
         out[x] = img
     return out

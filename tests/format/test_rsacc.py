@@ -49,7 +49,8 @@ def test_layout_every_member_data_of_k_codewords_holder_of_m() -> None:
                 assert i not in RS.holders(c, g, m) and len(RS.data_of(c, g, m)) == g - m
 
 
-@pytest.mark.parametrize(("members", "m"), [([0, 1, 2, 3], 2), ([3, 5, 9, 11, 12], 2), ([0, 1, 2, 3, 4, 5], 3)])
+@pytest.mark.parametrize(("members", "m"), [([0, 1, 2, 3], 2), ([3, 5, 9, 11, 12], 2), ([0, 1, 2, 3, 4, 5], 3),
+                                            ([0, 1, 2], 2)])  # (k = 1: parity:2+2 on 3 nodes, one survivor)
 def test_out_of_order_stripes_make_fragments_that_rebuild_any_m_lost(members: list[int], m: int) -> None:
     for seed in range(2):
         images = {s: _images(members, seed * 100 + s) for s in (5, 6)}
