@@ -83,6 +83,12 @@ def driver(k: int, m: int) -> Any:
     raise ConfigError(f"pyeclib has no Reed-Solomon backend for k={k}, m={m}: {'; '.join(errors)}"[:400])
 
 
+def code_name(k: int, m: int) -> str:
+    """The code the fragments are made with (the pyeclib backend's name): recorded with them, checked at recovery."""
+    ec_type = driver(k, m).ec_type
+    return str(getattr(ec_type, "name", ec_type))
+
+
 # ----------------------------------------------------------------------------- layout (indices into the group)
 
 
@@ -231,6 +237,7 @@ class RSAccumulator:
         return RD.frame(payload, run=self.run, branch_id=self.branch_id, step=step, rank=self.holder,
                         kind="fragment",
                         meta={"members": self.members, "m": self.m, "codewords": self.words,
+                              "code": code_name(self.k, self.m),
                               "lengths": [entry.lengths.get(i) for i in range(self.g)],
                               "crcs": [entry.crcs.get(i) for i in range(self.g)]})
 
@@ -268,6 +275,7 @@ class Fragments:
     holder: int
     members: list[int]
     m: int
+    code: str
     lengths: list[int | None]
     crcs: list[int | None]
     words: dict[int, Word]
@@ -290,7 +298,8 @@ def parse_fragments(data: bytes | memoryview | None, *, run: str, branch_id: int
         if (i == hi) != (n is None and c is None) or (i != hi and not (
                 type(n) is int and type(c) is int and 0 <= n <= MAX_IMAGE_BYTES and 0 <= c < 1 << 32)):
             raise bad
-    if head.meta.get("codewords") != held_by(hi, g, m):
+    code = head.meta.get("code")
+    if head.meta.get("codewords") != held_by(hi, g, m) or not isinstance(code, str):
         raise bad
     words, at, k = {}, 0, g - m
     for c in held_by(hi, g, m):
@@ -305,7 +314,7 @@ def parse_fragments(data: bytes | memoryview | None, *, run: str, branch_id: int
         at = end
     if at != len(payload):
         raise bad
-    return Fragments(step, holder, list(members), m, list(lengths), list(crcs), words)
+    return Fragments(step, holder, list(members), m, code[:64], list(lengths), list(crcs), words)
 
 
 def _agreed(frags: dict[int, Fragments], members: list[int]) -> dict[int, tuple[int, int]]:
@@ -338,6 +347,10 @@ def rebuild_lost(lost: list[int], images: dict[int, bytes], frags: dict[int, Fra
         raise RD.BlockError(f"ranks {lost}' images cannot be rebuilt: the group's images or parities are missing")
     if any(frags[h].members != members or frags[h].m != m for h in others):
         raise RD.BlockError(f"a parity of another group (not {members}, m={m})")
+    codes = {frags[h].code for h in others}
+    if codes != {code_name(k, m)}:
+        raise RD.BlockError(f"the fragments were coded with {sorted(codes)}; this pyeclib codes with "
+                            f"{code_name(k, m)}: not decoded")
     recorded = _agreed({h: frags[h] for h in others}, members)
     for x in others:
         if members.index(x) in recorded and crc32c(images[x]) != recorded[members.index(x)][1]:

@@ -8,6 +8,7 @@ rather than used. Skipped where pyeclib (the ``erasure`` extra) is absent."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import sys
@@ -130,6 +131,11 @@ def test_a_stale_or_torn_fragment_or_a_changed_survivor_is_refused() -> None:
         with pytest.raises(RD.BlockError):
             RS.parse_fragments(data, run=RUN, branch_id=BID, step=9, holder=(h + 1) % 4)  # another holder's
     frags = {h: RS.parse_fragments(d, run=RUN, branch_id=BID, step=9, holder=h) for h, d in raw.items()}
+    assert {f.code for f in frags.values()} == {RS.code_name(2, 2)}
+    other = {h: dataclasses.replace(f, code="liberasurecode_rs_vand" if f.code != "liberasurecode_rs_vand"
+                                    else "isa_l_rs_cauchy") for h, f in frags.items()}
+    with pytest.raises(RD.BlockError, match="coded with"):  # another backend's fragments: never decoded
+        RS.rebuild_lost([0, 1], {2: images[2], 3: images[3]}, other, members, m)
     changed = dict(images)
     changed[2] = bytes([images[2][0] ^ 1]) + images[2][1:] if images[2] else b"x"
     with pytest.raises(RD.BlockError, match="CRC"):
