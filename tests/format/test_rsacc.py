@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import random
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -151,12 +152,17 @@ def test_more_open_steps_than_the_bound_drop_the_oldest() -> None:
     assert sorted(acc.open) == list(range(4, 20))
 
 
-def test_missing_pyeclib_is_a_config_error_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_pyeclib_is_a_config_error_naming_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without pyeclib, ``redundancy="parity:2+2"`` is refused when the Capture is made, naming the extra."""
+    import dstt
+
     monkeypatch.setitem(sys.modules, "pyeclib.ec_iface", None)
     RS.driver.cache_clear()
     try:
         with pytest.raises(ConfigError, match=r"dstt\[erasure\]"):
             RS.driver(2, 2)
+        with pytest.raises(ConfigError, match=r"parity:2\+2.*dstt\[erasure\]"):
+            dstt.Capture(tmp_path / "c", memory_steps=2, redundancy="parity:2+2")
     finally:
         RS.driver.cache_clear()
 
