@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,23 @@ def _files(root: Path) -> dict[str, bytes]:
     return out
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Path:
-    """A store with steps 0..2 on main and a second branch."""
-    path = tmp_path / "run"
+@pytest.fixture(scope="module")
+def store_made_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store with steps 0..2 on main and a second branch, saved once per
+    module (four synced saves per case were most of this module's time)."""
+    path = tmp_path_factory.mktemp("arguments") / "run"
     for s in range(3):
         dstt.save(path, s, {"w": torch.full((4,), float(s))})
     dstt.save(path, 5, {"w": torch.zeros(4)}, branch="side", parent=("main", 1))
+    return path
+
+
+@pytest.fixture
+def store(store_made_once: Path, tmp_path: Path) -> Path:
+    """A copy of that store of this test's own: what a refused call might
+    change is compared with it, and no case sees another's changes."""
+    path = tmp_path / "run"
+    shutil.copytree(store_made_once, path, symlinks=True)
     return path
 
 
