@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,16 +126,16 @@ def _killpg(pid: int) -> None:
 def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait: bool = False,
                kill_recovery_after_s: float | None = None, corrupt: bool = False, stall: int | None = None,
                steps: int = 8, ddp: bool = False, chosen: list[object] | None = None, per: int = 1,
-               state: str = "fsdp") -> tuple[Nodes, list[dict[str, object]]]:
+               state: str = "fsdp", env: dict[str, str] | None = None) -> tuple[Nodes, list[dict[str, object]]]:
     """Train on ``n`` nodes x 1 rank until the held steps are protected
     (``nowait``: lose them at once, copies possibly under way), lose the
     nodes ``lost`` (the others' job dies with them: killed, their memory
     directories kept), restart with fresh nodes in their place
     (``kill_recovery_after_s``: that restart killed too, then another).
     ``ddp``/``state``: how the state is laid out (node_ranks.py); ``per``
-    ranks on each node."""
+    ranks on each node; ``env``: more environment for every phase."""
     nodes = Nodes(tmp_path, n, per)
-    state_env = {"NODE_RANKS_STATE": "ddp" if ddp else state}
+    state_env = {"NODE_RANKS_STATE": "ddp" if ddp else state, **(env or {})}
     try:
         env = {**state_env, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}),
                **({"NODE_RANKS_STALL": str(stall)} if stall is not None else {})}
@@ -220,12 +221,60 @@ def test_pair_two_nodes_lose_one_after_the_copy(tmp_path: Path) -> None:
     """The representative trial: ``pair``, node 1 lost (its processes and
     its memory) once its held steps are protected; the restarted job
     rebuilds rank 1's shards of steps 5-7 from node 0's copies and commits
-    them, bit-exact."""
-    nodes, recovered = lose_node_after_protection(tmp_path, "pair", lost=1)
+    them, bit-exact. The copies went point to point (capture/transport.py):
+    the c10d store the helpers meet at (DSTT_REDUNDANCY_STORE, watched
+    throughout) held their doorbells and control records, never a block."""
+    with StoreWatch() as watch:
+        nodes, recovered = lose_nodes(tmp_path, "pair", [1], env={"DSTT_REDUNDANCY_STORE": watch.addr})
     assert recovered[0]["recovered"] == [5, 6, 7], nodes.logs()
     assert recovered[0]["warnings"] == []
     check_bits(tmp_path, [0, 5, 6, 7])
     assert not any(nodes.shm(0).rglob("*.blk"))  # the copies consumed
+    assert watch.rang and not watch.blocks, (watch.blocks, nodes.logs())
+    assert watch.largest < 4096, watch.largest  # (a block is the ~4 MB image of a rank's shards)
+
+
+class StoreWatch:
+    """A c10d TCPStore served by the test, its keys and values looked at
+    every 10 ms: ``blocks``, the keys of blocks (the store mailbox's) seen;
+    ``rang``, whether a doorbell of the transport was; ``largest``, the
+    largest value seen under the helpers' prefix."""
+
+    def __init__(self) -> None:
+        from datetime import timedelta
+
+        from torch._C._distributed_c10d import TCPStore
+
+        self.server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+        self.addr = f"127.0.0.1:{self.server.port}"
+        self.blocks: set[str] = set()
+        self.rang, self.largest = False, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> StoreWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _watch(self) -> None:
+        from datetime import timedelta
+
+        self.server.set_timeout(timedelta(milliseconds=100))  # (a key taken meanwhile: not waited for)
+        while not self._stop.wait(0.01):
+            for key in self.server.list_keys():
+                if not key.startswith("dstt-redundancy/"):
+                    continue
+                self.rang = self.rang or "/p2p//bell/" in key
+                if re.search(r"//(blk|pst|img|par)/", key):
+                    self.blocks.add(key)
+                try:
+                    self.largest = max(self.largest, len(self.server.get(key)))
+                except RuntimeError:
+                    pass
 
 
 @pytest.mark.slow
