@@ -164,7 +164,9 @@ class Transport:
         self._threads[0].join(CLOSE_S)
         self._stop.set()
         self._threads[1].join(CLOSE_S)
-        # (a thread still inside a gloo wait ends with its timeout: it is a daemon, holding its tensors)
+        if not any(t.is_alive() for t in self._threads):
+            self._pg = None  # (freed now, not at the interpreter's exit)
+        # (a thread still inside a gloo wait ends with its timeout: it is a daemon, holding the group and its tensors)
 
     # ------------------------------------------------------------ the threads
 
@@ -258,6 +260,10 @@ class P2PBox:
 
     def check(self) -> None:
         self.wire.check()
+
+    @property
+    def failed(self) -> str | None:
+        return self.wire.failed
 
     def close(self, drain: bool = True) -> None:
         self.wire.close(drain)

@@ -237,8 +237,9 @@ def test_pair_two_nodes_lose_one_after_the_copy(tmp_path: Path) -> None:
 class StoreWatch:
     """A c10d TCPStore served by the test, its keys and values looked at
     every 10 ms: ``blocks``, the keys of blocks (the store mailbox's) seen;
-    ``rang``, whether a doorbell of the transport was; ``largest``, the
-    largest value seen under the helpers' prefix."""
+    ``rang``, the runs whose transport rang a doorbell (a recovery's:
+    ``recover-...``); ``largest``, the largest value seen under the
+    helpers' prefix."""
 
     def __init__(self) -> None:
         from datetime import timedelta
@@ -248,7 +249,8 @@ class StoreWatch:
         self.server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
         self.addr = f"127.0.0.1:{self.server.port}"
         self.blocks: set[str] = set()
-        self.rang, self.largest = False, 0
+        self.rang: set[str] = set()
+        self.largest = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -268,7 +270,8 @@ class StoreWatch:
             for key in self.server.list_keys():
                 if not key.startswith("dstt-redundancy/"):
                     continue
-                self.rang = self.rang or "/p2p//bell/" in key
+                if "/p2p//bell/" in key:
+                    self.rang.add(key.split("/")[1])
                 if re.search(r"//(blk|pst|img|par)/", key):
                     self.blocks.add(key)
                 try:
@@ -419,12 +422,17 @@ def no_parity_left(nodes: Nodes) -> bool:
 def test_parity_three_nodes_lose_a_data_node_after_the_parity(tmp_path: Path) -> None:
     """``parity:2`` over 3 nodes: node 1 lost once every held step's parity
     is complete; the restarted job rebuilds rank 1's images of steps 5-7 by
-    XOR from nodes 0 and 2 (their images and parities) and commits them, bit-exact."""
-    nodes, recovered = lose_nodes(tmp_path, "parity:2", [1], n=3)
+    XOR from nodes 0 and 2 (their images and parities) and commits them,
+    bit-exact. Stripes and the recovery's parts went point to point (the
+    replacement joined the recovery's group): the store never held one."""
+    with StoreWatch() as watch:
+        nodes, recovered = lose_nodes(tmp_path, "parity:2", [1], n=3, env={"DSTT_REDUNDANCY_STORE": watch.addr})
     assert recovered[0]["recovered"] == [5, 6, 7], nodes.logs()
     assert all(r["warnings"] == [] for r in recovered), recovered
     check_bits(tmp_path, [0, 5, 6, 7])
     assert no_parity_left(nodes)
+    assert not watch.blocks and watch.largest < 4096, (watch.blocks, watch.largest)
+    assert len(watch.rang) == 2 and any(r.startswith("recover-") for r in watch.rang), watch.rang
 
 
 @pytest.mark.slow
