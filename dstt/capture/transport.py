@@ -51,8 +51,9 @@ MAX_KEY_BYTES = HEADER_BYTES - _HEAD.size - _CRC.size
 MAX_BLOCK_BYTES = 64 << 30
 #: Bytes received and not yet taken, at most (more: the transport fails rather than grow).
 MAX_INBOX_BYTES = 64 << 30
-#: How often an idle receiver looks at its doorbell (seconds).
+#: How often a receiver looks at its doorbell after a block (seconds), and at most when idle.
 POLL_S = 0.005
+IDLE_POLL_S = 0.05
 #: How long close() waits for the queued sends and the threads (seconds).
 CLOSE_S = 5.0
 TAG_HEAD, TAG_BODY = 0x6473, 0x6474
@@ -113,7 +114,7 @@ class Transport:
         self._inbox: dict[str, bytes] = {}
         self._inbox_bytes = 0
         self._box_lock = threading.Lock()
-        self._out: queue.Queue[tuple[int, str, bytes] | None] = queue.Queue()
+        self._out: queue.Queue[tuple[int, bytes, bytes] | None] = queue.Queue()  # (to, header, payload)
         self._stop = threading.Event()
         self.failed: str | None = None
         self.bytes_sent = 0
@@ -139,8 +140,8 @@ class Transport:
         self.check()
         if not 0 <= dst < self.world or dst == self.rank:
             raise ValueError(f"rank {self.rank} cannot send to rank {dst} of {self.world}")
-        pack_header(key, data, self.rank)  # (refused here, not on the thread)
-        self._out.put((dst, key, data if isinstance(data, bytes) else bytes(data)))
+        head = pack_header(key, data, self.rank)  # (refused here, not on the thread)
+        self._out.put((dst, head, data if isinstance(data, bytes) else bytes(data)))
 
     def take(self, key: str) -> bytes | None:
         """The block received under ``key`` (taken out), None if not (yet)."""
@@ -183,13 +184,12 @@ class Transport:
 
         while not self._stop.is_set():
             item = self._out.get()
-            if item is None:
+            if item is None or self._stop.is_set():
                 return
-            dst, key, data = item
-            head = torch.frombuffer(bytearray(pack_header(key, data, self.rank)), dtype=torch.uint8)
+            dst, head, data = item
             with self._lock:
                 self._store.add(f"bell/{dst}", 1)  # (the holder posts its receive: one block is due)
-            works = [self._pg.send([head], dst, TAG_HEAD)]
+            works = [self._pg.send([torch.frombuffer(bytearray(head), dtype=torch.uint8)], dst, TAG_HEAD)]
             if data:
                 works.append(self._pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], dst, TAG_BODY))
             for w in works:
@@ -197,13 +197,15 @@ class Transport:
             self.bytes_sent += len(data)
 
     def _recv_loop(self) -> None:
-        got = 0
+        got, idle = 0, POLL_S
         while not self._stop.is_set():
             with self._lock:
                 due = int(self._store.add(f"bell/{self.rank}", 0))
             if due <= got:
-                self._stop.wait(POLL_S)
+                self._stop.wait(idle)
+                idle = min(idle * 2, IDLE_POLL_S)  # (an idle holder asks the store less often)
                 continue
+            idle = POLL_S
             while got < due and not self._stop.is_set():
                 self._receive_one()
                 got += 1

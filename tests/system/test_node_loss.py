@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -234,6 +235,15 @@ def test_pair_two_nodes_lose_one_after_the_copy(tmp_path: Path) -> None:
     assert watch.largest < 4096, watch.largest  # (a block is the ~4 MB image of a rank's shards)
 
 
+def _value(server: Any, key: str) -> bytes:
+    """``key``'s value, b"" if it was taken meanwhile -- never waited for (a
+    compare-and-set against a value no key holds changes nothing and
+    answers the value, or that value back where the key is gone)."""
+    absent = b"\0dstt: no such value\0"
+    value = bytes(server.compare_set(key, absent, b"-"))
+    return b"" if value == absent else value
+
+
 class StoreWatch:
     """A c10d TCPStore served by the test, its keys and values looked at
     every 10 ms: ``blocks``, the keys of blocks (the store mailbox's) seen;
@@ -263,9 +273,6 @@ class StoreWatch:
         self._thread.join(10)
 
     def _watch(self) -> None:
-        from datetime import timedelta
-
-        self.server.set_timeout(timedelta(milliseconds=100))  # (a key taken meanwhile: not waited for)
         while not self._stop.wait(0.01):
             for key in self.server.list_keys():
                 if not key.startswith("dstt-redundancy/"):
@@ -274,10 +281,7 @@ class StoreWatch:
                     self.rang.add(key.split("/")[1])
                 if re.search(r"//(blk|pst|img|par)/", key):
                     self.blocks.add(key)
-                try:
-                    self.largest = max(self.largest, len(self.server.get(key)))
-                except RuntimeError:
-                    pass
+                self.largest = max(self.largest, len(_value(self.server, key)))
 
 
 @pytest.mark.slow
