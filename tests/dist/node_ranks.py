@@ -152,6 +152,9 @@ def train(out: Path, scheme: str, steps: int) -> None:
 
 
 def recover(out: Path, scheme: str) -> None:
+    """(NODE_RANKS_RESTORE=1: the newest recovered step is then restored
+    -- ``cap.restore`` and ``cap.rewind`` -- with the store's chunk data
+    moved away: :func:`restore_unread`.)"""
     rank = dist.get_rank()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -160,10 +163,73 @@ def recover(out: Path, scheme: str) -> None:
     if cap.parts.helper is not None:
         (out / f"pid-helper-{cap.parts.helper.pid}").touch()
     recovered = list(getattr(cap, "recovered", []) or [])
+    restored = restore_unread(out, cap, max(recovered)) if os.environ.get("NODE_RANKS_RESTORE") and recovered else {}
     cap.close()
     write(out / f"recovered{rank}.json", {
-        "recovered": recovered, "warnings": [str(w.message) for w in seen if "NodeLoss" in type(w.message).__name__]})
+        "recovered": recovered, "warnings": [str(w.message) for w in seen if "NodeLoss" in type(w.message).__name__],
+        "restored": restored})
     dist.barrier()
+
+
+#: The store's chunk data (the rest is its metadata: steps, indexes, branches).
+CHUNK_DIRS = ("tensors", "packs")
+
+
+def restore_unread(out: Path, cap: Any, step: int) -> dict[str, Any]:
+    """Restore ``step`` into a fresh model and optimizer through
+    ``cap.restore`` and then ``cap.rewind``, with the store's chunk data
+    moved away meanwhile (rank 0; a read of any chunk fails): for each,
+    whether every tensor is bit-exact against the unsharded reference
+    (or the error), and how long it took."""
+    expected = torch.load(out / "expected.pt")[step]
+    hidden = out / "hidden"
+    if dist.get_rank() == 0:
+        hidden.mkdir()
+        for name in CHUNK_DIRS:
+            if (out / "run" / name).exists():
+                (out / "run" / name).rename(hidden / name)
+    dist.barrier()
+    result: dict[str, Any] = {"step": step}
+    try:
+        for how in ("restore", "rewind"):
+            wrapped = build_state()
+            model = getattr(wrapped, "module", wrapped)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            t0 = time.perf_counter()
+            try:
+                getattr(cap, how)(step, model=model, optimizer=opt, rng=False)
+            except Exception as e:  # noqa: BLE001 - the test reads it (on every rank alike: collective reads)
+                result[how] = f"{type(e).__name__}: {e}"
+                continue
+            took = time.perf_counter() - t0
+            got = full(dstt.state_of(model=model, optimizer=opt, rng=False))
+            result[how] = same_bits(expected, got)
+            result[f"{how}_s"] = took
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            for name in CHUNK_DIRS:
+                if (hidden / name).exists():
+                    (hidden / name).rename(out / "run" / name)
+            hidden.rmdir()
+    return result
+
+
+def same_bits(expected: Any, got: Any) -> bool | str:
+    """True if every tensor of ``expected`` is in ``got`` with the same dtype, shape and bits; else where not."""
+    if isinstance(expected, dict):
+        for k, v in expected.items():
+            if not isinstance(got, dict) or k not in got:
+                return f"{k} missing"
+            inner = same_bits(v, got[k])
+            if inner is not True:
+                return f"{k}/{inner}"
+        return True
+    if isinstance(expected, torch.Tensor):
+        ok = (isinstance(got, torch.Tensor) and got.dtype == expected.dtype and got.shape == expected.shape
+              and torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)))
+        return True if ok else "differs"
+    return True if expected == got else f"{expected!r} != {got!r}"
 
 
 def main(out: Path, phase: str, scheme: str, steps: int) -> None:

@@ -125,14 +125,15 @@ def _killpg(pid: int) -> None:
 def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait: bool = False,
                kill_recovery_after_s: float | None = None, corrupt: bool = False, stall: int | None = None,
                steps: int = 8, ddp: bool = False, chosen: list[object] | None = None, per: int = 1,
-               state: str = "fsdp") -> tuple[Nodes, list[dict[str, object]]]:
+               state: str = "fsdp", restore: bool = False) -> tuple[Nodes, list[dict[str, object]]]:
     """Train on ``n`` nodes x 1 rank until the held steps are protected
     (``nowait``: lose them at once, copies possibly under way), lose the
     nodes ``lost`` (the others' job dies with them: killed, their memory
     directories kept), restart with fresh nodes in their place
     (``kill_recovery_after_s``: that restart killed too, then another).
     ``ddp``/``state``: how the state is laid out (node_ranks.py); ``per``
-    ranks on each node."""
+    ranks on each node; ``restore``: the restarted job restores the newest
+    recovered step with the store's chunk data moved away (node_ranks.py)."""
     nodes = Nodes(tmp_path, n, per)
     state_env = {"NODE_RANKS_STATE": "ddp" if ddp else state}
     try:
@@ -163,7 +164,7 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
             nodes.start("recover", scheme, **state_env)
             time.sleep(kill_recovery_after_s)
             nodes.kill_all()  # (its helpers are stopped by their trainers' death, or finish alone)
-        nodes.start("recover", scheme, **state_env)
+        nodes.start("recover", scheme, **state_env, **({"NODE_RANKS_RESTORE": "1"} if restore else {}))
         recovered = nodes.wait_files("recovered{}.json")
         nodes.wait_all()
     finally:
@@ -226,6 +227,34 @@ def test_pair_two_nodes_lose_one_after_the_copy(tmp_path: Path) -> None:
     assert recovered[0]["warnings"] == []
     check_bits(tmp_path, [0, 5, 6, 7])
     assert not any(nodes.shm(0).rglob("*.blk"))  # the copies consumed
+
+
+def assert_restored_unread(recovered: list[dict[str, object]], step: int, nodes: Nodes) -> None:
+    """Every rank restored ``step`` through ``cap.restore`` and ``cap.rewind``
+    with the store's chunk data moved away, bit-exact (node_ranks.restore_unread)."""
+    for r in recovered:
+        got = r["restored"]
+        assert isinstance(got, dict) and got["step"] == step, (got, nodes.logs())
+        assert got["restore"] is True and got["rewind"] is True, (got, nodes.logs())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,lost,ddp", [("pair", 1, False), ("pair", 0, False), ("replicas", 1, True)],
+                         ids=["pair-lose-1", "pair-lose-0", "replicas-ddp"])
+def test_restore_from_rebuilt_memory_without_reading_the_store(tmp_path: Path, scheme: str, lost: int,
+                                                               ddp: bool) -> None:
+    """The restarted job restores the newest rebuilt step (7) -- the lost
+    rank's part from the rebuilt ring, the survivor's from its own, every
+    chunk CRC-checked -- through ``cap.restore`` and ``cap.rewind`` while
+    the store's chunk data is moved away: no chunk is read from the store,
+    and every tensor is bit-exact against the unsharded reference. The
+    steps are committed all the same."""
+    nodes, recovered = lose_nodes(tmp_path, scheme, [lost], ddp=ddp, restore=True)
+    got = recovered[0]["recovered"]
+    assert isinstance(got, list) and {5, 6, 7} <= set(got), nodes.logs()
+    assert_restored_unread(recovered, 7, nodes)
+    check_bits(tmp_path, [0, *sorted(got)])
+    assert dstt.open(tmp_path / "run").branch_info("main-rewind-7").parent == dstt.StepRef("main", 7)
 
 
 @pytest.mark.slow
