@@ -34,6 +34,7 @@ class ReplicaGuard(PeerGuard):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._judged: dict[int, str | None] = {}  # step -> why it does not count (None: it counts)
+        self._said: str | None = None
 
     def _place(self) -> bool:
         nodes = self._learn_nodes()
@@ -60,9 +61,10 @@ class ReplicaGuard(PeerGuard):
             return "not held"
         plan, record = entry
         why = unprotected(plan.layouts, record["tasks"]["static"], self.rank, self.nodes)
-        if why is not None:
+        if why is not None and why != self._said:  # (said once while the reason stays the same)
             log.warning("dstt helper (rank %d): step %d is not protected by its replicas: %s", self.rank, step,
                         why)
+        self._said = why
         return why
 
 
