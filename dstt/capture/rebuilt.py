@@ -75,7 +75,7 @@ def keeping() -> Iterator[Kept]:
 
 def keep(rank: int, plan: StepPlan) -> None:
     """Rank ``rank``'s part of a step, recorded from a ring (its CRCs checked): kept if collecting."""
-    kept = _KEEPING.get()
+    kept = _KEEPING.get(None)  # (a context variable: never blocks)
     if kept is not None:
         kept.add(rank, plan)
 
