@@ -17,10 +17,12 @@ schemes of ``--schemes`` one after the other in the same job:
   to m holders: m images);
 * node 1 (``--lose N``: nodes 1..N) is then lost while the last scheme's capture runs (SIGKILL of its
   processes, its memory directory removed) and the job restarted: time
-  from the restart to the restored state (the Capture's recovery
-  rebuilding and committing node 1's shards, then reading the newest step)
-  vs restoring from the store alone (the newest stored step: ``--steps`` -
-  1 steps older). Put the scheme whose recovery to time last.
+  from the restart to the restored state -- the Capture's recovery
+  (rebuilding and committing node 1's shards), then the newest rebuilt
+  step restored into the live model and optimizer from the rebuilt memory
+  (``cap.restore``, no chunk read from the store) -- vs the same recovery
+  followed by restoring that step from the store (``dstt.restore``). Put
+  the scheme whose recovery to time last.
 
 ``--transports p2p,store`` (the default): each scheme other than ``none``
 runs once over each transport of its blocks -- ``p2p``, point to point
@@ -191,28 +193,45 @@ def worker_train(out: Path, mb: int, steps: int, schemes: list[str]) -> None:
     time.sleep(3600)
 
 
-def worker_recover(out: Path, steps: int, scheme: str) -> None:
+def worker_recover(out: Path, mb: int, scheme: str) -> None:
+    """The restarted job: its Capture's recovery (rebuilding and committing
+    node 1's shards), then the newest rebuilt step restored into a fresh
+    model and optimizer from the rebuilt memory (``cap.restore``: no chunk
+    read from the store), then the same step again from the store
+    (``dstt.restore``), each timed on every rank between barriers."""
+    import torch
     import torch.distributed as dist
 
     import dstt
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    wrapped = _model(mb)
+    model = getattr(wrapped, "module", wrapped)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    dist.barrier()
     t = time.perf_counter()
     label, (scheme, _, how) = scheme, scheme.partition("/")
     os.environ["DSTT_REDUNDANCY_TRANSPORT"] = how or "p2p"
     cap = dstt.Capture(_store(out, label), memory_steps=3, persist=1000, redundancy=scheme)
     recovered = list(cap.recovered or [])
-    cap.close()
     dist.barrier()
-    res: dict[str, Any] = {"recovered": recovered}
-    if rank == 0:
-        run = dstt.open(_store(out, label))
-        run.state_dict(max(run.steps()))
-        res["loss_to_restored_s"] = time.perf_counter() - t
+    res: dict[str, Any] = {"recovered": recovered, "recovery_s": time.perf_counter() - t}
+    if recovered:
+        step = max(recovered)
         t = time.perf_counter()
-        dstt.open(out / "run-none").state_dict(0)
+        cap.restore(step, model=model, optimizer=opt, rng=False)
+        dist.barrier()
+        res["memory_restore_s"] = time.perf_counter() - t  # (the first restore: the optimizer's state made)
+        t = time.perf_counter()
+        dstt.restore(f"{_store(out, label)}:{step}", model=model, optimizer=opt, rng=False)
+        dist.barrier()
         res["store_restore_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        cap.restore(step, model=model, optimizer=opt, rng=False)  # (again, as warm as the store's)
+        dist.barrier()
+        res["memory_restore_warm_s"] = time.perf_counter() - t
+    cap.close()
     (out / f"recover{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
@@ -345,7 +364,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "store_peak_block_mb": {s: watch.peak.get(train[0][f"{s}_run"], 0) / 1e6 for s in schemes},
         "last_protected_after_s": {s: max(r[f"{s}_protect_s"] for r in train) for s in schemes},
         "lost_scheme": schemes[-1], "lost_nodes": list(range(1, 1 + args.lose)), "recovered_steps": rec[0]["recovered"],
-        "loss_to_restored_s": rec[0]["loss_to_restored_s"], "store_restore_s": rec[0]["store_restore_s"],
+        "recovery_s": rec[0]["recovery_s"],
+        "memory_restore_s": rec[0].get("memory_restore_s"), "store_restore_s": rec[0].get("store_restore_s"),
+        "memory_restore_warm_s": rec[0].get("memory_restore_warm_s"),
+        "loss_to_restored_s": rec[0]["recovery_s"] + rec[0].get("memory_restore_s", float("nan")),
+        "loss_to_restored_via_store_s": rec[0]["recovery_s"] + rec[0].get("store_restore_s", float("nan")),
     }
 
 
@@ -381,7 +404,7 @@ def main() -> None:
         worker_train(args.out, args.mb, args.steps, schemes)
         return
     if args.worker == "recover":
-        worker_recover(args.out, args.steps, schemes[-1])
+        worker_recover(args.out, args.mb, schemes[-1])
         return
     if schemes[0] != "none" or len(schemes) < 2 or args.nodes < 2 or not 1 <= args.lose < args.nodes:
         ap.error("--schemes must start with 'none' and name another; --nodes at least 2; 1 <= --lose < --nodes")
@@ -397,9 +420,13 @@ def main() -> None:
               f"rank {res['sent_per_step_per_rank_mb'][s]:.2f} MB, held by the job's store at most "
               f"{res['store_peak_block_mb'][s]:.1f} MB, last 3 steps protected {res['last_protected_after_s'][s]:.2f} s "
               f"after the last snapshot")
-    print(f"nodes {res['lost_nodes']} lost under {res['lost_scheme']}: steps {res['recovered_steps']} rebuilt; restart to restored "
-          f"state {res['loss_to_restored_s']:.2f} s vs restore from the store {res['store_restore_s']:.2f} s "
-          f"(step 0: {res['steps'] - 1} steps older)")
+    print(f"nodes {res['lost_nodes']} lost under {res['lost_scheme']}: steps {res['recovered_steps']} rebuilt; "
+          f"restart to restored "
+          f"state {res['loss_to_restored_s']:.2f} s (recovery {res['recovery_s']:.2f} s + the newest step restored "
+          f"from the rebuilt memory {res['memory_restore_s'] or float('nan'):.3f} s) vs "
+          f"{res['loss_to_restored_via_store_s']:.2f} s restoring it from the store "
+          f"({res['store_restore_s'] or float('nan'):.3f} s; from memory again, as warm: "
+          f"{res['memory_restore_warm_s'] or float('nan'):.3f} s)")
 
 
 if __name__ == "__main__":

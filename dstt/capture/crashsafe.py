@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dstt.capture import nodeloss, parityrecover, policy, ranks, replicaguard, rsrecover
+from dstt.capture import nodeloss, parityrecover, policy, ranks, rebuilt, replicaguard, rsrecover
 from dstt.capture.committers import HAND_OVER_LOCK
 from dstt.capture.config import write_options
 from dstt.capture.current import Current
@@ -129,6 +129,8 @@ class CrashSafe:
         #: The stager hands sealed steps to the helper (False from the first step it cannot take on).
         self.hand_over = True
         self._seal_trouble: str | None = None  # why the latest step was not sealed (logged when it changes)
+        #: The newest step the recovery committed, as the rings held it (until the first snapshot).
+        self.rebuilt: rebuilt.Kept | None = None
         self.ring: Ring | None = self._open_ring()  # before any thread: recovery commits on this thread
 
     @property
@@ -280,7 +282,10 @@ class CrashSafe:
                 _not_staging_in_shm(problem)
             return None
         if coord.distributed:
-            return self._open_rank_ring()
+            with rebuilt.keeping() as kept:  # (every rank's part of the newest step recovered: rebuilt.py)
+                rank_ring = self._open_rank_ring()
+            self.rebuilt = kept.newest(self.recovered) if self.recovered else None  # (alike on every rank)
+            return rank_ring
         info = self.current.writer.branch
         identity = {"store": str(self.current.writer.backend.url), "branch": info.name, "branch_id": info.id,
                     "branch_created": info.created}

@@ -183,6 +183,7 @@ class Capture:
         self._check_open()
         validate_step(step)  # before `every`: a bad step is refused, never silently skipped
         self.rewinder.check_step(step)  # (rewind.py: the step after a rewind follows it)
+        self.crashsafe.rebuilt = None  # (a restore from rebuilt memory comes before the first step: rebuilt.py)
         if not policy.is_due(step, self.config.every):
             self.raise_pending()
             return False
@@ -310,6 +311,7 @@ class Capture:
         if self.drain.closed:
             return
         LIVE.discard(self)
+        self.crashsafe.rebuilt = None
         self.drain.close()
 
     @property
@@ -407,6 +409,31 @@ class Capture:
         self._check_open()
         return self.rewinder.rewind(step, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
                                     branch=branch, strict=strict, check_steps=check_steps)
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        rng: bool = True,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Restore ``step`` (default: the branch's newest committed step)
+        into the live objects, as :func:`dstt.restore` does, and go on
+        capturing on this branch (the next ``snapshot()`` follows it);
+        returns the step's ``extra``.
+
+        A restarted job after the loss of a node (issue 26): the newest step
+        its recovery rebuilt and committed is restored from the parts the
+        recovery holds in memory (every rank's, CRC-checked; no chunk read
+        from the store), until the first ``snapshot()``; any other step, or
+        one whose parts are not all held, from the store. Under
+        torch.distributed every rank calls it with the same ``step``."""
+        self._check_open()
+        return self.rewinder.restore(step, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
+                                     strict=strict)
 
     def choose_committer(self) -> Committer:
         """The committer of this Capture's mode, chosen again (a rewind's

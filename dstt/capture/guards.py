@@ -1,6 +1,7 @@
 """The peer-redundancy guard of a capture helper (issue 26): the one
-``redundancy=`` asks for -- ``pair`` (capture/peerguard.py) or
+``redundancy=`` asks for -- ``pair`` (capture/peerguard.py),
 ``parity:k`` (capture/paritygroup.py), ``parity:k+m`` (capture/rsgroup.py)
+or ``replicas`` (capture/replicawatch.py)
 -- or None."""
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ def start(tier_args: dict[str, Any], records: Any, writer: Any, ops: Any) -> pee
         from dstt.capture.rsgroup import RSGuard
 
         return peerguard.start(tier_args, records, writer, ops, kind=RSGuard if scheme.m > 1 else ParityGuard)
+    if text == "replicas":  # (nothing sent: the protection its seals give, published)
+        from dstt.capture.replicawatch import ReplicaGuard
+
+        return peerguard.start(tier_args, records, writer, ops, kind=ReplicaGuard)
     return peerguard.start(tier_args, records, writer, ops)
 
 

@@ -34,9 +34,9 @@ def make_committer(cap: Any) -> Committer:
     if cfg.memory_steps is not None:
         tier = {"k": cfg.memory_steps, "policy": cfg.persist_policy, "watch": cfg.watch_nonfinite,
                 "run": cap.crashsafe.run_id or uuid.uuid4().hex,
-                # ("replicas" needs nothing of the helpers: the trainer stages, recovery rebuilds;
-                # "auto" tells them "pair" if it chooses it)
-                "redundancy": "none" if cfg.redundancy in ("replicas", "auto") else cfg.redundancy}
+                # ("replicas": the trainer stages, the helpers only publish what is protected;
+                # "auto" tells them what it chooses)
+                "redundancy": "none" if cfg.redundancy == "auto" else cfg.redundancy}
         if cfg.redundancy != "none" and not cap.plan_coord.distributed:
             raise ConfigError(f"redundancy={cfg.redundancy!r} copies steps between the nodes of a "
                               "torch.distributed job; this Capture runs alone")

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dstt import knobs
+from dstt.capture import rebuilt
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.capture.sealcheck import check_record
@@ -338,6 +339,7 @@ def _record_ring(writer: Writer, identity: dict[str, Any], ring: R.Abandoned, do
                 continue
             plan.seq, plan.slot = seq, L.slot_for(writer.branch.id, seq)
             record_plan(writer, plan, run, world, plan_doc(seal) if rank == 0 else None)
+            rebuilt.keep(rank, plan)  # (a restore from memory: rebuilt.py)
             done.append(step)
     finally:
         maps.clear()

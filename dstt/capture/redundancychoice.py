@@ -49,9 +49,9 @@ class AutoRedundancy:
         cap.redundancy_chosen = self.chosen
         if alone:
             cap.writer._layout_cache.pop(HOLD_REPLICAS, None)
-            helper = cap.crashsafe.helper
-            if helper is not None:
-                helper.send_command("redundancy pair", plan.step)
+        helper = cap.crashsafe.helper
+        if helper is not None:
+            helper.send_command(f"redundancy {self.chosen}", plan.step)
         why = (f"{alone[0]!r}{' and others' if len(alone) > 1 else ''} held on one node only" if alone
                else "every tensor has a replica on another node")
         log.info("dstt: redundancy='auto' chose %r at step %d (%d nodes: %s)", self.chosen, plan.step,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture import rebuilt
 from dstt.capture.config import write_options
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError, StepOrderError
@@ -117,12 +118,18 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None, more: Pa
     chunks: Parts = {k: list(v) for k, v in (more or {}).items()}
     for t, view in job.ring.views:
         chunks.setdefault(t.layout.name, []).append((t.offset, t.shape, view))
-    layouts = {l.name: l for l in job.plan.layouts}
+    return parts_reader(job.plan.step, job.plan.layouts, chunks, reuse)
+
+
+def parts_reader(step: int, layouts_of: Any, chunks: Parts, reuse: dict[str, torch.Tensor] | None = None) -> Any:
+    """Reads the tensors of ``step`` (its ``layouts_of``) out of ``chunks``
+    (views the caller keeps alive while it reads): see :func:`ring_reader`."""
+    layouts = {l.name: l for l in layouts_of}
 
     def read(name: str, box: tuple[slice, ...] | None) -> torch.Tensor:
         parts = chunks.get(name)
         if not parts or name not in layouts:
-            raise StepNotFoundError(f"tensor {name!r} of step {job.plan.step} is not in the memory tier")
+            raise StepNotFoundError(f"tensor {name!r} of step {step} is not in the memory tier")
         layout = layouts[name]
         if len(parts) == 1 and tuple(parts[0][2].shape) == tuple(layout.shape):
             view = parts[0][2]
@@ -205,7 +212,7 @@ class Rewinder:
                 read = ring_reader(job, live_optimizer_state(optimizer, model), more)
                 where, parent = f"step {step} in the memory tier", StepRef(cur.branch.name, step)
             else:
-                rec, read, where, parent = self._stored_step(step)
+                rec, read, where, parent = self._rebuilt_step(step, optimizer, model) or self._stored_step(step)
             # A rewind is an incident (the tier's steps are stored on the old
             # branch) -- once the step is known to fit the live objects.
             extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
@@ -220,6 +227,25 @@ class Rewinder:
         log.warning("dstt: rewound to step %d of branch %r; capturing continues on branch %r", step,
                     parent.branch, name)
         return extra
+
+    def restore(self, step: int | None, *, model: Any, optimizer: Any, scheduler: Any, rng: bool,
+                strict: bool) -> dict[str, Any]:
+        """:meth:`Capture.restore <dstt.capture.engine.Capture.restore>` (see its docstring), the Capture open."""
+        cur = self.cap.writer
+        if step is None:
+            if cur.last_step is None:
+                raise StepNotFoundError(f"restore: branch {cur.branch.name!r} has no committed step; nothing was "
+                                        "changed")
+            step = cur.last_step
+        validate_step(step)
+        check_objects(model, optimizer, scheduler, restoring=True)
+        A.flag("rng", rng)
+        A.flag("strict", strict)
+        self.cap.raise_pending()
+        found = self._rebuilt_step(step, optimizer, model) or self._stored_step(step)
+        rec, read, where, _ = found
+        return apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
+                          strict=strict)
 
     def check_step(self, step: int) -> None:
         """The first snapshot() after a rewind to step k must be of k + 1
@@ -251,6 +277,22 @@ class Rewinder:
                                     f"on a new branch forked at the step, so the store keeps both ({hint})")
         if branch in list_branches(cur.backend):
             raise BranchExistsError(f"rewind: branch {branch!r} already exists ({hint})")
+
+    def _rebuilt_step(self, step: int, optimizer: Any, model: Any) -> tuple[Any, Any, str, StepRef] | None:
+        """(record, reader, description, fork point) of ``step`` from the
+        parts of it a distributed recovery rebuilt and kept in memory
+        (rebuilt.py: collective, CRC-checked; no store read); None (on every
+        rank) where they do not hold all of it."""
+        kept = self.cap.crashsafe.rebuilt
+        if kept is None or not self.cap.plan_coord.distributed:
+            return None
+        got = rebuilt.gather(kept, step, self.cap.plan_coord)
+        if got is None:
+            return None
+        cur = self.cap.writer
+        rec = RingRecord(step, cur.branch.name, got.tree, {l.name: l for l in got.layouts})
+        read = parts_reader(step, got.layouts, got.parts, live_optimizer_state(optimizer, model))
+        return rec, read, f"step {step} rebuilt in memory after a node loss", StepRef(cur.branch.name, step)
 
     def _stored_step(self, step: int) -> tuple[Any, Any, str, StepRef]:
         """(record, reader, description, fork point) of ``step`` in the store,

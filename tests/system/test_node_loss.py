@@ -127,23 +127,30 @@ def _killpg(pid: int) -> None:
 def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait: bool = False,
                kill_recovery_after_s: float | None = None, corrupt: bool = False, stall: int | None = None,
                steps: int = 8, ddp: bool = False, chosen: list[object] | None = None, per: int = 1,
-               state: str = "fsdp", env: dict[str, str] | None = None) -> tuple[Nodes, list[dict[str, object]]]:
+               state: str = "fsdp", restore: bool = False, seen: list[dict[str, object]] | None = None,
+               ls: bool = False, env: dict[str, str] | None = None) -> tuple[Nodes, list[dict[str, object]]]:
     """Train on ``n`` nodes x 1 rank until the held steps are protected
     (``nowait``: lose them at once, copies possibly under way), lose the
     nodes ``lost`` (the others' job dies with them: killed, their memory
     directories kept), restart with fresh nodes in their place
     (``kill_recovery_after_s``: that restart killed too, then another).
     ``ddp``/``state``: how the state is laid out (node_ranks.py); ``per``
-    ranks on each node; ``env``: more environment for every phase."""
+    ranks on each node; ``restore``: the restarted job restores the newest
+    recovered step with the store's chunk data moved away (node_ranks.py);
+    ``seen``: gets each rank's info of the training phase (``ls``: with what
+    ``dstt ls`` said of the branch once the held steps were protected);
+    ``env``: more environment for every phase."""
     nodes = Nodes(tmp_path, n, per)
     state_env = {"NODE_RANKS_STATE": "ddp" if ddp else state, **(env or {})}
     try:
-        env = {**state_env, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}),
+        env = {**state_env, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}), **({"NODE_RANKS_LS": "1"} if ls else {}),
                **({"NODE_RANKS_STALL": str(stall)} if stall is not None else {})}
         nodes.start("train", scheme, steps, **env)
         infos = nodes.wait_files("rank{}.json")
         if chosen is not None:
             chosen.extend(i.get("chosen") for i in infos)
+        if seen is not None:
+            seen.extend(infos)
         if stall is not None:  # rank 1 stopped sealing the step, the others sealed it
             nodes.wait_files("stalled.json")
         for node in lost:
@@ -165,7 +172,7 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
             nodes.start("recover", scheme, **state_env)
             time.sleep(kill_recovery_after_s)
             nodes.kill_all()  # (its helpers are stopped by their trainers' death, or finish alone)
-        nodes.start("recover", scheme, **state_env)
+        nodes.start("recover", scheme, **state_env, **({"NODE_RANKS_RESTORE": "1"} if restore else {}))
         recovered = nodes.wait_files("recovered{}.json")
         nodes.wait_all()
     finally:
@@ -284,6 +291,43 @@ class StoreWatch:
                 self.largest = max(self.largest, len(_value(self.server, key)))
 
 
+def assert_protected_while_training(seen: list[dict[str, object]], scheme: str, nodes: Nodes) -> None:
+    """Steps 5-7 were protected on every rank while training, and ``dstt ls`` said so."""
+    for info in seen:
+        assert {5, 6, 7} <= set(info["protected"]), (info, nodes.logs())  # type: ignore[call-overload]
+    ls = str(seen[0].get("ls"))
+    assert f"protected against a node's loss ({scheme}): " in " ".join(ls.split()), ls
+
+
+def assert_restored_unread(recovered: list[dict[str, object]], step: int, nodes: Nodes) -> None:
+    """Every rank restored ``step`` through ``cap.restore`` and ``cap.rewind``
+    with the store's chunk data moved away, bit-exact (node_ranks.restore_unread)."""
+    for r in recovered:
+        got = r["restored"]
+        assert isinstance(got, dict) and got["step"] == step, (got, nodes.logs())
+        assert got["restore"] is True and got["rewind"] is True, (got, nodes.logs())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,lost,ddp,n", [("pair", 1, False, 2), ("pair", 0, False, 2), ("replicas", 1, True, 2),
+                                               ("parity:2", 1, False, 3)],
+                         ids=["pair-lose-1", "pair-lose-0", "replicas-ddp", "parity"])
+def test_restore_from_rebuilt_memory_without_reading_the_store(tmp_path: Path, scheme: str, lost: int,
+                                                               ddp: bool, n: int) -> None:
+    """The restarted job restores the newest rebuilt step (7) -- the lost
+    rank's part from the rebuilt ring, the survivor's from its own, every
+    chunk CRC-checked -- through ``cap.restore`` and ``cap.rewind`` while
+    the store's chunk data is moved away: no chunk is read from the store,
+    and every tensor is bit-exact against the unsharded reference. The
+    steps are committed all the same."""
+    nodes, recovered = lose_nodes(tmp_path, scheme, [lost], ddp=ddp, restore=True, n=n)
+    got = recovered[0]["recovered"]
+    assert isinstance(got, list) and {5, 6, 7} <= set(got), nodes.logs()
+    assert_restored_unread(recovered, 7, nodes)
+    check_bits(tmp_path, [0, *sorted(got)])
+    assert dstt.open(tmp_path / "run").branch_info("main-rewind-7").parent == dstt.StepRef("main", 7)
+
+
 @pytest.mark.slow
 def test_none_loses_the_steps_and_names_them(tmp_path: Path) -> None:
     """Without redundancy the same loss takes rank 1's shards of steps 5-7:
@@ -358,8 +402,12 @@ def test_replicas_ddp_two_nodes_lose_one_after_the_seal(tmp_path: Path, lost: in
     restarted job rebuilds the lost rank's part of each from it and commits
     them, bit-exact against the unsharded reference, verify-clean. (Older
     memory-only steps whose seals the survivor's ring still holds are
-    rebuilt and committed too: every step it sealed.)"""
-    nodes, recovered = lose_nodes(tmp_path, "replicas", [lost], ddp=True)
+    rebuilt and committed too: every step it sealed.) While training, the
+    held steps are shown protected (each rank's seal holds the other's
+    part): ``dstt ls`` says so."""
+    seen: list[dict[str, object]] = []
+    nodes, recovered = lose_nodes(tmp_path, "replicas", [lost], ddp=True, seen=seen, ls=True)
+    assert_protected_while_training(seen, "replicas", nodes)
     got = recovered[0]["recovered"]
     assert isinstance(got, list) and {5, 6, 7} <= set(got) <= set(range(1, 8)), nodes.logs()
     assert recovered[0]["warnings"] == []
@@ -413,6 +461,26 @@ def test_replicas_hsdp_two_nodes_of_two_ranks_lose_one(tmp_path: Path) -> None:
     assert isinstance(got, list) and {5, 6, 7} <= set(got) <= set(range(1, 8)), nodes.logs()
     assert recovered[0]["warnings"] == []
     check_bits(tmp_path, [0, *sorted(got)])
+
+
+@pytest.mark.slow
+def test_replicas_a_lost_part_assembled_from_several_survivors(tmp_path: Path) -> None:
+    """``replicas``, 4 nodes x 1 rank, two tensors replicated crosswise
+    (node_ranks.Crossed): the lost rank 3 shares one tensor's shard with
+    rank 1 and the other's with rank 2, so no survivor holds its whole part.
+    Its part of each held step is assembled from both survivors' rings (each
+    chunk's CRC compared across its holders), committed bit-exact, and the
+    newest step restored from that rebuilt memory without reading the
+    store. While training, the held steps were shown protected."""
+    seen: list[dict[str, object]] = []
+    nodes, recovered = lose_nodes(tmp_path, "replicas", [3], n=4, state="crossed", restore=True, seen=seen,
+                                  ls=True)
+    assert_protected_while_training(seen, "replicas", nodes)
+    got = recovered[0]["recovered"]
+    assert isinstance(got, list) and {5, 6, 7} <= set(got) <= set(range(1, 8)), nodes.logs()
+    assert all(r["warnings"] == [] for r in recovered), recovered
+    check_bits(tmp_path, [0, *sorted(got)])
+    assert_restored_unread(recovered, 7, nodes)
 
 
 # ----------------------------------------------------------------------------- parity:k (3 nodes, parity:2)
