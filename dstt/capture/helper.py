@@ -415,7 +415,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         # remembers views of its ring slot and copies them only when the slot
         # goes back before the next persisted step is coded (persist=N,
         # "newest"); only such copies count against the bound.
-        from dstt.capture.tier import available_memory_bytes
+        from dstt.capture.tiersize import available_memory_bytes
 
         avail = available_memory_bytes()
         writer.coder.memory_limit = None if avail is None else avail // 4
