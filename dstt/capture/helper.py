@@ -532,7 +532,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         if tier is not None:  # the memory tier lives here (helperops.py, issue 25)
             from dstt.capture.helperops import serve_tier
 
-            if not serve_tier(tier, writer, records, ring_dir, pools, commands, reply, flush):
+            if not serve_tier({**tier, "trainer": trainer_pid}, writer, records, ring_dir, pools, commands, reply, flush):
                 pools.clear()
                 R.remove_ring(ring_dir)  # (the trainer died: every held step stored, nothing left sealed)
             return 0

@@ -222,6 +222,27 @@ def test_a_stopped_helper_without_the_tier_fails_every_rank_within_the_bound(tmp
     assert verify(out / "run").ok
 
 
+@pytest.mark.slow
+def test_gc_removes_the_records_of_a_run_whose_helper_was_killed(tmp_path: Path) -> None:
+    """Rank 1's helper SIGKILLed mid-run: both trainers fail loudly (rank 0
+    at its next collective) and end; rank 1's helper never closes, so the
+    run's records stay under meta/tier (before: for ever, gc left them --
+    its closed marks, decisions, the dead helper's held record). gc proves
+    the run over -- every rank closed, or its helper and trainer gone and
+    its ring salvaged -- and removes them all; the store verifies."""
+    out = run_tier(2, tmp_path, "", "", worker=WORKER.with_name("tier_stopped.py"), worker_args=("killed",))
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen[1]["error"] and "capture helper" in seen[1]["error"], seen
+    tier = out / "run" / "meta" / "tier" / "main"
+    runs = [p for p in tier.iterdir() if p.name != "held"]
+    assert len(runs) == 1 and not (runs[0] / "closed-1.json").exists()
+    assert (tier / "held" / "rank-00001.json").exists()  # (the dead helper's last word)
+    report = dstt.gc(out / "run")
+    assert report.tier_records_removed >= 3, report  # (the two open marks and a held record at least)
+    assert not list(tier.rglob("*.json")), sorted(str(p) for p in tier.rglob("*.json"))
+    assert verify(out / "run").ok
+
+
 def _crash_run(out: Path, who: str) -> Any:
     """tests/dist/tier_crash.py under torchrun, in its own session; returns
     once every rank wrote its ready file (the process is still running)."""
