@@ -10,10 +10,12 @@ schemes of ``--schemes`` one after the other in the same job:
 
 * time per training iteration (a step of training + ``snapshot``), median;
 * extra host memory per node (``pair``: the copies it keeps for its
-  partner; ``parity:k``: the parities it keeps, 1/k of a step image each)
+  partner; ``parity:k``: the parities it keeps, 1/k of a step image each;
+  ``parity:k+m``: its Reed-Solomon fragments, m/k of a step image each)
   and bytes sent per step per rank (``pair``: one framed step image;
-  ``parity:k``: k stripes of 1/k of it);
-* node 1 is then lost while the last scheme's capture runs (SIGKILL of its
+  ``parity:k``: k stripes of 1/k of it; ``parity:k+m``: its k stripes, each
+  to m holders: m images);
+* node 1 (``--lose N``: nodes 1..N) is then lost while the last scheme's capture runs (SIGKILL of its
   processes, its memory directory removed) and the job restarted: time
   from the restart to the restored state (the Capture's recovery
   rebuilding and committing node 1's shards, then reading the newest step)
@@ -21,6 +23,7 @@ schemes of ``--schemes`` one after the other in the same job:
   1 steps older). Put the scheme whose recovery to time last.
 
     python benchmarks/bench_redundancy.py [--mb 64] [--steps 20] [--nodes 3] [--schemes none,pair,parity:2] [--json]
+    python benchmarks/bench_redundancy.py --nodes 4 --lose 2 --schemes none,pair,parity:2,parity:2+2
     BENCH_DDP=1 python benchmarks/bench_redundancy.py --nodes 2 --schemes none,replicas
 
 (``BENCH_DDP=1``: the model whole on every rank, gradients all-reduced --
@@ -126,7 +129,8 @@ def _kept_bytes(scheme: str) -> tuple[int, int]:
     if scheme.startswith("parity:"):
         parity = shm / f"dstt-{os.getuid()}-parity"
         pars = sorted(parity.rglob("*.par"))
-        return _dir_bytes(parity), int(scheme.split(":")[1]) * pars[-1].stat().st_size if pars else 0
+        k = int(scheme.split(":")[1].split("+")[0])  # (k+m: k files of m/k of an image = m images sent)
+        return _dir_bytes(parity), k * pars[-1].stat().st_size if pars else 0
     return 0, 0
 
 
@@ -234,12 +238,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         procs = _launch(tmp, "train", args)
         train = _wait_files(tmp, "train", procs)
-        for node in [1, *(n for n in range(args.nodes) if n != 1)]:  # node 1 lost; the job torn down with it
+        lost = list(range(1, 1 + args.lose))
+        for node in [*lost, *(n for n in range(args.nodes) if n not in lost)]:  # lost; the job torn down with them
             _killpg(train[node]["helper"])
             _killpg(train[node]["trainer"])
             _killpg(procs[node].pid)
             procs[node].wait()
-        shutil.rmtree(tmp / "shm1")
+        for node in lost:
+            shutil.rmtree(tmp / f"shm{node}")
         procs = _launch(tmp, "recover", args)
         rec = _wait_files(tmp, "recover", procs)
         for p in procs.values():
@@ -259,7 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             r["replicas_ring"] - r["none_ring"] for r in train) / 1e6
                                      for s in schemes},
         "sent_per_step_per_rank_mb": {s: max(r[f"{s}_sent"] for r in train) / 1e6 for s in schemes},
-        "lost_scheme": schemes[-1], "recovered_steps": rec[0]["recovered"],
+        "lost_scheme": schemes[-1], "lost_nodes": list(range(1, 1 + args.lose)), "recovered_steps": rec[0]["recovered"],
         "loss_to_restored_s": rec[0]["loss_to_restored_s"], "store_restore_s": rec[0]["store_restore_s"],
     }
 
@@ -278,6 +284,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--schemes", default="none,pair,parity:2",
                     help="comma-separated, 'none' first; node 1 is lost under the last")
+    ap.add_argument("--lose", type=int, default=1, help="nodes lost at once (1..N) under the last scheme")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", choices=("train", "recover"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -289,8 +296,8 @@ def main() -> None:
     if args.worker == "recover":
         worker_recover(args.out, args.steps, schemes[-1])
         return
-    if schemes[0] != "none" or len(schemes) < 2 or args.nodes < 2:
-        ap.error("--schemes must start with 'none' and name another; --nodes at least 2")
+    if schemes[0] != "none" or len(schemes) < 2 or args.nodes < 2 or not 1 <= args.lose < args.nodes:
+        ap.error("--schemes must start with 'none' and name another; --nodes at least 2; 1 <= --lose < --nodes")
     res = run(args)
     if args.json:
         print(json.dumps(res, indent=2))
@@ -301,7 +308,7 @@ def main() -> None:
         print(f"{s:10s} iteration (median) {res['iteration_ms'][s]:8.1f} ms ({(res['vs_none'][s] - 1) * 100:+.1f} % "
               f"vs none), extra memory per node {res['extra_memory_per_node_mb'][s]:.1f} MB, sent per step per "
               f"rank {res['sent_per_step_per_rank_mb'][s]:.2f} MB")
-    print(f"node 1 lost under {res['lost_scheme']}: steps {res['recovered_steps']} rebuilt; restart to restored "
+    print(f"nodes {res['lost_nodes']} lost under {res['lost_scheme']}: steps {res['recovered_steps']} rebuilt; restart to restored "
           f"state {res['loss_to_restored_s']:.2f} s vs restore from the store {res['store_restore_s']:.2f} s "
           f"(step 0: {res['steps'] - 1} steps older)")
 

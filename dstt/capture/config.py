@@ -111,6 +111,8 @@ class CaptureConfig:
     #: node (its processes and its /dev/shm) loses no step the tier held;
     #: ``"parity:k"``: groups of k+1 nodes, each keeping the XOR parity
     #: of a stripe of the others' held steps (1/k extra memory, one loss a group);
+    #: ``"parity:k+m"`` (m >= 2; the ``erasure`` extra, pyeclib): groups of
+    #: k+m nodes, Reed-Solomon (m/k extra memory, m losses a group);
     #: ``"replicas"`` -- each rank's ring also holds the replicated chunks
     #: other holders write (R x the replicated bytes per rank), and a lost
     #: rank's steps are rebuilt from a replica's ring (capture/replicaguard.py);
@@ -183,6 +185,10 @@ class CaptureConfig:
         if scheme.kind != "none" and self.memory_steps is None:
             raise ConfigError(f"redundancy={self.redundancy!r} protects the steps the memory tier holds: "
                               "it needs memory_steps=K")
+        if scheme.kind == "parity" and scheme.m > 1:  # (pyeclib there, and a backend for k, m: ConfigError if not)
+            from dstt.format.rsacc import driver
+
+            driver(scheme.k, scheme.m)
 
     @property
     def persist_policy(self) -> str | int:

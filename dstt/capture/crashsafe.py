@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dstt.capture import nodeloss, parityrecover, policy, ranks, replicaguard
+from dstt.capture import nodeloss, parityrecover, policy, ranks, replicaguard, rsrecover
 from dstt.capture.committers import HAND_OVER_LOCK
 from dstt.capture.config import write_options
 from dstt.capture.current import Current
@@ -312,7 +312,8 @@ class CrashSafe:
         held = replicaguard.Pending()
         scheme = self.current.config.redundancy  # ("auto": replicas or pair, chosen at the first snapshot)
         if scheme != "auto" and parse_scheme(scheme).kind == "parity":  # (collective, never raises)
-            parityrecover.recover(self.current.writer, coord)  # a lost node's steps, from parity (issue 26)
+            # a lost node's steps, from parity (issue 26; parity:k+m, m > 1: Reed-Solomon, capture/rsrecover.py)
+            (rsrecover if parse_scheme(scheme).m > 1 else parityrecover).recover(self.current.writer, coord)
         try:
             ring = Ring(identity, run=self.run_id)
             nodeloss.recover_copies(self.current.writer, coord.world)  # a lost node's steps, from copies here (issue 26)

@@ -56,20 +56,23 @@ def parity_file(run_dir: Path, holder: int, step: int) -> Path:
     return run_dir / f"rank-{holder}" / f"step-{step:020d}.par"
 
 
-def group_members(nodes: list[int], rank: int, k: int) -> list[int]:
+def group_members(nodes: list[int], rank: int, k: int, m: int = 1) -> list[int]:
     """The ranks of ``rank``'s parity group (in group order) given each
-    rank's node; ``[]`` where there is none (one node, or nodes of the group
-    with different rank counts: its steps stay unprotected).
+    rank's node; ``[]`` where there is none (one node, at most ``m`` nodes,
+    or nodes of the group with different rank counts: its steps stay
+    unprotected).
 
     >>> group_members([0, 0, 1, 1, 2, 2], 3, 2)
     [1, 3, 5]
+    >>> group_members([0, 1, 2, 3], 2, 2, 2), group_members([0, 1], 0, 2, 2)
+    ([0, 1, 2, 3], [])
     """
     n_nodes = max(nodes) + 1
     if n_nodes < 2:
         return []
-    mine = next(g for g in RD.parity_groups(n_nodes, k) if nodes[rank] in g)
+    mine = next(g for g in RD.parity_groups(n_nodes, k, m) if nodes[rank] in g)
     on = {n: [r for r in range(len(nodes)) if nodes[r] == n] for n in mine}
-    if len({len(v) for v in on.values()}) != 1:
+    if len({len(v) for v in on.values()}) != 1 or len(mine) <= m:
         return []
     at = on[nodes[rank]].index(rank)
     return [on[n][at] for n in mine]
@@ -82,7 +85,7 @@ class ParityGuard(PeerGuard):
                  mailbox: Any) -> None:
         super().__init__(scheme, run, rank, world, ops, writer, mailbox)
         self.members: list[int] = []
-        self.acc: PA.ParityAccumulator | None = None
+        self.acc: Any = None  # (a ParityAccumulator, or rsgroup's RSAccumulator)
         self.out_seq: dict[int, int] = {}
         self.in_seq: dict[int, int] = {}
         self.answers: dict[int, set[int]] = {}  # pending step -> members whose parity of it is complete
@@ -110,17 +113,22 @@ class ParityGuard(PeerGuard):
         if nodes is None:
             return False
         self.nodes = nodes
-        self.members = group_members(nodes, self.rank, self.scheme.k)
+        self.members = group_members(nodes, self.rank, self.scheme.k, self.scheme.m)
         if not self.members:
-            log.warning("dstt helper (rank %d): redundancy=%r needs at least 2 nodes with as many ranks each in "
-                        "a group; this job has not: its steps are unprotected", self.rank, str(self.scheme))
+            log.warning("dstt helper (rank %d): redundancy=%r needs at least %d nodes with as many ranks each in "
+                        "a group; this job has not: its steps are unprotected", self.rank, str(self.scheme),
+                        self.scheme.m + 1)
             return True
-        self.acc = PA.ParityAccumulator(self.run, self.branch_id, self.rank, self.members)
+        self.acc = self._accumulator()
         others = [m for m in self.members if m != self.rank]
         self.out_seq = {m: 0 for m in others}
         self.in_seq = {m: 0 for m in others}
         self.holder = others[0]  # (non-None: this rank sends)
         return True
+
+    def _accumulator(self) -> Any:
+        """What keeps this rank's parity of the others' stripes (XOR here; capture/rsgroup.py: Reed-Solomon)."""
+        return PA.ParityAccumulator(self.run, self.branch_id, self.rank, self.members)
 
     # ------------------------------------------------------------ sending
 

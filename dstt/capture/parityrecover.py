@@ -63,7 +63,10 @@ WAIT_S = STORE_TIMEOUT_S
 
 class _Local:
     """What this rank's node still holds: its dead rings (claimed until
-    :meth:`release`) and its parity files."""
+    :meth:`release`) and its parity files (read by :attr:`parse`:
+    parity:k's; capture/rsrecover.py's reads parity:k+m's fragments)."""
+
+    parse: Any = staticmethod(PA.parse_parity)
 
     def __init__(self, writer: Any, rank: int, world: int, base: Path | None) -> None:
         self.writer, self.rank, self.base = writer, rank, base
@@ -92,13 +95,13 @@ class _Local:
                 if m is None or int(m.group(1)) <= last or len(parity) >= MAX_REPORTED:
                     continue
                 try:
-                    p = PA.parse_parity(read_copy(pdir / name), run=run_dir.name, branch_id=int(self.writer.branch.id),
+                    p = self.parse(read_copy(pdir / name), run=run_dir.name, branch_id=int(self.writer.branch.id),
                                         step=int(m.group(1)), holder=self.rank)
                 except (RD.BlockError, OSError, ValueError) as e:
                     warnings.warn(f"dstt: the parity {pdir / name} is not used: {e}", NodeLossWarning, stacklevel=2)
                     continue
                 self.parity[(run_dir.name, p.step)] = pdir / name
-                parity.append([run_dir.name, p.step, p.members, p.lengths, p.crcs])
+                parity.append([run_dir.name, p.step, p.members, p.lengths, p.crcs, getattr(p, "m", 1)])
         return {"token": token, "images": {r: sorted(set(s))[-MAX_REPORTED:] for r, s in images.items()},
                 "parity": parity}
 
@@ -141,23 +144,26 @@ def rebuilds(everyone: list[dict[str, Any] | None], world: int) -> list[tuple[st
     return out
 
 
-def recover(writer: Any, coord: Any, base: Path | None = None) -> list[int]:
+def recover(writer: Any, coord: Any, base: Path | None = None, *, local_kind: type[_Local] | None = None,
+            plan: Any = None, exchange: Any = None) -> list[int]:
     """Rebuild this rank's lost images of protected steps (collective; see
-    the module docstring): the steps rebuilt here, as rings of this rank."""
+    the module docstring): the steps rebuilt here, as rings of this rank.
+    (``local_kind``, ``plan``, ``exchange``: another scheme's reading of the
+    parity files, choice of rebuilds and exchange -- capture/rsrecover.py.)"""
     local: _Local | None = None
     doc: dict[str, Any] | None = None
     try:
-        local = _Local(writer, coord.rank, coord.world, base)
+        local = (local_kind or _Local)(writer, coord.rank, coord.world, base)
         doc = local.summary(uuid.uuid4().hex)
     except Exception as e:  # noqa: BLE001 - this rank takes part with nothing (its steps fall back)
         log.warning("dstt: rank %d cannot take part in rebuilding a lost node's steps: %s", coord.rank, e)
     everyone = coord.all_gather(doc)
     try:
-        tasks = rebuilds(everyone, coord.world)
+        tasks = (plan or rebuilds)(everyone, coord.world)
         if not tasks or local is None:
             return []
         token = (everyone[0] or {}).get("token") or "none"
-        return _exchange(local, tasks, str(token), coord.rank)
+        return list((exchange or _exchange)(local, tasks, str(token), coord.rank))
     except Exception as e:  # noqa: BLE001 - nothing rebuilt: the recovery names what falls back
         log.warning("dstt: rebuilding a lost node's steps from parity failed on rank %d: %s", coord.rank, e)
         return []

@@ -12,6 +12,9 @@ A *node* is the ranks sharing a host (``socket.gethostname()``, or
   is cut into ``k`` pieces, and member ``t`` holds the XOR of the other
   members' ``t``-th stripes (RAID-5 over nodes): ``1/k`` of a node's tier
   in extra memory, any one member of a group rebuilt from the others;
+* ``parity:k+m`` (``m >= 2``): groups of ``k + m`` nodes, Reed-Solomon
+  through pyeclib (dstt.format.rsacc): ``m/k`` of a node's tier in extra
+  memory, any ``m`` members of a group rebuilt at once;
 * ``replicas``: the ranks whose trainers hold identical state (DDP, HSDP)
   as each other's copies -- each ring also stages the replicated chunks
   other holders write (dstt.format.replicas, capture/replicaguard.py).
@@ -47,14 +50,17 @@ from dstt.format.codecs.spec import crc32c
 from dstt.format.manifest import decode_json, encode_json
 from dstt.format.tier import read_rank_records
 
-#: The schemes ``redundancy=`` accepts (``parity:k`` with 1 <= k <= MAX_K).
-SCHEMES = ("none", "pair", "replicas", "parity:k")
+#: The schemes ``redundancy=`` accepts (``parity:k`` with 1 <= k <= MAX_K;
+#: ``parity:k+m`` with 2 <= m <= MAX_M, k + m <= MAX_RS_GROUP).
+SCHEMES = ("none", "pair", "replicas", "parity:k", "parity:k+m")
 MAX_K = 64
+MAX_M = 8
+MAX_RS_GROUP = 32
 MAGIC = b"DSTTRB01"
 _HEAD = struct.Struct("<8sII")  # magic, header length, header CRC-32C
 #: A header is a few hundred bytes; anything bigger is not one.
 MAX_HEADER_BYTES = 1 << 16
-KINDS = ("copy", "parity", "stripe")
+KINDS = ("copy", "parity", "stripe", "fragment")
 _RUN_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -68,33 +74,42 @@ class Scheme:
 
     kind: str  # none, pair, replicas, parity
     k: int = 0  # parity: data pieces per parity block
+    m: int = 1  # parity: parity pieces (1: XOR; more: Reed-Solomon, dstt.format.rsacc)
 
     def __str__(self) -> str:
-        return f"parity:{self.k}" if self.kind == "parity" else self.kind
+        if self.kind != "parity":
+            return self.kind
+        return f"parity:{self.k}" if self.m == 1 else f"parity:{self.k}+{self.m}"
 
     def extra_memory(self) -> float:
         """Extra host memory per node, as a fraction of its tier."""
-        return {"pair": 1.0, "parity": 1.0 / self.k if self.k else 0.0}.get(self.kind, 0.0)
+        return {"pair": 1.0, "parity": self.m / self.k if self.k else 0.0}.get(self.kind, 0.0)
 
 
 def parse_scheme(value: Any) -> Scheme:
-    """``value`` (``"none"``, ``"pair"``, ``"replicas"``, ``"parity:k"``) as a
-    :class:`Scheme`; ConfigError naming the choices otherwise.
+    """``value`` (``"none"``, ``"pair"``, ``"replicas"``, ``"parity:k"``,
+    ``"parity:k+m"``) as a :class:`Scheme`; ConfigError naming the choices
+    otherwise. ``parity:k+1`` is ``parity:k`` (XOR).
 
     >>> parse_scheme("parity:4")
-    Scheme(kind='parity', k=4)
+    Scheme(kind='parity', k=4, m=1)
+    >>> str(parse_scheme("parity:2+2")), str(parse_scheme("parity:3+1"))
+    ('parity:2+2', 'parity:3')
     >>> parse_scheme("raid6")
     Traceback (most recent call last):
     ...
-    dstt.errors.ConfigError: redundancy must be one of none, pair, replicas, parity:k (1 <= k <= 64), got 'raid6'
+    dstt.errors.ConfigError: redundancy must be one of none, pair, replicas, parity:k, parity:k+m (1 <= k <= 64; 2 <= m <= 8, k + m <= 32), got 'raid6'
     """
     if isinstance(value, str):
         if value in ("none", "pair", "replicas"):
             return Scheme(value)
-        m = re.fullmatch(r"parity:([0-9]{1,3})", value)
-        if m and 1 <= int(m.group(1)) <= MAX_K:
-            return Scheme("parity", int(m.group(1)))
-    raise ConfigError(f"redundancy must be one of {', '.join(SCHEMES)} (1 <= k <= {MAX_K}), got {value!r}"[:300])
+        m = re.fullmatch(r"parity:([0-9]{1,3})(?:\+([0-9]{1,3}))?", value)
+        if m:
+            k, p = int(m.group(1)), int(m.group(2) or 1)
+            if 1 <= k <= MAX_K and (p == 1 or (2 <= p <= MAX_M and k + p <= MAX_RS_GROUP)):
+                return Scheme("parity", k, p)
+    raise ConfigError(f"redundancy must be one of {', '.join(SCHEMES)} (1 <= k <= {MAX_K}; 2 <= m <= {MAX_M}, "
+                      f"k + m <= {MAX_RS_GROUP}), got {value!r}"[:300])
 
 
 # ----------------------------------------------------------------------------- placement
@@ -113,21 +128,26 @@ def holders_of(node: int, nodes: int) -> int:
     return (node - 1) % nodes
 
 
-def parity_groups(nodes: int, k: int) -> list[list[int]]:
-    """Groups of ``k + 1`` consecutive nodes; a remainder of one node joins
-    the last group, a larger remainder is a smaller group of its own (fewer
-    pieces per parity there: more memory, the same protection)."""
-    if k < 1 or nodes < 2:
+def parity_groups(nodes: int, k: int, m: int = 1) -> list[list[int]]:
+    """Groups of ``k + m`` consecutive nodes; a remainder of ``m`` nodes or
+    fewer (too few to hold ``m`` parities of anything) joins the last group,
+    a larger remainder is a smaller group of its own (fewer pieces per
+    parity there: more memory, the same protection).
+
+    >>> parity_groups(9, 2, 2), parity_groups(7, 2, 2)
+    ([[0, 1, 2, 3], [4, 5, 6, 7, 8]], [[0, 1, 2, 3], [4, 5, 6]])
+    """
+    if k < 1 or m < 1 or nodes < 2:
         raise ConfigError(f"redundancy='parity:{k}' needs k >= 1 and at least 2 nodes (got {nodes})")
-    g = k + 1
+    g = k + m
     groups = [list(range(i, min(i + g, nodes))) for i in range(0, nodes, g)]
-    if len(groups) > 1 and len(groups[-1]) == 1:
+    if len(groups) > 1 and len(groups[-1]) <= m:
         groups[-2].extend(groups.pop())
     return groups
 
 
-def group_of(node: int, nodes: int, k: int) -> list[int]:
-    return next(g for g in parity_groups(nodes, k) if node in g)
+def group_of(node: int, nodes: int, k: int, m: int = 1) -> list[int]:
+    return next(g for g in parity_groups(nodes, k, m) if node in g)
 
 
 def node_ids(hosts: list[str]) -> list[int]:

@@ -37,3 +37,26 @@ def test_recovery_rebuilds_only_a_single_loss_with_every_survivors_image_and_par
     assert rebuilds([node([5], [5]), None, node([5], [5], [0, 1, 3])], 4) == []  # parities of two groups
     assert rebuilds([node([5], [5]), node([5], [5]), node([5], [5])], 3) == []  # nothing lost
     assert rebuilds([node([5], [5]), None, node([5], [5], [0, 1, 7])], 3) == []  # a member outside the world
+
+
+def test_reed_solomon_recovery_rebuilds_up_to_m_lost_with_every_survivors_part() -> None:
+    """``parity:k+m`` (capture/rsrecover.py): a step of a group is rebuilt
+    where 1 to m members' images are missing and every other member
+    reported its image and fragments of that group (same members, same m)."""
+    from dstt.capture.rsrecover import rebuilds
+
+    g = [0, 1, 2, 3]
+
+    def node(images: list[int], parity: list[int], members: list[int] = g, m: int = 2) -> dict[str, Any]:
+        return {"images": {"r": images}, "parity": [["r", s, members, [], [], m] for s in parity]}
+
+    full = node([5, 6], [5, 6])
+    assert rebuilds([full, None, None, node([5, 6], [5])], 4) == [("r", 5, [1, 2], g, 2)]  # two lost at once
+    assert rebuilds([full, full, None, full], 4) == [("r", 5, [2], g, 2), ("r", 6, [2], g, 2)]  # one lost
+    assert rebuilds([full, None, None, None], 4) == []  # three lost: more than m
+    assert rebuilds([full, None, None, node([5, 6], [5, 6], m=3)], 4) == []  # survivors disagree on m
+    assert rebuilds([full, None, None, node([], [5, 6])], 4) == []  # a survivor lacks its image
+    assert rebuilds([node([5], [5], m=1), None, node([5], [5], m=1), node([5], [5], m=1)], 4) == []  # XOR's parity
+    assert paritygroup.group_members([0, 1, 2, 3], 1, 2, 2) == g
+    assert paritygroup.group_members([0, 1, 2], 1, 2, 2) == [0, 1, 2]  # (3 nodes: k = 1, m = 2)
+    assert paritygroup.group_members([0, 1], 1, 2, 2) == []  # m nodes cannot hold m parities of another

@@ -263,3 +263,47 @@ def test_one_node_is_unprotected_with_a_warning(held: Any, monkeypatch: pytest.M
                 g.pump(sorted(ops.steps), force=True)
     assert "needs at least 2 nodes" in caplog.text
     assert not any(g.acked for g in guards) and not box.d.keys() - {"node/0", "node/1", "low/0", "low/1"}
+
+
+# ----------------------------------------------------------------------------- parity:k+m (capture/rsgroup.py)
+
+
+def test_four_guards_keep_reed_solomon_fragments_and_any_two_lost_are_rebuilt(
+        held: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``parity:2+2`` over 4 nodes: every step protected once all 3 others
+    acknowledged it, each node keeping m/k = 1 image of fragments a step;
+    any 2 of the 4 images rebuilt bit-exact from the other 2 and their fragments."""
+    pytest.importorskip("pyeclib.ec_iface")
+    import itertools
+
+    from dstt.capture import rsgroup
+    from dstt.format import rsacc as RS
+
+    ops, writer = held
+    box = DictBox()
+    guards = []
+    for r in range(4):
+        monkeypatch.setenv("DSTT_NODE_ID", f"n{r}")
+        guards.append(rsgroup.RSGuard(RD.parse_scheme("parity:2+2"), "run3", r, 4, ops, writer, box))
+    steps = sorted(ops.steps)
+    for _ in range(8):
+        for g in guards:
+            g.pump(steps, force=True)
+    assert [g.members for g in guards] == [[0, 1, 2, 3]] * 4
+    assert all(g.acked == set(steps) and not g.pending for g in guards)
+    assert RD.protected_steps(RD.read_protected(writer.backend, "main")) == ("parity:2+2", [(steps[0], steps[-1])])
+    assert not any(k.startswith("pst/") for k in box.d)
+    step = steps[-1]
+    plan, record = ops.steps[step]
+    img = stepimage.image(record, plan, ops.pools[record["pool"]], guards[0]._ring_owner())
+    raw = {g.rank: paritygroup.parity_file(g.run_dir, g.rank, step).read_bytes() for g in guards}
+    assert all(len(d) < len(img) + 2048 for d in raw.values())  # m/k = 1 image (+ headers)
+    frags = {r: RS.parse_fragments(d, run="run3", branch_id=int(writer.branch.id), step=step, holder=r)
+             for r, d in raw.items()}
+    for lost in itertools.combinations(range(4), 2):
+        others = [r for r in range(4) if r not in lost]
+        got = RS.rebuild_lost(list(lost), {r: img for r in others}, {r: frags[r] for r in others}, [0, 1, 2, 3], 2)
+        assert got == {r: img for r in lost}
+    for g in guards:
+        g.close(clean=True)
+    assert not guards[0].run_dir.exists()

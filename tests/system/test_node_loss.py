@@ -154,8 +154,8 @@ def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait:
         (tmp_path / "stalled.json").unlink(missing_ok=True)
         if corrupt and scheme == "replicas":
             corrupt_held_chunk(nodes.shm(1 - lost[0]))
-        elif corrupt:  # one bit of the newest copy flipped where it is kept
-            newest = sorted(nodes.shm(0).rglob("*.blk"))[-1]
+        elif corrupt:  # one bit of the newest copy (or parity) flipped where it is kept
+            newest = sorted([*nodes.shm(0).rglob("*.blk"), *nodes.shm(0).rglob("*.par")])[-1]
             data = bytearray(newest.read_bytes())
             data[-7] ^= 0x04
             newest.write_bytes(bytes(data))
