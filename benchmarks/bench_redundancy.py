@@ -22,7 +22,18 @@ schemes of ``--schemes`` one after the other in the same job:
   vs restoring from the store alone (the newest stored step: ``--steps`` -
   1 steps older). Put the scheme whose recovery to time last.
 
-    python benchmarks/bench_redundancy.py [--mb 64] [--steps 20] [--nodes 3] [--schemes none,pair,parity:2] [--json]
+``--transports p2p,store`` (the default): each scheme other than ``none``
+runs once over each transport of its blocks -- ``p2p``, point to point
+over a gloo group of the helpers (capture/transport.py), and ``store``,
+the job's c10d TCPStore as their mailbox (``DSTT_REDUNDANCY_TRANSPORT``;
+shown as ``<scheme>/store``) -- the store variant first, so the node is
+lost under ``p2p``. The launcher serves the TCPStore the helpers meet at
+(``DSTT_REDUNDANCY_STORE``) and looks at it every 20 ms: the most bytes
+of blocks it held at once, per scheme (0 where they go point to point),
+and the time from the last snapshot until its last 3 steps are protected.
+
+    python benchmarks/bench_redundancy.py [--mb 64] [--steps 20] [--nodes 3] [--schemes none,pair,parity:2] \
+        [--transports p2p,store] [--json]
     python benchmarks/bench_redundancy.py --nodes 4 --lose 2 --schemes none,pair,parity:2,parity:2+2
     BENCH_DDP=1 python benchmarks/bench_redundancy.py --nodes 2 --schemes none,replicas
 
@@ -58,7 +69,18 @@ def _free_port() -> int:
 
 def _store(out: Path, scheme: str) -> Path:
     """A scheme's store (no ':' in its name: ``dstt.open("a:b")`` reads as a store and a branch)."""
-    return out / f"run-{scheme.replace(':', '')}"
+    return out / f"run-{scheme.replace(':', '').replace('/', '-')}"
+
+
+def _labels(schemes: list[str], transports: list[str]) -> list[str]:
+    """Each scheme over each transport (``none`` once; ``p2p`` last: the node is lost under it).
+
+    >>> _labels(["none", "pair"], ["p2p", "store"])
+    ['none', 'pair/store', 'pair']
+    """
+    order = sorted(transports, key=lambda t: t == "p2p")
+    return [s if s == "none" else (s if t == "p2p" else f"{s}/{t}") for s in schemes for t in
+            (["p2p"] if s == "none" else order)]
 
 
 def _dir_bytes(path: Path) -> int:
@@ -88,14 +110,16 @@ def _model(mb: int) -> Any:
     return model
 
 
-def _loop(out: Path, scheme: str, mb: int, steps: int) -> tuple[Any, list[float]]:
+def _loop(out: Path, label: str, mb: int, steps: int) -> tuple[Any, list[float]]:
     import torch
 
     import dstt
 
     model = _model(mb)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    cap = dstt.Capture(_store(out, scheme), memory_steps=3, persist=1000, redundancy=scheme,
+    scheme, _, how = label.partition("/")
+    os.environ["DSTT_REDUNDANCY_TRANSPORT"] = how or "p2p"  # (read by the helper this Capture starts)
+    cap = dstt.Capture(_store(out, label), memory_steps=3, persist=1000, redundancy=scheme,
                        background_timeout_s=120)
     times = []
     x = torch.randn(8, 512)
@@ -145,14 +169,17 @@ def worker_train(out: Path, mb: int, steps: int, schemes: list[str]) -> None:
     res: dict[str, Any] = {}
     for i, scheme in enumerate(schemes):
         cap, res[f"{scheme}_s"] = _loop(out, scheme, mb, steps)
+        res[f"{scheme}_run"] = cap.crashsafe.run_id
         want = set(range(steps - 3, steps))
-        deadline = time.monotonic() + 120
+        t = time.monotonic()
+        deadline = t + 120
         while scheme not in ("none", "replicas") and time.monotonic() < deadline:
             _, ranges = RD.protected_steps(RD.read_protected(open_backend(str(_store(out, scheme))), "main"))
             if want <= {s for a, b in ranges for s in range(a, b + 1)}:
                 break
-            time.sleep(0.05)
-        res[f"{scheme}_kept"], res[f"{scheme}_sent"] = _kept_bytes(scheme)
+            time.sleep(0.02)
+        res[f"{scheme}_protect_s"] = time.monotonic() - t
+        res[f"{scheme}_kept"], res[f"{scheme}_sent"] = _kept_bytes(scheme.partition("/")[0])
         res[f"{scheme}_ring"] = _ring_bytes(cap)
         if i < len(schemes) - 1:
             cap.close()
@@ -172,13 +199,15 @@ def worker_recover(out: Path, steps: int, scheme: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     t = time.perf_counter()
-    cap = dstt.Capture(_store(out, scheme), memory_steps=3, persist=1000, redundancy=scheme)
+    label, (scheme, _, how) = scheme, scheme.partition("/")
+    os.environ["DSTT_REDUNDANCY_TRANSPORT"] = how or "p2p"
+    cap = dstt.Capture(_store(out, label), memory_steps=3, persist=1000, redundancy=scheme)
     recovered = list(cap.recovered or [])
     cap.close()
     dist.barrier()
     res: dict[str, Any] = {"recovered": recovered}
     if rank == 0:
-        run = dstt.open(_store(out, scheme))
+        run = dstt.open(_store(out, label))
         run.state_dict(max(run.steps()))
         res["loss_to_restored_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -192,7 +221,52 @@ def worker_recover(out: Path, steps: int, scheme: str) -> None:
 # ----------------------------------------------------------------------------- the launcher
 
 
-def _launch(tmp: Path, phase: str, args: argparse.Namespace) -> dict[int, subprocess.Popen[bytes]]:
+def _value(server: Any, key: str) -> bytes:
+    """``key``'s value, b"" if it was taken meanwhile -- never waited for (a
+    compare-and-set against a value no key holds changes nothing and
+    answers the value, or that value back where the key is gone)."""
+    absent = b"\0dstt: no such value\0"
+    value = bytes(server.compare_set(key, absent, b"-"))
+    return b"" if value == absent else value
+
+
+class StoreWatch:
+    """The TCPStore the helpers meet at, served here and looked at every
+    20 ms: per run, the most bytes of blocks (the store mailbox's keys
+    ``blk``/``pst``/``img``/``par``) it held at once."""
+
+    def __init__(self) -> None:
+        import re
+        import threading
+        from datetime import timedelta
+
+        from torch._C._distributed_c10d import TCPStore
+
+        self.server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        self.addr = f"127.0.0.1:{self.server.port}"
+        self.peak: dict[str, int] = {}
+        self._block = re.compile(r"dstt-redundancy/([^/]+)//(blk|pst|img|par)/")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            held: dict[str, int] = {}
+            for key in self.server.list_keys():
+                m = self._block.match(key)
+                if m is None:
+                    continue
+                held[m.group(1)] = held.get(m.group(1), 0) + len(_value(self.server, key))
+            for run, n in held.items():
+                self.peak[run] = max(self.peak.get(run, 0), n)
+
+
+def _launch(tmp: Path, phase: str, args: argparse.Namespace, store: str) -> dict[int, subprocess.Popen[bytes]]:
     port = _free_port()
     procs = {}
     for node in range(args.nodes):
@@ -200,11 +274,12 @@ def _launch(tmp: Path, phase: str, args: argparse.Namespace) -> dict[int, subpro
         shm.mkdir(exist_ok=True)
         (tmp / "tmp").mkdir(exist_ok=True)
         env = {**os.environ, "DSTT_SHM_DIR": str(shm), "TMPDIR": str(tmp / "tmp"), "DSTT_NODE_ID": f"node{node}", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
+               "DSTT_REDUNDANCY_STORE": store}
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}", f"--node-rank={node}",
                "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", str(HERE),
                "--worker", phase, "--out", str(tmp), "--mb", str(args.mb), "--steps", str(args.steps),
-               "--schemes", args.schemes]
+               "--schemes", ",".join(args.labels)]
         with open(tmp / f"{phase}{node}.log", "ab") as log:
             procs[node] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
@@ -235,8 +310,9 @@ def _killpg(pid: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-redundancy-"))
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    watch = StoreWatch()
     try:
-        procs = _launch(tmp, "train", args)
+        procs = _launch(tmp, "train", args, watch.addr)
         train = _wait_files(tmp, "train", procs)
         lost = list(range(1, 1 + args.lose))
         for node in [*lost, *(n for n in range(args.nodes) if n not in lost)]:  # lost; the job torn down with them
@@ -246,16 +322,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             procs[node].wait()
         for node in lost:
             shutil.rmtree(tmp / f"shm{node}")
-        procs = _launch(tmp, "recover", args)
+        procs = _launch(tmp, "recover", args, watch.addr)
         rec = _wait_files(tmp, "recover", procs)
         for p in procs.values():
             p.wait(120)
     finally:
+        watch.close()
         for p in procs.values():
             _killpg(p.pid)
         if not os.environ.get("BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
-    schemes = args.schemes.split(",")
+    schemes = args.labels
     med = {s: statistics.median(t for r in train for t in r[f"{s}_s"][2:]) for s in schemes}
     return {
         "machine": _machine(), "mb": args.mb, "steps": args.steps, "nodes": args.nodes, "schemes": schemes,
@@ -265,6 +342,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             r["replicas_ring"] - r["none_ring"] for r in train) / 1e6
                                      for s in schemes},
         "sent_per_step_per_rank_mb": {s: max(r[f"{s}_sent"] for r in train) / 1e6 for s in schemes},
+        "store_peak_block_mb": {s: watch.peak.get(train[0][f"{s}_run"], 0) / 1e6 for s in schemes},
+        "last_protected_after_s": {s: max(r[f"{s}_protect_s"] for r in train) for s in schemes},
         "lost_scheme": schemes[-1], "lost_nodes": list(range(1, 1 + args.lose)), "recovered_steps": rec[0]["recovered"],
         "loss_to_restored_s": rec[0]["loss_to_restored_s"], "store_restore_s": rec[0]["store_restore_s"],
     }
@@ -284,12 +363,20 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--schemes", default="none,pair,parity:2",
                     help="comma-separated, 'none' first; node 1 is lost under the last")
+    ap.add_argument("--transports", default="p2p,store",
+                    help="how blocks travel, each scheme once per transport: p2p (gloo, point to point), store")
     ap.add_argument("--lose", type=int, default=1, help="nodes lost at once (1..N) under the last scheme")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", choices=("train", "recover"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     schemes = args.schemes.split(",")
+    if args.worker is None:
+        transports = args.transports.split(",")
+        if not transports or set(transports) - {"p2p", "store"}:
+            ap.error("--transports: p2p and/or store")
+        args.labels = _labels(schemes, transports)
+        schemes = args.labels
     if args.worker == "train":
         worker_train(args.out, args.mb, args.steps, schemes)
         return
@@ -307,7 +394,9 @@ def main() -> None:
     for s in schemes:
         print(f"{s:10s} iteration (median) {res['iteration_ms'][s]:8.1f} ms ({(res['vs_none'][s] - 1) * 100:+.1f} % "
               f"vs none), extra memory per node {res['extra_memory_per_node_mb'][s]:.1f} MB, sent per step per "
-              f"rank {res['sent_per_step_per_rank_mb'][s]:.2f} MB")
+              f"rank {res['sent_per_step_per_rank_mb'][s]:.2f} MB, held by the job's store at most "
+              f"{res['store_peak_block_mb'][s]:.1f} MB, last 3 steps protected {res['last_protected_after_s'][s]:.2f} s "
+              f"after the last snapshot")
     print(f"nodes {res['lost_nodes']} lost under {res['lost_scheme']}: steps {res['recovered_steps']} rebuilt; restart to restored "
           f"state {res['loss_to_restored_s']:.2f} s vs restore from the store {res['store_restore_s']:.2f} s "
           f"(step 0: {res['steps'] - 1} steps older)")

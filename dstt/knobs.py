@@ -19,6 +19,7 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_OBJECT_CLIENT`` | :func:`object_client` | the client of ``s3://``, ``gs://``, ``az://`` stores: ``obstore`` or ``fsspec`` | obstore where installed |
 | ``DSTT_NODE_ID`` | :func:`node_id` | the node this process counts as, for peer redundancy (one machine may stand for several) | the host name |
 | ``DSTT_REDUNDANCY_STORE`` | :func:`redundancy_store` | ``HOST:PORT`` of the c10d TCPStore the capture helpers exchange copies through | ``MASTER_ADDR:MASTER_PORT`` |
+| ``DSTT_REDUNDANCY_TRANSPORT`` | :func:`redundancy_transport` | how redundancy blocks travel: ``p2p`` (a gloo group of the helpers, point to point) or ``store`` (through that TCPStore) | ``p2p`` |
 | ``DSTT_AUTO_SPARE_CORES`` | :func:`auto_spare_cores` | ``compression="auto"`` in a capture helper codes a step only while the host's CPUs of the helper had at least this many cores' worth idle (0: no CPU rule) | 0.5 |
 
 >>> with override(DSTT_PACK_CHUNK_BYTES="0"):
@@ -41,7 +42,8 @@ from dstt.errors import ConfigError
 #: The variables this module knows (``override`` refuses any other name).
 KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
          "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT", "DSTT_NODE_ID", "DSTT_REDUNDANCY_STORE",
-         "DSTT_UPDATE_STATS_BYTES", "DSTT_COLLECTIVE_TIMEOUT_S", "DSTT_AUTO_SPARE_CORES")
+         "DSTT_UPDATE_STATS_BYTES", "DSTT_COLLECTIVE_TIMEOUT_S", "DSTT_AUTO_SPARE_CORES",
+         "DSTT_REDUNDANCY_TRANSPORT")
 #: Clients an object store URL may be served by (DSTT_OBJECT_CLIENT).
 OBJECT_CLIENTS = ("obstore", "fsspec")
 
@@ -99,6 +101,20 @@ def redundancy_store() -> tuple[str, int] | None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"DSTT_REDUNDANCY_STORE={text!r}: expected HOST:PORT")
     return host, int(port)
+
+
+def redundancy_transport() -> str:
+    """How redundancy blocks travel between the capture helpers: ``p2p``
+    (capture/transport.py) or ``store`` (the TCPStore as their mailbox).
+
+    >>> with override(DSTT_REDUNDANCY_TRANSPORT="store"):
+    ...     redundancy_transport()
+    'store'
+    """
+    text = _text("DSTT_REDUNDANCY_TRANSPORT").lower() or "p2p"
+    if text not in ("p2p", "store"):
+        raise ConfigError(f"DSTT_REDUNDANCY_TRANSPORT={text!r}: expected p2p or store")
+    return text
 
 
 def pack_chunk_bytes() -> int:

@@ -7,10 +7,11 @@ A group is ``k + 1`` nodes (dstt.format.redundancy.parity_groups), one
 rank of each: the ranks at the same position on their nodes. Member ``i``
 cuts its step image (capture/stepimage.py: the bytes its ring holds for
 the step, encoded where encoded) into ``k`` stripes, one per other
-member, and posts each, framed (dstt.format.parityacc.stripe_block),
-through the same mailbox ``pair`` uses (capture/peerguard.py: the job's
-c10d TCPStore, every call bounded) under ``pst/<src>/<dst>/<n>``. Each
-member XORs the stripes it is sent as they arrive (dstt.format.parityacc:
+member, and sends each, framed (dstt.format.parityacc.stripe_block),
+the way ``pair`` sends its blocks (capture/peerguard.py: point to point
+over the helpers' gloo group, capture/transport.py; control records in
+the job's c10d TCPStore; every call bounded) under
+``pst/<src>/<dst>/<n>``. Each member XORs the stripes it is sent as they arrive (dstt.format.parityacc:
 torn, stale and duplicate stripes refused or ignored, only the parity
 kept: ``1/k`` of an image per step), writes the complete parity framed
 to its node-local memory directory (``<DSTT_SHM_DIR or /dev/shm>/
@@ -95,6 +96,7 @@ class ParityGuard(PeerGuard):
 
     def close(self, clean: bool) -> None:
         self.pump([], force=True)
+        self.close_box(clean)
         if clean:
             import shutil
 
@@ -140,7 +142,7 @@ class ParityGuard(PeerGuard):
         for h in self.out_seq:
             data = PA.stripe_block(image, run=self.run, branch_id=self.branch_id, step=step, src=self.rank,
                                    holder=h, members=self.members)
-            post_block(self.box, f"pst/{self.rank}/{h}/{self.out_seq[h]}", data)
+            post_block(self.box, f"pst/{self.rank}/{h}/{self.out_seq[h]}", data, dst=h)
             self.out_seq[h] += 1
             self.bytes_sent += len(data)
         self.answers[step] = set()

@@ -15,9 +15,12 @@ fails; every other wait is bounded):
    exactly one member's image is missing and every other member holds
    its image and its parity (two missing in a group: nothing rebuilt; the
    recovery then names the steps once, capture/nodeloss.py);
-3. for each, the survivors post their image (read back from their ring,
-   CRC-checked as recovery reads any ring) and their parity through the
-   job's mailbox (the c10d TCPStore ``pair`` uses); the lost rank's new
+3. for each, the survivors send their image (read back from their ring,
+   CRC-checked as recovery reads any ring) and their parity to the lost
+   rank, point to point over a gloo group the ranks form for the
+   recovery (capture/transport.py, as the helpers' guards send theirs:
+   its own rendezvous under the recovery's prefix of the job's c10d
+   store; the store mailbox only where that group cannot form); the lost rank's new
    process rebuilds its image by XOR, checks it and every survivor's
    image against the CRCs the parities recorded (dstt.format.parityacc),
    and writes it as its own dead ring (capture/stepimage.py), which the
@@ -31,12 +34,14 @@ and the next Capture runs it again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +51,8 @@ from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.capture.nodeloss import private_subdirs, read_copy
 from dstt.capture.paritygroup import _PAR_RE, parity_group
-from dstt.capture.peerguard import STORE_TIMEOUT_S, Mailbox, post_block, take_block
+from dstt.capture.peerguard import STORE_TIMEOUT_S, open_box, post_block, take_block
+from dstt.capture.transport import TransportError
 from dstt.errors import NodeLossWarning
 from dstt.format import parityacc as PA
 from dstt.format import redundancy as RD
@@ -69,7 +75,7 @@ class _Local:
     parse: Any = staticmethod(PA.parse_parity)
 
     def __init__(self, writer: Any, rank: int, world: int, base: Path | None) -> None:
-        self.writer, self.rank, self.base = writer, rank, base
+        self.writer, self.rank, self.world, self.base = writer, rank, world, base
         identity = ranks.ring_identity(str(writer.backend.url), writer.branch, rank, world)
         self.rings = R.abandoned(identity, base, dry_run=True)
         self.group = parity_group(str(writer.backend.url), writer.branch.name, base)
@@ -174,11 +180,30 @@ def recover(writer: Any, coord: Any, base: Path | None = None, *, local_kind: ty
                 shutil.rmtree(local.group, ignore_errors=True)
 
 
-def _exchange(local: _Local, tasks: list[tuple[str, int, int, list[int]]], token: str, rank: int) -> list[int]:
+@contextlib.contextmanager
+def recovery_box(local: _Local, token: str) -> Iterator[Any]:
+    """The mailbox of a recovery's exchange (collective: every rank that has
+    tasks): blocks point to point over a gloo group the ranks form for it
+    (peerguard.open_box: the replacement joins as the lost rank), closed at
+    the end."""
     addr = knobs.redundancy_store()
     if addr is None:
         raise OSError("no MASTER_ADDR/MASTER_PORT or DSTT_REDUNDANCY_STORE to meet the other ranks at")
-    box = Mailbox(addr, f"recover-{token}"[:64])
+    box = open_box(addr, f"recover-{token}"[:64], local.rank, local.world)
+    try:
+        yield box
+    finally:
+        close = getattr(box, "close", None)
+        if close is not None:
+            close()
+
+
+def _exchange(local: _Local, tasks: list[tuple[str, int, int, list[int]]], token: str, rank: int) -> list[int]:
+    with recovery_box(local, token) as box:
+        return _exchange_over(box, local, tasks, rank)
+
+
+def _exchange_over(box: Any, local: _Local, tasks: list[tuple[str, int, int, list[int]]], rank: int) -> list[int]:
     done: list[int] = []
     gone = False  # a part (or the lost rank's answer) did not come in time: the rest is not waited for
     for run, step, lost, members in tasks:
@@ -193,16 +218,16 @@ def _exchange(local: _Local, tasks: list[tuple[str, int, int, list[int]]], token
             if ok:
                 done.append(step)
         elif rank in members and not gone:
-            gone = not _contribute(local, box, run, step, key)
+            gone = not _contribute(local, box, run, step, key, lost)
     if done:
         log.warning("dstt: rank %d rebuilt its steps %s from its parity group (redundancy)", rank,
                     ", ".join(map(str, done)))
     return done
 
 
-def _contribute(local: _Local, box: Any, run: str, step: int, key: str) -> bool:
-    """Post this rank's image and parity of ``step``; wait (bounded) for the
-    lost rank to be done with them: whether it said so in time."""
+def _contribute(local: _Local, box: Any, run: str, step: int, key: str, lost: int) -> bool:
+    """Send this rank's image and parity of ``step`` to rank ``lost``; wait
+    (bounded) for it to be done with them: whether it said so in time."""
     bid = int(local.writer.branch.id)
     try:
         img = RD.frame(local.image(run, step), run=run, branch_id=bid, step=step, rank=local.rank)
@@ -210,11 +235,11 @@ def _contribute(local: _Local, box: Any, run: str, step: int, key: str) -> bool:
     except (RD.BlockError, R.CorruptRing, OSError, KeyError, ValueError) as e:
         log.warning("dstt: rank %d cannot give its part of step %d: %s", local.rank, step, e)
         img = par = b""  # (refused by its frame on the other side: nothing is waited for in vain)
-    post_block(box, f"img/{key}/{local.rank}", img)
-    post_block(box, f"par/{key}/{local.rank}", par)
+    post_block(box, f"img/{key}/{local.rank}", img, dst=lost)
+    post_block(box, f"par/{key}/{local.rank}", par, dst=lost)
     deadline = time.monotonic() + WAIT_S
     while box.peek(f"done/{key}") is None:
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or getattr(box, "failed", None):
             return False
         time.sleep(0.01)
     return True
@@ -223,7 +248,8 @@ def _contribute(local: _Local, box: Any, run: str, step: int, key: str) -> bool:
 def _rebuild(local: _Local, box: Any, run: str, step: int, lost: int, members: list[int],
              key: str) -> tuple[bool, bool]:
     """Take the survivors' parts of ``step``, rebuild this rank's image, write
-    it as a ring of its own: (whether it was, whether a part did not come in time)."""
+    it as a ring of its own: (whether it was, whether a part did not come in
+    time or the transport failed)."""
     bid = int(local.writer.branch.id)
     late = False
     images: dict[int, bytes] = {}
@@ -245,11 +271,15 @@ def _rebuild(local: _Local, box: Any, run: str, step: int, lost: int, members: l
         stepimage.materialize(PA.rebuild_lost(lost, images, parities, members), local.base)
         return True, late
     except (RD.BlockError, OSError, ValueError) as e:
+        late = late or isinstance(e, TransportError)  # (nothing more comes over a failed transport)
         warnings.warn(f"dstt: rank {lost}'s step {step} is not rebuilt from its parity group: {e}",
                       NodeLossWarning, stacklevel=2)
-        for m in members:  # (what did arrive is taken out of the mailbox)
-            take_block(box, f"img/{key}/{m}")
-            take_block(box, f"par/{key}/{m}")
+        try:
+            for m in members:  # (what did arrive is taken out of the mailbox)
+                take_block(box, f"img/{key}/{m}")
+                take_block(box, f"par/{key}/{m}")
+        except TransportError:
+            pass
         return False, late
     finally:
         box.put(f"done/{key}", b"1")  # (the survivors stop waiting)

@@ -3,18 +3,22 @@ the steps its memory tier holds to its partner node's helper, which keeps
 them in its own node-local memory directory, and says which steps are
 protected (acknowledged copies) in the store.
 
-Runs entirely in the helpers: the trainer only seals. Transport: the job's
-own c10d ``TCPStore`` (``MASTER_ADDR:MASTER_PORT``, or
-``DSTT_REDUNDANCY_STORE``) as a mailbox, under a prefix of the run:
-``node/<rank>`` (each helper's node), ``blk/<rank>/<n>`` (the n-th framed
-step image of a rank, dstt.format.redundancy.frame: its part count, the
-parts under ``blk/<rank>/<n>/<i>``, 4 MiB each), ``ack/<rank>/<step>``
-(its holder kept it), ``low/<rank>`` (the oldest step a rank still holds:
-older copies are dropped). Every store call is bounded by its timeout;
+Runs entirely in the helpers: the trainer only seals. Blocks (a rank's
+n-th framed step image, dstt.format.redundancy.frame, under
+``blk/<rank>/<n>``) go point to point from sender to holder over a gloo
+group of the run's helpers (capture/transport.py: its own rendezvous
+under the run's prefix of the job's c10d store, ``MASTER_ADDR:MASTER_PORT``
+or ``DSTT_REDUNDANCY_STORE``). The store keeps only the small control
+records, under a prefix of the run: ``node/<rank>`` (each helper's node),
+``ack/<rank>/<step>`` (its holder kept it), ``low/<rank>`` (the oldest
+step a rank still holds: older copies are dropped), and the transport's
+doorbells. Where the group cannot form (said once), or with
+``DSTT_REDUNDANCY_TRANSPORT=store``, the store itself is the mailbox of
+the blocks too (:class:`Mailbox`: in parts of 4 MiB under
+``blk/<rank>/<n>/<i>``, taken out by the holder). Every call is bounded;
 one that fails turns redundancy off for this helper with one warning (its
-steps count as unprotected), never stops the tier. A block is taken out
-of the mailbox by its holder, so the mailbox holds at most
-:data:`MAX_INFLIGHT` blocks per rank.
+steps count as unprotected), never stops the tier. At most
+:data:`MAX_INFLIGHT` blocks of a rank are unacknowledged.
 
 Copies live under ``<DSTT_SHM_DIR or /dev/shm>/dstt-<uid>-copies/<group>/
 <run>/rank-<r>/step-<step>.blk``, framed, written atomically; recovery
@@ -34,7 +38,7 @@ from typing import Any
 
 from dstt import knobs
 from dstt.capture import ringowner as O
-from dstt.capture import stepimage
+from dstt.capture import stepimage, transport
 from dstt.format import redundancy as RD
 from dstt.format.layout import step_ranges
 
@@ -87,10 +91,17 @@ class Mailbox:
         return data
 
 
-def post_block(box: Any, key: str, data: bytes) -> None:
-    """``data`` under ``key`` in parts of at most PART_BYTES (the TCPStore
-    refuses a value over 8 MiB), the part count last: a block is whole
-    once its count is there."""
+def post_block(box: Any, key: str, data: bytes, dst: int | None = None) -> None:
+    """Send ``data`` under ``key`` to rank ``dst``: point to point where
+    ``box`` is a :class:`~dstt.capture.transport.P2PBox` (queued: sent on
+    its thread); else (or without ``dst``) through the store, in parts of
+    at most PART_BYTES (the TCPStore refuses a value over 8 MiB), the part
+    count last: a block is whole once its count is there."""
+    if hasattr(box, "send_block"):
+        if dst is not None:
+            box.send_block(dst, key, data)
+            return
+        _through_store_once(key)
     parts = [data[i:i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
     for i, part in enumerate(parts):
         box.put(f"{key}/{i}", part)
@@ -98,13 +109,46 @@ def post_block(box: Any, key: str, data: bytes) -> None:
 
 
 def take_block(box: Any, key: str) -> bytes | None:
-    """The block posted under ``key`` (its parts taken out), None if not
-    there yet; a part missing reads as a torn block (refused by its frame)."""
+    """The block sent under ``key`` (taken out), None if not there yet --
+    from the point-to-point transport where ``box`` has one, else (or not
+    there) from the store; a part missing or a payload torn on the wire
+    reads as a torn block (refused by its frame)."""
+    if hasattr(box, "take_block"):
+        data: bytes | None = box.take_block(key)
+        if data is not None:
+            return data
     count = box.take(key)
     if count is None:
         return None
     n = int(count) if count.isdigit() and int(count) <= MAX_PARTS else 0
     return b"".join(box.take(f"{key}/{i}") or b"" for i in range(n))
+
+
+_warned: set[str] = set()
+
+
+def _through_store_once(key: str) -> None:
+    kind = key.split("/", 1)[0]
+    if kind not in _warned:
+        _warned.add(kind)
+        log.warning("dstt: blocks %r are posted without their destination: they go through the job's store", kind)
+
+
+def open_box(addr: tuple[str, int], run: str, rank: int, world: int, timeout_s: float = STORE_TIMEOUT_S) -> Any:
+    """The mailbox of ``run``'s ``world`` ranks (collective: every rank of
+    the run calls it): a P2PBox (blocks point to point over a gloo group of
+    their own, control records in the store); the store alone
+    (:class:`Mailbox`) with ``DSTT_REDUNDANCY_TRANSPORT=store`` or where the
+    group does not form within ``timeout_s`` (said once)."""
+    box = Mailbox(addr, run, timeout_s)
+    if knobs.redundancy_transport() == "store":
+        return box
+    try:
+        return transport.P2PBox(box, transport.Transport(addr, f"dstt-redundancy/{run}/", rank, world, timeout_s))
+    except transport.TransportError as e:
+        log.warning("dstt (rank %d): %s; redundancy blocks go through the job's store instead (it holds them in "
+                    "memory until taken)", rank, e)
+        return box
 
 
 class PeerGuard:
@@ -175,8 +219,15 @@ class PeerGuard:
         """The tier closed (``clean``: the trainer's close; its copies of the
         others are no longer needed) or the trainer died (kept)."""
         self.pump([], force=True)
+        self.close_box(clean)
         if clean:
             _remove_tree(self.dir)
+
+    def close_box(self, clean: bool) -> None:
+        """Stop the transport (the queued blocks sent first unless ``clean``: nobody needs them then)."""
+        close = getattr(self.box, "close", None)
+        if close is not None:
+            close(drain=not clean)
 
     # ------------------------------------------------------------ internals
 
@@ -258,7 +309,7 @@ class PeerGuard:
     def _post(self, step: int, image: bytes) -> None:
         """Send ``step``'s image to its holder (framed)."""
         data = RD.frame(image, run=self.run, branch_id=self.branch_id, step=step, rank=self.rank)
-        post_block(self.box, f"blk/{self.rank}/{self.next_out}", data)
+        post_block(self.box, f"blk/{self.rank}/{self.next_out}", data, dst=self.holder)
         self.bytes_sent += len(data)
         self.next_out += 1
 
@@ -375,7 +426,9 @@ def start(tier_args: dict[str, Any], records: Any, writer: Any, ops: Any,
         log.warning("dstt helper (rank %d): peer redundancy off: %s", records.rank, e)
         return None
     run = str(tier_args["run"])
-    return (kind or PeerGuard)(scheme, run, records.rank, records.world, ops, writer, lambda: Mailbox(addr, run))
+    rank, world = records.rank, records.world
+    return (kind or PeerGuard)(scheme, run, rank, world, ops, writer, lambda: open_box(addr, run, rank, world))
 
 
-__all__ = ["MAX_INFLIGHT", "Mailbox", "PeerGuard", "copies_group", "copies_root", "start"]
+__all__ = ["MAX_INFLIGHT", "Mailbox", "PeerGuard", "copies_group", "copies_root", "open_box", "post_block", "start",
+           "take_block"]

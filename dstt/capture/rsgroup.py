@@ -2,7 +2,7 @@
 26): Reed-Solomon across a group of ``k + m`` nodes (one rank of each),
 through pyeclib (dstt.format.rsacc: the layout, the coding, the checks).
 
-The guard is ``parity:k``'s (capture/paritygroup.py: the same mailbox, the
+The guard is ``parity:k``'s (capture/paritygroup.py: the same transport, the
 same parity files under ``<DSTT_SHM_DIR or /dev/shm>/dstt-<uid>-parity/``,
 the same acknowledgements and protection records) with two differences:
 
@@ -39,7 +39,7 @@ class RSGuard(ParityGuard):
         for h in self.out_seq:
             data = RS.stripe_block(image, run=self.run, branch_id=self.branch_id, step=step, src=self.rank,
                                    holder=h, members=self.members, m=self.scheme.m)
-            post_block(self.box, f"pst/{self.rank}/{h}/{self.out_seq[h]}", data)
+            post_block(self.box, f"pst/{self.rank}/{h}/{self.out_seq[h]}", data, dst=h)
             self.out_seq[h] += 1
             self.bytes_sent += len(data)
         self.answers[step] = set()

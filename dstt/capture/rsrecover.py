@@ -15,8 +15,10 @@ whose gathering, claiming and clean-up it shares):
    ``m`` missing: nothing rebuilt, the recovery names the steps once
    (capture/nodeloss.py);
 3. for each, every survivor posts its image (read back from its ring,
-   CRC-checked) and its fragments to each lost rank, through the job's
-   mailbox; each lost rank's new process decodes its image (pyeclib),
+   CRC-checked) and its fragments to each lost rank, point to point over
+   the recovery's gloo group (parityrecover.recovery_box,
+   capture/transport.py; the store mailbox only where it cannot form);
+   each lost rank's new process decodes its image (pyeclib),
    checks it and every survivor's image against the recorded CRCs, and
    writes it as its own dead ring, which the rank recovery then records
    like any ring a crash left.
@@ -30,13 +32,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from dstt import knobs
 from dstt.capture import ring as R
 from dstt.capture import stepimage
 from dstt.capture.nodeloss import read_copy
-from dstt.capture.parityrecover import WAIT_S, _Local
+from dstt.capture.parityrecover import WAIT_S, _Local, recovery_box
 from dstt.capture.parityrecover import recover as _recover
-from dstt.capture.peerguard import Mailbox, post_block, take_block
+from dstt.capture.peerguard import post_block, take_block
+from dstt.capture.transport import TransportError
 from dstt.errors import DsttError, NodeLossWarning
 from dstt.format import redundancy as RD
 
@@ -91,10 +93,11 @@ def recover(writer: Any, coord: Any, base: Path | None = None) -> list[int]:
 
 
 def _exchange(local: _Local, tasks: list[Task], token: str, rank: int) -> list[int]:
-    addr = knobs.redundancy_store()
-    if addr is None:
-        raise OSError("no MASTER_ADDR/MASTER_PORT or DSTT_REDUNDANCY_STORE to meet the other ranks at")
-    box = Mailbox(addr, f"recover-{token}"[:64])
+    with recovery_box(local, token) as box:
+        return _exchange_over(box, local, tasks, rank)
+
+
+def _exchange_over(box: Any, local: _Local, tasks: list[Task], rank: int) -> list[int]:
     done: list[int] = []
     gone = False  # a part (or a lost rank's answer) did not come in time: the rest is not waited for
     for run, step, lost, members, m in tasks:
@@ -127,11 +130,11 @@ def _contribute(local: _Local, box: Any, run: str, step: int, lost: list[int], k
         log.warning("dstt: rank %d cannot give its part of step %d: %s", local.rank, step, e)
         img = par = b""  # (refused by its frame on the other side: nothing is waited for in vain)
     for x in lost:
-        post_block(box, f"img/{key}/{x}/{local.rank}", img)
-        post_block(box, f"par/{key}/{x}/{local.rank}", par)
+        post_block(box, f"img/{key}/{x}/{local.rank}", img, dst=x)
+        post_block(box, f"par/{key}/{x}/{local.rank}", par, dst=x)
     deadline = time.monotonic() + WAIT_S
     while any(box.peek(f"done/{key}/{x}") is None for x in lost):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or getattr(box, "failed", None):
             return False
         time.sleep(0.01)
     return True
@@ -165,11 +168,15 @@ def _rebuild(local: _Local, box: Any, task: Task, key: str) -> tuple[bool, bool]
         stepimage.materialize(RS.rebuild_lost(lost, images, frags, members, m, only=me)[me], local.base)
         return True, late
     except (DsttError, OSError, ValueError) as e:
+        late = late or isinstance(e, TransportError)  # (nothing more comes over a failed transport)
         warnings.warn(f"dstt: rank {me}'s step {step} is not rebuilt from its parity group: {e}",
                       NodeLossWarning, stacklevel=2)
-        for x in survivors:  # (what did arrive is taken out of the mailbox)
-            take_block(box, f"img/{key}/{me}/{x}")
-            take_block(box, f"par/{key}/{me}/{x}")
+        try:
+            for x in survivors:  # (what did arrive is taken out of the mailbox)
+                take_block(box, f"img/{key}/{me}/{x}")
+                take_block(box, f"par/{key}/{me}/{x}")
+        except TransportError:
+            pass
         return False, late
     finally:
         box.put(f"done/{key}/{me}", b"1")  # (the survivors stop waiting)

@@ -465,11 +465,27 @@ def acquire(backend: Any, branch: str, *, timeout: float = 0.0, ttl: float = LEA
     return lock
 
 
-def branch_set_lock(backend: Any, *, timeout: float = 2.0) -> BranchLock:
+def branch_set_lock(backend: Any, *, timeout: float = 2.0, patience: float = 60.0) -> BranchLock:
     """Take the lock of the store's branch set (see :data:`BRANCH_SET`).
-    Creating a branch holds it for milliseconds, a prune or gc for as long
-    as they run: after ``timeout`` s StoreLockedError says which."""
-    return acquire(backend, BRANCH_SET, timeout=timeout)
+    Creating a branch holds it for a few requests, a prune or gc for as
+    long as they run. Branch creations racing each other queue up: on an
+    object store each holds it for a fraction of a second, so the wait
+    fails (StoreLockedError saying who holds it) only once one holder has
+    held it for ``timeout`` s, or after ``patience`` s in all."""
+    backend = open_backend(backend)
+    lock = BranchLock(backend, BRANCH_SET)
+    start = time.monotonic()
+    holding: tuple[Any, ...] | None = None
+    since = start
+    while not lock.try_acquire():
+        now = time.monotonic()
+        info = lock.holder()
+        if (info.token, info.pid, info.since) != holding:  # another holder: the queue moves
+            holding, since = (info.token, info.pid, info.since), now
+        if now - since >= timeout or now - start >= patience:
+            raise _locked_error(backend, BRANCH_SET, info)
+        time.sleep(min(0.05, max(0.0, timeout - (now - since))))
+    return lock
 
 
 def lock_holder(backend: Any, branch: str) -> LockInfo | None:

@@ -4,6 +4,9 @@
 ``write()`` runs the three phases synchronously and is what ``dstt.save``
 uses; the asynchronous capture engine calls the phases itself (``plan`` on
 the trainer thread, ``flush_chunk`` and ``commit`` in the background).
+Opening the branch (store, lock, branch document, the latest step's chunks
+read back) is store/branchopen.py's; the flush phase store/flusher.py's; the
+commit phase dstt.format.commit's.
 
 Invariants:
 
@@ -31,41 +34,25 @@ import torch
 
 from dstt.errors import (
     CaptureError,
-    ChecksumMismatchError,
     ConfigError,
-    CorruptStoreError,
     DsttError,
-    InvalidNameError,
     StepExistsError,
-    StepNotFoundError,
     StepOrderError,
 )
 from dstt.format import layout as L
-from dstt.format.backends import Backend, open_backend
-from dstt.format.codecs.keyframes import Link, resolved_tails
+from dstt.format.backends import Backend
+from dstt.format.codecs.keyframes import Link
 from dstt.format.codecs.stepcoder import StepCoder
 from dstt.format.commit import ChunkResult, CommitInfo, CommitPhase, CommitPlan
 from dstt.format.groupcommit import commit_group
 from dstt.format.heads import latest_committed
-from dstt.format.index import resolve_parent
-from dstt.format.lock import acquire as acquire_lock
-from dstt.format.manifest import (
-    parse_commit,
-    parse_index_checked,
-    sha256_hex,
-)
 from dstt.format.packs import StepPacks
 from dstt.format.pygc import paused_gc
-from dstt.format.root import (
-    BranchInfo,
-    create_branch,
-    ensure_root,
-    load_branch,
-    raise_root_version,
-)
+from dstt.format.root import BranchInfo, load_branch, raise_root_version
 from dstt.format.writeoptions import WriteOptions
 from dstt.store import predflush
 from dstt.store.arraydocs import ArrayDocs
+from dstt.store.branchopen import open_branch, previous_links
 from dstt.store.coord import Coordinator, default_coordinator
 from dstt.store.flusher import Flusher, batches, chunk_bytes
 from dstt.store.plan import AgreedExchange, ChunkTask, StepPlan, plan_step
@@ -126,12 +113,11 @@ class Writer:
         self.dedup = options.dedup
         coord = coordinator or default_coordinator()
         self.rank = coord.rank
-        # A lock already held for this branch (a capture helper inherits its
-        # trainer's: capture/helper.py); else rank 0 takes it below.
-        self._given_lock = lock
-        self._branch_lock: Any = None  # rank 0 holds the branch write lock (lock.py)
-        self._storage_options = options.storage_options
-        self.backend: Backend = self._setup(store, branch, parent, coord)
+        # Rank 0 holds the branch write lock (lock.py): ``lock``, one already
+        # held (a capture helper inherits its trainer's), else one it takes.
+        self.backend: Backend
+        self.backend, self._branch_lock = open_branch(store, branch, parent, coord, given_lock=lock,
+                                                      storage_options=options.storage_options)
         self.branch: BranchInfo = load_branch(self.backend, branch)
         #: The commit phase (dstt.format.commit): commits may run on another
         #: thread than planning, with their own coordinator.
@@ -180,6 +166,11 @@ class Writer:
         elif self.branch.parent is not None:
             self._load_prev(*self.branch.parent)
 
+    def _load_prev(self, branch: str, step: int, commit: dict[str, Any] | None = None) -> None:
+        """Dedup against the chunks of ``step`` (store/branchopen.py)."""
+        self._tails, known = previous_links(self.backend, branch, step, commit)
+        self.docs.known_arrays.update(known)
+
     # ------------------------------------------------------------------ the commit phase's state
 
     @property
@@ -210,74 +201,6 @@ class Writer:
         self.commits.last_commit = value
 
     # ------------------------------------------------------------------ setup
-
-    def _setup(self, store: Any, branch: str, parent: L.StepRef | str | None, coord: Coordinator) -> Backend:
-        error = None
-        backend = None
-        if self.rank == 0:
-            try:
-                backend = open_backend(store, create=True, storage_options=self._storage_options)
-                ensure_root(backend)
-                self._branch_lock = self._given_lock or acquire_lock(backend, branch)
-                self._ensure_branch(backend, branch, resolve_parent(backend, parent))
-            except DsttError as e:
-                error = e
-                if self._branch_lock is not None:
-                    self._branch_lock.release()
-        if coord.distributed:
-            error = coord.broadcast(error)
-        if error is not None:
-            raise error
-        if backend is None:
-            backend = open_backend(store, create=False, storage_options=self._storage_options)
-        return backend
-
-    @staticmethod
-    def _ensure_branch(backend: Backend, branch: str, parent: tuple[str, int] | None) -> None:
-        if parent is not None:
-            L.validate_step(parent[1], "parent step")
-        if backend.exists(L.branch_key(branch)):
-            info = load_branch(backend, branch)
-            if parent is not None and info.parent != tuple(parent):
-                raise InvalidNameError(
-                    f"branch {branch!r} already exists with parent {info.parent}; "
-                    f"cannot reuse it for parent {tuple(parent)}"
-                )
-            return
-        if parent is not None:
-            load_branch(backend, parent[0])  # an unknown parent branch, named as such
-        create_branch(backend, branch, None if parent is None else (parent[0], L.validate_step(parent[1], "parent step")))
-
-    def _get(self, key: str, max_bytes: int) -> bytes:
-        data = self.backend.get(key, max_bytes=max_bytes)
-        if data is None:
-            raise StepNotFoundError(f"missing {key} in {self.backend.url}")
-        return data
-
-    def _load_prev(self, branch: str, step: int, commit: dict[str, Any] | None = None) -> None:
-        """Dedup against the chunks of ``step``, read like readers read it:
-        its index.json must match the size and sha256 its commit records
-        (a damaged index would make every new step point at wrong slots)."""
-        where = L.step_dir(branch, step)
-        if commit is None:
-            commit = parse_commit(self._get(f"{where}/{L.COMMIT_FILE}", L.MAX_DOC_BYTES), where)
-        rec = commit["files"][L.INDEX_FILE]
-        try:
-            data: bytes | None = self._get(f"{where}/{L.INDEX_FILE}", rec["size"])
-        except CorruptStoreError:  # longer than recorded (or not a regular file)
-            data = None
-        if data is None or len(data) != rec["size"] or sha256_hex(data) != rec["sha256"]:
-            raise ChecksumMismatchError(
-                f"{where}/{L.INDEX_FILE}: does not match its commit record (damaged); this writer would "
-                f"reference its chunks: run dstt verify, and continue on a branch from an intact step")
-        entries, _ = parse_index_checked(data, where, rec["sha256"])
-        # Keyframe bytes are not kept across writers: the first step delta
-        # codes nothing (its chunks are keyframes), dedup still applies.
-        with paused_gc():  # (a link per chunk, no cycles: issue 16)
-            self._tails = resolved_tails(entries)
-        # (an array all of whose chunks are packed has no zarr.json: a writer
-        # packing less, DSTT_PACK_CHUNK_BYTES changed, must write it)
-        self.docs.known_arrays.update(e.array for e in entries if e.packs is None or None in e.packs)
 
     # ------------------------------------------------------------------ phases
 

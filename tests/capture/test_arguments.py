@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,23 @@ def _files(root: Path) -> dict[str, bytes]:
     return out
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Path:
-    """A store with steps 0..2 on main and a second branch."""
-    path = tmp_path / "run"
+@pytest.fixture(scope="module")
+def store_made_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store with steps 0..2 on main and a second branch, saved once per
+    module (four synced saves per case were most of this module's time)."""
+    path = tmp_path_factory.mktemp("arguments") / "run"
     for s in range(3):
         dstt.save(path, s, {"w": torch.full((4,), float(s))})
     dstt.save(path, 5, {"w": torch.zeros(4)}, branch="side", parent=("main", 1))
+    return path
+
+
+@pytest.fixture
+def store(store_made_once: Path, tmp_path: Path) -> Path:
+    """A copy of that store of this test's own: what a refused call might
+    change is compared with it, and no case sees another's changes."""
+    path = tmp_path / "run"
+    shutil.copytree(store_made_once, path, symlinks=True)
     return path
 
 
@@ -251,8 +262,21 @@ TRAINER_CALLS: list[tuple[str, dict[str, Any], Any]] = [
 ]
 
 
-@pytest.mark.parametrize("memory_steps", [None, 4], ids=["store", "memory-tier"])
-@pytest.mark.parametrize("call, args, exc", [pytest.param(c, a, e, id=_id(f"{c}-{a}", 70)) for c, a, e in TRAINER_CALLS])
+def _trainer_cases() -> list[Any]:
+    """Every call in both modes; snapshot's arguments are refused before the
+    step reaches the memory tier (validate_step, state_of: the same path in
+    both modes), so with the tier one snapshot case stays quick and the rest
+    run under -m slow."""
+    out = []
+    for memory_steps, mode in ((None, "store"), (4, "memory-tier")):
+        for i, (c, a, e) in enumerate(TRAINER_CALLS):
+            slow = memory_steps is not None and c == "snapshot" and i > 0
+            out.append(pytest.param(memory_steps, c, a, e, id=f"{_id(f'{c}-{a}', 70)}-{mode}",
+                                    marks=[pytest.mark.slow] if slow else []))
+    return out
+
+
+@pytest.mark.parametrize("memory_steps, call, args, exc", _trainer_cases())
 def test_trainer_calls_are_refused_before_anything_changes(tmp_path: Path, memory_steps: int | None, call: str,
                                                            args: dict[str, Any], exc: Any) -> None:
     """A refused call leaves the store (every byte, no incident), the memory

@@ -89,6 +89,10 @@ def test_readers_beside_a_live_writer(tmp_path: Path) -> None:
             assert cli.returncode == 0, cli.stdout + cli.stderr
             doc = json.loads(cli.stdout)
             assert doc["ok"] and doc["steps"] == 1 and doc["tensors"] >= 5
+        # The reader thread has read at least three steps while the writer
+        # lives (waited for: on a loaded machine it may not have yet).
+        wait_for(lambda: seen["reads"] >= 3 or bool(errors) or not t.is_alive(), 120, "three reads")
+        wait_for(lambda: len(committed(path)) > 2 or writer.poll() is not None, 120, "a third commit")
         assert writer.poll() is None
         assert len(committed(path)) > 2
     finally:
@@ -190,6 +194,45 @@ def test_acquire_all_blocks_every_writer(tmp_path: Path) -> None:
         assert lock_holder(path, "main") is None  # what it took before failing was released
     finally:
         w.close()
+
+
+def test_branch_creations_queue_for_the_branch_set_lock_a_long_holder_is_refused(tmp_path: Path) -> None:
+    """Creators holding the branch-set lock one after another, each for less
+    than the bound, make a waiter wait, not fail (racing branch creations on
+    an object store, each a few requests long); one holder keeping it past
+    the bound (a prune, a gc) is refused, naming it."""
+    from dstt.format.lock import BRANCH_SET, branch_set_lock
+
+    backend = open_backend(tmp_path / "run", create=True)
+    first = acquire(backend, BRANCH_SET)
+    handed = threading.Event()
+
+    def creators() -> None:  # six holders of 0.25 s each, handing the lock straight on
+        held = first
+        for _ in range(5):
+            time.sleep(0.25)
+            held.release()
+            held = acquire(backend, BRANCH_SET, timeout=5)
+            handed.set()
+        time.sleep(0.25)
+        held.release()
+
+    t = threading.Thread(target=creators)
+    t.start()
+    try:
+        start = time.monotonic()
+        lock = branch_set_lock(backend, timeout=1.0)  # 1.5 s queued in all: it waits its turn
+        waited = time.monotonic() - start
+        assert handed.is_set() and waited >= 1.0, waited
+    finally:
+        t.join(30)
+    long = lock  # now one holder keeps it
+    try:
+        with pytest.raises(StoreLockedError, match=f"branches of .* are being changed by .*pid {os.getpid()}"):
+            branch_set_lock(backend, timeout=0.3)
+    finally:
+        long.release()
+    branch_set_lock(backend, timeout=0.3).release()  # free again
 
 
 def test_lease_lock_for_object_stores() -> None:

@@ -16,8 +16,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,16 +127,16 @@ def _killpg(pid: int) -> None:
 def lose_nodes(tmp_path: Path, scheme: str, lost: list[int], n: int = 2, nowait: bool = False,
                kill_recovery_after_s: float | None = None, corrupt: bool = False, stall: int | None = None,
                steps: int = 8, ddp: bool = False, chosen: list[object] | None = None, per: int = 1,
-               state: str = "fsdp") -> tuple[Nodes, list[dict[str, object]]]:
+               state: str = "fsdp", env: dict[str, str] | None = None) -> tuple[Nodes, list[dict[str, object]]]:
     """Train on ``n`` nodes x 1 rank until the held steps are protected
     (``nowait``: lose them at once, copies possibly under way), lose the
     nodes ``lost`` (the others' job dies with them: killed, their memory
     directories kept), restart with fresh nodes in their place
     (``kill_recovery_after_s``: that restart killed too, then another).
     ``ddp``/``state``: how the state is laid out (node_ranks.py); ``per``
-    ranks on each node."""
+    ranks on each node; ``env``: more environment for every phase."""
     nodes = Nodes(tmp_path, n, per)
-    state_env = {"NODE_RANKS_STATE": "ddp" if ddp else state}
+    state_env = {"NODE_RANKS_STATE": "ddp" if ddp else state, **(env or {})}
     try:
         env = {**state_env, **({"NODE_RANKS_NOWAIT": "1"} if nowait else {}),
                **({"NODE_RANKS_STALL": str(stall)} if stall is not None else {})}
@@ -220,12 +222,66 @@ def test_pair_two_nodes_lose_one_after_the_copy(tmp_path: Path) -> None:
     """The representative trial: ``pair``, node 1 lost (its processes and
     its memory) once its held steps are protected; the restarted job
     rebuilds rank 1's shards of steps 5-7 from node 0's copies and commits
-    them, bit-exact."""
-    nodes, recovered = lose_node_after_protection(tmp_path, "pair", lost=1)
+    them, bit-exact. The copies went point to point (capture/transport.py):
+    the c10d store the helpers meet at (DSTT_REDUNDANCY_STORE, watched
+    throughout) held their doorbells and control records, never a block."""
+    with StoreWatch() as watch:
+        nodes, recovered = lose_nodes(tmp_path, "pair", [1], env={"DSTT_REDUNDANCY_STORE": watch.addr})
     assert recovered[0]["recovered"] == [5, 6, 7], nodes.logs()
     assert recovered[0]["warnings"] == []
     check_bits(tmp_path, [0, 5, 6, 7])
     assert not any(nodes.shm(0).rglob("*.blk"))  # the copies consumed
+    assert watch.rang and not watch.blocks, (watch.blocks, nodes.logs())
+    assert watch.largest < 4096, watch.largest  # (a block is the ~4 MB image of a rank's shards)
+
+
+def _value(server: Any, key: str) -> bytes:
+    """``key``'s value, b"" if it was taken meanwhile -- never waited for (a
+    compare-and-set against a value no key holds changes nothing and
+    answers the value, or that value back where the key is gone)."""
+    absent = b"\0dstt: no such value\0"
+    value = bytes(server.compare_set(key, absent, b"-"))
+    return b"" if value == absent else value
+
+
+class StoreWatch:
+    """A c10d TCPStore served by the test, its keys and values looked at
+    every 10 ms: ``blocks``, the keys of blocks (the store mailbox's) seen;
+    ``rang``, the runs whose transport rang a doorbell (a recovery's:
+    ``recover-...``); ``largest``, the largest value seen under the
+    helpers' prefix."""
+
+    def __init__(self) -> None:
+        from datetime import timedelta
+
+        from torch._C._distributed_c10d import TCPStore
+
+        self.server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+        self.addr = f"127.0.0.1:{self.server.port}"
+        self.blocks: set[str] = set()
+        self.rang: set[str] = set()
+        self.largest = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> StoreWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01):
+            for key in self.server.list_keys():
+                if not key.startswith("dstt-redundancy/"):
+                    continue
+                if "/p2p//bell/" in key:
+                    self.rang.add(key.split("/")[1])
+                if re.search(r"//(blk|pst|img|par)/", key):
+                    self.blocks.add(key)
+                self.largest = max(self.largest, len(_value(self.server, key)))
 
 
 @pytest.mark.slow
@@ -370,12 +426,17 @@ def no_parity_left(nodes: Nodes) -> bool:
 def test_parity_three_nodes_lose_a_data_node_after_the_parity(tmp_path: Path) -> None:
     """``parity:2`` over 3 nodes: node 1 lost once every held step's parity
     is complete; the restarted job rebuilds rank 1's images of steps 5-7 by
-    XOR from nodes 0 and 2 (their images and parities) and commits them, bit-exact."""
-    nodes, recovered = lose_nodes(tmp_path, "parity:2", [1], n=3)
+    XOR from nodes 0 and 2 (their images and parities) and commits them,
+    bit-exact. Stripes and the recovery's parts went point to point (the
+    replacement joined the recovery's group): the store never held one."""
+    with StoreWatch() as watch:
+        nodes, recovered = lose_nodes(tmp_path, "parity:2", [1], n=3, env={"DSTT_REDUNDANCY_STORE": watch.addr})
     assert recovered[0]["recovered"] == [5, 6, 7], nodes.logs()
     assert all(r["warnings"] == [] for r in recovered), recovered
     check_bits(tmp_path, [0, 5, 6, 7])
     assert no_parity_left(nodes)
+    assert not watch.blocks and watch.largest < 4096, (watch.blocks, watch.largest)
+    assert len(watch.rang) == 2 and any(r.startswith("recover-") for r in watch.rang), watch.rang
 
 
 @pytest.mark.slow
