@@ -15,6 +15,11 @@ One process, one run, every figure compared with others of the same run:
 * the disk: bytes the capture stored per second of the loop vs one raw
   fsync'ed sequential write of the same state (``raw_fsync_write``), and how
   many of the captured steps each mode stored;
+* the raw copy floor: the same loop doing only a plain copy of the state
+  into preallocated (already touched) memory each iteration, no dstt --
+  what capturing every step into memory costs at the least on this
+  machine's cores; the report says how much of each mode's added time per
+  iteration that copy is;
 * rewind latency: ``Capture.rewind`` from the memory tier vs ``dstt.restore``
   from the store vs ``torch.load`` + ``load_state_dict`` of the same step, vs
   one memcpy of the state (goal: ring rewind <= 2x one memcpy).
@@ -111,6 +116,26 @@ def phase(name: str, root: str, model: Any, opt: Any, args: Any, **options: Any)
             "loop_s": loop_s, "stored_steps": len(steps), "captured": args.iters - len(cap.skipped),
             "disk_mb_s": stored_in_loop / loop_s / 1e6, "drain_s": drain_s,
             "tier_where": getattr(cap, "tier_where", None)}
+
+
+def floor_phase(model: Any, opt: Any, args: Any) -> dict[str, Any]:
+    """The raw copy floor: the loop with a plain copy of every state tensor
+    into preallocated memory (touched once before: no page faults in the
+    loop) after each ``optimizer.step()`` -- no dstt at all."""
+    tensors = state_tensors(model, opt)
+    bufs = [torch.zeros_like(t) for t in tensors]
+    x = torch.ones(4096)
+    times = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        compute(args.compute_ms, x)
+        for p in model.parameters():
+            p.grad = p.detach() * 1e-3
+        opt.step()
+        for b, t in zip(bufs, tensors):
+            b.copy_(t)
+        times.append(time.perf_counter() - t0)
+    return {"iter_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3}
 
 
 def dcp_phase(root: str, model: Any, opt: Any, args: Any) -> dict[str, Any]:
@@ -223,6 +248,7 @@ def main() -> None:
     res["compute_ms"] = args.compute_ms
     base = loop(model, opt, args.iters, args.compute_ms)
     res["none"] = {"iter_ms": statistics.median(base) * 1e3, "mean_ms": statistics.mean(base) * 1e3}
+    res["copy_floor"] = floor_phase(model, opt, args)
     res["newest"] = phase("newest", root, model, opt, args, memory_steps=4, persist="newest", helper=False)
     res["newest_helper"] = phase("newest_helper", root, model, opt, args, memory_steps=4, persist="newest",
                                  helper=True)
@@ -266,6 +292,10 @@ def report(res: dict[str, Any], args: Any, state_bytes: int, raw_mb_s: float) ->
           f"{res['none']['iter_ms']:.0f} ms with no capture (median of {args.iters}; compute "
           f"{res['compute_ms']:.0f} ms of it)")
     print("mode            iter ms (median)  added   stored/captured  disk MB/s  vs raw  drain s  tier")
+    none_ms = res["none"]["iter_ms"]
+    floor_ms = res["copy_floor"]["iter_ms"]
+    print(f"{'raw copy floor':14s}  {floor_ms:7.0f}  {(floor_ms - none_ms) / none_ms * 100:+5.0f}%  "
+          "(a plain copy of the state into preallocated memory each iteration, no dstt)")
     for k in ("newest", "newest_helper", "helper_all", "helper_4", "wait", "skip", "dcp_async_save"):
         r = res.get(k)
         if r is None:
@@ -277,6 +307,12 @@ def report(res: dict[str, Any], args: Any, state_bytes: int, raw_mb_s: float) ->
         print(f"{k:14s}  {r['iter_ms']:7.0f}  {added:+5.0f}%  {r['stored_steps']:6d}/{r['captured']:<8d}  "
               f"{r['disk_mb_s']:9.0f}  {r['disk_mb_s'] / raw_mb_s:5.2f}x  {r.get('drain_s', 0):6.2f}  "
               f"{r.get('tier_where') or '-'}")
+    for k in ("newest", "newest_helper"):
+        r = res.get(k)
+        if r is not None and "refused" not in r and r["iter_ms"] > none_ms:
+            share = (floor_ms - none_ms) / (r["iter_ms"] - none_ms) * 100
+            print(f"{k}: the raw copy floor is {share:.0f}% of its added {r['iter_ms'] - none_ms:.1f} ms "
+                  "per iteration")
     rw = res.get("rewind")
     if rw and "refused" in rw:
         print(f"rewind: refused: {rw['refused']}")

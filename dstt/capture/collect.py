@@ -1,6 +1,7 @@
 """The one gc path (``dstt.gc()`` and ``dstt gc``): commit what dead
 trainers sealed (:mod:`dstt.capture.salvage`), then collect garbage
-(:func:`dstt.format.gc.collect_garbage`).
+(:func:`dstt.format.gc.collect_garbage`), then the memory tier's records of
+runs that are over (:mod:`dstt.capture.runsover`).
 
 Torch-free unless there is something to salvage: salvaging writes steps
 (the store's writer, which imports torch), but whether there is anything
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dstt.capture import ringowner as O
+from dstt.capture.runsover import collect_runs
 from dstt.format import layout as L
 from dstt.format.backends import open_backend
 from dstt.format.gc import GcReport, collect_garbage, leftover_records
@@ -71,4 +73,8 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
         records = sum(leftover_records(backend, b, dry_run) for b in list_branches(backend))
     report = collect_garbage(store, dry_run=dry_run, progress=progress)
     report.committed, report.records_removed = committed, records
+    # the memory tier's records of runs that are over, some helper of which died (runsover.py)
+    n, nbytes = collect_runs(backend, list_branches(backend), dry_run=dry_run, base=base)
+    report.tier_records_removed += n
+    report.bytes_freed += nbytes
     return report

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dstt.capture.pipeline import Job
-from dstt.capture.tier import MemoryTier, available_memory_bytes
+from dstt.capture.tier import MemoryTier
+from dstt.capture.tiersize import available_memory_bytes
 from dstt.errors import CaptureError
 from dstt.format.incidents import Incident
 from dstt.format.skips import write_skip

@@ -124,8 +124,8 @@ class CaptureConfig:
     #: Every wait of the capture (the capture helper's answer for a step, a
     #: staging block, a background thread, ``wait()``, ``close()``...) gives
     #: up after this many seconds during which nothing it waits for made
-    #: progress (no step committed, no chunk written, no CPU time or I/O of
-    #: the helper), with a CaptureError naming what did not answer; a helper
+    #: progress (no step committed, no chunk written, no answer of the
+    #: helper: its CPU time and I/O do not count), with a CaptureError naming what did not answer; a helper
     #: that does not answer is killed (its sealed steps stay in /dev/shm for
     #: the next Capture or ``dstt gc``). Raise it only for steps whose commit
     #: alone can stall that long (capture/waits.py).

@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from dstt.capture.pipeline import Job
-from dstt.capture.seals import encode_record, plan_of, read_record, seal_record
+from dstt.capture.sealplan import plan_of
+from dstt.capture.seals import encode_record, read_record, seal_record
 from dstt.format import layout as L
 from dstt.format.commit import CommitInfo
 from dstt.format.manifest import parse_commit

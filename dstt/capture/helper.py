@@ -23,10 +23,14 @@ How it is started and why that way:
   that at most ``HELPER_START_S`` (then the helper is killed and every
   step fails naming it; sealed steps stay for the next Capture).
 * Every wait on it is bounded (capture/waits.py): an answer is waited for
-  while the helper makes progress (CPU time or I/O); one that did not
-  come for ``background_timeout_s`` of no progress (a helper stopped by
-  SIGSTOP, hung on a filesystem) fails the step naming the helper, which
-  is killed -- its sealed steps stay in the ring for the next Capture or
+  while the helper answers -- each step's outcome, and a ``busy <step>``
+  line after each batch of a step's chunks written -- never counting its
+  CPU time or I/O: a helper spinning on a wait of its own (under
+  torch.distributed, polling the store for rank 0's commit; its command
+  polls) does nothing for its trainer. One that did not answer for
+  ``background_timeout_s`` (a helper stopped by SIGSTOP, hung on a
+  filesystem or on another rank's helper) fails the step naming the
+  helper, which is killed -- its sealed steps stay in the ring for the next Capture or
   ``dstt gc``. Commands are written without blocking (a helper that
   stopped reading cannot block the trainer either).
 * The branch lock is shared, not re-taken: the trainer passes its lock
@@ -99,7 +103,8 @@ class HelperHandle:
         self.closed = False
         self.lost = False  # the helper died (or never came up) while the trainer lives
         self._killed_why: str | None = None  # why this process killed it (kill)
-        self._seen: Activity | None = None  # its latest activity sample (_sample)
+        self._seen: Activity | None = None  # its latest activity sample (_sample: its start-up only)
+        self._heard = 0  # lines read from it after ready: the progress the waits on its answers count
         self._line: str | None = ""  # the latest line read (_next_line)
         self.lost_why: str | None = None  # how it was found lost, first ("exited (exit status -9...)")
 
@@ -178,21 +183,27 @@ class HelperHandle:
         raise self._gone(step, f"said {line[:200]!r} instead of ready")
 
     def _answer(self, step: int) -> str | None:
-        """The next line (None at end-of-file), waited for while the helper
-        makes progress; after ``timeout_s`` without any (a stopped or hung
-        helper) it is killed and the step fails naming it."""
+        """The next answer line (None at end-of-file), waited for while the
+        helper answers: a ``busy`` line (a batch of chunks written) is
+        progress, not an answer. After ``timeout_s`` without a line (a
+        stopped or hung helper, or one spinning on a wait of its own) it is
+        killed and the step fails naming it."""
         def arrived(t: float) -> bool:
             self._line = self._readline(t)
+            if self._line is not None and self._line.startswith("busy "):
+                self._heard += 1  # (the helper writing a step: progress, and the trainer's waits see it)
+                if self.on_progress is not None:
+                    self.on_progress()
+                self._line = ""
             return self._line != ""
 
-        self._seen = None  # (sampled only while an answer is late)
         self._line = ""
         try:
             until(arrived, limit_s=self.timeout_s, what=f"the capture helper's answer for step {step}",
-                  progress=self._sample)
+                  progress=lambda: self._heard)
         except Stalled:
             state = describe_state(self.pid)
-            self.kill(f"did not answer for {self.timeout_s:g} s (no CPU time or I/O meanwhile"
+            self.kill(f"did not answer for {self.timeout_s:g} s (no answer and no chunk written meanwhile"
                       f"{'; ' + state if state else ''}) and was killed")
             raise self._gone(step, self._killed_why or "") from None
         return self._line
@@ -404,7 +415,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         # remembers views of its ring slot and copies them only when the slot
         # goes back before the next persisted step is coded (persist=N,
         # "newest"); only such copies count against the bound.
-        from dstt.capture.tier import available_memory_bytes
+        from dstt.capture.tiersize import available_memory_bytes
 
         avail = available_memory_bytes()
         writer.coder.memory_limit = None if avail is None else avail // 4
@@ -463,9 +474,13 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         writer.prepare_pred(plan)
         # small chunks in groups (store/batchflush.py), large ones one per task;
         # a step of one batch (a small model) on this thread: no hand-over
+        def flush_batch(tasks: list[Any]) -> Any:
+            done = writer.flush_chunks(plan, tasks)
+            reply(f"busy {step}")  # progress the trainer's waits count (a long step's write)
+            return done
+
         parts = batches(plan.tasks)
-        flushed = ([writer.flush_chunks(plan, parts[0])] if len(parts) == 1
-                   else list(flush.map(lambda b: writer.flush_chunks(plan, b), parts)))
+        flushed = [flush_batch(parts[0])] if len(parts) == 1 else list(flush.map(flush_batch, parts))
         results = [r for done, _ in flushed for r in done]
         error = next((e for _, e in flushed if e is not None), None)
         if error is not None:
@@ -517,7 +532,7 @@ def serve(writer_options: dict[str, Any], store: Any, ring_dir: Path, lock_fd: i
         if tier is not None:  # the memory tier lives here (helperops.py, issue 25)
             from dstt.capture.helperops import serve_tier
 
-            if not serve_tier(tier, writer, records, ring_dir, pools, commands, reply, flush):
+            if not serve_tier({**tier, "trainer": trainer_pid}, writer, records, ring_dir, pools, commands, reply, flush):
                 pools.clear()
                 R.remove_ring(ring_dir)  # (the trainer died: every held step stored, nothing left sealed)
             return 0

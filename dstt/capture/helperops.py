@@ -194,6 +194,8 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     peers: Peers | None = None
     if records is not None:
         peers = StorePeers(writer.backend, writer.branch.name, str(tier_args["run"]), records.rank, records.world)
+        trainer = tier_args.get("trainer")
+        peers.opened(trainer if isinstance(trainer, int) else None)
         if records.rank != 0:
             records.mode = "record"  # rank 0 commits; this rank's helper never waits on it (no order to agree)
     policy = tier_args["policy"]

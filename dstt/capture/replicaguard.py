@@ -53,7 +53,8 @@ import torch
 from dstt.capture import nodeloss, stepimage
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
-from dstt.capture.seals import SEAL_FORMAT, SEAL_VERSION, StaleSeal, encode_record, plan_of
+from dstt.capture.sealplan import plan_of
+from dstt.capture.seals import SEAL_FORMAT, SEAL_VERSION, StaleSeal, encode_record
 from dstt.errors import NodeLossWarning
 from dstt.format import replicapieces as RPC
 from dstt.format import replicas as RP

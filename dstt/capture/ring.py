@@ -56,12 +56,12 @@ from dstt.capture.ringowner import SHM_ROOT as SHM_ROOT
 from dstt.capture.ringowner import group_dir as group_dir  # (defined there: torch-free, for gc's check)
 from dstt.capture.ringowner import ring_root as ring_root
 from dstt.capture.sealcheck import check_record
+from dstt.capture.sealplan import plan_of as plan_of
 from dstt.capture.seals import SEAL_FORMAT as SEAL_FORMAT  # the ring's records (seals.py), used as ring.X too
 from dstt.capture.seals import SEAL_VERSION as SEAL_VERSION
 from dstt.capture.seals import CorruptRing as CorruptRing
 from dstt.capture.seals import StaleSeal as StaleSeal
 from dstt.capture.seals import encode_record as encode_record
-from dstt.capture.seals import plan_of as plan_of
 from dstt.capture.seals import read_record as read_record
 from dstt.capture.seals import seal_record as seal_record
 from dstt.errors import CaptureError, DsttError, StepExistsError, StepOrderError

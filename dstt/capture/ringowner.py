@@ -204,11 +204,12 @@ def _namespace(kind: str) -> str | None:
         return None
 
 
-def process_identity() -> dict[str, Any]:
-    """This process: pid, start time, boot id, PID and mount namespaces
-    (None where /proc does not say)."""
-    got = _start_ticks("self")
-    return {"pid": os.getpid(), "start": got[0] if got else None,
+def process_identity(pid: int | None = None) -> dict[str, Any]:
+    """This process (or process ``pid`` as this one sees it: same boot and
+    namespaces): pid, start time, boot id, PID and mount namespaces (None
+    where /proc does not say)."""
+    got = _start_ticks("self" if pid is None else pid)
+    return {"pid": os.getpid() if pid is None else pid, "start": got[0] if got else None,
             "boot": _read_small("/proc/sys/kernel/random/boot_id"),
             "pidns": _namespace("pid"), "mntns": _namespace("mnt")}
 

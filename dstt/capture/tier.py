@@ -35,79 +35,29 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import warnings
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
-from dstt.capture.hostpool import ALIGN, PAGE, PAGE_BLOCK_BYTES, HostPool, SlotPool
+from dstt.capture.hostpool import PAGE, HostPool, SlotPool
 from dstt.capture.pipeline import Job
 from dstt.capture.ring import seal_record
+from dstt.capture.tiersize import EXTRA_SLOTS, available_memory_bytes, round_up, slot_bytes_for
+from dstt.capture.tierwrite import persist_step
 from dstt.capture.watcher import NanWatch
 from dstt.errors import CaptureError, MemoryTierWarning
 from dstt.format.layout import step_ranges
-from dstt.store.flusher import batches
-from dstt.store.plan import ChunkTask, StepPlan
+from dstt.store.plan import StepPlan
 from dstt.store.writer import Writer
-
-if TYPE_CHECKING:
-    from dstt.format.commit import ChunkResult
 
 #: The facade (dstt.capture.engine.Capture), typed loosely: engine imports this module.
 Capture = Any
 
 log = logging.getLogger("dstt.capture")
 
-#: Slots beyond K: the step being staged, one being written after it left the
-#: ring, the step before that one (read for the update statistics), and the
-#: one the NaN/Inf watcher is checking (with the K checked steps before it
-#: kept: MemoryTier.evict; a watcher further behind makes the
-#: trainer wait for a slot, or check steps itself: _tier_pool).
-EXTRA_SLOTS = 4
 #: How often a trainer waiting for a slot looks for a staged step the
 #: watcher has not checked yet (MemoryTier.place).
 WATCH_POLL_S = 0.02
-
-
-def _round(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
-def slot_bytes_for(plan: StepPlan) -> int:
-    """Bytes of one slot holding this rank's share of ``plan`` (blocks are
-    aligned like HostPool's, plus one page of slack).
-
-    Small tasks are staged in groups (stager.py: ``group_tasks`` and the
-    lazy runs, up to ``GROUP_BYTES`` each); a group of ``PAGE_BLOCK_BYTES``
-    or more is placed like a large block -- on a page boundary, rounded up
-    to a page -- so each may take up to two pages more than its tasks'
-    bytes. At most ``small // PAGE_BLOCK_BYTES`` groups are that large,
-    whatever the grouping. (Without them a state of 150 tasks of 64,000
-    bytes waited forever for its last block: issue 25.)"""
-    total = small = 0
-    for t in plan.tasks:
-        n = math.prod(t.shape) * t.source.dtype.itemsize
-        if n >= PAGE_BLOCK_BYTES:
-            total += _round(n, PAGE) + PAGE
-        else:
-            total += _round(max(n, 1), ALIGN)
-            small += n
-    total += (small // PAGE_BLOCK_BYTES) * 2 * PAGE
-    return _round(total + PAGE, PAGE)
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), else None."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _took(slot: HostPool | None, into: list[HostPool]) -> bool:
@@ -233,7 +183,7 @@ class MemoryTier:
 
     def _make_slots(self, need: int, pin: bool) -> SlotPool:
         cfg = self.cap.config
-        slot = _round(int(need * 1.25), PAGE) if self._slots is not None else need  # room to grow a little
+        slot = round_up(int(need * 1.25), PAGE) if self._slots is not None else need  # room to grow a little
         nslots = cfg.memory_steps + EXTRA_SLOTS
         total = slot * nslots
         if cfg.host_buffer_bytes is not None and total > cfg.host_buffer_bytes:
@@ -544,47 +494,12 @@ class MemoryTier:
                 self.ledger.bump()
 
     def _persist(self, job: Job) -> Any:
-        """Write and commit one staged step (committer thread)."""
-        w: Writer = job.writer
-        plan = job.plan
-        if job.error is not None:
-            raise job.error
-        w.relink(plan)  # a step passed over and stored after all (an incident)
-        w.settle_before(plan)  # steps passed over before it: compared with what came before them
-        prev: dict[tuple[str, int], torch.Tensor] = {}
-        if job.tier.prev_job is not None:
-            prev = {(t.layout.array, t.index): v for t, v in job.tier.prev_job.ring.views}
-        error: BaseException | None = None
-        results: list[ChunkResult] = []
-        try:
-            w.ensure_arrays(plan)
-            views = {(t.layout.array, t.index): v for t, v in job.ring.views}
-            w.prepare_pred(plan, lambda t: views.get((t.layout.array, t.index)))  # (store/predflush.py)
-            futures = [self.cap.stager.flush.submit(self._flush_views, w, plan, batch, prev)
-                       for batch in batches(job.ring.views, lambda item: item[0].nbytes)]
-            for f in futures:
-                try:
-                    done, err = f.result()  # unbounded wait: a chunk write of this process (its slot is in use)
-                    results.extend(done)
-                    error = error or err
-                except BaseException as e:  # drain every one: no flush outlives its step
-                    error = error or e
-        except BaseException as e:
-            error = error or e
-        backfill = w.last_commit is not None and plan.step < w.last_commit[0]
-        with self.ledger.cond:
-            ranges = None if backfill else self._take_memory_only(w, plan.step)
-        return w.commit(plan, results, error, memory_only=ranges)
+        """Write and commit one staged step (committer thread: tierwrite.py)."""
+        def memory_only(w: Writer, step: int) -> list[tuple[int, int]]:
+            with self.ledger.cond:
+                return self._take_memory_only(w, step)
 
-    @staticmethod
-    def _flush_views(w: Writer, plan: StepPlan, batch: list[tuple[ChunkTask, torch.Tensor]],
-                     prev: dict[tuple[str, int], torch.Tensor]) -> tuple[list[ChunkResult], BaseException | None]:
-        # (small chunks in groups: store/batchflush.py; every chunk flushed or failed)
-        prevs: list[torch.Tensor | None] = []
-        for t, view in batch:
-            p = prev.get((t.layout.array, t.index))
-            prevs.append(None if p is None or p.shape != view.shape else p)
-        return w.flush_chunks(plan, [t for t, _ in batch], [v for _, v in batch], prevs)
+        return persist_step(job, self.cap.stager.flush, memory_only)
 
     def _take_memory_only(self, w: Writer, step: int) -> list[tuple[int, int]]:
         steps = self._memory_only.get(id(w), [])

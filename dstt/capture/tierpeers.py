@@ -92,6 +92,20 @@ class StorePeers:
             log.warning("dstt helper (rank %d): could not publish the steps held in memory: %s", self.rank, e)
 
 
+    def opened(self, trainer_pid: int | None) -> None:
+        """This helper starts serving the run: its mark (host, its own and
+        its trainer's process identity), so that gc can tell once the run
+        is over even if some helper of it dies (format/tierruns.py)."""
+        from dstt.capture.ringowner import process_identity
+        from dstt.format.tierruns import OpenMark, write_open
+
+        try:
+            write_open(self.backend, OpenMark(self.branch, self.run, self.rank, self.world, socket.gethostname(),
+                                              process_identity(),
+                                              process_identity(trainer_pid) if trainer_pid else {}))
+        except (DsttError, OSError) as e:  # (gc then cannot prove the run over: its records stay)
+            log.warning("dstt helper (rank %d): could not mark the run's start: %s", self.rank, e)
+
     def closed(self) -> None:
         """This helper closed cleanly (its tier stored and emptied): the
         last rank's helper to close removes the run's records."""

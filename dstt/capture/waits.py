@@ -5,10 +5,11 @@ optimizer hook, ``wait_staged``, ``wait``, ``close``, ``rewind``...) and
 every wait of a background thread on another process (the capture
 helper's answers) goes through :func:`until`. It waits as long as what it
 waits for makes *progress* -- a step committed or failed, a chunk written,
-a staging block freed, the capture helper using CPU time or doing I/O --
-and gives up with a :class:`~dstt.errors.CaptureError` naming what did not
-answer once nothing moved for ``background_timeout_s`` (CaptureConfig;
-default :data:`DEFAULT_TIMEOUT_S`). So a very large step on a slow disk is
+a staging block freed, an answer of the capture helper (never its CPU
+time or I/O: only its start-up counts by :func:`activity`) -- and gives
+up with a :class:`~dstt.errors.CaptureError` naming what did not answer
+once nothing moved for ``background_timeout_s`` (CaptureConfig; default
+:data:`DEFAULT_TIMEOUT_S`). So a very large step on a slow disk is
 waited for as long as it takes, and a stopped helper (SIGSTOP, a hung
 filesystem) is given up on after the bound, never waited for forever.
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dstt
-from dstt.capture.tier import EXTRA_SLOTS
+from dstt.capture.tiersize import EXTRA_SLOTS
 from dstt.errors import CaptureError, ConfigError, RestoreMismatchError, StepNotFoundError
 from dstt.format.backends import open_backend
 from dstt.format.incidents import list_incidents

@@ -15,7 +15,8 @@ import torch
 from dstt.capture import replicaguard, stepimage
 from dstt.capture import ring as R
 from dstt.capture.sealcheck import check_record
-from dstt.capture.seals import StaleSeal, encode_record, plan_of, read_record, seal_record
+from dstt.capture.sealplan import plan_of
+from dstt.capture.seals import StaleSeal, encode_record, read_record, seal_record
 from dstt.format import replicas as RP
 from dstt.store.plan import StepPlan, hold_replicas, plan_step
 

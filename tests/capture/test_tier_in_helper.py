@@ -177,6 +177,56 @@ def test_sigkill_of_the_trainer_stores_the_helpers_tier(tmp_path: Path) -> None:
         assert cap.recovered == []
 
 
+RESUMED = textwrap.dedent("""
+    import sys, torch, dstt
+    path, first = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(first)
+    m = torch.nn.Linear(64, 64)
+    opt = torch.optim.Adam(m.parameters())
+    cap = dstt.Capture(path, memory_steps=4, persist="newest", background_timeout_s=60)
+    for s in range(first, first + 9):
+        m(torch.randn(8, 64)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+        cap.snapshot(s, model=m, optimizer=opt)
+    cap.wait_staged()
+    print("staged", flush=True)
+    import time; time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+def test_a_resumed_run_that_crashes_again_records_its_own_crash(tmp_path: Path) -> None:
+    """Two real SIGKILLs: a run crashes at step 8 (its helper stores the
+    tier and records the crash), a resumed run on the same branch crashes at
+    step 28: its crash is recorded too, once, with the steps it stored --
+    each crash once, never folded into the first."""
+    import time
+
+    path = str(tmp_path / "run")
+    script = tmp_path / "trainer.py"
+    script.write_text(RESUMED)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(dstt.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    for first in (0, 20):
+        proc = subprocess.Popen([sys.executable, str(script), path, str(first)], stdout=subprocess.PIPE, env=env,
+                                text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "staged"
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait(30)
+        deadline = time.monotonic() + 120  # the helper stores the tier, records the crash, exits
+        while time.monotonic() < deadline:
+            incs = dstt.open(path).incidents()
+            if incs and incs[-1].step == first + 8 and set(incs[-1].steps) <= set(dstt.open(path).steps()):
+                break
+            time.sleep(0.2)
+    incs = dstt.open(path).incidents()
+    assert [(i.step, i.source) for i in incs] == [(8, "crash"), (28, "crash")], incs
+    assert {5, 6, 7, 8, 25, 26, 27, 28} <= set(dstt.open(path).steps())
+    assert set(incs[1].steps) == {25, 26, 27, 28}
+
+
 @pytest.mark.slow
 def test_a_killed_helper_fails_the_trainer_loudly(tmp_path: Path) -> None:
     path = str(tmp_path / "run")

@@ -72,12 +72,13 @@ def _tree(pid: int) -> list[int]:
     return tree
 
 
-def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = False, worker: Path = WORKER) -> Path:
+def run_tier(nproc: int, out: Path, layout: str, policy: str, incident: bool = False, worker: Path = WORKER,
+             worker_args: tuple[str, ...] = ()) -> Path:
     import os
     import subprocess
     import sys
 
-    args = [layout, policy, *(["incident"] if incident else [])] if worker == WORKER else []
+    args = [layout, policy, *(["incident"] if incident else [])] if worker == WORKER else list(worker_args)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(worker), str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2]),
@@ -201,6 +202,44 @@ def test_a_stopped_helper_fails_every_rank_within_the_bound(tmp_path: Path) -> N
     # the steps sealed after the stop stay in the ring: gc commits them, and nothing is left in /dev/shm
     report = dstt.gc(out / "run")
     assert report.committed.get("main"), report
+    assert verify(out / "run").ok
+
+
+@pytest.mark.slow
+def test_a_stopped_helper_without_the_tier_fails_every_rank_within_the_bound(tmp_path: Path) -> None:
+    """The same without the memory tier (each step committed by the helpers):
+    rank 0's helper SIGSTOPped, rank 1's helper alive but polling the store
+    for rank 0's commit. Only a helper's answers (outcomes, ``busy`` lines)
+    count as its progress, so every rank's trainer raises a dstt error within
+    ~2x ``background_timeout_s`` (before: rank 1's helper's polls counted,
+    and its trainer waited until its helper gave up on rank 0, DSTT_RANK_WAIT_S)."""
+    out = run_tier(2, tmp_path, "", "", worker=WORKER.with_name("tier_stopped.py"), worker_args=("plain",))
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(s["error"] for s in seen), seen
+    assert all(0 <= s["after_s"] <= 2 * 4 + 2 for s in seen), seen  # ~2x the bound (+ the ledger's grace)
+    report = dstt.gc(out / "run")  # the steps sealed after the stop stay in the rings: gc commits them
+    assert report.committed.get("main"), report
+    assert verify(out / "run").ok
+
+
+@pytest.mark.slow
+def test_gc_removes_the_records_of_a_run_whose_helper_was_killed(tmp_path: Path) -> None:
+    """Rank 1's helper SIGKILLed mid-run: both trainers fail loudly (rank 0
+    at its next collective) and end; rank 1's helper never closes, so the
+    run's records stay under meta/tier (before: for ever, gc left them --
+    its closed marks, decisions, the dead helper's held record). gc proves
+    the run over -- every rank closed, or its helper and trainer gone and
+    its ring salvaged -- and removes them all; the store verifies."""
+    out = run_tier(2, tmp_path, "", "", worker=WORKER.with_name("tier_stopped.py"), worker_args=("killed",))
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen[1]["error"] and "capture helper" in seen[1]["error"], seen
+    tier = out / "run" / "meta" / "tier" / "main"
+    runs = [p for p in tier.iterdir() if p.name != "held"]
+    assert len(runs) == 1 and not (runs[0] / "closed-1.json").exists()
+    assert (tier / "held" / "rank-00001.json").exists()  # (the dead helper's last word)
+    report = dstt.gc(out / "run")
+    assert report.tier_records_removed >= 3, report  # (the two open marks and a held record at least)
+    assert not list(tier.rglob("*.json")), sorted(str(p) for p in tier.rglob("*.json"))
     assert verify(out / "run").ok
 
 
