@@ -183,7 +183,10 @@ class Transport:
         import torch
 
         while not self._stop.is_set():
-            item = self._out.get()
+            try:
+                item = self._out.get(timeout=IDLE_POLL_S)
+            except queue.Empty:
+                continue
             if item is None or self._stop.is_set():
                 return
             dst, head, data = item
@@ -221,7 +224,7 @@ class Transport:
         data = b""
         if length:
             body = torch.empty(length, dtype=torch.uint8)
-            self._pg.recv([body], src, TAG_BODY).wait()
+            self._pg.recv([body], src, TAG_BODY).wait()  # bounded: the group's timeout
             data = body.numpy().tobytes()
         if crc32c(data) != crc:
             log.warning("dstt: the block %s from rank %d arrived torn (its CRC-32C differs): refused", key, src)
