@@ -19,9 +19,10 @@ the store. Where some rank's part is not held (it was recorded before the
 loss, or was refused), every rank falls back to the store together. The
 parts are let go of at the first ``snapshot()`` (or ``close()``).
 
-The exchange is an all-gather of the step's chunks (every rank receives
-the whole step): fine for the restarted job of a test-sized run; a
-large run would want each rank to fetch only the boxes it covers.
+The exchange sends every rank the whole step (a small all-gather of what
+each rank offers, then each rank's chunks as one flat tensor broadcast
+over dstt's gloo group, flatcast.py): fine for a restarted job of tens of
+nodes; a large run would want each rank to fetch only the boxes it covers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dstt.capture import flatcast as F
 from dstt.format.codecs.spec import crc32c
 from dstt.store.plan import StepPlan
 
@@ -84,17 +86,20 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray[Any, Any]:
     return np.ascontiguousarray(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def _offer(kept: Kept, step: int) -> list[tuple[int, Any, list[Any], list[Any]]]:
+def _offer(kept: Kept, step: int) -> tuple[list[tuple[int, Any, list[Any], list[Any]]], list[torch.Tensor]]:
     """What this rank sends of ``step``: ``[(rank, tree, layouts, [(name,
-    offset, shape, data, crc)])]``, one per part it holds."""
-    out = []
+    offset, shape, dtype, bytes, crc)])]``, one per part it holds, and the
+    chunks' data in that order (views of the mapped rings)."""
+    out, data = [], []
     for rank, plan in sorted(kept.plans.get(step, {}).items()):
         chunks = []
         for t in plan.tasks:
-            data = t.source.detach().clone()  # (out of the mapped ring: what pickling sends)
-            chunks.append((t.layout.name, tuple(t.offset), tuple(t.shape), data, crc32c(_bytes_of(data))))
+            src = t.source.detach()
+            chunks.append((t.layout.name, tuple(t.offset), tuple(t.shape), src.dtype, F.nbytes(src),
+                           crc32c(_bytes_of(src))))
+            data.append(src)
         out.append((rank, plan.tree, list(plan.layouts), chunks))
-    return out
+    return out, data
 
 
 @dataclass
@@ -113,23 +118,29 @@ def gather(kept: Kept | None, step: int, coord: Any) -> Gathered | None:
     every rank's part of it, from the parts the ranks hold in memory;
     None on every rank if some rank's part is held by none, or a chunk
     arrived other than it was sent (said in the log: the caller reads the
-    store instead)."""
-    mine = (step, _offer(kept, step)) if kept is not None and step in kept.plans else (step, [])
-    gathered = coord.all_gather(mine)
+    store instead). What each rank offers goes by all-gather, its bytes as
+    one flat tensor (flatcast.py), each chunk checked against its CRC-32C."""
+    offers, data = _offer(kept, step) if kept is not None and step in kept.plans else ([], [])
+    gathered = coord.all_gather((step, offers))
     parts: Parts = {}
     held: dict[int, tuple[Any, list[Any]]] = {}
     bad: list[str] = []
-    for asked, offers in gathered:
-        if asked != step:
-            bad.append(f"the ranks asked for different steps ({asked} and {step})")
+    if any(asked != step for asked, _ in gathered):
+        bad.append(f"the ranks asked for different steps ({sorted({int(a) for a, _ in gathered})})")
+    for sender, (_, theirs) in enumerate(gathered):
+        listed = [c for _, _, _, chunks in theirs for c in chunks]
+        if not listed or bad:
             continue
-        for rank, tree, layouts, chunks in offers:
+        flat, starts = F.cast(coord, sender, [int(c[4]) for c in listed], data if sender == coord.rank else None)
+        at = iter(starts)
+        for rank, tree, layouts, chunks in theirs:
+            got = [(c, F.view_of(flat, next(at), c[3], tuple(c[2]))) for c in chunks]
             if rank in held:
                 continue  # (the same part offered twice: the first one)
-            for name, offset, shape, data, crc in chunks:
-                if crc32c(_bytes_of(data)) != crc:
+            for (name, offset, shape, _, _, crc), chunk in got:
+                if crc32c(_bytes_of(chunk)) != crc:
                     bad.append(f"a chunk of {name!r} of rank {rank}'s part changed in transfer")
-                parts.setdefault(name, []).append((tuple(offset), tuple(shape), data))
+                parts.setdefault(name, []).append((tuple(offset), tuple(shape), chunk))
             held[int(rank)] = (tree, layouts)
     missing = sorted(set(range(coord.world)) - set(held))
     if bad or missing:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture import flatcast as F
 from dstt.capture import rebuilt
 from dstt.capture.config import write_options
 from dstt.capture.pipeline import Job
@@ -89,18 +90,26 @@ def peer_parts(job: Job, coord: Any) -> Parts:
     ranks' rings hold and this one's lacks (collective: every rank calls
     it once the rewind reads from memory). A replicated tensor's chunks are
     spread over its holders (plan.py: written once), so each rank's ring
-    holds only its share; a rewind from memory must restore all of it."""
-    mine = [(t.layout.name, t.offset, t.shape, view.clone()) for t, view in job.ring.views if _replicated(t)]
+    holds only its share; a rewind from memory must restore all of it.
+    The list of what each rank holds goes by all-gather, the bytes as one
+    flat tensor a rank (flatcast.py: a DDP model's half a state is hundreds
+    of megabytes, too many to pickle)."""
+    mine = [(t, view) for t, view in job.ring.views if _replicated(t) and view.numel()]
     have = {(t.layout.name, t.offset) for t, _ in job.ring.views}
     names = {l.name for l in job.plan.layouts}
     out: Parts = {}
-    for r, theirs in enumerate(coord.all_gather(mine)):
+    listed = coord.all_gather([(t.layout.name, t.offset, t.shape, view.dtype, F.nbytes(view)) for t, view in mine])
+    for r, theirs in enumerate(listed):
+        if not theirs:
+            continue
+        flat, starts = F.cast(coord, r, [int(nb) for *_, nb in theirs],
+                              [view for _, view in mine] if r == coord.rank else None)
         if r == coord.rank:
             continue
-        for name, off, shp, data in theirs:
+        for (name, off, shp, dtype, _), at in zip(theirs, starts):
             if name in names and (name, tuple(off)) not in have:
                 have.add((name, tuple(off)))
-                out.setdefault(name, []).append((tuple(off), tuple(shp), data))
+                out.setdefault(name, []).append((tuple(off), tuple(shp), F.view_of(flat, at, dtype, tuple(shp))))
     return out
 
 

@@ -31,6 +31,10 @@ class Coordinator:
     def barrier(self) -> None:
         pass
 
+    def broadcast_tensor(self, tensor: Any, src: int) -> None:
+        """Rank ``src``'s ``tensor`` copied into every rank's ``tensor`` (the
+        same shape and dtype on every rank), in place, without pickling."""
+
     def close(self) -> None:
         """Release what the coordinator holds (idempotent)."""
 
@@ -85,6 +89,10 @@ class DistCoordinator(Coordinator):
 
     def barrier(self) -> None:
         self._run("barrier", lambda: self._dist.barrier(group=self._group()))
+
+    def broadcast_tensor(self, tensor: Any, src: int) -> None:
+        # (``src`` is a rank of the default group: dstt's groups span every rank)
+        self._run("broadcast", lambda: self._dist.broadcast(tensor, src=src, group=self._group()))
 
     def _run(self, name: str, op: Any) -> None:
         """``op()``, a collective of this group; a failure of it (a rank that
