@@ -206,8 +206,7 @@ def worker_recover(out: Path, mb: int, scheme: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    wrapped = _model(mb)
-    model = getattr(wrapped, "module", wrapped)
+    model = _model(mb)  # (as the training phase snapshotted it: DDP keeps its "module." names)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     dist.barrier()
     t = time.perf_counter()
