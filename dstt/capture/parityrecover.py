@@ -225,24 +225,63 @@ def _exchange_over(box: Any, local: _Local, tasks: list[tuple[str, int, int, lis
     return done
 
 
-def _contribute(local: _Local, box: Any, run: str, step: int, key: str, lost: int) -> bool:
-    """Send this rank's image and parity of ``step`` to rank ``lost``; wait
-    (bounded) for it to be done with them: whether it said so in time."""
+def own_part(local: _Local, run: str, step: int) -> tuple[bytes, bytes]:
+    """This rank's framed image of ``step`` and its parity (or fragments)
+    file, b"" for both where it cannot give them (refused by their frames on
+    the other side: nothing is waited for in vain)."""
     bid = int(local.writer.branch.id)
     try:
         img = RD.frame(local.image(run, step), run=run, branch_id=bid, step=step, rank=local.rank)
-        par = read_copy(local.parity[(run, step)])
+        return img, read_copy(local.parity[(run, step)])
     except (RD.BlockError, R.CorruptRing, OSError, KeyError, ValueError) as e:
         log.warning("dstt: rank %d cannot give its part of step %d: %s", local.rank, step, e)
-        img = par = b""  # (refused by its frame on the other side: nothing is waited for in vain)
-    post_block(box, f"img/{key}/{local.rank}", img, dst=lost)
-    post_block(box, f"par/{key}/{local.rank}", par, dst=lost)
+        return b"", b""
+
+
+def wait_done(box: Any, keys: list[str]) -> bool:
+    """Wait (bounded) until every key of ``keys`` is in the mailbox: whether in time."""
     deadline = time.monotonic() + WAIT_S
-    while box.peek(f"done/{key}") is None:
+    while any(box.peek(k) is None for k in keys):
         if time.monotonic() > deadline or getattr(box, "failed", None):
             return False
         time.sleep(0.01)
     return True
+
+
+class PartLate(RD.BlockError):
+    """A survivor's part did not come in time."""
+
+
+def take_part(box: Any, img_key: str, par_key: str, deadline: float, who: int) -> tuple[bytes, bytes]:
+    """A survivor's image and parity blocks, waited for until ``deadline``;
+    PartLate if either did not come."""
+    img = par = None
+    while (img is None or par is None) and time.monotonic() < deadline:
+        img = img if img is not None else take_block(box, img_key)
+        par = par if par is not None else take_block(box, par_key)
+        if img is None or par is None:
+            time.sleep(0.01)
+    if img is None or par is None:
+        raise PartLate(f"rank {who}'s part did not arrive within {WAIT_S:.0f} s")
+    return img, par
+
+
+def drop_parts(box: Any, keys: list[str]) -> None:
+    """Take what did arrive of ``keys`` out of the mailbox (nothing more comes over a failed transport)."""
+    try:
+        for k in keys:
+            take_block(box, k)
+    except TransportError:
+        pass
+
+
+def _contribute(local: _Local, box: Any, run: str, step: int, key: str, lost: int) -> bool:
+    """Send this rank's image and parity of ``step`` to rank ``lost``; wait
+    (bounded) for it to be done with them: whether it said so in time."""
+    img, par = own_part(local, run, step)
+    post_block(box, f"img/{key}/{local.rank}", img, dst=lost)
+    post_block(box, f"par/{key}/{local.rank}", par, dst=lost)
+    return wait_done(box, [f"done/{key}"])
 
 
 def _rebuild(local: _Local, box: Any, run: str, step: int, lost: int, members: list[int],
@@ -257,29 +296,16 @@ def _rebuild(local: _Local, box: Any, run: str, step: int, lost: int, members: l
     deadline = time.monotonic() + WAIT_S
     try:
         for m in (x for x in members if x != lost):
-            img = par = None
-            while (img is None or par is None) and time.monotonic() < deadline:
-                img = img if img is not None else take_block(box, f"img/{key}/{m}")
-                par = par if par is not None else take_block(box, f"par/{key}/{m}")
-                if img is None or par is None:
-                    time.sleep(0.01)
-            if img is None or par is None:
-                late = True
-                raise RD.BlockError(f"rank {m}'s part did not arrive within {WAIT_S:.0f} s")
+            img, par = take_part(box, f"img/{key}/{m}", f"par/{key}/{m}", deadline, m)
             images[m] = RD.unframe(img, run=run, branch_id=bid, step=step, rank=m)[1]
             parities[m] = PA.parse_parity(par, run=run, branch_id=bid, step=step, holder=m)
         stepimage.materialize(PA.rebuild_lost(lost, images, parities, members), local.base)
         return True, late
     except (RD.BlockError, OSError, ValueError) as e:
-        late = late or isinstance(e, TransportError)  # (nothing more comes over a failed transport)
+        late = isinstance(e, (PartLate, TransportError))  # (nothing more comes over a failed transport)
         warnings.warn(f"dstt: rank {lost}'s step {step} is not rebuilt from its parity group: {e}",
                       NodeLossWarning, stacklevel=2)
-        try:
-            for m in members:  # (what did arrive is taken out of the mailbox)
-                take_block(box, f"img/{key}/{m}")
-                take_block(box, f"par/{key}/{m}")
-        except TransportError:
-            pass
+        drop_parts(box, [f"{kind}/{key}/{m}" for m in members for kind in ("img", "par")])
         return False, late
     finally:
         box.put(f"done/{key}", b"1")  # (the survivors stop waiting)

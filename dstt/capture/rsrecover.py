@@ -32,12 +32,19 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from dstt.capture import ring as R
 from dstt.capture import stepimage
-from dstt.capture.nodeloss import read_copy
-from dstt.capture.parityrecover import WAIT_S, _Local, recovery_box
+from dstt.capture.parityrecover import (
+    WAIT_S,
+    PartLate,
+    _Local,
+    drop_parts,
+    own_part,
+    recovery_box,
+    take_part,
+    wait_done,
+)
 from dstt.capture.parityrecover import recover as _recover
-from dstt.capture.peerguard import post_block, take_block
+from dstt.capture.peerguard import post_block
 from dstt.capture.transport import TransportError
 from dstt.errors import DsttError, NodeLossWarning
 from dstt.format import redundancy as RD
@@ -122,22 +129,11 @@ def _exchange_over(box: Any, local: _Local, tasks: list[Task], rank: int) -> lis
 def _contribute(local: _Local, box: Any, run: str, step: int, lost: list[int], key: str) -> bool:
     """Post this rank's image and fragments of ``step`` to each lost rank;
     wait (bounded) for them to be done: whether they said so in time."""
-    bid = int(local.writer.branch.id)
-    try:
-        img = RD.frame(local.image(run, step), run=run, branch_id=bid, step=step, rank=local.rank)
-        par = read_copy(local.parity[(run, step)])
-    except (RD.BlockError, R.CorruptRing, OSError, KeyError, ValueError) as e:
-        log.warning("dstt: rank %d cannot give its part of step %d: %s", local.rank, step, e)
-        img = par = b""  # (refused by its frame on the other side: nothing is waited for in vain)
+    img, par = own_part(local, run, step)
     for x in lost:
         post_block(box, f"img/{key}/{x}/{local.rank}", img, dst=x)
         post_block(box, f"par/{key}/{x}/{local.rank}", par, dst=x)
-    deadline = time.monotonic() + WAIT_S
-    while any(box.peek(f"done/{key}/{x}") is None for x in lost):
-        if time.monotonic() > deadline or getattr(box, "failed", None):
-            return False
-        time.sleep(0.01)
-    return True
+    return wait_done(box, [f"done/{key}/{x}" for x in lost])
 
 
 def _rebuild(local: _Local, box: Any, task: Task, key: str) -> tuple[bool, bool]:
@@ -154,29 +150,16 @@ def _rebuild(local: _Local, box: Any, task: Task, key: str) -> tuple[bool, bool]
     survivors = [x for x in members if x not in lost]
     try:
         for x in survivors:
-            img = par = None
-            while (img is None or par is None) and time.monotonic() < deadline:
-                img = img if img is not None else take_block(box, f"img/{key}/{me}/{x}")
-                par = par if par is not None else take_block(box, f"par/{key}/{me}/{x}")
-                if img is None or par is None:
-                    time.sleep(0.01)
-            if img is None or par is None:
-                late = True
-                raise RD.BlockError(f"rank {x}'s part did not arrive within {WAIT_S:.0f} s")
+            img, par = take_part(box, f"img/{key}/{me}/{x}", f"par/{key}/{me}/{x}", deadline, x)
             images[x] = RD.unframe(img, run=run, branch_id=bid, step=step, rank=x)[1]
             frags[x] = RS.parse_fragments(par, run=run, branch_id=bid, step=step, holder=x)
         stepimage.materialize(RS.rebuild_lost(lost, images, frags, members, m, only=me)[me], local.base)
         return True, late
     except (DsttError, OSError, ValueError) as e:
-        late = late or isinstance(e, TransportError)  # (nothing more comes over a failed transport)
+        late = isinstance(e, (PartLate, TransportError))  # (nothing more comes over a failed transport)
         warnings.warn(f"dstt: rank {me}'s step {step} is not rebuilt from its parity group: {e}",
                       NodeLossWarning, stacklevel=2)
-        try:
-            for x in survivors:  # (what did arrive is taken out of the mailbox)
-                take_block(box, f"img/{key}/{me}/{x}")
-                take_block(box, f"par/{key}/{me}/{x}")
-        except TransportError:
-            pass
+        drop_parts(box, [f"{kind}/{key}/{me}/{x}" for x in survivors for kind in ("img", "par")])
         return False, late
     finally:
         box.put(f"done/{key}/{me}", b"1")  # (the survivors stop waiting)
