@@ -290,7 +290,6 @@ def _rebuild(local: _Local, box: Any, run: str, step: int, lost: int, members: l
     it as a ring of its own: (whether it was, whether a part did not come in
     time or the transport failed)."""
     bid = int(local.writer.branch.id)
-    late = False
     images: dict[int, bytes] = {}
     parities: dict[int, PA.Parity] = {}
     deadline = time.monotonic() + WAIT_S
@@ -300,13 +299,12 @@ def _rebuild(local: _Local, box: Any, run: str, step: int, lost: int, members: l
             images[m] = RD.unframe(img, run=run, branch_id=bid, step=step, rank=m)[1]
             parities[m] = PA.parse_parity(par, run=run, branch_id=bid, step=step, holder=m)
         stepimage.materialize(PA.rebuild_lost(lost, images, parities, members), local.base)
-        return True, late
+        return True, False
     except (RD.BlockError, OSError, ValueError) as e:
-        late = isinstance(e, (PartLate, TransportError))  # (nothing more comes over a failed transport)
         warnings.warn(f"dstt: rank {lost}'s step {step} is not rebuilt from its parity group: {e}",
                       NodeLossWarning, stacklevel=2)
         drop_parts(box, [f"{kind}/{key}/{m}" for m in members for kind in ("img", "par")])
-        return False, late
+        return False, isinstance(e, (PartLate, TransportError))  # (nothing more comes over a failed transport)
     finally:
         box.put(f"done/{key}", b"1")  # (the survivors stop waiting)
 

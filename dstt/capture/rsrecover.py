@@ -143,7 +143,6 @@ def _rebuild(local: _Local, box: Any, task: Task, key: str) -> tuple[bool, bool]
 
     run, step, lost, members, m = task
     bid, me = int(local.writer.branch.id), local.rank
-    late = False
     images: dict[int, bytes] = {}
     frags: dict[int, Any] = {}
     deadline = time.monotonic() + WAIT_S
@@ -154,13 +153,12 @@ def _rebuild(local: _Local, box: Any, task: Task, key: str) -> tuple[bool, bool]
             images[x] = RD.unframe(img, run=run, branch_id=bid, step=step, rank=x)[1]
             frags[x] = RS.parse_fragments(par, run=run, branch_id=bid, step=step, holder=x)
         stepimage.materialize(RS.rebuild_lost(lost, images, frags, members, m, only=me)[me], local.base)
-        return True, late
+        return True, False
     except (DsttError, OSError, ValueError) as e:
-        late = isinstance(e, (PartLate, TransportError))  # (nothing more comes over a failed transport)
         warnings.warn(f"dstt: rank {me}'s step {step} is not rebuilt from its parity group: {e}",
                       NodeLossWarning, stacklevel=2)
         drop_parts(box, [f"{kind}/{key}/{me}/{x}" for x in survivors for kind in ("img", "par")])
-        return False, late
+        return False, isinstance(e, (PartLate, TransportError))  # (nothing more comes over a failed transport)
     finally:
         box.put(f"done/{key}/{me}", b"1")  # (the survivors stop waiting)
 
