@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -239,49 +240,24 @@ def worker_recover(out: Path, mb: int, scheme: str) -> None:
 # ----------------------------------------------------------------------------- the launcher
 
 
-def _value(server: Any, key: str) -> bytes:
-    """``key``'s value, b"" if it was taken meanwhile -- never waited for (a
-    compare-and-set against a value no key holds changes nothing and
-    answers the value, or that value back where the key is gone)."""
-    absent = b"\0dstt: no such value\0"
-    value = bytes(server.compare_set(key, absent, b"-"))
-    return b"" if value == absent else value
+class BlockPeaks:
+    """Per run, the most bytes of blocks (the store mailbox's keys
+    ``blk``/``pst``/``img``/``par``) the job's store held at once
+    (dstt.testing.storewatch looks every 20 ms)."""
 
-
-class StoreWatch:
-    """The TCPStore the helpers meet at, served here and looked at every
-    20 ms: per run, the most bytes of blocks (the store mailbox's keys
-    ``blk``/``pst``/``img``/``par``) it held at once."""
+    _BLOCK = re.compile(r"dstt-redundancy/([^/]+)//(blk|pst|img|par)/")
 
     def __init__(self) -> None:
-        import re
-        import threading
-        from datetime import timedelta
-
-        from torch._C._distributed_c10d import TCPStore
-
-        self.server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
-        self.addr = f"127.0.0.1:{self.server.port}"
         self.peak: dict[str, int] = {}
-        self._block = re.compile(r"dstt-redundancy/([^/]+)//(blk|pst|img|par)/")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.02):
-            held: dict[str, int] = {}
-            for key in self.server.list_keys():
-                m = self._block.match(key)
-                if m is None:
-                    continue
-                held[m.group(1)] = held.get(m.group(1), 0) + len(_value(self.server, key))
-            for run, n in held.items():
-                self.peak[run] = max(self.peak.get(run, 0), n)
+    def see(self, held: list[tuple[str, bytes]]) -> None:
+        now: dict[str, int] = {}
+        for key, value in held:
+            m = self._BLOCK.match(key)
+            if m is not None:
+                now[m.group(1)] = now.get(m.group(1), 0) + len(value)
+        for run, n in now.items():
+            self.peak[run] = max(self.peak.get(run, 0), n)
 
 
 def _launch(tmp: Path, phase: str, args: argparse.Namespace, store: str) -> dict[int, subprocess.Popen[bytes]]:
@@ -328,7 +304,10 @@ def _killpg(pid: Any) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-redundancy-"))
     procs: dict[int, subprocess.Popen[bytes]] = {}
-    watch = StoreWatch()
+    from dstt.testing.storewatch import StoreWatch
+
+    peaks = BlockPeaks()
+    watch = StoreWatch(peaks.see, interval_s=0.02, timeout_s=60)
     try:
         procs = _launch(tmp, "train", args, watch.addr)
         train = _wait_files(tmp, "train", procs)
@@ -360,7 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             r["replicas_ring"] - r["none_ring"] for r in train) / 1e6
                                      for s in schemes},
         "sent_per_step_per_rank_mb": {s: max(r[f"{s}_sent"] for r in train) / 1e6 for s in schemes},
-        "store_peak_block_mb": {s: watch.peak.get(train[0][f"{s}_run"], 0) / 1e6 for s in schemes},
+        "store_peak_block_mb": {s: peaks.peak.get(train[0][f"{s}_run"], 0) / 1e6 for s in schemes},
         "last_protected_after_s": {s: max(r[f"{s}_protect_s"] for r in train) for s in schemes},
         "lost_scheme": schemes[-1], "lost_nodes": list(range(1, 1 + args.lose)), "recovered_steps": rec[0]["recovered"],
         "recovery_s": rec[0]["recovery_s"],

@@ -5,4 +5,7 @@ dstt itself.
 
 * :class:`dstt.testing.backends.BackendTests`: the backend contract
   (:class:`dstt.format.backends.Backend`).
+* :class:`dstt.testing.storewatch.StoreWatch`: a c10d TCPStore served on
+  127.0.0.1 and looked at while the helpers use it (what peer redundancy
+  keeps in a job's store; tests and benchmarks).
 """

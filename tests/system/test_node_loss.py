@@ -16,10 +16,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ from test_capture_dist import assert_bits, free_port
 
 import dstt
 from dstt.format.verify import verify
+from dstt.testing.storewatch import StoreWatch
 
 WORKER = Path(__file__).parents[1] / "dist" / "node_ranks.py"
 pytestmark = pytest.mark.distributed
@@ -232,8 +231,9 @@ def test_pair_two_nodes_lose_one_after_the_copy(tmp_path: Path) -> None:
     them, bit-exact. The copies went point to point (capture/transport.py):
     the c10d store the helpers meet at (DSTT_REDUNDANCY_STORE, watched
     throughout) held their doorbells and control records, never a block."""
-    with StoreWatch() as watch:
-        nodes, recovered = lose_nodes(tmp_path, "pair", [1], env={"DSTT_REDUNDANCY_STORE": watch.addr})
+    watch = Watched()
+    with StoreWatch(watch.see) as store:
+        nodes, recovered = lose_nodes(tmp_path, "pair", [1], env={"DSTT_REDUNDANCY_STORE": store.addr})
     assert recovered[0]["recovered"] == [5, 6, 7], nodes.logs()
     assert recovered[0]["warnings"] == []
     check_bits(tmp_path, [0, 5, 6, 7])
@@ -242,53 +242,24 @@ def test_pair_two_nodes_lose_one_after_the_copy(tmp_path: Path) -> None:
     assert watch.largest < 4096, watch.largest  # (a block is the ~4 MB image of a rank's shards)
 
 
-def _value(server: Any, key: str) -> bytes:
-    """``key``'s value, b"" if it was taken meanwhile -- never waited for (a
-    compare-and-set against a value no key holds changes nothing and
-    answers the value, or that value back where the key is gone)."""
-    absent = b"\0dstt: no such value\0"
-    value = bytes(server.compare_set(key, absent, b"-"))
-    return b"" if value == absent else value
-
-
-class StoreWatch:
-    """A c10d TCPStore served by the test, its keys and values looked at
-    every 10 ms: ``blocks``, the keys of blocks (the store mailbox's) seen;
-    ``rang``, the runs whose transport rang a doorbell (a recovery's:
-    ``recover-...``); ``largest``, the largest value seen under the
-    helpers' prefix."""
+class Watched:
+    """What the job's store held (dstt.testing.storewatch): ``blocks``, the
+    keys of blocks (the store mailbox's) seen; ``rang``, the runs whose
+    transport rang a doorbell (a recovery's: ``recover-...``); ``largest``,
+    the largest value seen under the helpers' prefix."""
 
     def __init__(self) -> None:
-        from datetime import timedelta
-
-        from torch._C._distributed_c10d import TCPStore
-
-        self.server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
-        self.addr = f"127.0.0.1:{self.server.port}"
         self.blocks: set[str] = set()
         self.rang: set[str] = set()
         self.largest = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> StoreWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.01):
-            for key in self.server.list_keys():
-                if not key.startswith("dstt-redundancy/"):
-                    continue
-                if "/p2p//bell/" in key:
-                    self.rang.add(key.split("/")[1])
-                if re.search(r"//(blk|pst|img|par)/", key):
-                    self.blocks.add(key)
-                self.largest = max(self.largest, len(_value(self.server, key)))
+    def see(self, held: list[tuple[str, bytes]]) -> None:
+        for key, value in held:
+            if "/p2p//bell/" in key:
+                self.rang.add(key.split("/")[1])
+            if re.search(r"//(blk|pst|img|par)/", key):
+                self.blocks.add(key)
+            self.largest = max(self.largest, len(value))
 
 
 def assert_protected_while_training(seen: list[dict[str, object]], scheme: str, nodes: Nodes) -> None:
@@ -497,8 +468,9 @@ def test_parity_three_nodes_lose_a_data_node_after_the_parity(tmp_path: Path) ->
     XOR from nodes 0 and 2 (their images and parities) and commits them,
     bit-exact. Stripes and the recovery's parts went point to point (the
     replacement joined the recovery's group): the store never held one."""
-    with StoreWatch() as watch:
-        nodes, recovered = lose_nodes(tmp_path, "parity:2", [1], n=3, env={"DSTT_REDUNDANCY_STORE": watch.addr})
+    watch = Watched()
+    with StoreWatch(watch.see) as store:
+        nodes, recovered = lose_nodes(tmp_path, "parity:2", [1], n=3, env={"DSTT_REDUNDANCY_STORE": store.addr})
     assert recovered[0]["recovered"] == [5, 6, 7], nodes.logs()
     assert all(r["warnings"] == [] for r in recovered), recovered
     check_bits(tmp_path, [0, 5, 6, 7])
