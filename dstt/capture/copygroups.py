@@ -16,7 +16,7 @@ import torch
 from dstt.capture import policy
 from dstt.capture.hooks import optimizer_storages, storage_key
 from dstt.capture.hostpool import HostPool
-from dstt.store.plan import ChunkTask
+from dstt.store.plan import ChunkTask, changed_positions
 
 #: Small eager tensors of a held step are staged in groups of up to this many
 #: bytes, one placement and one copy call each (Stager._stage_grouped).
@@ -39,6 +39,15 @@ class LazySplit:
         self.lazy_bytes = sum(lazy_blocks)
         self.on_cpu = all(s.is_cpu for s in self.sources)  # (Job.cpu_lazy)
         self._runs: dict[int, tuple[int, StagedGroup | None]] | None = None
+
+    def with_eager(self, eager: list[ChunkTask]) -> LazySplit:
+        """This split with ``eager`` as its eager tasks (renewed ones in
+        place of old: TaskLists.split); the lazy part shared."""
+        other = LazySplit.__new__(LazySplit)
+        for name in LazySplit.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.eager = eager
+        return other
 
     def runs(self) -> dict[int, tuple[int, StagedGroup | None]]:
         """For the first lazy task of each run (run_end): the run's end,
@@ -97,72 +106,158 @@ class StagedGroup:
 
 
 class TaskLists:
-    """What the stager works out once per task list -- its split into eager
-    and lazy copies, its sizes, its groups of small tasks -- kept for the
-    next step that brings the same list (plan.py hands a step laid out as
-    the previous one the same tasks; tens of thousands of tensors: issue 16).
-    Used by the trainer's thread only."""
+    """What the stager works out once per layout of a step's task list --
+    its split into eager and lazy copies, its sizes, its groups of small
+    tasks -- kept for the next step that brings the same list, or a list
+    of the same layout token (``StepPlan.layout_token``: plan.py hands a step
+    laid out as the previous one the same tasks, those of tensors that are
+    new objects, such as the RNG state, renewed; tens of thousands of
+    tensors: issues 16 and 25). What depends on the tasks' sources is redone
+    only at the renewed positions (plan.changed_positions). Used by the
+    trainer's thread only."""
 
     def __init__(self) -> None:
-        self._split: tuple[list[ChunkTask], Any, list[Any], LazySplit] | None = None
-        self._sizes: tuple[list[ChunkTask], list[int], bool, int] | None = None
-        self._grouping: tuple[list[ChunkTask], list[StagedGroup], list[ChunkTask]] | None = None
+        #: (tasks, token, optimizer, its parameters, split, {id(eager task): its position} or None)
+        self._split: tuple[list[ChunkTask], object, Any, list[Any], LazySplit, dict[int, int] | None] | None = None
+        self._sizes: tuple[object, list[int], bool, int] | None = None
+        #: (eager tasks, token, groups, rest, each eager task's (group, place) or (-1, place in rest) or None)
+        self._grouping: tuple[list[ChunkTask], object, list[StagedGroup], list[ChunkTask],
+                              list[tuple[int, int]] | None] | None = None
 
     @property
     def latest_split(self) -> LazySplit | None:
         """The split :meth:`split` made or found last."""
-        return None if self._split is None else self._split[3]
+        return None if self._split is None else self._split[4]
 
-    def split(self, tasks: list[ChunkTask], optimizer: Any) -> LazySplit:
+    def split(self, tasks: list[ChunkTask], optimizer: Any, token: object = None) -> LazySplit:
         """The step's tasks split into eager ones and lazy ones (those whose
         storage ``optimizer.step()`` alone mutates: hooks.optimizer_storages),
-        kept for the next step that brings the same task list, optimizer and
-        parameters (tens of thousands of tensors: ~3 us each per step).
+        kept for the next step that brings the same task list (or layout
+        ``token``), optimizer and parameters (tens of thousands of tensors:
+        ~3 us each per step).
 
         (A task's source is a plan alias of the storage it had when planned,
         and a reused task list means every one still views it. Should the
         optimizer's state change without the task list changing, the split
         stays safe: a lazy copy is still checked by the mutation guard, and
-        an eager one is always right.)"""
-        if optimizer is None:
-            return LazySplit(tasks, [], [])
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        an eager one is always right. A renewed task takes the place of an
+        eager one only -- eager is always right; where a lazy one was
+        renewed the split is made again.)"""
+        token = tasks if token is None else token
+        params = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]]
         cached = self._split
-        if (cached is not None and cached[0] is tasks and cached[1] is optimizer and len(cached[2]) == len(params)
-                and all(map(operator.is_, params, cached[2]))):
-            return cached[3]
+        if (cached is not None and cached[1] is token and cached[2] is optimizer and len(cached[3]) == len(params)
+                and all(map(operator.is_, params, cached[3]))):
+            if cached[0] is tasks:
+                return cached[4]
+            renewed = self._renewed_split(cached, tasks)
+            if renewed is not None:
+                return renewed
+        if optimizer is None:
+            split = LazySplit(tasks, [], [])
+            self._split = (tasks, token, None, params, split, None)
+            return split
         protected = optimizer_storages(optimizer)
         eager: list[ChunkTask] = []
         lazy: list[ChunkTask] = []
         for t in tasks:
             (lazy if storage_key(t.source) in protected else eager).append(t)
         split = LazySplit(eager if lazy else tasks, lazy, HostPool.blocks_bytes([t.data_nbytes for t in lazy]))
-        self._split = (tasks, optimizer, params, split)
+        self._split = (tasks, token, optimizer, params, split, None)
         return split
 
-    def sizes(self, tasks: list[ChunkTask]) -> tuple[list[int], bool, int]:
+    def _renewed_split(self, cached: tuple[list[ChunkTask], object, Any, list[Any], LazySplit, dict[int, int] | None],
+                       tasks: list[ChunkTask]) -> LazySplit | None:
+        """The cached split with the tasks renewed in ``tasks`` (a list of
+        the cached one's token) in place of the old ones, if every old one
+        was eager; else None."""
+        old, token, optimizer, params, split, places = cached
+        changed = changed_positions(old, tasks)
+        if not split.lazy:
+            renewed = split.with_eager(tasks)
+        else:
+            if places is None:
+                places = {id(t): j for j, t in enumerate(split.eager)}
+            eager = list(split.eager)
+            for i in changed:
+                j = places.get(id(old[i]))
+                if j is None:
+                    return None  # a lazy task renewed
+                eager[j] = tasks[i]
+            renewed = split.with_eager(eager)
+            places = dict(places)
+            for i in changed:
+                places[id(tasks[i])] = places.pop(id(old[i]))
+        self._split = (tasks, token, optimizer, params, renewed, places)
+        return renewed
+
+    def sizes(self, tasks: list[ChunkTask], token: object = None) -> tuple[list[int], bool, int]:
         """The data bytes of each task, whether any source is on a CUDA
         device, and the pool bytes the step takes held whole
         (policy.step_need_bytes); kept for the next step that brings the
-        same task list (plan.py hands a step laid out as the previous one
-        the same tasks, whose sources keep their device and size)."""
+        same task list or layout ``token`` (whose tasks keep their device
+        and size: StepPlan.layout_key)."""
+        token = tasks if token is None else token
         cached = self._sizes
-        if cached is not None and cached[0] is tasks:
+        if cached is not None and cached[0] is token:
             return cached[1], cached[2], cached[3]
         sizes = [t.data_nbytes for t in tasks]
         cuda = any(t.source.is_cuda for t in tasks)
         held_bytes = policy.step_need_bytes(HostPool.blocks_bytes(sizes))
-        self._sizes = (tasks, sizes, cuda, held_bytes)
+        self._sizes = (token, sizes, cuda, held_bytes)
         return sizes, cuda, held_bytes
 
     def groups(self, tasks: list[ChunkTask]) -> tuple[list[StagedGroup], list[ChunkTask]]:
-        """:func:`group_tasks` of ``tasks`` (the list of groups shared; the rest a fresh list)."""
+        """:func:`group_tasks` of ``tasks`` (the list of groups shared; the
+        rest a fresh list). For the eager tasks of the latest split, kept
+        by its layout token: a renewed task (same dtype, size and device)
+        takes its old one's place, and only its group is made again."""
+        split = self._split
+        token: object = split[1] if split is not None and split[4].eager is tasks else tasks
         cached = self._grouping
-        if cached is not None and cached[0] is tasks:
-            return cached[1], list(cached[2])
+        if cached is not None and cached[1] is token:
+            if cached[0] is tasks:
+                return cached[2], list(cached[3])
+            if len(cached[0]) == len(tasks):
+                return self._renewed_groups(cached, tasks)
         groups, rest = group_tasks(tasks)
-        self._grouping = (tasks, groups, list(rest))
+        self._grouping = (tasks, token, groups, list(rest), None)
         return groups, rest
+
+    def _renewed_groups(self, cached: tuple[list[ChunkTask], object, list[StagedGroup], list[ChunkTask],
+                                            list[tuple[int, int]] | None],
+                        tasks: list[ChunkTask]) -> tuple[list[StagedGroup], list[ChunkTask]]:
+        old, token, groups, rest, places = cached
+        if places is None:
+            places = _places(old, groups, rest)
+        changed = changed_positions(old, tasks)
+        groups, rest = list(groups), list(rest)
+        remade: dict[int, list[ChunkTask]] = {}
+        for i in changed:
+            g, k = places[i]
+            if g < 0:
+                rest[k] = tasks[i]
+            else:
+                members = remade.get(g)
+                if members is None:
+                    members = remade[g] = list(groups[g].tasks)
+                members[k] = tasks[i]
+        for g, members in remade.items():
+            groups[g] = StagedGroup(members)
+        self._grouping = (tasks, token, groups, rest, places)
+        return groups, list(rest)
+
+
+def _places(tasks: list[ChunkTask], groups: list[StagedGroup], rest: list[ChunkTask]) -> list[tuple[int, int]]:
+    """Where each of ``tasks`` went in :func:`group_tasks`'s result: (its
+    group, its place there), or (-1, its place in the rest)."""
+    where: dict[int, tuple[int, int]] = {}
+    for g, group in enumerate(groups):
+        for k, t in enumerate(group.tasks):
+            where[id(t)] = (g, k)
+    for k, t in enumerate(rest):
+        where[id(t)] = (-1, k)
+    return [where[id(t)] for t in tasks]
 
 
 def group_tasks(tasks: list[ChunkTask]) -> tuple[list[StagedGroup], list[ChunkTask]]:

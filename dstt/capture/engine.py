@@ -226,7 +226,7 @@ class Capture:
         if optimizer is not None:
             stager.watch(optimizer)  # the optimizer pre-hook: its step waits for the lazy copies
         # (eager: read-only, a later step's plan and split may bring this list again)
-        split = stager.plans.split(job.plan.tasks, optimizer)
+        split = stager.plans.split(job.plan.tasks, optimizer, job.plan.layout_token)
         if split.lazy:
             job.lazy = list(split.lazy)
             job.copies.on_cpu = split.on_cpu
@@ -234,7 +234,7 @@ class Capture:
             job.guard = VersionGuard(split.sources, split.names)
         # One pass each over the tasks (tens of thousands of them: issue 16),
         # none for the task list of an earlier step (TaskLists.sizes).
-        sizes, cuda, held_bytes = stager.plans.sizes(job.plan.tasks)
+        sizes, cuda, held_bytes = stager.plans.sizes(job.plan.tasks, job.plan.layout_token)
         self.committer.place(job, sizes, cuda, held_bytes)  # the pool (or slot); held until committed?
         job.lazy_bytes = split.lazy_bytes
         devices = {t.source.device for t in job.plan.tasks if t.source.is_cuda} if cuda else set()

@@ -44,7 +44,7 @@ import torch
 from dstt.errors import CaptureError
 from dstt.format import replicas as RP
 from dstt.format.geometry import TensorLayout
-from dstt.store.plan import ChunkTask, StepPlan
+from dstt.store.plan import ChunkTask, StepPlan, changed_positions
 
 SEAL_FORMAT = "dstt-ring-seal"
 #: The format :func:`seal_record` writes (see the module docstring).
@@ -74,7 +74,7 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
     and :func:`read_record` reads it. ``static``, the part unchanged while
     the state keeps its layout, is one object reused step after step."""
     static = _static_of(plan)
-    where = _positions(plan.tasks)
+    where = _positions(plan)
     base = pool.data_ptr()
     whole = pool.numpy()  # (one array of the pool: a slice of it per extent, no tensor per chunk)
     extend = google_crc32c.extend
@@ -87,7 +87,7 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
             start = block.data_ptr() - base
             if not 0 <= start <= whole.size - g.nbytes:
                 raise IndexError
-            positions = _group_positions(g, plan.tasks, where)
+            positions = _group_positions(g, plan.layout_token, where)
             summed = crc or (held is not None and max(positions, default=-1) >= held)
             extents.append([start, extend(0, whole[start:start + g.nbytes]) if summed else None, positions])
         for t, v in staged:
@@ -109,29 +109,33 @@ def seal_record(plan: StepPlan, pool_name: str, pool: torch.Tensor, staged: list
             "tasks": {"static": static["tasks"], "extents": extents}, "_static": static}
 
 
-#: (task list, {id(task): its position}) of the last plan sealed (the list
-#: kept alive: a later plan holding the very same list is laid out alike).
-_POSITIONS: tuple[list[ChunkTask], dict[int, int]] | None = None
-#: By id of a group: (the group, the plan's task list, its tasks' positions
-#: in that list, their JSON text) -- a group staged step after step while
-#: the plan is reused (both kept alive, so their ids are not reused).
-_GROUP_POSITIONS: dict[int, tuple[Any, list[ChunkTask], list[int], str]] = {}
+#: (layout token, task list, {id(task): its position}) of the last plan
+#: sealed (kept alive: a later plan of the very same token is laid out
+#: alike, its tasks the same objects but where changed_positions says).
+_POSITIONS: tuple[object, list[ChunkTask], dict[int, int]] | None = None
+#: By id of a group: (the group, the plan's layout token, its tasks'
+#: positions in the plan's task list, their JSON text) -- a group staged
+#: step after step while the plan is reused (both kept alive, so their ids
+#: are not reused; a group's tasks sit at the same positions in every plan
+#: of one token).
+_GROUP_POSITIONS: dict[int, tuple[Any, object, list[int], str]] = {}
 #: The JSON text of the positions lists in _GROUP_POSITIONS, by their id.
 _POSITIONS_TEXT: dict[int, tuple[list[int], str]] = {}
 
 
-def _group_positions(g: Any, tasks: list[ChunkTask], where: dict[int, int]) -> list[int]:
-    """The positions in ``tasks`` of ``g.tasks`` (read-only: shared by the
-    records of the steps that stage this group for this task list)."""
+def _group_positions(g: Any, token: object, where: dict[int, int]) -> list[int]:
+    """The positions of ``g.tasks`` in the task list of a plan of layout
+    token ``token`` (read-only: shared by the records of the steps that
+    stage this group for plans of this token)."""
     got = _GROUP_POSITIONS.get(id(g))
-    if got is not None and got[0] is g and got[1] is tasks:
+    if got is not None and got[0] is g and got[1] is token:
         return got[2]
     positions = [where[id(t)] for t in g.tasks]
     if len(_GROUP_POSITIONS) >= 256:
         _GROUP_POSITIONS.clear()
         _POSITIONS_TEXT.clear()
     text = json.dumps(positions)
-    _GROUP_POSITIONS[id(g)] = (g, tasks, positions, text)
+    _GROUP_POSITIONS[id(g)] = (g, token, positions, text)
     _POSITIONS_TEXT[id(positions)] = (positions, text)
     return positions
 
@@ -147,13 +151,25 @@ def _extents_text(extents: list[list[Any]]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def _positions(tasks: list[ChunkTask]) -> dict[int, int]:
+def _positions(plan: StepPlan) -> dict[int, int]:
+    """{id(task): its position} of ``plan``'s tasks (read-only); for a plan
+    of the last one's layout token, that one's with the changed tasks'
+    entries replaced (no Python pass over the unchanged ones)."""
     global _POSITIONS
-    last = _POSITIONS
-    if last is not None and last[0] is tasks:
-        return last[1]
+    last, tasks, token = _POSITIONS, plan.tasks, plan.layout_token
+    if last is not None and last[0] is token:
+        if last[1] is tasks:
+            return last[2]
+        if len(last[1]) == len(tasks):
+            old = last[1]
+            where = dict(last[2])
+            for i in changed_positions(old, tasks):
+                del where[id(old[i])]
+                where[id(tasks[i])] = i
+            _POSITIONS = (token, tasks, where)
+            return where
     where = {id(t): i for i, t in enumerate(tasks)}
-    _POSITIONS = (tasks, where)
+    _POSITIONS = (token, tasks, where)
     return where
 
 
@@ -162,9 +178,10 @@ def _positions(tasks: list[ChunkTask]) -> dict[int, int]:
 #: the key's layouts are kept alive here, so their ids are not reused).
 _STATIC: dict[tuple[int, ...], tuple[list[TensorLayout], list[tuple[TensorLayout, int]], dict[str, Any]]] = {}
 _STATIC_MAX = 8
-#: (tasks, layouts, meta_arrays, static) of the last plan sealed: its lists
-#: are kept alive, so a later plan holding the very same lists is that plan's layout.
-_LAST_STATIC: tuple[list[ChunkTask], list[TensorLayout], list[TensorLayout], dict[str, Any]] | None = None
+#: (layout token, layouts, meta_arrays, static) of the last plan sealed:
+#: kept alive, so a later plan of the very same token and lists is that
+#: plan's layout (StepPlan.layout_key).
+_LAST_STATIC: tuple[object, list[TensorLayout], list[TensorLayout], dict[str, Any]] | None = None
 
 
 def _static_of(plan: StepPlan) -> dict[str, Any]:
@@ -173,13 +190,13 @@ def _static_of(plan: StepPlan) -> dict[str, Any]:
     state keeps its layout)."""
     global _LAST_STATIC
     last = _LAST_STATIC
-    if last is not None and last[0] is plan.tasks and last[1] is plan.layouts and last[2] is plan.meta_arrays:
-        return last[3]  # a plan reused whole (plan._StepMemo): the same lists, never changed
+    if last is not None and last[0] is plan.layout_token and last[1] is plan.layouts and last[2] is plan.meta_arrays:
+        return last[3]  # a plan reused (planlocal.StepMemo): laid out as the last, its lists never changed
     key = tuple(map(id, plan.layouts)) + (-1,) + tuple(map(id, plan.meta_arrays)) + (-2, plan.replicas)
     got = _STATIC.get(key)
     if got is not None and len(got[1]) == len(plan.tasks) and all(
             t.layout is l and t.index == i for t, (l, i) in zip(plan.tasks, got[1])):
-        _LAST_STATIC = (plan.tasks, plan.layouts, plan.meta_arrays, got[2])
+        _LAST_STATIC = (plan.layout_token, plan.layouts, plan.meta_arrays, got[2])
         return got[2]
     index = {id(l): i for i, l in enumerate(plan.layouts)}
     entries: list[list[Any]] = [[index[id(t.layout)], t.index, list(t.coords), list(t.offset), list(t.shape),
@@ -195,7 +212,7 @@ def _static_of(plan: StepPlan) -> dict[str, Any]:
     if len(_STATIC) >= _STATIC_MAX:
         _STATIC.clear()
     _STATIC[key] = (list(plan.layouts) + list(plan.meta_arrays), [(t.layout, t.index) for t in plan.tasks], static)
-    _LAST_STATIC = (plan.tasks, plan.layouts, plan.meta_arrays, static)
+    _LAST_STATIC = (plan.layout_token, plan.layouts, plan.meta_arrays, static)
     return static
 
 

@@ -1,0 +1,110 @@
+"""Issue 25: a step whose only new tensors are the RNG states (and a fresh
+``extra`` tensor) reuses the previous step's plan -- the tasks of the new
+tensors renewed, every other task the same object -- and every cache keyed
+on the step's layout (the eager/lazy split, the copy groups, the seal
+record's static part and positions) hits; every step stays bit-exact, and a
+late copy of a step's tasks still reads that step's RNG state."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import dstt
+from dstt.capture import copygroups
+from dstt.store import writer as W
+from dstt.store.plan import StepPlan, plan_step
+from dstt.store.state import state_of
+
+RNG_NAMES = ("rng/torch", "rng/numpy/1", "extra/loss")
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """One step that draws from torch's, numpy's and Python's generators."""
+    opt.zero_grad()
+    x = torch.randn(3, 8) + float(np.random.rand()) + random.random()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("helper", [pytest.param(None, marks=pytest.mark.slow), False], ids=["helper", "in-process"])
+def test_a_step_with_new_rng_tensors_reuses_the_plan_and_every_cache(tmp_path: Path, helper: bool | None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])  # 12 parameters, 36 state tensors
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plans: list[StepPlan] = []
+    real_plan = W.Writer.plan
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> StepPlan:
+        plan = real_plan(self, *args, **kwargs)
+        plans.append(plan)
+        return plan
+
+    monkeypatch.setattr(W.Writer, "plan", spy)
+    calls: dict[str, int] = {"optimizer_storages": 0, "group_tasks": 0}
+    for name in calls:
+        real = getattr(copygroups, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(copygroups, name, counted)
+    expected: dict[int, dict[str, Any]] = {}
+    path = tmp_path / "run"
+    with dstt.Capture(path, helper=helper) as cap:
+        for step in range(6):
+            loss = _train_step(model, opt)
+            if step == 3:
+                calls.update(dict.fromkeys(calls, 0))  # steps 3-5: laid out as step 2
+            expected[step] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state()[1].copy(),
+                              "python": random.getstate(), "loss": loss.clone(),
+                              "model": {k: v.clone() for k, v in model.state_dict().items()}}
+            cap.snapshot(step, model=model, optimizer=opt, extra={"loss": loss})
+            cap.wait()
+    assert calls == {"optimizer_storages": 0, "group_tasks": 0}
+    assert len(plans) == 6
+    for prev, plan in zip(plans[2:], plans[3:]):
+        assert plan.layouts is prev.layouts and plan.meta_arrays is prev.meta_arrays
+        assert plan.layout_key is not None and plan.layout_key is prev.layout_key
+        renewed = {t.layout.name for t, p in zip(plan.tasks, prev.tasks) if t is not p}
+        assert renewed == set(RNG_NAMES), renewed  # every other task: the same object
+    run = dstt.open(path)
+    assert run.steps() == list(range(6))
+    for step, want in expected.items():
+        got = run.state_dict(step)
+        assert torch.equal(got["rng"]["torch"], want["torch"]), step
+        assert np.array_equal(np.asarray(got["rng"]["numpy"][1]), want["numpy"]), step
+        assert tuple(got["rng"]["python"][1]) == want["python"][1], step
+        assert torch.equal(got["extra"]["loss"], want["loss"]), step
+        assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items()), step
+
+
+def test_a_late_copy_of_a_step_reads_its_own_rng_state() -> None:
+    """The plan of step N+1 renews the RNG tasks without touching step N's:
+    a copy of step N's tasks made after step N+1 was planned (and the
+    generators moved on) holds step N's states, bit for bit."""
+    torch.manual_seed(3)
+    np.random.seed(3)
+    model = torch.nn.Linear(4, 4)
+    cache: dict[Any, Any] = {}
+    plans, wants = [], []
+    for step in range(4):
+        torch.randn(7)
+        np.random.rand(3)
+        wants.append((torch.get_rng_state(), torch.from_numpy(np.random.get_state()[1].copy())))
+        plans.append(plan_step(step, state_of(model=model), layout_cache=cache))
+    assert plans[3].layout_key is plans[1].layout_key is not None
+    for plan, (torch_state, numpy_state) in zip(plans, wants):
+        late = {t.layout.name: t.source.clone() for t in plan.tasks}  # copied now, after later steps
+        assert torch.equal(late["rng/torch"], torch_state)
+        assert torch.equal(late["rng/numpy/1"], numpy_state)
+    assert not torch.equal(wants[0][0], wants[1][0])  # (the states did move on)
