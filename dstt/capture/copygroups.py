@@ -119,6 +119,10 @@ class TaskLists:
     def __init__(self) -> None:
         #: (tasks, token, optimizer, its parameters, split, {id(eager task): its position} or None)
         self._split: tuple[list[ChunkTask], object, Any, list[Any], LazySplit, dict[int, int] | None] | None = None
+        #: What the copy groups of the latest split's eager tasks key on: new
+        #: whenever a split is made afresh (its eager tasks may then be others
+        #: at a position), kept while only renewed tasks take old ones' places.
+        self._eager_key: object = None
         self._sizes: tuple[object, list[int], bool, int] | None = None
         #: (eager tasks, token, groups, rest, each eager task's (group, place) or (-1, place in rest) or None)
         self._grouping: tuple[list[ChunkTask], object, list[StagedGroup], list[ChunkTask],
@@ -153,6 +157,7 @@ class TaskLists:
             renewed = self._renewed_split(cached, tasks)
             if renewed is not None:
                 return renewed
+        self._eager_key = object()
         if optimizer is None:
             split = LazySplit(tasks, [], [])
             self._split = (tasks, token, None, params, split, None)
@@ -210,10 +215,11 @@ class TaskLists:
     def groups(self, tasks: list[ChunkTask]) -> tuple[list[StagedGroup], list[ChunkTask]]:
         """:func:`group_tasks` of ``tasks`` (the list of groups shared; the
         rest a fresh list). For the eager tasks of the latest split, kept
-        by its layout token: a renewed task (same dtype, size and device)
-        takes its old one's place, and only its group is made again."""
+        while that split is only renewed (TaskLists.split): a renewed task
+        (same dtype, size and device) takes its old one's place, and only
+        its group is made again."""
         split = self._split
-        token: object = split[1] if split is not None and split[4].eager is tasks else tasks
+        token = self._eager_key if split is not None and split[4].eager is tasks else tasks
         cached = self._grouping
         if cached is not None and cached[1] is token:
             if cached[0] is tasks:

@@ -108,3 +108,32 @@ def test_a_late_copy_of_a_step_reads_its_own_rng_state() -> None:
         assert torch.equal(late["rng/torch"], torch_state)
         assert torch.equal(late["rng/numpy/1"], numpy_state)
     assert not torch.equal(wants[0][0], wants[1][0])  # (the states did move on)
+
+
+def test_renewed_tasks_in_groups_alone_and_lazy_stay_bit_exact(tmp_path: Path) -> None:
+    """New objects every step where a task is copied in a group (a small
+    extra), alone (a large extra) and lazily (an optimizer state tensor
+    replaced every other step: the split is made again), with the RNG state:
+    every step stored holds what the state held at its snapshot()."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = next(iter(model.parameters()))
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    path = tmp_path / "run"
+    with dstt.Capture(path, helper=False) as cap:
+        for step in range(6):
+            _train_step(model, opt)
+            if step % 2:
+                opt.state[first]["exp_avg"] = opt.state[first]["exp_avg"] * 1.5  # a new lazy tensor
+            extra = {"small": torch.randn(16), "big": torch.randn(40_000), "loss": torch.tensor(float(step))}
+            cap.snapshot(step, model=model, optimizer=opt, extra=extra)
+            expected[step] = {"extra/" + k: v.clone() for k, v in extra.items()}
+            expected[step]["rng/torch"] = torch.get_rng_state()
+            expected[step]["optim/0.weight/exp_avg"] = opt.state[first]["exp_avg"].clone()
+            expected[step].update({"model/" + k: v.clone() for k, v in model.state_dict().items()})
+        cap.wait()
+    run = dstt.open(path)
+    for step, want in expected.items():
+        for name, value in want.items():
+            assert torch.equal(run.read(name, step), value), (step, name)
