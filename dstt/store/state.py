@@ -57,11 +57,13 @@ def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | N
     if len(set(names)) != len(names):
         raise InvalidNameError("two optimizer parameters share a name")
     sd = optimizer.state_dict()
-    out: dict[str, Any] = {}
-    for idx, st in sd["state"].items():
-        out[names[idx]] = dict(st)
-    for name in names:
-        out.setdefault(name, {})
+    # (C-level passes: this runs per parameter on every snapshot(), issue 25;
+    # each state a copy, as state_dict() hands out the optimizer's own dicts)
+    states = sd["state"]
+    out: dict[str, Any] = dict(zip(map(names.__getitem__, states), map(dict, states.values())))
+    if len(out) < len(names):
+        for name in names:
+            out.setdefault(name, {})
     groups = []
     for g in sd["param_groups"]:
         g = dict(g)

@@ -38,7 +38,7 @@ import itertools
 import math
 import operator
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -86,8 +86,11 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
     place and with the same keys (in order) as in the previous call, gets
     the previous call's subtree back (the same object: treat the tree as
     read-only) instead of a new one built key by key (issue 16: tens of
-    thousands of tensors per step). The names, tensors and errors are the
-    same as without it.
+    thousands of tensors per step); so does a dict whose first values are
+    such dicts (an optimizer's state by parameter, then its param_groups),
+    with its other values encoded again (issue 25: one Python call per
+    parameter was most of flattening an AdamW state). The names, tensors
+    and errors are the same as without it.
 
     >>> tree, tensors, kinds = flatten({"w": torch.zeros(2), "lr": 0.1})
     >>> tree, list(tensors)
@@ -106,6 +109,9 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
     # (read) and this call's (kept for the next one, once this call succeeds).
     seen: dict[str, tuple[list[str], list[str], dict[str, Any]]] | None = None if memo is None else {}
     prev: dict[str, tuple[list[str], list[str], dict[str, Any]]] = {} if memo is None else memo.get("dicts", {})
+    # Dicts whose first values are all-tensor dicts, by name prefix (see _Nested).
+    seen_nested: dict[str, _Nested] = {}
+    prev_nested: dict[str, _Nested] = {} if memo is None else memo.get("nested", {})
 
     def add(path: list[str], value: Any, kind: str) -> str:
         if not path:
@@ -172,9 +178,12 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
                     prefix = "/".join(path) + "/" if path else ""
                     if seen is not None:
                         known = enc_tensor_dict(v, prefix)
+                        if known is None:
+                            known = enc_nested(v, prefix, path)
                         if known is not None:
                             return known
                     out: dict[str, Any] = {}
+                    leading: list[str] = []  # the keys of the all-tensor dicts that come first
                     for k, x in v.items():
                         part = escape_name_part(k) if "%" in k or "/" in k else k
                         tx = type(x)
@@ -187,8 +196,15 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
                             known = enc_tensor_dict(x, prefix + part + "/")
                             if known is not None:
                                 out[k] = known
+                                if len(leading) == len(out) - 1:
+                                    leading.append(k)
                                 continue
                         out[k] = enc(x, path + [part])
+                    if len(leading) > 1 and seen is not None:
+                        inner = [seen[prefix + (escape_name_part(k) if "%" in k or "/" in k else k) + "/"]
+                                 for k in leading]
+                        seen_nested[prefix] = _Nested(list(v), leading, [e[0] for e in inner],
+                                                      [n for e in inner for n in e[1]], out)
                     return out
                 return {"$dict": [[enc_key(k, path), enc(x, path + [escape_name_part(str(k))])]
                                   for k, x in v.items()]}
@@ -231,16 +247,58 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
         seen[prefix] = (keys, names, out)
         return out
 
+    def enc_nested(v: dict[str, Any], prefix: str, path: list[str]) -> dict[str, Any] | None:
+        """The subtree of ``v`` (string keys, none starting with '$') from
+        the memo when the previous call saw a dict at this place with the
+        same keys, the same leading all-tensor dicts (the same keys each,
+        plain tensors still): those and their names as then, each other
+        value encoded again. None otherwise (encoded key by key)."""
+        hit = prev_nested.get(prefix)
+        if hit is None or len(active) >= MAX_STATE_DEPTH or list(v) != hit.keys:
+            return None
+        inner = list(map(v.__getitem__, hit.leading))
+        if not all(map(operator.is_, map(type, inner), itertools.repeat(dict))) or \
+                list(map(list, inner)) != hit.inner_keys:
+            return None
+        values = list(itertools.chain.from_iterable(map(dict.values, inner)))
+        if not all(map(operator.is_, map(type, values), itertools.repeat(torch.Tensor))):
+            return None
+        before = len(tensors)
+        tensors.update(zip(hit.names, values))
+        if len(tensors) != before + len(values):
+            raise _NameClash
+        out = dict(hit.out)  # (the leading subtrees: the same objects, read-only)
+        for k in hit.keys[len(hit.leading):]:
+            x = v[k]
+            part = escape_name_part(k) if "%" in k or "/" in k else k
+            out[k] = {"$tensor": add_named(prefix + part, x, "tensor")} if type(x) is torch.Tensor else \
+                enc(x, path + [part])
+        seen_nested[prefix] = hit
+        return out
+
     try:
         tree = enc(state, [])
     except _NameClash:
         return flatten(state, allow_pickle=allow_pickle)  # (raises InvalidNameError naming the clash)
     if memo is not None and seen is not None:
         memo["dicts"] = seen
+        memo["nested"] = seen_nested
     kinds = dict.fromkeys(tensors, "tensor")
     if odd_kinds:
         kinds.update(odd_kinds)
     return tree, tensors, kinds
+
+
+class _Nested(NamedTuple):
+    """A dict flatten saw whose first values were all-tensor dicts: its
+    keys, those leading keys, each one's keys, their tensors' names (in
+    order) and the subtree made (the leading keys' subtrees reused)."""
+
+    keys: list[str]
+    leading: list[str]
+    inner_keys: list[list[str]]
+    names: list[str]
+    out: dict[str, Any]
 
 
 class _NameClash(Exception):

@@ -137,3 +137,74 @@ def test_renewed_tasks_in_groups_alone_and_lazy_stay_bit_exact(tmp_path: Path) -
     for step, want in expected.items():
         for name, value in want.items():
             assert torch.equal(run.read(name, step), value), (step, name)
+
+
+def test_guard_scan_in_one_pass_still_finds_and_names_a_change() -> None:
+    """VersionGuard.scan (one C-level pass over the pending sources) finds a
+    change among many pending ones and names it, ignores sources already
+    copied, and with an inference tensor (no version counter) among them
+    still checks the others one by one."""
+    from dstt.capture.guard import VersionGuard
+
+    with torch.inference_mode():
+        frozen = torch.zeros(2)
+    for extra in ([], [frozen]):
+        sources = [torch.zeros(2) for _ in range(50)] + extra
+        guard = VersionGuard(sources, [f"t{i}" for i in range(len(sources))])
+        assert guard.scan() is None
+        sources[7].add_(1)
+        assert guard.copied(7) is not None  # (copied after the change: caught there)
+        other = VersionGuard(sources, [f"t{i}" for i in range(len(sources))])
+        other.copied(3)
+        sources[3].add_(1)  # copied before the change: not the guard's to report
+        assert other.scan() is None
+        sources[41].add_(1)
+        violation = other.scan()
+        assert violation is not None and "'t41'" in violation
+
+
+def test_flatten_memo_of_dicts_of_tensor_dicts_equals_flatten_without() -> None:
+    """An optimizer-like state (leading all-tensor dicts by parameter, then
+    other values) changed at random between calls through one memo: the
+    same tree, names (in order), tensors and kinds as without the memo, and
+    a name clash still refused."""
+    from dstt.errors import InvalidNameError
+    from dstt.store.tree import flatten
+
+    rng = random.Random(7)
+    pool = [torch.zeros(2), torch.ones(3), torch.arange(4)]
+
+    def mutate(opt: dict[str, Any]) -> None:
+        keys = list(opt)
+        k = rng.choice(keys)
+        r = rng.randrange(8)
+        if r == 0 and isinstance(opt[k], dict) and opt[k]:
+            opt[k][rng.choice(list(opt[k]))] = rng.choice(pool)  # another tensor object
+        elif r == 1 and isinstance(opt[k], dict):
+            opt[k]["extra"] = rng.choice(pool)  # an inner key added
+        elif r == 2:
+            opt[k] = rng.choice([1.5, [rng.choice(pool)], rng.choice(pool), {"x": 2}])  # not a tensor dict now
+        elif r == 3:
+            opt[f"p{rng.randrange(9)}/s"] = {"m": rng.choice(pool)}  # a key (escaped) added
+        elif r == 4:
+            del opt[k]
+        elif r == 5:
+            opt["param_groups"] = [{"lr": rng.choice([0.1, rng.choice(pool)])}]
+        # (6, 7: unchanged)
+
+    memo: dict[str, Any] = {}
+    opt: dict[str, Any] = {f"p{i}": {"step": rng.choice(pool), "m": rng.choice(pool)} for i in range(6)}
+    opt["param_groups"] = [{"lr": 0.1}]
+    for _ in range(300):
+        if rng.random() < 0.6:
+            mutate(opt)
+        state = {"optim": opt, "model": {"w": pool[0]}}
+        got, want = flatten(state, memo=memo), flatten(state)
+        assert got[0] == want[0] and got[2] == want[2]
+        assert list(got[1]) == list(want[1]) and all(got[1][k] is want[1][k] for k in want[1])
+    nested = {"a": {"b": pool[0]}, "c": {"d": pool[1]}}
+    flatten({1: nested}, memo=memo)  # (remembered at "1/")
+    for _ in range(2):
+        with pytest.raises(InvalidNameError, match="two tensors map to the name '1/a/b'"):
+            flatten({1: nested, "1": nested}, memo=memo)
+    assert flatten({1: nested}, memo=memo)[0] == flatten({1: nested})[0]
