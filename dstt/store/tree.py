@@ -65,6 +65,7 @@ TensorLike = Any  # torch.Tensor | DTensor | ShardedTensor | np.ndarray
 _NP_SCALARS = (np.integer, np.floating, np.bool_)
 #: Leaves stored as themselves. Exact types: subclasses would lose their type.
 _JSON_SCALARS = (type(None), bool, int, str)
+_JSON_SCALAR_SET = frozenset(_JSON_SCALARS)
 _TORCH_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
@@ -208,9 +209,11 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
                     return out
                 return {"$dict": [[enc_key(k, path), enc(x, path + [escape_name_part(str(k))])]
                                   for k, x in v.items()]}
-            if isinstance(v, list):
-                return [enc(x, path + [str(i)]) for i, x in enumerate(v)]
-            return {"$tuple": [enc(x, path + [str(i)]) for i, x in enumerate(v)]}
+            if set(map(type, v)) <= _JSON_SCALAR_SET:  # (each as is: one C-level pass, e.g. random.getstate())
+                items = list(v)
+            else:
+                items = [enc(x, path + [str(i)]) for i, x in enumerate(v)]
+            return items if isinstance(v, list) else {"$tuple": items}
         finally:
             active.discard(id(v))
 

@@ -208,3 +208,28 @@ def test_flatten_memo_of_dicts_of_tensor_dicts_equals_flatten_without() -> None:
         with pytest.raises(InvalidNameError, match="two tensors map to the name '1/a/b'"):
             flatten({1: nested, "1": nested}, memo=memo)
     assert flatten({1: nested}, memo=memo)[0] == flatten({1: nested})[0]
+
+
+def test_lists_and_tuples_of_scalars_round_trip_exactly() -> None:
+    """Lists and tuples whose items are all None/bool/int/str are taken as
+    they are in one pass (random.getstate()'s 625 ints every step); with a
+    float, a subclass or a container among them, item by item as before:
+    the same tree and the same values back, types included."""
+    import enum
+
+    from dstt.errors import UnsupportedValueError
+    from dstt.store.tree import flatten, unflatten
+
+    class Level(enum.IntEnum):
+        HIGH = 2
+
+    state = {"py": random.getstate(), "l": [1, "a", None, True], "t": (3, False), "mixed": (1, 2.5, float("nan")),
+             "nested": [(1, 2), [3, [4]]], "empty": ()}
+    tree, tensors, _ = flatten(state)
+    assert not tensors and tree["t"] == {"$tuple": [3, False]} and tree["l"] == [1, "a", None, True]
+    back = unflatten(tree, lambda name, kind: None)
+    assert back["py"] == state["py"] and type(back["py"][1]) is tuple
+    assert back["t"] == (3, False) and type(back["t"][1]) is bool and back["nested"] == [(1, 2), [3, [4]]]
+    assert back["mixed"][:2] == (1, 2.5) and back["mixed"][2] != back["mixed"][2] and back["empty"] == ()
+    with pytest.raises(UnsupportedValueError, match="at e/1: cannot store"):
+        flatten({"e": [1, Level.HIGH]})  # (an int subclass: never stored as a plain int)
