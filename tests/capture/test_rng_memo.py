@@ -175,9 +175,12 @@ def test_flatten_memo_of_dicts_of_tensor_dicts_equals_flatten_without() -> None:
     pool = [torch.zeros(2), torch.ones(3), torch.arange(4)]
 
     def mutate(opt: dict[str, Any]) -> None:
+        if not opt:
+            opt["p0"] = {"step": rng.choice(pool)}
+            return
         keys = list(opt)
         k = rng.choice(keys)
-        r = rng.randrange(8)
+        r = rng.randrange(10)
         if r == 0 and isinstance(opt[k], dict) and opt[k]:
             opt[k][rng.choice(list(opt[k]))] = rng.choice(pool)  # another tensor object
         elif r == 1 and isinstance(opt[k], dict):
@@ -190,13 +193,20 @@ def test_flatten_memo_of_dicts_of_tensor_dicts_equals_flatten_without() -> None:
             del opt[k]
         elif r == 5:
             opt["param_groups"] = [{"lr": rng.choice([0.1, rng.choice(pool)])}]
-        # (6, 7: unchanged)
+        elif r == 6 and isinstance(opt[k], dict):
+            opt[k] = dict(reversed(opt[k].items()))  # the same inner keys, in another order
+        elif r == 7 and isinstance(opt[k], dict) and opt[k]:
+            last = list(opt[k])[-1]  # renamed, as long as it was
+            opt[k] = {(kk.swapcase() if kk == last else kk): v for kk, v in opt[k].items()}
+        # (8, 9: unchanged)
 
     memo: dict[str, Any] = {}
-    opt: dict[str, Any] = {f"p{i}": {"step": rng.choice(pool), "m": rng.choice(pool)} for i in range(6)}
-    opt["param_groups"] = [{"lr": 0.1}]
-    for _ in range(300):
-        if rng.random() < 0.6:
+    opt: dict[str, Any] = {}
+    for i in range(400):
+        if i % 20 == 0:  # (afresh now and then: mutations wear the leading tensor dicts away)
+            opt = {f"p{i}": {"step": rng.choice(pool), "m": rng.choice(pool)} for i in range(6)}
+            opt["param_groups"] = [{"lr": 0.1}]
+        elif rng.random() < 0.5:
             mutate(opt)
         state = {"optim": opt, "model": {"w": pool[0]}}
         got, want = flatten(state, memo=memo), flatten(state)
