@@ -2,7 +2,7 @@
 CPU, with ``rng=True`` (the default: RNG states captured) against
 ``rng=False``, in one run.
 
-    python benchmarks/bench_stall.py [--tensors 400,2000] [--iters 30] [--mib 8] [--profile FILE]
+    python benchmarks/bench_stall.py [--tensors 400,2000] [--iters 30] [--mib 8] [--profile FILE] [--device cuda]
 
 For each tensor count (an AdamW state: a parameter, ``step``, ``exp_avg``
 and ``exp_avg_sq`` per parameter, ~``--mib`` MiB in all) and each of
@@ -60,6 +60,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
     ap.add_argument("--profile", default=None, help="cProfile output of the largest count's last configuration")
     ap.add_argument("--helper", type=int, default=1, choices=(0, 1), help="Capture(helper=...)")
+    ap.add_argument("--device", default="cpu", help="where the state lives (cuda: raw is a pinned copy)")
     args = ap.parse_args(argv)
     args.counts = [int(s) for s in args.tensors.split(",") if s]
     if not args.counts or min(args.counts) < 4 or args.iters < 3 or args.mib <= 0:
@@ -67,12 +68,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def adamw_state(n_tensors: int, mib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """``n_tensors // 4`` fp32 parameters and their AdamW state, ~``mib`` MiB in all."""
+def adamw_state(n_tensors: int, mib: float, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``n_tensors // 4`` fp32 parameters and their AdamW state on ``device``, ~``mib`` MiB in all."""
     torch.manual_seed(0)
     n_params = max(1, n_tensors // 4)
     numel = max(1, int(mib * 2**20) // 3 // 4 // n_params)
-    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(numel)) for _ in range(n_params)])
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(n_params)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -96,7 +97,7 @@ def one_run(store: str, model: torch.nn.Module, opt: torch.optim.Optimizer, iter
             opt.step()
             if i:
                 stalls[i - 1] += sum(waits)
-            loss = {"loss": torch.tensor(float(i))} if extra else None
+            loss = {"loss": torch.tensor(float(i), device=next(iter(model.parameters())).device)} if extra else None
             if profile is not None and i:
                 profile.enable()
             t = time.perf_counter()
@@ -124,13 +125,17 @@ def _timed(waits: list[float], fn: Callable[[], None]) -> Callable[[], None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_stall: no CUDA GPU on this machine; nothing measured")
+        return 0
     base = args.dir or tempfile.mkdtemp(prefix="dstt-stall-")
     print(f"machine: {machine()}")
-    print(f"state ~{args.mib} MiB, {args.iters} snapshots per configuration, helper={bool(args.helper)}")
+    print(f"state ~{args.mib} MiB on {args.device}, {args.iters} snapshots per configuration, "
+          f"helper={bool(args.helper)}")
     results: list[dict[str, Any]] = []
     try:
         for n in args.counts:
-            model, opt = adamw_state(n, args.mib)
+            model, opt = adamw_state(n, args.mib, args.device)
             tensors = [p.detach() for p in model.parameters()]
             tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
             raw = raw_copy_s(tensors)
