@@ -171,18 +171,18 @@ def flatten(state: Any, *, allow_pickle: bool = False, memo: dict[str, Any] | No
         active.add(id(v))
         try:
             if isinstance(v, dict):
+                prefix = "/".join(path) + "/" if path else ""
+                if seen is not None:  # (before the keys' check: a hit's keys are those checked then)
+                    known = enc_tensor_dict(v, prefix)
+                    if known is None:
+                        known = enc_nested(v, prefix, path)
+                    if known is not None:
+                        return known
                 str_keys = all(isinstance(k, str) and not k.startswith("$") for k in v)
                 if str_keys:
                     # A plain tensor value (exact torch.Tensor: never a DTensor)
                     # is named here, without a path list per key (issue 16:
                     # tens of thousands of tensors per step).
-                    prefix = "/".join(path) + "/" if path else ""
-                    if seen is not None:
-                        known = enc_tensor_dict(v, prefix)
-                        if known is None:
-                            known = enc_nested(v, prefix, path)
-                        if known is not None:
-                            return known
                     out: dict[str, Any] = {}
                     leading: list[str] = []  # the keys of the all-tensor dicts that come first
                     for k, x in v.items():
