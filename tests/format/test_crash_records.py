@@ -16,7 +16,7 @@ import torch
 import dstt
 from dstt.capture.crashnote import BY_GC, Crash, record
 from dstt.format.backends import open_backend
-from dstt.format.incidents import (INCIDENTS_DIR, Incident, crash_ident, list_incidents, record_once)
+from dstt.format.incidents import INCIDENTS_DIR, Incident, crash_ident, list_incidents, record_once
 
 
 def _store(tmp_path: Path) -> object:
