@@ -41,7 +41,7 @@ from typing import Any
 
 from dstt.capture.ringowner import LOCK_FILE, RELEASED_FILE
 from dstt.format.backends import Backend
-from dstt.format.incidents import Incident, crash_ident, ranks_text, record_once
+from dstt.format.incidents import Incident, crash_ident, keyed, ranks_text, record_once
 from dstt.format.layout import step_ranges
 
 log = logging.getLogger("dstt.capture")
@@ -67,6 +67,9 @@ class Crash:
     last_seal: float = 0.0
     trainers: set[int] = field(default_factory=set)
     released: bool = False
+    #: The record :func:`record` wrote for it (new, or merged into): None
+    #: if not recorded (yet), or if a record there said it all already.
+    recorded: Incident | None = None
 
     def add(self, other: Crash) -> None:
         """Fold another ring of the same run into this one."""
@@ -146,12 +149,29 @@ def record(backend: Backend, crash: Crash, stored: Callable[[int], bool], finder
     inc = incident_of(crash, {s for s in crash.sealed if stored(s)}, finder)
     now, wrote = record_once(backend, inc, crash_ident(crash.run))
     if wrote:
+        crash.recorded = now
         log.warning("dstt: recorded a crash incident at step %d of branch %r: %s", now.step, now.branch, now.reason)
     return now
+
+
+def record_ring(writer: Any, crash: Crash | None, finder: str, found: list[Any] | None) -> None:
+    """A single process's ring salvaged by ``writer`` (ring.recover): its
+    crash recorded, before the ring is removed (a salvager killed in
+    between leaves the ring, and the next records it), and added to ``found``."""
+    if crash is None:
+        return
+    record(writer.backend, crash, writer.is_stored, finder)
+    if found is not None:
+        found.append(crash)
+
+
+def unrecorded(backend: Backend, crash: Crash) -> bool:
+    """Whether no record of ``crash``'s run is there yet (a dry run's "would record")."""
+    return keyed(backend, crash.branch, crash_ident(crash.run)) is None
 
 
 def _steps(steps: list[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in step_ranges(steps))
 
 
-__all__ = ["BY_CAPTURE", "BY_GC", "Crash", "incident_of", "merged", "of_ring", "record"]
+__all__ = ["BY_CAPTURE", "BY_GC", "Crash", "incident_of", "merged", "of_ring", "record", "record_ring", "unrecorded"]

@@ -539,10 +539,7 @@ def recover(writer: Any, identity: dict[str, Any], *, exclude: Path | None = Non
         try:
             crash = crashnote.of_ring(ring, identity["branch"])  # (before: the seals' times)
             _recover_ring(writer, identity, ring, done)
-            if crash is not None:  # (before the ring goes: a salvager killed now leaves it to the next)
-                crashnote.record(writer.backend, crash, writer.is_stored, finder)
-                if found is not None:
-                    found.append(crash)
+            crashnote.record_ring(writer, crash, finder, found)  # (before the ring goes: see crashnote.py)
         except CorruptRing as e:
             ring.set_aside(str(e))
             continue

@@ -93,7 +93,7 @@ def salvage(store: Any, *, dry_run: bool = False, base: Path | None = None) -> S
                 steps.update(ranks.commit_recorded(writer, dry_run=True))
                 done = sorted(s for s in steps if last is None or s > last)
                 out.incidents += [crashnote.incident_of(c, c.sealed, crashnote.BY_GC).to_dict()
-                                  for c in crashnote.merged(found)]
+                                  for c in crashnote.merged(found) if crashnote.unrecorded(backend, c)]
             else:
                 identity = {"store": url, "branch": branch, "branch_id": writer.branch.id,
                             "branch_created": writer.branch.created}
@@ -108,10 +108,10 @@ def salvage(store: Any, *, dry_run: bool = False, base: Path | None = None) -> S
                     with Writer(store, WriteOptions(branch=branch), coordinator=ranks.FixedRank(rank, world)) as other:
                         ranks.record_rings(other, identity, base=base, found=found)  # this rank's chunk writes
                 done += ranks.commit_recorded(writer)
-                for crash in crashnote.merged(found[single:]):  # one incident per distributed run
+                runs = crashnote.merged(found[single:])  # one incident per distributed run
+                for crash in runs:
                     crashnote.record(writer.backend, crash, writer.is_stored, crashnote.BY_GC)
-                out.incidents += [crashnote.incident_of(c, {s for s in c.sealed if writer.is_stored(s)},
-                                                        crashnote.BY_GC).to_dict() for c in crashnote.merged(found)]
+                out.incidents += [c.recorded.to_dict() for c in found[:single] + runs if c.recorded is not None]
             if done:
                 out.committed[branch] = done
         out.records_removed += _leftover_records(backend, branch, dry_run)

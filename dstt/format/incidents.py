@@ -282,7 +282,7 @@ def record_once(backend: Backend, incident: Incident, ident: str) -> tuple[Incid
         backend.put_atomic(key, incident_document(incident))
         return incident, True
     steps = tuple(sorted(set(have.steps) | set(incident.steps)))
-    ranks = tuple(sorted(set(have.ranks) | set(incident.ranks)))
+    ranks = tuple(sorted(set(have.ranks) | set(incident.ranks))) if have.world is not None else have.ranks
     if steps == have.steps and ranks == have.ranks:
         return have, False
     reason = _RANKS_RE.sub(f"({ranks_text(ranks, have.world)})", have.reason) if ranks != have.ranks else have.reason

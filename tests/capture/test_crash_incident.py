@@ -129,16 +129,20 @@ def test_a_crash_of_trainer_and_helper_is_recorded_once_by_the_next_capture_or_g
     assert dstt.gc(a).committed == {}  # nothing left: recorded once
     assert dstt.open(a).incidents() == [inc]
 
-    report = dstt.gc(b)
-    assert {5, 6, 7, 8} <= set(report.committed["main"])
+    runner = CliRunner()
+    dry = runner.invoke(app, ["gc", "--dry-run", b])
+    assert dry.exit_code == 0 and "would record a crash incident at step 8" in dry.stdout, dry.stdout
+    assert dstt.open(b).incidents() == []  # (a dry run records nothing)
+    gc = runner.invoke(app, ["gc", b])
+    assert gc.exit_code == 0 and "recorded a crash incident at step 8" in gc.stdout, gc.stdout
     inc = _one_crash(b)
     assert "dstt gc" in inc.reason
     assert {5, 6, 7, 8} <= set(_check(b, ref))
     before = _records(b)
-    assert dstt.gc(b).committed == {}
+    report = dstt.gc(b)
+    assert report.committed == {} and report.incidents == []
     assert _records(b) == before  # a second gc: the same one record, untouched
 
-    runner = CliRunner()
     ls = runner.invoke(app, ["ls", b])
     assert ls.exit_code == 0 and "1 incident" in ls.stdout and "crash" in ls.stdout, ls.stdout
     find = runner.invoke(app, ["find", b])
