@@ -19,6 +19,9 @@ their sum may exceed the step's wall time) and its rate over the state's
 bytes:
 
 * ``check``: the NaN/Inf watch of the step;
+* ``encode``: predictive coding before the flush (``compression="auto"``
+  or ``"predictive"``; ``--auto fast``, the default: every step stored
+  fast, as the helper does without a spare core);
 * ``stats``: the per-chunk statistics with the update against the previous step;
 * ``crc``: CRC-32C of the chunks;
 * ``write``: the chunk files (``backend.put``), packs included;
@@ -58,9 +61,9 @@ from dstt.capture.helperops import HelperOps  # noqa: E402
 from dstt.capture.hostpool import HostPool  # noqa: E402
 from dstt.format.writeoptions import WriteOptions  # noqa: E402
 from dstt.store import flusher as F  # noqa: E402
-from dstt.store.writer import Writer  # noqa: E402
+from dstt.store.writer import AUTO_BEHIND, Writer  # noqa: E402
 
-PHASES = ("check", "stats", "crc", "code", "write", "flush_other", "commit", "sync")
+PHASES = ("check", "encode", "stats", "crc", "code", "write", "flush_other", "commit", "sync")
 
 
 class Timers:
@@ -115,6 +118,7 @@ def instrument(w: Writer, ops: HelperOps, timers: Timers) -> None:
     backend.sync = timers.wrap("sync", backend.sync)
     w.commits.commit = timers.wrap("commit", w.commits.commit)  # type: ignore[method-assign]
     w.flusher.flush_chunks = timers.wrap("flush", w.flusher.flush_chunks)  # type: ignore[method-assign]
+    w.prepare_pred = timers.wrap("encode", w.prepare_pred)  # type: ignore[method-assign]
     check = ops.check
     ops.check = timers.wrap("check", check)  # type: ignore[method-assign]
 
@@ -130,6 +134,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--n-params", type=int, default=50)
     ap.add_argument("--dir", default="/tmp/dstt-bench-persist")
+    ap.add_argument("--compression", default="auto",
+                    help="the writer's (the helper's default: auto; none, zstd, predictive, ...)")
+    ap.add_argument("--auto", choices=("fast", "code"), default="fast",
+                    help="compression=auto: every step stored fast (the helper without a spare core: "
+                         "helpercpu.py) or every step coded")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -172,7 +181,11 @@ def main() -> None:
 
 def persist_run(path: str, tensors: list[torch.Tensor], state_bytes: int, args: Any) -> dict[str, Any]:
     """Persist ``args.steps`` steps through ``HelperOps.persist``, timed."""
-    w = Writer(path, WriteOptions())
+    w = Writer(path, WriteOptions(compression=args.compression))
+    if args.auto == "fast":
+        w.backlog = AUTO_BEHIND  # (as the helper's queue behind: every step stored fast)
+    else:
+        w.auto_cpu_cores = float("inf")
     ring = Path(path + "-ring")
     ring.mkdir(parents=True, exist_ok=True)
     flush = __import__("concurrent.futures").futures.ThreadPoolExecutor(2, thread_name_prefix="dstt-helper")

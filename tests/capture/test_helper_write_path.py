@@ -243,3 +243,97 @@ def test_a_single_writer_commits_a_step_with_one_store_sync_after_all_its_data(
     assert ops[-1].startswith("put_atomic ") and ops[-1].endswith("/commit.json")
     monkeypatch.undo()
     _check_steps(path, states)
+
+
+def _page_aligned(n: int, seed: int) -> torch.Tensor:
+    raw = torch.empty(n + 4096, dtype=torch.uint8)
+    skip = -raw.data_ptr() % 4096
+    out = raw[skip:skip + n]
+    out.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    return out
+
+
+def test_borrowed_page_aligned_chunks_are_packed_where_they_lie(tmp_path: Path) -> None:
+    """Issue 25: with ``borrow`` (the helper's tier: the ring slot outlives
+    the step's write) a chunk of whole pages on a page boundary goes into a
+    gathered pack uncopied -- what the pack holds is the buffer's bytes at
+    the write, not at add() -- each range on a page boundary, zeros to the
+    next; anything else is copied into an ordinary pack. Every range reads
+    back exactly, with one read per pack (the gaps under a page)."""
+    from dstt.format.chunks import MAX_PACK_GAP_BYTES
+    from dstt.format.codecs.spec import crc32c
+
+    backend = open_backend(str(tmp_path / "s"), create=True)
+    packs = P.StepPacks(backend, slot=1, rank=0)
+    packs.borrow = True
+    bodies = [_page_aligned(n, i) for i, n in enumerate((64 << 10, 17 * 4096, 128 << 10))]
+    placed, trailers = [], []
+    for b in bodies:
+        view = memoryview(b.numpy()).cast("B")
+        trailers.append(crc32c(view).to_bytes(4, "little"))
+        placed.append(packs.add([view, trailers[-1]]))
+    small, small_rng = packs.add([b"tiny chunk", b"\x00\x01\x02\x03"])  # copied: an ordinary pack
+    odd = _page_aligned((64 << 10) + 4096, 9)[1:]  # off the page boundary: copied
+    odd_f, odd_rng = packs.add([memoryview(odd.numpy()).cast("B"), b"abcd"])
+    assert {f.n for f, _ in placed} == {0} and small.n == odd_f.n == 1 and placed[0][0].segments is not None
+    assert [r.offset % 4096 for _, r in placed] == [0, 0, 0]
+    assert all(0 < b.offset - (a.offset + a.length) <= MAX_PACK_GAP_BYTES
+               for (_, a), (_, b) in zip(placed, placed[1:]))
+    bodies[1][100] ^= 0xFF  # changed after add(): the write takes the buffer as it is then
+    packs.close()
+    for b, trailer, (f, rng) in zip(bodies, trailers, placed):
+        assert f.state == "written"
+        assert P.read_range(backend, f.key, rng, rng.length, "test") == bytes(b.numpy()) + trailer
+    data = bytes(backend.get(placed[0][0].key) or b"")
+    last = placed[-1][1]
+    assert len(data) == last.offset + last.length - 4 + 4096
+    assert data[placed[0][1].length:placed[1][1].offset] == bytes(placed[1][1].offset - placed[0][1].length)
+    assert P.read_range(backend, small.key, small_rng, 14, "t") == b"tiny chunk\x00\x01\x02\x03"
+    assert P.read_range(backend, odd_f.key, odd_rng, odd_rng.length, "t") == bytes(odd.numpy()) + b"abcd"
+    # without borrow, or on a backend that cannot write buffers where they lie: copied, back to back
+    for b2, borrow in ((backend, False), (open_backend("memory://gather-test", create=True), True)):
+        plain = P.StepPacks(b2, slot=2, rank=0)
+        plain.borrow = borrow
+        view = memoryview(bodies[0].numpy()).cast("B")
+        f, rng = plain.add([view, b"wxyz"])
+        f2, rng2 = plain.add([view, b"wxyz"])
+        assert f.segments is None and (rng.offset, rng2.offset) == (0, rng.length)
+        plain.close()
+
+
+def test_the_helpers_tier_packs_page_aligned_chunks_where_they_lie(tmp_path: Path) -> None:
+    """End to end, the tier in the capture helper, persist="all": chunks of
+    whole pages (here 64 KiB) are written from the ring slot into gathered
+    packs (each pack longer than its ranges: the padding), every step reads
+    back bit-exact and the store verifies clean."""
+    path = tmp_path / "run"
+    g = torch.Generator().manual_seed(0)
+    values = {f"w{i}": torch.randn(16384, generator=g) for i in range(4)}
+    values["b"] = torch.randn(7, generator=g)  # small: an ordinary pack
+    model = torch.nn.ParameterDict({k: torch.nn.Parameter(v) for k, v in values.items()})
+    state = {k: p.data for k, p in model.items()}
+    want: dict[int, dict[str, torch.Tensor]] = {}
+    with dstt.Capture(path, memory_steps=2, persist="all", background_timeout_s=60, compression="none") as cap:
+        assert cap.tier_where == "helper"
+        for step in range(3):
+            for t in state.values():
+                t.add_(0.5)
+            cap.snapshot(step, model=model, rng=False)
+            want[step] = {f"model/{k}": v.clone() for k, v in state.items()}
+    _check_steps(path, want)
+    from dstt.format import layout as L
+    from dstt.format.manifest import parse_index
+
+    entries = parse_index((path / L.step_dir("main", 2) / L.INDEX_FILE).read_bytes(), "index.json")[0]
+    ranges: dict[str, int] = {}
+    for e in entries:
+        if e.name != "model/b":
+            p = e.pack(0)
+            assert p is not None and p.offset % 4096 == 0 and p.length == (64 << 10) + 4
+    sizes = {f.name: f.stat().st_size for f in (path / "packs").iterdir() if f.name.startswith("p.")}
+    for e in entries:
+        p = e.pack(0)
+        assert p is not None
+        key = f"p.{e.slots[0]}.{p.rank}.{p.n}"
+        ranges[key] = ranges.get(key, 0) + p.length
+    assert any(sizes[k] > n for k, n in ranges.items())  # a gathered pack: padded
