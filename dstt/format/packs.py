@@ -13,11 +13,13 @@ tensor count (DataStates-LLM's coalescing of fragmented shards).
 
 A *gathered* pack (:attr:`StepPacks.borrow`: the capture helper's memory
 tier, whose ring slot outlives the step's write; issue 25) is written from
-where its chunks lie, with no copy: each chunk of whole pages on a page
-boundary starts on a page boundary of the pack, its 4-byte trailer on a
-page of zeros after it, and the local backend hands the buffers to the
-device as they are (O_DIRECT ``writev``, :mod:`dstt.format.localio`). The
-ranges are recorded as for any pack; only the padding is new.
+where its chunks lie, with no copy: each chunk whose bytes are whole pages
+on a page boundary has them on a page boundary of the pack, its 4-byte
+trailer at the start of a page of zeros after them and its prefix (a fast
+Blosc container's 16-byte header), if any, at the end of a page of zeros
+before them; the local backend hands the buffers to the device as they
+are (O_DIRECT ``writev``, :mod:`dstt.format.localio`). The ranges are
+recorded as for any pack; only the padding is new.
 
 The step index records, per packed chunk, where its range lives:
 :class:`PackRange` ``(rank, n, offset, length)`` beside the chunk's slot
@@ -162,18 +164,22 @@ _BUFFERS = _Buffers(PACK_BUFFERS_KEEP_BYTES, PACK_BUFFERS_KEPT)
 GATHER_MIN_BYTES = 64 << 10
 
 
-def _gatherable(parts: list[Any]) -> tuple[memoryview, memoryview] | None:
-    """(body, trailer) of an encoded chunk that can be written where it
-    lies: an uncompressed body (``[body, 4-byte CRC-32C]``) of whole pages
-    (at least GATHER_MIN_BYTES) starting on a page boundary; else None."""
-    if len(parts) != 2:
+def _gatherable(parts: list[Any]) -> tuple[memoryview, memoryview, memoryview] | None:
+    """(prefix, body, trailer) of an encoded chunk that can be written
+    where it lies: ``[body, trailer]`` (uncompressed) or ``[prefix, body,
+    trailer]`` (a Blosc container stored fast: its 16-byte header first),
+    the body whole pages (at least GATHER_MIN_BYTES) on a page boundary,
+    the trailer its 4-byte CRC-32C; else None."""
+    if len(parts) not in (2, 3):
         return None
-    body, trailer = memoryview(parts[0]).cast("B"), memoryview(parts[1]).cast("B")
-    if len(trailer) != 4 or len(body) < GATHER_MIN_BYTES or len(body) % _PAGE or not body.contiguous:
+    views = [memoryview(p).cast("B") for p in parts]
+    prefix = views[0] if len(views) == 3 else memoryview(b"")
+    body, trailer = views[-2], views[-1]
+    if len(trailer) != 4 or len(prefix) >= _PAGE or len(body) < GATHER_MIN_BYTES or len(body) % _PAGE:
         return None
-    if address(body) % _PAGE:
+    if not body.contiguous or address(body) % _PAGE:
         return None
-    return body, trailer
+    return prefix, body, trailer
 
 
 class PackFile:
@@ -185,7 +191,7 @@ class PackFile:
     first ``size`` bytes of ``buf``, a page-aligned buffer taken from (and,
     once the pack is written or failed, given back to) a small pool."""
 
-    __slots__ = ("key", "n", "buf", "size", "used", "state", "error", "segments", "pages")
+    __slots__ = ("key", "n", "buf", "size", "used", "state", "error", "segments", "pages", "npages")
 
     def __init__(self, key: str, n: int, capacity: int, *, gather: bool = False) -> None:
         self.key = key
@@ -196,31 +202,45 @@ class PackFile:
         #: buffers written, in order -- each chunk's body where it lies and
         #: the page holding its CRC-32C trailer -- instead of a copy.
         self.segments: list[memoryview] | None = None
-        self.pages: mmap.mmap | None = None  # the trailer pages of a gathered pack
+        self.pages: mmap.mmap | None = None  # the pages of zeros around a gathered pack's chunks
+        self.npages = 0  # ... used so far
         if gather:
             self.segments = []
-            self.pages = mmap.mmap(-1, (capacity // GATHER_MIN_BYTES + 2) * _PAGE)  # (zeros; touched as used)
+            # (zeros, touched as used: a page before and after each chunk at most)
+            self.pages = mmap.mmap(-1, 2 * (capacity // GATHER_MIN_BYTES + 2) * _PAGE)
         else:
             self.buf, self.used = _BUFFERS.take(capacity)  # (used: bytes the buffer ever held)
         self.size = 0
         self.state = "open"
         self.error: BaseException | None = None
 
-    def gather(self, body: memoryview, trailer: memoryview) -> bool:
-        """Place a chunk (``body`` page-aligned, whole pages; ``trailer``
-        its 4 bytes) at the pack's end, a page boundary: the body as it
-        lies, the trailer at the start of a page of zeros. False (nothing
-        placed) when the trailer pages are used up."""
+    def gather(self, prefix: memoryview, body: memoryview, trailer: memoryview) -> int | None:
+        """Place a chunk (``body`` page-aligned, whole pages, after a short
+        ``prefix`` -- a fast Blosc container's header, or nothing -- and
+        before its 4-byte ``trailer``) at the pack's end: the prefix at the
+        end of a page of zeros, the body as it lies, the trailer at the
+        start of a page of zeros. The range's offset; None (nothing placed)
+        when the pack's pages are used up."""
         pages, segments = self.pages, self.segments
         assert pages is not None and segments is not None, "gather() is for a gathered pack"
-        i = len(segments) // 2
-        if (i + 1) * _PAGE > len(pages):
-            return False
-        page = memoryview(pages)[i * _PAGE:(i + 1) * _PAGE]
+        need = 2 if len(prefix) else 1
+        if self.npages + need > len(pages) // _PAGE:
+            return None
+        view = memoryview(pages)
+        offset = self.size
+        if len(prefix):
+            page = view[self.npages * _PAGE:(self.npages + 1) * _PAGE]
+            page[_PAGE - len(prefix):] = prefix
+            segments.append(page)
+            self.npages += 1
+            offset += _PAGE - len(prefix)
+            self.size += _PAGE
+        page = view[self.npages * _PAGE:(self.npages + 1) * _PAGE]
         page[:len(trailer)] = trailer
         segments += (body, page)
+        self.npages += 1
         self.size += len(body) + _PAGE
-        return True
+        return offset
 
     def append(self, part: Any) -> None:
         """Copy ``part`` (any C-contiguous buffer) after the bytes so far."""
@@ -307,18 +327,20 @@ class StepPacks:
             self._write(full)
         return f, rng
 
-    def _add_gathered(self, body: memoryview, trailer: memoryview) -> tuple[PackFile, PackRange]:
+    def _add_gathered(self, prefix: memoryview, body: memoryview, trailer: memoryview
+                      ) -> tuple[PackFile, PackRange]:
         """:meth:`add` of a chunk placed uncopied in a gathered pack."""
         full: list[PackFile] = []
         with self._lock:
             f = self._gathering
-            if f is None or not f.gather(body, trailer):
-                if f is not None:  # (its trailer pages used up: sealed as it is)
+            offset = None if f is None else f.gather(prefix, body, trailer)
+            if f is None or offset is None:
+                if f is not None:  # (its pages used up: sealed as it is)
                     full.append(f)
                 f = self._gathering = self._new_file(gather=True)
-                placed = f.gather(body, trailer)
-                assert placed, "a new gathered pack has room for a chunk"
-            rng = PackRange(self.rank, f.n, f.size - len(body) - _PAGE, len(body) + len(trailer))
+                offset = f.gather(prefix, body, trailer)
+                assert offset is not None, "a new gathered pack has room for a chunk"
+            rng = PackRange(self.rank, f.n, offset, len(prefix) + len(body) + len(trailer))
             if f.size >= self.target_bytes:
                 full.append(f)
                 self._gathering = None

@@ -337,3 +337,68 @@ def test_the_helpers_tier_packs_page_aligned_chunks_where_they_lie(tmp_path: Pat
         key = f"p.{e.slots[0]}.{p.rank}.{p.n}"
         ranges[key] = ranges.get(key, 0) + p.length
     assert any(sizes[k] > n for k, n in ranges.items())  # a gathered pack: padded
+
+
+@pytest.mark.parametrize("nbytes,itemsize", [(663552, 4), (64 << 10, 2), (100, 4), (7, 1), ((3 << 20) + 12, 8)])
+def test_a_fast_blosc_chunk_is_its_header_and_the_raw_bytes_uncopied(nbytes: int, itemsize: int) -> None:
+    """Issue 25: a chunk stored fast (compression="auto" behind) is the
+    very container Blosc makes -- header and the bytes as they are -- given
+    as [header, raw, trailer] (raw not copied), its trailer the CRC-32C of
+    the whole body from the raw bytes' CRC (not a second pass)."""
+    import numpy as np
+
+    from dstt.format.codecs.crccombine import combine
+    from dstt.format.codecs.delta import blosc_encode
+    from dstt.format.codecs.spec import CodecSpec, crc32c, encode_chunk
+
+    raw = memoryview(np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)).cast("B")
+    want = blosc_encode(raw, itemsize, stored=True)
+    for given in (crc32c(raw), None):
+        parts = encode_chunk(raw, CodecSpec("auto"), raw_crc=given, itemsize=itemsize, fast=True)
+        assert len(parts) == 3 and parts[1] is raw
+        assert b"".join(bytes(p) for p in parts) == want + crc32c(want).to_bytes(4, "little")
+    assert combine(crc32c(b"x" * 16), crc32c(raw), len(raw)) == crc32c(b"x" * 16 + bytes(raw))
+
+
+def test_fast_blosc_chunks_of_whole_pages_are_gathered_and_read_back(tmp_path: Path) -> None:
+    """The helper's fast steps (compression="auto" behind): each chunk's
+    Blosc header goes on a page of zeros before its bytes, which are
+    written where they lie; every step reads back bit-exact, verifies
+    clean, and dedups an unchanged chunk against a gathered range."""
+    from dstt.capture.hostpool import HostPool
+    from dstt.format.writeoptions import WriteOptions
+    from dstt.store.writer import AUTO_BEHIND
+
+    g = torch.Generator().manual_seed(2)
+    state = {f"w{i}": torch.randn(16384 * (i + 1), generator=g) for i in range(3)}
+    state["frozen"] = torch.randn(16384, generator=g)
+    state["small"] = torch.randn(10, generator=g)
+    want: dict[int, dict[str, torch.Tensor]] = {}
+    with Writer(tmp_path / "s", WriteOptions(compression="auto")) as w:
+        w.backlog = AUTO_BEHIND  # every step stored fast
+        for step in range(3):
+            for k, t in state.items():
+                if k != "frozen":
+                    t.add_(1.0)
+            pool = HostPool(8 << 20)
+            staged = {k: pool.stage(v) for k, v in state.items()}
+            plan = w.plan(step, staged)
+            assert plan.fast
+            plan.packs.borrow = True
+            w.ensure_arrays(plan)
+            results, error = w.flush_chunks(plan, plan.tasks, None, [None] * len(plan.tasks))
+            assert error is None
+            info = w.commit(plan, results)
+            want[step] = {k: v.clone() for k, v in state.items()}
+            if step:
+                assert info.bytes_referenced >= state["frozen"].nbytes  # the unchanged chunk: referenced
+    _check_steps(tmp_path / "s", want)
+    from dstt.format import layout as L
+    from dstt.format.manifest import parse_index
+
+    for step in range(3):
+        index = (tmp_path / "s" / L.step_dir("main", step) / L.INDEX_FILE).read_bytes()
+        for e in parse_index(index, "index.json")[0]:
+            if e.name.startswith("w"):  # the raw bytes on a page boundary, the 16-byte header just before
+                rng = e.pack(0)
+                assert rng is not None and (rng.offset + 16) % 4096 == 0 and rng.length == e.nbytes + 20, e.name
