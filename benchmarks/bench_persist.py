@@ -141,7 +141,13 @@ def main() -> None:
                          "helpercpu.py) or every step coded")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare", metavar="DSTT_ROOT", default=None,
+                    help="also run with the dstt package under DSTT_ROOT (e.g. an export of main: 'before'), "
+                         "alternating before/after --rounds times in this run; report both")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    if args.compare:
+        sys.exit(compare(args))
     torch.set_num_threads(1)  # (as the helper process runs: capture/helper.py serve)
     root = fresh_dir(args.dir)
     model, opt = model_and_adam(int(args.size_mb * 1e6), n_params=args.n_params)
@@ -177,6 +183,49 @@ def main() -> None:
         print(f"{k:12s}  {s * 1e3:12.1f}  {c * 1e3:11.1f}  {mbs}  {s / res['step_s'] * 100:5.0f}%")
     if "profile" in res:
         print(res["profile"])
+
+
+def compare(args: Any) -> int:
+    """Before (``--compare``'s dstt) and after (this script's), each run
+    ``--rounds`` times alternately in subprocesses; the median of each."""
+    import subprocess
+
+    here = str(Path(__file__).resolve().parents[1])
+    argv = _drop_values(sys.argv[1:], ("--compare", "--rounds", "--json"))
+    runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+    for _ in range(args.rounds):
+        for side, root in (("before", args.compare), ("after", here)):
+            env = {**os.environ, "PYTHONPATH": root}
+            out = subprocess.run([sys.executable, __file__, *argv, "--json"], env=env, capture_output=True,
+                                 text=True, check=True).stdout
+            runs[side].append(json.loads(out))
+    print(f"# {runs['after'][0]['machine']}; state {runs['after'][0]['state_mb']:.0f} MB in "
+          f"{runs['after'][0]['tensors']} tensors; before: {args.compare}; median of {args.rounds} alternating runs")
+    print("side     step ms   MB/s   vs raw   CPU ms/step   " + "  ".join(f"{k:>11s}" for k in PHASES))
+    for side, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("step_s", "step_mb_s", "vs_raw", "cpu_s")}
+        cpu = {k: statistics.median(r["phase_cpu_s"].get(k, 0.0) for r in rs) for k in PHASES}
+        print(f"{side:7s}  {med['step_s'] * 1e3:7.0f}  {med['step_mb_s']:5.0f}  {med['vs_raw']:6.2f}x  "
+              f"{med['cpu_s'] * 1e3:11.0f}   " + "  ".join(f"{cpu[k] * 1e3:11.1f}" for k in PHASES))
+    print("(phases: CPU ms per step)")
+    return 0
+
+
+def _drop_values(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the options ``names`` (and their values)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in names:
+            skip = a != "--json"
+            continue
+        if a.split("=", 1)[0] in names:
+            continue
+        out.append(a)
+    return out
 
 
 def persist_run(path: str, tensors: list[torch.Tensor], state_bytes: int, args: Any) -> dict[str, Any]:

@@ -255,7 +255,7 @@ class PackFile:
         buf[self.size:end] = view
         self.size = end
 
-    def data(self) -> memoryview | list[memoryview]:
+    def data(self) -> memoryview | list[Any]:
         """The pack's bytes: a view of its buffer, or a gathered pack's
         segments, back to back (valid until it is released)."""
         if self.segments is not None:
