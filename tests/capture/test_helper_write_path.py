@@ -301,6 +301,7 @@ def test_borrowed_page_aligned_chunks_are_packed_where_they_lie(tmp_path: Path) 
         plain.close()
 
 
+@pytest.mark.slow
 def test_the_helpers_tier_packs_page_aligned_chunks_where_they_lie(tmp_path: Path) -> None:
     """End to end, the tier in the capture helper, persist="all": chunks of
     whole pages (here 64 KiB) are written from the ring slot into gathered
@@ -402,3 +403,36 @@ def test_fast_blosc_chunks_of_whole_pages_are_gathered_and_read_back(tmp_path: P
             if e.name.startswith("w"):  # the raw bytes on a page boundary, the 16-byte header just before
                 rng = e.pack(0)
                 assert rng is not None and (rng.offset + 16) % 4096 == 0 and rng.length == e.nbytes + 20, e.name
+
+
+def test_the_helpers_persist_packs_its_ring_slot_where_it_lies(tmp_path: Path) -> None:
+    """HelperOps.persist (the tier in the capture helper) borrows the slot
+    its step lies in: a chunk of whole pages is packed on a page boundary,
+    uncopied; the step reads back bit-exact. (End to end, with a real
+    helper: the slow test above.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dstt.capture.helperops import HelperOps
+    from dstt.capture.hostpool import HostPool
+    from dstt.format import layout as L
+    from dstt.format.manifest import parse_index
+    from dstt.format.writeoptions import WriteOptions
+
+    g = torch.Generator().manual_seed(4)
+    state = {"w": torch.randn(32768, generator=g), "b": torch.randn(5, generator=g)}
+    pool = HostPool(1 << 20)
+    staged = {k: pool.stage(v) for k, v in state.items()}
+    flush = ThreadPoolExecutor(2)
+    with Writer(tmp_path / "s", WriteOptions()) as w:
+        ops = HelperOps(w, tmp_path / "ring", {}, None, lambda line: None, flush)
+        ops.steps[0] = (w.plan(0, staged), {})
+        ops.persist(0, None, [])
+    flush.shutdown()
+    _check_steps(tmp_path / "s", {0: state})
+    index = (tmp_path / "s" / L.step_dir("main", 0) / L.INDEX_FILE).read_bytes()
+    entries = {e.name: e for e in parse_index(index, "index.json")[0]}
+    rng, small = entries["w"].pack(0), entries["b"].pack(0)
+    assert rng is not None and small is not None and rng.n != small.n  # a gathered pack of its own
+    assert rng.offset % 4096 == 0 and rng.length == 32768 * 4 + 4
+    key = f"p.{entries['w'].slots[0]}.{rng.rank}.{rng.n}"
+    assert (tmp_path / "s" / "packs" / key).stat().st_size == 32768 * 4 + 4096  # the trailer's page of zeros
