@@ -436,3 +436,30 @@ def test_the_helpers_persist_packs_its_ring_slot_where_it_lies(tmp_path: Path) -
     assert rng.offset % 4096 == 0 and rng.length == 32768 * 4 + 4
     key = f"p.{entries['w'].slots[0]}.{rng.rank}.{rng.n}"
     assert (tmp_path / "s" / "packs" / key).stat().st_size == 32768 * 4 + 4096  # the trailer's page of zeros
+
+
+def test_the_in_process_tier_packs_its_slots_where_they_lie(tmp_path: Path) -> None:
+    """The memory tier in the trainer's process (helper=False) holds a
+    step's slot until it is committed too: its chunks of whole pages are
+    packed uncopied, on page boundaries; every step reads back bit-exact."""
+    from dstt.format import layout as L
+    from dstt.format.manifest import parse_index
+
+    g = torch.Generator().manual_seed(6)
+    model = torch.nn.ParameterDict({f"w{i}": torch.nn.Parameter(torch.randn(16384, generator=g)) for i in range(2)})
+    want: dict[int, dict[str, torch.Tensor]] = {}
+    with dstt.Capture(tmp_path / "run", helper=False, memory_steps=2, persist="all", compression="none") as cap:
+        for step in range(2):
+            with torch.no_grad():
+                for p in model.values():
+                    p.add_(1.0)
+            cap.snapshot(step, model=model, rng=False)
+            want[step] = {f"model/{k}": p.detach().clone() for k, p in model.items()}
+    _check_steps(tmp_path / "run", want)
+    for step in range(2):
+        index = (tmp_path / "run" / L.step_dir("main", step) / L.INDEX_FILE).read_bytes()
+        for e in parse_index(index, "index.json")[0]:
+            rng = e.pack(0)
+            assert rng is not None and rng.offset % 4096 == 0 and rng.length == 16384 * 4 + 4
+        sizes = [f.stat().st_size for f in (tmp_path / "run" / "packs").iterdir() if f.name.startswith("p.")]
+        assert sizes and all(n % 4096 == 0 for n in sizes)  # gathered: each range's page of zeros after it
