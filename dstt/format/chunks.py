@@ -117,8 +117,9 @@ def _read_pred_chunk(e: TensorEntry, i: int, *, sha256: bool = False) -> memoryv
 #: Bytes of adjacent pack ranges read with one request at most (read_packed).
 MAX_PACK_RUN_BYTES = 16 << 20
 #: Bytes between two ranges of a pack still read with one request (the
-#: padding after each range of a gathered pack, packs.py: under a page).
-MAX_PACK_GAP_BYTES = 4096
+#: padding of a gathered pack, packs.py: under two pages between ranges --
+#: the rest of a trailer's page and the start of the next header's).
+MAX_PACK_GAP_BYTES = 8192
 
 
 def read_packed(backend: Backend, items: list[tuple[TensorEntry, int]], *,

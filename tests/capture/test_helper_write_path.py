@@ -403,6 +403,16 @@ def test_fast_blosc_chunks_of_whole_pages_are_gathered_and_read_back(tmp_path: P
             if e.name.startswith("w"):  # the raw bytes on a page boundary, the 16-byte header just before
                 rng = e.pack(0)
                 assert rng is not None and (rng.offset + 16) % 4096 == 0 and rng.length == e.nbytes + 20, e.name
+    # the ranges of a gathered pack are read with one request, across the padding
+    from dstt.format.chunks import read_packed
+
+    backend = open_backend(str(tmp_path / "s"))
+    calls: list[tuple[str, int, int]] = []
+    real = backend.get_range
+    backend.get_range = lambda key, start, n: calls.append((key, start, n)) or real(key, start, n)  # type: ignore[method-assign]
+    ws = [e for e in parse_index(index, "index.json")[0] if e.name.startswith("w")]
+    got = read_packed(backend, [(e, 0) for e in ws])
+    assert len(calls) == 1 and [bytes(b) for b in got] == [_bits(want[2][e.name]) for e in ws]
 
 
 def test_the_helpers_persist_packs_its_ring_slot_where_it_lies(tmp_path: Path) -> None:
