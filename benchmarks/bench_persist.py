@@ -3,7 +3,15 @@ of the memory tier -- its persist path run on a given state, without a
 trainer, each phase timed, against a raw fsync'ed write of the same bytes
 in the same run.
 
-    python benchmarks/bench_persist.py [--size-mb 200] [--steps 6] [--n-params 50] [--dir ...] [--profile] [--json]
+    python benchmarks/bench_persist.py [--size-mb 200] [--steps 6] [--n-params 50] [--compression auto]
+        [--auto fast|code] [--dir ...] [--profile] [--json] [--compare DSTT_ROOT [--rounds 2]]
+
+``--size-mb 100`` has the chunk sizes of one rank of bench_flight's
+2-rank run at 200 MB (663 KiB tensors: packed); 200 MB those of its
+one-process run (1.3 MB tensors: chunk files). ``--compare DSTT_ROOT``
+runs the same measurement with the dstt package found under DSTT_ROOT
+(e.g. ``git archive main dstt | tar -x -C /tmp/before``: "before") and
+with this checkout's, alternately, ``--rounds`` times each, in one run.
 
 What runs is the helper's own code (capture/helperops.py
 ``HelperOps.persist`` and ``HelperOps.check``, the NaN/Inf watch), on a
