@@ -121,6 +121,9 @@ class HelperOps:
         w.relink(plan)
         w.settle_before(plan)
         w.ensure_arrays(plan)
+        # Its chunks stay in the ring slot until the step leaves the tier,
+        # after this returns: packed where they lie, uncopied (packs.py).
+        plan.packs.borrow = True
         if self.coded_upto is None or step > self.coded_upto:
             self.coded_upto = step
             self.backfills.drop()
