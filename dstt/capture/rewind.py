@@ -13,20 +13,19 @@ forward and backward overlap that write.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from dstt.capture import flatcast as F
-from dstt.capture import rebuilt
+from dstt.capture import rebuilt, rewindpeers
 from dstt.capture.config import write_options
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError, StepOrderError
 from dstt.format import args as A
 from dstt.format.geometry import TensorLayout
 from dstt.format.layout import StepRef, validate_branch, validate_step
-from dstt.store.plan import ChunkTask
 from dstt.store.reader import TensorReader
 from dstt.store.state import check_objects
 from dstt.store.torch_dtypes import torch_dtype
@@ -73,44 +72,7 @@ def live_optimizer_state(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
 
 
 #: Chunks by tensor name: (offset, shape, data).
-Parts = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]]
-
-
-def _replicated(t: ChunkTask) -> bool:
-    """Whether chunk ``t`` lies in a region several ranks hold (one of them
-    writes it: the others' rings lack it)."""
-    for r in t.layout.regions:
-        if all(ro <= o < ro + rs for o, ro, rs in zip(t.offset, r.offset, r.shape)):
-            return len(r.holders) > 1
-    return False
-
-
-def peer_parts(job: Job, coord: Any) -> Parts:
-    """Under torch.distributed, the chunks of replicated regions that other
-    ranks' rings hold and this one's lacks (collective: every rank calls
-    it once the rewind reads from memory). A replicated tensor's chunks are
-    spread over its holders (plan.py: written once), so each rank's ring
-    holds only its share; a rewind from memory must restore all of it.
-    The list of what each rank holds goes by all-gather, the bytes as one
-    flat tensor a rank (flatcast.py: a DDP model's half a state is hundreds
-    of megabytes, too many to pickle)."""
-    mine = [(t, view) for t, view in job.ring.views if _replicated(t) and view.numel()]
-    have = {(t.layout.name, t.offset) for t, _ in job.ring.views}
-    names = {l.name for l in job.plan.layouts}
-    out: Parts = {}
-    listed = coord.all_gather([(t.layout.name, t.offset, t.shape, view.dtype, F.nbytes(view)) for t, view in mine])
-    for r, theirs in enumerate(listed):
-        if not theirs:
-            continue
-        flat, starts = F.cast(coord, r, [int(nb) for *_, nb in theirs],
-                              [view for _, view in mine] if r == coord.rank else None)
-        if r == coord.rank:
-            continue
-        for (name, off, shp, dtype, _), at in zip(theirs, starts):
-            if name in names and (name, tuple(off)) not in have:
-                have.add((name, tuple(off)))
-                out.setdefault(name, []).append((tuple(off), tuple(shp), F.view_of(flat, at, dtype, tuple(shp))))
-    return out
+Parts = rewindpeers.Parts
 
 
 def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None, more: Parts | None = None) -> Any:
@@ -123,7 +85,7 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None, more: Pa
     validated against the live objects, so they are overwritten only when
     the rewind goes ahead; fresh memory would be page-faulted in (slower
     than the copy itself on some machines). ``more``: chunks other ranks'
-    rings hold (:func:`peer_parts`)."""
+    rings hold (:func:`dstt.capture.rewindpeers.exchange`)."""
     chunks: Parts = {k: list(v) for k, v in (more or {}).items()}
     for t, view in job.ring.views:
         chunks.setdefault(t.layout.name, []).append((t.offset, t.shape, view))
@@ -181,6 +143,18 @@ class Rewinder:
         self.fork: tuple[str, StepRef, Job | None] | None = None
         #: (step, branch) of the last rewind until the next snapshot() (its step must follow it).
         self.after: tuple[int, str] | None = None
+        #: Where the last rewind's time went, seconds by phase: ``agree`` (every
+        #: queued step handed over, the helper's hold, the ranks' agreement),
+        #: ``exchange`` (the chunks other ranks' rings hold), ``apply`` (read and
+        #: load into the live objects), ``settle`` (the peers read in place
+        #: checked), ``done`` (the hold let go of). For
+        #: benchmarks/bench_flight.py.
+        self.phases: dict[str, float] = {}
+        #: The last distributed rewind from memory's chunks of other ranks, in
+        #: bytes by how they came: ``mapped`` (read in place from their rings
+        #: on this host), ``gloo``, ``again`` (over gloo after a peer let go of
+        #: the step while this rank copied it: restored twice). rewindpeers.py.
+        self.exchanged: dict[str, int] = {}
 
     def rewind(
         self,
@@ -213,22 +187,50 @@ class Rewinder:
         # copy must have read them first (what the optimizer hook ensures
         # before an optimizer step), and every queued step be in the ring.
         self.cap.stager.before_optimizer_step()
+        clock = time.perf_counter
+        t0 = clock()
         job = self.cap.committer.rewind_job(step)  # (the memory tier's: its slot held while it is read)
+        self.phases = {"agree": clock() - t0}
+        ex: rewindpeers.Exchange | None = None
         try:
             if job is not None:
                 rec: Any = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
-                more = peer_parts(job, self.cap.plan_coord) if self.cap.plan_coord.distributed else None
-                read = ring_reader(job, live_optimizer_state(optimizer, model), more)
+                t0 = clock()
+                if self.cap.plan_coord.distributed:
+                    ring = self.cap.crashsafe.ring
+                    ex = rewindpeers.exchange(job, self.cap.plan_coord, ring.dir if ring is not None else None)
+                self.phases["exchange"] = clock() - t0
+                read = ring_reader(job, live_optimizer_state(optimizer, model), ex.parts if ex is not None else None)
                 where, parent = f"step {step} in the memory tier", StepRef(cur.branch.name, step)
             else:
                 rec, read, where, parent = self._rebuilt_step(step, optimizer, model) or self._stored_step(step)
             # A rewind is an incident (the tier's steps are stored on the old
             # branch) -- once the step is known to fit the live objects.
-            extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
-                               strict=strict, validated=lambda: self.cap.committer.rewind_incident(step))
+            t0 = clock()
+            restored = False
+            try:
+                extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
+                                   strict=strict, validated=lambda: self.cap.committer.rewind_incident(step))
+                restored = True
+            finally:
+                self.phases["apply"] = clock() - t0
+                t0 = clock()
+                # (collective where a rank read a peer's ring in place: every
+                # rank, even one whose restore failed -- none waits for it)
+                again = rewindpeers.settle(ex, self.cap.plan_coord, restored) if ex is not None else None
+                self.phases["settle"] = clock() - t0
+            if again is not None and job is not None:  # a peer let the step go while this rank copied from it
+                read = ring_reader(job, live_optimizer_state(optimizer, model), again)
+                extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
+                                   strict=strict)
         finally:
+            if ex is not None:
+                self.exchanged = dict(ex.stats)
+                ex.close()
             if job is not None:
+                t0 = clock()
                 self.cap.committer.rewind_done(job)
+                self.phases["done"] = clock() - t0
         name = branch or self._rewind_name(cur, step)
         self.fork = (name, parent, job if job is not None and job.writer is cur else None)
         self.after = (step, name) if check_steps else None
