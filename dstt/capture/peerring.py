@@ -53,7 +53,6 @@ import torch
 
 from dstt import knobs
 from dstt.capture import ringowner as O
-from dstt.store.torch_dtypes import torch_dtype
 
 log = logging.getLogger("dstt.capture")
 
@@ -222,8 +221,8 @@ def _check_chunks(chunks: list[Chunk], layouts: dict[str, Any]) -> str:
         if len(off) != len(dims) or len(shape) != len(dims) or any(
                 o < 0 or s < 0 or o + s > d for o, s, d in zip(off, shape, dims)):
             return f"a chunk {off}+{shape} of {name!r} outside its shape {dims}"
-        if not isinstance(dtype, torch.dtype) or dtype.itemsize != torch_dtype(layout.dtype).itemsize:
-            return f"a chunk of {name!r} of another element size than its dtype {layout.dtype}"
+        if not isinstance(dtype, torch.dtype) or dtype.itemsize != layout.dtype.itemsize:
+            return f"a chunk of {name!r} of another element size than its dtype {layout.dtype.logical}"
         size = dtype.itemsize
         if start < 0 or n != math.prod(shape) * size or start % size:
             return f"a chunk of {name!r} of {n} bytes at {start}: not its shape and dtype"
