@@ -102,6 +102,9 @@ def _offer(mine: list[tuple[ChunkTask, torch.Tensor]], step: int, ring_dir: Path
     base = pool.buffer.data_ptr() - int(getattr(pool, "_base", 0))
     chunks = [(t.layout.name, tuple(t.offset), tuple(t.shape), v.dtype, v.data_ptr() - base, F.nbytes(v))
               for t, v in mine]
+    end = pool.buffer.data_ptr() - base + int(pool.file_bytes)
+    if any(not (0 <= c[4] and c[4] + c[5] <= end) for c in chunks) or not all(v.is_contiguous() for _, v in mine):
+        return P.Offer(chunks)  # (some chunk is not in the pool file: process memory)
     try:
         st = os.stat(ring_dir / name)
         ex.lease, nonce = P.write_lease(ring_dir, step)
