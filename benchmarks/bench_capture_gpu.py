@@ -83,13 +83,19 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.tanh(x @ work)
         opt.step()
 
-    def dstt_run(name: str, keep_up: bool) -> tuple[list[float], float, float]:
+    def dstt_run(name: str, keep_up: bool, staging: str = "auto", profile: bool = False,
+                 ) -> tuple[list[float], float, float, list[float], int]:
         """Stall per capture (snapshot() + the optimizer hook's wait at the
-        next step), the loop's wall time and the bytes it committed.
+        next step), the loop's wall time, the bytes it committed, each
+        stall's hook part and the steps copied on the GPU first.
         ``keep_up``: wait for each commit outside the timed region (the
-        regime where the disk keeps up with the captures)."""
+        regime where the disk keeps up with the captures). ``staging``:
+        DSTT_DEVICE_STAGING for this run. ``profile``: print where the
+        first snapshot() goes (cProfile; the figures of that run are not used)."""
         stalls: list[float] = []
+        hooks: list[float] = []
         waits: list[float] = []
+        os.environ["DSTT_DEVICE_STAGING"] = staging
         cap = dstt.Capture(fresh_dir(os.path.join(args.dir, name)))
         fence = cap.stager._fence  # (the optimizer hook's wait: timed, as part of the stall)
         fence._wait = _timed(waits, fence._wait)
@@ -101,23 +107,49 @@ def main(argv: list[str] | None = None) -> int:
             step()
             hook = sum(waits)
             t = time.perf_counter()
-            cap.snapshot(i, model=model, optimizer=opt, rng=False)
+            if profile and i == 0:
+                import cProfile
+                import pstats
+
+                prof = cProfile.Profile()
+                prof.runcall(cap.snapshot, i, model=model, optimizer=opt, rng=False)
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+            else:
+                cap.snapshot(i, model=model, optimizer=opt, rng=False)
             stalls.append(time.perf_counter() - t)
             if i:
                 stalls[i - 1] += hook
+                hooks.append(hook)
+        taken = cap.stager.device_staging.steps
         cap.close()
+        os.environ.pop("DSTT_DEVICE_STAGING", None)
         wall = time.perf_counter() - t0
         fresh_dir(args.dir)  # 10 steps of 2.4 GB each: the next run needs the disk
-        return stalls, wall, nbytes * args.iters
+        return stalls, wall, nbytes * args.iters, hooks, taken
 
     print(f"raw pinned copy_ (median of 3)            {raw_s:.4f} s  {nbytes / raw_s / 1e9:.1f} GB/s", flush=True)
-    up, _, _ = dstt_run("dstt-up", keep_up=True)
+    flat_s = device_copy_s([t for t in tensors if t.is_cuda])
+    print(f"GPU-side copy of the state (one flatten)  {flat_s:.4f} s  {flat_s / raw_s:.3f}x raw", flush=True)
+    up: list[float] = []
+    for staging in ("auto", "off", "auto"):  # (A/B/A: device staging, the usual path, again)
+        got, _, _, hooks, taken = dstt_run("dstt-up", keep_up=True, staging=staging)
+        first, later, worst = got[0], sorted(got[1:-1])[len(got[1:-1]) // 2], max(got[1:-1])
+        print(f"disk keeping up (each commit awaited outside the timed region), DSTT_DEVICE_STAGING={staging}, "
+              f"{taken} of {args.iters} steps staged on the GPU:")
+        print(f"  dstt first stall [{staging}]{' ' * (19 - len(staging))}{first:.4f} s  {first / raw_s:.2f}x raw (goal <= 2)"
+              f"  (of it the hook's wait {hooks[0] if hooks else 0:.4f} s)")
+        print(f"  dstt later stall (median) [{staging}]{' ' * (9 - len(staging))}{later:.4f} s  {later / raw_s:.3f}x raw"
+              " (goal <= 0.05)")
+        print(f"  dstt later stall (max) [{staging}]{' ' * (12 - len(staging))}{worst:.4f} s  {worst / raw_s:.3f}x raw",
+              flush=True)
+        up = up or got
+    dstt_run("dstt-profile", keep_up=True, staging="auto", profile=True)
     first, later, worst = up[0], sorted(up[1:-1])[len(up[1:-1]) // 2], max(up[1:-1])
-    print("disk keeping up (each commit awaited outside the timed region):")
+    print("disk keeping up, the first run (device staging where the GPU has room, the default):")
     print(f"  dstt first stall                        {first:.4f} s  {first / raw_s:.2f}x raw (goal <= 2)")
     print(f"  dstt later stall (median)               {later:.4f} s  {later / raw_s:.3f}x raw (goal <= 0.05)")
     print(f"  dstt later stall (max)                  {worst:.4f} s  {worst / raw_s:.3f}x raw", flush=True)
-    every, every_wall, every_bytes = dstt_run("dstt-every", keep_up=False)
+    every, every_wall, every_bytes, _, _ = dstt_run("dstt-every", keep_up=False)
     every_later = sorted(every[1:-1])[len(every[1:-1]) // 2]
 
     import torch.distributed.checkpoint as dcp
@@ -154,6 +186,22 @@ def main(argv: list[str] | None = None) -> int:
           f"  ({every_bytes / every_wall / (nbytes / save_s):.2f}x torch.save+fsync's)")
     print(f"torch.save + fsync (median of 3)          {save_s:.4f} s  {nbytes / save_s / 1e9:.2f} GB/s")
     return 0
+
+
+def device_copy_s(tensors: list[Any]) -> float:
+    """One copy of the state on the GPU (what device staging adds to the
+    device's work per snapshot), synchronized (median of 3)."""
+    import torch
+
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        flat = torch._utils._flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        del flat
+    return sorted(times)[1]
 
 
 def calibrate(work: Any, target_s: float) -> int:

@@ -42,7 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: Seconds per section (scaled down to fit --budget-s).
-LIMITS = {"tests": 160, "stalls": 120, "flight": 100, "predictor": 90}
+LIMITS = {"tests": 160, "stalls": 170, "flight": 140, "predictor": 90}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,22 +84,40 @@ def section_tests(args: argparse.Namespace, limit: float) -> dict[str, Any]:
                             "tests/system/test_cuda.py"], limit)
     tail = out.strip().splitlines()[-1] if out.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", tail)}
+    _keep_log(args, "tests", out)
     return {"exit": code, "seconds": round(took, 1), "counts": counts, "summary": tail, "log_tail": out[-3000:]}
+
+
+def _keep_log(args: argparse.Namespace, name: str, out: str) -> None:
+    """The section's whole output beside the summary (``<name>.log``)."""
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"{name}.log").write_text(out)
+    except OSError as e:
+        print(f"gpu_suite: could not keep {name}.log: {e}", flush=True)
 
 
 def section_stalls(args: argparse.Namespace, limit: float) -> dict[str, Any]:
     code, out, took = _run([sys.executable, str(HERE / "bench_capture_gpu.py"), "--size-gb", str(args.size_gb),
                             "--iters", "6", "--dir", os.path.join(args.dir, "stalls")], limit)
+    _keep_log(args, "stalls", out)
     figures: dict[str, float] = {}
     for key, pat in {"raw_copy_s": r"raw pinned copy_.*?([\d.]+) s", "first_stall_s": r"dstt first stall\s+([\d.]+) s",
                      "later_stall_s": r"dstt later stall \(median\)\s+([\d.]+) s",
                      "every_stall_s": r"dstt stall \(median\)\s+([\d.]+) s",
-                     "dcp_async_stall_s": r"dcp.async_save stall \(median\)\s+([\d.]+) s"}.items():
+                     "dcp_async_stall_s": r"dcp.async_save stall \(median\)\s+([\d.]+) s",
+                     "device_copy_s": r"GPU-side copy of the state.*?([\d.]+) s",
+                     "first_stall_off_s": r"dstt first stall \[off\]\s+([\d.]+) s",
+                     "later_stall_off_s": r"dstt later stall \(median\) \[off\]\s+([\d.]+) s",
+                     "first_stall_auto2_s": r"(?s)\[off\].*dstt first stall \[auto\]\s+([\d.]+) s",
+                     "later_stall_auto2_s": r"(?s)\[off\].*dstt later stall \(median\) \[auto\]\s+([\d.]+) s"}.items():
         m = re.search(pat, out)
         if m:
             figures[key] = float(m.group(1))
-    if "raw_copy_s" in figures and "first_stall_s" in figures:
-        figures["first_vs_raw"] = round(figures["first_stall_s"] / figures["raw_copy_s"], 3)
+    raw = figures.get("raw_copy_s")
+    for key in [k for k in figures if k.endswith("stall_s") or k.endswith("_stall_off_s") or k == "device_copy_s"]:
+        if raw:
+            figures[key.removesuffix("_s") + "_vs_raw"] = round(figures[key] / raw, 3)
     return {"exit": code, "seconds": round(took, 1), "figures": figures, "log_tail": out[-3000:]}
 
 
@@ -190,10 +208,18 @@ def flight(args: argparse.Namespace) -> dict[str, Any]:
     path = fresh_dir(os.path.join(args.dir, "flight"))
     cap = dstt.Capture(path, memory_steps=8, persist="newest")
     times, first = loop(cap)
+    staged = cap.stager.device_staging.steps
     t = time.perf_counter()
     cap.close()
     close_s = time.perf_counter() - t
     persisted = len(dstt.open(path).steps())
+    fresh_dir(args.dir)
+    # The same with device staging off (the usual path), in the same run.
+    os.environ["DSTT_DEVICE_STAGING"] = "off"
+    cap_off = dstt.Capture(fresh_dir(os.path.join(args.dir, "flight-off")), memory_steps=8, persist="newest")
+    times_off, first_off = loop(cap_off)
+    cap_off.close()
+    os.environ.pop("DSTT_DEVICE_STAGING", None)
     fresh_dir(args.dir)
 
     def med(xs: list[float]) -> float:
@@ -205,7 +231,12 @@ def flight(args: argparse.Namespace) -> dict[str, Any]:
             "iteration_memory_tier_s": round(c, 5), "added_pct": round(100 * (c - b) / b, 2),
             "first_snapshot_stall_s": round(first or 0.0, 5), "raw_pinned_copy_s": round(raw_s, 5),
             "first_vs_raw": round((first or 0.0) / raw_s, 3), "close_s": round(close_s, 3),
-            "steps_persisted": persisted, "where_the_tier_runs": getattr(cap, "tier_where", "trainer")}
+            "steps_persisted": persisted, "where_the_tier_runs": getattr(cap, "tier_where", "trainer"),
+            "steps_staged_on_the_gpu": staged,
+            "staging_off": {"iteration_memory_tier_s": round(med(times_off), 5),
+                            "added_pct": round(100 * (med(times_off) - b) / b, 2),
+                            "first_snapshot_stall_s": round(first_off or 0.0, 5),
+                            "first_vs_raw": round((first_off or 0.0) / raw_s, 3)}}
 
 
 def predictor(args: argparse.Namespace) -> dict[str, Any]:

@@ -20,6 +20,7 @@ its environment. :func:`override` sets some for the duration of a block.
 | ``DSTT_NODE_ID`` | :func:`node_id` | the node this process counts as, for peer redundancy (one machine may stand for several) | the host name |
 | ``DSTT_REDUNDANCY_STORE`` | :func:`redundancy_store` | ``HOST:PORT`` of the c10d TCPStore the capture helpers exchange copies through | ``MASTER_ADDR:MASTER_PORT`` |
 | ``DSTT_REDUNDANCY_TRANSPORT`` | :func:`redundancy_transport` | how redundancy blocks travel: ``p2p`` (a gloo group of the helpers, point to point) or ``store`` (through that TCPStore) | ``p2p`` |
+| ``DSTT_DEVICE_STAGING`` | :func:`device_staging` | a step's GPU state is copied on the GPU inside ``snapshot()`` and moved to the host in the background, where the device has room (``auto``), or never (``off``) | ``auto`` |
 | ``DSTT_AUTO_SPARE_CORES`` | :func:`auto_spare_cores` | ``compression="auto"`` in a capture helper codes a step only while the host's CPUs of the helper had at least this many cores' worth idle (0: no CPU rule) | 0.5 |
 
 >>> with override(DSTT_PACK_CHUNK_BYTES="0"):
@@ -43,7 +44,7 @@ from dstt.errors import ConfigError
 KNOBS = ("DSTT_PACK_CHUNK_BYTES", "DSTT_SHM_DIR", "DSTT_RANK_WAIT_S", "DSTT_RANK_WAIT_DEAD_S", "DSTT_DEBUG",
          "DSTT_EXECUTOR", "DSTT_WORKERS", "DSTT_OBJECT_CLIENT", "DSTT_NODE_ID", "DSTT_REDUNDANCY_STORE",
          "DSTT_UPDATE_STATS_BYTES", "DSTT_COLLECTIVE_TIMEOUT_S", "DSTT_AUTO_SPARE_CORES",
-         "DSTT_REDUNDANCY_TRANSPORT")
+         "DSTT_REDUNDANCY_TRANSPORT", "DSTT_DEVICE_STAGING")
 #: Clients an object store URL may be served by (DSTT_OBJECT_CLIENT).
 OBJECT_CLIENTS = ("obstore", "fsspec")
 
@@ -114,6 +115,20 @@ def redundancy_transport() -> str:
     text = _text("DSTT_REDUNDANCY_TRANSPORT").lower() or "p2p"
     if text not in ("p2p", "store"):
         raise ConfigError(f"DSTT_REDUNDANCY_TRANSPORT={text!r}: expected p2p or store")
+    return text
+
+
+def device_staging() -> str:
+    """``auto``: a step's GPU sources are copied on the GPU first where the
+    device has room (capture/devicestage.py); ``off``: never.
+
+    >>> with override(DSTT_DEVICE_STAGING="off"):
+    ...     device_staging()
+    'off'
+    """
+    text = _text("DSTT_DEVICE_STAGING").lower() or "auto"
+    if text not in ("auto", "off"):
+        raise ConfigError(f"DSTT_DEVICE_STAGING={text!r}: expected auto or off")
     return text
 
 

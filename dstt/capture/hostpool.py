@@ -52,6 +52,10 @@ PAGE = 4096
 PAGE_BLOCK_BYTES = 64 << 10
 #: A /dev/shm pool is registered with CUDA in pieces of this size (HostPool._register).
 REGISTER_PIECE_BYTES = 64 << 20
+#: The registration waits at most this long for ``register_go``: the first
+#: step's copies on the GPU are issued first (each piece holds the CUDA
+#: driver's lock, which every CUDA call of the trainer's snapshot() needs).
+REGISTER_HOLD_S = 0.5
 
 
 def _round_up(n: int, k: int = ALIGN) -> int:
@@ -101,6 +105,8 @@ class HostPool:
         self.pinned = pin and buffer is None
         self.wants_pin = pin  # pinned, or being registered in the background
         self.registered = threading.Event()
+        #: Set once the first step's GPU copies are issued (Stager.queue_lazy): the registration starts then.
+        self.register_go = threading.Event()
         self._pieces: list[int] = []  # offsets of the pieces registered with CUDA (_register)
         self._stop_registering = False  # unregister() before _register finished: stop between pieces
         #: Non-zero for a pool registered with CUDA in pieces of this size (see copy_mode).
@@ -148,6 +154,7 @@ class HostPool:
         Measured on an H100: one call for a 4.8 GiB pool blocked the first
         ``snapshot()`` 2.7 s. Between pieces the trainer's calls get in."""
         try:
+            self.register_go.wait(REGISTER_HOLD_S)  # (bounded: starts anyway after REGISTER_HOLD_S)
             cudart = _cudart()
             base = self.buffer.data_ptr()
             reserving = self._reservation

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,11 @@ class Job:
     submitted: threading.Event = field(default_factory=threading.Event)  # every flush future exists
     guard: VersionGuard | None = None  # versions of the lazy sources at snapshot()
     cuda_eager: list[Any] = field(default_factory=list)  # events after eager CUDA copies
+    #: Device staging (devicestage.py): each lazy task's source as copied on
+    #: its device inside snapshot(), what the stager copies to the host; None
+    #: when the step takes the usual path, or once those copies landed.
+    early: Sequence[torch.Tensor] | None = None
+    device_staged: bool = False  # (early was set: the optimizer hook does not wait for the stager)
     reported: bool = False  # its failure was already queued for the trainer (under the ledger's lock)
     writer: Any = None  # the Writer that stores it (a rewind switches writers)
     info: Any = None  # its CommitInfo once stored

@@ -42,6 +42,7 @@ from dstt.capture import policy
 from dstt.capture.copygroups import LazySplit, StagedGroup, TaskLists, run_end
 from dstt.capture.cudacopy import CudaCopier
 from dstt.capture.current import Current
+from dstt.capture.devicestage import DeviceStaging
 from dstt.capture.hooks import StepFence
 from dstt.capture.hostpool import HostPool
 from dstt.capture.ledger import Ledger
@@ -85,6 +86,7 @@ class Stager:
         self.last: Job | None = None  # the latest job with lazy copies (or held)
         self._copying: collections.deque[Job] = collections.deque()  # lazy CPU jobs not yet copied, in order
         self._copier: CudaCopier | None = None
+        self.device_staging = DeviceStaging()  # a step's GPU sources copied on the GPU first (devicestage.py)
         self._fence = StepFence(self.before_optimizer_step)
         self._pid = os.getpid()  # a forked child holds a copy of this object, never the stager thread
         #: What is worked out once per task list (its split, sizes and groups), kept for the next step.
@@ -165,6 +167,10 @@ class Stager:
     def queue_lazy(self, job: Job) -> None:
         """Hand a job with lazy copies (or held whole) to the stager, in queue order."""
         self.last = job
+        if job.lazy and not job.cpu_lazy and self._pid == os.getpid():
+            self.device_staging.take(job)  # (the GPU copies now; the host copies on the stager thread)
+        if self.pool is not None:
+            self.pool.register_go.set()  # (the pool's registration with CUDA may take the driver's lock now)
         if job.lazy and job.cpu_lazy:
             job.copies.left = len(job.lazy)
             with self.ledger.cond:
@@ -217,6 +223,8 @@ class Stager:
                 j.staged.set()  # the stager seals and hands it on when it runs
             return
         self.ledger.wait_event(job.issued, lambda: _copies_text(job))
+        if job.device_staged:
+            return  # copied on the GPU inside snapshot(): the update kernels queue behind in stream order
         if job.cuda_done and job.error is None:
             # GPU-side ordering: the update kernels queue behind the copies;
             # the host does not wait for the device.
@@ -254,6 +262,7 @@ class Stager:
                         self._copying.remove(job)
                 if job.guard is not None:
                     job.guard.release()
+                self.device_staging.done(job)  # (its host copies landed, or failed: the scratch goes)
                 job.issued.set()
                 job.staged.set()  # copies landed: the optimizer may update the sources
                 with self.ledger.cond:
@@ -304,11 +313,10 @@ class Stager:
 
         Eager tasks (buffers, RNG, extras: no fence protects them) are staged
         on the trainer's thread inside ``snapshot()``; lazy ones on the stager
-        thread. CPU copies are handed over one by one. CUDA copies go on the
-        copy stream and are handed over in batches: at the end, and whenever
-        the pool has no room for the next block -- the batch's copies must
-        land and be written to make room, and waiting for blocks only this
-        step can free would deadlock.
+        thread (from ``job.early`` where the GPU copied them first). CPU copies
+        are handed over one by one; CUDA copies, on the copy stream, in
+        batches: at the end, and whenever the pool has no room for the next
+        block (waiting for blocks only this step can free would deadlock).
 
         A block is this function's until a flush thread owns it: on any
         failure it is released (after the copy stream is done with it), so
@@ -324,6 +332,7 @@ class Stager:
         batch: list[tuple[ChunkTask, torch.Tensor]] = []  # CUDA copies issued, not handed over
         block: torch.Tensor | None = None
         guard = job.guard if lazy else None
+        early = job.early if lazy else None  # (copied on the device inside snapshot(): devicestage.py)
         try:
             for i, t in enumerate(tasks):
                 if self.before_copy is not None:
@@ -338,14 +347,15 @@ class Stager:
                     with self.ledger.cond:
                         self.ledger.queued_bytes -= pool.block_bytes(nbytes)
                         job.lazy_bytes -= pool.block_bytes(nbytes)
-                dst = pool.view_as(block, t.source, t.shape)
-                if t.source.device.type == "cuda":
-                    self._cuda().copy(dst, t.source, job.ready[t.source.device.index], pool.copy_mode(dst))
+                src = t.source if early is None else early[i]
+                dst = pool.view_as(block, src, t.shape)
+                if src.device.type == "cuda":
+                    self._cuda().copy(dst, src, job.ready[src.device.index], pool.copy_mode(dst))
                     batch.append((t, dst))
                     block = None
                     check_guard(job, guard, i)  # issued: the copy stream reads the state at snapshot()
                 else:
-                    dst.copy_(t.source)
+                    dst.copy_(src)
                     check_guard(job, guard, i)  # completed: a change before now is in the copy
                     job.ring.views.append((t, dst))
                     if self.current.committer.needs.keep_spans:
@@ -552,7 +562,7 @@ class Stager:
         the device, never the trainer's."""
         done = self._cuda().done({t.source.device for t, _ in batch})
         if lazy:
-            if last:
+            if last and not job.device_staged:  # (a device-staged step's hook waits for nothing)
                 job.cuda_done = done
                 job.issued.set()
             for ev in done.values():

@@ -250,3 +250,30 @@ def test_a_pool_registered_in_pieces_copies_bit_exact(tmp_path: Path, monkeypatc
         cap.wait()
     for step, ref in refs.items():
         assert_same(ref, stored(tmp_path / "run", step)["extra"], f"step {step}")
+
+
+@pytest.mark.parametrize("staging", ["auto", "off", "no-room"])
+def test_device_staging_stores_the_state_at_snapshot_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               staging: str) -> None:
+    """A step's GPU sources copied on the GPU inside snapshot()
+    (capture/devicestage.py), the host copies later: every stored step is
+    the state at its snapshot, although the optimizer hook waits for
+    nothing and the next update runs at once. ``off`` and a device without
+    room take the usual path."""
+    from dstt.capture import devicestage
+
+    monkeypatch.setenv("DSTT_DEVICE_STAGING", "off" if staging == "off" else "auto")
+    if staging == "no-room":
+        monkeypatch.setattr(devicestage, "MARGIN_MIN_BYTES", 1 << 60)
+    model, opt = cuda_model(width=1024)
+    refs = {}
+    with deadline(180), dstt.Capture(tmp_path / "run") as cap:
+        for step in range(6):
+            step_on_gpu(model, opt, heavy=True)  # still queued: the copies must see its values
+            cap.snapshot(step, model=model, optimizer=opt, rng=False)
+            refs[step] = clone_state(dstt.state_of(model=model, optimizer=opt, rng=False))
+        cap.wait()
+        taken = cap.stager.device_staging.steps
+    assert (taken >= 3) if staging == "auto" else (taken == 0)
+    for step, ref in refs.items():
+        assert_same(ref, stored(tmp_path / "run", step), f"step {step}")
