@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dstt.capture import flatcast as F
 from dstt.capture import rebuilt, rewindpeers
 from dstt.capture.config import write_options
 from dstt.capture.pipeline import Job
@@ -113,6 +114,10 @@ def parts_reader(step: int, layouts_of: Any, chunks: Parts, reuse: dict[str, tor
             whole = view.clone()
         else:
             whole = torch.empty(layout.shape, dtype=torch_dtype(layout.dtype))
+            parts = list({tuple(offset): (offset, shape, view) for offset, shape, view in parts}.values())
+            if sum(F.nbytes(view) for *_, view in parts) != F.nbytes(whole):  # (a chunk grid: none overlap)
+                raise StepNotFoundError(f"tensor {name!r} of step {step} is not whole in the memory tier "
+                                        f"({len(parts)} chunk(s) of it)")
             for offset, shape, view in parts:
                 region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
                 whole[region].copy_(view.view(whole.dtype) if view.dtype != whole.dtype else view)
@@ -207,10 +212,15 @@ class Rewinder:
             # A rewind is an incident (the tier's steps are stored on the old
             # branch) -- once the step is known to fit the live objects.
             t0 = clock()
-            restored = False
+            restored, later = False, ex is not None and bool(ex.deferred)
+
+            def incident() -> None:
+                self.cap.committer.rewind_incident(step)
+
             try:
-                extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
-                                   strict=strict, validated=lambda: self.cap.committer.rewind_incident(step))
+                if not later:  # (else: a peer's ring it could not map comes over gloo in settle first)
+                    extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler,
+                                       rng=rng, strict=strict, validated=incident)
                 restored = True
             finally:
                 self.phases["apply"] = clock() - t0
@@ -219,10 +229,10 @@ class Rewinder:
                 # rank, even one whose restore failed -- none waits for it)
                 again = rewindpeers.settle(ex, self.cap.plan_coord, restored) if ex is not None else None
                 self.phases["settle"] = clock() - t0
-            if again is not None and job is not None:  # a peer let the step go while this rank copied from it
+            if again is not None and job is not None:  # a peer's ring not mapped, or let go while copied
                 read = ring_reader(job, live_optimizer_state(optimizer, model), again)
                 extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
-                                   strict=strict)
+                                   strict=strict, validated=incident if later else None)
         finally:
             if ex is not None:
                 self.exchanged = dict(ex.stats)

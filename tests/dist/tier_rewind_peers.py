@@ -15,7 +15,10 @@ held in memory only), every rank the same model and batches:
   its private copy, and rank 0's lease rewritten, as an owner letting the
   step go would): rank 1 takes them again over gloo and restores again;
 * ``other_host``: ``rewind(5)`` with each rank its own DSTT_NODE_ID (other
-  hosts, as far as dstt can tell): everything over gloo.
+  hosts, as far as dstt can tell): everything over gloo;
+* ``unmapped``: ``rewind(6)`` with rank 1's mapping of rank 0's ring
+  failing (``peerring.after_map`` raises): rank 1 restores only after the
+  last collective, from the chunks then sent over gloo.
 
 Each rewind is preceded by one more training step (the live state differs
 from the step's); after each, every rank compares its live state with its
@@ -83,6 +86,10 @@ def tear(m: peerring.PeerMap) -> None:
     os.replace(tmp, m.lease)
 
 
+def fail(m: peerring.PeerMap) -> None:
+    raise OSError("a mapping refused on purpose")
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -118,6 +125,10 @@ def main(out: Path) -> None:
     os.environ["DSTT_NODE_ID"] = f"node-{rank}"
     rewind("other_host", 5)
     del os.environ["DSTT_NODE_ID"]
+    if rank == 1:
+        peerring.after_map = fail
+    rewind("unmapped", 6)
+    peerring.after_map = None
     cap.close()
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
     dist.barrier()
