@@ -13,13 +13,13 @@ forward and backward overlap that write.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from dstt.capture import flatcast as F
 from dstt.capture import rebuilt, rewindpeers
 from dstt.capture.config import write_options
 from dstt.capture.pipeline import Job
@@ -115,15 +115,33 @@ def parts_reader(step: int, layouts_of: Any, chunks: Parts, reuse: dict[str, tor
         else:
             whole = torch.empty(layout.shape, dtype=torch_dtype(layout.dtype))
             parts = list({tuple(offset): (offset, shape, view) for offset, shape, view in parts}.values())
-            if sum(F.nbytes(view) for *_, view in parts) != F.nbytes(whole):  # (a chunk grid: none overlap)
+            if not _covers(parts, tuple(layout.shape), box):
                 raise StepNotFoundError(f"tensor {name!r} of step {step} is not whole in the memory tier "
-                                        f"({len(parts)} chunk(s) of it)")
+                                        f"({len(parts)} chunk(s) of it for {box or 'all of it'})")
             for offset, shape, view in parts:
                 region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
                 whole[region].copy_(view.view(whole.dtype) if view.dtype != whole.dtype else view)
         return whole if box is None else whole[box].clone()
 
     return read
+
+
+def _covers(parts: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]], shape: tuple[int, ...],
+            box: tuple[slice, ...] | None) -> bool:
+    """Whether ``parts`` (chunks of a grid: none overlap) cover ``box`` of a
+    tensor of ``shape`` (all of it: None).
+
+    >>> _covers([((0,), (2,), torch.zeros(2)), ((2,), (2,), torch.zeros(2))], (4,), None)
+    True
+    >>> _covers([((0,), (2,), torch.zeros(2))], (4,), (slice(0, 3),)), _covers([((0,), (2,), torch.zeros(2))], (4,), (slice(0, 2),))
+    (False, True)
+    """
+    want = [(0, n) for n in shape] if box is None else [b.indices(n)[:2] for b, n in zip(box, shape)]
+    want += [(0, n) for n in shape[len(want):]]
+    total = math.prod(max(0, hi - lo) for lo, hi in want)
+    got = sum(math.prod(max(0, min(o + n, hi) - max(o, lo)) for o, n, (lo, hi) in zip(offset, shp, want))
+              for offset, shp, _ in parts)
+    return got == total
 
 
 class Rewinder:
@@ -211,28 +229,8 @@ class Rewinder:
                 rec, read, where, parent = self._rebuilt_step(step, optimizer, model) or self._stored_step(step)
             # A rewind is an incident (the tier's steps are stored on the old
             # branch) -- once the step is known to fit the live objects.
-            t0 = clock()
-            restored, later = False, ex is not None and bool(ex.deferred)
-
-            def incident() -> None:
-                self.cap.committer.rewind_incident(step)
-
-            try:
-                if not later:  # (else: a peer's ring it could not map comes over gloo in settle first)
-                    extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler,
-                                       rng=rng, strict=strict, validated=incident)
-                restored = True
-            finally:
-                self.phases["apply"] = clock() - t0
-                t0 = clock()
-                # (collective where a rank read a peer's ring in place: every
-                # rank, even one whose restore failed -- none waits for it)
-                again = rewindpeers.settle(ex, self.cap.plan_coord, restored) if ex is not None else None
-                self.phases["settle"] = clock() - t0
-            if again is not None and job is not None:  # a peer's ring not mapped, or let go while copied
-                read = ring_reader(job, live_optimizer_state(optimizer, model), again)
-                extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
-                                   strict=strict, validated=incident if later else None)
+            objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "rng": rng, "strict": strict}
+            extra = self._apply(step, rec, read, where, job, ex, objects)
         finally:
             if ex is not None:
                 self.exchanged = dict(ex.stats)
@@ -247,6 +245,38 @@ class Rewinder:
         self.cap.committer.after_rewind()  # (the memory tier switches at the next snapshot)
         log.warning("dstt: rewound to step %d of branch %r; capturing continues on branch %r", step,
                     parent.branch, name)
+        return extra
+
+    def _apply(self, step: int, rec: Any, read: Any, where: str, job: Job | None, ex: rewindpeers.Exchange | None,
+               objects: dict[str, Any]) -> dict[str, Any]:
+        """Restore the live ``objects`` (apply_step's keywords) from ``read``,
+        recording the rewind's incident once the step fits them; under
+        torch.distributed from memory, with the exchange's settle after it
+        (collective: every rank, even one whose restore failed) and, where a
+        peer's ring could not be mapped or changed while it was copied, the
+        restore (again) from the chunks then sent over gloo. The step's extra."""
+        clock = time.perf_counter
+        t0 = clock()
+        restored, later = False, ex is not None and bool(ex.deferred)
+        extra: dict[str, Any] = {}
+
+        def incident() -> None:
+            self.cap.committer.rewind_incident(step)
+
+        try:
+            if not later:  # (else: a peer's ring it could not map comes over gloo in settle first)
+                extra = apply_step(rec, read, where, validated=incident, **objects)
+            restored = True
+        finally:
+            self.phases["apply"] = clock() - t0
+            t0 = clock()
+            again = rewindpeers.settle(ex, self.cap.plan_coord, restored) if ex is not None else None
+            self.phases["settle"] = clock() - t0
+        if again is not None and job is not None:  # a peer's ring not mapped, or let go while copied
+            read = ring_reader(job, live_optimizer_state(objects["optimizer"], objects["model"]), again)
+            extra = apply_step(rec, read, where, validated=incident if later else None, **objects)
+        elif later:
+            raise CaptureError(f"rewind: step {step}'s chunks of other ranks did not come")  # (settle always sends)
         return extra
 
     def restore(self, step: int | None, *, model: Any, optimizer: Any, scheduler: Any, rng: bool,

@@ -142,3 +142,22 @@ def test_a_ring_that_does_not_check_out_is_not_mapped(tmp_path: Path, spoil: Any
     spoil(offer, ring, tmp_path)
     m, reason = P.open_peer(offer, [0, 1], LAYOUTS, root=tmp_path)
     assert m is None and why in reason, reason
+
+
+def test_a_tensor_whose_chunks_did_not_all_come_is_refused_not_read_from_uninitialized_memory() -> None:
+    """rewind.parts_reader: a tensor (or the box of it a rank restores)
+    assembled from chunks must be covered by them -- a chunk another rank's
+    ring should have given and did not is a StepNotFoundError."""
+    from dstt.capture.rewind import parts_reader
+    from dstt.errors import StepNotFoundError
+
+    layout = SimpleNamespace(name="w", shape=(256,), dtype=info_for_name("float32"))
+    half = [((0,), (128,), VALUES[:128])]
+    read = parts_reader(5, [layout], {"w": half + [((128,), (128,), VALUES[128:])]})
+    assert torch.equal(read("w", None), VALUES)
+    read = parts_reader(5, [layout], {"w": half + half})  # (the same chunk twice: from two rings)
+    assert torch.equal(read("w", (slice(0, 100),)), VALUES[:100])  # the box it covers
+    with pytest.raises(StepNotFoundError, match="not whole"):
+        read("w", None)
+    with pytest.raises(StepNotFoundError, match="not whole"):
+        read("w", (slice(100, 200),))
