@@ -151,7 +151,7 @@ def open_peer(offer: Offer, want: list[int], layouts: dict[str, Any], root: Path
     """Map the chunks ``want`` (indices into ``offer.chunks``) of a peer's
     ring: (the map, "") or (None, why not). Every check of the module
     docstring; ``layouts``: the step's TensorLayouts by name."""
-    if offer.ring is None or offer.pool is None or offer.pool_id is None or offer.lease is None:
+    if offer.ring is None or offer.pool is None or offer.pool_id is None or offer.lease is None or not offer.nonce:
         return None, "its ring cannot be read in place (no staging ring, or no lease)"
     me = here if here is not None else host_identity()
     if not me.get("boot") or any(offer.host.get(k) != me[k] for k in ("host", "node", "boot")):

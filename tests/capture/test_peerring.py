@@ -125,6 +125,11 @@ def _no_lease(o: P.Offer, ring: Path, tmp: Path) -> None:
     o.lease = None
 
 
+def _no_nonce(o: P.Offer, ring: Path, tmp: Path) -> None:
+    o.nonce = None
+    (ring / str(o.lease)).write_text("{}")  # (a lease without one would match an offer without one)
+
+
 def _dotted_pool(o: P.Offer, ring: Path, tmp: Path) -> None:
     o.pool = "../" + ring.name + "/pool-0.bin"
 
@@ -135,6 +140,7 @@ def _dotted_pool(o: P.Offer, ring: Path, tmp: Path) -> None:
     (_past_the_end, "past the end"), (_unknown_tensor, "does not have"), (_box_outside, "outside its shape"),
     (_wrong_bytes, "not its shape"), (_wrong_dtype, "element size"), (_not_a_dtype, "element size"),
     (_lease_of_another, "not the one"), (_lease_a_fifo, "cannot be read"), (_no_lease, "in place"),
+    (_no_nonce, "in place"),
     (_dotted_pool, "not under"),
 ])
 def test_a_ring_that_does_not_check_out_is_not_mapped(tmp_path: Path, spoil: Any, why: str) -> None:
