@@ -37,6 +37,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compute-s", type=float, default=0.2, help="stand-in forward/backward per iteration")
     ap.add_argument("--dir", default="/tmp/dstt-bench-gpu")
     ap.add_argument("--check", action="store_true", help="parse arguments and exit")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="only profile (cProfile, wall clock) the first and a later snapshot() of the process's "
+                         "first Capture, and print where they go")
     args = ap.parse_args(argv)
     if args.size_gb <= 0 or args.iters < 3 or args.compute_s < 0:
         ap.error("--size-gb must be > 0, --iters >= 3, --compute-s >= 0")
@@ -107,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
             step()
             hook = sum(waits)
             t = time.perf_counter()
-            if profile and i == 0:
+            if profile and i in (0, 3):
                 import cProfile
                 import pstats
 
                 prof = cProfile.Profile()
                 prof.runcall(cap.snapshot, i, model=model, optimizer=opt, rng=False)
-                pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+                print(f"--- snapshot({i}) of this process's first Capture, {time.perf_counter() - t:.4f} s under cProfile")
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
             else:
                 cap.snapshot(i, model=model, optimizer=opt, rng=False)
             stalls.append(time.perf_counter() - t)
@@ -128,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         return stalls, wall, nbytes * args.iters, hooks, taken
 
     print(f"raw pinned copy_ (median of 3)            {raw_s:.4f} s  {nbytes / raw_s / 1e9:.1f} GB/s", flush=True)
+    if args.profile_first:
+        got, _, _, _, _ = dstt_run("dstt-profile", keep_up=True, staging="auto", profile=True)
+        print(f"stalls of that run (snapshots 0 and 3 under cProfile): {[round(x, 4) for x in got]}")
+        return 0
     flat_s = device_copy_s([t for t in tensors if t.is_cuda])
     print(f"GPU-side copy of the state (one flatten)  {flat_s:.4f} s  {flat_s / raw_s:.3f}x raw", flush=True)
     up: list[float] = []
@@ -143,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  dstt later stall (max) [{staging}]{' ' * (12 - len(staging))}{worst:.4f} s  {worst / raw_s:.3f}x raw",
               flush=True)
         up = up or got
-    dstt_run("dstt-profile", keep_up=True, staging="auto", profile=True)
     first, later, worst = up[0], sorted(up[1:-1])[len(up[1:-1]) // 2], max(up[1:-1])
     print("disk keeping up, the first run (device staging where the GPU has room, the default):")
     print(f"  dstt first stall                        {first:.4f} s  {first / raw_s:.2f}x raw (goal <= 2)")

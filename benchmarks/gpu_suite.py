@@ -16,7 +16,9 @@ one is reported, the others still run):
    ``memory_steps=8, persist="newest"``: time added per iteration vs no
    capture, the first snapshot's stall vs one raw pinned copy (goal <= 2x),
    steps persisted;
-4. ``predictor``: the optimizer-aware predictor's exactness under CUDA
+4. ``firstprof``: where the first and a later ``snapshot()`` of a fresh
+   process's first Capture go (cProfile, wall clock: ``firstprof.log``);
+5. ``predictor``: the optimizer-aware predictor's exactness under CUDA
    AdamW, ``foreach`` and ``fused`` (skipped where
    ``dstt.format.codecs.predictors`` is missing): per role, the share of
    elements predicted bit-exactly, and every coded chunk decoded bit-exact.
@@ -42,7 +44,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: Seconds per section (scaled down to fit --budget-s).
-LIMITS = {"tests": 160, "stalls": 170, "flight": 140, "predictor": 90}
+LIMITS = {"tests": 160, "stalls": 170, "flight": 140, "firstprof": 60, "predictor": 90}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,6 +121,16 @@ def section_stalls(args: argparse.Namespace, limit: float) -> dict[str, Any]:
         if raw:
             figures[key.removesuffix("_s") + "_vs_raw"] = round(figures[key] / raw, 3)
     return {"exit": code, "seconds": round(took, 1), "figures": figures, "log_tail": out[-3000:]}
+
+
+def section_firstprof(args: argparse.Namespace, limit: float) -> dict[str, Any]:
+    """Where the first and a later snapshot() of a process's first Capture
+    go (cProfile, wall clock; its own process, so nothing is warm)."""
+    code, out, took = _run([sys.executable, str(HERE / "bench_capture_gpu.py"), "--size-gb", str(args.size_gb),
+                            "--iters", "5", "--profile-first", "--dir", os.path.join(args.dir, "firstprof")], limit)
+    _keep_log(args, "firstprof", out)
+    m = re.search(r"stalls of that run.*", out)
+    return {"exit": code, "seconds": round(took, 1), "stalls": m.group(0) if m else None, "log": "firstprof.log"}
 
 
 def _own(args: argparse.Namespace, name: str, limit: float) -> dict[str, Any]:
@@ -372,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "sections": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runners = {"tests": section_tests, "stalls": section_stalls,
+    runners = {"tests": section_tests, "stalls": section_stalls, "firstprof": section_firstprof,
                "flight": lambda a, lim: _own(a, "flight", lim), "predictor": lambda a, lim: _own(a, "predictor", lim)}
     for name in only:
         left = args.budget_s - (time.perf_counter() - t0)

@@ -219,10 +219,9 @@ class DeviceStaging:
         it has ever had allocated, and a margin."""
         idx = _index(dev)
         free, total = torch.cuda.mem_get_info(idx)
-        reserved = torch.cuda.memory_reserved(idx)  # (free to reuse within this process)
-        needed = max(torch.cuda.max_memory_allocated(idx), torch.cuda.memory_allocated(idx))
+        allocated, peak, reserved = _allocator_bytes(idx)  # (reserved: free to reuse within this process)
         margin = max(MARGIN_MIN_BYTES, int(total * MARGIN_FRACTION))
-        return needed + nbytes + margin <= free + reserved
+        return max(peak, allocated) + nbytes + margin <= free + reserved
 
     def _say(self, key: str, text: str) -> None:
         if key not in self._said:
@@ -241,6 +240,19 @@ def copy_flat(tasks: list[ChunkTask], layout: StagingLayout) -> list[torch.Tenso
         else:
             flats.append(torch._utils._flatten_dense_tensors(srcs))  # type: ignore[no-untyped-call]
     return flats
+
+
+def _allocator_bytes(idx: int) -> tuple[int, int, int]:
+    """The caching allocator's bytes allocated now, at most so far, and
+    reserved, on device ``idx``: one call (``torch.cuda.memory_allocated``
+    and its kin build the whole flat statistics dictionary each, ~0.2 ms)."""
+    try:
+        stats: Any = torch._C._cuda_memoryStats(idx)
+        alloc, res = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+        return int(alloc["current"]), int(alloc["peak"]), int(res["current"])
+    except (AttributeError, KeyError, TypeError):  # (another torch: the public calls)
+        return (torch.cuda.memory_allocated(idx), torch.cuda.max_memory_allocated(idx),
+                torch.cuda.memory_reserved(idx))
 
 
 def _index(dev: torch.device) -> int:
