@@ -200,16 +200,22 @@ def rewind_latency(root: str, model: Any, opt: Any, args: Any) -> dict[str, floa
     with dstt.Capture(path, memory_steps=4, persist="all", helper=True) as cap:
         loop(model, opt, 3, 1, cap)
         cap.wait()
-        ring, switch = [], []
+        ring, switch, phases = [], [], []
         for i in range(3):
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()  # (the rewind's time, not how far apart the ranks came to it)
             t0 = time.perf_counter()
             cap.rewind(2 + i, model=model, optimizer=opt, branch=f"r{i}")  # the latest step: in the ring
             ring.append(time.perf_counter() - t0)
+            rewinder = getattr(cap, "rewinder", None)
+            phases.append({**getattr(rewinder, "phases", {}),
+                           **{f"{k}_bytes": v for k, v in getattr(rewinder, "exchanged", {}).items()}})
             t0 = time.perf_counter()
             cap.snapshot(3 + i, model=model, optimizer=opt)  # the next step: opens the branch
             switch.append(time.perf_counter() - t0)
             cap.wait()
         out["ring_rewind_s"] = min(ring)
+        out["ring_phases_s"] = phases[ring.index(min(ring))]  # (where the fastest one's time went)
         # (the branch switch -- with the tier in the helper, the old branch's
         # helper closed and the new one's started -- happens at this snapshot)
         out["snapshot_after_rewind_s"] = min(switch)
@@ -238,6 +244,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/dstt-bench-flight")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--ranks", type=int, default=1, help="run under torchrun with this many ranks (gloo)")
+    ap.add_argument("--only", choices=("all", "rewind"), default="all",
+                    help="rewind: only the rewind latencies (no loops)")
     args = ap.parse_args()
     if args.ranks > 1 and "RANK" not in os.environ:
         sys.exit(launch(args))
@@ -277,6 +285,14 @@ def main() -> None:
             torch.distributed.broadcast_object_list(box, src=0)
             args.compute_ms = box[0]
     res["compute_ms"] = args.compute_ms
+    if args.only == "rewind":
+        res["rewind"] = rewind_latency(root, model, opt, args)
+        if dist:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        if rank == 0:
+            report_rewind(res)
+        return
     base = loop(model, opt, args.iters, args.compute_ms)
     res["none"] = {"iter_ms": statistics.median(base) * 1e3, "mean_ms": statistics.mean(base) * 1e3}
     res["copy_floor"] = floor_phase(model, opt, args)
@@ -348,14 +364,28 @@ def report(res: dict[str, Any], args: Any, state_bytes: int, raw_mb_s: float) ->
             share = (floor_ms - none_ms) / (r["iter_ms"] - none_ms) * 100
             print(f"{k}: the raw copy floor is {share:.0f}% of its added {r['iter_ms'] - none_ms:.1f} ms "
                   "per iteration")
+    report_rewind(res)
+
+
+def report_rewind(res: dict[str, Any]) -> None:
     rw = res.get("rewind")
     if rw and "refused" in rw:
         print(f"rewind: refused: {rw['refused']}")
     elif rw:
+        if res["ranks"] > 1:
+            print(f"rewind with {res['ranks']} ranks (torchrun, gloo; rank 0's figures, each rank holding "
+                  f"{res['state_mb'] / res['ranks']:.0f} MB):")
         print(f"rewind: ring {rw['ring_rewind_s'] * 1e3:.0f} ms ({rw['ring_rewind_s'] / rw['memcpy_s']:.2f}x one "
               f"memcpy of {rw['memcpy_s'] * 1e3:.0f} ms), dstt.restore {rw['dstt_restore_s'] * 1e3:.0f} ms, "
               f"torch.load + load_state_dict {rw['torch_load_s'] * 1e3:.0f} ms; the snapshot after it (opens "
               f"the new branch) {rw['snapshot_after_rewind_s'] * 1e3:.0f} ms")
+        if rw.get("ring_phases_s"):
+            ph = rw["ring_phases_s"]
+            print("  ring rewind by phase: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()
+                                                      if not k.endswith("_bytes")))
+            if any(k.endswith("_bytes") for k in ph):  # (under torch.distributed: the other ranks' chunks)
+                print("  other ranks' chunks: " + ", ".join(f"{k[:-6]} {v / 1e6:.1f} MB" for k, v in ph.items()
+                                                          if k.endswith("_bytes")))
 
 
 if __name__ == "__main__":
