@@ -14,7 +14,12 @@ One process, one run, every figure compared with others of the same run:
   capture, in % of the iteration;
 * the disk: bytes the capture stored per second of the loop vs one raw
   fsync'ed sequential write of the same state (``raw_fsync_write``), and how
-  many of the captured steps each mode stored;
+  many of the captured steps each mode stored; and "durable": every byte
+  the mode put on disk (the files of its directory, all ranks') over the
+  loop *and* its drain (until the last step is durable: the steps still in
+  the ring at the loop's end count, as the time to store them), vs the raw
+  write of every rank's state at once (the device's rate, shared by the
+  ranks as in the loop);
 * the raw copy floor: the same loop doing only a plain copy of the state
   into preallocated (already touched) memory each iteration, no dstt --
   what capturing every step into memory costs at the least on this
@@ -115,7 +120,23 @@ def phase(name: str, root: str, model: Any, opt: Any, args: Any, **options: Any)
     return {"iter_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3,
             "loop_s": loop_s, "stored_steps": len(steps), "captured": args.iters - len(cap.skipped),
             "disk_mb_s": stored_in_loop / loop_s / 1e6, "drain_s": drain_s,
+            "durable_mb_s": on_disk(path) / (loop_s + drain_s) / 1e6,
             "tier_where": getattr(cap, "tier_where", None)}
+
+
+def on_disk(path: str) -> int:
+    """Bytes of every file under ``path`` (every rank's: a shared directory),
+    once every rank is done writing there."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def floor_phase(model: Any, opt: Any, args: Any) -> dict[str, Any]:
@@ -163,8 +184,10 @@ def dcp_phase(root: str, model: Any, opt: Any, args: Any) -> dict[str, Any]:
         times.append(time.perf_counter() - t)
     loop_s = time.perf_counter() - t0
     pending.result()
+    drain_s = time.perf_counter() - t0 - loop_s
     return {"iter_ms": statistics.median(times) * 1e3, "mean_ms": statistics.mean(times) * 1e3, "loop_s": loop_s,
-            "stored_steps": args.iters, "captured": args.iters, "disk_mb_s": nbytes / loop_s / 1e6}
+            "stored_steps": args.iters, "captured": args.iters, "disk_mb_s": nbytes / loop_s / 1e6,
+            "drain_s": drain_s, "durable_mb_s": on_disk(path) / (loop_s + drain_s) / 1e6}
 
 
 def rewind_latency(root: str, model: Any, opt: Any, args: Any) -> dict[str, float]:
@@ -177,16 +200,22 @@ def rewind_latency(root: str, model: Any, opt: Any, args: Any) -> dict[str, floa
     with dstt.Capture(path, memory_steps=4, persist="all", helper=True) as cap:
         loop(model, opt, 3, 1, cap)
         cap.wait()
-        ring, switch = [], []
+        ring, switch, phases = [], [], []
         for i in range(3):
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()  # (the rewind's time, not how far apart the ranks came to it)
             t0 = time.perf_counter()
             cap.rewind(2 + i, model=model, optimizer=opt, branch=f"r{i}")  # the latest step: in the ring
             ring.append(time.perf_counter() - t0)
+            rewinder = getattr(cap, "rewinder", None)
+            phases.append({**getattr(rewinder, "phases", {}),
+                           **{f"{k}_bytes": v for k, v in getattr(rewinder, "exchanged", {}).items()}})
             t0 = time.perf_counter()
             cap.snapshot(3 + i, model=model, optimizer=opt)  # the next step: opens the branch
             switch.append(time.perf_counter() - t0)
             cap.wait()
         out["ring_rewind_s"] = min(ring)
+        out["ring_phases_s"] = phases[ring.index(min(ring))]  # (where the fastest one's time went)
         # (the branch switch -- with the tier in the helper, the old branch's
         # helper closed and the new one's started -- happens at this snapshot)
         out["snapshot_after_rewind_s"] = min(switch)
@@ -215,6 +244,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/dstt-bench-flight")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--ranks", type=int, default=1, help="run under torchrun with this many ranks (gloo)")
+    ap.add_argument("--only", choices=("all", "rewind"), default="all",
+                    help="rewind: only the rewind latencies (no loops)")
     args = ap.parse_args()
     if args.ranks > 1 and "RANK" not in os.environ:
         sys.exit(launch(args))
@@ -230,14 +261,22 @@ def main() -> None:
     model, opt = model_and_adam(int(args.size_mb * 1e6 / world), n_params=50)
     tensors = state_tensors(model, opt)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    raw = []
+    raw, raw_all = [], []
     for i in range(3):
+        if dist:
+            torch.distributed.barrier()  # (every rank writes at once: the device shared, as in the loop)
         t0 = time.perf_counter()
         raw_fsync_write(os.path.join(root, f"raw{rank}-{i}.bin"), tensors)
-        raw.append(state_bytes / (time.perf_counter() - t0) / 1e6)
+        took = time.perf_counter() - t0
+        raw.append(state_bytes / took / 1e6)
+        if dist:
+            box = torch.tensor([took])
+            torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX)
+            took = float(box[0])
+        raw_all.append(state_bytes * world / took / 1e6)
         os.unlink(os.path.join(root, f"raw{rank}-{i}.bin"))
     res: dict[str, Any] = {"machine": machine(), "ranks": world, "state_mb": state_bytes / 1e6 * world,
-                           "raw_fsync_mb_s": raw}
+                           "raw_fsync_mb_s": raw, "raw_all_ranks_mb_s": raw_all}
     if args.iter_ms is not None:
         step_ms = statistics.median(loop(model, opt, 5, 0.0)) * 1e3  # optimizer.step alone
         args.compute_ms = max(0.0, args.iter_ms - step_ms)
@@ -246,6 +285,14 @@ def main() -> None:
             torch.distributed.broadcast_object_list(box, src=0)
             args.compute_ms = box[0]
     res["compute_ms"] = args.compute_ms
+    if args.only == "rewind":
+        res["rewind"] = rewind_latency(root, model, opt, args)
+        if dist:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        if rank == 0:
+            report_rewind(res)
+        return
     base = loop(model, opt, args.iters, args.compute_ms)
     res["none"] = {"iter_ms": statistics.median(base) * 1e3, "mean_ms": statistics.mean(base) * 1e3}
     res["copy_floor"] = floor_phase(model, opt, args)
@@ -291,7 +338,11 @@ def report(res: dict[str, Any], args: Any, state_bytes: int, raw_mb_s: float) ->
           f"(one step persists in ~{state_bytes / 1e6 / raw_mb_s:.2f} s at best); iteration "
           f"{res['none']['iter_ms']:.0f} ms with no capture (median of {args.iters}; compute "
           f"{res['compute_ms']:.0f} ms of it)")
-    print("mode            iter ms (median)  added   stored/captured  disk MB/s  vs raw  drain s  tier")
+    raw_all_mb_s = statistics.median(res["raw_all_ranks_mb_s"])
+    print(f"raw fsync'ed write of every rank at once: {raw_all_mb_s:.0f} MB/s (the device's rate; 'durable' below "
+          "is every byte the mode put on disk over the loop and its drain, vs it)")
+    print("mode            iter ms (median)  added   stored/captured  disk MB/s  vs raw  drain s  durable MB/s  vs raw"
+          "  tier")
     none_ms = res["none"]["iter_ms"]
     floor_ms = res["copy_floor"]["iter_ms"]
     print(f"{'raw copy floor':14s}  {floor_ms:7.0f}  {(floor_ms - none_ms) / none_ms * 100:+5.0f}%  "
@@ -306,21 +357,35 @@ def report(res: dict[str, Any], args: Any, state_bytes: int, raw_mb_s: float) ->
         added = (r["iter_ms"] - res["none"]["iter_ms"]) / res["none"]["iter_ms"] * 100
         print(f"{k:14s}  {r['iter_ms']:7.0f}  {added:+5.0f}%  {r['stored_steps']:6d}/{r['captured']:<8d}  "
               f"{r['disk_mb_s']:9.0f}  {r['disk_mb_s'] / raw_mb_s:5.2f}x  {r.get('drain_s', 0):6.2f}  "
-              f"{r.get('tier_where') or '-'}")
+              f"{r['durable_mb_s']:12.0f}  {r['durable_mb_s'] / raw_all_mb_s:5.2f}x  {r.get('tier_where') or '-'}")
     for k in ("newest", "newest_helper"):
         r = res.get(k)
         if r is not None and "refused" not in r and r["iter_ms"] > none_ms:
             share = (floor_ms - none_ms) / (r["iter_ms"] - none_ms) * 100
             print(f"{k}: the raw copy floor is {share:.0f}% of its added {r['iter_ms'] - none_ms:.1f} ms "
                   "per iteration")
+    report_rewind(res)
+
+
+def report_rewind(res: dict[str, Any]) -> None:
     rw = res.get("rewind")
     if rw and "refused" in rw:
         print(f"rewind: refused: {rw['refused']}")
     elif rw:
+        if res["ranks"] > 1:
+            print(f"rewind with {res['ranks']} ranks (torchrun, gloo; rank 0's figures, each rank holding "
+                  f"{res['state_mb'] / res['ranks']:.0f} MB):")
         print(f"rewind: ring {rw['ring_rewind_s'] * 1e3:.0f} ms ({rw['ring_rewind_s'] / rw['memcpy_s']:.2f}x one "
               f"memcpy of {rw['memcpy_s'] * 1e3:.0f} ms), dstt.restore {rw['dstt_restore_s'] * 1e3:.0f} ms, "
               f"torch.load + load_state_dict {rw['torch_load_s'] * 1e3:.0f} ms; the snapshot after it (opens "
               f"the new branch) {rw['snapshot_after_rewind_s'] * 1e3:.0f} ms")
+        if rw.get("ring_phases_s"):
+            ph = rw["ring_phases_s"]
+            print("  ring rewind by phase: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in ph.items()
+                                                      if not k.endswith("_bytes")))
+            if any(k.endswith("_bytes") for k in ph):  # (under torch.distributed: the other ranks' chunks)
+                print("  other ranks' chunks: " + ", ".join(f"{k[:-6]} {v / 1e6:.1f} MB" for k, v in ph.items()
+                                                          if k.endswith("_bytes")))
 
 
 if __name__ == "__main__":

@@ -62,17 +62,18 @@ def gc(store: Any, *, dry_run: bool = False, progress: Callable[[str], None] | N
     backend = open_backend(store, create=False)
     check_root(backend)
     committed: dict[str, list[int]] = {}
+    incidents: list[dict[str, Any]] = []
     if salvage_needed(backend, base):
         from dstt.capture.salvage import salvage  # (writes steps: imports torch)
 
         if progress:
             progress("committing the steps dead trainers sealed")
         saved = salvage(store, dry_run=dry_run, base=base)
-        committed, records = saved.committed, saved.records_removed
+        committed, records, incidents = saved.committed, saved.records_removed, saved.incidents
     else:
         records = sum(leftover_records(backend, b, dry_run) for b in list_branches(backend))
     report = collect_garbage(store, dry_run=dry_run, progress=progress)
-    report.committed, report.records_removed = committed, records
+    report.committed, report.records_removed, report.incidents = committed, records, incidents
     # the memory tier's records of runs that are over, some helper of which died (runsover.py)
     n, nbytes = collect_runs(backend, list_branches(backend), dry_run=dry_run, base=base)
     report.tier_records_removed += n

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from dstt.capture import nodeloss, parityrecover, policy, ranks, rebuilt, replicaguard, rsrecover
+from dstt.capture import crashnote, nodeloss, parityrecover, policy, ranks, rebuilt, replicaguard, rsrecover
 from dstt.capture.committers import HAND_OVER_LOCK
 from dstt.capture.config import write_options
 from dstt.capture.current import Current
@@ -81,6 +81,19 @@ def _guarded(fn: Any, *args: Any) -> str | None:
     except Exception as e:  # noqa: BLE001 - gathered by the caller, so no rank waits for another
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def _record_crashes(writer: Writer, crashes: list[crashnote.Crash]) -> None:
+    """Rank 0, after committing what the rings of dead runs held: each
+    run's crash incident, once (crashnote.py). Its steps are committed
+    and its rings gone: a record that cannot be written is logged, not
+    raised (this Capture goes on)."""
+    for crash in crashes:
+        try:
+            crashnote.record(writer.backend, crash, writer.is_stored, crashnote.BY_CAPTURE)
+        except Exception as e:  # noqa: BLE001 - the steps are stored; only the incident record is lost
+            log.error("dstt: the crash of run %s (steps %s) could not be recorded as an incident: %s", crash.run,
+                      sorted(crash.sealed), e)
 
 
 def _why(problem: str | None) -> str:
@@ -314,6 +327,7 @@ class CrashSafe:
         identity = ranks.ring_identity(str(self.current.writer.backend.url), self.current.writer.branch, coord.rank, coord.world)
         ring: Ring | None = None
         error: str | None = None
+        found: list[crashnote.Crash] = []  # the crashes of the rings recovered (rank 0 records them)
         held = replicaguard.Pending()
         scheme = self.current.config.redundancy  # ("auto": replicas or pair, chosen at the first snapshot)
         if scheme != "auto" and parse_scheme(scheme).kind == "parity":  # (collective, never raises)
@@ -323,10 +337,12 @@ class CrashSafe:
             ring = Ring(identity, run=self.run_id)
             nodeloss.recover_copies(self.current.writer, coord.world)  # a lost node's steps, from copies here (issue 26)
             held = replicaguard.stage(self.current.writer, identity, exclude=ring.dir)  # ... and from replicas
-            ranks.record_rings(self.current.writer, identity, exclude=ring.dir)
+            ranks.record_rings(self.current.writer, identity, exclude=ring.dir, found=found)
         except Exception as e:  # noqa: BLE001 - agreed on below, so no rank waits for another
             error = f"rank {coord.rank}: {type(e).__name__}: {e}"
-        errors = [x for x in coord.all_gather(error) if x is not None]
+        gathered = coord.all_gather((error, found))
+        errors = [x for x, _ in gathered if x is not None]
+        crashes = crashnote.merged(c for _, part in gathered for c in part)  # (one per run, every rank's rings)
         if not errors:  # (collective: rebuilt from replicas where no rank recorded its own part)
             errors = [x for x in coord.all_gather(_guarded(replicaguard.finish, self.current.writer, coord, held))
                       if x is not None]
@@ -339,6 +355,7 @@ class CrashSafe:
                 try:
                     done = ranks.commit_recorded(self.current.writer)
                     nodeloss.report_unrebuilt(self.current.writer)  # (steps a lost node took: named once)
+                    _record_crashes(self.current.writer, crashes)
                     outcome = (done, self.current.writer.last_step, self.current.writer.last_commit, self.current.writer.next_seq)
                 except Exception as e:  # noqa: BLE001
                     outcome = f"rank 0: {type(e).__name__}: {e}"

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ import torch
 from dstt.capture import ring as R
 from dstt.capture.helpercpu import CpuWatch, PersistPace
 from dstt.capture.helpertier import HelperTier, Peers
-from dstt.format.incidents import Incident, record_incident
+from dstt.format.incidents import Incident, crash_ident, record_incident, record_once
 from dstt.store.predflush import Backfills
 
 log = logging.getLogger("dstt.capture")
@@ -120,6 +121,9 @@ class HelperOps:
         w.relink(plan)
         w.settle_before(plan)
         w.ensure_arrays(plan)
+        # Its chunks stay in the ring slot until the step leaves the tier,
+        # after this returns: packed where they lie, uncopied (packs.py).
+        plan.packs.borrow = True
         if self.coded_upto is None or step > self.coded_upto:
             self.coded_upto = step
             self.backfills.drop()
@@ -171,7 +175,10 @@ class HelperOps:
         self.reply(f"free {step}")
 
     def record(self, incident: Incident, ident: str | None) -> None:
-        record_incident(self.writer.backend, incident, ident)
+        if incident.source == "crash" and ident is not None:  # (once, whoever records it: crashnote.py)
+            record_once(self.writer.backend, incident, ident)
+        else:
+            record_incident(self.writer.backend, incident, ident)
 
     def lost(self, step: int, why: str) -> None:
         seq = self.seqs.get(step)
@@ -202,6 +209,8 @@ def serve_tier(tier_args: dict[str, Any], writer: Any, records: Any, ring_dir: A
     tier = HelperTier(int(tier_args["k"]), policy if policy in ("all", "newest") else int(policy), ops,
                       branch=writer.branch.name, peers=peers, watch=bool(tier_args.get("watch", True)),
                       pace=PersistPace(ops.cpu or CpuWatch()) if policy == "newest" else None)  # (one watch: one rule)
+    # (the run's crash recorded once: by this helper, or by whoever salvages its ring: crashnote.py)
+    tier.crash_ident = crash_ident(str(tier_args["run"]) if records is not None else Path(ring_dir).name)
     guard = guards.start(tier_args, records, writer, ops)  # redundancy= (issue 26): None for "none"
     busy = False
     while True:

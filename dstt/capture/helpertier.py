@@ -149,6 +149,9 @@ class HelperTier:
         #: ``persist="newest"``: when this helper may pick its next step
         #: (helpercpu.PersistPace: it yields to a host without spare cores).
         self.pace = pace
+        #: The id of this run's crash incident (format/incidents.py ``crash_ident``):
+        #: whoever salvages the ring after this helper died too records under the same.
+        self.crash_ident: str | None = None
 
     # ------------------------------------------------------------ commands
 
@@ -347,7 +350,7 @@ class HelperTier:
         inc = Incident(self.branch, at, reason, source, time.time(), tuple(sorted(mine)), tensors,
                        rank=origin if self.world > 1 else None, world=self.world if self.world > 1 else None)
         try:
-            self.ops.record(inc, ident)
+            self.ops.record(inc, self.crash_ident if source == "crash" and self.crash_ident else ident)
         except Exception as e:  # noqa: BLE001 - the steps are still stored; the trainer hears of it
             log.error("dstt helper: incident at step %d not recorded: %s", at, e)
             return None

@@ -284,16 +284,23 @@ def ring_identity(store_url: str, branch_info: Any, rank: int, world: int) -> di
 
 
 def record_rings(writer: Writer, identity: dict[str, Any], *, exclude: Path | None = None,
-                 base: Path | None = None, dry_run: bool = False) -> list[int]:
+                 base: Path | None = None, dry_run: bool = False, found: list[Any] | None = None) -> list[int]:
     """Record (rank ``identity["rank"]``) the sealed steps of this rank's
     abandoned rings (their owners proven gone: ring.abandoned) that are
     newer than the branch's last commit and not recorded yet, then remove
     those rings (set aside: one that does not check out). ``writer`` is of
-    that rank (its chunk writes are this rank's). The steps recorded."""
+    that rank (its chunk writes are this rank's). The steps recorded.
+    ``found``: each such ring's crash is added (crashnote.Crash; rank 0
+    records the run's incident once its steps are committed)."""
+    from dstt.capture import crashnote
+
     done: list[int] = []
     for ring in R.abandoned(identity, base, exclude, dry_run=dry_run):
         try:
+            crash = crashnote.of_ring(ring, identity["branch"])
             _record_ring(writer, identity, ring, done, dry_run)
+            if crash is not None and found is not None:
+                found.append(crash)
         except R.CorruptRing as e:
             if dry_run:
                 ring.keep()

@@ -13,20 +13,20 @@ forward and backward overlap that write.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from dstt.capture import flatcast as F
-from dstt.capture import rebuilt
+from dstt.capture import rebuilt, rewindpeers
 from dstt.capture.config import write_options
 from dstt.capture.pipeline import Job
 from dstt.errors import BranchExistsError, CaptureError, StepNotFoundError, StepOrderError
 from dstt.format import args as A
 from dstt.format.geometry import TensorLayout
 from dstt.format.layout import StepRef, validate_branch, validate_step
-from dstt.store.plan import ChunkTask
 from dstt.store.reader import TensorReader
 from dstt.store.state import check_objects
 from dstt.store.torch_dtypes import torch_dtype
@@ -73,44 +73,7 @@ def live_optimizer_state(optimizer: Any, model: Any) -> dict[str, torch.Tensor]:
 
 
 #: Chunks by tensor name: (offset, shape, data).
-Parts = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]]
-
-
-def _replicated(t: ChunkTask) -> bool:
-    """Whether chunk ``t`` lies in a region several ranks hold (one of them
-    writes it: the others' rings lack it)."""
-    for r in t.layout.regions:
-        if all(ro <= o < ro + rs for o, ro, rs in zip(t.offset, r.offset, r.shape)):
-            return len(r.holders) > 1
-    return False
-
-
-def peer_parts(job: Job, coord: Any) -> Parts:
-    """Under torch.distributed, the chunks of replicated regions that other
-    ranks' rings hold and this one's lacks (collective: every rank calls
-    it once the rewind reads from memory). A replicated tensor's chunks are
-    spread over its holders (plan.py: written once), so each rank's ring
-    holds only its share; a rewind from memory must restore all of it.
-    The list of what each rank holds goes by all-gather, the bytes as one
-    flat tensor a rank (flatcast.py: a DDP model's half a state is hundreds
-    of megabytes, too many to pickle)."""
-    mine = [(t, view) for t, view in job.ring.views if _replicated(t) and view.numel()]
-    have = {(t.layout.name, t.offset) for t, _ in job.ring.views}
-    names = {l.name for l in job.plan.layouts}
-    out: Parts = {}
-    listed = coord.all_gather([(t.layout.name, t.offset, t.shape, view.dtype, F.nbytes(view)) for t, view in mine])
-    for r, theirs in enumerate(listed):
-        if not theirs:
-            continue
-        flat, starts = F.cast(coord, r, [int(nb) for *_, nb in theirs],
-                              [view for _, view in mine] if r == coord.rank else None)
-        if r == coord.rank:
-            continue
-        for (name, off, shp, dtype, _), at in zip(theirs, starts):
-            if name in names and (name, tuple(off)) not in have:
-                have.add((name, tuple(off)))
-                out.setdefault(name, []).append((tuple(off), tuple(shp), F.view_of(flat, at, dtype, tuple(shp))))
-    return out
+Parts = rewindpeers.Parts
 
 
 def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None, more: Parts | None = None) -> Any:
@@ -123,7 +86,7 @@ def ring_reader(job: Job, reuse: dict[str, torch.Tensor] | None = None, more: Pa
     validated against the live objects, so they are overwritten only when
     the rewind goes ahead; fresh memory would be page-faulted in (slower
     than the copy itself on some machines). ``more``: chunks other ranks'
-    rings hold (:func:`peer_parts`)."""
+    rings hold (:func:`dstt.capture.rewindpeers.exchange`)."""
     chunks: Parts = {k: list(v) for k, v in (more or {}).items()}
     for t, view in job.ring.views:
         chunks.setdefault(t.layout.name, []).append((t.offset, t.shape, view))
@@ -151,12 +114,34 @@ def parts_reader(step: int, layouts_of: Any, chunks: Parts, reuse: dict[str, tor
             whole = view.clone()
         else:
             whole = torch.empty(layout.shape, dtype=torch_dtype(layout.dtype))
+            parts = list({tuple(offset): (offset, shape, view) for offset, shape, view in parts}.values())
+            if not _covers(parts, tuple(layout.shape), box):
+                raise StepNotFoundError(f"tensor {name!r} of step {step} is not whole in the memory tier "
+                                        f"({len(parts)} chunk(s) of it for {box or 'all of it'})")
             for offset, shape, view in parts:
                 region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
                 whole[region].copy_(view.view(whole.dtype) if view.dtype != whole.dtype else view)
         return whole if box is None else whole[box].clone()
 
     return read
+
+
+def _covers(parts: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]], shape: tuple[int, ...],
+            box: tuple[slice, ...] | None) -> bool:
+    """Whether ``parts`` (chunks of a grid: none overlap) cover ``box`` of a
+    tensor of ``shape`` (all of it: None).
+
+    >>> _covers([((0,), (2,), torch.zeros(2)), ((2,), (2,), torch.zeros(2))], (4,), None)
+    True
+    >>> _covers([((0,), (2,), torch.zeros(2))], (4,), (slice(0, 3),)), _covers([((0,), (2,), torch.zeros(2))], (4,), (slice(0, 2),))
+    (False, True)
+    """
+    want = [(0, n) for n in shape] if box is None else [b.indices(n)[:2] for b, n in zip(box, shape)]
+    want += [(0, n) for n in shape[len(want):]]
+    total = math.prod(max(0, hi - lo) for lo, hi in want)
+    got = sum(math.prod(max(0, min(o + n, hi) - max(o, lo)) for o, n, (lo, hi) in zip(offset, shp, want))
+              for offset, shp, _ in parts)
+    return got == total
 
 
 class Rewinder:
@@ -181,6 +166,18 @@ class Rewinder:
         self.fork: tuple[str, StepRef, Job | None] | None = None
         #: (step, branch) of the last rewind until the next snapshot() (its step must follow it).
         self.after: tuple[int, str] | None = None
+        #: Where the last rewind's time went, seconds by phase: ``agree`` (every
+        #: queued step handed over, the helper's hold, the ranks' agreement),
+        #: ``exchange`` (the chunks other ranks' rings hold), ``apply`` (read and
+        #: load into the live objects), ``settle`` (the peers read in place
+        #: checked), ``done`` (the hold let go of). For
+        #: benchmarks/bench_flight.py.
+        self.phases: dict[str, float] = {}
+        #: The last distributed rewind from memory's chunks of other ranks, in
+        #: bytes by how they came: ``mapped`` (read in place from their rings
+        #: on this host), ``gloo``, ``again`` (over gloo after a peer let go of
+        #: the step while this rank copied it: restored twice). rewindpeers.py.
+        self.exchanged: dict[str, int] = {}
 
     def rewind(
         self,
@@ -213,28 +210,73 @@ class Rewinder:
         # copy must have read them first (what the optimizer hook ensures
         # before an optimizer step), and every queued step be in the ring.
         self.cap.stager.before_optimizer_step()
+        clock = time.perf_counter
+        t0 = clock()
         job = self.cap.committer.rewind_job(step)  # (the memory tier's: its slot held while it is read)
+        self.phases = {"agree": clock() - t0}
+        ex: rewindpeers.Exchange | None = None
         try:
             if job is not None:
                 rec: Any = RingRecord(step, cur.branch.name, job.plan.tree, {l.name: l for l in job.plan.layouts})
-                more = peer_parts(job, self.cap.plan_coord) if self.cap.plan_coord.distributed else None
-                read = ring_reader(job, live_optimizer_state(optimizer, model), more)
+                t0 = clock()
+                if self.cap.plan_coord.distributed:
+                    ring = self.cap.crashsafe.ring
+                    ex = rewindpeers.exchange(job, self.cap.plan_coord, ring.dir if ring is not None else None)
+                self.phases["exchange"] = clock() - t0
+                read = ring_reader(job, live_optimizer_state(optimizer, model), ex.parts if ex is not None else None)
                 where, parent = f"step {step} in the memory tier", StepRef(cur.branch.name, step)
             else:
                 rec, read, where, parent = self._rebuilt_step(step, optimizer, model) or self._stored_step(step)
             # A rewind is an incident (the tier's steps are stored on the old
             # branch) -- once the step is known to fit the live objects.
-            extra = apply_step(rec, read, where, model=model, optimizer=optimizer, scheduler=scheduler, rng=rng,
-                               strict=strict, validated=lambda: self.cap.committer.rewind_incident(step))
+            objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "rng": rng, "strict": strict}
+            extra = self._apply(step, rec, read, where, job, ex, objects)
         finally:
+            if ex is not None:
+                self.exchanged = dict(ex.stats)
+                ex.close()
             if job is not None:
+                t0 = clock()
                 self.cap.committer.rewind_done(job)
+                self.phases["done"] = clock() - t0
         name = branch or self._rewind_name(cur, step)
         self.fork = (name, parent, job if job is not None and job.writer is cur else None)
         self.after = (step, name) if check_steps else None
         self.cap.committer.after_rewind()  # (the memory tier switches at the next snapshot)
         log.warning("dstt: rewound to step %d of branch %r; capturing continues on branch %r", step,
                     parent.branch, name)
+        return extra
+
+    def _apply(self, step: int, rec: Any, read: Any, where: str, job: Job | None, ex: rewindpeers.Exchange | None,
+               objects: dict[str, Any]) -> dict[str, Any]:
+        """Restore the live ``objects`` (apply_step's keywords) from ``read``,
+        recording the rewind's incident once the step fits them; under
+        torch.distributed from memory, with the exchange's settle after it
+        (collective: every rank, even one whose restore failed) and, where a
+        peer's ring could not be mapped or changed while it was copied, the
+        restore (again) from the chunks then sent over gloo. The step's extra."""
+        clock = time.perf_counter
+        t0 = clock()
+        restored, later = False, ex is not None and bool(ex.deferred)
+        extra: dict[str, Any] = {}
+
+        def incident() -> None:
+            self.cap.committer.rewind_incident(step)
+
+        try:
+            if not later:  # (else: a peer's ring it could not map comes over gloo in settle first)
+                extra = apply_step(rec, read, where, validated=incident, **objects)
+            restored = True
+        finally:
+            self.phases["apply"] = clock() - t0
+            t0 = clock()
+            again = rewindpeers.settle(ex, self.cap.plan_coord, restored) if ex is not None else None
+            self.phases["settle"] = clock() - t0
+        if again is not None and job is not None:  # a peer's ring not mapped, or let go while copied
+            read = ring_reader(job, live_optimizer_state(objects["optimizer"], objects["model"]), again)
+            extra = apply_step(rec, read, where, validated=incident if later else None, **objects)
+        elif later:
+            raise CaptureError(f"rewind: step {step}'s chunks of other ranks did not come")  # (settle always sends)
         return extra
 
     def restore(self, step: int | None, *, model: Any, optimizer: Any, scheduler: Any, rng: bool,

@@ -522,19 +522,24 @@ def read_bounded(path: Path) -> bytes:
         raise CorruptRing(str(e)) from None
 
 
-def recover(writer: Any, identity: dict[str, Any], *, exclude: Path | None = None, base: Path | None = None
-            ) -> list[int]:
+def recover(writer: Any, identity: dict[str, Any], *, exclude: Path | None = None, base: Path | None = None,
+            finder: str = "the next Capture", found: list[Any] | None = None) -> list[int]:
     """Commit, in step order, the sealed steps of this branch's abandoned
-    rings that are newer than its last commit; remove those rings (a ring
-    that does not check out is set aside instead, nothing of it
-    committed). The steps committed. ``writer`` (a
+    rings that are newer than its last commit, record each ring's crash
+    as an incident, once (crashnote.py: ``finder`` found it); remove those
+    rings (a ring that does not check out is set aside instead, nothing of
+    it committed). The steps committed. ``writer`` (a
     :class:`~dstt.store.writer.Writer` of a single process) holds the
     branch lock. A store error propagates and keeps the ring for the next
-    try."""
+    try. ``found``: each ring's crash is added to it (crashnote.Crash)."""
+    from dstt.capture import crashnote
+
     done: list[int] = []
     for ring in abandoned(identity, base, exclude):
         try:
+            crash = crashnote.of_ring(ring, identity["branch"])  # (before: the seals' times)
             _recover_ring(writer, identity, ring, done)
+            crashnote.record_ring(writer, crash, finder, found)  # (before the ring goes: see crashnote.py)
         except CorruptRing as e:
             ring.set_aside(str(e))
             continue

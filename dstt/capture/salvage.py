@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dstt.capture import ranks
+from dstt.capture import crashnote, ranks
 from dstt.capture import ring as R
 from dstt.capture import ringowner as O
 from dstt.format.backends import open_backend
@@ -37,20 +37,27 @@ class Salvage:
 
     committed: dict[str, list[int]] = field(default_factory=dict)
     records_removed: int = 0
+    #: The crash incidents of the runs salvaged (crashnote.py), as recorded
+    #: (dry run: as they would be), one per run, plain data.
+    incidents: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"committed": [{"branch": b, "step": s} for b, steps in self.committed.items() for s in steps],
-                "records_removed": self.records_removed}
+                "records_removed": self.records_removed, "incidents": self.incidents}
 
 
-def _ring_steps(store_url: str, branch_info: Any, base: Path | None) -> list[int]:
+def _ring_steps(store_url: str, branch_info: Any, base: Path | None, found: list[crashnote.Crash]) -> list[int]:
     """Sealed steps of this branch's single-process rings whose owners are
-    proven gone, their records checked (read only: nothing removed)."""
+    proven gone, their records checked (read only: nothing removed); their
+    crashes added to ``found``."""
     identity = {"store": store_url, "branch": branch_info.name, "branch_id": branch_info.id,
                 "branch_created": branch_info.created}
     steps: set[int] = set()
     for ring in R.abandoned(identity, base, dry_run=True):
         steps.update(seal["step"] for seal in ring.seals)
+        crash = crashnote.of_ring(ring, branch_info.name)
+        if crash is not None:
+            found.append(crash)
         ring.keep()
     return sorted(steps)
 
@@ -77,26 +84,34 @@ def salvage(store: Any, *, dry_run: bool = False, base: Path | None = None) -> S
             continue
         with Writer(store, WriteOptions(branch=branch)) as writer:
             last = writer.last_step
+            found: list[crashnote.Crash] = []
             if dry_run:
-                steps = set(_ring_steps(url, writer.branch, base))
+                steps = set(_ring_steps(url, writer.branch, base, found))
                 for ident in dist:
                     identity = ranks.ring_identity(url, writer.branch, ident["rank"], ident["world"])
-                    steps.update(ranks.record_rings(writer, identity, base=base, dry_run=True))
+                    steps.update(ranks.record_rings(writer, identity, base=base, dry_run=True, found=found))
                 steps.update(ranks.commit_recorded(writer, dry_run=True))
                 done = sorted(s for s in steps if last is None or s > last)
+                out.incidents += [crashnote.incident_of(c, c.sealed, crashnote.BY_GC).to_dict()
+                                  for c in crashnote.merged(found) if crashnote.unrecorded(backend, c)]
             else:
                 identity = {"store": url, "branch": branch, "branch_id": writer.branch.id,
                             "branch_created": writer.branch.created}
-                done = R.recover(writer, identity, base=base)
+                done = R.recover(writer, identity, base=base, finder=crashnote.BY_GC, found=found)
+                single = len(found)  # (recorded by R.recover, ring by ring)
                 for ident in dist:
                     rank, world = ident["rank"], ident["world"]
                     identity = ranks.ring_identity(url, writer.branch, rank, world)
                     if rank == 0:
-                        ranks.record_rings(writer, identity, base=base)
+                        ranks.record_rings(writer, identity, base=base, found=found)
                         continue
                     with Writer(store, WriteOptions(branch=branch), coordinator=ranks.FixedRank(rank, world)) as other:
-                        ranks.record_rings(other, identity, base=base)  # this rank's chunk writes
+                        ranks.record_rings(other, identity, base=base, found=found)  # this rank's chunk writes
                 done += ranks.commit_recorded(writer)
+                runs = crashnote.merged(found[single:])  # one incident per distributed run
+                for crash in runs:
+                    crashnote.record(writer.backend, crash, writer.is_stored, crashnote.BY_GC)
+                out.incidents += [c.recorded.to_dict() for c in found[:single] + runs if c.recorded is not None]
             if done:
                 out.committed[branch] = done
         out.records_removed += _leftover_records(backend, branch, dry_run)

@@ -40,6 +40,9 @@ def persist_step(job: Job, flush: Executor, memory_only: Callable[[Writer, int],
     results: list[ChunkResult] = []
     try:
         w.ensure_arrays(plan)
+        # The staged views stay in the step's slot until it is committed
+        # (its persist holds the slot): packed where they lie (packs.py).
+        plan.packs.borrow = True
         views = {(t.layout.array, t.index): v for t, v in job.ring.views}
         w.prepare_pred(plan, lambda t: views.get((t.layout.array, t.index)))  # (store/predflush.py)
         futures = [flush.submit(_flush_views, w, plan, batch, prev)

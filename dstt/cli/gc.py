@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from dstt.cli.output import emit_json, handle_errors, human_bytes, stdout
+from dstt.cli.output import emit_json, handle_errors, human_bytes, printable, stdout
 from dstt.cli.targets import store_arg
 
 
@@ -25,6 +25,10 @@ def cmd_gc(store: str, dry_run: bool, json_out: bool) -> None:
         verb = "would commit" if dry_run else "committed"
         stdout.print(f"{verb} {len(steps)} step(s) of branch {branch!r} sealed by a trainer that died: "
                      + ", ".join(map(str, steps)))
+    for inc in report.incidents:
+        verb = "would record" if dry_run else "recorded"
+        stdout.print(printable(f"{verb} a crash incident at step {inc['step']} of branch {inc['branch']!r}: "
+                               f"{inc['reason']}"))
     verb = "would free" if dry_run else "freed"
     stdout.print(f"{verb} {human_bytes(report.bytes_freed)}: {report.chunks_removed} chunk(s), "
                  f"{report.arrays_removed} array(s), {len(report.partial_steps_removed)} uncommitted step dir(s), "

@@ -116,14 +116,19 @@ def _read_pred_chunk(e: TensorEntry, i: int, *, sha256: bool = False) -> memoryv
 
 #: Bytes of adjacent pack ranges read with one request at most (read_packed).
 MAX_PACK_RUN_BYTES = 16 << 20
+#: Bytes between two ranges of a pack still read with one request (the
+#: padding of a gathered pack, packs.py: under two pages between ranges --
+#: the rest of a trailer's page and the start of the next header's).
+MAX_PACK_GAP_BYTES = 8192
 
 
 def read_packed(backend: Backend, items: list[tuple[TensorEntry, int]], *,
                 sha256: bool = False) -> list[memoryview]:
     """The raw bytes of several packed chunks (``(entry, chunk index)``,
     each ``entry.pack(i)`` set), each checked as :func:`read_chunk` checks
-    it. Ranges of one pack that follow each other (as a step writes them)
-    are read with one request: exactly those bytes, at most
+    it. Ranges of one pack that follow each other (as a step writes them;
+    at most MAX_PACK_GAP_BYTES apart: a gathered pack's padding) are read
+    with one request: those bytes (and the padding between), at most
     MAX_PACK_RUN_BYTES at a time, instead of a request per chunk (a
     state_dict of 100,000 small tensors: issue 16)."""
     by_pack: dict[tuple[int, int, int], list[tuple[int, int, int, int]]] = {}
@@ -173,7 +178,8 @@ def read_packed(backend: Backend, items: list[tuple[TensorEntry, int]], *,
         ranges.sort()
         run: list[tuple[int, int, int, int]] = []
         for r in ranges:
-            if run and (r[0] != run[-1][0] + run[-1][1] or r[0] + r[1] - run[0][0] > MAX_PACK_RUN_BYTES):
+            gap = r[0] - (run[-1][0] + run[-1][1]) if run else 0
+            if run and (not 0 <= gap <= MAX_PACK_GAP_BYTES or r[0] + r[1] - run[0][0] > MAX_PACK_RUN_BYTES):
                 read_run(key, run)
                 run = []
             run.append(r)

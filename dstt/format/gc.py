@@ -91,6 +91,9 @@ class GcReport:
     committed: dict[str, list[int]] = field(default_factory=dict)
     #: Per-rank records removed from committed step directories.
     records_removed: int = 0
+    #: The crash incidents recorded for the runs salvaged (dry run: that
+    #: would be), one per run, as ``Incident.to_dict`` (capture/crashnote.py).
+    incidents: list[dict[str, Any]] = field(default_factory=list)
     #: Memory-tier records (``meta/tier/<branch>/<run>/``: persist decisions,
     #: incident requests) no helper can still need (dstt.format.tier.collect_records).
     tier_records_removed: int = 0

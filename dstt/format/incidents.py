@@ -39,7 +39,7 @@ import os
 import re
 import secrets
 import time as _time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dstt.errors import ConfigError, CorruptStoreError, DsttError
@@ -94,12 +94,17 @@ class Incident:
     #: world size (every rank's helper dumped its shards; one record).
     rank: int | None = None
     world: int | None = None
+    #: A crash found by whoever salvaged the run's staging rings (its
+    #: helpers died too): the ranks whose rings were salvaged (optional).
+    ranks: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = {"branch": self.branch, "step": self.step, "reason": self.reason, "source": self.source,
                "time": self.time, "steps": list(self.steps), "tensors": list(self.tensors)}
         if self.world is not None:
             out["rank"], out["world"] = self.rank, self.world
+            if self.ranks:
+                out["ranks"] = list(self.ranks)
         return out
 
 
@@ -120,11 +125,18 @@ def incident_document(incident: Incident) -> bytes:
     steps = sorted({L.validate_step(s, "incident step") for s in incident.steps})[:MAX_STEPS]
     tensors = [_cut(str(t), MAX_TENSOR_NAME_CHARS) for t in incident.tensors[:MAX_TENSORS]]
     t = float(incident.time)
-    ranks: dict[str, int] = {}
+    ranks: dict[str, int | list[int]] = {}
     if incident.world is not None:
         if not (isinstance(incident.rank, int) and 0 <= incident.rank < incident.world <= MAX_WORLD):
             raise ConfigError(f"incident rank {incident.rank!r} of world {incident.world!r}")
         ranks = {"rank": incident.rank, "world": incident.world}
+        named = sorted(set(incident.ranks))
+        if not all(isinstance(r, int) and 0 <= r < incident.world for r in named):
+            raise ConfigError(f"incident ranks {incident.ranks!r} of world {incident.world!r}")
+        if named:
+            ranks["ranks"] = named
+    elif incident.ranks:
+        raise ConfigError("incident ranks need a world size")
     return encode_json({
         "format": INCIDENT_FORMAT, "format_version": INCIDENT_VERSION, "branch": incident.branch,
         "step": incident.step, "reason": _cut(incident.reason, MAX_REASON_CHARS), "source": incident.source,
@@ -180,7 +192,12 @@ def parse_incident(data: bytes, where: str, branch: str | None = None) -> Incide
     _need((rank is None and world is None)
           or (_is_int(rank) and _is_int(world) and 0 <= rank < world <= MAX_WORLD), where,
           "rank and world must be integers, 0 <= rank < world")
-    return Incident(b, step, reason, source, float(t), tuple(steps), tuple(tensors), rank, world)
+    named = doc.get("ranks", [])
+    _need(isinstance(named, list) and (not named or world is not None)
+          and all(_is_int(r) and 0 <= r < world for r in named)
+          and all(a < c for a, c in zip(named, named[1:])), where,
+          "ranks must be ascending ranks of the world")
+    return Incident(b, step, reason, source, float(t), tuple(steps), tuple(tensors), rank, world, tuple(named))
 
 
 def incident_key(incident: Incident, ident: str | None = None) -> str:
@@ -205,6 +222,73 @@ def record_incident(backend: Backend, incident: Incident, ident: str | None = No
     key = incident_key(incident, ident)
     backend.put_atomic(key, data)  # durable when it returns (temp file, fsync, rename, fsync dir)
     return key
+
+
+def ranks_text(ranks: tuple[int, ...] | list[int], world: int | None) -> str:
+    """``ranks 0, 1 of 4``: the ranks a crash incident names (at the end of
+    its reason, in parentheses; :func:`record_once` keeps it up to date).
+
+    >>> ranks_text([0, 1], 4)
+    'ranks 0, 1 of 4'
+    """
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))} of {world}"
+
+
+_RANKS_RE = re.compile(r"\(ranks? [0-9, ]+ of [0-9]+\)$")
+
+
+def crash_ident(run: str) -> str:
+    """The id of the crash incident of the run whose staging ring is
+    ``run`` (a distributed Capture's run id, or a single process's ring
+    directory name): the capture helper that saw its trainer die and
+    whoever salvages its ring later record under the same id, so the crash
+    is recorded once (:func:`record_once`).
+
+    >>> crash_ident("4242-0123456789ab")
+    'crash-4242-0123456789ab'
+    """
+    text = re.sub(r"[^A-Za-z0-9_.-]", "_", run)[:58]
+    return f"crash-{text or 'run'}"
+
+
+def keyed(backend: Backend, branch: str, ident: str) -> str | None:
+    """The key of ``branch``'s record made with ``ident`` (see
+    :func:`incident_key`), if there is one."""
+    if not _IDENT_RE.fullmatch(ident):
+        raise ConfigError(f"invalid incident id {ident!r}")
+    tail = f"-{ident}.json"
+    names = backend.list_dir(incidents_prefix(branch).rstrip("/"))
+    found = sorted(n for n in names if n.endswith(tail) and n[: -len(tail)].isdigit())
+    return incidents_prefix(branch) + found[0] if found else None
+
+
+def record_once(backend: Backend, incident: Incident, ident: str) -> tuple[Incident, bool]:
+    """Record ``incident`` under ``ident`` unless a record of that id is
+    there already: then the two are one incident, the steps and ranks of
+    ``incident`` merged into the record there (rewritten only if that adds
+    any). (the record now, whether this call wrote it). The caller holds
+    the branch's write lock; two callers racing on the same new key
+    still make one record (``put_if_absent``)."""
+    key = keyed(backend, incident.branch, ident)
+    if key is None:
+        new = incident_key(incident, ident)
+        if backend.put_if_absent(new, incident_document(incident)):
+            return incident, True
+        key = new
+    try:
+        have = parse_incident(bytes(backend.get(key, max_bytes=MAX_INCIDENT_BYTES) or b""), key, incident.branch)
+    except CorruptStoreError as e:
+        log.warning("replacing incident record %r: %s", key, e)
+        backend.put_atomic(key, incident_document(incident))
+        return incident, True
+    steps = tuple(sorted(set(have.steps) | set(incident.steps)))
+    ranks = tuple(sorted(set(have.ranks) | set(incident.ranks))) if have.world is not None else have.ranks
+    if steps == have.steps and ranks == have.ranks:
+        return have, False
+    reason = _RANKS_RE.sub(f"({ranks_text(ranks, have.world)})", have.reason) if ranks != have.ranks else have.reason
+    merged = replace(have, step=max(have.step, incident.step), steps=steps, ranks=ranks, reason=reason)
+    backend.put_atomic(key, incident_document(merged))
+    return merged, True
 
 
 def _branches(backend: Backend) -> list[str]:
@@ -241,5 +325,5 @@ def list_incidents(backend: Backend, branch: str | None = None) -> list[Incident
     return out
 
 
-__all__ = ["INCIDENTS_DIR", "Incident", "incident_document", "incidents_prefix", "list_incidents",
-           "parse_incident", "record_incident"]
+__all__ = ["INCIDENTS_DIR", "Incident", "crash_ident", "incident_document", "incidents_prefix", "keyed",
+           "list_incidents", "parse_incident", "record_incident", "record_once"]

@@ -11,6 +11,16 @@ once, whole, by the one rank (one writer) that filled it, sealed at
 :data:`PACK_TARGET_BYTES`. So files per step grow with bytes, not with
 tensor count (DataStates-LLM's coalescing of fragmented shards).
 
+A *gathered* pack (:attr:`StepPacks.borrow`: the capture helper's memory
+tier, whose ring slot outlives the step's write; issue 25) is written from
+where its chunks lie, with no copy: each chunk whose bytes are whole pages
+on a page boundary has them on a page boundary of the pack, its 4-byte
+trailer at the start of a page of zeros after them and its prefix (a fast
+Blosc container's 16-byte header), if any, at the end of a page of zeros
+before them; the local backend hands the buffers to the device as they
+are (O_DIRECT ``writev``, :mod:`dstt.format.localio`). The ranges are
+recorded as for any pack; only the padding is new.
+
 The step index records, per packed chunk, where its range lives:
 :class:`PackRange` ``(rank, n, offset, length)`` beside the chunk's slot
 (the slot of the step that wrote the pack) and CRC-32C, as for any chunk. An
@@ -35,6 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from dstt import knobs
 from dstt.errors import CaptureError, CorruptStoreError
 from dstt.format.layout import PACK_FORMAT_VERSION
+from dstt.format.localio import address
 
 if TYPE_CHECKING:
     from dstt.format.backends import Backend
@@ -147,6 +158,29 @@ class _Buffers:
 
 _BUFFERS = _Buffers(PACK_BUFFERS_KEEP_BYTES, PACK_BUFFERS_KEPT)
 
+#: Chunks of at least this many bytes (whole pages, on a page boundary) go
+#: into gathered packs where the writer may borrow them (StepPacks.borrow):
+#: the padding to the next page after each is at most 1/16 of the chunk.
+GATHER_MIN_BYTES = 64 << 10
+
+
+def _gatherable(parts: list[Any]) -> tuple[memoryview, memoryview, memoryview] | None:
+    """(prefix, body, trailer) of an encoded chunk that can be written
+    where it lies: ``[body, trailer]`` (uncompressed) or ``[prefix, body,
+    trailer]`` (a Blosc container stored fast: its 16-byte header first),
+    the body whole pages (at least GATHER_MIN_BYTES) on a page boundary,
+    the trailer its 4-byte CRC-32C; else None."""
+    if len(parts) not in (2, 3):
+        return None
+    views = [memoryview(p).cast("B") for p in parts]
+    prefix = views[0] if len(views) == 3 else memoryview(b"")
+    body, trailer = views[-2], views[-1]
+    if len(trailer) != 4 or len(prefix) >= _PAGE or len(body) < GATHER_MIN_BYTES or len(body) % _PAGE:
+        return None
+    if not body.contiguous or address(body) % _PAGE:
+        return None
+    return prefix, body, trailer
+
 
 class PackFile:
     """One pack being filled in memory, then written once.
@@ -157,16 +191,56 @@ class PackFile:
     first ``size`` bytes of ``buf``, a page-aligned buffer taken from (and,
     once the pack is written or failed, given back to) a small pool."""
 
-    __slots__ = ("key", "n", "buf", "size", "used", "state", "error")
+    __slots__ = ("key", "n", "buf", "size", "used", "state", "error", "segments", "pages", "npages")
 
-    def __init__(self, key: str, n: int, capacity: int) -> None:
+    def __init__(self, key: str, n: int, capacity: int, *, gather: bool = False) -> None:
         self.key = key
         self.n = n
-        buf, self.used = _BUFFERS.take(capacity)  # (used: bytes the buffer ever held)
-        self.buf: mmap.mmap | None = buf
+        self.buf: mmap.mmap | None = None
+        self.used = 0
+        #: A gathered pack (:meth:`StepPacks.add` with ``borrow``): the
+        #: buffers written, in order -- each chunk's body where it lies and
+        #: the page holding its CRC-32C trailer -- instead of a copy.
+        self.segments: list[memoryview] | None = None
+        self.pages: mmap.mmap | None = None  # the pages of zeros around a gathered pack's chunks
+        self.npages = 0  # ... used so far
+        if gather:
+            self.segments = []
+            # (zeros, touched as used: a page before and after each chunk at most)
+            self.pages = mmap.mmap(-1, 2 * (capacity // GATHER_MIN_BYTES + 2) * _PAGE)
+        else:
+            self.buf, self.used = _BUFFERS.take(capacity)  # (used: bytes the buffer ever held)
         self.size = 0
         self.state = "open"
         self.error: BaseException | None = None
+
+    def gather(self, prefix: memoryview, body: memoryview, trailer: memoryview) -> int | None:
+        """Place a chunk (``body`` page-aligned, whole pages, after a short
+        ``prefix`` -- a fast Blosc container's header, or nothing -- and
+        before its 4-byte ``trailer``) at the pack's end: the prefix at the
+        end of a page of zeros, the body as it lies, the trailer at the
+        start of a page of zeros. The range's offset; None (nothing placed)
+        when the pack's pages are used up."""
+        pages, segments = self.pages, self.segments
+        assert pages is not None and segments is not None, "gather() is for a gathered pack"
+        need = 2 if len(prefix) else 1
+        if self.npages + need > len(pages) // _PAGE:
+            return None
+        view = memoryview(pages)
+        offset = self.size
+        if len(prefix):
+            page = view[self.npages * _PAGE:(self.npages + 1) * _PAGE]
+            page[_PAGE - len(prefix):] = prefix
+            segments.append(page)
+            self.npages += 1
+            offset += _PAGE - len(prefix)
+            self.size += _PAGE
+        page = view[self.npages * _PAGE:(self.npages + 1) * _PAGE]
+        page[:len(trailer)] = trailer
+        segments += (body, page)
+        self.npages += 1
+        self.size += len(body) + _PAGE
+        return offset
 
     def append(self, part: Any) -> None:
         """Copy ``part`` (any C-contiguous buffer) after the bytes so far."""
@@ -181,16 +255,21 @@ class PackFile:
         buf[self.size:end] = view
         self.size = end
 
-    def data(self) -> memoryview:
-        """The pack's bytes (a view of its buffer: valid until it is released)."""
+    def data(self) -> memoryview | list[Any]:
+        """The pack's bytes: a view of its buffer, or a gathered pack's
+        segments, back to back (valid until it is released)."""
+        if self.segments is not None:
+            return list(self.segments)
         assert self.buf is not None
         return memoryview(self.buf)[:self.size]
 
     def release(self) -> None:
-        """Give the buffer back (the pack was written or failed)."""
+        """Give the buffer back (the pack was written or failed); a gathered
+        pack lets go of the chunks' memory."""
         buf, self.buf = self.buf, None
         if buf is not None:
             _BUFFERS.give(buf, max(self.used, self.size))
+        self.segments, self.pages = None, None  # (the trailer pages: unmapped once no view is left)
 
 
 class StepPacks:
@@ -219,10 +298,22 @@ class StepPacks:
         self._closed = False
         self.files: list[PackFile] = []
         self._referenced: dict[int, PackFile] = {}  # id -> an earlier step's pack a chunk references
+        #: The chunks' buffers stay as they are until :meth:`close` returned
+        #: (the memory tier's ring slot, held until its step is stored): a
+        #: chunk of whole pages on a page boundary, where the backend writes
+        #: such buffers straight to the device (``gather_direct``), goes into
+        #: a gathered pack, uncopied (see the module doc: aligned ranges).
+        self.borrow = False
+        self._gathering: PackFile | None = None  # the gathered pack being filled
 
     def add(self, parts: list[Any]) -> tuple[PackFile, PackRange]:
         """Append one encoded chunk (its buffers back to back, copied now:
-        they may be a staging block that goes back to the pool)."""
+        they may be a staging block that goes back to the pool -- unless
+        ``borrow``: see there)."""
+        if self.borrow and getattr(self.backend, "gather_direct", False):
+            got = _gatherable(parts)
+            if got is not None:
+                return self._add_gathered(*got)
         full = None
         with self._lock:
             f = self._open_file()
@@ -236,17 +327,45 @@ class StepPacks:
             self._write(full)
         return f, rng
 
+    def _add_gathered(self, prefix: memoryview, body: memoryview, trailer: memoryview
+                      ) -> tuple[PackFile, PackRange]:
+        """:meth:`add` of a chunk placed uncopied in a gathered pack."""
+        full: list[PackFile] = []
+        with self._lock:
+            f = self._gathering
+            offset = None if f is None else f.gather(prefix, body, trailer)
+            if f is None or offset is None:
+                if f is not None:  # (its pages used up: sealed as it is)
+                    full.append(f)
+                f = self._gathering = self._new_file(gather=True)
+                offset = f.gather(prefix, body, trailer)
+                assert offset is not None, "a new gathered pack has room for a chunk"
+            rng = PackRange(self.rank, f.n, offset, len(prefix) + len(body) + len(trailer))
+            if f.size >= self.target_bytes:
+                full.append(f)
+                self._gathering = None
+        for x in full:
+            self._write(x)
+        return f, rng
+
+    def _new_file(self, gather: bool = False) -> PackFile:
+        """A new pack, numbered next (caller holds ``_lock``)."""
+        if self._closed:
+            raise CaptureError(f"packs of slot {self.slot} are already closed")
+        # (room for the target and a largest packed chunk, so a pack rarely grows)
+        f = PackFile(pack_key(self.slot, self.rank, self._count), self._count,
+                     self.target_bytes + PACK_MAX_CHUNK_BYTES + _PAGE, gather=gather)
+        self._count += 1
+        self.files.append(f)
+        return f
+
     def _open_file(self) -> PackFile:
         """The pack being filled (a new one if none is); caller holds ``_lock``."""
         if self._closed:
             raise CaptureError(f"packs of slot {self.slot} are already closed")
         f = self._current
         if f is None:
-            # (room for the target and a largest packed chunk, so a pack rarely grows)
-            f = self._current = PackFile(pack_key(self.slot, self.rank, self._count), self._count,
-                                         self.target_bytes + PACK_MAX_CHUNK_BYTES + _PAGE)
-            self._count += 1
-            self.files.append(f)
+            f = self._current = self._new_file()
         return f
 
     def add_many(self, chunks: list[list[Any]]) -> tuple[list[tuple[PackFile, PackRange]], BaseException | None]:
@@ -314,9 +433,17 @@ class StepPacks:
         """Write the last, partly filled pack (idempotent). Raises the error
         of any pack of this step that could not be written."""
         with self._lock:
-            f, self._current, self._closed = self._current, None, True
-        if f is not None:
-            self._write(f)
+            last = (self._current, self._gathering)
+            self._current, self._gathering, self._closed = None, None, True
+        error: BaseException | None = None
+        for f in last:
+            if f is not None:
+                try:
+                    self._write(f)
+                except BaseException as e:  # both tried: none left unwritten silently
+                    error = error or e
+        if error is not None:
+            raise error
         failed = next((x for x in self.files if x.state == "failed"), None)
         if failed is not None and failed.error is not None:
             raise CaptureError(f"pack {failed.key} could not be written: {failed.error}") from failed.error

@@ -170,6 +170,11 @@ def test_sigkill_of_the_trainer_stores_the_helpers_tier(tmp_path: Path) -> None:
     states = torch.load(ref)
     incs = dstt.open(path).incidents()
     assert [i.source for i in incs] == ["crash"]
+    # under the run's crash id (its ring's name): a later salvage of the ring merges into it (crashnote.py)
+    import re
+
+    names = os.listdir(os.path.join(path, "meta", "incidents", "main"))
+    assert len(names) == 1 and re.fullmatch(r"[0-9]{20}-crash-[0-9]+-[0-9a-f]{12}\.json", names[0]), names
     stored = _check(path, states)
     assert {5, 6, 7, 8} <= set(stored)
     # nothing left for the next Capture: it opens cleanly and the branch continues

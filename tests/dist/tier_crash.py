@@ -11,6 +11,11 @@ OUT/expected.pt, then every rank writes OUT/ready<r> and:
 * WHO ``job``: waits to be killed (the test SIGKILLs every trainer);
 * WHO ``rank1``: rank 1 SIGKILLs itself; rank 0 goes on capturing and
   writes the dstt error it got, and after how long, to OUT/rank0.json.
+
+WHO ``resume`` (after a ``job`` run was killed with its helpers): every
+rank only opens a new Capture on the store -- which salvages what the dead
+run's rings sealed -- writes ``cap.recovered`` to OUT/recovered<r>.json
+and closes it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None
 def main(out: Path, who: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if who == "resume":
+        cap = dstt.Capture(out / "run", memory_steps=3, persist=100, max_chunk_bytes=256, background_timeout_s=10)
+        (out / f"recovered{rank}.json").write_text(json.dumps(cap.recovered))
+        cap.close()
+        dist.destroy_process_group()
+        return
     model, _ = build()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     cap = dstt.Capture(out / "run", memory_steps=3, persist=100, max_chunk_bytes=256, background_timeout_s=10)

@@ -140,3 +140,54 @@ def test_a_pool_that_holds_a_chunk_never_refuses_it_for_alignment() -> None:
     pool.release(small)
     pool.release(big)
     assert pool.idle()
+
+
+def test_aligned_buffers_go_straight_to_the_device_in_iov_max_batches(tmp_path: Path) -> None:
+    """Issue 25: a gathered pack -- every buffer page-aligned and whole
+    pages -- is written with O_DIRECT by writev, more buffers than one call
+    takes included; the bytes back to back, exactly."""
+    from dstt.format import localio
+
+    whole = aligned_bytes((localio.IOV_MAX + 100) * PAGE, 11)
+    parts = [whole[i * PAGE:(i + 1) * PAGE] for i in range(localio.IOV_MAX + 100)]
+    assert localio.aligned(parts) and not localio.aligned([*parts, b"tail"])
+    state = DirectState()
+    write_file(str(tmp_path / "p"), parts, state)
+    assert (tmp_path / "p").read_bytes() == bytes(whole)
+    assert state.ok is direct_supported(tmp_path)
+
+
+def test_a_short_aligned_write_is_finished_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writev that stops part-way -- off the alignment or on it -- leaves
+    the rest to the following calls, buffered once off the alignment."""
+    from dstt.format import localio
+
+    if not direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    real = os.writev
+    cuts = [3 * PAGE, 5 * PAGE + 100]  # an aligned short write, then one off the alignment
+
+    def short(fd: int, bufs: list[memoryview]) -> int:
+        if cuts:
+            n = cuts.pop(0)
+            left = n
+            for b in bufs:
+                take = min(left, len(b))
+                if take:
+                    written = os.write(fd, b[:take]) if take % PAGE == 0 else _buffered(fd, b[:take])
+                    assert written == take
+                left -= take
+            return n
+        return real(fd, bufs)
+
+    def _buffered(fd: int, b: memoryview) -> int:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        return os.write(fd, b)
+
+    monkeypatch.setattr(localio.os, "writev", short)
+    whole = aligned_bytes(320 * PAGE, 12)  # (at least DIRECT_MIN_BYTES: the direct path)
+    parts = [whole[i * 20 * PAGE:(i + 1) * 20 * PAGE] for i in range(16)]
+    write_file(str(tmp_path / "p"), parts, DirectState())
+    assert not cuts and (tmp_path / "p").read_bytes() == bytes(whole)

@@ -6,6 +6,7 @@ bit."""
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,14 @@ def start(*args: str) -> subprocess.Popen:
     return start_script(SCRIPT, *args)
 
 
+def together(runs: Iterable[list[str]]) -> list[str]:
+    """The arguments of several runs made by one process, one after another."""
+    out: list[str] = []
+    for args in runs:
+        out += ["--next", *args] if out else args
+    return out
+
+
 def same_training_state(a: dict, b: dict) -> bool:
     if a["sched"] != b["sched"] or a["optim"]["param_groups"] != b["optim"]["param_groups"]:
         return False
@@ -38,18 +47,18 @@ def test_fit_killed_and_resumed_from_dstt_is_bit_exact(tmp_path: Path) -> None:
     # mid-epoch (step 4: the resumed run skips the epoch's first 4 batches, as the HF Trainer does);
     # manual: one optimizer step per batch -> 6 per epoch, killed at an epoch's end.
     cases = {"auto": (7, 4, []), "manual": (9, 6, ["--manual"])}
-    procs = {}
-    for name, (n, k, flags) in cases.items():
-        procs[name] = (start(str(tmp_path / f"{name}-ref"), "--steps", str(n), *flags, "--out", str(tmp_path / f"{name}-ref.pt")),
-                       start(str(tmp_path / name), "--steps", str(n), *flags, "--hold-at", str(k)))
-    for name, (ref, victim) in procs.items():
-        kill_when_committed(victim, cases[name][1])
-        finish(ref)
-    resumed = {name: start(str(tmp_path / name), "--steps", str(n), *flags, "--resume", f"{tmp_path / name}:latest",
-                           "--out", str(tmp_path / f"{name}-res.pt"))
+    # The two references in one process, one fit after the other, and the two
+    # resumed runs in another: each fit stands alone (seeded, deterministic),
+    # and a fit that left anything behind for the next would fail the check.
+    ref = start(*together([str(tmp_path / f"{name}-ref"), "--steps", str(n), *flags, "--out",
+                           str(tmp_path / f"{name}-ref.pt")] for name, (n, k, flags) in cases.items()))
+    victims = {name: start(str(tmp_path / name), "--steps", str(n), *flags, "--hold-at", str(k))
                for name, (n, k, flags) in cases.items()}
-    for p in resumed.values():
-        finish(p)
+    for name, victim in victims.items():
+        kill_when_committed(victim, cases[name][1])
+    finish(ref)
+    finish(start(*together([str(tmp_path / name), "--steps", str(n), *flags, "--resume", f"{tmp_path / name}:latest",
+                            "--out", str(tmp_path / f"{name}-res.pt")] for name, (n, k, flags) in cases.items())))
 
     for name, (n, _k, _flags) in cases.items():
         a = torch.load(tmp_path / f"{name}-ref.pt", weights_only=True)

@@ -42,11 +42,12 @@ def test_trainer_killed_and_resumed_from_dstt_is_bit_exact(tmp_path: Path) -> No
     finish(ref)
 
     assert dstt.open(crash).steps() == list(range(1, K + 1))  # one capture per optimizer step (accumulation 2)
-    resumed = start(str(crash), "--steps", str(N), "--resume", f"{crash}:latest", "--out", str(tmp_path / "res.pt"))
-    control = start(str(crash), "--steps", str(N), "--resume", f"{crash}:{K}", "--branch", "no-rng", "--drop-rng",
-                    "--out", str(tmp_path / "control.pt"))
-    finish(resumed)
-    finish(control)
+    # The resumed run, then the control, in one process (one interpreter start and
+    # transformers import); the control makes the check below fail if the
+    # resumed run's RNG states were not restored from dstt.
+    finish(start(str(crash), "--steps", str(N), "--resume", f"{crash}:latest", "--out", str(tmp_path / "res.pt"),
+                 "--next", str(crash), "--steps", str(N), "--resume", f"{crash}:{K}", "--branch", "no-rng",
+                 "--drop-rng", "--out", str(tmp_path / "control.pt")))
 
     a = torch.load(tmp_path / "ref.pt", weights_only=True)
     assert same_training_state(a, torch.load(tmp_path / "res.pt", weights_only=True))

@@ -1,12 +1,14 @@
 """A tiny GPT-2 trained by transformers.Trainer with dstt.integrations.transformers.
 
-    python tests/scripts/hf_train.py STORE --steps N [--hold-at K] [--resume REF] [--out FINAL.pt]
+    python tests/scripts/hf_train.py STORE --steps N [--hold-at K] [--resume REF] [--out FINAL.pt] [--next ...]
 
 Everything is built in code (config, data): nothing is downloaded. Dropout
 is on, so the RNG matters; gradient accumulation is 2, so one optimizer step
 is two batches; 3 optimizer steps per epoch, so a run of 7 steps crosses two
 epoch boundaries. ``--hold-at K`` prints ``committed K`` once step K is
 durable and then sleeps (the test SIGKILLs it there, mid-training).
+``--next`` starts the arguments of another run, trained after this one in
+the same process.
 """
 
 from __future__ import annotations
@@ -99,5 +101,18 @@ def main(argv: list[str]) -> None:
                     "sched": trainer.lr_scheduler.state_dict()}, a.out)
 
 
+def runs(argv: list[str]) -> list[list[str]]:
+    """``ARGS --next ARGS ...``: several runs, one after another in this
+    process (the tests pay the interpreter and library imports once)."""
+    out: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--next":
+            out.append([])
+        else:
+            out[-1].append(arg)
+    return out
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    for one in runs(sys.argv[1:]):
+        main(one)

@@ -1,12 +1,14 @@
 """A tiny model trained by lightning.pytorch.Trainer with dstt.integrations.lightning.
 
-    python tests/scripts/pl_train.py STORE --steps N [--hold-at K] [--resume REF] [--manual] [--out FINAL.pt]
+    python tests/scripts/pl_train.py STORE --steps N [--hold-at K] [--resume REF] [--manual] [--out FINAL.pt] [--next ...]
 
 Dropout is on (the RNG matters), gradient accumulation is 2 (automatic
 optimization), 3 optimizer steps per epoch, a StepLR stepped every
 optimizer step. The shuffled order is seeded per epoch (the sampler has
 ``set_epoch``, which Lightning calls), never drawn from the global RNG.
 ``--hold-at K`` prints ``committed K`` once step K is durable and then sleeps.
+``--next`` starts the arguments of another run, trained after this one in
+the same process.
 """
 
 from __future__ import annotations
@@ -121,5 +123,18 @@ class _HoldAt(pl.Callback):
             time.sleep(120)
 
 
+def runs(argv: list[str]) -> list[list[str]]:
+    """``ARGS --next ARGS ...``: several runs, one after another in this
+    process (the tests pay the interpreter and library imports once)."""
+    out: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--next":
+            out.append([])
+        else:
+            out[-1].append(arg)
+    return out
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    for one in runs(sys.argv[1:]):
+        main(one)

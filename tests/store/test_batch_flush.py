@@ -407,3 +407,40 @@ def test_a_result_that_waited_for_its_predecessor_settles_picklable() -> None:
     done = r.settled()
     assert done.pending is None and (done.name, done.crc, done.written) == ("a", 1, 4)
     assert pickle.loads(pickle.dumps(done)).crc == 1
+
+
+def test_chunks_above_the_group_size_are_flushed_alone_with_the_group_stats(tmp_path: Path) -> None:
+    """Issue 25: a chunk of 64 KiB and more is flushed alone (its stats a
+    few float32 passes where it lies; a group copied it and the previous
+    step's into its buffer and widened both to float64), a small one still
+    in a group; both round-trip bit-exact, with the group's statistics
+    (update statistics against the previous step's staged values included)."""
+    g = torch.Generator().manual_seed(5)
+    sizes = {"small": 4 << 10, "k64": 64 << 10, "k256": 256 << 10, "k663": 663552}
+    prev = {k: torch.randn(n // 4, generator=g) for k, n in sizes.items()}
+    prev["bf16"] = torch.randn(32 << 10, generator=g).bfloat16()  # 64 KiB, widened block by block
+    state = {k: v + torch.randn(v.shape, generator=g).to(v.dtype) * 1e-2 for k, v in prev.items()}
+    with Writer(tmp_path / "s", WriteOptions(max_chunk_bytes=1 << 20)) as w:
+        for step, values in ((0, prev), (1, state)):
+            plan = w.plan(step, values)
+            w.ensure_arrays(plan)
+            alone = {t.layout.name for t in plan.tasks if not batchable(t, t.source)}
+            assert alone == {"k64", "k256", "k663", "bf16"}
+            given = [prev[t.layout.name] if step else None for t in plan.tasks]
+            results, error = w.flush_chunks(plan, plan.tasks, None, given)
+            assert error is None
+            w.commit(plan, results)
+    run = dstt.open(tmp_path / "s")
+    assert_state(state, run.state_dict(1))
+    stats = {e.name: e.stats for e in run.tensors(1)}
+    for name, v in state.items():
+        row = finalize(merge([_partial_of(batch_partials(v.reshape(-1), [v.numel()], [prev[name].reshape(-1)])[0])]))
+        want = dict(zip(L.STATS_COLUMNS, row))
+        for col, x in want.items():
+            assert stats[name][col] == pytest.approx(x, rel=1e-5, abs=1e-6), (name, col)
+
+
+def _partial_of(row: list[float]) -> Any:
+    from dstt.format.partials import Partial
+
+    return Partial.from_list(row)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -196,37 +197,59 @@ def test_acquire_all_blocks_every_writer(tmp_path: Path) -> None:
         w.close()
 
 
-def test_branch_creations_queue_for_the_branch_set_lock_a_long_holder_is_refused(tmp_path: Path) -> None:
-    """Creators holding the branch-set lock one after another, each for less
-    than the bound, make a waiter wait, not fail (racing branch creations on
-    an object store, each a few requests long); one holder keeping it past
-    the bound (a prune, a gc) is refused, naming it."""
+def _queue_behind_creators(backend: Any) -> float | None:
+    """Six creators hold the branch-set lock one after another for 0.25 s
+    each while this thread waits with a 1 s bound; how long it waited, or
+    None where it took the lock in a gap between two creators (a polling
+    lock hands nothing straight on: on a loaded machine the waiter may win
+    the gap, which is right but does not try the bound)."""
     from dstt.format.lock import BRANCH_SET, branch_set_lock
 
-    backend = open_backend(tmp_path / "run", create=True)
     first = acquire(backend, BRANCH_SET)
-    handed = threading.Event()
+    handoffs, failed = [0], []
 
-    def creators() -> None:  # six holders of 0.25 s each, handing the lock straight on
+    def creators() -> None:
         held = first
-        for _ in range(5):
+        try:
+            for _ in range(5):
+                time.sleep(0.25)
+                held.release()
+                held = acquire(backend, BRANCH_SET, timeout=30)
+                handoffs[0] += 1
             time.sleep(0.25)
             held.release()
-            held = acquire(backend, BRANCH_SET, timeout=5)
-            handed.set()
-        time.sleep(0.25)
-        held.release()
+        except BaseException as e:  # (seen by the test, not lost in the thread)
+            failed.append(e)
 
     t = threading.Thread(target=creators)
     t.start()
     try:
         start = time.monotonic()
         lock = branch_set_lock(backend, timeout=1.0)  # 1.5 s queued in all: it waits its turn
-        waited = time.monotonic() - start
-        assert handed.is_set() and waited >= 1.0, waited
+        waited, queued = time.monotonic() - start, handoffs[0] == 5
+        lock.release()
     finally:
-        t.join(30)
-    long = lock  # now one holder keeps it
+        t.join(60)
+    assert not failed and not t.is_alive(), failed
+    return waited if queued else None
+
+
+def test_branch_creations_queue_for_the_branch_set_lock_a_long_holder_is_refused(tmp_path: Path) -> None:
+    """Creators holding the branch-set lock one after another, each for less
+    than the bound, make a waiter wait, not fail (racing branch creations on
+    an object store, each a few requests long); one holder keeping it past
+    the bound (a prune, a gc) is refused, naming it."""
+    from dstt.format.lock import branch_set_lock
+
+    backend = open_backend(tmp_path / "run", create=True)
+    for _attempt in range(5):  # (a bound counting the whole queue raises here, at 1 s)
+        waited = _queue_behind_creators(backend)
+        if waited is not None:
+            assert waited >= 1.0, waited  # past the bound, behind five holders in turn
+            break
+    else:
+        pytest.fail("the waiter took the lock in a gap between creators 5 times: the queue was never tried")
+    long = branch_set_lock(backend, timeout=0.3)  # now one holder keeps it
     try:
         with pytest.raises(StoreLockedError, match=f"branches of .* are being changed by .*pid {os.getpid()}"):
             branch_set_lock(backend, timeout=0.3)

@@ -329,6 +329,57 @@ def test_sigkill_of_the_whole_job_and_its_helpers_then_dstt_gc(tmp_path: Path) -
     assert "committed" in done.stdout and "5" in done.stdout, done.stdout
     assert 5 in steps
     assert verify(tmp_path / "run").ok
+    # the crash is recorded by gc, once for the run (not per rank), naming both ranks (crashnote.py)
+    crash = _one_crash(tmp_path, "dstt gc")
+    assert "recorded a crash incident at step 5" in done.stdout, done.stdout
+    assert dstt.gc(tmp_path / "run").committed == {}
+    assert dstt.open(tmp_path / "run").incidents() == [*_trainer_incident(tmp_path), crash]  # a second gc: the same
+
+
+def _one_crash(out: Path, finder: str) -> Any:
+    """The one crash incident of the run at ``out``: at step 5, the last
+    step every rank sealed, naming both ranks and step 5, found by ``finder``."""
+    incs = dstt.open(out / "run").incidents()
+    crashes = [i for i in incs if i.source == "crash"]
+    assert len(crashes) == 1, incs
+    crash = crashes[0]
+    assert (crash.step, crash.ranks, crash.world) == (5, (0, 1), 2), crash
+    assert 5 in crash.steps and set(crash.steps) <= set(dstt.open(out / "run").steps()), crash
+    assert finder in crash.reason and crash.reason.endswith("(ranks 0, 1 of 2)"), crash.reason
+    return crash
+
+
+def _trainer_incident(out: Path) -> list[Any]:
+    return [i for i in dstt.open(out / "run").incidents() if i.source == "trainer"]
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_whole_job_and_its_helpers_then_a_new_capture(tmp_path: Path) -> None:
+    """As above, but no gc: the restarted job's Capture (2 ranks under
+    torchrun) salvages every rank's ring, commits step 5 bit-exact and
+    records the crash once for the run, naming both ranks; a gc after it
+    finds nothing more to commit or record."""
+    import subprocess
+    import sys
+    import time
+
+    proc = _crash_run(tmp_path, "job")
+    time.sleep(1.0)  # (the helpers idle: everything sealed is handed over)
+    kill_job(proc.pid, helpers=True)
+    proc.wait(30)
+    assert 5 not in dstt.open(tmp_path / "run").steps()
+    assert [i.source for i in dstt.open(tmp_path / "run").incidents()] == ["trainer"]  # (nobody recorded the crash)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(WORKER.with_name("tier_crash.py")), str(tmp_path), "resume"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    recovered = [json.loads((tmp_path / f"recovered{r}.json").read_text()) for r in range(2)]
+    assert recovered[0] == recovered[1] and 5 in recovered[0], recovered
+    _stored_bit_exact(tmp_path, {5}, limit_s=1)
+    crash = _one_crash(tmp_path, "the next Capture")
+    assert dstt.gc(tmp_path / "run").committed == {}
+    assert dstt.open(tmp_path / "run").incidents() == [*_trainer_incident(tmp_path), crash]
 
 
 def _cli_env() -> dict[str, str]:

@@ -108,6 +108,13 @@ class LocalBackend(Backend):
         self._dirty_files: set[str] = set()
         self._dirty_dirs: set[str] = set()
 
+    @property
+    def gather_direct(self) -> bool:
+        """Whether ``put`` writes page-aligned buffers straight to the device
+        (O_DIRECT, not known refused here): a gathered pack's chunks are
+        then written where they lie (packs.StepPacks.borrow)."""
+        return self._direct.ok is not False
+
     # -- helpers
     def _path(self, key: str, *, directory: bool = False) -> str:
         """The local path of ``key`` (a file, or a ``directory``), after checking

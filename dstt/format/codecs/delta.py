@@ -31,6 +31,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any
 
@@ -131,6 +132,29 @@ def blosc_encode(data: Any, itemsize: int, *, stored: bool = False, noise: bool 
     return out
 
 
+#: Blosc's header flag of a container whose data is its input as it is.
+MEMCPYED = 0x02
+
+
+@functools.lru_cache(maxsize=256)
+def stored_header(nbytes: int, itemsize: int) -> bytes | None:
+    """The 16-byte header :func:`blosc_encode` with ``stored=True`` writes
+    before ``nbytes`` bytes of typesize ``itemsize``: its container is this
+    header and the bytes as they are, so a chunk stored fast can be written
+    as the two, with no copy (issue 25). None where Blosc would not lay the
+    container out so (then :func:`blosc_encode` makes it). The header does
+    not depend on the bytes (a level-0 container is a copy of them): made
+    once per size from zeros."""
+    if nbytes <= 0:
+        return None
+    out = blosc_encode(np.zeros(nbytes, dtype=np.uint8), itemsize, stored=True)
+    header = out[:_HEADER.size]
+    flags, cbytes = _HEADER.unpack(header)[2], _HEADER.unpack(header)[6]
+    if len(out) != _HEADER.size + nbytes or cbytes != len(out) or not flags & MEMCPYED:
+        return None
+    return bytes(header)
+
+
 def blosc_decode(body: Any, nbytes: int, where: str) -> memoryview:
     """Decode a Blosc container that must hold exactly ``nbytes`` bytes.
 
@@ -157,5 +181,5 @@ def blosc_decode(body: Any, nbytes: int, where: str) -> memoryview:
     return out.data
 
 
-__all__ = ["BLOCK_BYTES", "DELTA_ITEMSIZES", "NOISE_CNAME", "blosc_config", "blosc_decode", "blosc_encode",
+__all__ = ["MEMCPYED", "stored_header", "BLOCK_BYTES", "DELTA_ITEMSIZES", "NOISE_CNAME", "blosc_config", "blosc_decode", "blosc_encode",
            "undo_delta", "uint_dtype", "zigzag_delta"]

@@ -33,7 +33,8 @@ import google_crc32c
 import numpy as np
 
 from dstt.errors import ChecksumMismatchError, ConfigError, CorruptStoreError
-from dstt.format.codecs.delta import blosc_config, blosc_decode, blosc_encode
+from dstt.format.codecs.crccombine import combine
+from dstt.format.codecs.delta import blosc_config, blosc_decode, blosc_encode, stored_header
 from dstt.format.dtypes import DtypeInfo
 from dstt.format.layout import CHUNK_SEPARATOR, MAX_SLOTS
 
@@ -134,10 +135,15 @@ def crc32c(data: Any, crc: int = 0) -> int:
 def encode_chunk(raw: memoryview, codec: CodecSpec, raw_crc: int | None = None, itemsize: int = 1,
                  *, fast: bool = False, noise: bool = False) -> list[Any]:
     """Encoded chunk as a list of buffers to write back to back (no copy for
-    raw). ``raw_crc``, the CRC-32C of ``raw`` if already known, is reused as
+    raw, stored whole or in a fast Blosc container: ``[header, raw, trailer]``). ``raw_crc``, the CRC-32C of ``raw`` if already known, is reused as
     the trailer of uncompressed chunks; ``itemsize`` is blosc's typesize;
     ``fast``: blosc chunks stored uncompressed (same chain, any reader);
     ``noise``: blosc chunks of noise in bit-shuffle + lz4 (delta.NOISE_CNAME)."""
+    if codec.blosc and fast and not noise:
+        header = stored_header(len(raw), itemsize)
+        if header is not None:  # the container is the header and raw as it is: raw not copied (issue 25)
+            crc = combine(crc32c(header), raw_crc, len(raw)) if raw_crc is not None else crc32c(raw, crc32c(header))
+            return [header, raw, _CRC.pack(crc)]
     if codec.blosc:
         body: Any = blosc_encode(raw, itemsize, stored=fast, noise=noise)
         crc = crc32c(body)
