@@ -70,7 +70,7 @@ class StepPlan:
     #: written by this rank (a plan read back from a seal has none: seals.plan_of).
     replicas: int = 0
     #: An object shared by the plans of one writer laid out alike (the
-    #: single-process plan memo, :class:`_StepMemo`): the very same
+    #: single-process plan memo, planlocal.StepMemo): the very same
     #: ``layouts`` and ``meta_arrays`` lists, and tasks that differ at most
     #: in their sources -- the same layout, index, coords, offset, shape,
     #: dtype, device and data bytes at every position; a task whose tensor
