@@ -18,7 +18,9 @@ one is reported, the others still run):
    steps persisted;
 4. ``firstprof``: where the first and a later ``snapshot()`` of a fresh
    process's first Capture go (cProfile, wall clock: ``firstprof.log``);
-5. ``predictor``: the optimizer-aware predictor's exactness under CUDA
+5. ``later``: ``bench_stall.py --device cuda``: the later stall of 400 and
+   2,000-tensor AdamW states with ``rng`` on and off;
+6. ``predictor``: the optimizer-aware predictor's exactness under CUDA
    AdamW, ``foreach`` and ``fused`` (skipped where
    ``dstt.format.codecs.predictors`` is missing): per role, the share of
    elements predicted bit-exactly, and every coded chunk decoded bit-exact.
@@ -44,7 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 #: Seconds per section (scaled down to fit --budget-s).
-LIMITS = {"tests": 160, "stalls": 170, "flight": 140, "firstprof": 60, "predictor": 90}
+LIMITS = {"tests": 160, "stalls": 170, "flight": 140, "firstprof": 60, "later": 80, "predictor": 90}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,6 +133,16 @@ def section_firstprof(args: argparse.Namespace, limit: float) -> dict[str, Any]:
     _keep_log(args, "firstprof", out)
     m = re.search(r"stalls of that run.*", out)
     return {"exit": code, "seconds": round(took, 1), "stalls": m.group(0) if m else None, "log": "firstprof.log"}
+
+
+def section_later(args: argparse.Namespace, limit: float) -> dict[str, Any]:
+    """The later stall of a many-tensor AdamW state on the GPU, rng on and
+    off (``bench_stall.py --device cuda``)."""
+    code, out, took = _run([sys.executable, str(HERE / "bench_stall.py"), "--device", "cuda", "--tensors", "400,2000",
+                            "--iters", "20", "--dir", os.path.join(args.dir, "later")], limit)
+    _keep_log(args, "later", out)
+    rows = [line.strip() for line in out.splitlines() if re.match(r"\s+(rng=|\d+ tensors)|\d+ tensors", line)]
+    return {"exit": code, "seconds": round(took, 1), "rows": rows, "log": "later.log"}
 
 
 def _own(args: argparse.Namespace, name: str, limit: float) -> dict[str, Any]:
@@ -385,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runners = {"tests": section_tests, "stalls": section_stalls, "firstprof": section_firstprof,
+               "later": section_later,
                "flight": lambda a, lim: _own(a, "flight", lim), "predictor": lambda a, lim: _own(a, "predictor", lim)}
     for name in only:
         left = args.budget_s - (time.perf_counter() - t0)
