@@ -67,15 +67,12 @@ class Stager:
         self.ledger = ledger
         self._new_pool = new_pool
         self.pool: HostPool | None = None  # allocated at the first snapshot (ensure_pool)
-        #: Injection point for tests and tools: called as ``before_copy(step,
-        #: index, lazy)`` before each copy into the pool (on the stager thread
-        #: for lazy copies, or the trainer's when it steals them); an
-        #: exception fails the step.
+        #: Injection points for tests and tools (an exception fails the step):
+        #: ``before_copy(step, index, lazy)`` before each copy into the pool (on
+        #: the stager thread for lazy copies, or the trainer's when it steals
+        #: them); ``before_lazy(job)`` on the stager thread before it starts on
+        #: a queued job's lazy copies (a slow or starved stager).
         self.before_copy: Callable[[int, int, bool], Any] | None = None
-        #: Injection point for tests and tools: called on the stager thread as
-        #: ``before_lazy(job)`` before it starts on a queued job's lazy copies
-        #: (a slow or starved stager; the trainer may steal them meanwhile);
-        #: an exception fails the step.
         self.before_lazy: Callable[[Job], Any] | None = None
         cfg = current.config
         self.flush = ThreadPoolExecutor(cfg.flush_threads, thread_name_prefix="dstt-flush",
