@@ -56,6 +56,14 @@ def _text(name: str) -> str:
     return os.environ.get(name, "").strip()
 
 
+def _choice(name: str, choices: tuple[str, str]) -> str:
+    """One of two words (any case), the first where the variable is unset or empty."""
+    text = _text(name).lower() or choices[0]
+    if text not in choices:
+        raise ConfigError(f"{name}={text!r}: expected {choices[0]} or {choices[1]}")
+    return text
+
+
 def _number(name: str, default: float, *, integer: bool = False) -> float:
     text = _text(name)
     if not text:
@@ -112,10 +120,7 @@ def redundancy_transport() -> str:
     ...     redundancy_transport()
     'store'
     """
-    text = _text("DSTT_REDUNDANCY_TRANSPORT").lower() or "p2p"
-    if text not in ("p2p", "store"):
-        raise ConfigError(f"DSTT_REDUNDANCY_TRANSPORT={text!r}: expected p2p or store")
-    return text
+    return _choice("DSTT_REDUNDANCY_TRANSPORT", ("p2p", "store"))
 
 
 def device_staging() -> str:
@@ -126,10 +131,7 @@ def device_staging() -> str:
     ...     device_staging()
     'off'
     """
-    text = _text("DSTT_DEVICE_STAGING").lower() or "auto"
-    if text not in ("auto", "off"):
-        raise ConfigError(f"DSTT_DEVICE_STAGING={text!r}: expected auto or off")
-    return text
+    return _choice("DSTT_DEVICE_STAGING", ("auto", "off"))
 
 
 def pack_chunk_bytes() -> int:
