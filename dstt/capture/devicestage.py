@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -146,7 +146,11 @@ class DeviceStaging:
     docstring for the protocol).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mark: Callable[[set[torch.device]], dict[int, Any]]) -> None:
+        #: Records an event on each device's current stream and returns them
+        #: by device index (``CudaCopier.after_compute``): what the host
+        #: copies of the scratch wait for.
+        self._mark = mark
         self._lock = threading.Lock()
         self._live: list[Job] = []  # jobs whose scratch is alive
         self._said: set[str] = set()
@@ -193,10 +197,7 @@ class DeviceStaging:
             return False
         # The host copies read the scratch once the copies above ran: mark
         # that point in each device's current stream (they wait for it).
-        for dev in layout.device_bytes:
-            ev = _cuda_event()
-            ev.record(torch.cuda.current_stream(dev))
-            job.ready[_index(dev)] = ev
+        job.ready.update(self._mark(set(layout.device_bytes)))
         if job.guard is not None:
             job.guard.release()  # nothing reads the live sources any more
             job.guard = None
@@ -257,11 +258,6 @@ def _allocator_bytes(idx: int) -> tuple[int, int, int]:
 
 def _index(dev: torch.device) -> int:
     return dev.index if dev.index is not None else torch.cuda.current_device()
-
-
-def _cuda_event() -> Any:
-    make: Any = torch.cuda.Event
-    return make()
 
 
 __all__ = ["DeviceStaging", "EarlyCopies", "StagingLayout", "copy_flat"]

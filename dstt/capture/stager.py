@@ -83,7 +83,7 @@ class Stager:
         self.last: Job | None = None  # the latest job with lazy copies (or held)
         self._copying: collections.deque[Job] = collections.deque()  # lazy CPU jobs not yet copied, in order
         self._copier: CudaCopier | None = None
-        self.device_staging = DeviceStaging()  # a step's GPU sources copied on the GPU first (devicestage.py)
+        self.device_staging = DeviceStaging(self.after_compute)  # GPU sources copied on the GPU first
         self._fence = StepFence(self.before_optimizer_step)
         self._pid = os.getpid()  # a forked child holds a copy of this object, never the stager thread
         #: What is worked out once per task list (its split, sizes and groups), kept for the next step.

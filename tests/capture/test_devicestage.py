@@ -55,7 +55,7 @@ def test_a_lone_tensor_of_its_dtype_is_copied_not_aliased() -> None:
 
 def test_the_layout_is_computed_once_for_the_same_tasks() -> None:
     job = _job([torch.randn(4), torch.randn(3)])
-    staging = DeviceStaging()
+    staging = DeviceStaging(lambda devices: {})
     first = staging.layout(job.lazy)
     assert staging.layout(list(job.lazy)) is first  # (the plan memo hands the same task objects back)
     assert staging.layout(_job([torch.randn(4), torch.randn(3)]).lazy) is not first
@@ -63,7 +63,7 @@ def test_the_layout_is_computed_once_for_the_same_tasks() -> None:
 
 def test_a_step_in_host_memory_takes_the_usual_path() -> None:
     job = _job([torch.randn(4), torch.randn(3)])
-    staging = DeviceStaging()
+    staging = DeviceStaging(lambda devices: {})
     assert staging.take(job) is False
     assert job.early is None and not job.device_staged and not job.issued.is_set() and staging.steps == 0
 
