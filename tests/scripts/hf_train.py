@@ -101,18 +101,8 @@ def main(argv: list[str]) -> None:
                     "sched": trainer.lr_scheduler.state_dict()}, a.out)
 
 
-def runs(argv: list[str]) -> list[list[str]]:
-    """``ARGS --next ARGS ...``: several runs, one after another in this
-    process (the tests pay the interpreter and library imports once)."""
-    out: list[list[str]] = [[]]
-    for arg in argv:
-        if arg == "--next":
-            out.append([])
-        else:
-            out[-1].append(arg)
-    return out
-
-
 if __name__ == "__main__":
+    from nextruns import runs  # (beside this script: sys.path[0])
+
     for one in runs(sys.argv[1:]):
         main(one)
