@@ -81,11 +81,11 @@ def main(out: Path) -> None:
     cap.wait()  # steps 0, 2..5 stored: step 1 (memory-only) evicted by every helper in the same round
     seen["evicted"] = refused(cap, 1, model, opt)
     seen["different"] = refused(cap, 6 if rank == 0 else 7, model, opt)
-    seen["unchanged"] = bool(_same(full(dstt.state_of(model=model, optimizer=opt, rng=False)), expected["main"][7]))
+    seen["unchanged"] = bool(same_state(full(dstt.state_of(model=model, optimizer=opt, rng=False)), expected["main"][7]))
     n_store = len(from_store)
     cap.rewind(6, model=model, optimizer=opt, branch="retry")
     seen["from_memory"] = len(from_store) == n_store
-    seen["restored"] = bool(_same(full(dstt.state_of(model=model, optimizer=opt, rng=False)), expected["main"][6]))
+    seen["restored"] = bool(same_state(full(dstt.state_of(model=model, optimizer=opt, rng=False)), expected["main"][6]))
     for step in range(7, 10):
         train(model, opt, step)
         cap.snapshot(step, model=model, optimizer=opt, rng=False)
@@ -113,12 +113,12 @@ def main(out: Path) -> None:
     dist.destroy_process_group()
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_state(a: Any, b: Any) -> bool:
     """Bit-identical nested states."""
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
     if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return isinstance(b, list) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
                 and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)))

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tier_rewind import same_state
 
 import dstt
 from dstt.capture import peerring
@@ -61,18 +62,6 @@ def _clone(x: Any) -> Any:
     if isinstance(x, list):
         return [_clone(v) for v in x]
     return x.detach().clone() if isinstance(x, torch.Tensor) else x
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Bit-identical nested states."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)))
-    return bool(a == b)
 
 
 def tear(m: peerring.PeerMap) -> None:
@@ -108,9 +97,9 @@ def main(out: Path) -> None:
 
     def rewind(name: str, step: int) -> None:
         train(model, opt)  # (one step more: the live state is not the step's)
-        assert not _same(copy_of(model, opt), steps[step])
+        assert not same_state(copy_of(model, opt), steps[step])
         cap.rewind(step, model=model, optimizer=opt, rng=False, branch=name)
-        seen[name] = {"exchanged": dict(cap.rewinder.exchanged), "bit_exact": _same(copy_of(model, opt), steps[step])}
+        seen[name] = {"exchanged": dict(cap.rewinder.exchanged), "bit_exact": same_state(copy_of(model, opt), steps[step])}
         # (the other rank's ring is checked unchanged only after this rank's
         # restore: nothing of it may be left once the rewind returned)
         seen[name]["leases_left"] = sorted(p.name for p in Path(cap.crashsafe.ring.dir).glob("rewind-*"))
