@@ -38,12 +38,12 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import fresh_dir, fsync_file, machine, model_and_adam, raw_fsync_write  # noqa: E402
+from common import fresh_dir, fsync_file, machine, model_and_adam, raw_fsync_write, timed  # noqa: E402
 
 import dstt  # noqa: E402
 from dstt.store.tree import flatten  # noqa: E402
@@ -97,17 +97,6 @@ class Loop:
     def step(self) -> None:
         self.compute()
         self.opt.step()
-
-
-def timed(out: list[float], fn: Callable[[], Any]) -> Callable[[], Any]:
-    def wrapper() -> Any:
-        t = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            out.append(time.perf_counter() - t)
-
-    return wrapper
 
 
 def run_plain(loop: Loop, iters: int) -> float:

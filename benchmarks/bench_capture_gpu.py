@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_capture_gpu: no CUDA GPU on this machine; nothing measured")
         return 0
     sys.path.insert(0, os.path.dirname(__file__))
-    from common import fresh_dir, fsync_file, machine, raw_copy_s
+    from common import fresh_dir, fsync_file, machine, raw_copy_s, timed
 
     import dstt
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DSTT_DEVICE_STAGING"] = staging
         cap = dstt.Capture(fresh_dir(os.path.join(args.dir, name)))
         fence = cap.stager._fence  # (the optimizer hook's wait: timed, as part of the stall)
-        fence._wait = _timed(waits, fence._wait)
+        fence._wait = timed(waits, fence._wait)
         t0 = time.perf_counter()
         for i in range(args.iters):
             if keep_up:
@@ -234,17 +234,6 @@ def _tensors(state: Any) -> list[Any]:
     from dstt.store.tree import flatten
 
     return list(flatten(state)[1].values())
-
-
-def _timed(out: list[float], fn: Any) -> Any:
-    def wrapper(*a: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn(*a)
-        finally:
-            out.append(time.perf_counter() - t)
-
-    return wrapper
 
 
 if __name__ == "__main__":

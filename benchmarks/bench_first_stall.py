@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import machine, model_and_adam, raw_copy_s  # noqa: E402
+from common import machine, model_and_adam, raw_copy_s, timed  # noqa: E402
 
 import dstt  # noqa: E402
 from dstt.capture import reserve  # noqa: E402
@@ -75,16 +75,6 @@ def state_on(device: torch.device, size_gb: float, n_params: int) -> tuple[torch
     return model, opt
 
 
-def _timed(waits: list[float], fn: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        t = time.perf_counter()
-        try:
-            fn()
-        finally:
-            waits.append(time.perf_counter() - t)
-    return run
-
-
 def one_run(store: str, kw: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer, iters: int,
             compute: Callable[[], None]) -> dict[str, float]:
     """Stalls of one Capture: snapshot() + the next optimizer step's wait for its copies."""
@@ -92,7 +82,7 @@ def one_run(store: str, kw: dict[str, Any], model: torch.nn.Module, opt: torch.o
     waits: list[float] = []
     cap = dstt.Capture(store, **kw)
     fence = cap.stager._fence  # (the optimizer hook's wait: part of the stall)
-    fence._wait = _timed(waits, fence._wait)
+    fence._wait = timed(waits, fence._wait)
     for i in range(iters):
         if i > 1:
             cap.wait()  # (later stalls: the disk keeping up, outside the timed region)

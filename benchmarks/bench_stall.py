@@ -35,7 +35,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import machine, raw_copy_s  # noqa: E402
+from common import machine, raw_copy_s, timed  # noqa: E402
 
 import dstt  # noqa: E402
 
@@ -88,7 +87,7 @@ def one_run(store: str, model: torch.nn.Module, opt: torch.optim.Optimizer, iter
     waits: list[float] = []
     cap = dstt.Capture(store, helper=helper)
     fence = cap.stager._fence  # (the optimizer hook's wait: part of the stall)
-    fence._wait = _timed(waits, fence._wait)
+    fence._wait = timed(waits, fence._wait)
     try:
         for i in range(iters):
             if i > 1:
@@ -111,16 +110,6 @@ def one_run(store: str, model: torch.nn.Module, opt: torch.optim.Optimizer, iter
     finally:
         cap.close()
     return stalls[1:]
-
-
-def _timed(waits: list[float], fn: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        t = time.perf_counter()
-        try:
-            fn()
-        finally:
-            waits.append(time.perf_counter() - t)
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:

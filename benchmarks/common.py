@@ -8,7 +8,7 @@ import resource
 import shutil
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -109,3 +109,16 @@ def raw_copy_s(tensors: list[torch.Tensor]) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return sorted(times)[1]
+
+
+def timed(out: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped: each call's wall time appended to ``out`` (the
+    optimizer hook's wait, timed as part of a stall)."""
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            out.append(time.perf_counter() - t)
+
+    return wrapper
