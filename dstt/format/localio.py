@@ -24,7 +24,7 @@ import errno
 import os
 import stat
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -151,32 +151,11 @@ def write_file(path: str, parts: Sequence[Any], direct: DirectState) -> None:
             >= DIRECT_MIN_BYTES and aligned(parts):
         # Every buffer aligned (a gathered pack, packs.py): all of them
         # straight to the device, no copy, in as few calls as IOV_MAX allows.
-        try:
-            fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            direct.ok = False
-        else:
-            try:
-                if _writev_direct(fd, parts, direct):
-                    return
-            finally:
-                os.close(fd)
+        if _open_direct(path, direct, lambda fd: _writev_direct(fd, parts, direct)):
+            return
     prefix = direct_prefix(parts) if direct.ok is not False else 0
-    if prefix:
-        try:
-            fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            direct.ok = False  # this filesystem has no O_DIRECT (tmpfs, some FUSE)
-        else:
-            try:
-                if _write_direct(fd, parts, prefix, direct):
-                    return
-            finally:
-                os.close(fd)
+    if prefix and _open_direct(path, direct, lambda fd: _write_direct(fd, parts, prefix, direct)):
+        return
     fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         written = 0
@@ -186,6 +165,32 @@ def write_file(path: str, parts: Sequence[Any], direct: DirectState) -> None:
             start_writeback(fd)
     finally:
         os.close(fd)
+
+
+def _open_direct(path: str, direct: DirectState, write: Callable[[int], bool]) -> bool:
+    """Create or replace ``path`` opened with O_DIRECT and ``write(fd)`` it;
+    False (the caller writes it buffered) where this filesystem has no
+    O_DIRECT or ``write`` kept nothing."""
+    try:
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        direct.ok = False  # this filesystem has no O_DIRECT (tmpfs, some FUSE)
+        return False
+    try:
+        return write(fd)
+    finally:
+        os.close(fd)
+
+
+def _rest_buffered(fd: int, rest: Sequence[Any]) -> None:
+    """``rest`` written through the page cache on ``fd`` (O_DIRECT turned off)."""
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+    for part in rest:
+        write_all(fd, part)
 
 
 def _writev_direct(fd: int, parts: Sequence[Any], direct: DirectState) -> bool:
@@ -212,12 +217,7 @@ def _writev_direct(fd: int, parts: Sequence[Any], direct: DirectState) -> bool:
         return False
     direct.ok = True
     if i < len(views):
-        import fcntl
-
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-        write_all(fd, views[i][done:])
-        for v in views[i + 1:]:
-            write_all(fd, v)
+        _rest_buffered(fd, [views[i][done:], *views[i + 1:]])
     return True
 
 
@@ -237,12 +237,7 @@ def _write_direct(fd: int, parts: Sequence[Any], prefix: int, direct: DirectStat
         direct.ok = False  # alignment stricter than DIRECT_ALIGN: buffered from now on
         return False
     direct.ok = True
-    import fcntl
-
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-    write_all(fd, first[done:])
-    for part in parts[1:]:
-        write_all(fd, part)
+    _rest_buffered(fd, [first[done:], *parts[1:]])
     start_writeback(fd)
     return True
 
